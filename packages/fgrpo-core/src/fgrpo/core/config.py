@@ -1,0 +1,287 @@
+"""Declaring the recipe keys of a component, and checking values against them without building it.
+
+A component is an attrs class; each recipe key is a field declared with :func:`param` (a default,
+bounds, allowed choices and a help line) or :func:`component` (a nested component such as a
+sampler's kernel). :func:`check_params` reports every problem of a mapping of keys at once, before
+anything heavy is constructed; the registry and the recipe loader both use it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import types
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import attrs
+
+_MISSING = attrs.NOTHING
+
+
+@attrs.frozen
+class ConfigError:
+    """One problem in a recipe: the dotted key path, the bad value, what is allowed."""
+
+    key: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.key}: {self.message}" if self.key else self.message
+
+
+class RecipeError(Exception):
+    """Every problem found in a recipe (or in a component's parameters), all at once."""
+
+    def __init__(self, errors: Sequence[ConfigError]):
+        self.errors = list(errors)
+        super().__init__("\n".join(str(e) for e in self.errors))
+
+
+def _bounds_validator(ge=None, gt=None, le=None, lt=None, choices=None):
+    def check(_instance, attribute, value):
+        if value is None:
+            return
+        if choices is not None and value not in choices:
+            raise ValueError(f"got {value!r}; allowed: {', '.join(map(repr, choices))}")
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"got {value!r}; must be a finite number")
+            for bound, ok, word in (
+                (ge, lambda v, b: v >= b, ">="),
+                (gt, lambda v, b: v > b, ">"),
+                (le, lambda v, b: v <= b, "<="),
+                (lt, lambda v, b: v < b, "<"),
+            ):
+                if bound is not None and not ok(value, bound):
+                    raise ValueError(f"got {value!r}; allowed: {allowed_text(ge, gt, le, lt)}")
+
+    return check
+
+
+def allowed_text(ge=None, gt=None, le=None, lt=None) -> str:
+    lower = f">= {ge}" if ge is not None else f"> {gt}" if gt is not None else ""
+    upper = f"<= {le}" if le is not None else f"< {lt}" if lt is not None else ""
+    return " and ".join(part for part in (lower, upper) if part) or "any number"
+
+
+def param(
+    default: Any = _MISSING,
+    *,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+    choices: Sequence[Any] | None = None,
+    factory: Callable[[], Any] | None = None,
+    converter: Callable[[Any], Any] | None = None,
+    validator: Callable[[Any, Any, Any], None] | None = None,
+    help: str = "",
+) -> Any:
+    """A recipe key: ``eta: float = param(0.7, ge=0, help="noise level")``."""
+    validators = [_bounds_validator(ge, gt, le, lt, tuple(choices) if choices else None)]
+    if validator is not None:
+        validators.append(validator)
+    metadata = {"fgrpo_help": help, "fgrpo_choices": tuple(choices) if choices else None}
+    if factory is not None:
+        default = attrs.Factory(factory)
+    return attrs.field(
+        default=default,
+        validator=validators,
+        converter=converter,
+        metadata=metadata,
+    )
+
+
+def component(kind: str, default: Any = _MISSING, *, help: str = "") -> Any:
+    """A nested component (a name, a ``{name: ..., **params}`` mapping, or a built object)."""
+
+    def build(value: Any) -> Any:
+        from fgrpo.core import registry
+
+        return registry.resolve(kind, value)
+
+    return attrs.field(
+        default=default,
+        converter=build,
+        metadata={"fgrpo_kind": kind, "fgrpo_help": help},
+    )
+
+
+# --- checking values against annotations -------------------------------------------------------
+
+_TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def _type_name(tp: Any) -> str:
+    if tp in _TYPE_WORDS:
+        return _TYPE_WORDS[tp]
+    origin = typing.get_origin(tp)
+    if origin is typing.Literal:
+        return "one of " + ", ".join(map(repr, typing.get_args(tp)))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    if origin in (list, Sequence, tuple) or tp in (list, tuple):
+        return "a list"
+    if origin in (dict, Mapping) or tp in (dict,):
+        return "a mapping"
+    return getattr(tp, "__name__", str(tp))
+
+
+def coerce(value: Any, tp: Any) -> Any:
+    """Return ``value`` as type ``tp`` or raise ``TypeError`` saying what was expected.
+
+    Only lossless conversions: an int where a float is expected, a numeric string such as "1e-4"
+    (YAML 1.1 reads it as a string) where a number is expected.
+    """
+    if tp is Any or tp is typing.Any:
+        return value
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return coerce(value, arg)
+            except TypeError:
+                continue
+        raise TypeError(f"expected {_type_name(tp)}, got {value!r}")
+    if origin is typing.Literal:
+        if value in typing.get_args(tp):
+            return value
+        raise TypeError(f"got {value!r}; allowed: {', '.join(map(repr, typing.get_args(tp)))}")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise TypeError(f"expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise TypeError(f"expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise TypeError(f"expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise TypeError(f"expected a string, got {value!r}")
+    if origin in (list, tuple, Sequence) or tp in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise TypeError(f"expected a list, got {value!r}")
+        args = typing.get_args(tp)
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            if len(args) != len(value):
+                raise TypeError(f"expected a list of {len(args)} items, got {value!r}")
+            return tuple(coerce(v, a) for v, a in zip(value, args))
+        item = args[0] if args else Any
+        out = [coerce(v, item) for v in value]
+        return tuple(out) if origin is tuple or tp is tuple else out
+    if origin in (dict, Mapping) or tp is dict:
+        if not isinstance(value, Mapping):
+            raise TypeError(f"expected a mapping, got {value!r}")
+        return dict(value)
+    return value  # an annotation we do not check (a protocol, a tensor ...)
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    try:
+        return typing.get_type_hints(cls)
+    except Exception:  # unresolvable annotations: leave those values unchecked
+        return {}
+
+
+def public_fields(cls: type) -> list[attrs.Attribute]:
+    return [f for f in attrs.fields(cls) if f.init and not f.name.startswith("_")]
+
+
+def check_params(cls: type, params: Mapping[str, Any], prefix: str = "") -> tuple[dict, list]:
+    """Check ``params`` against the attrs fields of ``cls``.
+
+    Returns the coerced parameters (defaults filled in, nested components as validated
+    mappings) and the list of :class:`ConfigError`. Nothing is constructed.
+    """
+    from fgrpo.core import registry
+
+    def key(name: str) -> str:
+        return f"{prefix}.{name}" if prefix else name
+
+    errors: list[ConfigError] = []
+    out: dict[str, Any] = {}
+    if not attrs.has(cls):
+        return dict(params), errors
+    fields = {f.name: f for f in public_fields(cls)}
+    hints = _field_types(cls)
+    for name in params:
+        if name not in fields:
+            close = difflib.get_close_matches(str(name), list(fields), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            allowed = ", ".join(sorted(fields)) or "none"
+            errors.append(ConfigError(key(str(name)), f"unknown key{hint}; allowed keys: {allowed}"))
+    for name, field in fields.items():
+        if name not in params:
+            if field.default is attrs.NOTHING:
+                errors.append(ConfigError(key(name), "missing required key"))
+            else:
+                default = field.default
+                out[name] = default.factory() if isinstance(default, attrs.Factory) else default
+                if field.metadata.get("fgrpo_kind") and isinstance(out[name], (str, Mapping)):
+                    out[name], errs = registry.check_spec(field.metadata["fgrpo_kind"], out[name], key(name))
+                    errors.extend(errs)
+            continue
+        value = params[name]
+        kind = field.metadata.get("fgrpo_kind")
+        if kind is not None:
+            out[name], errs = registry.check_spec(kind, value, key(name))
+            errors.extend(errs)
+            continue
+        try:
+            if name in hints:
+                value = coerce(value, hints[name])
+            if field.converter is not None:
+                value = field.converter(value)
+            validators = field.validator
+            for validator in getattr(validators, "_validators", None) or (
+                [validators] if validators else []
+            ):
+                validator(None, field, value)
+        except (TypeError, ValueError) as exc:
+            errors.append(ConfigError(key(name), _clean(str(exc), value)))
+            continue
+        out[name] = value
+    return out, errors
+
+
+def _clean(message: str, value: Any) -> str:
+    # attrs' own validators say "'x' must be ..."; ours already say "got ...; allowed ...".
+    if "got" in message or "expected" in message:
+        return message
+    return f"got {value!r}; {message}"
+
+
+def help_lines(cls: type) -> list[tuple[str, str, str]]:
+    """(key, default, help) for every recipe key of ``cls``: used by ``fgrpo plugins --keys``."""
+    rows = []
+    for field in public_fields(cls):
+        default = field.default
+        if default is attrs.NOTHING:
+            shown = "required"
+        elif isinstance(default, attrs.Factory):
+            shown = repr(default.factory())
+        else:
+            shown = repr(default)
+        rows.append((field.name, shown, field.metadata.get("fgrpo_help", "")))
+    return rows

@@ -1,0 +1,208 @@
+"""The contracts between fgrpo's components.
+
+Components are plain classes (attrs classes whose fields are the recipe keys); they satisfy these
+protocols structurally, nothing inherits from them. The trainer only ever talks to a component
+through the methods named here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
+from typing import Any, Protocol, runtime_checkable
+
+import attrs
+import torch
+
+#: Conditioning produced by ``Policy.encode``: a tensor or a (nested) dict/tuple of tensors whose
+#: first dimension is the batch. ``fgrpo.core.tensors`` repeats and indexes it.
+Cond = Any
+
+
+@attrs.frozen
+class KernelStep:
+    """What one transition sigmas[index] -> sigmas[index + 1] produced (float32 throughout).
+
+    - ``prev_sample``: the next state x' (the given ``prev_sample`` when only evaluating).
+    - ``mean``: the Gaussian mean mu(x, v).
+    - ``std``: the per-step standard deviation, broadcastable to the sample (zero for ODE steps).
+    - ``log_prob``: shape (batch,), the Gaussian log-density of x' averaged over non-batch dims.
+    """
+
+    prev_sample: torch.Tensor
+    mean: torch.Tensor
+    std: torch.Tensor
+    log_prob: torch.Tensor
+
+
+@runtime_checkable
+class Kernel(Protocol):
+    """One step of a sampler; ``stochastic`` kernels have a std and a log-prob and can be trained.
+
+    ``index`` is an int or a LongTensor of shape (batch,) (per-sample step indices).
+    With ``prev_sample`` given nothing is sampled: only the log-prob of that action is evaluated.
+    """
+
+    stochastic: bool
+
+    def step(
+        self,
+        velocity: torch.Tensor,
+        sample: torch.Tensor,
+        sigmas: torch.Tensor,
+        index: int | torch.Tensor,
+        *,
+        noise: torch.Tensor | None = None,
+        prev_sample: torch.Tensor | None = None,
+        generator: torch.Generator | None = None,
+    ) -> KernelStep: ...
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """A flow-matching generator with trainable parameters.
+
+    ``velocity`` predicts v = eps - x0 at noise level ``sigma`` (shape (batch,)) for the
+    conditioning ``cond`` (batch-first, as returned by ``encode``; classifier-free guidance, if
+    any, is applied inside). ``reference()`` is a context in which ``velocity`` is the frozen
+    reference policy (LoRA adapters disabled) without a second copy of the network.
+    """
+
+    def encode(self, prompts: Sequence[str]) -> Cond: ...
+
+    def initial_noise(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor: ...
+
+    def sigmas(self, steps: int) -> torch.Tensor: ...
+
+    def velocity(self, x: torch.Tensor, sigma: torch.Tensor, cond: Cond) -> torch.Tensor: ...
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor: ...
+
+    def trainable_parameters(self) -> Iterable[torch.nn.Parameter]: ...
+
+    def reference(self) -> AbstractContextManager[None]: ...
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]: ...
+
+    def load_trainable_state_dict(self, state: Mapping[str, torch.Tensor]) -> None: ...
+
+
+@attrs.define
+class Trajectory:
+    """A group rollout: B = prompts x group_size samples, S trained steps each.
+
+    Everything the update needs to re-evaluate log-probs of the stored actions: the state before
+    (``latents``) and after (``next_latents``) every trained step, the old log-probs, means and
+    stds, and which step of ``sigmas`` each one was.
+    """
+
+    prompts: list[str]  # (B,) the prompt of every sample
+    group_index: torch.Tensor  # (B,) long: samples with the same value share a prompt
+    cond: Cond  # (B, ...) conditioning, batch-first
+    sigmas: torch.Tensor  # (T + 1,) the schedule used
+    step_index: torch.Tensor  # (B, S) long: index into sigmas of every trained step
+    latents: torch.Tensor  # (B, S, *shape) x before each trained step
+    next_latents: torch.Tensor  # (B, S, *shape) x' after each trained step (the action)
+    log_probs: torch.Tensor  # (B, S) float32
+    means: torch.Tensor  # (B, S, *shape) float32 mean at sampling time (GRPO-Guard needs it)
+    stds: torch.Tensor  # (B, S) float32 per-step std (scalar per sample and step)
+    final: torch.Tensor  # (B, *shape) the final latents
+    outputs: Any = None  # decoded outputs, filled by the trainer (images (B, 3, H, W) in [0, 1])
+    nfe: int = 0  # network evaluations spent on this rollout (CFG doubling included)
+    info: dict[str, Any] = attrs.Factory(dict)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.prompts)
+
+    @property
+    def num_trained_steps(self) -> int:
+        return int(self.step_index.shape[1])
+
+
+@runtime_checkable
+class Sampler(Protocol):
+    """Runs group rollouts under no_grad; owns its kernel (``sampler.kernel``) and its state."""
+
+    kernel: Kernel
+
+    def rollout(
+        self,
+        policy: Policy,
+        prompts: Sequence[str],
+        group_size: int,
+        *,
+        generator: torch.Generator | None = None,
+    ) -> Trajectory: ...
+
+    def advance(self, iteration: int) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+
+@attrs.define
+class RewardResult:
+    """``scores``: float tensor (B,); ``details``: named per-sample tensors or lists (logged)."""
+
+    scores: torch.Tensor
+    details: dict[str, Any] = attrs.Factory(dict)
+
+
+@runtime_checkable
+class Reward(Protocol):
+    """Scores finished samples in batches. Images are float (B, 3, H, W) in [0, 1]."""
+
+    def __call__(
+        self, outputs: Any, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
+    ) -> RewardResult: ...
+
+
+@attrs.define
+class ObjectiveOutput:
+    loss: torch.Tensor  # scalar, carries gradient
+    metrics: dict[str, torch.Tensor]  # detached scalars
+
+
+@attrs.frozen
+class StepBatch:
+    """One trained step for a minibatch of samples, as the objective sees it.
+
+    ``log_prob``/``mean`` are recomputed under the current policy (with gradient);
+    ``old_*`` come from the rollout. ``ref_mean``/``ref_velocity`` are filled only when the
+    objective asks for a reference (``Objective.needs_reference``).
+    """
+
+    log_prob: torch.Tensor  # (b,)
+    old_log_prob: torch.Tensor  # (b,)
+    advantages: torch.Tensor  # (b,)
+    mean: torch.Tensor  # (b, *shape)
+    old_mean: torch.Tensor  # (b, *shape)
+    std: torch.Tensor  # (b,)
+    dt: torch.Tensor  # (b,) sigma' - sigma (< 0)
+    velocity: torch.Tensor | None = None  # (b, *shape)
+    ref_mean: torch.Tensor | None = None
+    ref_velocity: torch.Tensor | None = None
+
+
+@runtime_checkable
+class Objective(Protocol):
+    needs_reference: bool
+
+    def __call__(self, batch: StepBatch) -> ObjectiveOutput: ...
+
+
+@runtime_checkable
+class PromptSource(Protocol):
+    """Train and test prompts (with optional per-prompt metadata for the reward)."""
+
+    def train(self) -> list[str]: ...
+
+    def test(self) -> list[str]: ...
+
+    def metadata(self, prompt: str) -> Mapping[str, Any]: ...
+
+
+def iter_protocols() -> Iterator[type]:
+    yield from (Kernel, Policy, Sampler, Reward, Objective, PromptSource)

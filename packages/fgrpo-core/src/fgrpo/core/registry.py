@@ -1,0 +1,240 @@
+"""Components found through entry points, one group per kind.
+
+Built-ins register exactly like third-party packages: ``[project.entry-points."fgrpo.rewards"]``
+in a pyproject.toml. Listing names reads package metadata only; a component's module is imported
+when it is first loaded, so one broken plugin never breaks the others.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.metadata as md
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from fgrpo.core.config import ConfigError, RecipeError, check_params
+
+#: kind -> entry-point group
+GROUPS: dict[str, str] = {
+    "kernel": "fgrpo.kernels",
+    "sampler": "fgrpo.samplers",
+    "reward": "fgrpo.rewards",
+    "model": "fgrpo.models",
+    "objective": "fgrpo.objectives",
+    "prompts": "fgrpo.prompts",
+}
+
+
+class ComponentError(Exception):
+    """A component cannot be loaded; ``str()`` is a one-line, user-facing explanation."""
+
+
+class UnknownComponent(ComponentError):
+    pass
+
+
+class PluginImportError(ComponentError):
+    pass
+
+
+class MissingExtra(ComponentError):
+    pass
+
+
+@attrs.frozen
+class Entry:
+    kind: str
+    name: str
+    target: str  # "module:attr"
+    distribution: str
+    version: str
+    extras: tuple[str, ...]
+
+    @property
+    def install_hint(self) -> str:
+        extras = ",".join(self.extras)
+        return f'pip install "{self.distribution}[{extras}]"' if extras else f"pip install {self.distribution}"
+
+
+def _check_kind(kind: str) -> str:
+    if kind not in GROUPS:
+        raise UnknownComponent(f"unknown component kind {kind!r}; kinds: {', '.join(GROUPS)}")
+    return GROUPS[kind]
+
+
+def _entry_points(kind: str) -> dict[str, md.EntryPoint]:
+    group = _check_kind(kind)
+    found: dict[str, md.EntryPoint] = {}
+    for ep in md.entry_points(group=group):
+        found.setdefault(ep.name, ep)  # the first distribution on sys.path wins, as for imports
+    return found
+
+
+def names(kind: str) -> list[str]:
+    """The registered names of ``kind``, sorted; imports no component."""
+    return sorted(_entry_points(kind))
+
+
+def _as_entry(kind: str, ep: md.EntryPoint) -> Entry:
+    dist = ep.dist
+    return Entry(
+        kind=kind,
+        name=ep.name,
+        target=ep.value.split("[")[0].strip(),
+        distribution=dist.metadata["Name"] if dist is not None else "?",
+        version=dist.version if dist is not None else "?",
+        extras=tuple(ep.extras),
+    )
+
+
+def entries(kind: str) -> list[Entry]:
+    eps = _entry_points(kind)
+    return [_as_entry(kind, eps[name]) for name in sorted(eps)]
+
+
+def entry(kind: str, name: str) -> Entry:
+    eps = _entry_points(kind)
+    if name not in eps:
+        available = sorted(eps)
+        close = difflib.get_close_matches(name, available, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        listing = ", ".join(available) or "none installed"
+        raise UnknownComponent(f"unknown {kind} {name!r}{hint}; available: {listing}")
+    return _as_entry(kind, eps[name])
+
+
+_REQ_NAME = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)")
+
+
+def missing_requirements(entry: Entry) -> list[str]:
+    """Requirements of the entry point's extras that are not installed."""
+    if not entry.extras:
+        return []
+    try:
+        requires = md.distribution(entry.distribution).requires or []
+    except md.PackageNotFoundError:
+        return []
+    missing = []
+    for req in requires:
+        if ";" not in req:
+            continue
+        spec, marker = req.split(";", 1)
+        if not any(re.search(rf"extra\s*==\s*['\"]{re.escape(x)}['\"]", marker) for x in entry.extras):
+            continue
+        match = _REQ_NAME.match(spec)
+        if match is None:
+            continue
+        try:
+            md.distribution(match.group(1))
+        except md.PackageNotFoundError:
+            missing.append(match.group(1))
+    return missing
+
+
+_loaded: dict[tuple[str, str], Any] = {}
+
+
+def load(kind: str, name: str) -> Any:
+    """The component class (or factory) registered as ``name``; raises a ComponentError."""
+    key = (kind, name)
+    if key in _loaded:
+        return _loaded[key]
+    info = entry(kind, name)
+    missing = missing_requirements(info)
+    if missing:
+        raise MissingExtra(
+            f"{kind} {name!r} needs {', '.join(missing)}: {info.install_hint}"
+        )
+    ep = _entry_points(kind)[name]
+    try:
+        obj = ep.load()
+    except Exception as exc:  # a plugin's bug must not take the others down
+        raise PluginImportError(
+            f"{kind} {name!r} from {info.distribution} failed to import: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+    _loaded[key] = obj
+    return obj
+
+
+def status(entry_: Entry) -> tuple[str, str]:
+    """('ok' | 'missing extra' | 'import error', detail) without raising."""
+    try:
+        load(entry_.kind, entry_.name)
+    except MissingExtra as exc:
+        return "missing extra", str(exc)
+    except ComponentError as exc:
+        return "import error", str(exc)
+    return "ok", ""
+
+
+def split_spec(kind: str, spec: Any, key: str = "") -> tuple[str, dict[str, Any]]:
+    """A recipe spec — ``"sde"`` or ``{name: sde, eta: 0.7}`` — as (name, params)."""
+    if isinstance(spec, str):
+        return spec, {}
+    if isinstance(spec, Mapping):
+        if "name" not in spec:
+            raise RecipeError([ConfigError(f"{key}.name" if key else "name", f"missing required key (the {kind} to use; available: {', '.join(names(kind))})")])
+        name = spec["name"]
+        if not isinstance(name, str):
+            raise RecipeError([ConfigError(f"{key}.name", f"expected a string, got {name!r}; available: {', '.join(names(kind))}")])
+        return name, {k: v for k, v in spec.items() if k != "name"}
+    raise RecipeError([ConfigError(key or kind, f"expected a {kind} name or a mapping with 'name', got {spec!r}")])
+
+
+def check_spec(kind: str, spec: Any, key: str = "") -> tuple[dict[str, Any], list[ConfigError]]:
+    """Validate a spec without building it: returns ({name, **params with defaults}, errors)."""
+    if not isinstance(spec, (str, Mapping)):
+        if _satisfies(kind, spec):
+            return spec, []
+    try:
+        name, params = split_spec(kind, spec, key)
+    except RecipeError as exc:
+        return {}, exc.errors
+    try:
+        cls = load(kind, name)
+    except ComponentError as exc:
+        return {"name": name, **params}, [ConfigError(f"{key}.name" if key else "name", str(exc))]
+    checked, errors = check_params(cls, params, key)
+    return {"name": name, **checked}, errors
+
+
+def _satisfies(kind: str, obj: Any) -> bool:
+    from fgrpo.core import protocols
+
+    proto = {
+        "kernel": protocols.Kernel,
+        "sampler": protocols.Sampler,
+        "reward": protocols.Reward,
+        "model": protocols.Policy,
+        "objective": protocols.Objective,
+        "prompts": protocols.PromptSource,
+    }[kind]
+    return isinstance(obj, proto)
+
+
+def create(kind: str, name: str, **params: Any) -> Any:
+    """Build the component ``name`` of ``kind`` after checking every parameter.
+
+    Raises :class:`RecipeError` listing all bad parameters, before anything heavy is built.
+    """
+    cls = load(kind, name)
+    checked, errors = check_params(cls, params, key_prefix(kind))
+    if errors:
+        raise RecipeError(errors)
+    return cls(**checked)
+
+
+def key_prefix(kind: str) -> str:
+    return kind
+
+
+def resolve(kind: str, spec: Any) -> Any:
+    """A built component from a name, a ``{name: ..., **params}`` mapping or an existing object."""
+    if not isinstance(spec, (str, Mapping)):
+        return spec
+    name, params = split_spec(kind, spec, kind)
+    return create(kind, name, **params)
