@@ -66,7 +66,13 @@ class Policy(Protocol):
     conditioning ``cond`` (batch-first, as returned by ``encode``; classifier-free guidance, if
     any, is applied inside). ``reference()`` is a context in which ``velocity`` is the frozen
     reference policy (LoRA adapters disabled) without a second copy of the network.
+    ``sigmas(steps)`` is the model's own default schedule (length steps + 1, from 1 down to 0);
+    ``evaluations_per_call`` is the NFE one ``velocity`` call costs (2 with classifier-free
+    guidance), so samplers count NFE honestly.
     """
+
+    device: torch.device
+    evaluations_per_call: int
 
     def encode(self, prompts: Sequence[str]) -> Cond: ...
 
