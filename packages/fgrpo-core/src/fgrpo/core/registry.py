@@ -44,6 +44,10 @@ class MissingExtra(ComponentError):
     pass
 
 
+class BuildError(ComponentError):
+    """A component rejected its (well-typed) parameters or its files while being built."""
+
+
 @attrs.frozen
 class Entry:
     kind: str
@@ -225,7 +229,10 @@ def create(kind: str, name: str, **params: Any) -> Any:
     checked, errors = check_params(cls, params, key_prefix(kind))
     if errors:
         raise RecipeError(errors)
-    return cls(**checked)
+    try:
+        return cls(**checked)
+    except (ValueError, OSError, ImportError) as exc:
+        raise BuildError(f"{kind} {name!r} could not be built: {exc}") from exc
 
 
 def key_prefix(kind: str) -> str:

@@ -1,0 +1,18 @@
+"""Transition kernels: one step sigmas[index] -> sigmas[index + 1] of a flow-matching sampler.
+
+Each kernel satisfies :class:`fgrpo.core.protocols.Kernel` and is registered under the entry point
+group ``fgrpo.kernels``: ``ode``, ``sde`` (Flow-GRPO), ``dance`` (DanceGRPO), ``cps``
+(coefficients-preserving) and ``dpmpp2m`` (DPM-Solver++(2M), deterministic, keeps a one-step
+history: call ``reset()`` before each run). All arithmetic is float32.
+
+A step whose ``std`` is zero (every step of ``ode``/``dpmpp2m``, the last step to sigma' = 0 of
+``cps``, any step with eta = 0) is deterministic: its log-prob is 0 and it must not be trained.
+"""
+
+from fgrpo.samplers.kernels.cps import CPSKernel
+from fgrpo.samplers.kernels.dance import DanceKernel
+from fgrpo.samplers.kernels.dpmpp2m import DPMpp2MKernel
+from fgrpo.samplers.kernels.ode import ODEKernel
+from fgrpo.samplers.kernels.sde import SDEKernel
+
+__all__ = ["CPSKernel", "DPMpp2MKernel", "DanceKernel", "ODEKernel", "SDEKernel"]

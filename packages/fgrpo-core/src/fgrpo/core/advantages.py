@@ -1,0 +1,131 @@
+"""Group-relative advantages: each sample's reward compared with the other samples of its prompt.
+
+Pure functions; the trainer passes the options (``global_std``, the multi-reward mode). Matches
+flow_grpo's per-prompt stat tracker: statistics in float64, the *population* standard deviation
+(numpy's ``np.std``, ddof=0, which is also defined for a group of one), (r - mean) / (std + 1e-4),
+statistics from the current batch only (flow_grpo clears its tracker every epoch).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Literal
+
+import torch
+
+Aggregation = Literal["reward_sum", "advantage_sum"]
+AGGREGATIONS = ("reward_sum", "advantage_sum")
+
+
+def _check(rewards: torch.Tensor, group_index: torch.Tensor) -> None:
+    if rewards.ndim != 1 or group_index.shape != rewards.shape:
+        raise ValueError(
+            f"rewards and group_index must both have shape (B,), got {tuple(rewards.shape)} "
+            f"and {tuple(group_index.shape)}"
+        )
+    if rewards.numel() == 0:
+        raise ValueError("no rewards: the batch is empty")
+    if not torch.isfinite(rewards).all():
+        raise ValueError("rewards contain NaN or inf; a reward function returned an invalid score")
+
+
+def _out_dtype(rewards: torch.Tensor) -> torch.dtype:
+    return rewards.dtype if rewards.is_floating_point() else torch.get_default_dtype()
+
+
+def _normalise(
+    rewards: torch.Tensor, group_index: torch.Tensor, global_std: bool, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 advantages (B,) and, per group, whether all its rewards are equal (G,)."""
+    _check(rewards, group_index)
+    r = rewards.detach().to(torch.float64)
+    _, inverse = torch.unique(group_index, return_inverse=True)
+    n = int(inverse.max()) + 1
+    zeros = r.new_zeros(n)
+    count = zeros.index_add(0, inverse, torch.ones_like(r))
+    mean = zeros.index_add(0, inverse, r) / count
+    centred = r - mean[inverse]
+    if global_std:
+        std = r.std(unbiased=False).expand(n)
+    else:
+        std = (zeros.index_add(0, inverse, centred**2) / count).sqrt()
+    # A flat group carries no signal; test it exactly (max == min) rather than trusting the mean's
+    # rounding, so that it gives exact zeros and not (tiny error) / 1e-4.
+    hi = r.new_full((n,), -torch.inf).scatter_reduce(0, inverse, r, "amax")
+    lo = r.new_full((n,), torch.inf).scatter_reduce(0, inverse, r, "amin")
+    flat = hi == lo
+    advantages = torch.where(flat[inverse], 0.0, centred / (std[inverse] + eps))
+    return advantages, flat
+
+
+def group_advantages(
+    rewards: torch.Tensor,
+    group_index: torch.Tensor,
+    *,
+    global_std: bool = False,
+    eps: float = 1e-4,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Per-prompt z-scores (r - mean_group) / (std_group + eps), and statistics for logging.
+
+    ``group_index`` (B,) gives each sample's prompt (any integers; order does not matter).
+    ``global_std`` divides by the std of all rewards of the batch instead of the group's (useful
+    when rewards are sparse and groups are often nearly flat). Groups whose rewards are all equal,
+    including groups of one sample, get exactly zero advantages. Returns advantages with the
+    rewards' dtype and device, and ``zero_std_ratio`` (fraction of flat groups), ``reward_mean``,
+    ``reward_std`` (population std of the batch) as Python floats.
+    """
+    advantages, flat = _normalise(rewards, group_index, global_std, eps)
+    r = rewards.detach().to(torch.float64)
+    stats = {
+        "zero_std_ratio": flat.double().mean().item(),
+        "reward_mean": r.mean().item(),
+        "reward_std": r.std(unbiased=False).item(),
+    }
+    return advantages.to(_out_dtype(rewards)), stats
+
+
+def combine(
+    rewards: Mapping[str, torch.Tensor],
+    weights: Mapping[str, float],
+    group_index: torch.Tensor,
+    *,
+    mode: Aggregation = "reward_sum",
+    global_std: bool = False,
+    eps: float = 1e-4,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Advantages from several named rewards.
+
+    ``reward_sum`` (flow_grpo's behaviour): normalise the weighted sum of the raw rewards.
+    ``advantage_sum``: normalise each reward on its own, then take the weighted sum, so that a
+    reward with a large scale or spread does not drown the others.
+
+    Statistics: those of the weighted reward sum (what flow_grpo logs as ``avg``), plus
+    ``reward_mean/NAME`` and ``reward_std/NAME`` for each reward. In ``advantage_sum`` mode a group
+    counts in ``zero_std_ratio`` when it is flat for every reward (its advantages are all zero).
+    """
+    if mode not in AGGREGATIONS:
+        raise ValueError(f"unknown mode {mode!r}; allowed: {', '.join(map(repr, AGGREGATIONS))}")
+    if not rewards:
+        raise ValueError("no rewards to combine")
+    if set(rewards) != set(weights):
+        raise ValueError(
+            f"rewards {sorted(rewards)} and weights {sorted(weights)} must name the same rewards"
+        )
+    names = sorted(rewards)
+    out_dtype = functools.reduce(torch.promote_types, (_out_dtype(rewards[k]) for k in names))
+    total = sum(weights[k] * rewards[k].detach().to(torch.float64) for k in names)
+    advantages, stats = group_advantages(total, group_index, global_std=global_std, eps=eps)
+    if mode == "advantage_sum":
+        advantages = torch.zeros_like(total)
+        all_flat = None
+        for k in names:
+            adv_k, flat_k = _normalise(rewards[k], group_index, global_std, eps)
+            advantages = advantages + weights[k] * adv_k
+            all_flat = flat_k if all_flat is None else all_flat & flat_k
+        stats["zero_std_ratio"] = all_flat.double().mean().item()
+    for k in names:
+        r = rewards[k].detach().to(torch.float64)
+        stats[f"reward_mean/{k}"] = r.mean().item()
+        stats[f"reward_std/{k}"] = r.std(unbiased=False).item()
+    return advantages.to(out_dtype), stats

@@ -1,0 +1,250 @@
+"""The ``fgrpo`` command: plugins, validate, compose, check, sample.
+
+Bad input (a recipe error, an unknown or broken component) prints one line per problem and exits
+with code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from rich.tree import Tree
+
+from fgrpo.core import registry
+from fgrpo.core.config import RecipeError, help_lines
+
+EXIT_USAGE = 2
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+out = Console(highlight=False, soft_wrap=True)
+
+
+class UsageError(Exception):
+    """A user-facing problem that is not a recipe error (a missing run folder, ...)."""
+
+
+def _add_recipe_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("recipe", help="path to recipe.yaml")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a recipe key, e.g. --set train.lr=1e-4 (repeatable)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fgrpo", description="Online RL for flow-matching generators.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("plugins", help="list installed components and where they come from")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--keys", action="store_true", help="also list every component's recipe keys")
+    p.set_defaults(handler=cmd_plugins)
+
+    p = sub.add_parser("validate", help="check a recipe and report every problem")
+    _add_recipe_args(p)
+    p.set_defaults(handler=cmd_validate)
+
+    p = sub.add_parser("compose", help="build the recipe's components and train")
+    _add_recipe_args(p)
+    p.add_argument("--out", default=None, help="run directory (default: runs/<recipe name>)")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints/last")
+    p.add_argument("--dry-run", action="store_true", help="build and show the components, do not train")
+    p.add_argument("--quiet", action="store_true", help="one line per iteration, no progress bars")
+    p.set_defaults(handler=cmd_compose)
+
+    p = sub.add_parser("check", help="on-policy check: the first ratio must be exactly 1")
+    _add_recipe_args(p)
+    p.add_argument("--tolerance", type=float, default=1e-6)
+    p.set_defaults(handler=cmd_check)
+
+    p = sub.add_parser("sample", help="write images from the base model or a checkpoint")
+    _add_recipe_args(p)
+    p.add_argument("--checkpoint", default=None, help="a checkpoint folder (default: the base model)")
+    p.add_argument("--prompts", required=True, help="a prompt file (.txt or .jsonl)")
+    p.add_argument("--n", type=int, default=1, help="samples per prompt")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=None, help="ODE steps (default: eval.steps)")
+    p.add_argument("--out", required=True)
+    p.set_defaults(handler=cmd_sample)
+
+    from fgrpo.core.hookspecs import plugin_manager
+
+    plugin_manager().hook.fgrpo_register_commands(subparsers=sub)
+    return parser
+
+
+# --- plugins -----------------------------------------------------------------------------------
+
+
+def plugin_rows(with_keys: bool = False) -> list[dict[str, Any]]:
+    rows = []
+    for kind in registry.GROUPS:
+        for entry in registry.entries(kind):
+            state, detail = registry.status(entry)
+            row = {
+                "kind": kind,
+                "name": entry.name,
+                "target": entry.target,
+                "distribution": entry.distribution,
+                "version": entry.version,
+                "extras": list(entry.extras),
+                "status": state,
+                "error": detail or None,
+            }
+            if with_keys and state == "ok":
+                cls = registry.load(kind, entry.name)
+                row["keys"] = [{"key": k, "default": d, "help": h} for k, d, h in _keys(cls)]
+            rows.append(row)
+    return rows
+
+
+def _keys(cls: Any) -> list[tuple[str, str, str]]:
+    import attrs
+
+    return help_lines(cls) if attrs.has(cls) else []
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    from fgrpo.core.hookspecs import failures, plugin_manager
+
+    rows = plugin_rows(args.keys)
+    hooks = [
+        {"name": name, "status": "ok"} for name, _ in plugin_manager().list_name_plugin()
+    ] + [{"name": f.name, "distribution": f.distribution, "status": "import error", "error": f.error} for f in failures()]
+    if args.json:
+        out.print_json(json.dumps({"components": rows, "hook_plugins": hooks}))
+        return 0
+    table = Table(title="fgrpo components", show_lines=False)
+    for col in ("kind", "name", "target", "distribution", "status"):
+        table.add_column(col)
+    for row in rows:
+        status = {"ok": "[green]ok[/]", "missing extra": "[yellow]missing extra[/]"}.get(
+            row["status"], "[red]import error[/]"
+        )
+        table.add_row(row["kind"], row["name"], row["target"], f"{row['distribution']} {row['version']}", status)
+    out.print(table)
+    for row in rows:
+        if row["error"]:
+            out.print(f"  {row['kind']} {row['name']}: {row['error']}", markup=False)
+        for key in row.get("keys", []):
+            out.print(f"  {row['kind']} {row['name']}.{key['key']} = {key['default']}  {key['help']}", markup=False)
+    for hook in hooks:
+        line = f"hook plugin {hook['name']}: {hook['status']}"
+        out.print(line + (f" ({hook['error']})" if hook.get("error") else ""), markup=False)
+    return 0
+
+
+# --- recipes -----------------------------------------------------------------------------------
+
+
+def _load(args: argparse.Namespace):
+    from fgrpo.core import recipe as recipe_mod
+
+    return recipe_mod.load(args.recipe, args.overrides)
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    recipe = _load(args)
+    out.print(f"{args.recipe}: ok ({len(recipe.rewards)} reward(s), {recipe.train.iterations} iterations)", markup=False)
+    return 0
+
+
+def composition_tree(recipe: Any, title: str) -> Tree:
+    tree = Tree(f"[bold]{title}[/]")
+    for section in ("model", "sampler", "objective", "prompts"):
+        _spec_branch(tree, section, section, recipe.data[section])
+    rewards = tree.add("reward")
+    for spec in recipe.data["reward"]:
+        params = {k: v for k, v in spec.items() if k not in ("weight", "label")}
+        _spec_branch(rewards, "reward", f"{spec['label']} (weight {spec['weight']})", params)
+    for section in ("train", "eval", "log"):
+        node = tree.add(section)
+        for key, value in recipe.data[section].items():
+            node.add(f"{key} = {value!r}", highlight=False)
+    tree.add(f"seed = {recipe.seed}")
+    return tree
+
+
+def _spec_branch(parent: Tree, kind: str, label: str, spec: dict[str, Any]) -> None:
+    entry = registry.entry(kind, spec["name"])
+    node = parent.add(
+        f"{label}: [bold]{spec['name']}[/] -> {entry.target} ({entry.distribution} {entry.version})"
+    )
+    for key, value in spec.items():
+        if key == "name":
+            continue
+        if isinstance(value, dict) and "name" in value:
+            sub_kind = {"kernel": "kernel", "eval_kernel": "kernel"}.get(key, key)
+            if sub_kind in registry.GROUPS:
+                _spec_branch(node, sub_kind, key, value)
+                continue
+        node.add(f"{key} = {value!r}", highlight=False)
+
+
+def cmd_compose(args: argparse.Namespace) -> int:
+    recipe = _load(args)
+    if args.dry_run:
+        components = build_components(recipe)
+        out.print(composition_tree(recipe, f"composed {args.recipe} (dry run)"))
+        out.print(f"built {len(components)} components; nothing trained (--dry-run)", markup=False)
+        return 0
+    from fgrpo.core.trainer import run_from_cli
+
+    return run_from_cli(recipe, args, console=out)
+
+
+def build_components(recipe: Any) -> dict[str, Any]:
+    built = {section: recipe.build(section) for section in ("model", "sampler", "objective", "prompts")}
+    for spec, reward in recipe.build_rewards():
+        built[f"reward/{spec.label}"] = reward
+    return built
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from fgrpo.core.trainer import check_from_cli
+
+    return check_from_cli(_load(args), args, console=out)
+
+
+def cmd_sample(args: argparse.Namespace) -> int:
+    from fgrpo.core.trainer import sample_from_cli
+
+    return sample_from_cli(_load(args), args, console=out)
+
+
+# --- entry -------------------------------------------------------------------------------------
+
+
+def report(errors: Sequence[Any]) -> None:
+    for error in errors:
+        err.print(f"error: {error}", markup=False)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.handler(args) or 0)
+    except RecipeError as exc:
+        report(exc.errors)
+        err.print(f"{len(exc.errors)} error(s); nothing was run.", markup=False)
+        return EXIT_USAGE
+    except (registry.ComponentError, UsageError) as exc:
+        report([exc])
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        err.print("interrupted", markup=False)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

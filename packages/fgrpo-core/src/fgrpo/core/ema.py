@@ -1,0 +1,43 @@
+"""Exponential moving average of the trainable weights (used for evaluation and sampling)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+
+
+class EMA:
+    def __init__(self, params: Sequence[torch.nn.Parameter], decay: float):
+        self.params = list(params)
+        self.decay = decay
+        self.shadow = [p.detach().clone() for p in self.params]
+
+    @torch.no_grad()
+    def update(self) -> None:
+        for s, p in zip(self.shadow, self.params):
+            s.lerp_(p.detach().to(s.dtype), 1.0 - self.decay)
+
+    @contextmanager
+    def swapped_in(self) -> Iterator[None]:
+        """Evaluate with the EMA weights; the trained weights come back bit for bit."""
+        backup = [p.detach().clone() for p in self.params]
+        with torch.no_grad():
+            for p, s in zip(self.params, self.shadow):
+                p.copy_(s)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, b in zip(self.params, backup):
+                    p.copy_(b)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {f"ema.{i}": s for i, s in enumerate(self.shadow)}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        if len(state) != len(self.shadow):
+            raise ValueError(f"EMA state has {len(state)} tensors, the policy {len(self.shadow)}")
+        for i, s in enumerate(self.shadow):
+            s.copy_(state[f"ema.{i}"])

@@ -1,0 +1,77 @@
+"""Deterministic generation with the ODE kernel, and evaluation on the held-out prompts."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fgrpo.core import registry, tensors, visuals
+from fgrpo.core.phases import score
+from fgrpo.core.seeding import generator
+
+
+@torch.no_grad()
+def generate(policy: Any, prompts: Sequence[str], per_prompt: int, steps: int, g: torch.Generator) -> Any:
+    """``per_prompt`` samples of each prompt (prompt-major), integrated with the ODE kernel."""
+    ode = registry.create("kernel", "ode")
+    cond = tensors.repeat_interleave(policy.encode(list(prompts)), per_prompt)
+    n = len(prompts) * per_prompt
+    x = policy.initial_noise(n, g)
+    sigmas = policy.sigmas(steps).to(policy.device)
+    for i in range(steps):
+        v = policy.velocity(x, sigmas[i].expand(n), cond)
+        x = ode.step(v, x, sigmas, i).prev_sample
+    return policy.decode(x)
+
+
+def _numeric_means(details: dict[str, Any]) -> dict[str, float]:
+    out = {}
+    for key, value in details.items():
+        t = torch.as_tensor(value) if isinstance(value, (list, tuple)) and value and isinstance(value[0], (int, float, bool)) else value
+        if isinstance(t, torch.Tensor) and t.numel() and (t.dtype.is_floating_point or t.dtype == torch.bool):
+            out[key] = t.float().mean().item()
+    return out
+
+
+def evaluate(run: Any, iteration: int, out_dir: Path | None) -> dict[str, float]:
+    """Every test prompt, ``samples_per_prompt`` times, with the same noise at every evaluation
+    (so curves compare like with like). Metrics are prefixed ``eval/``."""
+    cfg = run.recipe.eval
+    prompts = run.prompts.test_prompts()
+    if cfg.max_prompts:
+        prompts = prompts[: cfg.max_prompts]
+    if not prompts:
+        return {}
+    per_call = max(1, cfg.batch_size // cfg.samples_per_prompt)
+    outputs, all_prompts = [], []
+    context = run.ema.swapped_in() if run.ema is not None else contextlib.nullcontext()
+    with context:
+        for start in range(0, len(prompts), per_call):
+            chunk = prompts[start : start + per_call]
+            g = generator(run.recipe.seed, "eval", start, device=run.policy.device)
+            outputs.append(generate(run.policy, chunk, cfg.samples_per_prompt, cfg.steps, g))
+            all_prompts += [p for p in chunk for _ in range(cfg.samples_per_prompt)]
+    outputs = torch.cat(outputs) if isinstance(outputs[0], torch.Tensor) else tensors.cat(outputs)
+    metadata = [run.prompts.metadata(p) for p in all_prompts]
+    scores, details = score(run.rewards, outputs, all_prompts, metadata, where=f"evaluation at iteration {iteration}")
+    metrics: dict[str, float] = {}
+    total = torch.zeros(len(all_prompts))
+    for spec, reward in run.rewards:
+        total += spec.weight * scores[spec.label].cpu()
+        metrics[f"eval/reward/{spec.label}"] = scores[spec.label].mean().item()
+        for key, value in _numeric_means(details[spec.label]).items():
+            metrics[f"eval/{spec.label}/{key}"] = value
+        extra = getattr(reward, "eval_metrics", None)
+        if extra is not None:
+            for key, value in extra(outputs, all_prompts, metadata).items():
+                metrics[f"eval/{key}"] = float(value)
+    metrics["eval/reward_mean"] = total.mean().item()
+    if out_dir is not None and run.recipe.log.sample_grid and visuals.is_image_batch(outputs):
+        pick = list(range(0, len(all_prompts), cfg.samples_per_prompt))[:32]
+        visuals.sample_grid(outputs[pick], [all_prompts[i] for i in pick], out_dir / "samples" / f"eval_{iteration:06d}.png")
+    return metrics
+

@@ -1,0 +1,123 @@
+"""What the GRPO objectives share: their recipe keys, the clipped surrogate, the KL term, metrics.
+
+Everything here works per trained step on a minibatch of b samples (a :class:`StepBatch`).
+Per-sample quantities are kept as (b,) vectors so that an objective can weight samples before
+averaging (GRPO-Guard divides each sample's loss by its own -dt).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from fgrpo.core.config import param
+from fgrpo.core.protocols import ObjectiveOutput, StepBatch
+
+KlForm = Literal["mean", "velocity"]
+KL_FORMS = ("mean", "velocity")
+
+
+# --- recipe keys (declared once, used by every objective) ---------------------------------------
+
+
+def clip_range_param(default: float):
+    return param(default, gt=0, help="PPO clip ε: the ratio only acts inside [1 - ε, 1 + ε]")
+
+
+def adv_clip_param():
+    return param(5.0, gt=0, help="advantages are clipped to ±adv_clip")
+
+
+def beta_param():
+    return param(0.0, ge=0, help="weight of the KL term to the reference policy (LoRA off); 0 = none")
+
+
+def kl_param():
+    return param(
+        "mean",
+        choices=KL_FORMS,
+        help="KL form: 'mean' = (mu - mu_ref)^2 / (2 std^2), 'velocity' = (v - v_ref)^2",
+    )
+
+
+# --- pieces of the loss ---------------------------------------------------------------------------
+
+
+def as_float(x: torch.Tensor) -> torch.Tensor:
+    # Ratios of half-precision log-probs are meaningless at ε ~ 1e-4; float64 stays (tests, checks).
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
+def per_sample(x: torch.Tensor, b: int) -> torch.Tensor:
+    """(b,) view of a per-sample scalar that may arrive broadcastable, e.g. (b, 1, 1, 1)."""
+    return as_float(x).reshape(b)
+
+
+def sq_dist(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """(b,) squared distance averaged over all non-batch dims (log-probs are averaged too)."""
+    return (as_float(a) - as_float(b)).pow(2).flatten(1).mean(1)
+
+
+def clip_advantages(advantages: torch.Tensor, adv_clip: float) -> torch.Tensor:
+    return as_float(advantages).detach().clamp(-adv_clip, adv_clip)
+
+
+def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, clip_range: float) -> torch.Tensor:
+    """(b,) pessimistic PPO loss max(-A r, -A clip(r, 1-ε, 1+ε)); no gradient where the clip binds."""
+    clipped = ratio.clamp(1.0 - clip_range, 1.0 + clip_range)
+    return torch.maximum(-advantages * ratio, -advantages * clipped)
+
+
+def kl_term(batch: StepBatch, form: str) -> torch.Tensor:
+    """Scalar KL to the reference, with gradient through the current mean / velocity only."""
+    b = batch.log_prob.shape[0]
+    if form == "mean":
+        if batch.ref_mean is None:
+            raise ValueError("beta > 0 with kl='mean' needs StepBatch.ref_mean (see needs_reference)")
+        std = per_sample(batch.std, b).detach()
+        return (sq_dist(batch.mean, batch.ref_mean.detach()) / (2 * std**2)).mean()
+    if form == "velocity":
+        if batch.velocity is None or batch.ref_velocity is None:
+            raise ValueError(
+                "beta > 0 with kl='velocity' needs StepBatch.velocity and ref_velocity"
+            )
+        return sq_dist(batch.velocity, batch.ref_velocity.detach()).mean()
+    raise ValueError(f"unknown kl form {form!r}; allowed: {', '.join(map(repr, KL_FORMS))}")
+
+
+def assemble(
+    policy_loss: torch.Tensor,
+    ratio: torch.Tensor,
+    log_ratio: torch.Tensor,
+    batch: StepBatch,
+    *,
+    clip_range: float,
+    beta: float,
+    kl: str,
+) -> ObjectiveOutput:
+    """Add the KL term and collect the metrics; ``log_ratio`` is the raw logp_new - logp_old."""
+    if beta > 0:
+        kl_value = kl_term(batch, kl)
+        loss = policy_loss + beta * kl_value
+    else:  # no reference was computed: do not touch ref_* at all
+        kl_value = policy_loss.new_zeros(())
+        loss = policy_loss
+    # Metrics stay on the device as 0-d tensors: no host sync inside the step loop.
+    with torch.no_grad():
+        r = ratio.detach()
+        above = (r > 1.0 + clip_range).to(r.dtype).mean()
+        below = (r < 1.0 - clip_range).to(r.dtype).mean()
+        metrics = {
+            "ratio_mean": r.mean(),
+            "ratio_min": r.min(),
+            "ratio_max": r.max(),
+            "clipfrac": above + below,
+            "clipfrac_above": above,
+            "clipfrac_below": below,
+            "approx_kl": 0.5 * log_ratio.detach().pow(2).mean(),
+            "policy_loss": policy_loss.detach(),
+            "kl": kl_value.detach(),
+            "loss": loss.detach(),
+        }
+    return ObjectiveOutput(loss=loss, metrics=metrics)

@@ -1,0 +1,248 @@
+"""The phases of one training iteration: rollout, scoring, advantages, update.
+
+Each is a plain function of the run and the data of the phase before it; ``trainer.iteration``
+calls them in order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from fgrpo.core import tensors
+from fgrpo.core.advantages import combine
+from fgrpo.core.protocols import StepBatch, Trajectory
+from fgrpo.core.registry import ComponentError
+from fgrpo.core.seeding import generator
+
+
+class RewardError(ComponentError):
+    """A reward returned something the update must not use (NaN, inf, a wrong shape)."""
+
+
+# --- rollout -----------------------------------------------------------------------------------
+
+
+def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
+    if precision == "same":
+        return contextlib.nullcontext()
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[precision]
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def cat_trajectories(parts: Sequence[Trajectory]) -> Trajectory:
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+    fields = ("group_index", "step_index", "latents", "next_latents", "log_probs", "means", "stds", "final")
+    joined = {name: torch.cat([getattr(p, name) for p in parts]) for name in fields}
+    return Trajectory(
+        prompts=[p for part in parts for p in part.prompts],
+        cond=tensors.cat([p.cond for p in parts]),
+        sigmas=first.sigmas,
+        nfe=sum(p.nfe for p in parts),
+        info={"chunks": [p.info for p in parts]},
+        **joined,
+    )
+
+
+@torch.no_grad()
+def rollout(run: Any, iteration: int) -> Trajectory:
+    """This process's prompt groups, rolled out in chunks whose noise depends only on the chunk's
+    global prompt slots: 1 or N processes draw the same samples."""
+    cfg = run.recipe.train
+    local = run.schedule.local(iteration)
+    chunk = cfg.rollout_prompts or len(local)
+    parts = []
+    with run.display.phase("rollout", len(local)) as advance:
+        for start in range(0, len(local), chunk):
+            slots, prompts = zip(*local[start : start + chunk])
+            g = generator(run.recipe.seed, "rollout", iteration, slots[0], device=run.policy.device)
+            with autocast(run.policy.device, cfg.rollout_precision):
+                traj = run.sampler.rollout(run.policy, list(prompts), cfg.group_size, generator=g)
+            # group ids become global prompt slots: unique across chunks and processes
+            traj.group_index = torch.as_tensor(slots, device=traj.group_index.device)[traj.group_index]
+            parts.append(traj)
+            advance(len(slots))
+    return cat_trajectories(parts)
+
+
+# --- rewards -----------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def decode(run: Any, traj: Trajectory) -> Any:
+    return run.policy.decode(traj.final)
+
+
+def score(rewards: Sequence[tuple[Any, Any]], outputs: Any, prompts: Sequence[str], metadata: Sequence[Any], *, where: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Every reward on the batch; a malformed result stops the run before an update uses it."""
+    scores: dict[str, torch.Tensor] = {}
+    details: dict[str, Any] = {}
+    for spec, reward in rewards:
+        result = reward(outputs, list(prompts), list(metadata))
+        s = torch.as_tensor(result.scores).detach()
+        if s.shape != (len(prompts),):
+            raise RewardError(
+                f"reward {spec.label!r} returned scores of shape {tuple(s.shape)} for {where} "
+                f"of {len(prompts)} samples; expected ({len(prompts)},)"
+            )
+        bad = ~torch.isfinite(s.float())
+        if bad.any():
+            i = int(bad.nonzero()[0])
+            raise RewardError(
+                f"reward {spec.label!r} returned {s[i].item()} for {where} "
+                f"(sample {i}, prompt {prompts[i]!r}; {int(bad.sum())} non-finite of {len(prompts)})"
+            )
+        scores[spec.label] = s.float()
+        details[spec.label] = result.details
+    return scores, details
+
+
+def advantages(run: Any, traj: Trajectory, scores: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+    """Group-normalised advantages computed on the whole batch gathered from every process
+    (identically on each), then this process's slice."""
+    acc = run.accelerator
+    device = run.policy.device
+    gathered = {k: acc.gather(v.to(device)) for k, v in scores.items()}
+    groups = acc.gather(traj.group_index.to(device))
+    weights = {spec.label: spec.weight for spec in run.recipe.rewards}
+    adv, stats = combine(
+        gathered, weights, groups, mode=run.recipe.train.advantage, global_std=run.recipe.train.global_std
+    )
+    n = traj.batch_size
+    local = adv[acc.process_index * n : (acc.process_index + 1) * n]
+    return local.to(device=device, dtype=torch.float32), stats
+
+
+# --- update ------------------------------------------------------------------------------------
+
+
+@attrs.define
+class UpdateStats:
+    metrics: dict[str, list[torch.Tensor]] = attrs.Factory(lambda: defaultdict(list))
+    optimizer_steps: int = 0
+    nfe: int = 0
+    first_ratio_deviation: float | None = None  # max |ratio - 1| before the first optimizer step
+    grad_norms: list[float] = attrs.Factory(list)
+
+
+def pair_batches(traj: Trajectory, samples: torch.Tensor, per_forward: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(sample, step) pairs of the given samples, sample-major, in forward passes of ``per_forward``."""
+    steps = traj.num_trained_steps
+    rows = samples.repeat_interleave(steps)
+    cols = torch.arange(steps).repeat(len(samples))
+    size = per_forward or len(rows)
+    return list(zip(rows.split(size), cols.split(size)))
+
+
+def step_batch(run: Any, traj: Trajectory, adv: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> tuple[StepBatch, int]:
+    """Re-evaluate the stored actions of these (sample, step) pairs under the current policy."""
+    policy, kernel = run.policy, run.sampler.kernel
+    x = traj.latents[rows, cols]
+    x_next = traj.next_latents[rows, cols]
+    index = traj.step_index[rows, cols]
+    sigmas = traj.sigmas
+    cond = tensors.index(traj.cond, rows)
+    v = policy.velocity(x, sigmas[index], cond)
+    new = kernel.step(v, x, sigmas, index, prev_sample=x_next)
+    nfe = len(rows) * policy.evaluations_per_call
+    ref_mean = ref_velocity = None
+    if run.objective.needs_reference:
+        with torch.no_grad(), policy.reference():
+            ref_velocity = policy.velocity(x, sigmas[index], cond)
+            ref_mean = kernel.step(ref_velocity, x, sigmas, index, prev_sample=x_next).mean
+        nfe *= 2
+    batch = StepBatch(
+        log_prob=new.log_prob,
+        old_log_prob=traj.log_probs[rows, cols],
+        advantages=adv[rows],
+        mean=new.mean,
+        old_mean=traj.means[rows, cols],
+        std=traj.stds[rows, cols],
+        dt=sigmas[index + 1] - sigmas[index],
+        velocity=v,
+        ref_mean=ref_mean,
+        ref_velocity=ref_velocity,
+    )
+    return batch, nfe
+
+
+def sync_gradients(run: Any, params: Sequence[torch.nn.Parameter]) -> None:
+    """Average gradients over processes: one all-reduce of a flat buffer per optimizer step.
+    (A Policy need not be one nn.Module, so DDP's forward hooks are not used.)"""
+    if run.accelerator.num_processes == 1:
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = run.accelerator.reduce(torch.cat([g.reshape(-1) for g in grads]), reduction="mean")
+    offset = 0
+    for p, g in zip(params, grads):
+        n = g.numel()
+        p.grad = flat[offset : offset + n].view_as(p).clone()
+        offset += n
+
+
+def update(run: Any, traj: Trajectory, adv: torch.Tensor, iteration: int) -> UpdateStats:
+    """``inner_epochs`` passes over the samples in minibatches; each minibatch is one optimizer
+    step whose gradient accumulates over all its (sample, step) pairs."""
+    cfg = run.recipe.train
+    stats = UpdateStats()
+    params = run.trainable
+    n = traj.batch_size
+    per_step = cfg.minibatch_size or n
+    total_steps = cfg.inner_epochs * math.ceil(n / per_step)
+    with run.display.phase("update", total_steps) as advance:
+        for epoch in range(cfg.inner_epochs):
+            order = (
+                torch.randperm(n, generator=generator(run.recipe.seed, "minibatch", iteration, epoch))
+                if cfg.shuffle_minibatches
+                else torch.arange(n)
+            )
+            for samples in order.split(per_step):
+                run.optimizer.zero_grad(set_to_none=True)
+                pairs = pair_batches(traj, samples.to(traj.latents.device), cfg.micro_batch_size)
+                total_pairs = len(samples) * traj.num_trained_steps
+                for rows, cols in pairs:
+                    batch, nfe = step_batch(run, traj, adv, rows, cols)
+                    out = run.objective(batch)
+                    (out.loss * (len(rows) / total_pairs)).backward()
+                    stats.nfe += nfe
+                    for key, value in out.metrics.items():
+                        stats.metrics[key].append(value.detach())
+                    if stats.optimizer_steps == 0:
+                        dev = (batch.log_prob.detach() - batch.old_log_prob).exp().sub(1).abs().max().item()
+                        stats.first_ratio_deviation = max(stats.first_ratio_deviation or 0.0, dev)
+                sync_gradients(run, params)
+                if cfg.max_grad_norm > 0:
+                    norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+                    stats.grad_norms.append(float(norm))
+                run.optimizer.step()
+                stats.optimizer_steps += 1
+                if run.ema is not None and stats.optimizer_steps % cfg.ema_every == 0:
+                    run.ema.update()
+                advance()
+    return stats
+
+
+def summarize(stats: UpdateStats) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for key, values in stats.metrics.items():
+        stacked = torch.stack([v.float().reshape(()) for v in values])
+        if key.endswith("_min"):
+            out[key] = stacked.min().item()
+        elif key.endswith("_max"):
+            out[key] = stacked.max().item()
+        else:
+            out[key] = stacked.mean().item()
+    out["optimizer_steps"] = stats.optimizer_steps
+    if stats.grad_norms:
+        out["grad_norm"] = sum(stats.grad_norms) / len(stats.grad_norms)
+    if stats.first_ratio_deviation is not None:
+        out["first_ratio_deviation"] = stats.first_ratio_deviation
+    return out

@@ -1,0 +1,314 @@
+"""recipe.yaml -> a validated, typed recipe; every problem reported at once.
+
+A recipe names each component by its registered ``name``; the other keys of that mapping are the
+component's constructor arguments, checked against its declared fields (types, bounds, choices)
+without building anything. ``train``, ``eval`` and ``log`` are the trainer's own sections.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import attrs
+import yaml
+
+from fgrpo.core import registry
+from fgrpo.core.config import ConfigError, RecipeError, check_params, param
+
+# --- the trainer's own sections ----------------------------------------------------------------
+
+
+@attrs.define
+class TrainConfig:
+    iterations: int = param(100, ge=1, help="training iterations (rollout + update)")
+    prompts_per_iteration: int = param(8, ge=1, help="prompt groups per iteration, all processes together")
+    group_size: int = param(8, ge=2, help="samples per prompt (G)")
+    rollout_prompts: int = param(0, ge=0, help="prompt groups per rollout call; 0 = all of this process's")
+    rollout_precision: Literal["same", "bfloat16", "float16"] = param(
+        "same", help="autocast the rollout to this dtype (faster, but off-policy: `fgrpo check` shows it)"
+    )
+    inner_epochs: int = param(1, ge=1, help="passes over each iteration's samples")
+    minibatch_size: int = param(0, ge=0, help="samples per optimizer step; 0 = the whole batch (on-policy)")
+    micro_batch_size: int = param(0, ge=0, help="(sample, step) pairs per forward pass; 0 = the whole minibatch")
+    shuffle_minibatches: bool = param(True, help="shuffle samples before splitting into minibatches")
+    lr: float = param(1e-4, gt=0, le=1, help="AdamW learning rate")
+    weight_decay: float = param(1e-4, ge=0)
+    adam_betas: tuple[float, float] = param((0.9, 0.999))
+    adam_eps: float = param(1e-8, gt=0)
+    max_grad_norm: float = param(1.0, ge=0, help="gradient-norm clip; 0 = off")
+    lr_schedule: Literal["constant", "linear", "cosine"] = param("constant")
+    warmup_iterations: int = param(0, ge=0)
+    ema_decay: float = param(0.0, ge=0, lt=1, help="EMA of the trainable weights; 0 = off")
+    ema_every: int = param(1, ge=1, help="update the EMA every N optimizer steps")
+    advantage: Literal["reward_sum", "advantage_sum"] = param(
+        "reward_sum", help="reward_sum: weight rewards then normalise; advantage_sum: normalise each then weight"
+    )
+    global_std: bool = param(False, help="normalise by the std of the whole batch instead of the group's")
+    checkpoint_every: int = param(0, ge=0, help="iterations between checkpoints; 0 = only at the end")
+    keep_checkpoints: int = param(2, ge=1, help="iteration checkpoints kept on disk")
+
+
+@attrs.define
+class EvalConfig:
+    every: int = param(0, ge=0, help="iterations between evaluations; 0 = off")
+    steps: int = param(20, ge=1, help="ODE steps at evaluation")
+    samples_per_prompt: int = param(4, ge=1)
+    max_prompts: int = param(0, ge=0, help="test prompts used; 0 = all")
+    batch_size: int = param(64, ge=1)
+    at_start: bool = param(True, help="evaluate the base before training")
+
+
+@attrs.define
+class LogConfig:
+    tensorboard: bool = param(True)
+    quiet: bool = param(False, help="no progress bars: one line per iteration (CI logs)")
+    sample_grid: bool = param(True, help="write a PNG grid of evaluation samples")
+    plots: bool = param(True, help="write a curve PNG (needs matplotlib)")
+
+
+SECTIONS: dict[str, str] = {
+    "seed": "integer seed of everything random",
+    "model": "the policy: {name: ..., **params}",
+    "sampler": "the rollout sampler with its kernel",
+    "reward": "one reward or a list of rewards, each with an optional weight",
+    "objective": "the policy-gradient objective",
+    "prompts": "the prompt source",
+    "train": "trainer settings",
+    "eval": "evaluation settings",
+    "log": "logging settings",
+}
+REQUIRED = ("model", "sampler", "reward", "objective", "prompts")
+OWN_SECTIONS = {"train": TrainConfig, "eval": EvalConfig, "log": LogConfig}
+REWARD_EXTRA_KEYS = ("weight", "label")
+
+
+@attrs.frozen
+class RewardSpec:
+    name: str
+    label: str
+    weight: float
+    params: dict[str, Any]
+
+
+@attrs.frozen
+class Recipe:
+    """A validated recipe. ``data`` is the resolved mapping (defaults filled in)."""
+
+    data: dict[str, Any]
+    seed: int
+    train: TrainConfig
+    eval: EvalConfig
+    log: LogConfig
+    rewards: tuple[RewardSpec, ...]
+    source: str = ""
+
+    def spec(self, section: str) -> dict[str, Any]:
+        return copy.deepcopy(self.data[section])
+
+    def build(self, section: str) -> Any:
+        """Build the component of ``section`` (model, sampler, objective, prompts)."""
+        spec = self.spec(section)
+        name = spec.pop("name")
+        return registry.create(section, name, **spec)
+
+    def build_rewards(self) -> list[tuple[RewardSpec, Any]]:
+        return [(r, registry.create("reward", r.name, **copy.deepcopy(r.params))) for r in self.rewards]
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.data, sort_keys=False)
+
+
+# --- reading -----------------------------------------------------------------------------------
+
+
+def _yaml_error(source: str, exc: yaml.YAMLError) -> ConfigError:
+    mark = getattr(exc, "problem_mark", None)
+    where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark else source
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    if isinstance(exc, yaml.constructor.ConstructorError) and "tag" in str(problem):
+        tag = problem.split("tag", 1)[1].strip().strip("'")
+        return ConfigError(
+            where, f"the YAML tag {tag} is not allowed: recipes are plain data (yaml.safe_load)"
+        )
+    return ConfigError(where, f"malformed YAML: {problem}")
+
+
+def read_yaml(text: str, source: str = "recipe") -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise RecipeError([_yaml_error(source, exc)]) from None
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """``a.b.c=value`` -> (["a", "b", "c"], value parsed as YAML; typed later by the schema)."""
+    if "=" not in item:
+        raise RecipeError([ConfigError("--set", f"expected KEY=VALUE (e.g. train.lr=1e-4), got {item!r}")])
+    key, raw = item.split("=", 1)
+    path = [part for part in key.strip().split(".")]
+    if not all(path):
+        raise RecipeError([ConfigError("--set", f"bad key {key!r}: expected dotted keys like train.lr")])
+    return path, read_yaml(raw, f"--set {key}") if raw.strip() else ""
+
+
+def apply_overrides(data: Any, overrides: Sequence[str]) -> tuple[Any, list[ConfigError]]:
+    errors: list[ConfigError] = []
+    data = copy.deepcopy(data)
+    for item in overrides:
+        try:
+            path, value = parse_override(item)
+        except RecipeError as exc:
+            errors.extend(exc.errors)
+            continue
+        node = data
+        for i, part in enumerate(path[:-1]):
+            nxt = _child(node, part)
+            if nxt is None:
+                if isinstance(node, dict):
+                    node[part] = nxt = {}
+                else:
+                    errors.append(ConfigError(".".join(path[: i + 1]), "cannot set a key inside a non-mapping"))
+                    break
+            node = nxt
+        else:
+            last = path[-1]
+            if isinstance(node, list) and last.isdigit() and int(last) < len(node):
+                node[int(last)] = value
+            elif isinstance(node, dict):
+                node[last] = value
+            else:
+                errors.append(ConfigError(".".join(path), "cannot set a key inside a non-mapping"))
+    return data, errors
+
+
+def _child(node: Any, part: str) -> Any:
+    if isinstance(node, dict):
+        return node.get(part)
+    if isinstance(node, list) and part.isdigit() and int(part) < len(node):
+        return node[int(part)]
+    return None
+
+
+def load(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
+    """Read, override and validate a recipe file; raises RecipeError with every problem."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise RecipeError([ConfigError(str(path), f"cannot read the recipe: {exc.strerror}")]) from None
+    return from_text(text, overrides, source=str(path))
+
+
+def from_text(text: str, overrides: Sequence[str] = (), source: str = "recipe") -> Recipe:
+    data = read_yaml(text, source)
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise RecipeError([ConfigError(source, f"a recipe is a mapping of sections, got {type(data).__name__}")])
+    data, errors = apply_overrides(data, overrides)
+    recipe, more = validate(data, source)
+    errors.extend(more)
+    if errors:
+        raise RecipeError(errors)
+    assert recipe is not None
+    return recipe
+
+
+def validate(data: Mapping[str, Any], source: str = "recipe") -> tuple[Recipe | None, list[ConfigError]]:
+    errors: list[ConfigError] = []
+    resolved: dict[str, Any] = {}
+    for key in data:
+        if key not in SECTIONS:
+            allowed = ", ".join(SECTIONS)
+            errors.append(ConfigError(str(key), f"unknown section; allowed: {allowed}"))
+    for key in REQUIRED:
+        if key not in data:
+            errors.append(ConfigError(key, f"missing required section ({SECTIONS[key]})"))
+
+    seed = data.get("seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        errors.append(ConfigError("seed", f"expected a non-negative integer, got {seed!r}"))
+    resolved["seed"] = seed
+
+    for section in ("model", "sampler", "objective", "prompts"):
+        if section in data:
+            resolved[section], errs = registry.check_spec(section, data[section], section)
+            errors.extend(errs)
+
+    rewards: list[RewardSpec] = []
+    if "reward" in data:
+        rewards, resolved["reward"], errs = _check_rewards(data["reward"])
+        errors.extend(errs)
+
+    configs = {}
+    for section, cls in OWN_SECTIONS.items():
+        raw = data.get(section) or {}
+        if not isinstance(raw, Mapping):
+            errors.append(ConfigError(section, f"expected a mapping, got {raw!r}"))
+            raw = {}
+        checked, errs = check_params(cls, raw, section)
+        errors.extend(errs)
+        resolved[section] = checked
+        if not errs:
+            configs[section] = cls(**checked)
+            resolved[section] = _plain(attrs.asdict(configs[section]))
+    if errors:
+        return None, errors
+    recipe = Recipe(
+        data=_plain(resolved),
+        seed=seed,
+        train=configs["train"],
+        eval=configs["eval"],
+        log=configs["log"],
+        rewards=tuple(rewards),
+        source=source,
+    )
+    return recipe, []
+
+
+def _check_rewards(value: Any) -> tuple[list[RewardSpec], Any, list[ConfigError]]:
+    items = value if isinstance(value, list) else [value]
+    single = not isinstance(value, list)
+    if not items:
+        return [], value, [ConfigError("reward", "expected at least one reward")]
+    specs, resolved, errors = [], [], []
+    for i, item in enumerate(items):
+        key = "reward" if single else f"reward.{i}"
+        if isinstance(item, str):
+            item = {"name": item}
+        if not isinstance(item, Mapping):
+            errors.append(ConfigError(key, f"expected a reward name or mapping, got {item!r}"))
+            continue
+        extra = {k: item[k] for k in REWARD_EXTRA_KEYS if k in item}
+        params = {k: v for k, v in item.items() if k not in REWARD_EXTRA_KEYS}
+        spec, errs = registry.check_spec("reward", params, key)
+        errors.extend(errs)
+        weight = extra.get("weight", 1.0)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+            errors.append(ConfigError(f"{key}.weight", f"expected a number, got {weight!r}"))
+            weight = 1.0
+        label = extra.get("label", spec.get("name", "?"))
+        if not isinstance(label, str):
+            errors.append(ConfigError(f"{key}.label", f"expected a string, got {label!r}"))
+            label = str(label)
+        resolved.append({**spec, "weight": float(weight), "label": label})
+        if not errs:
+            specs.append(RewardSpec(spec["name"], label, float(weight), {k: v for k, v in spec.items() if k != "name"}))
+    labels = [r["label"] for r in resolved]
+    for label in sorted({lb for lb in labels if labels.count(lb) > 1}):
+        errors.append(ConfigError("reward", f"two rewards are labelled {label!r}; give each a distinct 'label'"))
+    return specs, resolved, errors
+
+
+def _plain(value: Any) -> Any:
+    """Plain YAML-safe data (tuples as lists, built objects by their repr)."""
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return repr(value)

@@ -1,0 +1,154 @@
+"""What a run writes as it goes: metrics.jsonl (a line per iteration), TensorBoard events, and
+what the terminal shows (rich progress bars, or one plain line per iteration in quiet mode)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+METRICS = "metrics.jsonl"
+
+
+def _plain_number(value: Any) -> Any:
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # JSON has no NaN/inf; keep them visible rather than dropping the key
+    return value
+
+
+class MetricsLog:
+    """Appends one JSON object per iteration; on resume, lines past the checkpoint are dropped so
+    the file reads as if the run had never been interrupted."""
+
+    def __init__(self, run_dir: Path, *, tensorboard: bool, resume_from: int | None = None):
+        self.path = run_dir / METRICS
+        if resume_from is not None:
+            self._truncate_after(resume_from)
+        elif self.path.exists():
+            self.path.unlink()
+        self.writer = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+
+    def _truncate_after(self, iteration: int) -> None:
+        if not self.path.exists():
+            return
+        kept = []
+        for line in self.path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:  # a line cut by a kill
+                continue
+            if row.get("iteration", math.inf) <= iteration:
+                kept.append(line)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text("".join(f"{line}\n" for line in kept))
+        os.replace(tmp, self.path)
+
+    def write(self, iteration: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
+        row = {"iteration": iteration, **{k: _plain_number(v) for k, v in metrics.items()}}
+        with self.path.open("a") as fh:
+            fh.write(json.dumps(row) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        if self.writer is not None:
+            for key, value in row.items():
+                if key != "iteration" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self.writer.add_scalar(key, value, iteration)
+            self.writer.flush()
+        return row
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / METRICS
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+SUMMARY_KEYS = ("reward_mean", "eval/reward_mean", "ratio_mean", "clipfrac", "kl", "time_iteration_s")
+
+
+def summary_line(iteration: int, total: int, row: Mapping[str, Any]) -> str:
+    parts = [f"iter {iteration}/{total}"]
+    for key in SUMMARY_KEYS:
+        if key in row and isinstance(row[key], (int, float)):
+            parts.append(f"{key} {row[key]:.4g}")
+    for key, value in row.items():
+        if key.startswith("eval/") and key.endswith("accuracy") and isinstance(value, (int, float)):
+            parts.append(f"{key} {value:.3f}")
+    return "  ".join(parts)
+
+
+class Display:
+    """rich progress bars for the rollout and update phases, or plain lines when quiet."""
+
+    def __init__(self, console: Console, *, quiet: bool, total: int, enabled: bool = True):
+        self.console = console
+        self.quiet = quiet or not console.is_terminal
+        self.total = total
+        self.enabled = enabled
+        self.progress: Progress | None = None
+
+    def __enter__(self) -> "Display":
+        if self.enabled and not self.quiet:
+            self.progress = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                console=self.console,
+                transient=False,
+            )
+            self.progress.__enter__()
+            self.iterations = self.progress.add_task("iterations", total=self.total)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.progress is not None:
+            self.progress.__exit__(*exc)
+
+    def start_at(self, iteration: int) -> None:
+        if self.progress is not None:
+            self.progress.update(self.iterations, completed=iteration)
+
+    @contextmanager
+    def phase(self, name: str, total: int) -> Iterator[Any]:
+        """A transient bar for one phase (rollout, update); yields an ``advance()`` callable."""
+        if self.progress is None:
+            yield lambda n=1: None
+            return
+        task = self.progress.add_task(f"  {name}", total=total)
+        try:
+            yield lambda n=1: self.progress.advance(task, n)
+        finally:
+            self.progress.remove_task(task)
+
+    def iteration_done(self, iteration: int, row: Mapping[str, Any]) -> None:
+        if not self.enabled:
+            return
+        line = summary_line(iteration, self.total, row)
+        if self.progress is not None:
+            self.progress.advance(self.iterations)
+            self.progress.console.print(line, markup=False, highlight=False)
+        else:
+            self.console.print(line, markup=False, highlight=False)
+
+    def say(self, text: str) -> None:
+        if self.enabled:
+            (self.progress.console if self.progress else self.console).print(text, markup=False, highlight=False)

@@ -1,0 +1,385 @@
+"""The registry-driven trainer: builds a run from a recipe, trains, checkpoints, resumes.
+
+One iteration (``iteration`` below) reads top to bottom: move the sampler, roll out, score,
+compute advantages, update, evaluate, log, checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+from rich.console import Console
+
+from fgrpo.core import checkpoint as ckpt
+from fgrpo.core import evaluation, phases, visuals
+from fgrpo.core.config import ConfigError, RecipeError
+from fgrpo.core.data import PromptSchedule
+from fgrpo.core.ema import EMA
+from fgrpo.core.hookspecs import plugin_manager
+from fgrpo.core.recipe import Recipe
+from fgrpo.core.runlog import Display, MetricsLog, read_metrics
+from fgrpo.core.seeding import derive_seed, generator
+
+
+@attrs.define
+class Run:
+    recipe: Recipe
+    policy: Any
+    sampler: Any
+    objective: Any
+    prompts: Any
+    rewards: list[tuple[Any, Any]]
+    accelerator: Any
+    trainable: list[torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    ema: EMA | None
+    schedule: PromptSchedule
+    display: Display
+    out_dir: Path | None = None
+    log: MetricsLog | None = None
+    start_iteration: int = 0  # iterations already done (after a resume)
+
+    @property
+    def is_main(self) -> bool:
+        return self.accelerator.is_main_process
+
+
+# --- one iteration -----------------------------------------------------------------------------
+
+
+def iteration(run: Run, it: int) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    run.sampler.advance(it)
+    traj = phases.rollout(run, it)
+    t1 = time.perf_counter()
+    outputs = phases.decode(run, traj)
+    metadata = [run.prompts.metadata(p) for p in traj.prompts]
+    scores, _ = phases.score(run.rewards, outputs, traj.prompts, metadata, where=f"the batch of iteration {it}")
+    t2 = time.perf_counter()
+    adv, adv_stats = phases.advantages(run, traj, scores)
+    stats = phases.update(run, traj, adv, it)
+    run.scheduler.step()
+    t3 = time.perf_counter()
+    n_samples = traj.batch_size * run.accelerator.num_processes
+    return {
+        **adv_stats,
+        **{f"reward/{k}": v.mean().item() for k, v in scores.items()},
+        **phases.summarize(stats),
+        "lr": run.optimizer.param_groups[0]["lr"],
+        "trained_steps": traj.num_trained_steps,
+        "nfe_rollout": traj.nfe,
+        "nfe_train": stats.nfe,
+        "time_rollout_s": t1 - t0,
+        "time_reward_s": t2 - t1,
+        "time_train_s": t3 - t2,
+        "time_iteration_s": t3 - t0,
+        "samples_per_s": n_samples / (t3 - t0),
+    }
+
+
+def train(run: Run) -> dict[str, Any]:
+    """Iterations from ``run.start_iteration`` to ``train.iterations``; returns the last metrics."""
+    cfg, hooks = run.recipe.train, plugin_manager().hook
+    total = cfg.iterations
+    row: dict[str, Any] = {}
+    if run.start_iteration == 0 and run.recipe.eval.every and run.recipe.eval.at_start:
+        row = run_evaluation(run, 0)
+        if run.is_main and run.log is not None:
+            row = run.log.write(0, row)
+    run.display.start_at(run.start_iteration)
+    for it in range(run.start_iteration, total):
+        metrics = iteration(run, it)
+        done = it + 1
+        if run.recipe.eval.every and (done % run.recipe.eval.every == 0 or done == total):
+            metrics.update(run_evaluation(run, done))
+        if run.is_main and run.log is not None:
+            row = run.log.write(done, metrics)
+        else:
+            row = {"iteration": done, **metrics}
+        hooks.fgrpo_iteration_end(run=run, iteration=done, metrics=row)
+        run.display.iteration_done(done, row)
+        if run.out_dir is not None and (done == total or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0)):
+            save_checkpoint(run, done)
+    finish(run)
+    return row
+
+
+def run_evaluation(run: Run, it: int) -> dict[str, float]:
+    metrics: dict[str, float] = {}
+    if run.is_main:
+        metrics = evaluation.evaluate(run, it, run.out_dir)
+        plugin_manager().hook.fgrpo_evaluation(run=run, iteration=it, metrics=metrics)
+    run.accelerator.wait_for_everyone()
+    return metrics
+
+
+def finish(run: Run) -> None:
+    if run.log is not None:
+        run.log.close()
+    if run.is_main and run.out_dir is not None and run.recipe.log.plots:
+        visuals.curves(read_metrics(run.out_dir), run.out_dir / "curves.png")
+
+
+# --- building a run ----------------------------------------------------------------------------
+
+
+def lr_lambda(cfg: Any) -> Any:
+    def factor(it: int) -> float:
+        if cfg.warmup_iterations and it < cfg.warmup_iterations:
+            return (it + 1) / cfg.warmup_iterations
+        span = max(1, cfg.iterations - cfg.warmup_iterations)
+        progress = min(1.0, (it - cfg.warmup_iterations) / span)
+        if cfg.lr_schedule == "linear":
+            return 1.0 - progress
+        if cfg.lr_schedule == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * progress))
+        return 1.0
+
+    return factor
+
+
+def make_accelerator(cpu: bool | None = None) -> Any:
+    from accelerate import Accelerator
+
+    if cpu is None:
+        cpu = not torch.cuda.is_available()
+    return Accelerator(cpu=cpu)
+
+
+def build_run(recipe: Recipe, *, out_dir: Path | None, console: Console, quiet: bool = False, accelerator: Any = None) -> Run:
+    acc = accelerator or make_accelerator()
+    # components draw their initial weights (LoRA init, ...) from the global RNG: same on every rank
+    torch.manual_seed(derive_seed(recipe.seed, "build"))
+    random.seed(derive_seed(recipe.seed, "python"))
+    policy = recipe.build("model")
+    sampler = recipe.build("sampler")
+    objective = recipe.build("objective")
+    prompts = recipe.build("prompts")
+    rewards = recipe.build_rewards()
+    trainable = [p for p in policy.trainable_parameters() if p.requires_grad]
+    if not trainable:
+        raise RecipeError([ConfigError("model", "the policy has no trainable parameters")])
+    broadcast_parameters(acc, trainable)
+    cfg = recipe.train
+    optimizer = torch.optim.AdamW(
+        trainable, lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps, weight_decay=cfg.weight_decay
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    if cfg.prompts_per_iteration % acc.num_processes:
+        raise RecipeError([ConfigError("train.prompts_per_iteration", f"got {cfg.prompts_per_iteration}; must be a multiple of the {acc.num_processes} processes")])
+    schedule = PromptSchedule(
+        prompts.train_prompts(), cfg.prompts_per_iteration, recipe.seed, acc.process_index, acc.num_processes
+    )
+    display = Display(console, quiet=quiet or recipe.log.quiet, total=cfg.iterations, enabled=acc.is_main_process)
+    return Run(
+        recipe=recipe,
+        policy=policy,
+        sampler=sampler,
+        objective=objective,
+        prompts=prompts,
+        rewards=rewards,
+        accelerator=acc,
+        trainable=trainable,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        ema=EMA(trainable, cfg.ema_decay) if cfg.ema_decay > 0 else None,
+        schedule=schedule,
+        display=display,
+        out_dir=out_dir,
+    )
+
+
+def broadcast_parameters(acc: Any, params: list[torch.nn.Parameter]) -> None:
+    if acc.num_processes > 1:
+        import torch.distributed as dist
+
+        with torch.no_grad():
+            for p in params:
+                dist.broadcast(p.data, src=0)
+
+
+# --- checkpoints -------------------------------------------------------------------------------
+
+
+def save_checkpoint(run: Run, done: int) -> None:
+    run.accelerator.wait_for_everyone()
+    if run.is_main:
+        path = ckpt.write(
+            run.out_dir / "checkpoints",
+            done,
+            trainable=run.policy.trainable_state_dict(),
+            ema=run.ema.state_dict() if run.ema is not None else None,
+            optimizer={"optimizer": run.optimizer.state_dict(), "scheduler": run.scheduler.state_dict()},
+            rng={0: {"torch": torch.get_rng_state()}},
+            state={
+                "iteration": done,
+                "data_position": done * run.recipe.train.prompts_per_iteration,
+                "sampler": run.sampler.state_dict(),
+                "recipe": run.recipe.data,
+                "processes": run.accelerator.num_processes,
+            },
+            keep=run.recipe.train.keep_checkpoints,
+        )
+        plugin_manager().hook.fgrpo_checkpoint_saved(run=run, iteration=done, path=str(path))
+    run.accelerator.wait_for_everyone()
+
+
+def restore(run: Run, folder: Path) -> int:
+    state = ckpt.read_state(folder)
+    diffs = ckpt.recipe_differences(state["recipe"], run.recipe.data)
+    if diffs:
+        raise RecipeError([ConfigError("--resume", f"the recipe differs from the checkpoint's: {d}") for d in diffs])
+    run.policy.load_trainable_state_dict(ckpt.read_tensors(folder / ckpt.TRAINABLE, run.policy.device))
+    if run.ema is not None:
+        run.ema.load_state_dict(ckpt.read_tensors(folder / ckpt.EMA, run.policy.device))
+    opt = ckpt.read_torch(folder / ckpt.OPTIMIZER)
+    run.optimizer.load_state_dict(opt["optimizer"])
+    run.scheduler.load_state_dict(opt["scheduler"])
+    torch.set_rng_state(ckpt.read_torch(folder / "rng-rank0.pt")["torch"])
+    run.sampler.load_state_dict(state["sampler"])
+    return int(state["iteration"])
+
+
+def prepare_out_dir(recipe: Recipe, out_dir: Path, resume: bool) -> Path | None:
+    """The run folder; refuses to overwrite a run unless resuming. Returns the checkpoint to load."""
+    last = ckpt.latest(out_dir / "checkpoints")
+    if not resume and (last is not None or (out_dir / "metrics.jsonl").exists()):
+        raise RecipeError([ConfigError("--out", f"{out_dir} already holds a run; pass --resume to continue it or choose another --out")])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "recipe.resolved.yaml").write_text(recipe.to_yaml())
+    return last
+
+
+# --- CLI entry points --------------------------------------------------------------------------
+
+
+def default_out_dir(recipe: Recipe) -> Path:
+    return Path("runs") / Path(recipe.source).stem
+
+
+def run_from_cli(recipe: Recipe, args: argparse.Namespace, console: Console) -> int:
+    out_dir = Path(args.out) if args.out else default_out_dir(recipe)
+    acc = make_accelerator()
+    last = prepare_out_dir(recipe, out_dir, args.resume) if acc.is_main_process else None
+    acc.wait_for_everyone()
+    if not acc.is_main_process:
+        last = ckpt.latest(out_dir / "checkpoints") if args.resume else None
+    run = build_run(recipe, out_dir=out_dir, console=console, quiet=args.quiet, accelerator=acc)
+    if last is not None:
+        run.start_iteration = restore(run, last)
+        run.display.say(f"resuming {out_dir} from {last.name} (iteration {run.start_iteration})")
+    elif args.resume:
+        run.display.say(f"no complete checkpoint in {out_dir}/checkpoints: starting from iteration 0")
+    run.log = MetricsLog(out_dir, tensorboard=recipe.log.tensorboard, resume_from=run.start_iteration) if run.is_main else None
+    run.display.say(f"training {recipe.source} -> {out_dir} ({acc.num_processes} process(es), device {run.policy.device})")
+    with run.display:
+        row = train(run)
+    run.display.say(f"done: {out_dir} (last checkpoint {out_dir / 'checkpoints' / 'last'})")
+    if row and run.is_main:
+        run.display.say(json.dumps({k: v for k, v in row.items() if isinstance(v, (int, float))}, sort_keys=True)[:2000])
+    return 0
+
+
+def check_from_cli(recipe: Recipe, args: argparse.Namespace, console: Console) -> int:
+    """One iteration, one batch, one gradient step: the stored actions' log-probs re-evaluated
+    before the first optimizer step must give ratio 1 (within ``--tolerance``)."""
+    cfg = attrs.evolve(recipe.train, iterations=1, minibatch_size=0, inner_epochs=1)
+    checked = attrs.evolve(recipe, train=cfg, eval=attrs.evolve(recipe.eval, every=0))
+    run = build_run(checked, out_dir=None, console=console, quiet=True)
+    metrics = iteration(run, 0)
+    dev = metrics["first_ratio_deviation"]
+    console.print(f"largest |ratio - 1| before the first optimizer step: {dev:.3e} (tolerance {args.tolerance:g})", markup=False)
+    if dev <= args.tolerance:
+        console.print("on-policy check passed", markup=False)
+        return 0
+    for line in diagnose(run):
+        console.print(f"diagnosis: {line}", markup=False)
+    console.print("on-policy check FAILED", markup=False)
+    return 1
+
+
+@torch.no_grad()
+def diagnose(run: Run) -> list[str]:
+    """Why re-evaluated log-probs differ from the rollout's: the usual suspects, each tested."""
+    cfg = run.recipe.train
+    found = []
+    if cfg.rollout_precision != "same":
+        dtype = next(iter(run.trainable)).dtype
+        found.append(
+            f"the rollout ran under {cfg.rollout_precision} autocast (train.rollout_precision) while the update "
+            f"runs in {str(dtype).replace('torch.', '')}: different dtypes give different velocities"
+        )
+    run.sampler.advance(0)
+    traj = phases.rollout(run, 0)
+    x, index = traj.latents[:, 0], traj.step_index[:, 0]
+    sigma = traj.sigmas[index]
+    a = run.policy.velocity(x, sigma, traj.cond)
+    b = run.policy.velocity(x, sigma, traj.cond)
+    if not torch.equal(a, b):
+        found.append("the policy is not deterministic: two identical velocity calls differ (dropout? non-deterministic kernels?)")
+    one = run.policy.velocity(x[:1], sigma[:1], phases.tensors.index(traj.cond, slice(0, 1)))
+    if not torch.equal(one, a[:1]):
+        found.append(
+            "batch composition changes the network's output: the update evaluates (sample, step) pairs in "
+            "forward passes of a different size than the rollout (train.micro_batch_size, train.rollout_prompts)"
+        )
+    if not found:
+        found.append("the kernel's log-prob of the stored action disagrees with the rollout: check the sampler's sigmas and step indices")
+    return found
+
+
+def sample_from_cli(recipe: Recipe, args: argparse.Namespace, console: Console) -> int:
+    from fgrpo.core.prompts import read_prompt_file
+
+    torch.manual_seed(derive_seed(recipe.seed, "build"))
+    policy = recipe.build("model")
+    if args.checkpoint:
+        folder = Path(args.checkpoint)
+        if not (folder / ckpt.TRAINABLE).is_file():
+            raise RecipeError([ConfigError("--checkpoint", f"{folder} holds no {ckpt.TRAINABLE}")])
+        weights = folder / (ckpt.EMA if (folder / ckpt.EMA).is_file() and recipe.train.ema_decay > 0 else ckpt.TRAINABLE)
+        if weights.name == ckpt.EMA:
+            params = [p for p in policy.trainable_parameters() if p.requires_grad]
+            ema = EMA(params, recipe.train.ema_decay)
+            ema.load_state_dict(ckpt.read_tensors(weights, policy.device))
+            with torch.no_grad():
+                for p, s in zip(params, ema.shadow):
+                    p.copy_(s)
+        else:
+            policy.load_trainable_state_dict(ckpt.read_tensors(weights, policy.device))
+    try:
+        prompts = [p for p, _ in read_prompt_file(args.prompts)]
+    except (OSError, ValueError) as exc:
+        raise RecipeError([ConfigError("--prompts", str(exc))]) from None
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    steps = args.steps or recipe.eval.steps
+    rows = []
+    for i, prompt in enumerate(prompts):
+        g = generator(args.seed, "sample", i, device=policy.device)
+        images = evaluation.generate(policy, [prompt], args.n, steps, g)
+        for k in range(args.n):
+            name = f"{i:05d}_{k:02d}.png"
+            if visuals.is_image_batch(images):
+                from PIL import Image
+
+                Image.fromarray(visuals.to_uint8(images[k : k + 1])[0]).save(out / name)
+            else:
+                name = f"{i:05d}_{k:02d}.pt"
+                torch.save(images[k].cpu(), out / name)
+            rows.append({"file": name, "prompt": prompt, "seed": args.seed, "index": k})
+    (out / "index.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    console.print(f"wrote {len(rows)} samples to {out}", markup=False)
+    return 0

@@ -1,0 +1,332 @@
+"""Pieces shared by the diffusers backbones (sd3 today; flux, qwen-image, wan later).
+
+- dtype and device parsing for the ``dtype``/``device`` recipe keys;
+- the ``lora`` recipe key (normalisation, peft injection, state dicts, adapter files);
+- :func:`adapters_disabled`, the reference-policy context (diffusers models have no
+  ``disable_adapter()`` context manager);
+- :class:`PromptCache`, a bounded per-prompt cache of frozen text-encoder outputs.
+
+diffusers, peft and safetensors are imported inside the functions that need them, so importing
+this module (and listing plugins) stays cheap.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+# --- dtype and device ---------------------------------------------------------------------------
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+DTYPE_CHOICES = tuple(DTYPES)
+
+
+def parse_dtype(value: str | torch.dtype) -> torch.dtype:
+    """``"bfloat16"``/``"bf16"``/``torch.bfloat16`` -> ``torch.bfloat16`` (also float32, float16)."""
+    if isinstance(value, torch.dtype):
+        if value not in DTYPES.values():
+            raise ValueError(f"got {value!r}; allowed: {', '.join(map(repr, DTYPE_CHOICES))}")
+        return value
+    try:
+        return DTYPES[str(value).lower()]
+    except KeyError:
+        raise ValueError(f"got {value!r}; allowed: {', '.join(map(repr, DTYPE_CHOICES))}") from None
+
+
+_DEVICE_RE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
+DEVICE_HELP = "'auto' (cuda when available, else cpu), 'cpu', 'cuda' or 'cuda:N'"
+
+
+def check_device(_instance: Any, _attribute: Any, value: Any) -> None:
+    """attrs validator for a ``device`` key: a device string or an already resolved torch.device."""
+    if isinstance(value, torch.device):
+        return
+    if not isinstance(value, str) or not _DEVICE_RE.match(value):
+        raise ValueError(f"got {value!r}; allowed: {DEVICE_HELP}")
+
+
+def resolve_device(value: str | torch.device) -> torch.device:
+    if isinstance(value, torch.device):
+        return value
+    if value == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(value)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {value!r} was asked for but CUDA is not available; use 'cpu' or 'auto'")
+    return device
+
+
+def from_pretrained_dtype_kwargs(torch_dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """``{"dtype": ...}`` for diffusers versions that renamed ``torch_dtype``, else ``{"torch_dtype": ...}``."""
+    try:
+        from diffusers.utils import deprecation_utils
+
+        renamed = hasattr(deprecation_utils, "_TORCH_DTYPE_DEPRECATION_MESSAGE")
+    except ImportError:  # pragma: no cover - old diffusers
+        renamed = False
+    return {"dtype": torch_dtype} if renamed else {"torch_dtype": torch_dtype}
+
+
+def freeze(*modules: torch.nn.Module | None) -> None:
+    """No gradients and eval mode for every given module (None entries are skipped)."""
+    for module in modules:
+        if module is not None:
+            module.requires_grad_(False)
+            module.eval()
+
+
+# --- the ``lora`` recipe key --------------------------------------------------------------------
+
+LORA_KEYS = ("rank", "alpha", "target_modules", "init")
+#: ``init`` values: peft's default (A Kaiming, B zero: starts as the base model), "gaussian" (A
+#: normal(1/r), B zero: also starts as the base model), "random" (A and B both random, so the
+#: adapter changes the outputs from the start: for tests). Methods that modify the base weights
+#: (PiSSA, OLoRA) are excluded because the reference policy must stay the base model.
+LORA_INITS: dict[str, Any] = {"default": True, "gaussian": "gaussian", "random": False}
+
+ADAPTER_NAME = "default"
+
+
+def lora_converter(
+    rank: int, alpha: float, target_modules: Sequence[str], init: str = "default"
+) -> Callable[[Any], dict[str, Any] | None]:
+    """A converter for a backbone's ``lora`` key with these defaults.
+
+    Accepts ``None`` or a mapping with any of ``rank, alpha, target_modules, init`` and returns
+    the complete mapping, or ``None`` for full fine-tuning (``null`` or rank 0). Idempotent.
+    Raises ``ValueError("got ...; allowed ...")`` for bad values.
+    """
+    defaults = {"rank": rank, "alpha": alpha, "target_modules": list(target_modules), "init": init}
+
+    def convert(value: Any) -> dict[str, Any] | None:
+        if value is None:
+            return None
+        if not isinstance(value, Mapping):
+            raise ValueError(
+                f"got {value!r}; allowed: null (full fine-tuning) or a mapping with keys "
+                f"{', '.join(LORA_KEYS)}"
+            )
+        unknown = sorted(set(value) - set(LORA_KEYS))
+        if unknown:
+            raise ValueError(f"got unknown key(s) {', '.join(map(repr, unknown))}; allowed keys: {', '.join(LORA_KEYS)}")
+        spec = {**defaults, **dict(value)}
+        r = spec["rank"]
+        if r is None or (isinstance(r, (int, float)) and not isinstance(r, bool) and r == 0):
+            return None
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or r < 0 or int(r) != r:
+            raise ValueError(f"got rank {r!r}; allowed: a positive integer, or 0/null for full fine-tuning")
+        spec["rank"] = int(r)
+        a = spec["alpha"]
+        if a is None:
+            a = spec["rank"]
+        if isinstance(a, bool) or not isinstance(a, (int, float)) or a <= 0:
+            raise ValueError(f"got alpha {a!r}; allowed: a number > 0")
+        spec["alpha"] = float(a) if not float(a).is_integer() else int(a)
+        targets = spec["target_modules"]
+        if isinstance(targets, str):
+            targets = [targets]
+        if not isinstance(targets, (list, tuple)) or not targets or not all(isinstance(t, str) and t for t in targets):
+            raise ValueError(f"got target_modules {targets!r}; allowed: a non-empty list of module names")
+        spec["target_modules"] = list(targets)
+        if spec["init"] not in LORA_INITS:
+            raise ValueError(f"got init {spec['init']!r}; allowed: {', '.join(map(repr, LORA_INITS))}")
+        return spec
+
+    return convert
+
+
+def inject_lora(model: torch.nn.Module, spec: Mapping[str, Any], *, trainable_dtype: torch.dtype | None = torch.float32) -> None:
+    """Freeze ``model`` and add a peft LoRA adapter (named ``"default"``) from a normalised spec.
+
+    Only the adapter's weights are trainable afterwards. With ``trainable_dtype`` (float32 by
+    default) the adapter weights are kept in that dtype even when the base model is bf16/fp16:
+    peft casts the layer input to the adapter's dtype and the result back, so the optimiser
+    state and updates are float32 (as diffusers' training scripts do with ``cast_training_params``).
+    """
+    from peft import LoraConfig
+
+    model.requires_grad_(False)
+    config = LoraConfig(
+        r=int(spec["rank"]),
+        lora_alpha=spec["alpha"],
+        target_modules=list(spec["target_modules"]),
+        init_lora_weights=LORA_INITS[spec["init"]],
+    )
+    try:
+        model.add_adapter(config, adapter_name=ADAPTER_NAME)
+    except ValueError as exc:
+        raise ValueError(f"lora.target_modules {list(spec['target_modules'])!r}: {exc}") from exc
+    if trainable_dtype is not None:
+        for p in model.parameters():
+            if p.requires_grad and p.dtype != trainable_dtype:
+                p.data = p.data.to(trainable_dtype)
+
+
+def _tuner_layers(model: torch.nn.Module) -> list[Any]:
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+
+
+def adapters_enabled(model: torch.nn.Module) -> bool:
+    layers = _tuner_layers(model)
+    return bool(layers) and not any(getattr(layer, "disable_adapters", False) for layer in layers)
+
+
+@contextmanager
+def adapters_disabled(model: torch.nn.Module) -> Iterator[None]:
+    """Run ``model`` as its base model: LoRA adapters off inside, back on (exactly) afterwards.
+
+    Uses diffusers' ``disable_adapters()``/``enable_adapters()`` (peft's ``disable_adapter()``
+    context exists only on a ``PeftModel``). Nesting is safe: an inner context leaves adapters
+    that were already disabled alone. Re-enabling also restores ``requires_grad`` on the adapter.
+    """
+    if not _tuner_layers(model):
+        raise RuntimeError("the model has no LoRA adapter to disable")
+    if not adapters_enabled(model):
+        yield
+        return
+    model.disable_adapters()
+    try:
+        yield
+    finally:
+        model.enable_adapters()
+
+
+def lora_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter weights only (peft naming without the adapter name), detached CPU copies."""
+    from peft import get_peft_model_state_dict
+
+    state = get_peft_model_state_dict(model, adapter_name=ADAPTER_NAME)
+    return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+
+
+def load_lora_state_dict(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+    """Load adapter weights saved by :func:`lora_state_dict`; every adapter key must be present."""
+    from peft import set_peft_model_state_dict
+
+    expected = set(lora_state_dict_keys(model))
+    given = set(state)
+    missing, unexpected = sorted(expected - given), sorted(given - expected)
+    if missing or unexpected:
+        raise ValueError(
+            "LoRA state dict does not match the adapter: "
+            f"{len(missing)} missing (e.g. {missing[:3]}), {len(unexpected)} unexpected (e.g. {unexpected[:3]})"
+        )
+    # load_state_dict copies into the existing parameters: their dtype and device are kept.
+    result = set_peft_model_state_dict(model, dict(state), adapter_name=ADAPTER_NAME)
+    unexpected = getattr(result, "unexpected_keys", None) or []
+    if unexpected:
+        raise ValueError(f"LoRA state dict: unexpected keys {unexpected[:3]}")
+
+
+def lora_state_dict_keys(model: torch.nn.Module) -> list[str]:
+    from peft import get_peft_model_state_dict
+
+    return list(get_peft_model_state_dict(model, adapter_name=ADAPTER_NAME))
+
+
+_LORA_PREFIXES = ("base_model.model.", "transformer.", "unet.", "model.")
+_LORA_FILES = ("adapter_model.safetensors", "pytorch_lora_weights.safetensors", "trainable.safetensors")
+
+
+def read_lora_file(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """Adapter weights from a ``.safetensors`` file or a folder holding one.
+
+    Understands fgrpo's own files (keys as :func:`lora_state_dict` gives them), peft's
+    ``save_pretrained`` (``base_model.model.`` prefix) and diffusers' ``save_lora_weights``
+    (``transformer.`` prefix); the adapter name in ``lora_A.default.weight`` is removed too.
+    """
+    from safetensors.torch import load_file
+
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        found = [os.path.join(path, f) for f in _LORA_FILES if os.path.isfile(os.path.join(path, f))]
+        if not found:
+            found = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
+        if len(found) != 1 and not (found and os.path.basename(found[0]) in _LORA_FILES):
+            raise FileNotFoundError(
+                f"lora_path {path!r}: expected one of {', '.join(_LORA_FILES)} (or a single .safetensors file)"
+            )
+        path = found[0]
+    elif not os.path.isfile(path):
+        raise FileNotFoundError(f"lora_path {path!r} does not exist")
+    state = load_file(path)
+    out = {}
+    for key, value in state.items():
+        for prefix in _LORA_PREFIXES:
+            if key.startswith(prefix) and "lora_" in key[len(prefix):]:
+                key = key[len(prefix):]
+                break
+        key = re.sub(rf"\.(lora_[AB])\.{ADAPTER_NAME}\.", r".\1.", key)
+        out[key] = value
+    return out
+
+
+# --- prompt embeddings --------------------------------------------------------------------------
+
+
+class PromptCache:
+    """Per-prompt text-encoder outputs (one dict of tensors per prompt string), least recently
+    used first out once ``max_size`` prompts are held; ``max_size`` 0 disables caching.
+
+    ``get(prompts, encode)`` returns the batch-first stack for ``prompts`` and calls ``encode``
+    (a function of a list of strings returning a dict of batch-first tensors) once, with only
+    the distinct prompts that are not cached. The text encoders are frozen, so entries never go
+    stale; tensors are computed outside inference mode so they can feed a training forward.
+    """
+
+    def __init__(self, max_size: int | None = 1024):
+        self.max_size = max_size
+        self._rows: OrderedDict[str, dict[str, torch.Tensor]] = OrderedDict()
+        self.encoded = 0  # prompts sent to the encoder so far (for tests and stats)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __contains__(self, prompt: str) -> bool:
+        return prompt in self._rows
+
+    def clear(self) -> None:
+        self._rows.clear()
+
+    def get(
+        self, prompts: Sequence[str], encode: Callable[[list[str]], dict[str, torch.Tensor]]
+    ) -> dict[str, torch.Tensor]:
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        if not prompts:
+            raise ValueError("encode() needs at least one prompt")
+        with torch.inference_mode(False), torch.no_grad():
+            rows: dict[str, dict[str, torch.Tensor]] = {}
+            todo = []
+            for p in prompts:
+                if p in self._rows:
+                    self._rows.move_to_end(p)
+                    rows[p] = self._rows[p]
+                elif p not in rows and p not in todo:
+                    todo.append(p)
+            if todo:
+                batch = encode(todo)
+                self.encoded += len(todo)
+                for i, p in enumerate(todo):
+                    rows[p] = {k: v[i].clone() for k, v in batch.items()}  # not views pinning the batch
+                    if self.max_size is None or self.max_size > 0:
+                        self._rows[p] = rows[p]
+                if self.max_size is not None:
+                    while len(self._rows) > self.max_size:
+                        self._rows.popitem(last=False)
+            keys = rows[prompts[0]].keys()
+            return {k: torch.stack([rows[p][k] for p in prompts]) for k in keys}

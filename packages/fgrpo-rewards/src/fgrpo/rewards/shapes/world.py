@@ -1,0 +1,501 @@
+"""The shapes world: scene specs, the prompt grammar, the renderer and scene sampling.
+
+Everything here is symbolic or pixel-exact; the image-reading verifier lives in
+:mod:`fgrpo.rewards.shapes.verifier`. See the package docstring for the design and its reasons.
+
+Vocabulary
+----------
+- an *item* is a (colour, shape) pair, e.g. ``("red", "circle")``;
+- a *spec* (:class:`Spec`) is what a prompt asks for: its category, the items with their counts
+  and, for ``position`` prompts, the relation "objects[0] REL objects[1]";
+- a *scene* is a tuple of :class:`Placed` objects (item + grid cell): what an image shows.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+import torch
+
+CELL = 8  #: pixels per cell side (= the policy's patch size: one token per cell)
+GRID = 3  #: cells per image side
+SIZE = CELL * GRID  #: image side in pixels (24)
+
+SHAPES: tuple[str, ...] = ("square", "circle", "triangle")
+COLORS: tuple[str, ...] = ("red", "green", "blue", "yellow")
+PALETTE: dict[str, tuple[int, int, int]] = {
+    "red": (255, 0, 0),
+    "green": (0, 255, 0),
+    "blue": (0, 0, 255),
+    "yellow": (255, 255, 0),
+}
+CATEGORIES: tuple[str, ...] = ("single", "two", "counting", "position", "color_attr")
+RELATIONS: tuple[str, ...] = ("left", "right", "above", "below")
+COUNTS: tuple[int, ...] = (2, 3, 4)  #: counting prompts; "a red circle" (single) covers 1
+NUMBER_WORDS: dict[int, str] = {1: "a", 2: "two", 3: "three", 4: "four"}
+RELATION_WORDS: dict[str, str] = {
+    "left": "to the left of",
+    "right": "to the right of",
+    "above": "above",
+    "below": "below",
+}
+OPPOSITE: dict[str, str] = {"left": "right", "right": "left", "above": "below", "below": "above"}
+
+# One fixed 6x6 glyph per shape, centred in its 8x8 cell (1-pixel black margin), given as the
+# (first, last) filled column of rows 1..6. Every pair of glyphs differs in exactly 12 pixels,
+# so a mask within a few pixels of one template is unambiguous.
+_GLYPH_ROWS: dict[str, tuple[tuple[int, int], ...]] = {
+    "square": ((1, 6),) * 6,
+    "circle": ((3, 4), (2, 5), (1, 6), (1, 6), (2, 5), (3, 4)),
+    "triangle": ((3, 4), (3, 4), (2, 5), (2, 5), (1, 6), (1, 6)),
+}
+
+
+def _template(shape: str) -> np.ndarray:
+    mask = np.zeros((CELL, CELL), dtype=bool)
+    for row, (first, last) in enumerate(_GLYPH_ROWS[shape], start=1):
+        mask[row, first : last + 1] = True
+    return mask
+
+
+#: (3, CELL, CELL) bool masks in SHAPES order.
+TEMPLATES: np.ndarray = np.stack([_template(s) for s in SHAPES])
+
+Item = tuple[str, str]  # (colour, shape)
+
+#: Items in code order: code k >= 1 of the verifier is ITEMS[k - 1].
+ITEMS: tuple[Item, ...] = tuple((c, s) for c in COLORS for s in SHAPES)
+
+
+def _check_item(color: str, shape: str) -> None:
+    if color not in PALETTE:
+        raise ValueError(f"unknown colour {color!r}; allowed: {', '.join(COLORS)}")
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; allowed: {', '.join(SHAPES)}")
+
+
+@attrs.frozen
+class Placed:
+    """One object of a scene: an item drawn in grid cell (row, col), row 0 at the top."""
+
+    color: str
+    shape: str
+    row: int
+    col: int
+
+    def __attrs_post_init__(self) -> None:
+        _check_item(self.color, self.shape)
+        if not (0 <= self.row < GRID and 0 <= self.col < GRID):
+            raise ValueError(f"cell ({self.row}, {self.col}) outside the {GRID}x{GRID} grid")
+
+    @property
+    def item(self) -> Item:
+        return (self.color, self.shape)
+
+
+Scene = tuple[Placed, ...]
+
+
+@attrs.frozen
+class Spec:
+    """What a prompt asks for.
+
+    ``objects``: ((colour, shape, count), ...); ``relation`` (position prompts only): objects[0]
+    is ``relation`` of objects[1] ("left" = to the left of, by cell column; "above" by cell row).
+    """
+
+    category: str
+    objects: tuple[tuple[str, str, int], ...]
+    relation: str | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if self.category not in CATEGORIES:
+            raise ValueError(f"unknown category {self.category!r}; allowed: {', '.join(CATEGORIES)}")
+        for color, shape, count in self.objects:
+            _check_item(color, shape)
+            if not 1 <= count <= GRID * GRID:
+                raise ValueError(f"count {count} outside 1..{GRID * GRID}")
+        if (self.relation is None) != (self.category != "position"):
+            raise ValueError("a relation is given exactly for position prompts")
+        if self.relation is not None and self.relation not in RELATIONS:
+            raise ValueError(f"unknown relation {self.relation!r}; allowed: {', '.join(RELATIONS)}")
+        expected = _category_of(self.objects, self.relation)
+        if expected != self.category:
+            raise ValueError(f"objects {self.objects} with relation {self.relation} make a {expected!r} spec")
+
+    @property
+    def required(self) -> Counter:
+        """The multiset of items the image must show (and nothing else)."""
+        counts: Counter = Counter()
+        for color, shape, count in self.objects:
+            counts[(color, shape)] += count
+        return counts
+
+    @property
+    def prompt(self) -> str:
+        return prompt_of(self)
+
+    def key(self) -> tuple:
+        """The scene this spec denotes, independent of phrasing: "A and B" = "B and A",
+        "A right of B" = "B left of A"; used so that no scene is in both train and test."""
+        if self.category == "position":
+            (a, b), rel = self.objects, self.relation
+            if rel in ("right", "below"):
+                a, b, rel = b, a, OPPOSITE[rel]
+            return ("position", a, b, rel)
+        return (self.category, tuple(sorted(self.objects)))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "category": self.category,
+            "objects": [{"color": c, "shape": s, "count": n} for c, s, n in self.objects],
+            "relation": self.relation,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Spec:
+        objects = tuple((o["color"], o["shape"], int(o["count"])) for o in data["objects"])
+        return cls(category=data["category"], objects=objects, relation=data.get("relation"))
+
+
+def _category_of(objects: Sequence[tuple[str, str, int]], relation: str | None) -> str:
+    if len(objects) == 1:
+        if relation is not None:
+            raise ValueError("a relation needs two objects")
+        return "single" if objects[0][2] == 1 else "counting"
+    if len(objects) != 2 or any(n != 1 for _, _, n in objects):
+        raise ValueError("two-object prompts name exactly one of each object")
+    (ca, sa, _), (cb, sb, _) = objects
+    if (ca, sa) == (cb, sb):
+        raise ValueError(f"the two objects must differ, got two {ca} {sa}s")
+    if relation is not None:
+        return "position"
+    # GenEval's colour attribution binds two different colours to two different shapes; pairs
+    # that share a colour or a shape do not test binding and form the "two" category.
+    return "two" if (ca == cb or sa == sb) else "color_attr"
+
+
+# --- grammar --------------------------------------------------------------------------------------
+
+
+def _phrase(color: str, shape: str, count: int) -> str:
+    return f"a {color} {shape}" if count == 1 else f"{NUMBER_WORDS[count]} {color} {shape}s"
+
+
+def prompt_of(spec: Spec) -> str:
+    """The prompt text of a spec (the inverse of :func:`parse_prompt`)."""
+    words = [_phrase(*o) for o in spec.objects]
+    if spec.category == "position":
+        return f"{words[0]} {RELATION_WORDS[spec.relation]} {words[1]}"
+    return " and ".join(words)
+
+
+_NUM = "|".join(w for w in NUMBER_WORDS.values())
+_OBJ = rf"({_NUM}) ({'|'.join(COLORS)}) ({'|'.join(SHAPES)})(s?)"
+_REL = "|".join(RELATION_WORDS.values())
+_RE_ONE = re.compile(rf"^{_OBJ}$")
+_RE_AND = re.compile(rf"^{_OBJ} and {_OBJ}$")
+_RE_REL = re.compile(rf"^{_OBJ} ({_REL}) {_OBJ}$")
+_WORD_NUMBER = {w: n for n, w in NUMBER_WORDS.items()}
+_WORD_RELATION = {w: r for r, w in RELATION_WORDS.items()}
+
+
+def _obj(number: str, color: str, shape: str, plural: str, text: str) -> tuple[str, str, int]:
+    count = _WORD_NUMBER[number]
+    if (count == 1) == bool(plural):
+        raise ValueError(f"number and plural disagree in {text!r}")
+    return (color, shape, count)
+
+
+def parse_prompt(prompt: str) -> Spec:
+    """Parse a prompt of the grammar into its :class:`Spec` (case, extra spaces and a final full
+    stop are tolerated); raise ``ValueError`` naming the prompt if it is not in the grammar."""
+    text = " ".join(str(prompt).lower().split()).rstrip(".").strip()
+    try:
+        if m := _RE_ONE.match(text):
+            objects = (_obj(*m.groups(), text),)
+            return Spec(_category_of(objects, None), objects)
+        if m := _RE_AND.match(text):
+            g = m.groups()
+            objects = (_obj(*g[:4], text), _obj(*g[4:], text))
+            return Spec(_category_of(objects, None), objects)
+        if m := _RE_REL.match(text):
+            g = m.groups()
+            objects = (_obj(*g[:4], text), _obj(*g[5:], text))
+            return Spec("position", objects, _WORD_RELATION[g[4]])
+    except ValueError as exc:
+        raise ValueError(f"not a shapes prompt: {prompt!r} ({exc})") from None
+    raise ValueError(
+        f"not a shapes prompt: {prompt!r}; expected e.g. 'a red circle', 'three blue squares', "
+        "'a red circle and a blue square', 'a red square to the left of a green circle'"
+    )
+
+
+def all_specs(category: str) -> list[Spec]:
+    """Every spec of a category, in a fixed order (both phrasings of two-object scenes)."""
+    if category not in CATEGORIES:
+        raise ValueError(f"unknown category {category!r}; allowed: {', '.join(CATEGORIES)}")
+    if category == "single":
+        return [Spec("single", ((c, s, 1),)) for c, s in ITEMS]
+    if category == "counting":
+        return [Spec("counting", ((c, s, n),)) for c, s in ITEMS for n in COUNTS]
+    out = []
+    for a, b in itertools.permutations(ITEMS, 2):
+        objects = ((*a, 1), (*b, 1))
+        if category == "position":
+            out.extend(Spec("position", objects, r) for r in RELATIONS)
+        elif _category_of(objects, None) == category:
+            out.append(Spec(category, objects))
+    return out
+
+
+def all_prompts(categories: Iterable[str] = CATEGORIES) -> list[str]:
+    return [s.prompt for c in categories for s in all_specs(c)]
+
+
+def split(
+    seed: int = 0, test_per_category: int = 16, categories: Iterable[str] = CATEGORIES
+) -> tuple[list[str], list[str]]:
+    """Deterministic disjoint (train, test) prompt lists.
+
+    Per category, scenes (:meth:`Spec.key`, so both phrasings of one scene stay together) are
+    shuffled with ``seed``; the first ``min(test_per_category, scenes // 2)`` go to test with one
+    randomly chosen phrasing each, the other phrasings of test scenes are dropped, and every
+    phrasing of the remaining scenes is a train prompt. Both lists follow the category order and,
+    within a category, the order of :func:`all_specs`.
+    """
+    rng = np.random.default_rng(seed)
+    train: list[str] = []
+    test: list[str] = []
+    for category in categories:
+        groups: dict[tuple, list[Spec]] = {}
+        for spec in all_specs(category):
+            groups.setdefault(spec.key(), []).append(spec)
+        keys = list(groups)
+        order = rng.permutation(len(keys))
+        n_test = min(test_per_category, len(keys) // 2)
+        test_keys = {keys[i] for i in order[:n_test]}
+        chosen = {k: groups[k][int(rng.integers(len(groups[k])))] for k in (keys[i] for i in order[:n_test])}
+        for key, specs in groups.items():
+            if key in test_keys:
+                test.append(chosen[key].prompt)
+            else:
+                train.extend(s.prompt for s in specs)
+    return train, test
+
+
+# --- symbolic semantics -----------------------------------------------------------------------------
+
+
+def relation_holds(scene: Iterable[Placed], a: Item, b: Item, relation: str) -> bool:
+    """True iff both items are present and every (a, b) pair of instances is in the relation."""
+    cells_a = [(p.row, p.col) for p in scene if p.item == a]
+    cells_b = [(p.row, p.col) for p in scene if p.item == b]
+    if not cells_a or not cells_b:
+        return False
+    return all(_cells_in_relation(pa, pb, relation) for pa in cells_a for pb in cells_b)
+
+
+def match(scene: Iterable[Placed], spec: Spec, n_invalid: int = 0) -> tuple[int, int]:
+    """(met, total) constraints: the partial score is met / total, success is met == total.
+
+    The multiset Jaccard index of required and drawn items: met = |R ∩ D|; total = |R ∪ D| plus
+    one per invalid cell. Position prompts add the relation to both sides (met only when it
+    holds). So every required instance is one constraint and every extra object (or unreadable
+    cell) adds one unmet "nothing else" constraint.
+    """
+    scene = tuple(scene)
+    required = spec.required
+    drawn = Counter(p.item for p in scene)
+    met = sum(min(n, drawn[k]) for k, n in required.items())
+    total = sum(max(required[k], drawn[k]) for k in set(required) | set(drawn)) + n_invalid
+    if spec.relation is not None:
+        total += 1
+        a, b = (o[:2] for o in spec.objects)
+        met += relation_holds(scene, a, b, spec.relation)
+    return met, total
+
+
+def satisfies(scene: Iterable[Placed], spec: Spec) -> bool:
+    met, total = match(scene, spec)
+    return met == total
+
+
+# --- rendering --------------------------------------------------------------------------------------
+
+
+def render(scene: Iterable[Placed]) -> np.ndarray:
+    """The exact image of a scene: uint8 array (SIZE, SIZE, 3), glyphs on black."""
+    image = np.zeros((SIZE, SIZE, 3), dtype=np.uint8)
+    seen = set()
+    for p in scene:
+        if (p.row, p.col) in seen:
+            raise ValueError(f"two objects in cell ({p.row}, {p.col})")
+        seen.add((p.row, p.col))
+        block = image[p.row * CELL : (p.row + 1) * CELL, p.col * CELL : (p.col + 1) * CELL]
+        block[TEMPLATES[SHAPES.index(p.shape)]] = PALETTE[p.color]
+    return image
+
+
+def to_tensor(images: np.ndarray | Sequence[np.ndarray]) -> torch.Tensor:
+    """uint8 (H, W, 3) or (B, H, W, 3) arrays as float32 (B, 3, H, W) in [0, 1]."""
+    array = np.asarray(images)
+    if array.ndim == 3:
+        array = array[None]
+    return torch.from_numpy(np.ascontiguousarray(array.transpose(0, 3, 1, 2))).float() / 255.0
+
+
+def render_batch(scenes: Sequence[Iterable[Placed]]) -> torch.Tensor:
+    """Float32 (B, 3, SIZE, SIZE) in [0, 1]: the layout the policy produces and rewards receive."""
+    if not scenes:
+        return torch.zeros(0, 3, SIZE, SIZE)
+    return to_tensor(np.stack([render(s) for s in scenes]))
+
+
+# --- sampling scenes (pretraining pairs and caption noise) -------------------------------------------
+
+ALL_CELLS: tuple[tuple[int, int], ...] = tuple((r, c) for r in range(GRID) for c in range(GRID))
+PERTURBATIONS: tuple[str, ...] = ("count", "color", "shape", "position", "binding")
+
+
+def _rng(rng: np.random.Generator | int | None) -> np.random.Generator:
+    return rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng)
+
+
+def _as_spec(prompt: str | Spec) -> Spec:
+    return prompt if isinstance(prompt, Spec) else parse_prompt(prompt)
+
+
+def _cells_in_relation(ca: tuple[int, int], cb: tuple[int, int], relation: str) -> bool:
+    return {
+        "left": ca[1] < cb[1],
+        "right": ca[1] > cb[1],
+        "above": ca[0] < cb[0],
+        "below": ca[0] > cb[0],
+    }[relation]
+
+
+#: (relation, holds) -> every ordered pair of distinct cells for which the relation holds / fails.
+_PAIRS: dict[tuple[str, bool], list[tuple[tuple[int, int], tuple[int, int]]]] = {
+    (rel, holds): [
+        (ca, cb) for ca, cb in itertools.permutations(ALL_CELLS, 2) if _cells_in_relation(ca, cb, rel) == holds
+    ]
+    for rel in RELATIONS
+    for holds in (True, False)
+}
+
+
+def _pair_cells(relation: str, rng: np.random.Generator, holds: bool = True):
+    pairs = _PAIRS[(relation, holds)]
+    return pairs[int(rng.integers(len(pairs)))]
+
+
+def place(spec: Spec | str, rng: np.random.Generator | int | None = None) -> Scene:
+    """A uniformly random scene that satisfies the spec (random distinct cells)."""
+    spec, rng = _as_spec(spec), _rng(rng)
+    if spec.relation is not None:
+        (ca, sa, _), (cb, sb, _) = spec.objects
+        cell_a, cell_b = _pair_cells(spec.relation, rng)
+        return (Placed(ca, sa, *cell_a), Placed(cb, sb, *cell_b))
+    items = [(c, s) for c, s, n in spec.objects for _ in range(n)]
+    cells = rng.permutation(len(ALL_CELLS))[: len(items)]
+    return tuple(Placed(c, s, *ALL_CELLS[i]) for (c, s), i in zip(items, cells))
+
+
+def perturbations_for(spec: Spec) -> tuple[str, ...]:
+    """The caption-noise kinds that apply to a spec."""
+    kinds = ["count", "color", "shape"]
+    if spec.category == "position":
+        kinds.append("position")
+    if spec.category == "color_attr":
+        kinds.append("binding")
+    return tuple(kinds)
+
+
+def perturb(
+    scene: Scene, spec: Spec | str, rng: np.random.Generator | int | None = None, kind: str | None = None
+) -> Scene:
+    """A scene that does NOT satisfy ``spec``, made from ``scene`` by one mistake of ``kind``
+    (random among :func:`perturbations_for` when None):
+
+    - ``count``: one object fewer or one more (single prompts: always one more copy);
+    - ``color`` / ``shape``: every instance of one required item gets another colour / shape;
+    - ``position`` (position prompts): the two objects re-placed where the relation fails
+      (reversed, or level on that axis);
+    - ``binding`` (color_attr prompts): the two objects swap colours.
+    """
+    spec, rng = _as_spec(spec), _rng(rng)
+    allowed = perturbations_for(spec)
+    if kind is not None and kind not in allowed:
+        raise ValueError(f"perturbation {kind!r} does not apply to {spec.category!r}; allowed: {', '.join(allowed)}")
+    for _ in range(100):
+        k = kind if kind is not None else allowed[int(rng.integers(len(allowed)))]
+        out = _perturb_once(tuple(scene), spec, rng, k)
+        if out is not None and not satisfies(out, spec):
+            return out
+    raise RuntimeError(f"could not perturb {spec.prompt!r} with {kind!r}")  # pragma: no cover
+
+
+def _perturb_once(scene: Scene, spec: Spec, rng: np.random.Generator, kind: str) -> Scene | None:
+    if kind == "count":
+        used = {(p.row, p.col) for p in scene}
+        free = [c for c in ALL_CELLS if c not in used]
+        remove = len(scene) > 1 and (not free or rng.random() < 0.5)
+        if remove:
+            drop = int(rng.integers(len(scene)))
+            return tuple(p for i, p in enumerate(scene) if i != drop)
+        if not free:
+            return None
+        src = scene[int(rng.integers(len(scene)))]
+        cell = free[int(rng.integers(len(free)))]
+        return scene + (Placed(src.color, src.shape, *cell),)
+    if kind in ("color", "shape"):
+        color, shape, _ = spec.objects[int(rng.integers(len(spec.objects)))]
+        if kind == "color":
+            options = [c for c in COLORS if c != color]
+            new = options[int(rng.integers(len(options)))]
+            return tuple(attrs.evolve(p, color=new) if p.item == (color, shape) else p for p in scene)
+        options = [s for s in SHAPES if s != shape]
+        new = options[int(rng.integers(len(options)))]
+        return tuple(attrs.evolve(p, shape=new) if p.item == (color, shape) else p for p in scene)
+    if kind == "position":
+        (ca, sa, _), (cb, sb, _) = spec.objects
+        cell_a, cell_b = _pair_cells(spec.relation, rng, holds=False)
+        return (Placed(ca, sa, *cell_a), Placed(cb, sb, *cell_b))
+    if kind == "binding":
+        (ca, sa, _), (cb, sb, _) = spec.objects
+        swap = {(ca, sa): cb, (cb, sb): ca}
+        return tuple(attrs.evolve(p, color=swap.get(p.item, p.color)) for p in scene)
+    raise ValueError(f"unknown perturbation {kind!r}; allowed: {', '.join(PERTURBATIONS)}")
+
+
+def sample_scene(
+    prompt: str | Spec, rng: np.random.Generator | int | None = None, caption_noise: float = 0.0
+) -> Scene:
+    """A random scene for a prompt (a pretraining pair is (prompt, render(scene))).
+
+    With probability ``caption_noise`` the scene is instead made wrong by one :func:`perturb`
+    mistake while the caption stays the same (the noisy-caption pretraining that makes the base
+    model imperfect in the compositional way RL can fix).
+    """
+    if not 0.0 <= caption_noise <= 1.0:
+        raise ValueError(f"caption_noise must be in [0, 1], got {caption_noise!r}")
+    spec, rng = _as_spec(prompt), _rng(rng)
+    scene = place(spec, rng)
+    if rng.random() < caption_noise:
+        scene = perturb(scene, spec, rng)
+    return scene
+
+
+def sample_images(
+    prompts: Sequence[str | Spec], rng: np.random.Generator | int | None = None, caption_noise: float = 0.0
+) -> torch.Tensor:
+    """One random scene per prompt, rendered: float32 (B, 3, SIZE, SIZE) in [0, 1]."""
+    rng = _rng(rng)
+    return render_batch([sample_scene(p, rng, caption_noise) for p in prompts])

@@ -1,0 +1,193 @@
+"""``mixgrpo`` (MixGRPO): a sliding window of stochastic steps, ODE elsewhere, optional Flash.
+
+The window is ``window`` consecutive steps ``[start, start + window)`` that use the stochastic
+kernel and are trained; every other step is an Euler ODE step. ``step_index`` is (B, window), the
+same row for every sample.
+
+Where the window may be: inside ``[0, window_end)``, ``window_end`` defaulting to ``steps - 2``
+(the MixGRPO code passes ``sampling_steps - 2`` as its bound and never trains the last two
+steps). So the last allowed start is ``window_end - window``. Unlike the reference, whose window
+shrinks (and even becomes empty) near that bound, the window here always has its full size.
+
+How it moves: ``advance(iteration)`` (called by the trainer at the start of every iteration)
+places the window for that iteration, as a pure function of the iteration number:
+``shift = iteration // shift_every``.
+
+- ``progressive``: start = ``shift * stride`` from 0 (the highest noise). Past the last allowed
+  start, ``at_end: rollback`` goes back to 0 (positions cycle 0, stride, ..., last) and
+  ``at_end: stay`` stays at the last allowed start.
+- ``random``: start is drawn uniformly from [0, last allowed start] at every shift, from a
+  generator seeded with (``seed``, shift): reproducible, and the same after a resume.
+
+``flash: true`` (MixGRPO-Flash) replaces the Euler steps after the window by DPM-Solver++(2M)
+(kernel ``dpmpp2m``) on a compressed schedule: ``int((steps - last) * flash_ratio)`` points from
+the sigma reached after the window down to 0, ``last`` being the window's last step (the MixGRPO
+rule), at least 2 points (one step) and never more steps than the Euler steps it replaces. The
+points are the main schedule's tail resampled by linear interpolation in step index, so the
+compressed schedule keeps the shape (shift, flux, explicit) of the main one. The multistep
+history starts fresh after the window (its first step is first order). A higher-order solver is
+never used before the window.
+
+Initial noise is shared within a group (``share_noise``, as MixGRPO does); then the ODE prefix
+before the window is computed once per prompt (``share_prefix``), see ``fast``.
+
+State (``state_dict``): ``{"iteration": int, "window_start": int}``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from fgrpo.core.config import component, param
+from fgrpo.core.protocols import Policy, Trajectory
+from fgrpo.samplers import _rollout
+
+
+def flash_sigmas(sigmas: torch.Tensor, last: int, ratio: float) -> torch.Tensor | None:
+    """The compressed schedule after the window whose last step is ``last`` (None: nothing left)."""
+    steps = sigmas.shape[0] - 1
+    remaining = steps - (last + 1)
+    if remaining <= 0:
+        return None
+    points = min(max(int((steps - last) * ratio), 2), remaining + 1)
+    tail = sigmas[last + 1 :].to(torch.float64)
+    where = torch.linspace(0, remaining, points, dtype=torch.float64, device=sigmas.device)
+    below = where.floor().long().clamp(max=remaining - 1)
+    frac = where - below
+    out = tail[below] * (1 - frac) + tail[below + 1] * frac
+    out[0], out[-1] = tail[0], tail[-1]
+    return out.to(torch.float32)
+
+
+@attrs.define
+class MixGRPOSampler:
+    steps: int = param(10, ge=1, help="sampling steps")
+    window: int = param(4, ge=1, help="consecutive stochastic (trained) steps")
+    stride: int = param(1, ge=1, help="steps the window moves at each shift")
+    shift_every: int = param(25, ge=1, help="iterations between two shifts of the window")
+    strategy: str = param("progressive", choices=("progressive", "random"), help="how the window moves")
+    window_end: int | None = param(
+        None, ge=1, help="the window stays inside [0, window_end); null = steps - 2 (MixGRPO)"
+    )
+    at_end: str = param(
+        "rollback", choices=("rollback", "stay"), help="progressive, past the end: back to 0, or stay"
+    )
+    flash: bool = param(False, help="DPM-Solver++(2M) on a compressed schedule after the window")
+    flash_ratio: float = param(0.4, gt=0.0, le=1.0, help="compression of the steps after the window")
+    share_noise: bool = param(True, help="the G samples of a prompt start from the same initial noise")
+    share_prefix: bool = param(True, help="compute the ODE prefix once per prompt (needs share_noise)")
+    seed: int = param(0, help="seeds the random strategy's window draws")
+    schedule: dict | None = param(
+        None,
+        validator=_rollout.check_schedule,
+        help="null: the model's own sigmas; else a schedule mapping, e.g. {type: shift, shift: 3.0}",
+    )
+    kernel: Any = component("kernel", default="sde", help="the stochastic kernel of the window")
+    _iteration: int = attrs.field(init=False, default=0)
+    _start: int = attrs.field(init=False, default=0)
+    _ode: Any = attrs.field(init=False, default=None, repr=False)
+    _dpm: Any = attrs.field(init=False, default=None, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        _rollout.require_stochastic(self.kernel)
+        end = self.end
+        if not self.window <= end <= self.steps:
+            key = "window_end" if self.window_end is not None else "window"
+            raise _rollout.recipe_error(
+                key,
+                f"the window of {self.window} steps must fit in [0, window_end = {end}) with "
+                f"window_end <= steps ({self.steps}); window_end defaults to steps - 2",
+            )
+        self._start = self.window_start_at(0)
+
+    # --- the window schedule -------------------------------------------------------------------
+
+    @property
+    def end(self) -> int:
+        return self.steps - 2 if self.window_end is None else int(self.window_end)
+
+    @property
+    def last_start(self) -> int:
+        return self.end - self.window
+
+    @property
+    def window_start(self) -> int:
+        return self._start
+
+    def window_start_at(self, iteration: int) -> int:
+        """Where the window starts at ``iteration`` (a pure function of the iteration number)."""
+        shift = max(int(iteration), 0) // self.shift_every
+        last = self.last_start
+        if self.strategy == "random":
+            rng = torch.Generator(device="cpu").manual_seed((self.seed * 1_000_003 + shift) % 2**63)
+            return int(torch.randint(0, last + 1, (1,), generator=rng).item())
+        if self.at_end == "stay":
+            return min(shift * self.stride, last)
+        return (shift % (last // self.stride + 1)) * self.stride
+
+    def advance(self, iteration: int) -> None:
+        self._iteration = int(iteration)
+        self._start = self.window_start_at(iteration)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"iteration": self._iteration, "window_start": self._start}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        start = int(state["window_start"])
+        if not 0 <= start <= self.last_start:
+            raise ValueError(
+                f"saved window start {start} is outside [0, {self.last_start}] for "
+                f"steps {self.steps}, window {self.window}, window_end {self.end}"
+            )
+        self._iteration = int(state["iteration"])
+        self._start = start
+
+    # --- the rollout ---------------------------------------------------------------------------
+
+    def rollout(
+        self,
+        policy: Policy,
+        prompts: Sequence[str],
+        group_size: int,
+        *,
+        generator: torch.Generator | None = None,
+    ) -> Trajectory:
+        start = self._start
+        sigmas = _rollout.main_sigmas(policy, self.steps, self.schedule)
+        window = list(range(start, start + self.window))
+        trained = _rollout.trainable(self.kernel, sigmas, window)
+        if not trained:
+            raise ValueError(f"the kernel has std 0 on the whole window {window} of {sigmas.tolist()}")
+        if self._ode is None:
+            self._ode = _rollout.builtin_kernel("ode")
+        last = window[-1]
+        program = [_rollout.Step(self._ode, sigmas, i, "prefix") for i in range(start)]
+        program += [_rollout.Step(self.kernel, sigmas, i, "window") for i in window]
+        info: dict[str, Any] = {"window_start": start, "window": window, "iteration": self._iteration}
+        compressed = flash_sigmas(sigmas, last, self.flash_ratio) if self.flash else None
+        if compressed is not None:
+            if self._dpm is None:
+                self._dpm = _rollout.builtin_kernel("dpmpp2m")
+            program += [_rollout.Step(self._dpm, compressed, j, "flash") for j in range(len(compressed) - 1)]
+            info["flash_sigmas"] = compressed.tolist()
+        else:
+            program += [_rollout.Step(self._ode, sigmas, i, "suffix") for i in range(last + 1, self.steps)]
+        batch = len(prompts) * group_size
+        shared = start if (self.share_noise and self.share_prefix) else 0
+        return _rollout.run(
+            policy,
+            prompts,
+            group_size,
+            program=program,
+            sigmas=sigmas,
+            trained=torch.tensor(trained, dtype=torch.long).expand(batch, len(trained)).clone(),
+            share_noise=self.share_noise,
+            prefix=shared,
+            generator=generator,
+            phases=("prefix", "window", "flash" if self.flash else "suffix"),
+            info=info,
+        )

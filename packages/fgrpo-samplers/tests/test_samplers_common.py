@@ -1,0 +1,155 @@
+"""What every group sampler (full, fast, mixgrpo) must do, with the real kernels."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fgrpo.core import registry
+from fgrpo.core.config import RecipeError
+from fgrpo.core.protocols import Sampler, Trajectory
+
+PROMPTS = ["a red circle", "a blue square"]
+GROUP = 3
+BATCH = len(PROMPTS) * GROUP
+
+
+def gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+# (sampler name, recipe keys): together they cover every kernel and every way of choosing steps
+CASES = [
+    ("full", {"steps": 6}),
+    ("full", {"steps": 6, "timestep_fraction": 0.5, "random_subset": True, "kernel": {"name": "dance", "eta": 0.3}}),
+    ("full", {"steps": 6, "kernel": "cps", "share_noise": True}),
+    ("fast", {"steps": 6, "window": 2}),
+    ("fast", {"steps": 6, "window": 3, "share_prefix": False, "kernel": "cps"}),
+    ("mixgrpo", {"steps": 8, "window": 2}),
+    ("mixgrpo", {"steps": 8, "window": 2, "flash": True, "kernel": "dance"}),
+]
+IDS = [f"{name}-{i}" for i, (name, _) in enumerate(CASES)]
+
+
+@pytest.mark.parametrize(("name", "keys"), CASES, ids=IDS)
+@pytest.mark.parametrize("shape", [(4,), (2, 4, 4)], ids=["flat", "image"])
+def test_trajectory_shapes_and_dtypes(make_policy, name, keys, shape):
+    policy = make_policy(shape=shape)
+    sampler = registry.create("sampler", name, **keys)
+    assert isinstance(sampler, Sampler)
+    traj = sampler.rollout(policy, PROMPTS, GROUP, generator=gen())
+    assert isinstance(traj, Trajectory)
+    s = traj.num_trained_steps
+    assert traj.prompts == [p for p in PROMPTS for _ in range(GROUP)]
+    assert traj.group_index.tolist() == [0, 0, 0, 1, 1, 1]
+    assert traj.step_index.shape == (BATCH, s) and traj.step_index.dtype == torch.long
+    for t in (traj.latents, traj.next_latents, traj.means):
+        assert t.shape == (BATCH, s, *shape) and t.dtype == torch.float32
+    for t in (traj.log_probs, traj.stds):
+        assert t.shape == (BATCH, s) and t.dtype == torch.float32
+    assert (traj.stds > 0).all()
+    assert traj.final.shape == (BATCH, *shape) and traj.final.dtype == torch.float32
+    assert traj.sigmas.shape == (keys["steps"] + 1,)
+    assert traj.cond["mean"].shape == (BATCH, *shape)
+    assert traj.cond["length"].tolist() == [len(p) for p in traj.prompts]
+    assert policy.encoded == PROMPTS  # encoded once per prompt, then repeated
+    assert traj.nfe == sum(policy.rows) == sum(traj.info["nfe"].values())
+    assert json.dumps(sampler.state_dict())  # plain numbers only
+    # consecutive trained steps chain: the action of step j is the state of step j + 1
+    chained = traj.step_index[:, 1:] == traj.step_index[:, :-1] + 1
+    assert torch.equal(traj.next_latents[:, :-1][chained], traj.latents[:, 1:][chained])
+
+
+@pytest.mark.parametrize(("name", "keys"), CASES, ids=IDS)
+def test_log_probs_re_evaluate_bit_identically(make_policy, name, keys):
+    """The update re-runs the network on the stored (x, sigma) and keeps the stored x' fixed."""
+    policy = make_policy(shape=(2, 4, 4))
+    sampler = registry.create("sampler", name, **keys)
+    traj = sampler.rollout(policy, PROMPTS, GROUP, generator=gen(3))
+    for j in range(traj.num_trained_steps):
+        index = traj.step_index[:, j]
+        x = traj.latents[:, j]
+        v = policy.velocity(x, traj.sigmas[index], traj.cond)
+        again = sampler.kernel.step(v, x, traj.sigmas, index, prev_sample=traj.next_latents[:, j])
+        assert torch.equal(again.log_prob, traj.log_probs[:, j])
+        assert torch.equal(again.mean, traj.means[:, j])
+        assert torch.equal(again.std.reshape(BATCH, -1)[:, 0], traj.stds[:, j])
+
+
+@pytest.mark.parametrize(("name", "keys"), CASES[:1] + CASES[3:4] + CASES[5:6], ids=["full", "fast", "mixgrpo"])
+def test_same_seed_same_rollout(policy, name, keys):
+    a = registry.create("sampler", name, **keys).rollout(policy, PROMPTS, GROUP, generator=gen(7))
+    b = registry.create("sampler", name, **keys).rollout(policy, PROMPTS, GROUP, generator=gen(7))
+    c = registry.create("sampler", name, **keys).rollout(policy, PROMPTS, GROUP, generator=gen(8))
+    assert torch.equal(a.final, b.final) and torch.equal(a.log_probs, b.log_probs)
+    assert not torch.equal(a.final, c.final)
+
+
+# NFE = sum over velocity calls of rows x evaluations_per_call; P = 2 prompts, G = 3, B = 6.
+NFE_CASES = [
+    # every step at batch B: 8 steps x 6
+    ("full", {"steps": 8}, None, 48),
+    ("full", {"steps": 8, "timestep_fraction": 0.5}, None, 48),
+    # window at 3: prefix 3 steps x P=2 (shared), then 5 steps x 6  ->  6 + 30
+    ("fast", {"steps": 8, "window_start_range": [3, 4]}, None, 36),
+    # the same recomputing the prefix per sample: 8 x 6
+    ("fast", {"steps": 8, "window_start_range": [3, 4], "share_prefix": False}, None, 48),
+    # window [0, 2): nothing before it -> 8 x 6
+    ("mixgrpo", {"steps": 8, "window": 2}, 0, 48),
+    # iteration 50 with shift_every 25 -> window [2, 4): prefix 2 x 2 + 6 x 6
+    ("mixgrpo", {"steps": 8, "window": 2}, 50, 40),
+    # flash, window [2, 4): prefix 2 x 2, window 2 x 6, then int((8 - 3) * 0.4) = 2 points = 1 step x 6
+    ("mixgrpo", {"steps": 8, "window": 2, "flash": True}, 50, 22),
+    # 25 steps, window [0, 4), flash: 4 x 6 + (int((25 - 3) * 0.4) = 8 points -> 7 steps) x 6
+    ("mixgrpo", {"steps": 25, "window": 4, "flash": True}, 0, 66),
+]
+
+
+@pytest.mark.parametrize("cfg", [False, True], ids=["no-cfg", "cfg"])
+@pytest.mark.parametrize(("name", "keys", "iteration", "expected"), NFE_CASES)
+def test_nfe(make_policy, name, keys, iteration, expected, cfg):
+    policy = make_policy(guidance=4.5 if cfg else None)
+    sampler = registry.create("sampler", name, **keys)
+    if iteration is not None:
+        sampler.advance(iteration)
+    traj = sampler.rollout(policy, PROMPTS, GROUP, generator=gen())
+    factor = 2 if cfg else 1
+    assert traj.nfe == expected * factor
+    assert sum(policy.rows) * factor == traj.nfe
+    assert traj.info["nfe_per_sample"] == pytest.approx(expected * factor / BATCH)
+
+
+def test_registry_builds_nested_kernel_and_rejects_bad_keys():
+    sampler = registry.create("sampler", "mixgrpo", kernel={"name": "sde", "eta": 0.7}, steps=25, flash=True)
+    assert type(sampler).__name__ == "MixGRPOSampler" and sampler.kernel.eta == 0.7
+
+    with pytest.raises(RecipeError) as bad:
+        registry.create("sampler", "mixgrpo", windw=3, strategy="sometimes", kernel={"name": "sde", "eta": -1})
+    keys = {e.key for e in bad.value.errors}
+    assert keys == {"sampler.windw", "sampler.strategy", "sampler.kernel.eta"}
+    assert "did you mean 'window'" in str(bad.value)
+
+    for name, keys, key in [
+        ("full", {"kernel": "ode"}, "sampler.kernel"),  # a deterministic kernel cannot be trained
+        ("full", {"timestep_fraction": 0.05}, "sampler.timestep_fraction"),  # int(10 * 0.05) = 0
+        ("full", {"timestep_fraction": 1.5}, "sampler.timestep_fraction"),
+        ("fast", {"window": 11}, "sampler.window"),
+        ("fast", {"window_start_range": [3, 2]}, "sampler.window_start_range"),
+        ("fast", {"window_start_range": [0, 10]}, "sampler.window_start_range"),  # window would overflow
+        ("mixgrpo", {"window_end": 3}, "sampler.window_end"),  # window 4 does not fit in [0, 3)
+        ("mixgrpo", {"at_end": "wrap"}, "sampler.at_end"),
+        ("mixgrpo", {"schedule": {"type": "cosine"}}, "sampler.schedule"),
+    ]:
+        with pytest.raises(RecipeError) as bad:
+            registry.create("sampler", name, **keys)
+        assert [e.key for e in bad.value.errors] == [key], (name, keys)
+
+
+def test_schedule_key(policy):
+    sampler = registry.create("sampler", "full", steps=4, schedule={"type": "linear"})
+    traj = sampler.rollout(policy, PROMPTS[:1], 2, generator=gen())
+    assert traj.sigmas.tolist() == [1.0, 0.75, 0.5, 0.25, 0.0]
+    default = registry.create("sampler", "full", steps=4).rollout(policy, PROMPTS[:1], 2, generator=gen())
+    assert torch.equal(default.sigmas, policy.sigmas(4))

@@ -1,0 +1,64 @@
+"""The ``full`` sampler: every step stochastic; which of them are trained."""
+
+from __future__ import annotations
+
+import torch
+
+from fgrpo.core import registry
+
+
+def gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def test_timestep_fraction_trains_the_first_steps_in_order(policy):
+    # flow_grpo: 10 steps, fraction 0.99 -> int(9.9) = 9 trained steps, 0..8
+    sampler = registry.create("sampler", "full", steps=10, timestep_fraction=0.99)
+    traj = sampler.rollout(policy, ["a", "b"], 2, generator=gen())
+    assert traj.step_index.tolist() == [list(range(9))] * 4
+    assert traj.nfe == 10 * 4  # every step is still sampled (with the kernel)
+    assert traj.info["phases"] == ["sde"] * 10
+
+
+def test_random_subset_is_drawn_per_sample_from_the_generator(policy):
+    # DanceGRPO: fraction 0.6 of 10 steps = 6 steps, a different random subset for each sample
+    sampler = registry.create("sampler", "full", steps=10, timestep_fraction=0.6, random_subset=True)
+    traj = sampler.rollout(policy, ["a", "b"], 4, generator=gen(1))
+    rows = traj.step_index.tolist()
+    assert all(len(set(r)) == 6 and r == sorted(r) and 0 <= r[0] and r[-1] <= 9 for r in rows)
+    assert len({tuple(r) for r in rows}) > 1
+    again = sampler.rollout(policy, ["a", "b"], 4, generator=gen(1))
+    assert torch.equal(again.step_index, traj.step_index)
+    assert torch.equal(again.final, traj.final)
+
+
+def test_share_noise_gives_a_group_one_start(make_policy):
+    policy = make_policy()
+    shared = registry.create("sampler", "full", steps=4, share_noise=True)
+    traj = shared.rollout(policy, ["a", "b"], 3, generator=gen())
+    first = traj.latents[:, 0]  # the initial noise
+    assert torch.equal(first[0], first[1]) and torch.equal(first[0], first[2])
+    assert not torch.equal(first[0], first[3])
+    assert not torch.equal(traj.next_latents[0, 0], traj.next_latents[1, 0])  # then they diverge
+    independent = registry.create("sampler", "full", steps=4).rollout(policy, ["a", "b"], 3, generator=gen())
+    assert not torch.equal(independent.latents[0, 0], independent.latents[1, 0])
+
+
+def test_cps_step_to_zero_is_never_trained(policy):
+    # cps has std sigma' * sin(eta pi / 2): 0 on the last step, which goes to sigma' = 0
+    sigmas = policy.sigmas(5)
+    assert sigmas[-1] == 0
+    sampler = registry.create("sampler", "full", steps=5, kernel="cps")
+    traj = sampler.rollout(policy, ["a"], 3, generator=gen())
+    assert traj.step_index.tolist() == [[0, 1, 2, 3]] * 3
+    assert (traj.stds > 0).all()
+    subset = registry.create("sampler", "full", steps=5, kernel="cps", random_subset=True)
+    for seed in range(10):
+        traj = subset.rollout(policy, ["a"], 3, generator=gen(seed))
+        assert traj.num_trained_steps == 4 and (traj.step_index < 4).all()
+    # the explicit schedule of a recipe behaves the same
+    explicit = registry.create(
+        "sampler", "full", steps=3, kernel="cps", schedule={"type": "explicit", "values": [1.0, 0.6, 0.2, 0.0]}
+    )
+    traj = explicit.rollout(policy, ["a"], 2, generator=gen())
+    assert traj.step_index.tolist() == [[0, 1]] * 2
