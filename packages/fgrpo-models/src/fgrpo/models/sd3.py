@@ -103,14 +103,16 @@ class SD3Policy:
         return cls(path=str(path), pipeline=pipeline, **keys)
 
     def __attrs_post_init__(self) -> None:
+        if self.lora is None and self.lora_path is not None:
+            raise ValueError("model.lora_path needs a LoRA adapter; set model.lora (rank > 0)")
         self.device = dx.resolve_device(self.device)
         self._torch_dtype = dx.parse_dtype(self.dtype)
         if self._pipeline is None:
             self._pipeline = self._load(self.path)
         pipe = self._pipeline
-        pipe.to(self.device)
-        if any(m is not None and m.dtype != self._torch_dtype for m in _modules(pipe)):
+        if any(m.dtype != self._torch_dtype for m in _modules(pipe)):
             pipe.to(dtype=self._torch_dtype)  # only when needed: diffusers warns on every cast
+        pipe.to(self.device)
         if hasattr(pipe, "set_progress_bar_config"):
             pipe.set_progress_bar_config(disable=True)
         transformer = pipe.transformer
@@ -120,8 +122,6 @@ class SD3Policy:
             if self.lora_path is not None:
                 self.load_trainable_state_dict(dx.read_lora_file(self.lora_path))
         else:
-            if self.lora_path is not None:
-                raise ValueError("model.lora_path needs a LoRA adapter; set model.lora (rank > 0)")
             transformer.requires_grad_(True)
         if self.gradient_checkpointing:
             transformer.enable_gradient_checkpointing()

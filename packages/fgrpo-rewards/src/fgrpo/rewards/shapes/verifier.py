@@ -194,6 +194,8 @@ def evaluate(
     if len(prompts) != images.shape[0]:
         raise ValueError(f"{images.shape[0]} images but {len(prompts)} prompts")
     metadata = list(metadata) if metadata is not None else [{}] * len(prompts)
+    if len(metadata) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(metadata)} metadata entries")
     specs = [spec_for(p, m) for p, m in zip(prompts, metadata)]
     reading = read_cells(images, pixel_tolerance, glyph_tolerance)
     n_invalid = reading.n_invalid.tolist()

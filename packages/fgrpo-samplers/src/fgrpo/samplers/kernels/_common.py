@@ -150,17 +150,19 @@ def gaussian_log_prob(
 
     ``normalized``: -(x'-mu)^2/(2 std^2) - log std - log(2 pi)/2 (the exact density); otherwise
     -(x'-mu)^2 (the unnormalised form of the CPS reference code). Where std == 0 the step is
-    deterministic and the log-prob is 0 (never NaN). The action is detached: gradients reach the
+    deterministic and the log-prob is 0 (never NaN). In float32 the density of an action far
+    from the mean under a std below ~1e-19 can fall below the float32 range: it is then -inf
+    (sampled actions and their re-evaluation stay finite). The action is detached: gradients reach the
     log-prob through ``mean`` only. Returns float32 of shape (batch,).
     """
     x = prev_sample.detach()
     positive = std > 0
-    sq = (x - mean) ** 2
     if normalized:
         safe = torch.where(positive, std, torch.ones_like(std))
-        lp = -sq / (2 * safe**2) - torch.log(safe) - _HALF_LOG_2PI
+        # (x' - mu) / std first: std^2 would underflow for std < 1e-19
+        lp = -0.5 * ((x - mean) / safe) ** 2 - torch.log(safe) - _HALF_LOG_2PI
     else:
-        lp = -sq
+        lp = -((x - mean) ** 2)
     lp = torch.where(positive, lp, torch.zeros_like(lp))
     return lp.reshape(lp.shape[0], -1).mean(dim=1)
 

@@ -1,0 +1,134 @@
+"""The trainer on the vector policy: it learns, it is on-policy, it refuses bad input, it logs."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from rich.console import Console
+
+from fgrpo.core import cli, recipe as recipe_mod
+from fgrpo.core.phases import RewardError, score
+from fgrpo.core.recipe import RewardSpec
+from fgrpo.core.protocols import RewardResult
+from fgrpo.core.runlog import read_metrics
+from fgrpo.core.trainer import build_run, iteration, train
+
+QUIET = Console(quiet=True)
+REQUIRED_METRICS = (
+    "iteration reward_mean reward_std reward/target-distance ratio_mean clipfrac approx_kl policy_loss kl "
+    "zero_std_ratio nfe_rollout nfe_train time_rollout_s time_reward_s time_train_s time_iteration_s samples_per_s"
+).split()
+
+
+def vector_recipe(root, *overrides):
+    return recipe_mod.load(root / "recipes" / "vector.yaml", list(overrides))
+
+
+def test_vector_recipe_learns(root):
+    recipe = vector_recipe(root)
+    run = build_run(recipe, out_dir=None, console=QUIET, quiet=True)
+    first = [iteration(run, it)["reward_mean"] for it in range(3)]
+    for it in range(3, recipe.train.iterations - 3):
+        iteration(run, it)
+    last = [iteration(run, it)["reward_mean"] for it in range(recipe.train.iterations - 3, recipe.train.iterations)]
+    before, after = sum(first) / 3, sum(last) / 3
+    # the reward is -distance to the prompt's target; the base ignores the prompt
+    assert after > before + 0.5, (before, after)
+
+
+def test_first_ratio_is_exactly_one(root):
+    run = build_run(vector_recipe(root), out_dir=None, console=QUIET, quiet=True)
+    metrics = iteration(run, 0)
+    assert metrics["first_ratio_deviation"] == 0.0
+    assert metrics["ratio_mean"] == 1.0
+
+
+@pytest.mark.parametrize("recipe_name", ["vector.yaml"])
+def test_check_passes_on_shipped_recipes(root, recipe_name, capsys):
+    assert cli.main(["check", str(root / "recipes" / recipe_name)]) == 0
+    assert "on-policy check passed" in capsys.readouterr().out
+
+
+def test_check_fails_with_a_diagnosis_on_a_dtype_mismatch(root, capsys):
+    code = cli.main(["check", str(root / "recipes" / "vector.yaml"), "--set", "train.rollout_precision=bfloat16"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "on-policy check FAILED" in out
+    assert "diagnosis: the rollout ran under bfloat16 autocast" in out
+
+
+def test_run_directory_contents(root, tmp_path):
+    out = tmp_path / "run"
+    code = cli.main(
+        ["compose", str(root / "recipes" / "vector.yaml"), "--out", str(out), "--quiet",
+         "--set", "train.iterations=4", "--set", "train.checkpoint_every=2", "--set", "eval.every=2"]
+    )
+    assert code == 0
+    rows = read_metrics(out)
+    assert [r["iteration"] for r in rows] == [0, 1, 2, 3, 4]  # 0 = the evaluation of the base
+    for row in rows[1:]:
+        for key in REQUIRED_METRICS:
+            assert key in row, key
+            assert isinstance(row[key], (int, float)) and math.isfinite(row[key]), (key, row[key])
+    assert "eval/reward_mean" in rows[0] and "eval/reward_mean" in rows[2]
+    assert (out / "recipe.resolved.yaml").is_file()
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+    assert (out / "checkpoints" / "last").resolve().name == "iter_000004"
+    assert (out / "checkpoints" / "last" / "trainable.safetensors").is_file()
+    assert sorted(p.name for p in (out / "checkpoints").glob("iter_*")) == ["iter_000002", "iter_000004"]
+    assert (out / "curves.png").is_file()
+
+
+def test_existing_run_is_not_overwritten(root, tmp_path, capsys):
+    args = ["compose", str(root / "recipes" / "vector.yaml"), "--out", str(tmp_path), "--quiet", "--set", "train.iterations=1"]
+    assert cli.main(args) == 0
+    assert cli.main(args) == 2
+    assert "already holds a run; pass --resume" in capsys.readouterr().err
+
+
+def test_resume_against_a_different_recipe_is_refused(root, tmp_path, capsys):
+    base = ["compose", str(root / "recipes" / "vector.yaml"), "--out", str(tmp_path), "--quiet", "--set", "train.iterations=2"]
+    assert cli.main(base) == 0
+    code = cli.main(base + ["--resume", "--set", "train.lr=0.01", "--set", "sampler.kernel.eta=0.5", "--set", "train.iterations=3"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "train.lr: 0.001 in the checkpoint, 0.01 now" in err
+    assert "sampler.kernel.eta: 0.7 in the checkpoint, 0.5 now" in err
+    assert "train.iterations" not in err  # extending a run is allowed
+
+
+class _Broken:
+    def __init__(self, value):
+        self.value = value
+
+    def __call__(self, outputs, prompts, metadata):
+        scores = torch.zeros(len(prompts))
+        if self.value == "shape":
+            return RewardResult(scores=scores[:-1])
+        scores[3] = self.value
+        return RewardResult(scores=scores)
+
+
+@pytest.mark.parametrize("value, message", [
+    (float("nan"), "reward 'bad' returned nan for the batch of iteration 7 (sample 3, prompt 'p3'; 1 non-finite of 6)"),
+    (float("inf"), "reward 'bad' returned inf for the batch of iteration 7"),
+    ("shape", "reward 'bad' returned scores of shape (5,) for the batch of iteration 7 of 6 samples; expected (6,)"),
+])
+def test_bad_reward_output_is_refused_before_the_update(value, message):
+    spec = RewardSpec("bad", "bad", 1.0, {})
+    prompts = [f"p{i}" for i in range(6)]
+    with pytest.raises(RewardError) as info:
+        score([(spec, _Broken(value))], torch.zeros(6, 2), prompts, [{}] * 6, where="the batch of iteration 7")
+    assert message in str(info.value)
+
+
+def test_objective_kl_uses_the_reference_with_gradient(root):
+    recipe = vector_recipe(root, "objective.beta=0.1", "model.lora_rank=4")
+    run = build_run(recipe, out_dir=None, console=QUIET, quiet=True)
+    iteration(run, 0)
+    metrics = iteration(run, 1)
+    assert metrics["kl"] > 0  # LoRA moved away from the reference after one step
+    assert metrics["nfe_train"] == 2 * metrics["nfe_rollout"]
