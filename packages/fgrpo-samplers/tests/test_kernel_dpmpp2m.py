@@ -92,6 +92,7 @@ def _velocity(x, sigma):
     return torch.sin(3 * x) * sigma + 0.5 * x - 0.3
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.parametrize("start_at_one", [False, True])
 def test_matches_diffusers_dpm_solver_multistep(start_at_one):
     diffusers = pytest.importorskip("diffusers")

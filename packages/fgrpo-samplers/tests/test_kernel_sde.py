@@ -6,6 +6,7 @@ std = g sqrt(-dt). The numbers below were worked out by hand for eta = 0.7.
 
 import math
 
+import pytest
 import torch
 
 from fgrpo.core import registry
@@ -79,3 +80,19 @@ def test_matches_the_unfused_reference_form():
     sigma, dt = 0.7, 0.2 - 0.7
     g2 = 0.49 * sigma / (1 - sigma)
     torch.testing.assert_close(out.mean, x + v * dt + g2 / (2 * sigma) * (x + (1 - sigma) * v) * dt)
+
+
+def test_noise_and_prev_sample_together_are_refused():
+    k = registry.create("kernel", "sde")
+    with pytest.raises(ValueError, match="at most one"):
+        k.step(V, X, torch.tensor([1.0, 0.5, 0.0]), 0, noise=torch.zeros_like(X), prev_sample=X)
+
+
+def test_sigmas_on_another_dtype_and_a_bf16_action():
+    # float64 sigmas are used as float32; a stored bf16 action is evaluated as its float32 value
+    k = registry.create("kernel", "sde")
+    sigmas = torch.tensor([1.0, 0.6, 0.4, 0.0], dtype=torch.float64)
+    action = (X + 0.1).to(torch.bfloat16)
+    a = k.step(V, X, sigmas, 1, prev_sample=action)
+    b = k.step(V, X, sigmas.float(), 1, prev_sample=action.float())
+    assert torch.equal(a.log_prob, b.log_prob) and a.log_prob.dtype == torch.float32

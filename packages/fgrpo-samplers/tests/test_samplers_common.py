@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fgrpo.core import registry
-from fgrpo.core.config import RecipeError
+from fgrpo.core.config import RecipeError, check_params
 from fgrpo.core.protocols import Sampler, Trajectory
 
 PROMPTS = ["a red circle", "a blue square"]
@@ -131,20 +131,36 @@ def test_registry_builds_nested_kernel_and_rejects_bad_keys():
     assert keys == {"sampler.windw", "sampler.strategy", "sampler.kernel.eta"}
     assert "did you mean 'window'" in str(bad.value)
 
-    for name, keys, key in [
-        ("full", {"kernel": "ode"}, "sampler.kernel"),  # a deterministic kernel cannot be trained
-        ("full", {"timestep_fraction": 0.05}, "sampler.timestep_fraction"),  # int(10 * 0.05) = 0
+    for name, keys, key in CROSS_KEY_ERRORS + [
         ("full", {"timestep_fraction": 1.5}, "sampler.timestep_fraction"),
-        ("fast", {"window": 11}, "sampler.window"),
-        ("fast", {"window_start_range": [3, 2]}, "sampler.window_start_range"),
-        ("fast", {"window_start_range": [0, 10]}, "sampler.window_start_range"),  # window would overflow
-        ("mixgrpo", {"window_end": 3}, "sampler.window_end"),  # window 4 does not fit in [0, 3)
         ("mixgrpo", {"at_end": "wrap"}, "sampler.at_end"),
         ("mixgrpo", {"schedule": {"type": "cosine"}}, "sampler.schedule"),
     ]:
         with pytest.raises(RecipeError) as bad:
             registry.create("sampler", name, **keys)
         assert [e.key for e in bad.value.errors] == [key], (name, keys)
+
+
+# errors that involve several keys: raised when building, and reported by check_keys without building
+CROSS_KEY_ERRORS = [
+    ("full", {"kernel": "ode"}, "sampler.kernel"),  # a deterministic kernel cannot be trained
+    ("fast", {"kernel": {"name": "dpmpp2m"}}, "sampler.kernel"),
+    ("full", {"timestep_fraction": 0.05}, "sampler.timestep_fraction"),  # int(10 * 0.05) = 0
+    ("fast", {"window": 11}, "sampler.window"),
+    ("fast", {"window_start_range": [3, 2]}, "sampler.window_start_range"),
+    ("fast", {"window_start_range": [0, 10]}, "sampler.window_start_range"),  # window would overflow
+    ("mixgrpo", {"window_end": 3}, "sampler.window_end"),  # window 4 does not fit in [0, 3)
+    ("mixgrpo", {"steps": 5}, "sampler.window"),  # window 4 does not fit in [0, 5 - 2)
+]
+
+
+@pytest.mark.parametrize(("name", "keys", "key"), CROSS_KEY_ERRORS)
+def test_check_keys_reports_cross_key_errors_without_building(name, keys, key):
+    cls = registry.load("sampler", name)
+    checked, errors = check_params(cls, keys, "sampler")
+    assert errors == []
+    assert [e.key for e in cls.check_keys(checked, "sampler")] == [key]
+    assert cls.check_keys(check_params(cls, {}, "sampler")[0], "sampler") == []
 
 
 def test_schedule_key(policy):

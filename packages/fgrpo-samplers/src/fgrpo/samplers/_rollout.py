@@ -36,9 +36,6 @@ from fgrpo.core import tensors
 from fgrpo.core.config import ConfigError, RecipeError
 from fgrpo.core.protocols import Kernel, Policy, Trajectory
 
-#: The key prefix used in errors that involve several keys of a sampler (the recipe's section).
-SECTION = "sampler"
-
 
 @attrs.frozen
 class Step:
@@ -51,10 +48,6 @@ class Step:
 
 
 # --- recipe helpers ----------------------------------------------------------------------------
-
-
-def recipe_error(key: str, message: str) -> RecipeError:
-    return RecipeError([ConfigError(f"{SECTION}.{key}", message)])
 
 
 def check_schedule(_instance: Any, _attribute: Any, value: Any) -> None:
@@ -71,14 +64,40 @@ def check_schedule(_instance: Any, _attribute: Any, value: Any) -> None:
         raise ValueError(f"got {dict(value)!r}; {exc}") from None
 
 
-def require_stochastic(kernel: Kernel) -> None:
-    if not getattr(kernel, "stochastic", False):
-        name = type(kernel).__name__
-        raise recipe_error(
-            "kernel",
-            f"got the deterministic kernel {name}; a sampler trains its kernel's steps and needs "
-            "a stochastic one (sde, dance, cps)",
-        )
+def key(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def kernel_error(spec: Any, prefix: str) -> ConfigError | None:
+    """An error if the kernel (a name, a {name: ...} mapping or a built kernel) is deterministic."""
+    from fgrpo.core import registry
+
+    target = spec
+    name = spec if isinstance(spec, str) else spec.get("name") if isinstance(spec, Mapping) else None
+    if name is not None:
+        try:
+            target = registry.load("kernel", str(name))
+        except registry.ComponentError:
+            return None  # reported by the registry's own check of the kernel key
+    if getattr(target, "stochastic", False):
+        return None
+    shown = name if name is not None else type(spec).__name__
+    return ConfigError(
+        key(prefix, "kernel"),
+        f"got the deterministic kernel {shown!r}; a sampler trains its kernel's steps and needs a "
+        "stochastic one (sde, dance, cps)",
+    )
+
+
+def raise_errors(errors: Sequence[ConfigError | None]) -> None:
+    found = [e for e in errors if e is not None]
+    if found:
+        raise RecipeError(found)
+
+
+def field_values(instance: Any) -> dict[str, Any]:
+    """The recipe keys of a built component, as its ``check_keys`` expects them."""
+    return {f.name: getattr(instance, f.name) for f in attrs.fields(type(instance)) if f.init}
 
 
 def builtin_kernel(name: str) -> Kernel:

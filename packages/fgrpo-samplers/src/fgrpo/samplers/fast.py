@@ -22,7 +22,7 @@ from typing import Any
 import attrs
 import torch
 
-from fgrpo.core.config import component, param
+from fgrpo.core.config import ConfigError, component, param
 from fgrpo.core.protocols import Policy, Trajectory
 from fgrpo.samplers import _rollout
 
@@ -46,21 +46,32 @@ class FastSampler:
     _ode: Any = attrs.field(init=False, default=None, repr=False)
 
     def __attrs_post_init__(self) -> None:
-        _rollout.require_stochastic(self.kernel)
-        if self.window > self.steps:
-            raise _rollout.recipe_error("window", f"got {self.window}; allowed: <= steps ({self.steps})")
-        if self.window_start_range is not None and len(self.window_start_range) != 2:
-            raise _rollout.recipe_error(
-                "window_start_range", f"got {self.window_start_range!r}; expected [low, high]"
-            )
-        low, high = self.start_range
-        last = self.steps - self.window
-        if not 0 <= low < high or high - 1 > last:
-            raise _rollout.recipe_error(
-                "window_start_range",
-                f"got [{low}, {high}); allowed: 0 <= low < high <= {last + 1} "
-                f"(the window of {self.window} must fit in {self.steps} steps)",
-            )
+        _rollout.raise_errors(self.check_keys(_rollout.field_values(self)))
+
+    @classmethod
+    def check_keys(cls, keys: Mapping[str, Any], prefix: str = "sampler") -> list[ConfigError]:
+        """The errors that involve several keys (each key's own checks are its field's).
+
+        ``keys``: the recipe keys after the per-key checks (absent keys are not checked here).
+        """
+        errors = [_rollout.kernel_error(keys["kernel"], prefix)] if "kernel" in keys else []
+        if "steps" not in keys or "window" not in keys:
+            return [e for e in errors if e is not None]
+        steps, window = keys["steps"], keys["window"]
+        if window > steps:
+            errors.append(ConfigError(_rollout.key(prefix, "window"), f"got {window}; allowed: <= steps ({steps})"))
+        elif keys.get("window_start_range") is not None:
+            given = list(keys["window_start_range"])
+            last = steps - window
+            if len(given) != 2 or not 0 <= given[0] < given[1] <= last + 1:
+                errors.append(
+                    ConfigError(
+                        _rollout.key(prefix, "window_start_range"),
+                        f"got {given!r}; allowed: [low, high) with 0 <= low < high <= {last + 1} "
+                        f"(the window of {window} must fit in {steps} steps)",
+                    )
+                )
+        return [e for e in errors if e is not None]
 
     @property
     def start_range(self) -> tuple[int, int]:

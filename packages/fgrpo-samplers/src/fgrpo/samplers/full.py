@@ -19,7 +19,7 @@ from typing import Any
 import attrs
 import torch
 
-from fgrpo.core.config import component, param
+from fgrpo.core.config import ConfigError, component, param
 from fgrpo.core.protocols import Policy, Trajectory
 from fgrpo.samplers import _rollout
 
@@ -44,13 +44,26 @@ class FullSampler:
     kernel: Any = component("kernel", default="sde", help="the stochastic kernel of every step")
 
     def __attrs_post_init__(self) -> None:
-        _rollout.require_stochastic(self.kernel)
-        if self.num_trained < 1:
-            raise _rollout.recipe_error(
-                "timestep_fraction",
-                f"got {self.timestep_fraction!r}: int({self.steps} * {self.timestep_fraction!r}) = 0 "
-                f"trained steps; allowed: >= {1 / self.steps:g} for {self.steps} steps",
-            )
+        _rollout.raise_errors(self.check_keys(_rollout.field_values(self)))
+
+    @classmethod
+    def check_keys(cls, keys: Mapping[str, Any], prefix: str = "sampler") -> list[ConfigError]:
+        """The errors that involve several keys (each key's own checks are its field's).
+
+        ``keys``: the recipe keys after the per-key checks (absent keys are not checked here).
+        """
+        errors = [_rollout.kernel_error(keys["kernel"], prefix)] if "kernel" in keys else []
+        if "steps" in keys and "timestep_fraction" in keys:
+            steps, fraction = keys["steps"], keys["timestep_fraction"]
+            if int(steps * fraction) < 1:
+                errors.append(
+                    ConfigError(
+                        _rollout.key(prefix, "timestep_fraction"),
+                        f"got {fraction!r}: int({steps} * {fraction!r}) = 0 trained steps; "
+                        f"allowed: >= {1 / steps:g} for {steps} steps",
+                    )
+                )
+        return [e for e in errors if e is not None]
 
     @property
     def num_trained(self) -> int:

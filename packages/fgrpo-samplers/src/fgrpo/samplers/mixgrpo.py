@@ -17,7 +17,10 @@ places the window for that iteration, as a pure function of the iteration number
   start, ``at_end: rollback`` goes back to 0 (positions cycle 0, stride, ..., last) and
   ``at_end: stay`` stays at the last allowed start.
 - ``random``: start is drawn uniformly from [0, last allowed start] at every shift, from a
-  generator seeded with (``seed``, shift): reproducible, and the same after a resume.
+  generator seeded with (``seed``, shift): reproducible, and the same after a resume
+  (``shift_every: 1`` redraws every iteration, as the MixGRPO code does).
+
+A frozen window (MixGRPO-Flash*, window fixed at [0, 4)) is ``shift_every`` larger than the run.
 
 ``flash: true`` (MixGRPO-Flash) replaces the Euler steps after the window by DPM-Solver++(2M)
 (kernel ``dpmpp2m``) on a compressed schedule: ``int((steps - last) * flash_ratio)`` points from
@@ -42,7 +45,7 @@ from typing import Any
 import attrs
 import torch
 
-from fgrpo.core.config import component, param
+from fgrpo.core.config import ConfigError, component, param
 from fgrpo.core.protocols import Policy, Trajectory
 from fgrpo.samplers import _rollout
 
@@ -93,16 +96,28 @@ class MixGRPOSampler:
     _dpm: Any = attrs.field(init=False, default=None, repr=False)
 
     def __attrs_post_init__(self) -> None:
-        _rollout.require_stochastic(self.kernel)
-        end = self.end
-        if not self.window <= end <= self.steps:
-            key = "window_end" if self.window_end is not None else "window"
-            raise _rollout.recipe_error(
-                key,
-                f"the window of {self.window} steps must fit in [0, window_end = {end}) with "
-                f"window_end <= steps ({self.steps}); window_end defaults to steps - 2",
-            )
+        _rollout.raise_errors(self.check_keys(_rollout.field_values(self)))
         self._start = self.window_start_at(0)
+
+    @classmethod
+    def check_keys(cls, keys: Mapping[str, Any], prefix: str = "sampler") -> list[ConfigError]:
+        """The errors that involve several keys (each key's own checks are its field's).
+
+        ``keys``: the recipe keys after the per-key checks (absent keys are not checked here).
+        """
+        errors = [_rollout.kernel_error(keys["kernel"], prefix)] if "kernel" in keys else []
+        if all(k in keys for k in ("steps", "window", "window_end")):
+            steps, window, given = keys["steps"], keys["window"], keys["window_end"]
+            end = steps - 2 if given is None else given
+            if not window <= end <= steps:
+                errors.append(
+                    ConfigError(
+                        _rollout.key(prefix, "window_end" if given is not None else "window"),
+                        f"the window of {window} steps must fit in [0, window_end = {end}) with "
+                        f"window_end <= steps ({steps}); window_end defaults to steps - 2",
+                    )
+                )
+        return [e for e in errors if e is not None]
 
     # --- the window schedule -------------------------------------------------------------------
 

@@ -13,6 +13,13 @@ from __future__ import annotations
 
 import importlib
 
+try:  # detailed assertion messages inside the conformance bases, for plugin authors' tests
+    import pytest
+
+    pytest.register_assert_rewrite("fgrpo.core.testing.kernels", "fgrpo.core.testing.rewards")
+except ImportError:  # pytest is only needed to run the bases
+    pass
+
 _EXPORTS = {
     "KernelConformance": "fgrpo.core.testing.kernels",
     "RewardConformance": "fgrpo.core.testing.rewards",

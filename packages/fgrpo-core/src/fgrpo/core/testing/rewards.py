@@ -76,6 +76,10 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
+#: rewards built by the conformance fixture, one per test class (models load once per class)
+_BUILT: dict[type, Any] = {}
+
+
 class RewardConformance:
     """Subclass, set ``reward_name`` (and ``reward_params``), implement ``make_inputs``.
 
@@ -94,11 +98,15 @@ class RewardConformance:
     def make_reward(self) -> Any:
         return registry.create("reward", self.reward_name, **dict(self.reward_params))
 
-    @pytest.fixture(scope="class")
+    @pytest.fixture
     def reward(self) -> Any:
+        """The reward, built once per test class (``make_reward``) and shared by its tests."""
         if not self.reward_name:
             pytest.fail(f"{type(self).__name__} sets no reward_name")
-        return self.make_reward()
+        cls = type(self)
+        if cls not in _BUILT:
+            _BUILT[cls] = self.make_reward()
+        return _BUILT[cls]
 
     def score(self, reward: Any, outputs: Any, prompts: list[str], metadata: list) -> RewardResult:
         result = reward(outputs, prompts, metadata)
