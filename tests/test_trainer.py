@@ -42,8 +42,11 @@ def test_vector_recipe_learns(root):
 def test_first_ratio_is_exactly_one(root):
     run = build_run(vector_recipe(root), out_dir=None, console=QUIET, quiet=True)
     metrics = iteration(run, 0)
-    assert metrics["first_ratio_deviation"] == 0.0
-    assert metrics["ratio_mean"] == 1.0
+    assert metrics["first_ratio_deviation"] == 0.0  # the first minibatch, before any step
+    assert metrics["optimizer_steps"] == 4 and metrics["ratio_min"] < 1.0  # later ones are off-policy
+    on_policy = build_run(vector_recipe(root, "train.minibatch_size=0"), out_dir=None, console=QUIET, quiet=True)
+    metrics = iteration(on_policy, 0)
+    assert metrics["ratio_min"] == metrics["ratio_max"] == 1.0
 
 
 @pytest.mark.parametrize("recipe_name", ["vector.yaml"])
@@ -95,7 +98,7 @@ def test_resume_against_a_different_recipe_is_refused(root, tmp_path, capsys):
     code = cli.main(base + ["--resume", "--set", "train.lr=0.01", "--set", "sampler.kernel.eta=0.5", "--set", "train.iterations=3"])
     err = capsys.readouterr().err
     assert code == 2
-    assert "train.lr: 0.001 in the checkpoint, 0.01 now" in err
+    assert "train.lr: 0.003 in the checkpoint, 0.01 now" in err
     assert "sampler.kernel.eta: 0.7 in the checkpoint, 0.5 now" in err
     assert "train.iterations" not in err  # extending a run is allowed
 

@@ -179,7 +179,6 @@ def test_trainable_state_dict_round_trip(rank):
 def test_dtype_option(dtype, rank):
     low = make(dtype=dtype, lora_rank=rank)
     ref = make(lora_rank=rank)
-    assert low.net.layers[0].weight.dtype == getattr(torch, dtype) if rank == 0 else True
     assert all(p.dtype == getattr(torch, dtype) for n, p in low.net.named_parameters() if "lora_" not in n)
     x, sigma, cond = probe(low)
     v = low.velocity(x, sigma, cond)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -20,8 +21,15 @@ from fgrpo.core import registry
 from fgrpo.core.config import RecipeError, help_lines
 
 EXIT_USAGE = 2
-err = Console(stderr=True, highlight=False, soft_wrap=True)
-out = Console(highlight=False, soft_wrap=True)
+def _console(stderr: bool = False) -> Console:
+    console = Console(stderr=stderr, highlight=False, soft_wrap=True)
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console.width = 160  # logs and pipes: do not cut component paths at 80 columns
+    return console
+
+
+err = _console(stderr=True)
+out = _console()
 
 
 class UsageError(Exception):

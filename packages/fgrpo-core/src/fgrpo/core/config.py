@@ -262,6 +262,10 @@ def check_params(cls: type, params: Mapping[str, Any], prefix: str = "") -> tupl
             errors.append(ConfigError(key(name), _clean(str(exc), value)))
             continue
         out[name] = value
+    # rules that involve several keys: a component may declare them as a classmethod
+    cross = getattr(cls, "check_keys", None)
+    if cross is not None and not errors:
+        errors.extend(e for e in cross(out, prefix) if e is not None)
     return out, errors
 
 
