@@ -113,7 +113,7 @@ class Architecture:
         return self.max_words + 1
 
     def to_json(self) -> str:
-        return json.dumps(attrs.asdict(self, retain_collection_types=False), sort_keys=True)
+        return json.dumps({**attrs.asdict(self), "vocab": list(self.vocab)}, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> Architecture:
