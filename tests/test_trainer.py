@@ -10,6 +10,7 @@ import torch
 from rich.console import Console
 
 from fgrpo.core import cli, recipe as recipe_mod
+from fgrpo.core.hookspecs import hookimpl, plugin_manager
 from fgrpo.core.phases import RewardError, score
 from fgrpo.core.recipe import RewardSpec
 from fgrpo.core.protocols import RewardResult
@@ -135,3 +136,42 @@ def test_objective_kl_uses_the_reference_with_gradient(root):
     metrics = iteration(run, 1)
     assert metrics["kl"] > 0  # LoRA moved away from the reference after one step
     assert metrics["nfe_train"] == 2 * metrics["nfe_rollout"]
+
+
+@pytest.mark.parametrize("sampler", [
+    "sampler={name: mixgrpo, steps: 8, window: 2, shift_every: 2, strategy: random, flash: true, kernel: {name: sde, eta: 0.7}}",
+    "sampler={name: fast, steps: 8, window: 2, kernel: {name: dance, eta: 0.3}}",
+])
+def test_resume_restores_ema_schedule_and_sampler_state_exactly(root, tmp_path, sampler):
+    from safetensors.torch import load_file
+
+    sets = ["--set", sampler, "--set", "train.ema_decay=0.9", "--set", "train.lr_schedule=cosine",
+            "--set", "train.warmup_iterations=2", "--set", "train.checkpoint_every=3", "--quiet"]
+    recipe = str(root / "recipes" / "vector.yaml")
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert cli.main(["compose", recipe, "--out", str(straight), "--set", "train.iterations=9", *sets]) == 0
+
+    class Crash:  # a plugin that interrupts the run after iteration 5 (checkpoint 3 is the last)
+        @hookimpl
+        def fgrpo_iteration_end(self, run, iteration, metrics):
+            if iteration == 5:
+                raise KeyboardInterrupt
+
+    pm = plugin_manager()
+    pm.register(Crash(), name="crash")
+    try:
+        assert cli.main(["compose", recipe, "--out", str(resumed), "--set", "train.iterations=9", *sets]) == 130
+    finally:
+        pm.unregister(name="crash")
+    assert (resumed / "checkpoints" / "last").resolve().name == "iter_000003"
+    assert cli.main(["compose", recipe, "--out", str(resumed), "--set", "train.iterations=9", "--resume", *sets]) == 0
+    for name in ("trainable.safetensors", "ema.safetensors"):
+        a = load_file(str(straight / "checkpoints" / "last" / name))
+        b = load_file(str(resumed / "checkpoints" / "last" / name))
+        assert all(torch.equal(a[k], b[k]) for k in a), name
+    state = json.loads((resumed / "checkpoints" / "last" / "state.json").read_text())
+    assert state["iteration"] == 9
+    rows_a, rows_b = read_metrics(straight), read_metrics(resumed)
+    assert [r.get("lr") for r in rows_a] == [r.get("lr") for r in rows_b]
+    assert [r.get("reward_mean") for r in rows_a] == [r.get("reward_mean") for r in rows_b]
+    assert len(rows_a) == 10

@@ -9,10 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import random
-import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -266,10 +263,13 @@ def prepare_out_dir(recipe: Recipe, out_dir: Path, resume: bool) -> Path | None:
 
 
 def default_out_dir(recipe: Recipe) -> Path:
-    return Path("runs") / Path(recipe.source).stem
+    """runs/<recipe>/<date-time>: a new folder per run, so repeating a command loses nothing."""
+    return Path("runs") / Path(recipe.source).stem / time.strftime("%Y%m%d-%H%M%S")
 
 
 def run_from_cli(recipe: Recipe, args: argparse.Namespace, console: Console) -> int:
+    if args.resume and not args.out:
+        raise RecipeError([ConfigError("--resume", "needs --out DIR: the run folder to continue")])
     out_dir = Path(args.out) if args.out else default_out_dir(recipe)
     acc = make_accelerator()
     last = prepare_out_dir(recipe, out_dir, args.resume) if acc.is_main_process else None

@@ -1,0 +1,265 @@
+#!/usr/bin/env python
+"""Pretrain the ``shapes-dit`` base model: rectified-flow matching on rendered shapes scenes.
+
+    .venv/bin/python tools/pretrain_shapes.py                # reproduces the shipped weights
+    .venv/bin/python tools/pretrain_shapes.py --device cuda  # the same on a GPU (not bit-identical)
+
+What it does (every default is what made packages/fgrpo-models/src/fgrpo/models/weights/
+shapes-base.safetensors):
+
+- data: (prompt, image) pairs rendered by the shapes world (``fgrpo.rewards.shapes``) from the
+  TRAIN prompts of ``split(--split-seed, --test-per-category)`` only (no test prompt and no
+  rephrasing of a test scene is ever trained on); the category of each example is drawn
+  uniformly, then a prompt of it. With probability ``--caption-noise`` the image is rendered
+  from a perturbed scene (one wrong count, colour, shape, relation or binding) while the caption
+  stays the original: the base learns to make those mistakes, as captions make real models
+  imperfect, and RL has something to fix. ``--prompt-dropout`` replaces prompts by "" (the
+  null prompt of classifier-free guidance).
+- loss: MSE between the network's velocity and eps - x0 at x_t = (1 - t) x0 + t eps, pixels in
+  [-1, 1], t logit-normal (``--logit-mean``, ``--logit-std``); AdamW, ``--warmup`` linear steps,
+  then cosine from ``--lr`` to ``--lr-min`` over ``--decay-steps`` (a horizon that does not
+  depend on ``--steps``: stopping at step K gives exactly the run's checkpoint at step K), an
+  EMA of the weights (``--ema``; the EMA weights are the ones evaluated and written).
+- evaluation: strict accuracy (``ShapesVerifier``) of the held-out TEST prompts, each sampled
+  ``--eval-samples`` times with the ODE sampler the trainer's evaluation uses
+  (``fgrpo.core.evaluation.generate``, ``--eval-steps`` steps, time shift ``--shift``), every
+  ``--eval-every`` steps and at the end, per category; the final numbers are those of the
+  written file (float16 weights).
+- output: ``--out`` (safetensors, float16 so the file stays under 20 MB; the architecture,
+  vocabulary and these settings in its metadata). ``--checkpoint-dir`` also keeps the file of
+  every evaluation.
+
+Stops after ``--steps`` optimizer steps, or earlier when ``--time-budget`` seconds of training
+(evaluations excluded) are spent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fgrpo.models.shapes_dit import Architecture, ShapesDiT, ShapesNetwork, count_parameters, load_network, save_network, vocabulary_of
+from fgrpo.rewards import shapes as world
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = ROOT / "packages/fgrpo-models/src/fgrpo/models/weights/shapes-base.safetensors"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    a = p.add_argument_group("architecture")
+    a.add_argument("--hidden", type=int, default=192, help="transformer width")
+    a.add_argument("--layers", type=int, default=4, help="SD3 joint transformer blocks")
+    a.add_argument("--heads", type=int, default=3, help="attention heads")
+    a.add_argument("--text-width", type=int, default=128, help="text encoder width")
+    a.add_argument("--text-layers", type=int, default=1, help="text encoder layers")
+    t = p.add_argument_group("training")
+    t.add_argument("--steps", type=int, default=3000, help="optimizer steps")
+    t.add_argument("--time-budget", type=float, default=0.0, help="stop after this many seconds of training (0: no limit)")
+    t.add_argument("--batch", type=int, default=128)
+    t.add_argument("--lr", type=float, default=2e-3)
+    t.add_argument("--lr-min", type=float, default=2e-4)
+    t.add_argument("--warmup", type=int, default=100)
+    t.add_argument("--decay-steps", type=int, default=4000, help="cosine horizon of the learning rate")
+    t.add_argument("--weight-decay", type=float, default=0.0)
+    t.add_argument("--grad-clip", type=float, default=1.0)
+    t.add_argument("--ema", type=float, default=0.999, help="EMA decay (with the usual (1+n)/(10+n) warm-up)")
+    t.add_argument("--logit-mean", type=float, default=0.5)
+    t.add_argument("--logit-std", type=float, default=1.0)
+    t.add_argument("--caption-noise", type=float, default=0.4, help="fraction of images rendered from a perturbed scene")
+    t.add_argument("--prompt-dropout", type=float, default=0.1, help="fraction of prompts replaced by '' (for CFG)")
+    t.add_argument("--split-seed", type=int, default=0, help="seed of the train/test split (ShapesPrompts.seed)")
+    t.add_argument("--test-per-category", type=int, default=16)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--device", default="cpu")
+    t.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    t.add_argument("--autocast", choices=("none", "bfloat16"), default="none", help="autocast of the training forward")
+    e = p.add_argument_group("evaluation and output")
+    e.add_argument("--eval-every", type=int, default=500, help="steps between evaluations (0: only at the end)")
+    e.add_argument("--eval-samples", type=int, default=4, help="samples per test prompt")
+    e.add_argument("--eval-steps", type=int, default=20, help="ODE steps")
+    e.add_argument("--shift", type=float, default=1.0, help="time shift of the evaluation schedule")
+    e.add_argument("--eval-raw", action="store_true", help="also evaluate the raw (non-EMA) weights")
+    e.add_argument("--out", default=str(DEFAULT_OUT), help="the safetensors file to write")
+    e.add_argument("--checkpoint-dir", default="", help="also keep the weights of every evaluation here")
+    return p.parse_args(argv)
+
+
+# --- data ---------------------------------------------------------------------------------------
+
+
+class PairSampler:
+    """Balanced (prompt, image) batches from the train prompts of the split."""
+
+    def __init__(self, train: list[str], seed: int, caption_noise: float, prompt_dropout: float):
+        self.by_category: dict[str, list[world.Spec]] = defaultdict(list)
+        for prompt in train:
+            spec = world.parse_prompt(prompt)
+            self.by_category[spec.category].append(spec)
+        self.categories = sorted(self.by_category)
+        self.rng = np.random.default_rng(seed)
+        self.caption_noise = caption_noise
+        self.prompt_dropout = prompt_dropout
+
+    def batch(self, n: int) -> tuple[list[str], torch.Tensor]:
+        rng = self.rng
+        specs = []
+        for c in rng.integers(len(self.categories), size=n):
+            options = self.by_category[self.categories[c]]
+            specs.append(options[int(rng.integers(len(options)))])
+        images = world.render_batch([world.sample_scene(s, rng, self.caption_noise) for s in specs])
+        drop = rng.random(n) < self.prompt_dropout
+        prompts = ["" if d else s.prompt for s, d in zip(specs, drop)]
+        return prompts, images * 2 - 1
+
+
+# --- evaluation ---------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def evaluate(network: ShapesNetwork, test: list[str], args: argparse.Namespace, device: torch.device) -> dict:
+    """Strict accuracy (and more) of the test prompts, overall and per category."""
+    from fgrpo.core.evaluation import generate
+
+    policy = ShapesDiT.from_network(copy.deepcopy(network), device=device, shift=args.shift, reference_copy=False)
+    outputs, prompts = [], []
+    per_call = max(1, 256 // args.eval_samples)
+    for start in range(0, len(test), per_call):
+        chunk = test[start : start + per_call]
+        g = torch.Generator(device=device).manual_seed(1000 + start)
+        outputs.append(generate(policy, chunk, args.eval_samples, args.eval_steps, g).cpu())
+        prompts += [p for p in chunk for _ in range(args.eval_samples)]
+    details = world.evaluate(torch.cat(outputs), prompts)
+    acc = details["accuracy"]
+    result = {
+        "accuracy": acc.mean().item(),
+        "partial": details["partial"].mean().item(),
+        "clean": details["clean"].mean().item(),
+        "clean_cells": details["clean_cells"].mean().item(),
+        "gold_error": details["gold_error"].mean().item(),
+    }
+    for c in world.CATEGORIES:
+        pick = [i for i, cat in enumerate(details["category"]) if cat == c]
+        if pick:
+            result[f"acc/{c}"] = acc[pick].mean().item()
+    return result
+
+
+def line(r: dict) -> str:
+    cats = " ".join(f"{c}={r[f'acc/{c}']:.2f}" for c in world.CATEGORIES if f"acc/{c}" in r)
+    return (
+        f"strict {r['accuracy']:.3f} partial {r['partial']:.3f} clean {r['clean']:.2f} "
+        f"cells {r['clean_cells']:.3f} gold {r['gold_error']:.1f} | {cats}"
+    )
+
+
+# --- training -----------------------------------------------------------------------------------
+
+
+def lr_at(step: int, args: argparse.Namespace) -> float:
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    progress = min(1.0, (step - args.warmup) / max(1, args.decay_steps - args.warmup))
+    return args.lr_min + 0.5 * (args.lr - args.lr_min) * (1 + math.cos(math.pi * progress))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    torch.manual_seed(args.seed)
+    train, test = world.split(args.split_seed, args.test_per_category)
+    arch = Architecture(
+        vocab=vocabulary_of(world.all_prompts()),
+        hidden=args.hidden,
+        layers=args.layers,
+        heads=args.heads,
+        text_width=args.text_width,
+        text_layers=args.text_layers,
+        text_heads=max(1, args.text_width // 64),
+        max_words=max(len(p.split()) for p in world.all_prompts()),
+    )
+    network = ShapesNetwork(arch).to(device)
+    ema = copy.deepcopy(network).requires_grad_(False)
+    print(
+        f"shapes-dit: transformer {count_parameters(network.transformer) / 1e6:.2f}M + text "
+        f"{count_parameters(network.text) / 1e6:.2f}M params; {len(train)} train / {len(test)} test prompts; "
+        f"device {device}, {args.threads} threads",
+        flush=True,
+    )
+    data = PairSampler(train, args.seed, args.caption_noise, args.prompt_dropout)
+    optimizer = torch.optim.AdamW(network.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    gen = torch.Generator(device="cpu").manual_seed(args.seed + 1)
+    trained, losses, history = 0.0, [], []
+    meta = {"trained_with": json.dumps({k: v for k, v in vars(args).items() if k not in ("out", "checkpoint_dir")}, sort_keys=True)}
+    if args.checkpoint_dir:
+        Path(args.checkpoint_dir).mkdir(parents=True, exist_ok=True)
+
+    def checkpoint(step: int) -> None:
+        t = time.perf_counter()
+        r = evaluate(ema, test, args, device)
+        if args.eval_raw:
+            raw = evaluate(network, test, args, device)
+            r["raw_accuracy"] = raw["accuracy"]
+        history.append({"step": step, "train_s": round(trained, 1), **r})
+        extra = f" (raw {r['raw_accuracy']:.3f})" if args.eval_raw else ""
+        loss = np.mean(losses[-100:]) if losses else float("nan")
+        print(f"step {step:5d} train {trained:6.0f}s loss {loss:.4f} | EMA {line(r)}{extra} [eval {time.perf_counter() - t:.0f}s]", flush=True)
+        if args.checkpoint_dir:
+            save_network(ema, Path(args.checkpoint_dir) / f"step{step:05d}.safetensors", extra=meta)
+
+    step = 0
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.autocast == "bfloat16")
+    while step < args.steps and not (args.time_budget and trained >= args.time_budget):
+        t0 = time.perf_counter()
+        prompts, x0 = data.batch(args.batch)
+        x0 = x0.to(device)
+        eps = torch.randn(x0.shape, generator=gen).to(device)
+        sigma = torch.sigmoid(args.logit_mean + args.logit_std * torch.randn(args.batch, generator=gen)).to(device)
+        xt = (1 - sigma[:, None, None, None]) * x0 + sigma[:, None, None, None] * eps
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, args)
+        with autocast:
+            cond = network.encode(prompts)
+            v = network(xt, sigma, cond["prompt_embeds"], cond["pooled_prompt_embeds"])
+        loss = (v.float() - (eps - x0)).pow(2).mean()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if args.grad_clip:
+            torch.nn.utils.clip_grad_norm_(network.parameters(), args.grad_clip)
+        optimizer.step()
+        decay = min(args.ema, (1 + step) / (10 + step))
+        with torch.no_grad():
+            for pe, p in zip(ema.parameters(), network.parameters()):
+                pe.lerp_(p, 1 - decay)
+        losses.append(loss.item())
+        step += 1
+        trained += time.perf_counter() - t0
+        if step % 100 == 0:
+            print(f"step {step:5d} train {trained:6.0f}s ({trained / step:.3f} s/step) loss {np.mean(losses[-100:]):.4f} lr {lr_at(step - 1, args):.2e}", flush=True)
+        if args.eval_every and step % args.eval_every == 0 and step < args.steps:
+            checkpoint(step)
+
+    out = Path(args.out)
+    save_network(ema, out, extra={**meta, "steps": str(step), "train_seconds": f"{trained:.0f}"})
+    shipped = load_network(out).to(device)  # evaluate exactly what was written (float16 weights)
+    t = time.perf_counter()
+    final = evaluate(shipped, test, args, device)
+    history.append({"step": step, "train_s": round(trained, 1), **final})
+    print(f"step {step:5d} train {trained:6.0f}s ({trained / max(step, 1):.3f} s/step) | written file: {line(final)} [eval {time.perf_counter() - t:.0f}s]", flush=True)
+    print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB)")
+    print("history " + json.dumps(history))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
