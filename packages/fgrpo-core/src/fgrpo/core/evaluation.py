@@ -29,11 +29,21 @@ def generate(policy: Any, prompts: Sequence[str], per_prompt: int, steps: int, g
 
 
 def _numeric_means(details: dict[str, Any]) -> dict[str, float]:
-    out = {}
+    """Mean of every per-sample float detail; when the reward reports a ``category`` per sample
+    (e.g. GenEval-like categories), also the mean per category as ``key/category``."""
+    numeric = {}
     for key, value in details.items():
         t = torch.as_tensor(value) if isinstance(value, (list, tuple)) and value and isinstance(value[0], (int, float, bool)) else value
         if isinstance(t, torch.Tensor) and t.numel() and (t.dtype.is_floating_point or t.dtype == torch.bool):
-            out[key] = t.float().mean().item()
+            numeric[key] = t.float().reshape(-1).cpu()
+    out = {key: t.mean().item() for key, t in numeric.items()}
+    categories = details.get("category")
+    if isinstance(categories, (list, tuple)) and categories and all(isinstance(c, str) for c in categories):
+        for category in sorted(set(categories)):
+            mask = torch.tensor([c == category for c in categories])
+            for key, t in numeric.items():
+                if len(t) == len(mask):
+                    out[f"{key}/{category}"] = t[mask].mean().item()
     return out
 
 
