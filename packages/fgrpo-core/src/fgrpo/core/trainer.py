@@ -285,10 +285,11 @@ def run_from_cli(recipe: Recipe, args: argparse.Namespace, console: Console) -> 
     run.log = MetricsLog(out_dir, tensorboard=recipe.log.tensorboard, resume_from=run.start_iteration) if run.is_main else None
     run.display.say(f"training {recipe.source} -> {out_dir} ({acc.num_processes} process(es), device {run.policy.device})")
     with run.display:
-        row = train(run)
-    run.display.say(f"done: {out_dir} (last checkpoint {out_dir / 'checkpoints' / 'last'})")
-    if row and run.is_main:
-        run.display.say(json.dumps({k: v for k, v in row.items() if isinstance(v, (int, float))}, sort_keys=True)[:2000])
+        train(run)
+    run.display.say(
+        f"done: metrics in {out_dir / 'metrics.jsonl'}, weights in {out_dir / 'checkpoints' / 'last'}"
+        + (f", curves in {out_dir / 'curves.png'}" if (out_dir / "curves.png").exists() else "")
+    )
     return 0
 
 
