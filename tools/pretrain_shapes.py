@@ -30,7 +30,23 @@ shapes-base.safetensors):
   every evaluation.
 
 Stops after ``--steps`` optimizer steps, or earlier when ``--time-budget`` seconds of training
-(evaluations excluded) are spent.
+(evaluations excluded) are spent. Evaluations do not change the training (same weights with any
+``--eval-every``); the same thread count gives the same weights.
+
+Measured with the defaults (2 CPU cores shared with other jobs, 2 threads; 5.17M transformer +
+0.24M text-encoder parameters; 0.266 s/step at batch 128, 1065 s of training for 4000 steps),
+strict test accuracy of the EMA weights (4 samples x 69 test prompts, 20 ODE steps):
+
+    step   300 ( 82 s) 0.033   readable cells 0.979     step  2400 (651 s) 0.203
+    step   600 (163 s) 0.127   readable cells 0.998     step  3000 (814 s) 0.254
+    step  1200 (317 s) 0.152   readable cells 0.999     step  3600 (963 s) 0.290
+    step  1800 (469 s) 0.196   readable cells 1.000     step  4000 (1065 s) 0.322 (the written file)
+
+    written file: strict 0.322 partial 0.532 clean 1.00 cells 1.000 gold 0.1 |
+                  single=0.71 two=0.35 counting=0.44 position=0.16 color_attr=0.20
+
+(16 samples per prompt: 0.306; single 0.64, two 0.44, counting 0.36, position 0.15, color_attr
+0.16; classifier-free guidance 1.5 or 2 raises it to 0.37, time shift 3 changes nothing.)
 """
 
 from __future__ import annotations
@@ -63,7 +79,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.add_argument("--text-width", type=int, default=128, help="text encoder width")
     a.add_argument("--text-layers", type=int, default=1, help="text encoder layers")
     t = p.add_argument_group("training")
-    t.add_argument("--steps", type=int, default=3000, help="optimizer steps")
+    t.add_argument("--steps", type=int, default=4000, help="optimizer steps")
     t.add_argument("--time-budget", type=float, default=0.0, help="stop after this many seconds of training (0: no limit)")
     t.add_argument("--batch", type=int, default=128)
     t.add_argument("--lr", type=float, default=2e-3)
@@ -73,6 +89,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     t.add_argument("--weight-decay", type=float, default=0.0)
     t.add_argument("--grad-clip", type=float, default=1.0)
     t.add_argument("--ema", type=float, default=0.999, help="EMA decay (with the usual (1+n)/(10+n) warm-up)")
+    t.add_argument("--prediction", choices=("x0", "velocity"), default="x0", help="what the transformer outputs")
+    t.add_argument("--loss-floor", type=float, default=0.05, help="x0-prediction: sigma floor of the v-loss weight")
     t.add_argument("--logit-mean", type=float, default=0.5)
     t.add_argument("--logit-std", type=float, default=1.0)
     t.add_argument("--caption-noise", type=float, default=0.4, help="fraction of images rendered from a perturbed scene")
@@ -84,7 +102,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     t.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     t.add_argument("--autocast", choices=("none", "bfloat16"), default="none", help="autocast of the training forward")
     e = p.add_argument_group("evaluation and output")
-    e.add_argument("--eval-every", type=int, default=500, help="steps between evaluations (0: only at the end)")
+    e.add_argument("--eval-every", type=int, default=300, help="steps between evaluations (0: only at the end)")
     e.add_argument("--eval-samples", type=int, default=4, help="samples per test prompt")
     e.add_argument("--eval-steps", type=int, default=20, help="ODE steps")
     e.add_argument("--shift", type=float, default=1.0, help="time shift of the evaluation schedule")
@@ -165,6 +183,17 @@ def line(r: dict) -> str:
 # --- training -----------------------------------------------------------------------------------
 
 
+def flow_loss(out, x0, eps, sigma, prediction: str, floor: float) -> torch.Tensor:
+    """The velocity MSE. With x0-prediction (JiT's "v-loss"): the velocity implied by the
+    prediction, (x_t - x0_hat) / sigma, against eps - x0, sigma floored at ``floor`` in both, i.e.
+    ||x0_hat - x0||^2 / max(sigma, floor)^2: low noise levels weigh more, which is where the
+    exact palette colours and glyph edges are settled."""
+    if prediction == "velocity":
+        return (out - (eps - x0)).pow(2).mean()
+    s = sigma.clamp_min(floor)[:, None, None, None]
+    return ((out - x0) / s).pow(2).mean()
+
+
 def lr_at(step: int, args: argparse.Namespace) -> float:
     if step < args.warmup:
         return args.lr * (step + 1) / args.warmup
@@ -187,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         text_layers=args.text_layers,
         text_heads=max(1, args.text_width // 64),
         max_words=max(len(p.split()) for p in world.all_prompts()),
+        prediction=args.prediction,
     )
     network = ShapesNetwork(arch).to(device)
     ema = copy.deepcopy(network).requires_grad_(False)
@@ -230,8 +260,8 @@ def main(argv: list[str] | None = None) -> int:
             group["lr"] = lr_at(step, args)
         with autocast:
             cond = network.encode(prompts)
-            v = network(xt, sigma, cond["prompt_embeds"], cond["pooled_prompt_embeds"])
-        loss = (v.float() - (eps - x0)).pow(2).mean()
+            out = network(xt, sigma, cond["prompt_embeds"], cond["pooled_prompt_embeds"])
+        loss = flow_loss(out.float(), x0, eps, sigma, arch.prediction, args.loss_floor)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if args.grad_clip:

@@ -8,8 +8,10 @@ layers). The encoder's output sequence is ``encoder_hidden_states`` (width ``tex
 ``joint_attention_dim``); the pooled vector (``pooled_projection_dim``) is a projection of the
 leading start token's output and of the mean over the prompt's tokens.
 
-Conventions: latents are pixels in [-1, 1], shape (B, 3, 24, 24); ``velocity`` predicts
-v = eps - x0 in float32 (x_sigma = (1 - sigma) x0 + sigma eps); ``decode`` maps x/2 + 1/2 clamped
+Conventions: latents are pixels in [-1, 1], shape (B, 3, 24, 24); the transformer predicts the
+clean image x0 (``prediction: x0`` in the architecture: with 8x8x3 = 192 values per token a
+velocity output would have to carry each patch's full noise through the network, which left
+every pixel visibly noisy) and ``velocity`` returns v = (x - x0_hat) / sigma = eps - x0 in float32 (x_sigma = (1 - sigma) x0 + sigma eps); ``decode`` maps x/2 + 1/2 clamped
 to [0, 1]; ``sigmas(steps)`` is linear in t with the SD3 time shift ``shift``.
 
 Weights: a safetensors file whose tensors are ``text.*`` (the text encoder) and ``transformer.*``
@@ -62,6 +64,10 @@ SHAPES_LORA_TARGETS = (
     "to_add_out",
 )
 
+PREDICTIONS = ("x0", "velocity")
+#: sigma is clamped to this in velocity = (x - x0_hat) / sigma (samplers never evaluate sigma = 0).
+SIGMA_FLOOR = 1e-3
+
 #: Recipe keys that describe the architecture (null = the weights file's value).
 ARCH_KEYS = ("hidden", "layers", "heads", "text_width", "text_layers", "max_words")
 
@@ -96,8 +102,17 @@ class Architecture:
     patch: int = 8
     channels: int = 3
     qk_norm: str | None = "rms_norm"
+    #: what the transformer outputs: "x0" (the clean pixels; velocity = (x - x0_hat) / sigma) or
+    #: "velocity" (v directly). x0 lies on a tiny set per cell while v carries the full 192-dim
+    #: noise of each 8x8x3 patch through a 192-wide network (as in JiT, "Back to Basics: Let
+    #: Denoising Generative Models Denoise"). Measured with this architecture: v-prediction still
+    #: had a median pixel error of 17/255 and 0.4% verifier-readable cells after 1200 steps;
+    #: x0-prediction had 98% readable cells after 300 steps and 100% from 900 on.
+    prediction: str = "x0"
 
     def __attrs_post_init__(self) -> None:
+        if self.prediction not in PREDICTIONS:
+            raise ValueError(f"prediction {self.prediction!r}; allowed: {', '.join(PREDICTIONS)}")
         if self.hidden % self.heads:
             raise ValueError(f"hidden {self.hidden} must be a multiple of heads {self.heads}")
         if self.text_width % self.text_heads:
@@ -215,7 +230,8 @@ class ShapesNetwork(nn.Module):
         return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
 
     def forward(self, x: torch.Tensor, sigma: torch.Tensor, embeds: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
-        """v = eps - x0 for pixels ``x`` (B, 3, 24, 24) at noise level ``sigma`` (B,)."""
+        """The transformer's raw output for pixels ``x`` (B, 3, 24, 24) at noise level ``sigma``
+        (B,): the clean image x0 (``arch.prediction == "x0"``) or the velocity."""
         return self.transformer(
             hidden_states=x,
             timestep=sigma * 1000.0,
@@ -223,6 +239,19 @@ class ShapesNetwork(nn.Module):
             pooled_projections=pooled,
             return_dict=False,
         )[0]
+
+    def velocity(self, x: torch.Tensor, sigma: torch.Tensor, embeds: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+        """v = eps - x0 (float32) whatever the network predicts."""
+        return to_velocity(self(x, sigma, embeds, pooled), x, sigma, self.arch.prediction)
+
+
+def to_velocity(output: torch.Tensor, x: torch.Tensor, sigma: torch.Tensor, prediction: str) -> torch.Tensor:
+    """The float32 velocity eps - x0 from the transformer's ``output`` at state ``x``, level ``sigma`` (B,)."""
+    output = output.float()
+    if prediction == "velocity":
+        return output
+    s = sigma.float().clamp_min(SIGMA_FLOOR).reshape(-1, *([1] * (x.ndim - 1)))
+    return (x.float() - output) / s
 
 
 def count_parameters(module: nn.Module) -> int:
@@ -444,22 +473,23 @@ class ShapesDiT:
         sigma = sigma.expand(b) if sigma.ndim == 0 else sigma.reshape(b)
         transformer = self._reference if (self._reference_depth and self._reference is not None) else self.transformer
         dtype = self._network.text.embed.weight.dtype
-        hidden = x.to(self.device, dtype)
+        x = x.to(self.device, torch.float32)
         embeds, pooled = cond["prompt_embeds"], cond["pooled_prompt_embeds"]
         if self.cfg:
             if "negative_prompt_embeds" not in cond:
                 raise ValueError("guidance_scale > 1 needs negative embeddings in cond: build it with encode()")
-            hidden = torch.cat([hidden, hidden])
+            x = torch.cat([x, x])
             sigma = torch.cat([sigma, sigma])
             embeds = torch.cat([cond["negative_prompt_embeds"], embeds])
             pooled = torch.cat([cond["negative_pooled_prompt_embeds"], pooled])
         out = transformer(
-            hidden_states=hidden,
+            hidden_states=x.to(dtype),
             timestep=sigma * 1000.0,
             encoder_hidden_states=embeds.to(self.device, dtype),
             pooled_projections=pooled.to(self.device, dtype),
             return_dict=False,
-        )[0].float()
+        )[0]
+        out = to_velocity(out, x, sigma, self.architecture.prediction)
         if self.cfg:
             uncond, text = out.chunk(2)
             out = uncond + self.guidance_scale * (text - uncond)
