@@ -49,8 +49,9 @@ def curve_keys(rows: Sequence[dict]) -> list[str]:
         for key, value in row.items():
             if key in keys or not isinstance(value, (int, float)) or isinstance(value, bool):
                 continue
+            last = key.split("/")[-1]  # eval/<reward>/<detail>; per-category keys have one more part
             if key in ("reward_mean", "eval/reward_mean") or (
-                key.startswith("eval/") and (key.endswith("accuracy") or "gold" in key)
+                key.count("/") == 2 and key.startswith("eval/") and (last.endswith("accuracy") or "gold" in last)
             ):
                 keys.append(key)
     return keys

@@ -1,0 +1,43 @@
+"""The embedded default: the shipped shapes recipes compose, pass the on-policy check, and a short
+run writes finite metrics, a sample grid, curves and a checkpoint."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from fgrpo.core import cli
+from fgrpo.core.runlog import read_metrics
+
+SHAPES = ["shapes.yaml", "shapes-fast.yaml", "shapes-mixgrpo.yaml", "shapes-guard.yaml"]
+
+
+@pytest.mark.parametrize("name", SHAPES)
+def test_shapes_recipes_validate_and_pass_the_on_policy_check(root, name, capsys):
+    recipe = str(root / "recipes" / name)
+    assert cli.main(["validate", recipe]) == 0
+    assert cli.main(["check", recipe, "--set", "train.prompts_per_iteration=2"]) == 0
+    assert "on-policy check passed" in capsys.readouterr().out
+
+
+def test_shapes_smoke_run(root, tmp_path):
+    out = tmp_path / "run"
+    code = cli.main([
+        "compose", str(root / "recipes" / "shapes.yaml"), "--out", str(out), "--quiet",
+        "--set", "train.iterations=2", "--set", "train.prompts_per_iteration=2",
+        "--set", "eval.every=2", "--set", "eval.max_prompts=6", "--set", "eval.samples_per_prompt=2",
+    ])
+    assert code == 0
+    rows = read_metrics(out)
+    assert [r["iteration"] for r in rows] == [0, 1, 2]
+    for row in rows:
+        for key, value in row.items():
+            if isinstance(value, float):
+                assert math.isfinite(value), key
+    for key in ("eval/shapes/accuracy", "eval/shapes/gold_error", "eval/shapes/partial"):
+        assert key in rows[0] and key in rows[2]
+    assert any(k.startswith("eval/shapes/accuracy/") for k in rows[2])  # per category
+    assert (out / "checkpoints" / "last" / "trainable.safetensors").is_file()
+    assert (out / "samples" / "eval_000002.png").is_file()
+    assert (out / "curves.png").is_file()
