@@ -330,3 +330,17 @@ class PromptCache:
                         self._rows.popitem(last=False)
             keys = rows[prompts[0]].keys()
             return {k: torch.stack([rows[p][k] for p in prompts]) for k in keys}
+
+
+def trainable_state(model: torch.nn.Module, *, lora: bool) -> dict[str, torch.Tensor]:
+    """What a policy trains, as detached CPU copies: its LoRA weights, or every weight."""
+    if lora:
+        return lora_state_dict(model)
+    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+
+
+def load_trainable_state(model: torch.nn.Module, state: Mapping[str, torch.Tensor], *, lora: bool) -> None:
+    if lora:
+        load_lora_state_dict(model, state)
+    else:
+        model.load_state_dict(dict(state), strict=True)

@@ -299,15 +299,10 @@ class SD3Policy:
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """Detached CPU copies: the LoRA weights (peft names) or the transformer's full state dict."""
-        if self.lora is not None:
-            return dx.lora_state_dict(self.transformer)
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.transformer.state_dict().items()}
+        return dx.trainable_state(self.transformer, lora=self.lora is not None)
 
     def load_trainable_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        if self.lora is not None:
-            dx.load_lora_state_dict(self.transformer, state)
-        else:
-            self.transformer.load_state_dict(dict(state), strict=True)
+        dx.load_trainable_state(self.transformer, state, lora=self.lora is not None)
 
 
 def _modules(pipe: Any) -> list[torch.nn.Module]:
