@@ -226,17 +226,13 @@ def create(kind: str, name: str, **params: Any) -> Any:
     Raises :class:`RecipeError` listing all bad parameters, before anything heavy is built.
     """
     cls = load(kind, name)
-    checked, errors = check_params(cls, params, key_prefix(kind))
+    checked, errors = check_params(cls, params, kind)
     if errors:
         raise RecipeError(errors)
     try:
         return cls(**checked)
     except (ValueError, OSError, ImportError) as exc:
         raise BuildError(f"{kind} {name!r} could not be built: {exc}") from exc
-
-
-def key_prefix(kind: str) -> str:
-    return kind
 
 
 def resolve(kind: str, spec: Any) -> Any:

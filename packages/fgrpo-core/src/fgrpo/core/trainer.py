@@ -19,7 +19,7 @@ import torch
 from rich.console import Console
 
 from fgrpo.core import checkpoint as ckpt
-from fgrpo.core import evaluation, phases, visuals
+from fgrpo.core import evaluation, phases, tensors, visuals
 from fgrpo.core.config import ConfigError, RecipeError
 from fgrpo.core.data import PromptSchedule
 from fgrpo.core.ema import EMA
@@ -330,7 +330,7 @@ def diagnose(run: Run) -> list[str]:
     b = run.policy.velocity(x, sigma, traj.cond)
     if not torch.equal(a, b):
         found.append("the policy is not deterministic: two identical velocity calls differ (dropout? non-deterministic kernels?)")
-    one = run.policy.velocity(x[:1], sigma[:1], phases.tensors.index(traj.cond, slice(0, 1)))
+    one = run.policy.velocity(x[:1], sigma[:1], tensors.index(traj.cond, slice(0, 1)))
     if not torch.equal(one, a[:1]):
         found.append(
             "batch composition changes the network's output: the update evaluates (sample, step) pairs in "
