@@ -6,6 +6,7 @@ import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -22,6 +23,12 @@ HERE = Path(__file__).parent
 BIN = Path(sys.executable).parent
 
 
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def test_two_processes_match_one(root, tmp_path):
     recipe = str(root / "recipes" / "vector.yaml")
     # one prompt group per rollout call: the noise of a group then depends only on its global slot
@@ -30,10 +37,14 @@ def test_two_processes_match_one(root, tmp_path):
     one = tmp_path / "one.json"
     two = tmp_path / "two.json"
     subprocess.run([sys.executable, str(HERE / "dp_worker.py"), recipe, str(one), "4", *sets], check=True, env=env, timeout=300)
-    subprocess.run(
-        [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", str(HERE / "dp_worker.py"), recipe, str(two), "4", *sets],
-        check=True, env=env, timeout=300, capture_output=True,
+    # static rendezvous on 127.0.0.1: `--standalone` connects to the machine's hostname, which a
+    # sandbox or CI container may not resolve (seen in CI: the launcher exited 1)
+    launcher = [str(BIN / "torchrun"), "--nnodes", "1", "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(_free_port())]
+    done = subprocess.run(
+        [*launcher, str(HERE / "dp_worker.py"), recipe, str(two), "4", *sets],
+        env=env, timeout=300, capture_output=True, text=True,
     )
+    assert done.returncode == 0, done.stderr[-4000:]
     a, b = json.loads(one.read_text()), json.loads(two.read_text())
     assert (a["processes"], b["processes"]) == (1, 2)
     assert all(b["identical"])  # the same weights on every rank after every step
