@@ -220,7 +220,7 @@ def test_shipped_base_strict_accuracy_is_in_the_target_band():
     outputs, prompts = [], []
     per_call = 64
     threads = torch.get_num_threads()
-    torch.set_num_threads(min(2, threads))  # the tool's setting (reproduces its printed 0.322)
+    torch.set_num_threads(min(2, threads))  # the tool's setting (reproduces its printed 0.377)
     try:
         for start in range(0, len(test), per_call):
             chunk = test[start : start + per_call]
@@ -232,4 +232,5 @@ def test_shipped_base_strict_accuracy_is_in_the_target_band():
     details = world.evaluate(torch.cat(outputs), prompts)
     accuracy = details["accuracy"].mean().item()
     assert 0.30 <= accuracy <= 0.65, accuracy
+    assert accuracy == pytest.approx(0.377, abs=0.02)  # the tool printed 0.377 for the written file; another CPU may flip a few samples
     assert details["clean_cells"].mean().item() > 0.9  # errors are compositional, not broken glyphs
