@@ -64,7 +64,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fgrpo.models.shapes_dit import Architecture, ShapesDiT, ShapesNetwork, count_parameters, load_network, save_network, vocabulary_of
+from fgrpo.models.shapes_dit import (
+    PREDICTIONS,
+    Architecture,
+    ShapesDiT,
+    ShapesNetwork,
+    count_parameters,
+    flow_loss,
+    load_network,
+    save_network,
+    vocabulary_of,
+)
 from fgrpo.rewards import shapes as world
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,7 +100,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     t.add_argument("--weight-decay", type=float, default=0.0)
     t.add_argument("--grad-clip", type=float, default=1.0)
     t.add_argument("--ema", type=float, default=0.999, help="EMA decay (with the usual (1+n)/(10+n) warm-up)")
-    t.add_argument("--prediction", choices=("x0", "velocity"), default="x0", help="what the transformer outputs")
+    t.add_argument("--prediction", choices=PREDICTIONS, default="x0", help="what the transformer outputs")
     t.add_argument("--loss-floor", type=float, default=0.05, help="x0-prediction: sigma floor of the v-loss weight")
     t.add_argument("--logit-mean", type=float, default=0.5)
     t.add_argument("--logit-std", type=float, default=1.0)
@@ -182,17 +192,6 @@ def line(r: dict) -> str:
 
 
 # --- training -----------------------------------------------------------------------------------
-
-
-def flow_loss(out, x0, eps, sigma, prediction: str, floor: float) -> torch.Tensor:
-    """The velocity MSE. With x0-prediction (JiT's "v-loss"): the velocity implied by the
-    prediction, (x_t - x0_hat) / sigma, against eps - x0, sigma floored at ``floor`` in both, i.e.
-    ||x0_hat - x0||^2 / max(sigma, floor)^2: low noise levels weigh more, which is where the
-    exact palette colours and glyph edges are settled."""
-    if prediction == "velocity":
-        return (out - (eps - x0)).pow(2).mean()
-    s = sigma.clamp_min(floor)[:, None, None, None]
-    return ((out - x0) / s).pow(2).mean()
 
 
 def lr_at(step: int, args: argparse.Namespace) -> float:

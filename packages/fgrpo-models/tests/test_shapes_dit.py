@@ -19,6 +19,7 @@ from fgrpo.models.shapes_dit import (
     ShapesNetwork,
     default_vocabulary,
     default_weights_path,
+    flow_loss,
     load_network,
     read_metadata,
     save_network,
@@ -186,7 +187,7 @@ def test_flow_matching_loss_decreases_on_a_tiny_config():
     losses = []
     for _ in range(30):
         cond = net.encode(prompts)
-        loss = (net(xt, sigma, cond["prompt_embeds"], cond["pooled_prompt_embeds"]) - (eps - x0)).pow(2).mean()
+        loss = flow_loss(net(xt, sigma, cond["prompt_embeds"], cond["pooled_prompt_embeds"]), x0, eps, sigma, net.arch.prediction)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()

@@ -11,8 +11,9 @@ leading start token's output and of the mean over the prompt's tokens.
 Conventions: latents are pixels in [-1, 1], shape (B, 3, 24, 24); the transformer predicts the
 clean image x0 (``prediction: x0`` in the architecture: with 8x8x3 = 192 values per token a
 velocity output would have to carry each patch's full noise through the network, which left
-every pixel visibly noisy) and ``velocity`` returns v = (x - x0_hat) / sigma = eps - x0 in float32 (x_sigma = (1 - sigma) x0 + sigma eps); ``decode`` maps x/2 + 1/2 clamped
-to [0, 1]; ``sigmas(steps)`` is linear in t with the SD3 time shift ``shift``.
+every pixel visibly noisy) and ``velocity`` returns v = (x - x0_hat) / sigma = eps - x0 in
+float32 (x_sigma = (1 - sigma) x0 + sigma eps); ``decode`` maps x/2 + 1/2 clamped to [0, 1];
+``sigmas(steps)`` is linear in t with the SD3 time shift ``shift``.
 
 Weights: a safetensors file whose tensors are ``text.*`` (the text encoder) and ``transformer.*``
 (the SD3 transformer) and whose metadata holds the architecture and the vocabulary, so a recipe
@@ -240,10 +241,6 @@ class ShapesNetwork(nn.Module):
             return_dict=False,
         )[0]
 
-    def velocity(self, x: torch.Tensor, sigma: torch.Tensor, embeds: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
-        """v = eps - x0 (float32) whatever the network predicts."""
-        return to_velocity(self(x, sigma, embeds, pooled), x, sigma, self.arch.prediction)
-
 
 def to_velocity(output: torch.Tensor, x: torch.Tensor, sigma: torch.Tensor, prediction: str) -> torch.Tensor:
     """The float32 velocity eps - x0 from the transformer's ``output`` at state ``x``, level ``sigma`` (B,)."""
@@ -252,6 +249,19 @@ def to_velocity(output: torch.Tensor, x: torch.Tensor, sigma: torch.Tensor, pred
         return output
     s = sigma.float().clamp_min(SIGMA_FLOOR).reshape(-1, *([1] * (x.ndim - 1)))
     return (x.float() - output) / s
+
+
+def flow_loss(
+    output: torch.Tensor, x0: torch.Tensor, eps: torch.Tensor, sigma: torch.Tensor, prediction: str, floor: float = 0.05
+) -> torch.Tensor:
+    """The pretraining loss: velocity MSE against eps - x0 for the transformer's ``output`` at
+    x_sigma = (1 - sigma) x0 + sigma eps. With x0-prediction (JiT's "v-loss") the velocity implied
+    by the prediction, sigma floored at ``floor``, i.e. ||x0_hat - x0||^2 / max(sigma, floor)^2:
+    low noise levels weigh more, which is where the exact palette colours and glyph edges are set."""
+    if prediction == "velocity":
+        return (output - (eps - x0)).pow(2).mean()
+    s = sigma.clamp_min(floor).reshape(-1, *([1] * (x0.ndim - 1)))
+    return ((output - x0) / s).pow(2).mean()
 
 
 def count_parameters(module: nn.Module) -> int:
