@@ -18,7 +18,7 @@ from rich.table import Table
 from rich.tree import Tree
 
 from fgrpo.core import registry
-from fgrpo.core.config import RecipeError, help_lines
+from fgrpo.core.config import ConfigError, RecipeError, help_lines
 
 EXIT_USAGE = 2
 def _console(stderr: bool = False) -> Console:
@@ -30,10 +30,6 @@ def _console(stderr: bool = False) -> Console:
 
 err = _console(stderr=True)
 out = _console()
-
-
-class UsageError(Exception):
-    """A user-facing problem that is not a recipe error (a missing run folder, ...)."""
 
 
 def _add_recipe_args(p: argparse.ArgumentParser) -> None:
@@ -205,9 +201,20 @@ def cmd_compose(args: argparse.Namespace) -> int:
         out.print(composition_tree(recipe, f"composed {args.recipe} (dry run)"))
         out.print(f"built {len(components)} components; nothing trained (--dry-run)", markup=False)
         return 0
-    from fgrpo.core.trainer import run_from_cli
+    from fgrpo.core.trainer import open_run, train
 
-    return run_from_cli(recipe, args, console=out)
+    run = open_run(recipe, out=args.out, resume=args.resume, console=out, quiet=args.quiet)
+    folder = run.out_dir
+    run.display.say(
+        f"training {recipe.source} -> {folder} ({run.accelerator.num_processes} process(es), device {run.policy.device})"
+    )
+    with run.display:
+        train(run)
+    run.display.say(
+        f"done: metrics in {folder / 'metrics.jsonl'}, weights in {folder / 'checkpoints' / 'last'}"
+        + (f", curves in {folder / 'curves.png'}" if (folder / "curves.png").exists() else "")
+    )
+    return 0
 
 
 def build_components(recipe: Any) -> dict[str, Any]:
@@ -218,15 +225,45 @@ def build_components(recipe: Any) -> dict[str, Any]:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from fgrpo.core.trainer import check_from_cli
+    """The first ratio of one on-policy iteration must be 1 within ``--tolerance``."""
+    from fgrpo.core.trainer import diagnose, first_ratio_check
 
-    return check_from_cli(_load(args), args, console=out)
+    deviation, run = first_ratio_check(_load(args), console=out)
+    out.print(
+        f"largest |ratio - 1| before the first optimizer step: {deviation:.3e} (tolerance {args.tolerance:g})",
+        markup=False,
+    )
+    if deviation <= args.tolerance:
+        out.print("on-policy check passed", markup=False)
+        return 0
+    for line in diagnose(run):
+        out.print(f"diagnosis: {line}", markup=False)
+    out.print("on-policy check FAILED", markup=False)
+    return 1
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
-    from fgrpo.core.trainer import sample_from_cli
+    from pathlib import Path
 
-    return sample_from_cli(_load(args), args, console=out)
+    import torch
+
+    from fgrpo.core.evaluation import write_samples
+    from fgrpo.core.prompts import read_prompt_file
+    from fgrpo.core.seeding import derive_seed
+    from fgrpo.core.trainer import load_checkpoint_weights
+
+    recipe = _load(args)
+    torch.manual_seed(derive_seed(recipe.seed, "build"))
+    policy = recipe.build("model")
+    if args.checkpoint:
+        load_checkpoint_weights(policy, Path(args.checkpoint), recipe.train.ema_decay)
+    try:
+        prompts = [p for p, _ in read_prompt_file(args.prompts)]
+    except (OSError, ValueError) as exc:
+        raise RecipeError([ConfigError("--prompts", str(exc))]) from None
+    written = write_samples(policy, prompts, args.n, args.steps or recipe.eval.steps, args.seed, Path(args.out))
+    out.print(f"wrote {written} samples to {args.out}", markup=False)
+    return 0
 
 
 # --- entry -------------------------------------------------------------------------------------
@@ -246,7 +283,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         report(exc.errors)
         err.print(f"{len(exc.errors)} error(s); nothing was run.", markup=False)
         return EXIT_USAGE
-    except (registry.ComponentError, UsageError) as exc:
+    except registry.ComponentError as exc:
         report([exc])
         return EXIT_USAGE
     except KeyboardInterrupt:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ import torch
 
 from fgrpo.core import registry, tensors, visuals
 from fgrpo.core.phases import score
+from fgrpo.core.run import Run
 from fgrpo.core.seeding import generator
 
 
@@ -47,7 +49,7 @@ def _numeric_means(details: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def evaluate(run: Any, iteration: int, out_dir: Path | None) -> dict[str, float]:
+def evaluate(run: Run, iteration: int, out_dir: Path | None) -> dict[str, float]:
     """Every test prompt, ``samples_per_prompt`` times, with the same noise at every evaluation
     (so curves compare like with like). Metrics are prefixed ``eval/``."""
     cfg = run.recipe.eval
@@ -85,3 +87,25 @@ def evaluate(run: Any, iteration: int, out_dir: Path | None) -> dict[str, float]
         visuals.sample_grid(outputs[pick], [all_prompts[i] for i in pick], out_dir / "samples" / f"eval_{iteration:06d}.png")
     return metrics
 
+
+
+def write_samples(policy: Any, prompts: Sequence[str], n: int, steps: int, seed: int, out: Path) -> int:
+    """``n`` samples of every prompt as PNG files (tensors as .pt for non-image outputs) and an
+    ``index.jsonl`` naming each file's prompt, seed and index; returns how many were written."""
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i, prompt in enumerate(prompts):
+        g = generator(seed, "sample", i, device=policy.device)
+        images = generate(policy, [prompt], n, steps, g)
+        for k in range(n):
+            if visuals.is_image_batch(images):
+                from PIL import Image
+
+                name = f"{i:05d}_{k:02d}.png"
+                Image.fromarray(visuals.to_uint8(images[k : k + 1])[0]).save(out / name)
+            else:
+                name = f"{i:05d}_{k:02d}.pt"
+                torch.save(images[k].cpu(), out / name)
+            rows.append({"file": name, "prompt": prompt, "seed": seed, "index": k})
+    (out / "index.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return len(rows)

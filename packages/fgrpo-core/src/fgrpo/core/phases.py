@@ -19,6 +19,7 @@ from fgrpo.core import tensors
 from fgrpo.core.advantages import combine
 from fgrpo.core.protocols import StepBatch, Trajectory
 from fgrpo.core.registry import ComponentError
+from fgrpo.core.run import Run
 from fgrpo.core.seeding import generator
 
 
@@ -53,7 +54,7 @@ def cat_trajectories(parts: Sequence[Trajectory]) -> Trajectory:
 
 
 @torch.no_grad()
-def rollout(run: Any, iteration: int) -> Trajectory:
+def rollout(run: Run, iteration: int) -> Trajectory:
     """This process's prompt groups, rolled out in chunks whose noise depends only on the chunk's
     global prompt slots: 1 or N processes draw the same samples."""
     cfg = run.recipe.train
@@ -77,7 +78,7 @@ def rollout(run: Any, iteration: int) -> Trajectory:
 
 
 @torch.no_grad()
-def decode(run: Any, traj: Trajectory) -> Any:
+def decode(run: Run, traj: Trajectory) -> Any:
     return run.policy.decode(traj.final)
 
 
@@ -105,7 +106,7 @@ def score(rewards: Sequence[tuple[Any, Any]], outputs: Any, prompts: Sequence[st
     return scores, details
 
 
-def advantages(run: Any, traj: Trajectory, scores: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+def advantages(run: Run, traj: Trajectory, scores: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
     """Group-normalised advantages computed on the whole batch gathered from every process
     (identically on each), then this process's slice."""
     acc = run.accelerator
@@ -142,7 +143,7 @@ def pair_batches(traj: Trajectory, samples: torch.Tensor, per_forward: int) -> l
     return list(zip(rows.split(size), cols.split(size)))
 
 
-def step_batch(run: Any, traj: Trajectory, adv: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> tuple[StepBatch, int]:
+def step_batch(run: Run, traj: Trajectory, adv: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> tuple[StepBatch, int]:
     """Re-evaluate the stored actions of these (sample, step) pairs under the current policy."""
     policy, kernel = run.policy, run.sampler.kernel
     x = traj.latents[rows, cols]
@@ -174,7 +175,7 @@ def step_batch(run: Any, traj: Trajectory, adv: torch.Tensor, rows: torch.Tensor
     return batch, nfe
 
 
-def sync_gradients(run: Any, params: Sequence[torch.nn.Parameter]) -> None:
+def sync_gradients(run: Run, params: Sequence[torch.nn.Parameter]) -> None:
     """Average gradients over processes: one all-reduce of a flat buffer per optimizer step.
     (A Policy need not be one nn.Module, so DDP's forward hooks are not used.)"""
     if run.accelerator.num_processes == 1:
@@ -188,7 +189,7 @@ def sync_gradients(run: Any, params: Sequence[torch.nn.Parameter]) -> None:
         offset += n
 
 
-def update(run: Any, traj: Trajectory, adv: torch.Tensor, iteration: int) -> UpdateStats:
+def update(run: Run, traj: Trajectory, adv: torch.Tensor, iteration: int) -> UpdateStats:
     """``inner_epochs`` passes over the samples in minibatches; each minibatch is one optimizer
     step whose gradient accumulates over all its (sample, step) pairs."""
     cfg = run.recipe.train

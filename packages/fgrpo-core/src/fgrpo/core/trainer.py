@@ -6,8 +6,6 @@ compute advantages, update, evaluate, log, checkpoint.
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import random
 import time
@@ -24,33 +22,11 @@ from fgrpo.core.config import ConfigError, RecipeError
 from fgrpo.core.data import PromptSchedule
 from fgrpo.core.ema import EMA
 from fgrpo.core.hookspecs import plugin_manager
+from fgrpo.core.protocols import Policy
 from fgrpo.core.recipe import Recipe
+from fgrpo.core.run import Run
 from fgrpo.core.runlog import Display, MetricsLog, read_metrics
-from fgrpo.core.seeding import derive_seed, generator
-
-
-@attrs.define
-class Run:
-    recipe: Recipe
-    policy: Any
-    sampler: Any
-    objective: Any
-    prompts: Any
-    rewards: list[tuple[Any, Any]]
-    accelerator: Any
-    trainable: list[torch.nn.Parameter]
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    ema: EMA | None
-    schedule: PromptSchedule
-    display: Display
-    out_dir: Path | None = None
-    log: MetricsLog | None = None
-    start_iteration: int = 0  # iterations already done (after a resume)
-
-    @property
-    def is_main(self) -> bool:
-        return self.accelerator.is_main_process
+from fgrpo.core.seeding import derive_seed
 
 
 # --- one iteration -----------------------------------------------------------------------------
@@ -259,7 +235,7 @@ def prepare_out_dir(recipe: Recipe, out_dir: Path, resume: bool) -> Path | None:
     return last
 
 
-# --- CLI entry points --------------------------------------------------------------------------
+# --- opening a run folder ----------------------------------------------------------------------
 
 
 def default_out_dir(recipe: Recipe) -> Path:
@@ -267,48 +243,38 @@ def default_out_dir(recipe: Recipe) -> Path:
     return Path("runs") / Path(recipe.source).stem / time.strftime("%Y%m%d-%H%M%S")
 
 
-def run_from_cli(recipe: Recipe, args: argparse.Namespace, console: Console) -> int:
-    if args.resume and not args.out:
+def open_run(recipe: Recipe, *, out: str | None, resume: bool, console: Console, quiet: bool = False) -> Run:
+    """The run ``fgrpo compose`` trains: its folder prepared, its components built, and when
+    resuming, the newest complete checkpoint restored."""
+    if resume and not out:
         raise RecipeError([ConfigError("--resume", "needs --out DIR: the run folder to continue")])
-    out_dir = Path(args.out) if args.out else default_out_dir(recipe)
+    out_dir = Path(out) if out else default_out_dir(recipe)
     acc = make_accelerator()
-    last = prepare_out_dir(recipe, out_dir, args.resume) if acc.is_main_process else None
+    last = prepare_out_dir(recipe, out_dir, resume) if acc.is_main_process else None
     acc.wait_for_everyone()
     if not acc.is_main_process:
-        last = ckpt.latest(out_dir / "checkpoints") if args.resume else None
-    run = build_run(recipe, out_dir=out_dir, console=console, quiet=args.quiet, accelerator=acc)
+        last = ckpt.latest(out_dir / "checkpoints") if resume else None
+    run = build_run(recipe, out_dir=out_dir, console=console, quiet=quiet, accelerator=acc)
     if last is not None:
         run.start_iteration = restore(run, last)
         run.display.say(f"resuming {out_dir} from {last.name} (iteration {run.start_iteration})")
-    elif args.resume:
+    elif resume:
         run.display.say(f"no complete checkpoint in {out_dir}/checkpoints: starting from iteration 0")
     run.log = MetricsLog(out_dir, tensorboard=recipe.log.tensorboard, resume_from=run.start_iteration) if run.is_main else None
-    run.display.say(f"training {recipe.source} -> {out_dir} ({acc.num_processes} process(es), device {run.policy.device})")
-    with run.display:
-        train(run)
-    run.display.say(
-        f"done: metrics in {out_dir / 'metrics.jsonl'}, weights in {out_dir / 'checkpoints' / 'last'}"
-        + (f", curves in {out_dir / 'curves.png'}" if (out_dir / "curves.png").exists() else "")
-    )
-    return 0
+    return run
 
 
-def check_from_cli(recipe: Recipe, args: argparse.Namespace, console: Console) -> int:
-    """One iteration, one batch, one gradient step: the stored actions' log-probs re-evaluated
-    before the first optimizer step must give ratio 1 (within ``--tolerance``)."""
+# --- the on-policy check -----------------------------------------------------------------------
+
+
+def first_ratio_check(recipe: Recipe, console: Console) -> tuple[float, Run]:
+    """One iteration, one batch, one gradient step: the largest |ratio - 1| of the stored actions'
+    re-evaluated log-probs before the first optimizer step (0 when rollout and update agree)."""
     cfg = attrs.evolve(recipe.train, iterations=1, minibatch_size=0, inner_epochs=1)
     checked = attrs.evolve(recipe, train=cfg, eval=attrs.evolve(recipe.eval, every=0))
     run = build_run(checked, out_dir=None, console=console, quiet=True)
     metrics = iteration(run, 0)
-    dev = metrics["first_ratio_deviation"]
-    console.print(f"largest |ratio - 1| before the first optimizer step: {dev:.3e} (tolerance {args.tolerance:g})", markup=False)
-    if dev <= args.tolerance:
-        console.print("on-policy check passed", markup=False)
-        return 0
-    for line in diagnose(run):
-        console.print(f"diagnosis: {line}", markup=False)
-    console.print("on-policy check FAILED", markup=False)
-    return 1
+    return metrics["first_ratio_deviation"], run
 
 
 @torch.no_grad()
@@ -341,46 +307,20 @@ def diagnose(run: Run) -> list[str]:
     return found
 
 
-def sample_from_cli(recipe: Recipe, args: argparse.Namespace, console: Console) -> int:
-    from fgrpo.core.prompts import read_prompt_file
+# --- a trained policy outside a run ------------------------------------------------------------
 
-    torch.manual_seed(derive_seed(recipe.seed, "build"))
-    policy = recipe.build("model")
-    if args.checkpoint:
-        folder = Path(args.checkpoint)
-        if not (folder / ckpt.TRAINABLE).is_file():
-            raise RecipeError([ConfigError("--checkpoint", f"{folder} holds no {ckpt.TRAINABLE}")])
-        weights = folder / (ckpt.EMA if (folder / ckpt.EMA).is_file() and recipe.train.ema_decay > 0 else ckpt.TRAINABLE)
-        if weights.name == ckpt.EMA:
-            params = [p for p in policy.trainable_parameters() if p.requires_grad]
-            ema = EMA(params, recipe.train.ema_decay)
-            ema.load_state_dict(ckpt.read_tensors(weights, policy.device))
-            with torch.no_grad():
-                for p, s in zip(params, ema.shadow):
-                    p.copy_(s)
-        else:
-            policy.load_trainable_state_dict(ckpt.read_tensors(weights, policy.device))
-    try:
-        prompts = [p for p, _ in read_prompt_file(args.prompts)]
-    except (OSError, ValueError) as exc:
-        raise RecipeError([ConfigError("--prompts", str(exc))]) from None
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    steps = args.steps or recipe.eval.steps
-    rows = []
-    for i, prompt in enumerate(prompts):
-        g = generator(args.seed, "sample", i, device=policy.device)
-        images = evaluation.generate(policy, [prompt], args.n, steps, g)
-        for k in range(args.n):
-            name = f"{i:05d}_{k:02d}.png"
-            if visuals.is_image_batch(images):
-                from PIL import Image
 
-                Image.fromarray(visuals.to_uint8(images[k : k + 1])[0]).save(out / name)
-            else:
-                name = f"{i:05d}_{k:02d}.pt"
-                torch.save(images[k].cpu(), out / name)
-            rows.append({"file": name, "prompt": prompt, "seed": args.seed, "index": k})
-    (out / "index.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    console.print(f"wrote {len(rows)} samples to {out}", markup=False)
-    return 0
+def load_checkpoint_weights(policy: Policy, folder: Path, ema_decay: float) -> None:
+    """Load a checkpoint's trainable weights into ``policy`` (its EMA weights when it has them and
+    the recipe trains with an EMA)."""
+    if not (folder / ckpt.TRAINABLE).is_file():
+        raise RecipeError([ConfigError("--checkpoint", f"{folder} holds no {ckpt.TRAINABLE}")])
+    if (folder / ckpt.EMA).is_file() and ema_decay > 0:
+        params = [p for p in policy.trainable_parameters() if p.requires_grad]
+        ema = EMA(params, ema_decay)
+        ema.load_state_dict(ckpt.read_tensors(folder / ckpt.EMA, policy.device))
+        with torch.no_grad():
+            for p, s in zip(params, ema.shadow):
+                p.copy_(s)
+    else:
+        policy.load_trainable_state_dict(ckpt.read_tensors(folder / ckpt.TRAINABLE, policy.device))

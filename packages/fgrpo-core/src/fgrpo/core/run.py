@@ -1,0 +1,46 @@
+"""The state of one training run, typed by the protocols its components satisfy.
+
+``trainer.build_run`` makes it from a recipe; every phase of an iteration (``fgrpo.core.phases``)
+takes it, so a reader can follow ``run.sampler.rollout`` to :class:`~fgrpo.core.protocols.Sampler`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import attrs
+import torch
+
+from fgrpo.core.data import PromptSchedule
+from fgrpo.core.ema import EMA
+from fgrpo.core.protocols import Objective, Policy, PromptSource, Reward, Sampler
+from fgrpo.core.recipe import Recipe, RewardSpec
+from fgrpo.core.runlog import Display, MetricsLog
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+
+@attrs.define
+class Run:
+    recipe: Recipe
+    policy: Policy
+    sampler: Sampler
+    objective: Objective
+    prompts: PromptSource
+    rewards: list[tuple[RewardSpec, Reward]]
+    accelerator: Accelerator
+    trainable: list[torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    ema: EMA | None
+    schedule: PromptSchedule
+    display: Display
+    out_dir: Path | None = None
+    log: MetricsLog | None = None
+    start_iteration: int = 0  # iterations already done (after a resume)
+
+    @property
+    def is_main(self) -> bool:
+        return self.accelerator.is_main_process
