@@ -26,7 +26,7 @@ COMPONENTS: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
     **{("reward", n): ("fgrpo-rewards", ()) for n in (
         "jpeg-compressibility", "jpeg-incompressibility", "target-distance", "shapes", "shapes-gold")},
     ("reward", "ocr"): ("fgrpo-rewards", ("ocr",)),
-    ("reward", "clip-score"): ("fgrpo-rewards", ("clip",)),
+    **{("reward", n): ("fgrpo-rewards", ("clip",)) for n in ("clip-score", "pickscore", "aesthetic")},
     ("prompts", "shapes"): ("fgrpo-rewards", ()),
     ("model", "vector"): ("fgrpo-models", ()),
     ("model", "sd3"): ("fgrpo-models", ("diffusers",)),
