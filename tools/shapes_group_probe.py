@@ -17,32 +17,18 @@ prints how often the relation holds given the right objects (chance: 0.375).
 from __future__ import annotations
 
 import argparse
-from collections import Counter
+import sys
 from pathlib import Path
 
 import torch
 
-from fgrpo.core import recipe as recipe_mod
 from fgrpo.core import checkpoint as ckpt
+from fgrpo.core import recipe as recipe_mod
 from fgrpo.core.seeding import generator
-from fgrpo.rewards.shapes.verifier import evaluate, read_cells, spec_for
-from fgrpo.rewards.shapes.world import relation_holds
+from fgrpo.rewards.shapes.verifier import evaluate
 
-
-def relation_outcomes(images: torch.Tensor, prompts: list[str]) -> list[int | None]:
-    """Per sample: None if the image does not hold exactly the required objects (clean), else
-    1 / 0 whether the prompt's relation holds."""
-    reading = read_cells(images)
-    out: list[int | None] = []
-    for b, prompt in enumerate(prompts):
-        spec = spec_for(prompt)
-        scene = reading.scene(b)
-        if not (bool(reading.clean[b]) and Counter(p.item for p in scene) == Counter(spec.required)):
-            out.append(None)
-            continue
-        a, other = (o[:2] for o in spec.objects)
-        out.append(int(relation_holds(scene, a, other, spec.relation)))
-    return out
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from shapes_relation_probe import outcomes  # noqa: E402  (a sibling tool)
 
 
 def main() -> None:
@@ -80,10 +66,10 @@ def main() -> None:
                 accuracy.append(acc)
                 informative += int((acc.max(1).values != acc.min(1).values).sum())
                 if category == "position":
-                    outcomes = relation_outcomes(images, traj.prompts)
-                    holds += [o for o in outcomes if o is not None]
+                    found = outcomes(images, traj.prompts)
+                    holds += [o for o in found if o is not None]
                     for i in range(len(chunk)):
-                        row = outcomes[i * group : (i + 1) * group]
+                        row = found[i * group : (i + 1) * group]
                         relation_groups += int(1 in row and 0 in row)
             acc = torch.cat(accuracy)
             line = (
