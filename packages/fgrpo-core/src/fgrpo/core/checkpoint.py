@@ -8,6 +8,8 @@ Layout of ``checkpoints/iter_NNNNNN/``::
     optimizer.pt            optimizer and LR-schedule state (tensors and numbers only)
     rng-rankR.pt            each process's torch RNG states
     state.json              iteration, sampler state, data position, the resolved recipe
+    export/                 the trained weights in the backbone's own format, when the policy
+                            writes them (a LoRA as diffusers' save_lora_weights does)
 Loading uses ``torch.load(weights_only=True)`` and safetensors: nothing arbitrary is unpickled.
 """
 
@@ -16,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,7 @@ TRAINABLE = "trainable.safetensors"
 EMA = "ema.safetensors"
 OPTIMIZER = "optimizer.pt"
 STATE = "state.json"
+EXPORT = "export"
 # recipe keys that may differ on resume: extending a run, or how it is displayed
 RESUMABLE_CHANGES = ("train.iterations", "log.quiet", "log.tensorboard", "log.sample_grid", "log.plots")
 
@@ -68,8 +71,10 @@ def write(
     rng: Mapping[int, Any],
     state: Mapping[str, Any],
     keep: int,
+    export: Callable[[str], Any] | None = None,
 ) -> Path:
-    """Write checkpoint ``iteration`` under ``root`` (checkpoints/) and point ``last`` at it."""
+    """Write checkpoint ``iteration`` under ``root`` (checkpoints/) and point ``last`` at it.
+    ``export(folder)`` writes extra files into ``export/`` before the folder becomes visible."""
     root.mkdir(parents=True, exist_ok=True)
     final = root / folder_name(iteration)
     tmp = root / f".tmp-{folder_name(iteration)}-{os.getpid()}"
@@ -83,6 +88,10 @@ def write(
     for rank, states in rng.items():
         torch.save(states, tmp / f"rng-rank{rank}.pt")
     (tmp / STATE).write_text(json.dumps(dict(state), indent=1, sort_keys=True))
+    if export is not None:
+        export(str(tmp / EXPORT))
+        if (tmp / EXPORT).is_dir():
+            _fsync_tree(tmp / EXPORT)
     _fsync_tree(tmp)
     if final.exists():  # a re-run of the same iteration after a resume: replace it
         shutil.rmtree(final)

@@ -163,12 +163,14 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def composition_tree(recipe: Any, title: str) -> Tree:
+    from fgrpo.core.recipe import REWARD_EXTRA_KEYS
+
     tree = Tree(f"[bold]{title}[/]")
     for section in ("model", "sampler", "objective", "prompts"):
         _spec_branch(tree, section, section, recipe.data[section])
     rewards = tree.add("reward")
     for spec in recipe.data["reward"]:
-        params = {k: v for k, v in spec.items() if k not in ("weight", "label")}
+        params = {k: v for k, v in spec.items() if k not in REWARD_EXTRA_KEYS}
         _spec_branch(rewards, "reward", f"{spec['label']} (weight {spec['weight']})", params)
     for section in ("train", "eval", "log"):
         node = tree.add(section)

@@ -82,12 +82,44 @@ def decode(run: Run, traj: Trajectory) -> Any:
     return run.policy.decode(traj.final)
 
 
+def is_video_batch(outputs: Any) -> bool:
+    return isinstance(outputs, torch.Tensor) and outputs.dim() == 5 and outputs.shape[2] == 3
+
+
+def score_frames(reward: Any, videos: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Any], stride: int) -> Any:
+    """An image reward on videos (B, T, 3, H, W): frames 0, stride, 2 stride, ... of every video
+    scored as images with their video's prompt and metadata; a video's score is the mean over its
+    frames, numeric details are averaged per video, other details listed per video."""
+    from fgrpo.core.protocols import RewardResult
+
+    frames = videos[:, ::stride]
+    b, t = frames.shape[:2]
+    result = reward(frames.reshape(b * t, *frames.shape[2:]), [p for p in prompts for _ in range(t)], [m for m in metadata for _ in range(t)])
+    scores = torch.as_tensor(result.scores).detach()
+    if scores.shape != (b * t,):
+        return result  # malformed: reported by score() with the shape it has
+    details: dict[str, Any] = {}
+    for key, value in result.details.items():
+        if isinstance(value, torch.Tensor) and value.shape[:1] == (b * t,) and (value.is_floating_point() or value.dtype == torch.bool):
+            details[key] = value.float().reshape(b, t, *value.shape[1:]).mean(dim=1)
+        elif isinstance(value, (list, tuple)) and len(value) == b * t:
+            details[key] = [list(value[i * t : (i + 1) * t]) for i in range(b)]
+        else:
+            details[key] = value
+    return RewardResult(scores=scores.float().reshape(b, t).mean(dim=1), details=details)
+
+
 def score(rewards: Sequence[tuple[Any, Any]], outputs: Any, prompts: Sequence[str], metadata: Sequence[Any], *, where: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Every reward on the batch; a malformed result stops the run before an update uses it."""
+    """Every reward on the batch; a malformed result stops the run before an update uses it.
+    Videos reach a reward frame by frame (every ``frame_stride``-th frame of the reward's spec)
+    unless the reward declares ``accepts_video = True``."""
     scores: dict[str, torch.Tensor] = {}
     details: dict[str, Any] = {}
     for spec, reward in rewards:
-        result = reward(outputs, list(prompts), list(metadata))
+        if is_video_batch(outputs) and not getattr(reward, "accepts_video", False):
+            result = score_frames(reward, outputs, prompts, metadata, getattr(spec, "frame_stride", 1))
+        else:
+            result = reward(outputs, list(prompts), list(metadata))
         s = torch.as_tensor(result.scores).detach()
         if s.shape != (len(prompts),):
             raise RewardError(

@@ -204,6 +204,7 @@ def save_checkpoint(run: Run, done: int) -> None:
                 "processes": run.accelerator.num_processes,
             },
             keep=run.recipe.train.keep_checkpoints,
+            export=run.policy.export if getattr(run.policy, "export_in_checkpoints", False) else None,
         )
         plugin_manager().hook.fgrpo_checkpoint_saved(run=run, iteration=done, path=str(path))
     run.accelerator.wait_for_everyone()
