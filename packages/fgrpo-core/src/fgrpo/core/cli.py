@@ -1,4 +1,4 @@
-"""The ``fgrpo`` command: plugins, validate, compose, check, sample.
+"""The ``fgrpo`` command: plugins, validate, compose, check, sample, export.
 
 Bad input (a recipe error, an unknown or broken component) prints one line per problem and exits
 with code 2, never a traceback.
@@ -79,6 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=None, help="ODE steps (default: eval.steps)")
     p.add_argument("--out", required=True)
     p.set_defaults(handler=cmd_sample)
+
+    p = sub.add_parser("export", help="a checkpoint's trained weights in the backbone's own format (diffusers LoRA)")
+    p.add_argument("checkpoint", help="a checkpoint folder: RUN/checkpoints/iter_N or RUN/checkpoints/last")
+    p.add_argument("--out", required=True, help="folder to write (e.g. for pipe.load_lora_weights(OUT))")
+    p.add_argument("--no-ema", action="store_true", help="the raw trained weights even when the run keeps an EMA")
+    p.set_defaults(handler=cmd_export)
 
     from fgrpo.core.hookspecs import plugin_manager
 
@@ -247,16 +253,12 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_sample(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    import torch
-
     from fgrpo.core.evaluation import write_samples
     from fgrpo.core.prompts import read_prompt_file
-    from fgrpo.core.seeding import derive_seed
     from fgrpo.core.trainer import load_checkpoint_weights
 
     recipe = _load(args)
-    torch.manual_seed(derive_seed(recipe.seed, "build"))
-    policy = recipe.build("model")
+    policy = _build_policy(recipe)
     if args.checkpoint:
         load_checkpoint_weights(policy, Path(args.checkpoint), recipe.train.ema_decay)
     try:
@@ -266,6 +268,54 @@ def cmd_sample(args: argparse.Namespace) -> int:
     written = write_samples(policy, prompts, args.n, args.steps or recipe.eval.steps, args.seed, Path(args.out))
     out.print(f"wrote {written} samples to {args.out}", markup=False)
     return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """Copy the export a checkpoint already holds (LoRA runs write one in diffusers' format), or
+    build the recipe's model, load the checkpoint's weights and let the policy export them."""
+    import shutil
+    from pathlib import Path
+
+    from fgrpo.core import checkpoint as ckpt
+    from fgrpo.core import recipe as recipe_mod
+
+    folder = Path(args.checkpoint)
+    if not (folder / ckpt.STATE).is_file():
+        raise RecipeError([ConfigError("checkpoint", f"{folder} is not a checkpoint folder (no {ckpt.STATE}); expected RUN/checkpoints/iter_N or RUN/checkpoints/last")])
+    out_dir = Path(args.out)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise RecipeError([ConfigError("--out", f"{out_dir} exists and is not empty; choose a new folder")])
+    state = ckpt.read_state(folder)
+    ema_in_use = (folder / ckpt.EMA).is_file()
+    ready = folder / ckpt.EXPORT
+    if ready.is_dir() and not (args.no_ema and ema_in_use):  # a checkpoint's export holds its EMA weights
+        shutil.copytree(ready, out_dir, dirs_exist_ok=True)
+        written = sorted(str(p) for p in out_dir.rglob("*") if p.is_file())
+    else:
+        recipe, errors = recipe_mod.validate(state["recipe"], f"{folder / ckpt.STATE}")
+        if errors:
+            raise RecipeError(errors)
+        policy = _build_policy(recipe)
+        export = getattr(policy, "export", None)
+        if export is None:
+            raise RecipeError([ConfigError("model", f"{recipe.data['model']['name']!r} has no export(): its weights are in {folder / ckpt.TRAINABLE}")])
+        from fgrpo.core.trainer import load_checkpoint_weights
+
+        load_checkpoint_weights(policy, folder, 0.0 if args.no_ema else recipe.train.ema_decay)
+        written = list(export(str(out_dir)))
+    for path in written:
+        out.print(f"wrote {path}", markup=False)
+    out.print(f"exported {folder} ({'raw' if args.no_ema or not ema_in_use else 'EMA'} weights) to {out_dir}", markup=False)
+    return 0
+
+
+def _build_policy(recipe: Any) -> Any:
+    import torch
+
+    from fgrpo.core.seeding import derive_seed
+
+    torch.manual_seed(derive_seed(recipe.seed, "build"))
+    return recipe.build("model")
 
 
 # --- entry -------------------------------------------------------------------------------------

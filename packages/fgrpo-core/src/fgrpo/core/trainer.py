@@ -6,6 +6,7 @@ compute advantages, update, evaluate, log, checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import time
@@ -204,10 +205,18 @@ def save_checkpoint(run: Run, done: int) -> None:
                 "processes": run.accelerator.num_processes,
             },
             keep=run.recipe.train.keep_checkpoints,
-            export=run.policy.export if getattr(run.policy, "export_in_checkpoints", False) else None,
+            export=(lambda folder: export_policy(run, folder)) if getattr(run.policy, "export_in_checkpoints", False) else None,
         )
         plugin_manager().hook.fgrpo_checkpoint_saved(run=run, iteration=done, path=str(path))
     run.accelerator.wait_for_everyone()
+
+
+def export_policy(run: Run, folder: str) -> list[str]:
+    """The policy's own-format export (what users deploy): with the EMA weights when the run
+    keeps an EMA, as evaluation uses them."""
+    context = run.ema.swapped_in() if run.ema is not None else contextlib.nullcontext()
+    with context:
+        return list(run.policy.export(folder))
 
 
 def restore(run: Run, folder: Path) -> int:

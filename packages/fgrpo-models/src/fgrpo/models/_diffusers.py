@@ -101,7 +101,8 @@ def freeze(*modules: torch.nn.Module | None) -> None:
 
 
 def load_pipeline(pipeline_class: Any, path: str, torch_dtype: torch.dtype, *, key: str = "model.path") -> Any:
-    """``pipeline_class.from_pretrained(path)`` in ``torch_dtype``, from a local folder or a hub id.
+    """``pipeline_class.from_pretrained(path)`` in ``torch_dtype``, from a local folder or a hub id;
+    ``pipeline_class`` may be a diffusers class name (imported after the weights are found).
 
     Absent weights fail at once with one message naming ``key``, the id and the remedies
     (:func:`fgrpo.core.hub.pretrained_source`); a folder that is not a pipeline of this class is
@@ -110,6 +111,10 @@ def load_pipeline(pipeline_class: Any, path: str, torch_dtype: torch.dtype, *, k
     from fgrpo.core.hub import WeightsUnavailable, pretrained_source
 
     source = pretrained_source(path, key=key)
+    if isinstance(pipeline_class, str):
+        import diffusers
+
+        pipeline_class = getattr(diffusers, pipeline_class)
     try:
         return pipeline_class.from_pretrained(source.location, **source.kwargs, **from_pretrained_dtype_kwargs(torch_dtype))
     except WeightsUnavailable:

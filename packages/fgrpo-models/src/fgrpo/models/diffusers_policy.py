@@ -170,7 +170,7 @@ class DiffusersPolicy:
         self.device = dx.resolve_device(self.device)
         self._torch_dtype = dx.parse_dtype(self.dtype)
         if self._pipeline is None:
-            self._pipeline = dx.load_pipeline(self.pipeline_class(), self.path, self._torch_dtype)
+            self._pipeline = dx.load_pipeline(self.pipeline_class_name, self.path, self._torch_dtype)
         pipe = self._pipeline
         self._check_pipeline(pipe)
         modules = self.modules()
