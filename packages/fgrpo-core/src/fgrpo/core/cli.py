@@ -213,9 +213,7 @@ def cmd_compose(args: argparse.Namespace) -> int:
 
     run = open_run(recipe, out=args.out, resume=args.resume, console=out, quiet=args.quiet)
     folder = run.out_dir
-    run.display.say(
-        f"training {recipe.source} -> {folder} ({run.accelerator.num_processes} process(es), device {run.policy.device})"
-    )
+    run.display.say(f"training {recipe.source} -> {folder} ({accelerate_summary(run)})")
     with run.display:
         train(run)
     run.display.say(
@@ -223,6 +221,14 @@ def cmd_compose(args: argparse.Namespace) -> int:
         + (f", curves in {folder / 'curves.png'}" if (folder / "curves.png").exists() else "")
     )
     return 0
+
+
+def accelerate_summary(run: Any) -> str:
+    acc = run.accelerator
+    return (
+        f"{acc.num_processes} process(es), device {run.policy.device}, mixed precision {acc.mixed_precision}, "
+        f"gradient accumulation {acc.gradient_accumulation_steps}"
+    )
 
 
 def build_components(recipe: Any) -> dict[str, Any]:
@@ -238,7 +244,8 @@ def cmd_check(args: argparse.Namespace) -> int:
 
     deviation, run = first_ratio_check(_load(args), console=out)
     out.print(
-        f"largest |ratio - 1| before the first optimizer step: {deviation:.3e} (tolerance {args.tolerance:g})",
+        f"largest |ratio - 1| before the first optimizer step: {deviation:.3e} (tolerance {args.tolerance:g}; "
+        f"{accelerate_summary(run)})",
         markup=False,
     )
     if deviation <= args.tolerance:

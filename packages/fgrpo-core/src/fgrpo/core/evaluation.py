@@ -61,7 +61,7 @@ def evaluate(run: Run, iteration: int, out_dir: Path | None) -> dict[str, float]
     per_call = max(1, cfg.batch_size // cfg.samples_per_prompt)
     outputs, all_prompts = [], []
     context = run.ema.swapped_in() if run.ema is not None else contextlib.nullcontext()
-    with context:
+    with context, run.accelerator.autocast():
         for start in range(0, len(prompts), per_call):
             chunk = prompts[start : start + per_call]
             g = generator(run.recipe.seed, "eval", start, device=run.policy.device)

@@ -65,7 +65,7 @@ def rollout(run: Run, iteration: int) -> Trajectory:
         for start in range(0, len(local), chunk):
             slots, prompts = zip(*local[start : start + chunk])
             g = generator(run.recipe.seed, "rollout", iteration, slots[0], device=run.policy.device)
-            with autocast(run.policy.device, cfg.rollout_precision):
+            with run.accelerator.autocast(), autocast(run.policy.device, cfg.rollout_precision):
                 traj = run.sampler.rollout(run.policy, list(prompts), cfg.group_size, generator=g)
             # group ids become global prompt slots: unique across chunks and processes
             traj.group_index = torch.as_tensor(slots, device=traj.group_index.device)[traj.group_index]
@@ -222,14 +222,19 @@ def sync_gradients(run: Run, params: Sequence[torch.nn.Parameter]) -> None:
 
 
 def update(run: Run, traj: Trajectory, adv: torch.Tensor, iteration: int) -> UpdateStats:
-    """``inner_epochs`` passes over the samples in minibatches; each minibatch is one optimizer
-    step whose gradient accumulates over all its (sample, step) pairs."""
+    """``inner_epochs`` passes over the samples in minibatches; an optimizer step every
+    ``gradient_accumulation_steps`` minibatches (accelerate's setting by default, 1), its gradient
+    the mean over all their (sample, step) pairs. Forwards run under the run's mixed precision
+    (accelerate's autocast); with fp16 the loss is scaled (accelerate's GradScaler)."""
     cfg = run.recipe.train
+    acc = run.accelerator
+    scaler = getattr(acc, "scaler", None)
     stats = UpdateStats()
     params = run.trainable
     n = traj.batch_size
-    per_step = cfg.minibatch_size or n
-    total_steps = cfg.inner_epochs * math.ceil(n / per_step)
+    per_minibatch = cfg.minibatch_size or n
+    accumulate = max(1, int(acc.gradient_accumulation_steps))
+    total_steps = cfg.inner_epochs * math.ceil(math.ceil(n / per_minibatch) / accumulate)
     with run.display.phase("update", total_steps) as advance:
         for epoch in range(cfg.inner_epochs):
             order = (
@@ -237,25 +242,35 @@ def update(run: Run, traj: Trajectory, adv: torch.Tensor, iteration: int) -> Upd
                 if cfg.shuffle_minibatches
                 else torch.arange(n)
             )
-            for samples in order.split(per_step):
+            minibatches = order.split(per_minibatch)
+            for first in range(0, len(minibatches), accumulate):
+                group = minibatches[first : first + accumulate]
                 run.optimizer.zero_grad(set_to_none=True)
-                pairs = pair_batches(traj, samples.to(traj.latents.device), cfg.micro_batch_size)
-                total_pairs = len(samples) * traj.num_trained_steps
-                for rows, cols in pairs:
-                    batch, nfe = step_batch(run, traj, adv, rows, cols)
-                    out = run.objective(batch)
-                    (out.loss * (len(rows) / total_pairs)).backward()
-                    stats.nfe += nfe
-                    for key, value in out.metrics.items():
-                        stats.metrics[key].append(value.detach())
-                    if stats.optimizer_steps == 0:
-                        dev = (batch.log_prob.detach() - batch.old_log_prob).exp().sub(1).abs().max().item()
-                        stats.first_ratio_deviation = max(stats.first_ratio_deviation or 0.0, dev)
+                total_pairs = sum(len(samples) for samples in group) * traj.num_trained_steps
+                for samples in group:
+                    for rows, cols in pair_batches(traj, samples.to(traj.latents.device), cfg.micro_batch_size):
+                        with acc.autocast():
+                            batch, nfe = step_batch(run, traj, adv, rows, cols)
+                            out = run.objective(batch)
+                        loss = out.loss * (len(rows) / total_pairs)
+                        (scaler.scale(loss) if scaler is not None else loss).backward()
+                        stats.nfe += nfe
+                        for key, value in out.metrics.items():
+                            stats.metrics[key].append(value.detach())
+                        if stats.optimizer_steps == 0:
+                            dev = (batch.log_prob.detach() - batch.old_log_prob).exp().sub(1).abs().max().item()
+                            stats.first_ratio_deviation = max(stats.first_ratio_deviation or 0.0, dev)
                 sync_gradients(run, params)
+                if scaler is not None:
+                    scaler.unscale_(run.optimizer)  # after the all-reduce: every process sees the same inf/nan
                 if cfg.max_grad_norm > 0:
                     norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
                     stats.grad_norms.append(float(norm))
-                run.optimizer.step()
+                if scaler is not None:
+                    scaler.step(run.optimizer)
+                    scaler.update()
+                else:
+                    run.optimizer.step()
                 stats.optimizer_steps += 1
                 if run.ema is not None and stats.optimizer_steps % cfg.ema_every == 0:
                     run.ema.update()

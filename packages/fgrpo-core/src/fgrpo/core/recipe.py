@@ -30,6 +30,14 @@ class TrainConfig:
     rollout_precision: Literal["same", "bfloat16", "float16"] = param(
         "same", help="autocast the rollout to this dtype (faster, but off-policy: `fgrpo check` shows it)"
     )
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = param(
+        "auto",
+        help="autocast of every network forward (rollout, update, evaluation); auto: accelerate's "
+        "(accelerate launch --mixed_precision / its config file), else no. Kernel arithmetic stays float32",
+    )
+    gradient_accumulation_steps: int = param(
+        0, ge=0, help="minibatches per optimizer step; 0: accelerate's (--gradient_accumulation_steps / its config), else 1"
+    )
     inner_epochs: int = param(1, ge=1, help="passes over each iteration's samples")
     minibatch_size: int = param(0, ge=0, help="samples per optimizer step; 0 = the whole batch (on-policy)")
     micro_batch_size: int = param(0, ge=0, help="(sample, step) pairs per forward pass; 0 = the whole minibatch")
