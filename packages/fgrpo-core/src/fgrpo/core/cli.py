@@ -33,10 +33,11 @@ out = _console()
 
 
 def _add_recipe_args(p: argparse.ArgumentParser, optional: bool = False) -> None:
+    text = "path to recipe.yaml, or the name of a built-in recipe (shapes, vector, ...)"
     if optional:
-        p.add_argument("recipe", nargs="?", default=None, help="path to recipe.yaml")
+        p.add_argument("recipe", nargs="?", default=None, help=text)
     else:
-        p.add_argument("recipe", help="path to recipe.yaml")
+        p.add_argument("recipe", help=text)
     p.add_argument(
         "--set",
         dest="overrides",
@@ -48,7 +49,14 @@ def _add_recipe_args(p: argparse.ArgumentParser, optional: bool = False) -> None
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fgrpo", description="Online RL for flow-matching generators.")
+    from fgrpo.core.shipped import versions_text
+
+    parser = argparse.ArgumentParser(
+        prog="fgrpo",
+        description="Online RL for flow-matching generators.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,  # --version prints one line per distribution
+    )
+    parser.add_argument("--version", action="version", version=versions_text(), help="the fgrpo distributions' versions")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("plugins", help="list installed components and where they come from")
@@ -164,8 +172,9 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 
 def _load(args: argparse.Namespace):
     from fgrpo.core import recipe as recipe_mod
+    from fgrpo.core.shipped import find_recipe
 
-    return recipe_mod.load(args.recipe, args.overrides)
+    return recipe_mod.load(find_recipe(args.recipe), args.overrides)
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -272,7 +281,10 @@ def cmd_sample(args: argparse.Namespace) -> int:
     checkpoint = None
     if args.checkpoint:
         checkpoint = rundir.find_checkpoint(Path(args.checkpoint))
-        recipe = rundir.recipe_for_checkpoint(checkpoint, args.recipe, args.overrides)
+        from fgrpo.core.shipped import find_recipe
+
+        given = find_recipe(args.recipe) if args.recipe is not None else None
+        recipe = rundir.recipe_for_checkpoint(checkpoint, given, args.overrides)
     elif args.recipe is None:
         raise RecipeError([ConfigError("recipe", "give a RECIPE to sample its base model, or --checkpoint DIR")])
     else:

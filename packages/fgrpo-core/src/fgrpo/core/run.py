@@ -42,6 +42,7 @@ class Run:
     log: MetricsLog | None = None
     folder: RunFolder | None = None  # the locked run folder (main process of a compose)
     start_iteration: int = 0  # iterations already done (after a resume)
+    optimizer_steps: int = 0  # over the whole run (checkpointed): the EMA counts these
 
     @property
     def is_main(self) -> bool:

@@ -207,6 +207,7 @@ def save_checkpoint(run: Run, done: int) -> None:
                 "iteration": done,
                 "data_position": done * run.recipe.train.prompts_per_iteration,
                 "sampler": run.sampler.state_dict(),
+                "optimizer_steps": run.optimizer_steps,
                 "recipe": run.recipe.data,
                 "processes": run.accelerator.num_processes,
                 "run_id": run.folder.run_id if run.folder is not None else None,
@@ -229,6 +230,7 @@ def restore(run: Run, folder: Path) -> int:
     run.scheduler.load_state_dict(opt["scheduler"])
     torch.set_rng_state(ckpt.read_torch(folder / "rng-rank0.pt")["torch"])
     run.sampler.load_state_dict(state["sampler"])
+    run.optimizer_steps = int(state.get("optimizer_steps", 0))  # absent before it was saved: EMA counts restart
     return int(state["iteration"])
 
 
@@ -274,6 +276,9 @@ def open_run(
                 run.start_iteration = restore(run, resume_from)
             except ckpt.CheckpointError as exc:
                 raise RecipeError([ConfigError("--resume", str(exc))]) from None
+            except (KeyError, ValueError, TypeError, RuntimeError) as exc:  # files that read but do not fit
+                first = (str(exc).splitlines() or [type(exc).__name__])[0][:300]
+                raise RecipeError([ConfigError("--resume", f"{resume_from} is not a valid checkpoint of this run: {first}")]) from None
         if folder is not None:
             folder.write_recipe(recipe)
             run.log = MetricsLog(out_dir, tensorboard=recipe.log.tensorboard, resume_from=run.start_iteration if resume_from else None)
@@ -299,7 +304,7 @@ def open_run(
 def first_ratio_check(recipe: Recipe, console: Console) -> tuple[float, Run]:
     """One iteration, one batch, one gradient step: the largest |ratio - 1| of the stored actions'
     re-evaluated log-probs before the first optimizer step (0 when rollout and update agree)."""
-    cfg = attrs.evolve(recipe.train, iterations=1, minibatch_size=0, inner_epochs=1)
+    cfg = attrs.evolve(recipe.train, iterations=1, minibatch_size=0, inner_epochs=1, drop_zero_advantage=False)
     checked = attrs.evolve(recipe, train=cfg, eval=attrs.evolve(recipe.eval, every=0))
     run = build_run(checked, out_dir=None, console=console, quiet=True)
     metrics = iteration(run, 0)
