@@ -16,55 +16,6 @@ transformers = pytest.importorskip("transformers")
 PROMPTS = ["a red square", "a blue circle", "a green triangle", "the word GRPO"]
 
 
-def byte_characters() -> list[str]:
-    """The 256 characters of GPT-2's byte-level alphabet (CLIP's BPE uses the same)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
-    chars, extra = [], 0
-    for b in range(256):
-        if b in printable:
-            chars.append(chr(b))
-        else:
-            chars.append(chr(256 + extra))
-            extra += 1
-    return chars
-
-
-@pytest.fixture(scope="module")
-def clip_folder(tmp_path_factory):
-    """A random 2-layer CLIP (hidden 32, 32x32 images), its byte-level tokenizer and processor."""
-    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPTokenizer
-
-    chars = byte_characters()
-    vocab = {c: i for i, c in enumerate(chars)}
-    vocab.update({c + "</w>": len(chars) + i for i, c in enumerate(chars)})
-    vocab["<|startoftext|>"] = len(vocab)
-    vocab["<|endoftext|>"] = len(vocab)
-    tokenizer = CLIPTokenizer(vocab=vocab, merges=[], model_max_length=77)
-    text = dict(vocab_size=len(vocab), hidden_size=32, intermediate_size=37, num_hidden_layers=2,
-                num_attention_heads=4, max_position_embeddings=77, projection_dim=16,
-                bos_token_id=vocab["<|startoftext|>"], eos_token_id=vocab["<|endoftext|>"],
-                pad_token_id=vocab["<|endoftext|>"])
-    vision = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
-                  image_size=32, patch_size=8, projection_dim=16)
-    torch.manual_seed(0)
-    model = CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=16))
-    folder = tmp_path_factory.mktemp("tiny-clip")
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(folder)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def offline():
-    import huggingface_hub.constants as hub
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HF_HUB_OFFLINE", "1")
-        mp.setattr(hub, "HF_HUB_OFFLINE", True)
-        yield
-
-
 @pytest.fixture(scope="module")
 def clip_reward(clip_folder, offline):
     return registry.create("reward", "clip-score", path=str(clip_folder), device="cpu")
@@ -127,3 +78,122 @@ def test_missing_extra_names_the_install_command(monkeypatch):
     with pytest.raises(ImportError) as info:
         CLIPScore(path="unused")
     assert str(info.value) == 'pip install "fgrpo-rewards[clip]"'
+
+
+# --- pickscore ---------------------------------------------------------------------------------
+
+
+class TestPickScore(RewardConformance):
+    reward_name = "pickscore"
+
+    @pytest.fixture
+    def reward(self, clip_folder, offline):
+        return registry.create("reward", "pickscore", path=str(clip_folder), processor_path=None, device="cpu")
+
+    def make_inputs(self):
+        return images(), list(PROMPTS), [{} for _ in PROMPTS]
+
+
+def reference_embeddings(folder, batch, prompts):
+    """Unit-norm image and text embeddings the way flow_grpo computes them: transformers' own
+    processor on PIL images, get_image_features / get_text_features, then L2 normalisation."""
+    from transformers import CLIPModel, CLIPProcessor
+
+    model = CLIPModel.from_pretrained(folder).eval()
+    processor = CLIPProcessor.from_pretrained(folder)
+    pil = [Image.fromarray((img.permute(1, 2, 0) * 255).round().byte().numpy()) for img in batch]
+    with torch.no_grad():
+        pixels = processor(images=pil, return_tensors="pt")["pixel_values"]
+        text = processor(text=prompts, padding=True, truncation=True, max_length=77, return_tensors="pt")
+        image = model.get_image_features(pixel_values=pixels)
+        words = model.get_text_features(**text)
+    image = image if isinstance(image, torch.Tensor) else image.pooler_output
+    words = words if isinstance(words, torch.Tensor) else words.pooler_output
+    return model, image / image.norm(dim=-1, keepdim=True), words / words.norm(dim=-1, keepdim=True)
+
+
+def test_pickscore_is_flow_grpos_formula(clip_folder, offline):
+    """score = exp(logit_scale) x (text . image) / 26, by hand."""
+    reward = registry.create("reward", "pickscore", path=str(clip_folder), processor_path=None, device="cpu")
+    model, image, words = reference_embeddings(clip_folder, images(), PROMPTS)
+    expected = model.logit_scale.exp() * (words @ image.T).diagonal() / 26
+    result = reward(images(), PROMPTS, [{}] * 4)
+    torch.testing.assert_close(result.scores, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(result.details["cosine"], (words * image).sum(-1), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["clip-score", "pickscore"])
+def test_batch_equals_one_by_one(clip_folder, offline, name):
+    reward = registry.create("reward", name, path=str(clip_folder), processor_path=None, device="cpu", batch_size=4)
+    batch = images()
+    together = reward(batch, PROMPTS, [{}] * 4).scores
+    alone = torch.cat([reward(batch[i : i + 1], PROMPTS[i : i + 1], [{}]).scores for i in range(4)])
+    torch.testing.assert_close(together, alone, atol=1e-6, rtol=1e-5)
+
+
+def test_models_load_once_per_process(clip_folder, offline):
+    """Two rewards on the same weights (train and evaluation, or clip-score beside pickscore) share
+    one model; another dtype is another copy."""
+    a = registry.create("reward", "clip-score", path=str(clip_folder), device="cpu")
+    b = registry.create("reward", "pickscore", path=str(clip_folder), processor_path=None, device="cpu")
+    c = registry.create("reward", "clip-score", path=str(clip_folder), device="cpu", dtype="bfloat16")
+    assert a.model is b.model
+    assert c.model is not a.model and next(c.model.parameters()).dtype == torch.bfloat16
+    scores = c(images(), PROMPTS, [{}] * 4).scores
+    assert scores.dtype == torch.float32 and torch.isfinite(scores).all()
+
+
+# --- aesthetic ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def aesthetic_head(tmp_path_factory):
+    """A random head saved as the published file is: a torch state dict with layers.N keys."""
+    from fgrpo.rewards.aesthetic import aesthetic_head as make_head
+
+    torch.manual_seed(1)
+    head = make_head(16)
+    for p in head.parameters():  # larger weights than the default init: visible differences
+        torch.nn.init.normal_(p, std=0.5)
+    path = tmp_path_factory.mktemp("aesthetic") / "head.pth"
+    torch.save({f"layers.{k}": v for k, v in head.state_dict().items()}, path)
+    return path
+
+
+class TestAesthetic(RewardConformance):
+    reward_name = "aesthetic"
+
+    @pytest.fixture
+    def reward(self, clip_folder, aesthetic_head, offline):
+        return registry.create("reward", "aesthetic", head=str(aesthetic_head), path=str(clip_folder), device="cpu")
+
+    def make_inputs(self):
+        return images(), list(PROMPTS), [{} for _ in PROMPTS]
+
+
+def test_aesthetic_head_by_hand(clip_folder, aesthetic_head, offline):
+    """The five linear layers without activations on the unit-norm image embedding, by hand."""
+    reward = registry.create("reward", "aesthetic", head=str(aesthetic_head), path=str(clip_folder), device="cpu", batch_size=3)
+    _, image, _ = reference_embeddings(clip_folder, images(), PROMPTS)
+    state = torch.load(aesthetic_head, weights_only=True)
+    x = image
+    for i in (0, 2, 4, 6, 7):
+        x = x @ state[f"layers.{i}.weight"].T + state[f"layers.{i}.bias"]
+    torch.testing.assert_close(reward(images(), PROMPTS, [{}] * 4).scores, x.squeeze(-1), atol=1e-5, rtol=1e-5)
+    alone = torch.cat([reward(images()[i : i + 1], PROMPTS[i : i + 1], [{}]).scores for i in range(4)])
+    torch.testing.assert_close(alone, x.squeeze(-1), atol=1e-5, rtol=1e-5)
+
+
+def test_aesthetic_head_errors_name_the_key(clip_folder, tmp_path, offline):
+    from fgrpo.rewards.aesthetic import aesthetic_head as make_head
+
+    with pytest.raises(registry.ComponentError, match="reward.head"):
+        registry.create("reward", "aesthetic", head=str(tmp_path / "missing.pth"), path=str(clip_folder), device="cpu")
+    wrong = tmp_path / "wide.pth"
+    torch.save({f"layers.{k}": v for k, v in make_head(768).state_dict().items()}, wrong)
+    with pytest.raises(registry.ComponentError, match=r"reward.head: the head reads 768-d"):
+        registry.create("reward", "aesthetic", head=str(wrong), path=str(clip_folder), device="cpu")
+    junk = tmp_path / "junk.pth"
+    torch.save({"weight": torch.zeros(2)}, junk)
+    with pytest.raises(registry.ComponentError, match="not an aesthetic head"):
+        registry.create("reward", "aesthetic", head=str(junk), path=str(clip_folder), device="cpu")

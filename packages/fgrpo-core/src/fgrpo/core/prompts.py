@@ -1,4 +1,8 @@
-"""Built-in prompt sources: a text file per split, or prompts listed in the recipe."""
+"""Built-in prompt sources: a text file per split, a dataset folder, or prompts listed in the recipe.
+
+Every source maps a prompt to its metadata (the keys of a JSONL row other than ``prompt``: GenEval's
+``tag``/``include``/``exclude``, OCR's ``text`` ...), which the trainer passes to the rewards.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ from typing import Any
 
 import attrs
 
-from fgrpo.core.config import param
+from fgrpo.core.config import ConfigError, param
 
 
 def _existing_file(_instance, attribute, value):
@@ -38,6 +42,21 @@ def read_prompt_file(path: str | Path) -> list[tuple[str, dict[str, Any]]]:
     return rows
 
 
+def index_splits(files: Mapping[str, str | Path | None]) -> tuple[dict[str, list[str]], dict[str, dict[str, Any]]]:
+    """Prompts per split and the metadata of every prompt (a prompt listed twice with different
+    metadata is an error: ``metadata(prompt)`` could not tell them apart)."""
+    splits: dict[str, list[str]] = {}
+    meta: dict[str, dict[str, Any]] = {}
+    for split, path in files.items():
+        rows = read_prompt_file(path) if path else []
+        splits[split] = [p for p, _ in rows]
+        for prompt, data in rows:
+            if prompt in meta and meta[prompt] != data:
+                raise ValueError(f"{path}: prompt {prompt!r} appears twice with different metadata")
+            meta[prompt] = data
+    return splits, meta
+
+
 @attrs.define
 class TextFilePrompts:
     """Prompts from files (paths relative to the working directory)."""
@@ -48,11 +67,64 @@ class TextFilePrompts:
     _splits: dict[str, list[str]] = attrs.field(init=False, factory=dict)
 
     def __attrs_post_init__(self) -> None:
-        for split in ("train", "test"):
-            path = getattr(self, split)
-            rows = read_prompt_file(path) if path else []
-            self._splits[split] = [p for p, _ in rows]
-            self._meta.update({p: m for p, m in rows})
+        self._splits, self._meta = index_splits({"train": self.train, "test": self.test})
+
+    def train_prompts(self) -> list[str]:
+        return list(self._splits["train"])
+
+    def test_prompts(self) -> list[str]:
+        return list(self._splits["test"])
+
+    def metadata(self, prompt: str) -> Mapping[str, Any]:
+        return self._meta.get(prompt, {})
+
+
+def _existing_folder(_instance, attribute, value):
+    if not Path(value).is_dir():
+        raise ValueError(f"got {value!r}; expected an existing folder holding train.txt/test.txt or train_metadata.jsonl/test_metadata.jsonl")
+
+
+#: the file names a split may have in a dataset folder, in the order they are looked for
+SPLIT_FILES = ("{split}_metadata.jsonl", "{split}.jsonl", "{split}.txt")
+
+
+def split_file(folder: str | Path, split: str) -> Path | None:
+    for pattern in SPLIT_FILES:
+        path = Path(folder) / pattern.format(split=split)
+        if path.is_file():
+            return path
+    return None
+
+
+@attrs.define
+class FolderPrompts:
+    """A dataset folder laid out as flow_grpo's ``dataset/<task>/``: each split is
+    ``<split>_metadata.jsonl`` (GenEval: ``{"tag", "include", "exclude", "prompt"}`` a line),
+    else ``<split>.jsonl``, else ``<split>.txt`` (a prompt a line). JSONL keys other than
+    ``prompt`` are the prompt's metadata, passed to the rewards (the ``geneval`` reward reads
+    ``tag``/``include``/``exclude``; ``ocr`` reads ``text``). The path is relative to the working
+    directory.
+    """
+
+    path: str = param(validator=_existing_folder, help="dataset folder (flow_grpo layout: dataset/geneval, dataset/ocr, ...)")
+    train: str = param("train", help="training split: reads <train>_metadata.jsonl, <train>.jsonl or <train>.txt")
+    test: str | None = param("test", help="held-out split for evaluation; null = none")
+    _meta: dict[str, dict[str, Any]] = attrs.field(init=False, factory=dict)
+    _splits: dict[str, list[str]] = attrs.field(init=False, factory=dict)
+
+    @classmethod
+    def check_keys(cls, values: Mapping[str, Any], prefix: str) -> list[ConfigError]:
+        errors = []
+        for key in ("train", "test"):
+            split = values.get(key)
+            if split is not None and split_file(values["path"], split) is None:
+                names = " or ".join(p.format(split=split) for p in SPLIT_FILES)
+                errors.append(ConfigError(f"{prefix}.{key}" if prefix else key, f"got {split!r}; {values['path']} has no {names}"))
+        return errors
+
+    def __attrs_post_init__(self) -> None:
+        files = {"train": split_file(self.path, self.train), "test": split_file(self.path, self.test) if self.test else None}
+        self._splits, self._meta = index_splits(files)
 
     def train_prompts(self) -> list[str]:
         return list(self._splits["train"])

@@ -1,14 +1,16 @@
-"""CLIP score: how well each image matches its prompt, by a CLIP model (a hub id or a local folder).
+"""The CLIP family: ``clip-score``, ``pickscore`` and what they share with ``aesthetic``, ``hpsv2``
+and ``geneval`` (loading once per process, preprocessing in torch, batched embeddings).
 
-Needs the ``[clip]`` extra (transformers), imported only when the reward is built. No CLIP weights
-ship on PyPI; ``path`` names a hub model (downloaded by transformers on first use, honouring
+Needs the ``[clip]`` extra (transformers), imported only when a reward is built. No CLIP weights
+ship on PyPI: ``path`` names a hub model (downloaded by transformers on first use, honouring
 HF_HUB_OFFLINE / HF_HOME) or a folder written by ``save_pretrained``.
 """
 
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -21,6 +23,86 @@ from fgrpo.core.protocols import RewardResult
 INSTALL = 'pip install "fgrpo-rewards[clip]"'
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
+OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+def require_transformers() -> None:
+    if importlib.util.find_spec("transformers") is None:
+        raise ImportError(INSTALL)
+
+
+def resolve_device(device: str | None) -> torch.device:
+    """``None``: this process's CUDA device (accelerate sets it per process) or the CPU."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None:
+        d = torch.device("cuda", torch.cuda.current_device())
+    return d
+
+
+# --- one copy of every model per process -------------------------------------------------------
+
+_MODELS: dict[tuple, Any] = {}
+_LOCK = threading.Lock()
+
+
+def shared(key: tuple, build: Callable[[], Any]) -> Any:
+    """The object built for ``key`` in this process (built on first use). The train and
+    evaluation rewards, two rewards on the same CLIP, and ``serve-reward`` share one copy."""
+    with _LOCK:
+        if key not in _MODELS:
+            _MODELS[key] = build()
+        return _MODELS[key]
+
+
+def loading_error(key: str, where: str, what: str, exc: Exception) -> OSError:
+    return OSError(f"{key}: cannot load {what} from {where!r}: {exc}")
+
+
+@attrs.frozen
+class CLIP:
+    """A loaded CLIPModel (eval mode, no grad) with its tokenizer and image-processor settings."""
+
+    model: Any
+    tokenizer: Any
+    image_config: dict
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def max_length(self) -> int:
+        return min(int(self.tokenizer.model_max_length), int(self.model.config.text_config.max_position_embeddings))
+
+    @property
+    def logit_scale(self) -> torch.Tensor:
+        return self.model.logit_scale.detach().float().exp().cpu()
+
+
+def load_clip(path: str, processor_path: str | None, dtype: str, device: str | None, key: str = "reward.path") -> CLIP:
+    """A CLIPModel and its processor from a hub id or folder, once per process."""
+    require_transformers()
+    dev = resolve_device(device)
+
+    def build() -> CLIP:
+        from transformers import CLIPModel, CLIPProcessor
+
+        try:
+            model = CLIPModel.from_pretrained(path)
+            processor = CLIPProcessor.from_pretrained(processor_path or path)
+        except OSError as exc:
+            raise loading_error(key, processor_path or path, "a CLIP model and processor", exc) from exc
+        model = model.to(device=dev, dtype=DTYPES[dtype]).eval().requires_grad_(False)
+        return CLIP(model, processor.tokenizer, processor.image_processor.to_dict())
+
+    return shared(("clip", path, processor_path or path, dtype, str(dev)), build)
 
 
 def _size(value: Any, what: str) -> tuple[int, int] | int:
@@ -55,10 +137,54 @@ def preprocess(images: torch.Tensor, config: Mapping[str, Any]) -> torch.Tensor:
         top, left = max((h - ch) // 2, 0), max((w - cw) // 2, 0)
         x = x[..., top : top + ch, left : left + cw]
     if config.get("do_normalize", True):
-        mean = torch.tensor(config.get("image_mean", (0.48145466, 0.4578275, 0.40821073)), dtype=x.dtype)
-        std = torch.tensor(config.get("image_std", (0.26862954, 0.26130258, 0.27577711)), dtype=x.dtype)
-        x = (x - mean.view(1, -1, 1, 1).to(x.device)) / std.view(1, -1, 1, 1).to(x.device)
+        mean = torch.tensor(config.get("image_mean", OPENAI_MEAN), dtype=x.dtype, device=x.device)
+        std = torch.tensor(config.get("image_std", OPENAI_STD), dtype=x.dtype, device=x.device)
+        x = (x - mean.view(1, -1, 1, 1)) / std.view(1, -1, 1, 1)
     return x
+
+
+def _features(out: Any) -> torch.Tensor:
+    # transformers 5 returns a ModelOutput whose pooler_output is the projected embedding
+    return out if isinstance(out, torch.Tensor) else out.pooler_output
+
+
+def check_images(outputs: Any, prompts: Sequence[str], name: str) -> None:
+    if not isinstance(outputs, torch.Tensor) or outputs.dim() != 4 or outputs.shape[1] != 3:
+        shape = tuple(outputs.shape) if isinstance(outputs, torch.Tensor) else type(outputs).__name__
+        raise ValueError(f"{name} expects images (B, 3, H, W) in [0, 1], got {shape}")
+    if outputs.shape[0] != len(prompts):
+        raise ValueError(f"{name} got {outputs.shape[0]} images for {len(prompts)} prompts")
+
+
+@torch.no_grad()
+def image_embeddings(clip: CLIP, images: torch.Tensor, batch_size: int) -> torch.Tensor:
+    """(B, D) float32 unit-norm image embeddings; images preprocessed on the model's device."""
+    parts = []
+    for start in range(0, images.shape[0], batch_size):
+        pixels = preprocess(images[start : start + batch_size].to(clip.device), clip.image_config)
+        parts.append(_features(clip.model.get_image_features(pixel_values=pixels.to(clip.dtype))).float())
+    return F.normalize(torch.cat(parts), dim=-1)
+
+
+@torch.no_grad()
+def text_embeddings(clip: CLIP, texts: Sequence[str], batch_size: int) -> torch.Tensor:
+    """(B, D) float32 unit-norm text embeddings (padded and truncated to the text model's length)."""
+    parts = []
+    for start in range(0, len(texts), batch_size):
+        tokens = clip.tokenizer(
+            list(texts[start : start + batch_size]), padding="max_length", truncation=True,
+            max_length=clip.max_length, return_tensors="pt",
+        ).to(clip.device)
+        out = clip.model.get_text_features(input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"])
+        parts.append(_features(out).float())
+    return F.normalize(torch.cat(parts), dim=-1)
+
+
+def similarity_reward(clip: CLIP, outputs: Any, prompts: Sequence[str], batch_size: int, divisor: float, name: str) -> RewardResult:
+    """score = cos(image, prompt) x exp(logit_scale) / divisor; details ``cosine``."""
+    check_images(outputs, prompts, name)
+    cosine = (image_embeddings(clip, outputs, batch_size) * text_embeddings(clip, prompts, batch_size)).sum(-1).cpu()
+    return RewardResult(scores=cosine * clip.logit_scale / divisor, details={"cosine": cosine})
 
 
 @attrs.define
@@ -68,7 +194,7 @@ class CLIPScore:
     With the default divisor 100 and OpenAI CLIP (exp(logit_scale) = 100) the score is the
     cosine similarity itself, about 0.2-0.35 for matching pairs. flow_grpo's ``clip_score`` divides
     CLIP's logits by 30: set ``divisor: 30`` to reproduce its scale. Images are preprocessed in
-    torch from the float tensors (resize, crop, normalise as the model's processor configures);
+    torch on the model's device (resize, crop, normalise as the model's processor configures);
     prompts are tokenised with the processor's tokenizer, padded and truncated to the text
     model's length. Details: ``cosine`` (B,).
     """
@@ -78,56 +204,47 @@ class CLIPScore:
     divisor: float = param(100.0, gt=0, help="the logits are divided by this (flow_grpo: 30)")
     batch_size: int = param(32, ge=1, help="images scored per forward pass")
     dtype: str = param("float32", choices=tuple(DTYPES), help="dtype of the CLIP weights")
-    device: str | None = param(None, help="torch device; none = cuda if available, else cpu")
-    _model: Any = attrs.field(init=False, default=None, repr=False)
-    _tokenizer: Any = attrs.field(init=False, default=None, repr=False)
-    _image_config: dict = attrs.field(init=False, factory=dict, repr=False)
+    device: str | None = param(None, help="torch device; none = this process's cuda device if any, else cpu")
+    _clip: Any = attrs.field(init=False, default=None, repr=False)
 
     def __attrs_post_init__(self) -> None:
-        if importlib.util.find_spec("transformers") is None:
-            raise ImportError(INSTALL)
-        from transformers import CLIPModel, CLIPProcessor
-
-        device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        try:
-            model = CLIPModel.from_pretrained(self.path)
-            processor = CLIPProcessor.from_pretrained(self.processor_path or self.path)
-        except OSError as exc:
-            where = self.processor_path or self.path
-            raise OSError(f"reward.path: cannot load a CLIP model and processor from {where!r}: {exc}") from exc
-        self._model = model.to(device=device, dtype=DTYPES[self.dtype]).eval().requires_grad_(False)
-        self._tokenizer = processor.tokenizer
-        self._image_config = processor.image_processor.to_dict()
+        self._clip = load_clip(self.path, self.processor_path, self.dtype, self.device)
 
     @property
     def model(self) -> Any:
-        return self._model
+        return self._clip.model
 
-    @torch.no_grad()
-    def __call__(
-        self, outputs: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
-    ) -> RewardResult:
-        if not isinstance(outputs, torch.Tensor) or outputs.dim() != 4 or outputs.shape[1] != 3:
-            raise ValueError("clip-score expects images (B, 3, H, W) in [0, 1]")
-        if outputs.shape[0] != len(prompts):
-            raise ValueError(f"clip-score got {outputs.shape[0]} images for {len(prompts)} prompts")
-        device = next(self._model.parameters()).device
-        dtype = next(self._model.parameters()).dtype
-        max_length = min(
-            int(self._tokenizer.model_max_length),
-            int(self._model.config.text_config.max_position_embeddings),
-        )
-        cosines = []
-        for start in range(0, len(prompts), self.batch_size):
-            chunk = list(prompts[start : start + self.batch_size])
-            pixels = preprocess(outputs[start : start + self.batch_size].to(device), self._image_config)
-            text = self._tokenizer(
-                chunk, padding="max_length", truncation=True, max_length=max_length, return_tensors="pt"
-            ).to(device)
-            out = self._model(pixel_values=pixels.to(dtype), input_ids=text["input_ids"], attention_mask=text["attention_mask"])
-            image = out.image_embeds.float()
-            words = out.text_embeds.float()
-            cosines.append(F.cosine_similarity(image, words, dim=-1))
-        cosine = torch.cat(cosines).cpu()
-        scale = self._model.logit_scale.detach().float().exp().cpu()
-        return RewardResult(scores=cosine * scale / self.divisor, details={"cosine": cosine})
+    def __call__(self, outputs: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> RewardResult:
+        return similarity_reward(self._clip, outputs, prompts, self.batch_size, self.divisor, "clip-score")
+
+
+@attrs.define
+class PickScore:
+    """PickScore v1 (Kirstain et al. 2023): a CLIP-H fine-tuned on human preferences.
+
+    score = exp(logit_scale) x cos(image, prompt) / divisor, as flow_grpo computes it (its
+    ``pickscore`` divides by 26, so typical images score about 0.8-0.9). The model is
+    ``yuvalkirstain/PickScore_v1``; its processor is LAION's CLIP-ViT-H-14 one (resize 224
+    bicubic, centre crop, OpenAI mean/std), applied in torch on the model's device. Details:
+    ``cosine`` (B,).
+    """
+
+    path: str = param("yuvalkirstain/PickScore_v1", help="hub id or folder of the PickScore CLIPModel")
+    processor_path: str | None = param(
+        "laion/CLIP-ViT-H-14-laion2B-s32B-b79K", help="hub id or folder of its processor; none = path"
+    )
+    divisor: float = param(26.0, gt=0, help="the logits are divided by this (flow_grpo: 26)")
+    batch_size: int = param(32, ge=1, help="images scored per forward pass")
+    dtype: str = param("float32", choices=tuple(DTYPES), help="dtype of the weights")
+    device: str | None = param(None, help="torch device; none = this process's cuda device if any, else cpu")
+    _clip: Any = attrs.field(init=False, default=None, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._clip = load_clip(self.path, self.processor_path, self.dtype, self.device)
+
+    @property
+    def model(self) -> Any:
+        return self._clip.model
+
+    def __call__(self, outputs: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> RewardResult:
+        return similarity_reward(self._clip, outputs, prompts, self.batch_size, self.divisor, "pickscore")

@@ -254,7 +254,7 @@ class PolicyConformance:
             "reward": self.reward,
             "objective": {"name": "grpo", "clip_range": 1e-3, "beta": 0.01 if self.has_reference else 0.0},
             "prompts": {"name": "list", "train": list(self.prompts)},
-            "train": {"iterations": 1, "group_size": 2, "prompts_per_iteration": 2, "lr": 1e-2},
+            "train": {"iterations": 1, "group_size": 2, "prompts_per_iteration": 2, "lr": 1e-2, "drop_zero_advantage": False},
             "eval": {"every": 0},
             "log": {"tensorboard": False, "plots": False, "quiet": True, "sample_grid": False},
         }

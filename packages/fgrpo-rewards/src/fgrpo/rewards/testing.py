@@ -1,0 +1,69 @@
+"""Tiny random reward models written to a folder, for offline tests and benchmarks.
+
+They exercise the same loading code users use (``path: <folder>``): a 2-layer CLIP with a
+byte-level tokenizer and processor, saved with ``save_pretrained``. Needs transformers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def byte_characters() -> list[str]:
+    """The 256 characters of GPT-2's byte-level alphabet (CLIP's BPE uses the same)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    chars, extra = [], 0
+    for b in range(256):
+        if b in printable:
+            chars.append(chr(b))
+        else:
+            chars.append(chr(256 + extra))
+            extra += 1
+    return chars
+
+
+def clip_tokenizer(max_length: int = 77):
+    """A CLIPTokenizer over single bytes (no merges): every prompt tokenises, nothing downloads."""
+    from transformers import CLIPTokenizer
+
+    chars = byte_characters()
+    vocab = {c: i for i, c in enumerate(chars)}
+    vocab.update({c + "</w>": len(chars) + i for i, c in enumerate(chars)})
+    vocab["<|startoftext|>"] = len(vocab)
+    vocab["<|endoftext|>"] = len(vocab)
+    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=max_length)
+
+
+def tiny_clip_config(projection_dim: int = 16, hidden: int = 32, image_size: int = 32, hidden_act: str = "quick_gelu"):
+    from transformers import CLIPConfig
+
+    tokenizer = clip_tokenizer()
+    vocab = tokenizer.get_vocab()
+    text = dict(
+        vocab_size=len(vocab), hidden_size=hidden, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=77, projection_dim=projection_dim, hidden_act=hidden_act,
+        bos_token_id=vocab["<|startoftext|>"], eos_token_id=vocab["<|endoftext|>"], pad_token_id=vocab["<|endoftext|>"],
+    )
+    vision = dict(
+        hidden_size=hidden, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4, image_size=image_size,
+        patch_size=8, projection_dim=projection_dim, hidden_act=hidden_act,
+    )
+    return CLIPConfig(text_config=text, vision_config=vision, projection_dim=projection_dim)
+
+
+def save_tiny_clip(folder: str | Path, *, seed: int = 0, projection_dim: int = 16, image_size: int = 32, hidden_act: str = "quick_gelu") -> Path:
+    """A random 2-layer CLIP (hidden 32, ``image_size`` square images), its byte-level tokenizer
+    and processor (resize shortest edge, centre crop), saved to ``folder``."""
+    from transformers import CLIPImageProcessor, CLIPModel
+
+    folder = Path(folder)
+    torch.manual_seed(seed)
+    model = CLIPModel(tiny_clip_config(projection_dim, image_size=image_size, hidden_act=hidden_act))
+    model.save_pretrained(folder)
+    clip_tokenizer().save_pretrained(folder)
+    CLIPImageProcessor(
+        size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size}
+    ).save_pretrained(folder)
+    return folder
