@@ -1,4 +1,4 @@
-"""The ``fgrpo`` command: plugins, validate, compose, check, sample.
+"""The ``fgrpo`` command: plugins, validate, compose, check, sample, export.
 
 Bad input (a recipe error, an unknown or broken component) prints one line per problem and exits
 with code 2, never a traceback.
@@ -32,8 +32,12 @@ err = _console(stderr=True)
 out = _console()
 
 
-def _add_recipe_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("recipe", help="path to recipe.yaml, or the name of a built-in recipe (shapes, vector, ...)")
+def _add_recipe_args(p: argparse.ArgumentParser, optional: bool = False) -> None:
+    text = "path to recipe.yaml, or the name of a built-in recipe (shapes, vector, ...)"
+    if optional:
+        p.add_argument("recipe", nargs="?", default=None, help=text)
+    else:
+        p.add_argument("recipe", help=text)
     p.add_argument(
         "--set",
         dest="overrides",
@@ -66,8 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("compose", help="build the recipe's components and train")
     _add_recipe_args(p)
-    p.add_argument("--out", default=None, help="run directory (default: runs/<recipe name>)")
-    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints/last")
+    p.add_argument("--out", default=None, help="run folder (default: a new runs/<recipe name>/<date-time>)")
+    again = p.add_mutually_exclusive_group()
+    again.add_argument("--resume", action="store_true", help="continue OUT from its newest complete checkpoint")
+    again.add_argument(
+        "--start-over", action="store_true", help="train OUT again from iteration 0 when it holds no complete checkpoint"
+    )
     p.add_argument("--dry-run", action="store_true", help="build and show the components, do not train")
     p.add_argument("--quiet", action="store_true", help="one line per iteration, no progress bars")
     p.set_defaults(handler=cmd_compose)
@@ -78,14 +86,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=cmd_check)
 
     p = sub.add_parser("sample", help="write images from the base model or a checkpoint")
-    _add_recipe_args(p)
-    p.add_argument("--checkpoint", default=None, help="a checkpoint folder (default: the base model)")
+    _add_recipe_args(p, optional=True)  # with --checkpoint, its own recipe is the default
+    p.add_argument(
+        "--checkpoint",
+        default=None,
+        help="a checkpoint folder or a run folder (its newest complete checkpoint); sampled with the "
+        "checkpoint's own recipe unless RECIPE is given (it must agree on the model)",
+    )
     p.add_argument("--prompts", required=True, help="a prompt file (.txt or .jsonl)")
     p.add_argument("--n", type=int, default=1, help="samples per prompt")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=None, help="ODE steps (default: eval.steps)")
     p.add_argument("--out", required=True)
     p.set_defaults(handler=cmd_sample)
+
+    p = sub.add_parser("export", help="a checkpoint's trained weights in the backbone's own format (diffusers LoRA)")
+    p.add_argument("checkpoint", help="a checkpoint folder (RUN/checkpoints/iter_N) or a run folder (its newest checkpoint)")
+    p.add_argument("--out", required=True, help="folder to write (e.g. for pipe.load_lora_weights(OUT))")
+    p.add_argument("--no-ema", action="store_true", help="the raw trained weights even when the run keeps an EMA")
+    p.set_defaults(handler=cmd_export)
 
     from fgrpo.core.hookspecs import plugin_manager
 
@@ -171,12 +190,14 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def composition_tree(recipe: Any, title: str) -> Tree:
+    from fgrpo.core.recipe import REWARD_EXTRA_KEYS
+
     tree = Tree(f"[bold]{title}[/]")
     for section in ("model", "sampler", "objective", "prompts"):
         _spec_branch(tree, section, section, recipe.data[section])
     rewards = tree.add("reward")
     for spec in recipe.data["reward"]:
-        params = {k: v for k, v in spec.items() if k not in ("weight", "label")}
+        params = {k: v for k, v in spec.items() if k not in REWARD_EXTRA_KEYS}
         _spec_branch(rewards, "reward", f"{spec['label']} (weight {spec['weight']})", params)
     for section in ("train", "eval", "log"):
         node = tree.add(section)
@@ -209,20 +230,29 @@ def cmd_compose(args: argparse.Namespace) -> int:
         out.print(composition_tree(recipe, f"composed {args.recipe} (dry run)"))
         out.print(f"built {len(components)} components; nothing trained (--dry-run)", markup=False)
         return 0
-    from fgrpo.core.trainer import open_run, train
+    from fgrpo.core.trainer import close_run, open_run, train
 
-    run = open_run(recipe, out=args.out, resume=args.resume, console=out, quiet=args.quiet)
+    run = open_run(recipe, out=args.out, resume=args.resume, start_over=args.start_over, console=out, quiet=args.quiet)
     folder = run.out_dir
-    run.display.say(
-        f"training {recipe.source} -> {folder} ({run.accelerator.num_processes} process(es), device {run.policy.device})"
-    )
-    with run.display:
-        train(run)
+    try:
+        run.display.say(f"training {recipe.source} -> {folder} ({accelerate_summary(run)})")
+        with run.display:
+            train(run)
+    finally:
+        close_run(run)
     run.display.say(
         f"done: metrics in {folder / 'metrics.jsonl'}, weights in {folder / 'checkpoints' / 'last'}"
         + (f", curves in {folder / 'curves.png'}" if (folder / "curves.png").exists() else "")
     )
     return 0
+
+
+def accelerate_summary(run: Any) -> str:
+    acc = run.accelerator
+    return (
+        f"{acc.num_processes} process(es), device {run.policy.device}, mixed precision {acc.mixed_precision}, "
+        f"gradient accumulation {acc.gradient_accumulation_steps}"
+    )
 
 
 def build_components(recipe: Any) -> dict[str, Any]:
@@ -238,7 +268,8 @@ def cmd_check(args: argparse.Namespace) -> int:
 
     deviation, run = first_ratio_check(_load(args), console=out)
     out.print(
-        f"largest |ratio - 1| before the first optimizer step: {deviation:.3e} (tolerance {args.tolerance:g})",
+        f"largest |ratio - 1| before the first optimizer step: {deviation:.3e} (tolerance {args.tolerance:g}; "
+        f"{accelerate_summary(run)})",
         markup=False,
     )
     if deviation <= args.tolerance:
@@ -253,18 +284,26 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_sample(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    import torch
-
     from fgrpo.core.evaluation import write_samples
     from fgrpo.core.prompts import read_prompt_file
-    from fgrpo.core.seeding import derive_seed
     from fgrpo.core.trainer import load_checkpoint_weights
 
-    recipe = _load(args)
-    torch.manual_seed(derive_seed(recipe.seed, "build"))
-    policy = recipe.build("model")
+    from fgrpo.core import rundir
+
+    checkpoint = None
     if args.checkpoint:
-        load_checkpoint_weights(policy, Path(args.checkpoint), recipe.train.ema_decay)
+        checkpoint = rundir.find_checkpoint(Path(args.checkpoint))
+        from fgrpo.core.shipped import find_recipe
+
+        given = find_recipe(args.recipe) if args.recipe is not None else None
+        recipe = rundir.recipe_for_checkpoint(checkpoint, given, args.overrides)
+    elif args.recipe is None:
+        raise RecipeError([ConfigError("recipe", "give a RECIPE to sample its base model, or --checkpoint DIR")])
+    else:
+        recipe = _load(args)
+    policy = _build_policy(recipe)
+    if checkpoint is not None:
+        load_checkpoint_weights(policy, checkpoint, recipe.train.ema_decay)
     try:
         prompts = [p for p, _ in read_prompt_file(args.prompts)]
     except (OSError, ValueError) as exc:
@@ -272,6 +311,51 @@ def cmd_sample(args: argparse.Namespace) -> int:
     written = write_samples(policy, prompts, args.n, args.steps or recipe.eval.steps, args.seed, Path(args.out))
     out.print(f"wrote {written} samples to {args.out}", markup=False)
     return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """Copy the export a checkpoint already holds (LoRA runs write one in diffusers' format), or
+    build the checkpoint's model, load its weights and let the policy export them."""
+    import shutil
+    from pathlib import Path
+
+    from fgrpo.core import checkpoint as ckpt
+    from fgrpo.core import rundir
+
+    folder = rundir.find_checkpoint(Path(args.checkpoint))
+    if not (folder / ckpt.STATE).is_file():
+        raise RecipeError([ConfigError("checkpoint", f"{folder} is not a checkpoint folder (no {ckpt.STATE}); expected RUN, RUN/checkpoints/iter_N or RUN/checkpoints/last")])
+    out_dir = Path(args.out)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise RecipeError([ConfigError("--out", f"{out_dir} exists and is not empty; choose a new folder")])
+    ema_in_use = (folder / ckpt.EMA).is_file()
+    ready = folder / ckpt.EXPORT
+    if ready.is_dir() and not (args.no_ema and ema_in_use):  # a checkpoint's export holds its EMA weights
+        shutil.copytree(ready, out_dir, dirs_exist_ok=True)
+        written = sorted(str(p) for p in out_dir.rglob("*") if p.is_file())
+    else:
+        recipe = rundir.recipe_for_checkpoint(folder, None, [])
+        policy = _build_policy(recipe)
+        export = getattr(policy, "export", None)
+        if export is None:
+            raise RecipeError([ConfigError("model", f"{recipe.data['model']['name']!r} has no export(): its weights are in {folder / ckpt.TRAINABLE}")])
+        from fgrpo.core.trainer import load_checkpoint_weights
+
+        load_checkpoint_weights(policy, folder, 0.0 if args.no_ema else recipe.train.ema_decay)
+        written = list(export(str(out_dir)))
+    for path in written:
+        out.print(f"wrote {path}", markup=False)
+    out.print(f"exported {folder} ({'raw' if args.no_ema or not ema_in_use else 'EMA'} weights) to {out_dir}", markup=False)
+    return 0
+
+
+def _build_policy(recipe: Any) -> Any:
+    import torch
+
+    from fgrpo.core.seeding import derive_seed
+
+    torch.manual_seed(derive_seed(recipe.seed, "build"))
+    return recipe.build("model")
 
 
 # --- entry -------------------------------------------------------------------------------------

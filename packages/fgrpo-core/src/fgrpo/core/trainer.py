@@ -6,7 +6,9 @@ compute advantages, update, evaluate, log, checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import random
 import time
 from pathlib import Path
@@ -17,7 +19,7 @@ import torch
 from rich.console import Console
 
 from fgrpo.core import checkpoint as ckpt
-from fgrpo.core import evaluation, phases, tensors, visuals
+from fgrpo.core import evaluation, phases, rundir, tensors, visuals
 from fgrpo.core.config import ConfigError, RecipeError
 from fgrpo.core.data import PromptSchedule
 from fgrpo.core.ema import EMA
@@ -99,10 +101,17 @@ def run_evaluation(run: Run, it: int) -> dict[str, float]:
 
 
 def finish(run: Run) -> None:
-    if run.log is not None:
-        run.log.close()
     if run.is_main and run.out_dir is not None and run.recipe.log.plots:
         visuals.curves(read_metrics(run.out_dir), run.out_dir / "curves.png")
+    close_run(run)
+
+
+def close_run(run: Run) -> None:
+    """Close the metrics log and release the run folder's lock (idempotent)."""
+    if run.log is not None:
+        run.log.close()
+    if run.folder is not None:
+        run.folder.release()
 
 
 # --- building a run ----------------------------------------------------------------------------
@@ -123,16 +132,83 @@ def lr_lambda(cfg: Any) -> Any:
     return factor
 
 
-def make_accelerator(cpu: bool | None = None) -> Any:
+#: how the processes of a run share work: each rolls out its own prompt groups and gradients are
+#: averaged by one all-reduce per optimizer step (``phases.sync_gradients``)
+DATA_PARALLEL = ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_MUSA", "MULTI_HPU", "MULTI_SDAA")
+
+
+def accelerate_settings(train: Any = None, env: Any = None) -> tuple[str, int]:
+    """(mixed precision, gradient accumulation steps) of a run: the recipe's ``train`` keys when
+    set, else what ``accelerate launch`` passed on (flags or its config file, as environment
+    variables), else no / 1. A recipe and a launcher that disagree are refused."""
+    env = os.environ if env is None else env
+    launched_precision = env.get("ACCELERATE_MIXED_PRECISION", "").lower() or None
+    launched_steps = env.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS") or None
+    wanted_precision = getattr(train, "mixed_precision", "auto")
+    wanted_steps = getattr(train, "gradient_accumulation_steps", 0)
+    errors = []
+    if wanted_precision == "auto":
+        precision = launched_precision or "no"
+    else:
+        precision = wanted_precision
+        if launched_precision not in (None, "no", precision):
+            errors.append(ConfigError(
+                "train.mixed_precision",
+                f"got {precision!r} but accelerate was launched with mixed precision {launched_precision!r}; "
+                "set one of them (train.mixed_precision: auto follows accelerate)",
+            ))
+    if precision not in ("no", "bf16", "fp16"):
+        errors.append(ConfigError("train.mixed_precision", f"accelerate asks for {precision!r}; allowed: no, bf16, fp16"))
+    try:
+        steps_from_launcher = int(launched_steps) if launched_steps is not None else None
+    except ValueError:
+        steps_from_launcher = None
+        errors.append(ConfigError("train.gradient_accumulation_steps", f"accelerate passed {launched_steps!r}; expected an integer"))
+    if wanted_steps:
+        steps = wanted_steps
+        if steps_from_launcher not in (None, 1, steps):
+            errors.append(ConfigError(
+                "train.gradient_accumulation_steps",
+                f"got {steps} but accelerate was launched with {steps_from_launcher}; set one of them (0 follows accelerate)",
+            ))
+    else:
+        steps = steps_from_launcher or 1
+    if errors:
+        raise RecipeError(errors)
+    return precision, steps
+
+
+def make_accelerator(cpu: bool | None = None, train: Any = None) -> Any:
+    """The run's Accelerator, with the mixed precision and gradient accumulation of
+    :func:`accelerate_settings` (fp16 needs a GPU; model-sharding launches are refused)."""
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
 
     if cpu is None:
         cpu = not torch.cuda.is_available()
-    return Accelerator(cpu=cpu)
+    precision, steps = accelerate_settings(train)
+    if precision == "fp16" and (cpu or not torch.cuda.is_available()):
+        raise RecipeError([ConfigError(
+            "train.mixed_precision",
+            "fp16 mixed precision needs a GPU (accelerate ignores it on the CPU); use bf16 or no",
+        )])
+    if AcceleratorState._shared_state.get("_mixed_precision") not in (None, precision):
+        AcceleratorState._reset_state()  # a new run in the same process (tests, tools): its own precision
+    acc = Accelerator(cpu=cpu, mixed_precision=precision, gradient_accumulation_steps=steps)
+    kind = str(acc.distributed_type).split(".")[-1]
+    if kind not in DATA_PARALLEL:
+        raise RecipeError([ConfigError(
+            "accelerate",
+            f"distributed type {kind} (from the accelerate config or launch flags) is not supported: fgrpo runs data "
+            "parallel (each process rolls out its own prompt groups; one gradient all-reduce per optimizer step). "
+            "Use recipes/accelerate/ddp.yaml; to fit memory use LoRA, gradient checkpointing, "
+            "model.text_encoder_device: cpu and bf16 weights",
+        )])
+    return acc
 
 
 def build_run(recipe: Recipe, *, out_dir: Path | None, console: Console, quiet: bool = False, accelerator: Any = None) -> Run:
-    acc = accelerator or make_accelerator()
+    acc = accelerator or make_accelerator(train=recipe.train)
     # components draw their initial weights (LoRA init, ...) from the global RNG: same on every rank
     torch.manual_seed(derive_seed(recipe.seed, "build"))
     random.seed(derive_seed(recipe.seed, "python"))
@@ -203,18 +279,27 @@ def save_checkpoint(run: Run, done: int) -> None:
                 "optimizer_steps": run.optimizer_steps,
                 "recipe": run.recipe.data,
                 "processes": run.accelerator.num_processes,
+                "run_id": run.folder.run_id if run.folder is not None else None,
             },
             keep=run.recipe.train.keep_checkpoints,
+            export=(lambda folder: export_policy(run, folder)) if getattr(run.policy, "export_in_checkpoints", False) else None,
         )
         plugin_manager().hook.fgrpo_checkpoint_saved(run=run, iteration=done, path=str(path))
     run.accelerator.wait_for_everyone()
 
 
+def export_policy(run: Run, folder: str) -> list[str]:
+    """The policy's own-format export (what users deploy): with the EMA weights when the run
+    keeps an EMA, as evaluation uses them."""
+    context = run.ema.swapped_in() if run.ema is not None else contextlib.nullcontext()
+    with context:
+        return list(run.policy.export(folder))
+
+
 def restore(run: Run, folder: Path) -> int:
+    """Load checkpoint ``folder`` into the run (its recipe was checked when the folder was
+    claimed); returns the iterations it had done."""
     state = ckpt.read_state(folder)
-    diffs = ckpt.recipe_differences(state["recipe"], run.recipe.data)
-    if diffs:
-        raise RecipeError([ConfigError("--resume", f"the recipe differs from the checkpoint's: {d}") for d in diffs])
     run.policy.load_trainable_state_dict(ckpt.read_tensors(folder / ckpt.TRAINABLE, run.policy.device))
     if run.ema is not None:
         run.ema.load_state_dict(ckpt.read_tensors(folder / ckpt.EMA, run.policy.device))
@@ -227,42 +312,67 @@ def restore(run: Run, folder: Path) -> int:
     return int(state["iteration"])
 
 
-def prepare_out_dir(recipe: Recipe, out_dir: Path, resume: bool) -> Path | None:
-    """The run folder; refuses to overwrite a run unless resuming. Returns the checkpoint to load."""
-    last = ckpt.latest(out_dir / "checkpoints")
-    if not resume and (last is not None or (out_dir / "metrics.jsonl").exists()):
-        raise RecipeError([ConfigError("--out", f"{out_dir} already holds a run; pass --resume to continue it or choose another --out")])
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "recipe.resolved.yaml").write_text(recipe.to_yaml())
-    return last
-
-
 # --- opening a run folder ----------------------------------------------------------------------
 
 
-def default_out_dir(recipe: Recipe) -> Path:
-    """runs/<recipe>/<date-time>: a new folder per run, so repeating a command loses nothing."""
-    return Path("runs") / Path(recipe.source).stem / time.strftime("%Y%m%d-%H%M%S")
+def _share(acc: Any, value: Any) -> Any:
+    """The main process's ``value`` on every process."""
+    if acc.num_processes == 1:
+        return value
+    from accelerate.utils import broadcast_object_list
+
+    box = [value]
+    broadcast_object_list(box, from_process=0)
+    return box[0]
 
 
-def open_run(recipe: Recipe, *, out: str | None, resume: bool, console: Console, quiet: bool = False) -> Run:
-    """The run ``fgrpo compose`` trains: its folder prepared, its components built, and when
-    resuming, the newest complete checkpoint restored."""
-    if resume and not out:
-        raise RecipeError([ConfigError("--resume", "needs --out DIR: the run folder to continue")])
-    out_dir = Path(out) if out else default_out_dir(recipe)
-    acc = make_accelerator()
-    last = prepare_out_dir(recipe, out_dir, resume) if acc.is_main_process else None
-    acc.wait_for_everyone()
-    if not acc.is_main_process:
-        last = ckpt.latest(out_dir / "checkpoints") if resume else None
-    run = build_run(recipe, out_dir=out_dir, console=console, quiet=quiet, accelerator=acc)
-    if last is not None:
-        run.start_iteration = restore(run, last)
-        run.display.say(f"resuming {out_dir} from {last.name} (iteration {run.start_iteration})")
+def open_run(
+    recipe: Recipe, *, out: str | None, resume: bool, start_over: bool = False, console: Console, quiet: bool = False
+) -> Run:
+    """The run ``fgrpo compose`` trains: its folder claimed (locked, checked), its components
+    built, the newest complete checkpoint restored when resuming; only then is anything written
+    (check first, write after). ``close_run`` (or ``finish``) releases the folder."""
+    mode = rundir.RESUME if resume else rundir.START_OVER if start_over else rundir.NEW
+    acc = make_accelerator(train=recipe.train)
+    folder, failure = None, None
+    if acc.is_main_process:
+        try:
+            folder = rundir.claim(recipe, out, mode)
+        except RecipeError as exc:
+            failure = exc
+    plan = _share(acc, None if folder is None else (str(folder.path), folder.resume_from and str(folder.resume_from)))
+    if failure is not None:
+        raise failure
+    if plan is None:
+        raise RecipeError([ConfigError("--out", "the main process could not open the run folder")])
+    out_dir, resume_from = Path(plan[0]), plan[1] and Path(plan[1])
+    try:
+        run = build_run(recipe, out_dir=out_dir, console=console, quiet=quiet, accelerator=acc)
+        run.folder = folder
+        if resume_from:
+            try:
+                run.start_iteration = restore(run, resume_from)
+            except ckpt.CheckpointError as exc:
+                raise RecipeError([ConfigError("--resume", str(exc))]) from None
+            except (KeyError, ValueError, TypeError, RuntimeError) as exc:  # files that read but do not fit
+                first = (str(exc).splitlines() or [type(exc).__name__])[0][:300]
+                raise RecipeError([ConfigError("--resume", f"{resume_from} is not a valid checkpoint of this run: {first}")]) from None
+        if folder is not None:
+            folder.write_recipe(recipe)
+            run.log = MetricsLog(out_dir, tensorboard=recipe.log.tensorboard, resume_from=run.start_iteration if resume_from else None)
+    except BaseException:
+        if folder is not None:
+            folder.abandon()
+        raise
+    if folder is not None:
+        for skipped, why in folder.skipped:
+            run.display.say(f"{skipped.name} is not complete ({why}): kept, set aside if the run writes its iteration again")
+    if resume_from:
+        run.display.say(f"resuming {out_dir} from {resume_from.name} (iteration {run.start_iteration})")
+    elif folder is not None and folder.started_over:
+        run.display.say(f"starting {out_dir} over from iteration 0 (--start-over)")
     elif resume:
-        run.display.say(f"no complete checkpoint in {out_dir}/checkpoints: starting from iteration 0")
-    run.log = MetricsLog(out_dir, tensorboard=recipe.log.tensorboard, resume_from=run.start_iteration) if run.is_main else None
+        run.display.say(f"nothing to resume in {out_dir}: starting from iteration 0")
     return run
 
 
@@ -317,12 +427,18 @@ def load_checkpoint_weights(policy: Policy, folder: Path, ema_decay: float) -> N
     the recipe trains with an EMA)."""
     if not (folder / ckpt.TRAINABLE).is_file():
         raise RecipeError([ConfigError("--checkpoint", f"{folder} holds no {ckpt.TRAINABLE}")])
-    if (folder / ckpt.EMA).is_file() and ema_decay > 0:
-        params = [p for p in policy.trainable_parameters() if p.requires_grad]
-        ema = EMA(params, ema_decay)
-        ema.load_state_dict(ckpt.read_tensors(folder / ckpt.EMA, policy.device))
-        with torch.no_grad():
-            for p, s in zip(params, ema.shadow):
-                p.copy_(s)
-    else:
-        policy.load_trainable_state_dict(ckpt.read_tensors(folder / ckpt.TRAINABLE, policy.device))
+    try:
+        if (folder / ckpt.EMA).is_file() and ema_decay > 0:
+            params = [p for p in policy.trainable_parameters() if p.requires_grad]
+            ema = EMA(params, ema_decay)
+            ema.load_state_dict(ckpt.read_tensors(folder / ckpt.EMA, policy.device))
+            with torch.no_grad():
+                for p, s in zip(params, ema.shadow):
+                    p.copy_(s)
+        else:
+            policy.load_trainable_state_dict(ckpt.read_tensors(folder / ckpt.TRAINABLE, policy.device))
+    except ckpt.CheckpointError as exc:
+        raise RecipeError([ConfigError("--checkpoint", str(exc))]) from None
+    except (ValueError, RuntimeError, KeyError) as exc:  # shapes or names that do not fit the model
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise RecipeError([ConfigError("--checkpoint", f"{folder} does not fit the model: {first[:300]}")]) from None
