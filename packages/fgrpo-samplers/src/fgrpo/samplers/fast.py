@@ -9,7 +9,7 @@ kernel and are trained; every other step is an Euler ODE step (kernel ``ode``). 
 (B, window), the same row for every sample.
 
 Initial noise (flow_grpo ``same_latent``): by default every sample has its own initial noise, as
-in flow_grpo (on the shapes world a shared start left 35-66% of the groups flat against 8-20%,
+in flow_grpo (on the shapes world a shared start left 35-48% of the groups flat against 8-20%,
 and learned less; docs/method.md). With ``share_noise`` the G samples of a prompt start from the
 same noise (drawn once per prompt and repeated), so the ODE prefix 0 .. k - 1 is the same for the
 whole group. With ``share_prefix`` it is then computed ONCE per prompt (batch = number of
