@@ -45,7 +45,7 @@ def resolve_device(device: str | None) -> torch.device:
 # --- one copy of every model per process -------------------------------------------------------
 
 _MODELS: dict[tuple, Any] = {}
-_LOCK = threading.Lock()
+_LOCK = threading.RLock()  # a shared object may load another (geneval: the colour CLIP)
 
 
 def shared(key: tuple, build: Callable[[], Any]) -> Any:
