@@ -27,7 +27,8 @@ COMPONENTS: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
         "jpeg-compressibility", "jpeg-incompressibility", "target-distance", "shapes", "shapes-gold", "vlm-judge",
         "remote")},
     ("reward", "ocr"): ("fgrpo-rewards", ("ocr",)),
-    **{("reward", n): ("fgrpo-rewards", ("clip",)) for n in ("clip-score", "pickscore", "aesthetic")},
+    **{("reward", n): ("fgrpo-rewards", ("clip",)) for n in (
+        "clip-score", "pickscore", "aesthetic", "hpsv2", "imagereward")},
     ("reward", "geneval"): ("fgrpo-rewards", ("geneval",)),
     ("prompts", "shapes"): ("fgrpo-rewards", ()),
     ("model", "vector"): ("fgrpo-models", ()),
