@@ -53,7 +53,9 @@ def encode_request(outputs: torch.Tensor, prompts: Sequence[str], metadata: Sequ
     if not isinstance(outputs, torch.Tensor):
         raise ValueError(f"remote: outputs must be a tensor, got {type(outputs).__name__}")
     if wire == "uint8" and _is_images(outputs):
-        tensor = (outputs.detach().float().clamp(0, 1) * 255).round().to(torch.uint8)
+        # on the outputs' own device (a GPU quantises fast and copies 4x fewer bytes to the host),
+        # in place after the one copy mul makes: the encoding cost is mostly these passes
+        tensor = outputs.detach().mul(255).round_().clamp_(0, 255).to(torch.uint8)
     else:
         wire = "float16" if wire == "float16" else "float32"
         tensor = outputs.detach().to(getattr(torch, wire))
@@ -76,9 +78,10 @@ def decode_request(body: bytes) -> tuple[torch.Tensor, list[str], list[dict[str,
         raise ValueError(f"expected {n} prompts (strings), got {str(prompts)[:200]}")
     if not (isinstance(metadata, list) and all(isinstance(m, dict) for m in metadata) and len(metadata) == n):
         raise ValueError(f"expected {n} metadata objects, got {str(metadata)[:200]}")
+    outputs = outputs.float()
     if header.get("wire") == "uint8":
-        outputs = outputs.float() / 255
-    return outputs.float(), prompts, metadata
+        outputs.div_(255)
+    return outputs, prompts, metadata
 
 
 def _header(body: bytes) -> dict[str, str] | None:
