@@ -32,8 +32,7 @@ COMPONENTS: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
     ("reward", "geneval"): ("fgrpo-rewards", ("geneval",)),
     ("prompts", "shapes"): ("fgrpo-rewards", ()),
     ("model", "vector"): ("fgrpo-models", ()),
-    ("model", "sd3"): ("fgrpo-models", ("diffusers",)),
-    ("model", "shapes-dit"): ("fgrpo-models", ("diffusers",)),
+    **{("model", n): ("fgrpo-models", ("diffusers",)) for n in ("sd3", "flux", "qwen-image", "wan", "shapes-dit")},
 }
 
 #: the distribution that provides most components of a kind (fgrpo-core provides objectives and
