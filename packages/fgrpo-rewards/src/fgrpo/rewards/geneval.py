@@ -370,8 +370,12 @@ def load_detector(path: str, threshold: float, dtype: str, device: str | None, k
     def build() -> Detector:
         from transformers import AutoConfig, AutoImageProcessor, AutoProcessor
 
+        from fgrpo.core.hub import pretrained_source  # absent weights: one message at once
+
+        source = pretrained_source(path, key=key)
+        where, kw = source.location, source.kwargs
         try:
-            config = AutoConfig.from_pretrained(path)
+            config = AutoConfig.from_pretrained(where, **kw)
         except OSError as exc:
             raise loading_error(key, path, "a detector", exc) from exc
         kind = config.model_type
@@ -379,16 +383,16 @@ def load_detector(path: str, threshold: float, dtype: str, device: str | None, k
             if kind in ("mask2former", "maskformer"):
                 from transformers import AutoModelForUniversalSegmentation
 
-                model = AutoModelForUniversalSegmentation.from_pretrained(path)
-                processor = AutoImageProcessor.from_pretrained(path)
+                model = AutoModelForUniversalSegmentation.from_pretrained(where, **kw)
+                processor = AutoImageProcessor.from_pretrained(where, **kw)
                 labels = [config.id2label[i] for i in range(len(config.id2label))]
                 names = COCO_CLASSES if len(labels) == len(COCO_CLASSES) else tuple(labels)
                 made: Any = Mask2FormerDetector(model, processor, names, threshold)
             elif kind in ("owlv2", "owlvit"):
                 from transformers import AutoModelForZeroShotObjectDetection
 
-                model = AutoModelForZeroShotObjectDetection.from_pretrained(path)
-                processor = AutoProcessor.from_pretrained(path)
+                model = AutoModelForZeroShotObjectDetection.from_pretrained(where, **kw)
+                processor = AutoProcessor.from_pretrained(where, **kw)
                 made = OwlDetector(model, processor, threshold, padded_square=kind == "owlv2")
             else:
                 raise ValueError(f"{key}: {path!r} is a {kind!r} model; supported: mask2former, maskformer, owlv2, owlvit")

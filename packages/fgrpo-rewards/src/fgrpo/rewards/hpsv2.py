@@ -104,9 +104,12 @@ def load_hps(checkpoint: str, path: str, dtype: str, device: str | None) -> CLIP
     def build() -> CLIP:
         from transformers import CLIPConfig, CLIPModel, CLIPProcessor
 
+        from fgrpo.core.hub import pretrained_source  # absent files: one message at once
+
+        source = pretrained_source(path, key="reward.path")
         try:
-            config = CLIPConfig.from_pretrained(path)
-            processor = CLIPProcessor.from_pretrained(path)
+            config = CLIPConfig.from_pretrained(source.location, **source.kwargs)
+            processor = CLIPProcessor.from_pretrained(source.location, **source.kwargs)
         except OSError as exc:
             raise loading_error("reward.path", path, "a CLIP config and processor", exc) from exc
         state = read_state_dict(checkpoint, "reward.checkpoint")

@@ -130,8 +130,11 @@ def load_imagereward(checkpoint: str, med_config: str, tokenizer: str, dtype: st
             med = json.loads(med_path.read_text())
         except (OSError, ValueError) as exc:
             raise OSError(f"reward.med_config: cannot read {str(med_path)!r}: {exc}") from exc
+        from fgrpo.core.hub import pretrained_source  # absent files: one message at once
+
+        source = pretrained_source(tokenizer, key="reward.tokenizer")
         try:
-            words = AutoTokenizer.from_pretrained(tokenizer)
+            words = AutoTokenizer.from_pretrained(source.location, **source.kwargs)
         except OSError as exc:
             raise loading_error("reward.tokenizer", tokenizer, "a BERT tokenizer", exc) from exc
         vision = BlipVisionModel(vision_config(vision_state))
