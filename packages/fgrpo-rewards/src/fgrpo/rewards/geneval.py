@@ -37,6 +37,8 @@ import torch.nn.functional as F
 from fgrpo.core.config import param
 from fgrpo.core.protocols import RewardResult
 from fgrpo.rewards.clip import (
+    device_key,
+    dtype_key,
     CLIP,
     DTYPES,
     check_images,
@@ -457,8 +459,8 @@ class GenEval:
     nms_threshold: float = param(1.0, gt=0, le=1, help="drop a box overlapping a kept one of its class by this IoU; 1 = off (GenEval)")
     position_threshold: float = param(0.1, ge=0, help="GenEval's relative-position margin, a fraction of the boxes' sizes")
     batch_size: int = param(16, ge=1, help="images per detector forward pass")
-    dtype: str = param("float32", choices=tuple(DTYPES), help="dtype of the detector and CLIP weights")
-    device: str | None = param(None, help="torch device; none = this process's cuda device if any, else cpu")
+    dtype: str = dtype_key("the detector and CLIP weights")
+    device: str | None = device_key()
     _verifier: Verifier = attrs.field(init=False, default=None, repr=False)
 
     def __attrs_post_init__(self) -> None:

@@ -21,6 +21,8 @@ import torch
 from fgrpo.core.config import param
 from fgrpo.core.protocols import RewardResult
 from fgrpo.rewards.clip import (
+    device_key,
+    dtype_key,
     CLIP,
     DTYPES,
     check_images,
@@ -146,8 +148,8 @@ class HPSv2:
         "laion/CLIP-ViT-H-14-laion2B-s32B-b79K", help="hub id or folder giving the CLIP config, tokenizer and processor"
     )
     batch_size: int = param(32, ge=1, help="images scored per forward pass")
-    dtype: str = param("float32", choices=tuple(DTYPES), help="dtype of the weights")
-    device: str | None = param(None, help="torch device; none = this process's cuda device if any, else cpu")
+    dtype: str = dtype_key("the weights")
+    device: str | None = device_key()
     _clip: Any = attrs.field(init=False, default=None, repr=False)
 
     def __attrs_post_init__(self) -> None:

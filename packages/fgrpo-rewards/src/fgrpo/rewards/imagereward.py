@@ -24,7 +24,19 @@ import torch
 from fgrpo.core.config import param
 from fgrpo.core.protocols import RewardResult
 from fgrpo.rewards.aesthetic import aesthetic_head
-from fgrpo.rewards.clip import DTYPES, OPENAI_MEAN, OPENAI_STD, check_images, loading_error, preprocess, require_transformers, resolve_device, shared
+from fgrpo.rewards.clip import (
+    DTYPES,
+    OPENAI_MEAN,
+    OPENAI_STD,
+    check_images,
+    device_key,
+    dtype_key,
+    loading_error,
+    preprocess,
+    require_transformers,
+    resolve_device,
+    shared,
+)
 from fgrpo.rewards.weights import read_state_dict, resolve_file
 
 MEAN, STD = 0.16717362830052426, 1.0333394966054072  # ImageReward's standardisation of the head
@@ -161,8 +173,8 @@ class ImageReward:
     med_config: str = param("THUDM/ImageReward:med_config.json", help="its BLIP text-encoder config: a file or owner/repo:filename")
     tokenizer: str = param("bert-base-uncased", help="hub id or folder of the BERT tokenizer")
     batch_size: int = param(32, ge=1, help="images scored per forward pass")
-    dtype: str = param("float32", choices=tuple(DTYPES), help="dtype of the BLIP weights (the head runs in float32)")
-    device: str | None = param(None, help="torch device; none = this process's cuda device if any, else cpu")
+    dtype: str = dtype_key("the BLIP weights (the head runs in float32)")
+    device: str | None = device_key()
     _model: Any = attrs.field(init=False, default=None, repr=False)
 
     def __attrs_post_init__(self) -> None:
