@@ -83,6 +83,8 @@ def test_wire_format_round_trip():
     batch = images(2)
     outputs, prompts, metadata = decode_request(encode_request(batch, ["x", "y"], [{"tag": "a"}, {}], "uint8"))
     assert torch.equal(outputs, (batch * 255).round() / 255) and prompts == ["x", "y"] and metadata == [{"tag": "a"}, {}]
+    with pytest.raises(ValueError, match="travel as JSON"):
+        encode_request(batch, ["x", "y"], [{"t": torch.zeros(1)}, {}], "uint8")
     vectors = torch.randn(3, 2)  # not images: sent as float32 whatever the wire
     assert torch.equal(decode_request(encode_request(vectors, ["a", "b", "c"], [{}] * 3, "uint8"))[0], vectors)
 

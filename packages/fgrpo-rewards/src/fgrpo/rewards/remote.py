@@ -59,7 +59,10 @@ def encode_request(outputs: torch.Tensor, prompts: Sequence[str], metadata: Sequ
     else:
         wire = "float16" if wire == "float16" else "float32"
         tensor = outputs.detach().to(getattr(torch, wire))
-    header = {"prompts": json.dumps(list(prompts)), "metadata": json.dumps([dict(m) for m in metadata]), "wire": wire}
+    try:
+        header = {"prompts": json.dumps(list(prompts)), "metadata": json.dumps([dict(m) for m in metadata]), "wire": wire}
+    except TypeError as exc:
+        raise ValueError(f"remote: prompts and metadata travel as JSON: {exc}") from None
     return save({"outputs": tensor.cpu().contiguous()}, metadata=header)
 
 
