@@ -21,6 +21,7 @@ from fgrpo.core.protocols import StepBatch, Trajectory
 from fgrpo.core.registry import ComponentError
 from fgrpo.core.run import Run
 from fgrpo.core.seeding import generator
+from fgrpo.core.timing import TimedPolicy
 
 
 class RewardError(ComponentError):
@@ -61,12 +62,13 @@ def rollout(run: Run, iteration: int) -> Trajectory:
     local = run.schedule.local(iteration)
     chunk = cfg.rollout_prompts or len(local)
     parts = []
+    policy = TimedPolicy(run.policy, run.clock)
     with run.display.phase("rollout", len(local)) as advance:
         for start in range(0, len(local), chunk):
             slots, prompts = zip(*local[start : start + chunk])
             g = generator(run.recipe.seed, "rollout", iteration, slots[0], device=run.policy.device)
             with autocast(run.policy.device, cfg.rollout_precision):
-                traj = run.sampler.rollout(run.policy, list(prompts), cfg.group_size, generator=g)
+                traj = run.sampler.rollout(policy, list(prompts), cfg.group_size, generator=g)
             # group ids become global prompt slots: unique across chunks and processes
             traj.group_index = torch.as_tensor(slots, device=traj.group_index.device)[traj.group_index]
             parts.append(traj)
@@ -145,7 +147,7 @@ def pair_batches(traj: Trajectory, samples: torch.Tensor, per_forward: int) -> l
 
 def step_batch(run: Run, traj: Trajectory, adv: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> tuple[StepBatch, int]:
     """Re-evaluate the stored actions of these (sample, step) pairs under the current policy."""
-    policy, kernel = run.policy, run.sampler.kernel
+    policy, kernel = TimedPolicy(run.policy, run.clock), run.sampler.kernel
     x = traj.latents[rows, cols]
     x_next = traj.next_latents[rows, cols]
     index = traj.step_index[rows, cols]
@@ -212,7 +214,8 @@ def update(run: Run, traj: Trajectory, adv: torch.Tensor, iteration: int) -> Upd
                 for rows, cols in pairs:
                     batch, nfe = step_batch(run, traj, adv, rows, cols)
                     out = run.objective(batch)
-                    (out.loss * (len(rows) / total_pairs)).backward()
+                    with run.clock.section("model"):
+                        (out.loss * (len(rows) / total_pairs)).backward()
                     stats.nfe += nfe
                     for key, value in out.metrics.items():
                         stats.metrics[key].append(value.detach())

@@ -17,6 +17,7 @@ from fgrpo.core.ema import EMA
 from fgrpo.core.protocols import Objective, Policy, PromptSource, Reward, Sampler
 from fgrpo.core.recipe import Recipe, RewardSpec
 from fgrpo.core.runlog import Display, MetricsLog
+from fgrpo.core.timing import Clock
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -40,6 +41,7 @@ class Run:
     out_dir: Path | None = None
     log: MetricsLog | None = None
     start_iteration: int = 0  # iterations already done (after a resume)
+    clock: Clock = attrs.Factory(lambda self: Clock(self.policy.device), takes_self=True)  # time accounting
 
     @property
     def is_main(self) -> bool:

@@ -17,7 +17,7 @@ import torch
 from rich.console import Console
 
 from fgrpo.core import checkpoint as ckpt
-from fgrpo.core import evaluation, phases, tensors, visuals
+from fgrpo.core import evaluation, phases, tensors, timing, visuals
 from fgrpo.core.config import ConfigError, RecipeError
 from fgrpo.core.data import PromptSchedule
 from fgrpo.core.ema import EMA
@@ -27,37 +27,46 @@ from fgrpo.core.recipe import Recipe
 from fgrpo.core.run import Run
 from fgrpo.core.runlog import Display, MetricsLog, read_metrics
 from fgrpo.core.seeding import derive_seed
+from fgrpo.core.threads import ThreadGovernor
 
 
 # --- one iteration -----------------------------------------------------------------------------
 
 
 def iteration(run: Run, it: int) -> dict[str, Any]:
+    clock = run.clock
+    clock.read()  # what evaluation or set-up left on the clock is not this iteration's
+    timing.synchronize(run.policy.device)
     t0 = time.perf_counter()
     run.sampler.advance(it)
     traj = phases.rollout(run, it)
+    timing.synchronize(run.policy.device)
     t1 = time.perf_counter()
-    outputs = phases.decode(run, traj)
+    with clock.phase("decode"):
+        outputs = phases.decode(run, traj)
     metadata = [run.prompts.metadata(p) for p in traj.prompts]
-    scores, _ = phases.score(run.rewards, outputs, traj.prompts, metadata, where=f"the batch of iteration {it}")
+    with clock.phase("reward"):
+        scores, _ = phases.score(run.rewards, outputs, traj.prompts, metadata, where=f"the batch of iteration {it}")
     t2 = time.perf_counter()
     adv, adv_stats = phases.advantages(run, traj, scores)
     stats = phases.update(run, traj, adv, it)
     run.scheduler.step()
-    t3 = time.perf_counter()
-    n_samples = traj.batch_size * run.accelerator.num_processes
-    return {
+    metrics = {
         **adv_stats,
         **{f"reward/{k}": v.mean().item() for k, v in scores.items()},
         **phases.summarize(stats),
+    }
+    t3 = time.perf_counter()
+    n_samples = traj.batch_size * run.accelerator.num_processes
+    return {
+        **metrics,
         "lr": run.optimizer.param_groups[0]["lr"],
         "trained_steps": traj.num_trained_steps,
         "nfe_rollout": traj.nfe,
         "nfe_train": stats.nfe,
         "time_rollout_s": t1 - t0,
-        "time_reward_s": t2 - t1,
         "time_train_s": t3 - t2,
-        "time_iteration_s": t3 - t0,
+        **timing.accounting(clock.read(), t3 - t0),
         "samples_per_s": n_samples / (t3 - t0),
     }
 
@@ -72,8 +81,10 @@ def train(run: Run) -> dict[str, Any]:
         if run.is_main and run.log is not None:
             row = run.log.write(0, row)
     run.display.start_at(run.start_iteration)
+    governor = ThreadGovernor()
     for it in range(run.start_iteration, total):
         metrics = iteration(run, it)
+        metrics["threads"] = governor.step() or torch.get_num_threads()
         done = it + 1
         if run.recipe.eval.every and (done % run.recipe.eval.every == 0 or done == total):
             metrics.update(run_evaluation(run, done))
