@@ -76,6 +76,15 @@ def rollout(run: Run, iteration: int) -> Trajectory:
     return cat_trajectories(parts)
 
 
+def nfe_by_phase(traj: Trajectory) -> dict[str, int]:
+    """The rollout's NFE split by the sampler's phases (prefix, window, flash, ...), over chunks."""
+    out: dict[str, int] = {}
+    for info in traj.info.get("chunks", [traj.info]):
+        for phase, n in (info.get("nfe") or {}).items():
+            out[phase] = out.get(phase, 0) + int(n)
+    return out
+
+
 # --- rewards -----------------------------------------------------------------------------------
 
 

@@ -15,7 +15,8 @@ cores beside one busy loop, a tiny SD3 iteration went from 0.27 to 0.89 s with t
   on a quiet node and gives cores back when another job starts.
 
 ``OMP_NUM_THREADS`` set by the user fixes the count (no governor); ``OMP_WAIT_POLICY`` set by the
-user is kept.
+user is kept; ``FGRPO_THREADS=torch`` leaves everything to torch's defaults (for comparisons:
+``tools/bench/contention.py``).
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ def configure(environ: dict[str, str] | None = None) -> int | None:
     once if torch is already imported, else exported as ``OMP_NUM_THREADS`` (which torch reads).
     """
     env = os.environ if environ is None else environ
+    if env.get("FGRPO_THREADS") == "torch":
+        return None
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if "OMP_NUM_THREADS" in env:
         return None
@@ -115,7 +118,7 @@ class ThreadGovernor:
         apply: Callable[[int], None] | None = None,
     ):
         env = os.environ if environ is None else environ
-        user_fixed = "OMP_NUM_THREADS" in env and env.get("FGRPO_THREADS_CHOSEN") != "1"
+        user_fixed = ("OMP_NUM_THREADS" in env and env.get("FGRPO_THREADS_CHOSEN") != "1") or env.get("FGRPO_THREADS") == "torch"
         self._busy, self._own, self._clock = busy or _total_busy_seconds, own, clock
         self._apply = apply or _set_torch_threads
         self.usable = usable or usable_cpus()

@@ -63,6 +63,7 @@ def iteration(run: Run, it: int) -> dict[str, Any]:
         "lr": run.optimizer.param_groups[0]["lr"],
         "trained_steps": traj.num_trained_steps,
         "nfe_rollout": traj.nfe,
+        **{f"nfe_rollout/{k}": v for k, v in phases.nfe_by_phase(traj).items()},
         "nfe_train": stats.nfe,
         "time_rollout_s": t1 - t0,
         "time_train_s": t3 - t2,
