@@ -33,7 +33,7 @@ out = _console()
 
 
 def _add_recipe_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("recipe", help="path to recipe.yaml")
+    p.add_argument("recipe", help="path to recipe.yaml, or the name of a built-in recipe (shapes, vector, ...)")
     p.add_argument(
         "--set",
         dest="overrides",
@@ -45,7 +45,14 @@ def _add_recipe_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fgrpo", description="Online RL for flow-matching generators.")
+    from fgrpo.core.shipped import versions_text
+
+    parser = argparse.ArgumentParser(
+        prog="fgrpo",
+        description="Online RL for flow-matching generators.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,  # --version prints one line per distribution
+    )
+    parser.add_argument("--version", action="version", version=versions_text(), help="the fgrpo distributions' versions")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("plugins", help="list installed components and where they come from")
@@ -152,8 +159,9 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 
 def _load(args: argparse.Namespace):
     from fgrpo.core import recipe as recipe_mod
+    from fgrpo.core.shipped import find_recipe
 
-    return recipe_mod.load(args.recipe, args.overrides)
+    return recipe_mod.load(find_recipe(args.recipe), args.overrides)
 
 
 def cmd_validate(args: argparse.Namespace) -> int:

@@ -106,6 +106,11 @@ def entry(kind: str, name: str) -> Entry:
         close = difflib.get_close_matches(name, available, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         listing = ", ".join(available) or "none installed"
+        from fgrpo.core.shipped import missing_provider_hint
+
+        provider = missing_provider_hint(kind, name)
+        if provider is not None:  # a built-in name whose package is absent: say which to install
+            raise UnknownComponent(f"unknown {kind} {name!r}: {provider}; available: {listing}")
         raise UnknownComponent(f"unknown {kind} {name!r}{hint}; available: {listing}")
     return _as_entry(kind, eps[name])
 

@@ -41,6 +41,7 @@ class Run:
     out_dir: Path | None = None
     log: MetricsLog | None = None
     start_iteration: int = 0  # iterations already done (after a resume)
+    optimizer_steps: int = 0  # over the whole run (checkpointed): the EMA counts these
     clock: Clock = attrs.Factory(lambda self: Clock(self.policy.device), takes_self=True)  # time accounting
 
     @property

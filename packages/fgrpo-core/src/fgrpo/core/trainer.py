@@ -212,6 +212,7 @@ def save_checkpoint(run: Run, done: int) -> None:
                 "iteration": done,
                 "data_position": done * run.recipe.train.prompts_per_iteration,
                 "sampler": run.sampler.state_dict(),
+                "optimizer_steps": run.optimizer_steps,
                 "recipe": run.recipe.data,
                 "processes": run.accelerator.num_processes,
             },
@@ -234,6 +235,7 @@ def restore(run: Run, folder: Path) -> int:
     run.scheduler.load_state_dict(opt["scheduler"])
     torch.set_rng_state(ckpt.read_torch(folder / "rng-rank0.pt")["torch"])
     run.sampler.load_state_dict(state["sampler"])
+    run.optimizer_steps = int(state.get("optimizer_steps", 0))  # absent before it was saved: EMA counts restart
     return int(state["iteration"])
 
 
@@ -282,7 +284,7 @@ def open_run(recipe: Recipe, *, out: str | None, resume: bool, console: Console,
 def first_ratio_check(recipe: Recipe, console: Console) -> tuple[float, Run]:
     """One iteration, one batch, one gradient step: the largest |ratio - 1| of the stored actions'
     re-evaluated log-probs before the first optimizer step (0 when rollout and update agree)."""
-    cfg = attrs.evolve(recipe.train, iterations=1, minibatch_size=0, inner_epochs=1)
+    cfg = attrs.evolve(recipe.train, iterations=1, minibatch_size=0, inner_epochs=1, drop_zero_advantage=False)
     checked = attrs.evolve(recipe, train=cfg, eval=attrs.evolve(recipe.eval, every=0))
     run = build_run(checked, out_dir=None, console=console, quiet=True)
     metrics = iteration(run, 0)

@@ -12,6 +12,7 @@ this module (and listing plugins) stays cheap.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from collections import OrderedDict
@@ -20,6 +21,28 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+
+
+# --- import-time messages a user cannot act on --------------------------------------------------
+
+
+class _TorchvisionFallbackFilter(logging.Filter):
+    """transformers (>= 5) says, when diffusers' pipeline modules import the CLIP/SigLIP image
+    processors, that torchvision is missing and it falls back to the PIL processors. Our
+    backbones never use those processors (the pipelines' image encoders stay unloaded), so the
+    message is noise on every sd3 run; this drops exactly that message from exactly that logger."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "requires torchvision (not installed); falling back to" not in record.getMessage()
+
+
+def _quiet_transformers_imports() -> None:
+    logger = logging.getLogger("transformers.utils.import_utils")
+    if not any(isinstance(f, _TorchvisionFallbackFilter) for f in logger.filters):
+        logger.addFilter(_TorchvisionFallbackFilter())
+
+
+_quiet_transformers_imports()
 
 # --- dtype and device ---------------------------------------------------------------------------
 

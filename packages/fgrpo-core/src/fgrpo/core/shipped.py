@@ -1,0 +1,93 @@
+"""What the four fgrpo distributions ship, known to fgrpo-core even when the others are absent:
+their versions (``fgrpo --version``), the built-in recipes (``fgrpo compose shapes``) and which
+distribution provides a built-in component (so an unknown name says what to install).
+
+The recipes are the repository's ``recipes/*.yaml``: ``fgrpo/core/recipes`` is a symbolic link
+to that folder, so an editable install reads them in place and a built wheel or sdist carries
+copies as package data (setuptools follows the link) — one set of files, nothing copied by hand.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+from importlib import resources
+from pathlib import Path
+
+from fgrpo.core.config import ConfigError, RecipeError
+
+DISTRIBUTIONS = ("fgrpo-core", "fgrpo-samplers", "fgrpo-rewards", "fgrpo-models")
+
+#: (kind, name) -> (distribution, extras) of the built-in components. Not necessarily complete
+#: (a name missing here still gets the per-kind hint below); tests check every entry against the
+#: packages' pyproject.toml.
+COMPONENTS: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
+    **{("kernel", n): ("fgrpo-samplers", ()) for n in ("ode", "sde", "dance", "cps", "dpmpp2m", "dpmpp3m")},
+    **{("sampler", n): ("fgrpo-samplers", ()) for n in ("full", "fast", "mixgrpo")},
+    **{("reward", n): ("fgrpo-rewards", ()) for n in (
+        "jpeg-compressibility", "jpeg-incompressibility", "target-distance", "shapes", "shapes-gold")},
+    ("reward", "ocr"): ("fgrpo-rewards", ("ocr",)),
+    **{("reward", n): ("fgrpo-rewards", ("clip",)) for n in ("clip-score", "pickscore", "aesthetic")},
+    ("prompts", "shapes"): ("fgrpo-rewards", ()),
+    ("model", "vector"): ("fgrpo-models", ()),
+    ("model", "sd3"): ("fgrpo-models", ("diffusers",)),
+    ("model", "shapes-dit"): ("fgrpo-models", ("diffusers",)),
+}
+
+#: the distribution that provides most components of a kind (fgrpo-core provides objectives and
+#: the list/text-file prompt sources itself)
+KIND_PROVIDERS = {"kernel": "fgrpo-samplers", "sampler": "fgrpo-samplers", "reward": "fgrpo-rewards", "model": "fgrpo-models"}
+
+
+def version(distribution: str) -> str | None:
+    try:
+        return md.version(distribution)
+    except md.PackageNotFoundError:
+        return None
+
+
+def versions_text() -> str:
+    """One line per fgrpo distribution: ``fgrpo-core 0.1.0`` or ``fgrpo-models not installed``."""
+    return "\n".join(f"{d} {version(d) or 'not installed'}" for d in DISTRIBUTIONS)
+
+
+def install_line(distribution: str, extras: tuple[str, ...] = ()) -> str:
+    return f'pip install "{distribution}[{",".join(extras)}]"' if extras else f"pip install {distribution}"
+
+
+def missing_provider_hint(kind: str, name: str) -> str | None:
+    """Why ``name`` is unknown when the built-in distribution that provides it is not installed:
+    the package to install. None when that distribution is installed (a typo, a third-party name)."""
+    if (kind, name) in COMPONENTS:
+        dist, extras = COMPONENTS[(kind, name)]
+        if version(dist) is None:
+            return f"it comes with {dist}, which is not installed: {install_line(dist, extras)}"
+        return None
+    dist = KIND_PROVIDERS.get(kind)
+    if dist is not None and version(dist) is None:
+        return f"the built-in {kind}s come with {dist}, which is not installed: {install_line(dist)}"
+    return None
+
+
+# --- recipes -------------------------------------------------------------------------------------
+
+
+def recipes_folder() -> Path:
+    return Path(str(resources.files("fgrpo.core") / "recipes"))
+
+
+def recipe_names() -> list[str]:
+    folder = recipes_folder()
+    return sorted(p.stem for p in folder.glob("*.yaml")) if folder.is_dir() else []
+
+
+def find_recipe(arg: str) -> Path:
+    """A recipe file: ``arg`` itself when it exists, else the built-in recipe of that name
+    (``shapes`` or ``shapes.yaml``). Raises a RecipeError naming the built-in recipes."""
+    path = Path(arg)
+    if path.exists() or len(path.parts) != 1:
+        return path
+    shipped = recipes_folder() / (arg if arg.endswith(".yaml") else f"{arg}.yaml")
+    if shipped.is_file():
+        return shipped
+    names = ", ".join(recipe_names()) or "none installed"
+    raise RecipeError([ConfigError(arg, f"no such recipe file, and no built-in recipe of that name; built-in recipes: {names}")])

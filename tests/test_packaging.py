@@ -1,0 +1,142 @@
+"""The four distributions stand on their own: versions, licenses, standalone descriptions, the
+built-in recipes as package data, and hints that name the package to install."""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import os
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from _helpers import run_fgrpo
+from fgrpo.core import registry, shipped
+
+PACKAGES = ["fgrpo-core", "fgrpo-samplers", "fgrpo-rewards", "fgrpo-models"]
+
+
+def pyproject(root: Path, package: str) -> dict:
+    return tomllib.loads((root / "packages" / package / "pyproject.toml").read_text())
+
+
+def test_version_names_all_four_distributions():
+    result = run_fgrpo("--version")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [f"{name} {md.version(name)}" for name in PACKAGES]
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_license_and_standalone_description(root, package):
+    folder = root / "packages" / package
+    assert (folder / "LICENSE").read_text() == (root / "LICENSE").read_text()
+    assert "Apache License" in (root / "LICENSE").read_text() and "Version 2.0" in (root / "LICENSE").read_text()
+    meta = pyproject(root, package)
+    assert meta["project"]["license"] == "Apache-2.0"  # an SPDX expression, not the deprecated table
+    assert meta["project"]["license-files"] == ["LICENSE"]
+    assert meta["build-system"]["requires"] == ["setuptools>=77"]  # the first with PEP 639 licenses
+    readme = (folder / meta["project"]["readme"]).read_text()
+    links = re.findall(r"\]\(([^)]+)\)", readme)
+    assert [link for link in links if not link.startswith(("https://", "http://", "#"))] == []
+    assert len(readme.split()) > 100  # describes the package on PyPI without the repository
+    assert package in readme.splitlines()[0]
+
+
+def test_shipped_recipes_are_the_repository_recipes(root):
+    """fgrpo/core/recipes links to recipes/: one set of files, built into wheels as package data."""
+    assert shipped.recipes_folder().resolve() == (root / "recipes").resolve()
+    assert shipped.recipe_names() == sorted(p.stem for p in (root / "recipes").glob("*.yaml"))
+    assert "fgrpo.core" in pyproject(root, "fgrpo-core")["tool"]["setuptools"]["package-data"]
+
+
+def test_builtin_recipe_by_name_from_anywhere(tmp_path):
+    result = run_fgrpo("validate", "shapes", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "shapes: ok" in result.stdout
+    result = run_fgrpo("validate", "shapez", cwd=tmp_path)
+    assert result.returncode == 2
+    assert "shapez: no such recipe file, and no built-in recipe of that name; built-in recipes: " in result.stderr
+    assert "shapes-fast" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_builtin_component_table_matches_the_pyprojects(root):
+    groups = {group: kind for kind, group in registry.GROUPS.items()}
+    declared = {}
+    for package in PACKAGES:
+        for group, eps in pyproject(root, package)["project"].get("entry-points", {}).items():
+            for name, target in eps.items():
+                extras = tuple(re.findall(r"\[(.*)\]", target)[0].replace(" ", "").split(",")) if "[" in target else ()
+                declared[(groups[group], name)] = (package, extras)
+    for key, provider in shipped.COMPONENTS.items():
+        assert declared.get(key) == provider, f"shipped.COMPONENTS[{key}] = {provider}; the pyprojects say {declared.get(key)}"
+    for kind, package in shipped.KIND_PROVIDERS.items():
+        assert any(k[0] == kind and p[0] == package for k, p in declared.items()), (kind, package)
+
+
+def _without(monkeypatch, distribution: str) -> None:
+    """Pretend ``distribution`` is not installed: no version, none of its entry points."""
+    real_version, real_eps = shipped.version, registry._entry_points
+    monkeypatch.setattr(shipped, "version", lambda d: None if d == distribution else real_version(d))
+    monkeypatch.setattr(
+        registry,
+        "_entry_points",
+        lambda kind: {n: ep for n, ep in real_eps(kind).items() if ep.dist is None or ep.dist.metadata["Name"] != distribution},
+    )
+    monkeypatch.setattr(registry, "_loaded", {})
+
+
+def test_unknown_component_of_an_absent_builtin_package_names_it(monkeypatch, root, capsys):
+    _without(monkeypatch, "fgrpo-models")
+    with pytest.raises(registry.UnknownComponent) as info:
+        registry.entry("model", "vector")
+    assert str(info.value) == (
+        "unknown model 'vector': it comes with fgrpo-models, which is not installed: pip install fgrpo-models; "
+        "available: none installed"
+    )
+    with pytest.raises(registry.UnknownComponent, match=r"the built-in models come with fgrpo-models, which is not installed: pip install fgrpo-models"):
+        registry.entry("model", "my-own-model")
+    from fgrpo.core import cli
+
+    assert cli.main(["validate", str(root / "recipes" / "shapes.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "model.name: unknown model 'shapes-dit': it comes with fgrpo-models, which is not installed: " in err
+    assert 'pip install "fgrpo-models[diffusers]"' in err
+
+
+def test_unknown_component_with_its_package_installed_keeps_the_close_match():
+    with pytest.raises(registry.UnknownComponent, match=r"unknown model 'vectr' \(did you mean 'vector'\?\)"):
+        registry.entry("model", "vectr")
+
+
+@pytest.mark.slow
+def test_builtin_recipe_after_a_non_editable_install(root, tmp_path):
+    """A user's install: the four packages built and installed (not editable) into a fresh venv,
+    used from a folder without the repository. Several minutes (it builds and installs wheels)."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
+    env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    subprocess.run(pip + ["torch==2.13.0"], check=True, env=env)  # a bare torch would pull a CUDA build
+    packages = [str(root / "packages" / p) for p in PACKAGES[:3]] + [str(root / "packages" / "fgrpo-models") + "[diffusers]"]
+    subprocess.run(pip + packages, check=True, env=env)
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    fgrpo = str(venv / "bin" / "fgrpo")
+    run_env = {**env, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([fgrpo, *args], cwd=work, env=run_env, capture_output=True, text=True, timeout=900)
+
+    version = run("--version")
+    assert version.stdout.split() == [w for p in PACKAGES for w in (p, "0.1.0")], version.stdout
+    location = subprocess.run([str(venv / "bin" / "python"), "-c", "import fgrpo.core, sys; print(fgrpo.core.__file__)"],
+                              capture_output=True, text=True, check=True).stdout
+    assert str(venv) in location and str(root) not in location  # not the repository's sources
+    assert run("validate", "shapes").returncode == 0
+    composed = run("compose", "shapes", "--out", "run", "--quiet", "--set", "train.iterations=1",
+                   "--set", "train.prompts_per_iteration=2", "--set", "eval.every=1", "--set", "eval.max_prompts=4")
+    assert composed.returncode == 0, composed.stderr
+    assert composed.stderr == ""  # quiet: no import-time warnings a user cannot act on
