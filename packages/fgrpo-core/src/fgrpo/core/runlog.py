@@ -27,7 +27,8 @@ def _plain_number(value: Any) -> Any:
 
 class MetricsLog:
     """Appends one JSON object per iteration; on resume, lines past the checkpoint are dropped so
-    the file reads as if the run had never been interrupted."""
+    the file reads as if the run had never been interrupted (TensorBoard is told to purge the
+    events past it too); a new run replaces the file."""
 
     def __init__(self, run_dir: Path, *, tensorboard: bool, resume_from: int | None = None):
         self.path = run_dir / METRICS
@@ -39,7 +40,9 @@ class MetricsLog:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+            # events of an interrupted (or started-over) attempt past this point are hidden
+            purge = resume_from + 1 if resume_from is not None else 0
+            self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=purge)
 
     def _truncate_after(self, iteration: int) -> None:
         if not self.path.exists():
@@ -72,6 +75,7 @@ class MetricsLog:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+            self.writer = None
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
