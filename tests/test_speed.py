@@ -157,3 +157,68 @@ def test_make_tiny_pipeline_writes_a_loadable_sd3_pipeline(root, tmp_path, capsy
     pipe = diffusers.StableDiffusion3Pipeline.from_pretrained(tmp_path / "p")
     assert pipe.transformer.config.in_channels == 16
     assert tool.main(["sd3", str(tmp_path / "p")]) == 2  # never writes over a folder
+
+
+# --- the update without overhead -----------------------------------------------------------------
+
+
+def _shapes_run(root, *overrides):
+    pytest.importorskip("fgrpo.models.shapes_dit")
+    recipe = recipe_mod.load(
+        root / "recipes" / "shapes.yaml",
+        ["train.prompts_per_iteration=2", "train.group_size=4", "sampler.steps=4", "eval.every=0", *overrides],
+    )
+    return build_run(recipe, out_dir=None, console=QUIET, quiet=True)
+
+
+def test_reference_pass_runs_once_per_stored_state_and_is_the_base_model(root):
+    from fgrpo.core import phases
+
+    run = _shapes_run(root, "train.inner_epochs=2", "train.minibatch_size=4", "train.reference_batch_size=5", "train.drop_zero_advantage=false")
+    run.sampler.advance(0)
+    traj = phases.rollout(run, 0)
+    samples = torch.arange(traj.batch_size)
+    ref = phases.reference(run, traj, samples)
+    pairs = traj.batch_size * traj.num_trained_steps
+    assert ref.nfe == pairs * run.policy.evaluations_per_call
+    # against a direct evaluation of the base model at one stored (x_t, t)
+    with torch.no_grad(), run.policy.reference():
+        x, i = traj.latents[3, 1:2], traj.step_index[3, 1:2]
+        v = run.policy.velocity(x, traj.sigmas[i], {k: t[3:4] for k, t in traj.cond.items()})
+    torch.testing.assert_close(ref.velocity[3, 1:2], v, rtol=1e-5, atol=1e-6)
+    metrics = iteration(run, 1)
+    # two inner epochs: the update's forwards twice, the reference pass once
+    assert metrics["nfe_reference"] == pairs and metrics["nfe_train"] == 2 * pairs + pairs
+    assert metrics["first_ratio_deviation"] == 0.0
+
+
+def test_reward_worker_scores_the_same_as_the_main_thread(root):
+    plain = _shapes_run(root, "train.rollout_prompts=1")
+    worker = _shapes_run(root, "train.rollout_prompts=1", "train.reward_worker=true")
+    a, b = iteration(plain, 0), iteration(worker, 0)
+    for key in ("reward_mean", "reward_std", "first_ratio_deviation", "kl", "policy_loss"):
+        assert a[key] == b[key], key
+
+
+def test_sample_batches_prompts_without_changing_their_samples(root, tmp_path):
+    from fgrpo.core.evaluation import write_samples
+
+    recipe = recipe_mod.load(root / "recipes" / "vector.yaml")
+    policy = recipe.build("model")
+    prompts = ["target 1 1", "target -1 1", "target 0 1"]
+    one = tmp_path / "one"
+    together = tmp_path / "together"
+    assert write_samples(policy, prompts, 2, 5, 7, one, batch_size=1) == 6
+    assert write_samples(policy, prompts, 2, 5, 7, together) == 6
+    for name in ("00000_00.pt", "00001_01.pt", "00002_00.pt"):
+        torch.testing.assert_close(torch.load(one / name), torch.load(together / name), rtol=1e-5, atol=1e-6)
+    assert (one / "index.jsonl").read_text() == (together / "index.jsonl").read_text()
+
+
+def test_real_size_bench_runs_shrunk_on_the_cpu(root, capsys):
+    pytest.importorskip("diffusers")
+    tool = _tool(root, "gpu/bench_real_size.py")
+    argv = ["--small", "--resolution", "64", "--group", "2", "--steps", "3", "--iterations", "1", "--repeats", "1", "--micro-batch", "2", "--settings", "cfg"]
+    assert tool.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "ms/NFE" in out and "floor" in out and "ratio" in out

@@ -13,6 +13,7 @@ as model time, whichever sampler makes it; samplers need not know about the cloc
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -39,7 +40,20 @@ class Clock:
         self.cuda = self.device.type == "cuda"
         self._seconds: dict[str, float] = defaultdict(float)
         self._events: list[tuple[str, Any, Any]] = []
-        self._depth = 0  # sections inside sections are counted once, by the outermost
+        self._lock = threading.Lock()  # a reward worker thread times its phases on the same clock
+        self._local = threading.local()  # per thread: sections inside sections count once, by the outermost
+
+    @property
+    def _depth(self) -> int:
+        return getattr(self._local, "depth", 0)
+
+    @_depth.setter
+    def _depth(self, value: int) -> None:
+        self._local.depth = value
+
+    def _add(self, name: str, seconds: float) -> None:
+        with self._lock:
+            self._seconds[name] += seconds
 
     @contextmanager
     def section(self, name: str) -> Iterator[None]:
@@ -57,13 +71,14 @@ class Clock:
                     yield
                 finally:
                     end.record()
-                    self._events.append((name, start, end))
+                    with self._lock:
+                        self._events.append((name, start, end))
             else:
                 t0 = time.perf_counter()
                 try:
                     yield
                 finally:
-                    self._seconds[name] += time.perf_counter() - t0
+                    self._add(name, time.perf_counter() - t0)
         finally:
             self._depth -= 1
 
@@ -80,24 +95,26 @@ class Clock:
             yield
         finally:
             synchronize(self.device)
-            self._seconds[name] += time.perf_counter() - t0
+            self._add(name, time.perf_counter() - t0)
             self._depth -= 1
 
     def read(self) -> dict[str, float]:
         """Seconds per section since the last read (one synchronisation), then start afresh."""
-        if self._events:
-            synchronize(self.device)
-            for name, start, end in self._events:
-                self._seconds[name] += start.elapsed_time(end) / 1000.0
-        out = dict(self._seconds)
-        self._seconds.clear()
-        self._events.clear()
+        with self._lock:
+            events, self._events = self._events, []
+            if events:
+                synchronize(self.device)
+                for name, start, end in events:
+                    self._seconds[name] += start.elapsed_time(end) / 1000.0
+            out = dict(self._seconds)
+            self._seconds.clear()
         return out
 
 
 def accounting(seconds: dict[str, float], wall: float) -> dict[str, float]:
     """``time_<section>_s`` for model, reward and decode, ``time_overhead_s`` (the rest of
-    ``wall``) and ``time_iteration_s``."""
+    ``wall``) and ``time_iteration_s``. With a reward worker, reward and decode overlap the
+    model's sections: their sum may then exceed the wall time and the overhead reads 0."""
     out = {f"time_{name}_s": seconds.get(name, 0.0) for name in SECTIONS}
     out["time_overhead_s"] = max(0.0, wall - sum(out.values()))
     out["time_iteration_s"] = wall

@@ -39,14 +39,12 @@ def iteration(run: Run, it: int) -> dict[str, Any]:
     timing.synchronize(run.policy.device)
     t0 = time.perf_counter()
     run.sampler.advance(it)
-    traj = phases.rollout(run, it)
+    where = f"the batch of iteration {it}"
+    worker = phases.RewardWorker(run, where) if run.recipe.train.reward_worker else None
+    traj = phases.rollout(run, it, on_chunk=worker.submit if worker else None)
     timing.synchronize(run.policy.device)
     t1 = time.perf_counter()
-    with clock.phase("decode"):
-        outputs = phases.decode(run, traj)
-    metadata = [run.prompts.metadata(p) for p in traj.prompts]
-    with clock.phase("reward"):
-        scores, _ = phases.score(run.rewards, outputs, traj.prompts, metadata, where=f"the batch of iteration {it}")
+    scores = worker.scores() if worker else phases.decode_and_score(run, traj, where)
     t2 = time.perf_counter()
     adv, adv_stats = phases.advantages(run, traj, scores)
     stats = phases.update(run, traj, adv, it)
@@ -150,12 +148,17 @@ def make_accelerator(cpu: bool | None = None) -> Any:
     return Accelerator(cpu=cpu)
 
 
-def build_run(recipe: Recipe, *, out_dir: Path | None, console: Console, quiet: bool = False, accelerator: Any = None) -> Run:
+def build_run(
+    recipe: Recipe, *, out_dir: Path | None, console: Console, quiet: bool = False, accelerator: Any = None, policy: Policy | None = None
+) -> Run:
+    """A run of ``recipe``; ``policy``: an already built model instead of the recipe's (benchmarks)."""
     acc = accelerator or make_accelerator()
     # components draw their initial weights (LoRA init, ...) from the global RNG: same on every rank
     torch.manual_seed(derive_seed(recipe.seed, "build"))
     random.seed(derive_seed(recipe.seed, "python"))
-    policy = recipe.build("model")
+    policy = recipe.build("model") if policy is None else policy
+    if recipe.train.compile and isinstance(getattr(policy, "transformer", None), torch.nn.Module):
+        policy.transformer.compile()  # in place: the policy keeps calling the same module
     sampler = recipe.build("sampler")
     objective = recipe.build("objective")
     prompts = recipe.build("prompts")
