@@ -22,10 +22,9 @@ KINDS = {"sd3": "sd3", "flux": "flux", "qwen-image": "qwen_image", "wan": "wan"}
 
 
 def builder(kind: str):
-    """The tiny-pipeline builder of ``kind``: fgrpo-models' testing module, or the older copy of
-    the SD3 one in fgrpo-core."""
+    """The tiny-pipeline builder of ``kind`` from fgrpo-models' testing module."""
     name = f"build_tiny_{KINDS[kind]}_pipeline"
-    for module in ("fgrpo.models.testing.pipelines", "fgrpo.models.testing", "fgrpo.core.testing.tiny_pipelines"):
+    for module in ("fgrpo.models.testing.pipelines", "fgrpo.models.testing"):
         try:
             found = getattr(importlib.import_module(module), name, None)
         except ImportError:

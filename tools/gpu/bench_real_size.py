@@ -60,7 +60,7 @@ def tokenizers() -> tuple[Any, Any]:
     """The offline CLIP and T5 tokenizer builders of fgrpo's testing modules."""
     import importlib
 
-    for name in ("fgrpo.models.testing.pipelines", "fgrpo.models.testing", "fgrpo.core.testing.tiny_pipelines"):
+    for name in ("fgrpo.models.testing.pipelines", "fgrpo.models.testing"):
         try:
             module = importlib.import_module(name)
         except ImportError:
@@ -128,15 +128,7 @@ def build_pipeline(flux: bool, shrink: bool, dtype: Any) -> Any:
 def make_policy(pipe: Any, flux: bool, keys: dict[str, Any]) -> Any:
     from fgrpo.core import registry
 
-    cls = registry.load("model", "flux" if flux else "sd3")
-    if hasattr(cls, "from_pipeline"):
-        return cls.from_pipeline(pipe, **keys)
-
-    class InMemory(cls):  # older backbones load from a path only
-        def _load(self, path: str) -> Any:
-            return pipe
-
-    return InMemory(path="<in-memory pipeline>", **keys)
+    return registry.load("model", "flux" if flux else "sd3").from_pipeline(pipe, **keys)
 
 
 def per_nfe_costs(policy: Any, rollout_rows: int, train_rows: int, repeats: int) -> dict[str, float]:
@@ -211,8 +203,9 @@ def main(argv: list[str] | None = None) -> int:
         guidance = 1.0 if "nocfg" in setting else 4.5
         checkpointing = "ckpt" in setting
         keys = dict(
-            dtype=str(dtype).replace("torch.", ""), resolution=args.resolution, guidance_scale=guidance,
-            gradient_checkpointing=checkpointing, lora={"rank": 32, "alpha": 64, "init": "gaussian"},
+            dtype=str(dtype).replace("torch.", ""), resolution=args.resolution, gradient_checkpointing=checkpointing,
+            lora={"rank": 32, "alpha": 64, "init": "gaussian"},
+            **({"true_cfg_scale": guidance} if args.flux else {"guidance_scale": guidance}),  # FLUX.1-dev: true CFG
         )
         policy = make_policy(pipe, args.flux, keys)
         recipe = recipe_mod.from_text(
