@@ -222,3 +222,12 @@ def test_real_size_bench_runs_shrunk_on_the_cpu(root, capsys):
     assert tool.main(argv) == 0
     out = capsys.readouterr().out
     assert "ms/NFE" in out and "floor" in out and "ratio" in out
+
+
+def test_compile_key_compiles_the_transformer_or_says_why_not(root):
+    from fgrpo.core.config import RecipeError
+
+    run = _shapes_run(root, "train.compile=true")
+    assert run.policy.transformer._compiled_call_impl is not None  # compiled lazily, at the first forward
+    with pytest.raises(RecipeError, match="train.compile"):
+        build_run(recipe_mod.load(root / "recipes" / "vector.yaml", ["train.compile=true"]), out_dir=None, console=QUIET, quiet=True)

@@ -43,27 +43,27 @@ class Clock:
         self._lock = threading.Lock()  # a reward worker thread times its phases on the same clock
         self._local = threading.local()  # per thread: sections inside sections count once, by the outermost
 
-    @property
-    def _depth(self) -> int:
-        return getattr(self._local, "depth", 0)
-
-    @_depth.setter
-    def _depth(self, value: int) -> None:
-        self._local.depth = value
-
     def _add(self, name: str, seconds: float) -> None:
         with self._lock:
             self._seconds[name] += seconds
 
     @contextmanager
+    def _outermost(self) -> Iterator[bool]:
+        """True for a section that no other section of this thread encloses (the one counted)."""
+        depth = getattr(self._local, "depth", 0)
+        self._local.depth = depth + 1
+        try:
+            yield depth == 0
+        finally:
+            self._local.depth = depth
+
+    @contextmanager
     def section(self, name: str) -> Iterator[None]:
         """Time the enclosed device work as ``name`` without waiting for it."""
-        if self._depth:
-            yield
-            return
-        self._depth += 1
-        try:
-            if self.cuda:
+        with self._outermost() as counted:
+            if not counted:
+                yield
+            elif self.cuda:
                 start = torch.cuda.Event(enable_timing=True)
                 end = torch.cuda.Event(enable_timing=True)
                 start.record()
@@ -79,24 +79,21 @@ class Clock:
                     yield
                 finally:
                     self._add(name, time.perf_counter() - t0)
-        finally:
-            self._depth -= 1
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """Time a whole phase as ``name``, synchronising at both ends (host work included)."""
-        if self._depth:
-            yield
-            return
-        self._depth += 1
-        synchronize(self.device)
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
+        with self._outermost() as counted:
+            if not counted:
+                yield
+                return
             synchronize(self.device)
-            self._add(name, time.perf_counter() - t0)
-            self._depth -= 1
+            t0 = time.perf_counter()
+            try:
+                yield
+            finally:
+                synchronize(self.device)
+                self._add(name, time.perf_counter() - t0)
 
     def read(self) -> dict[str, float]:
         """Seconds per section since the last read (one synchronisation), then start afresh."""

@@ -226,8 +226,10 @@ def build_run(
     torch.manual_seed(derive_seed(recipe.seed, "build"))
     random.seed(derive_seed(recipe.seed, "python"))
     policy = recipe.build("model") if policy is None else policy
-    if recipe.train.compile and isinstance(getattr(policy, "transformer", None), torch.nn.Module):
-        policy.transformer.compile()  # in place: the policy keeps calling the same module
+    if recipe.train.compile:
+        if not isinstance(getattr(policy, "transformer", None), torch.nn.Module):
+            raise RecipeError([ConfigError("train.compile", f"the model {type(policy).__name__} has no transformer module to compile")])
+        policy.transformer.compile()  # in place (lazily, at the first call): the policy keeps calling the same module
     sampler = recipe.build("sampler")
     objective = recipe.build("objective")
     prompts = recipe.build("prompts")
