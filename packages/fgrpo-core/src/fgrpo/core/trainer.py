@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -130,12 +131,29 @@ def lr_lambda(cfg: Any) -> Any:
     return factor
 
 
-def make_accelerator(cpu: bool | None = None) -> Any:
+def make_accelerator(cpu: bool | None = None, timeout_s: float | None = None) -> Any:
+    """The accelerator; with several processes, ``timeout_s`` bounds how long one waits for the
+    others at a collective (a stopped or crashed peer then ends the run with an error)."""
+    from datetime import timedelta
+
     from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
 
     if cpu is None:
         cpu = not torch.cuda.is_available()
-    return Accelerator(cpu=cpu)
+    handlers = [InitProcessGroupKwargs(timeout=timedelta(seconds=timeout_s))] if timeout_s else []
+    return Accelerator(cpu=cpu, kwargs_handlers=handlers)
+
+
+def check_prompts(policy: Any, prompts: Sequence[str], key: str) -> None:
+    """Refuse prompts the policy cannot read, before anything runs: a policy with a closed
+    vocabulary (``shapes-dit``) says why through an optional ``check_prompts(prompts) -> [problem]``."""
+    check = getattr(policy, "check_prompts", None)
+    problems = check(list(prompts)) if check is not None else []
+    if problems:
+        shown = [ConfigError(key, p) for p in problems[:5]]
+        more = [ConfigError(key, f"... and {len(problems) - 5} more prompts the model cannot read")] if len(problems) > 5 else []
+        raise RecipeError(shown + more)
 
 
 def build_run(recipe: Recipe, *, out_dir: Path | None, console: Console, quiet: bool = False, accelerator: Any = None) -> Run:
@@ -147,6 +165,7 @@ def build_run(recipe: Recipe, *, out_dir: Path | None, console: Console, quiet: 
     sampler = recipe.build("sampler")
     objective = recipe.build("objective")
     prompts = recipe.build("prompts")
+    check_prompts(policy, prompts.train_prompts() + prompts.test_prompts(), "prompts")
     rewards = recipe.build_rewards()
     trainable = [p for p in policy.trainable_parameters() if p.requires_grad]
     if not trainable:
@@ -255,7 +274,7 @@ def open_run(
     built, the newest complete checkpoint restored when resuming; only then is anything written
     (check first, write after). ``close_run`` (or ``finish``) releases the folder."""
     mode = rundir.RESUME if resume else rundir.START_OVER if start_over else rundir.NEW
-    acc = make_accelerator()
+    acc = make_accelerator(timeout_s=recipe.train.process_group_timeout_s)
     folder, failure = None, None
     if acc.is_main_process:
         try:
