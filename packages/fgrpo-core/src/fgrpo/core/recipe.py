@@ -30,6 +30,14 @@ class TrainConfig:
     rollout_precision: Literal["same", "bfloat16", "float16"] = param(
         "same", help="autocast the rollout to this dtype (faster, but off-policy: `fgrpo check` shows it)"
     )
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = param(
+        "auto",
+        help="autocast of every network forward (rollout, update, evaluation); auto: accelerate's "
+        "(accelerate launch --mixed_precision / its config file), else no. Kernel arithmetic stays float32",
+    )
+    gradient_accumulation_steps: int = param(
+        0, ge=0, help="minibatches per optimizer step; 0: accelerate's (--gradient_accumulation_steps / its config), else 1"
+    )
     inner_epochs: int = param(1, ge=1, help="passes over each iteration's samples")
     minibatch_size: int = param(0, ge=0, help="samples per optimizer step; 0 = the whole batch (on-policy)")
     micro_batch_size: int = param(0, ge=0, help="(sample, step) pairs per forward pass; 0 = the whole minibatch")
@@ -122,7 +130,7 @@ SECTIONS: dict[str, str] = {
 }
 REQUIRED = ("model", "sampler", "reward", "objective", "prompts")
 OWN_SECTIONS = {"train": TrainConfig, "eval": EvalConfig, "log": LogConfig}
-REWARD_EXTRA_KEYS = ("weight", "label", "timeout_s")
+REWARD_EXTRA_KEYS = ("weight", "label", "frame_stride", "timeout_s")
 
 
 @attrs.frozen
@@ -131,6 +139,7 @@ class RewardSpec:
     label: str
     weight: float
     params: dict[str, Any]
+    frame_stride: int = 1  # videos: score every k-th frame as an image (fgrpo.core.phases.score)
     timeout_s: float | None = None
 
 
@@ -140,6 +149,7 @@ class RewardExtras:
 
     weight: float = param(1.0, ge=-1e6, le=1e6, help="weight of this reward in the sum")
     label: str | None = param(None, help="name of this reward in metrics (default: its name)")
+    frame_stride: int = param(1, ge=1, help="videos: score every k-th frame as an image")
     timeout_s: float | None = param(None, gt=0, help="seconds a call may take before the run ends with an error; null = no limit")
 
 
@@ -448,11 +458,13 @@ def _check_rewards(value: Any) -> tuple[list[RewardSpec], Any, list[ConfigError]
         spec, errs = registry.check_spec("reward", params, key)
         extra, extra_errs = check_params(RewardExtras, {k: item[k] for k in REWARD_EXTRA_KEYS if k in item}, key)
         errors += errs + extra_errs
-        weight, timeout = extra.get("weight", 1.0), extra.get("timeout_s")  # (absent when bad)
+        # (a key that failed its check is absent from ``extra``)
+        weight, stride, timeout = extra.get("weight", 1.0), extra.get("frame_stride", 1), extra.get("timeout_s")
         label = extra.get("label") or str(spec.get("name", "?"))
-        resolved.append({**spec, "weight": float(weight), "label": label, "timeout_s": timeout})
+        resolved.append({**spec, "weight": float(weight), "label": label, "frame_stride": stride, "timeout_s": timeout})
         if not errs and not extra_errs:
-            specs.append(RewardSpec(spec["name"], label, float(weight), {k: v for k, v in spec.items() if k != "name"}, timeout))
+            params = {k: v for k, v in spec.items() if k != "name"}
+            specs.append(RewardSpec(spec["name"], label, float(weight), params, frame_stride=stride, timeout_s=timeout))
     labels = [r["label"] for r in resolved]
     for label in sorted({lb for lb in labels if labels.count(lb) > 1}):
         errors.append(ConfigError("reward", f"two rewards are labelled {shown(label)}; give each a distinct 'label'"))
