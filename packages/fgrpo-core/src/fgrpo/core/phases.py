@@ -7,7 +7,9 @@ calls them in order.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
+import threading
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +20,7 @@ import torch
 
 from fgrpo.core import tensors
 from fgrpo.core.advantages import combine
+from fgrpo.core.config import shown
 from fgrpo.core.protocols import StepBatch, Trajectory
 from fgrpo.core.registry import ComponentError
 from fgrpo.core.run import Run
@@ -124,18 +127,78 @@ def score_frames(reward: Any, videos: torch.Tensor, prompts: Sequence[str], meta
     return RewardResult(scores=scores.float().reshape(b, t).mean(dim=1), details=details)
 
 
+def _batch(prompts: Sequence[str]) -> str:
+    first = list(dict.fromkeys(prompts))[:3]
+    more = ", ..." if len(set(prompts)) > 3 else ""
+    return f"{len(prompts)} samples of the prompts {', '.join(shown(p) for p in first)}{more}"
+
+
+def call_reward(spec: Any, call: Callable[[], Any], prompts: list[str], where: str) -> Any:
+    """``call()`` (the reward on the batch); with ``spec.timeout_s``, in a daemon thread that is
+    given up on (and the run stopped) after that many seconds. Any failure becomes a RewardError
+    naming the reward and the prompts."""
+    timeout = getattr(spec, "timeout_s", None)
+    try:
+        if timeout is None:
+            return call()
+        box: dict[str, Any] = {}
+        grad = torch.is_grad_enabled()  # grad mode is per thread
+
+        def target() -> None:
+            try:
+                with torch.set_grad_enabled(grad):
+                    box["result"] = call()
+            except BaseException as exc:  # handed to the caller below
+                box["error"] = exc
+
+        worker = threading.Thread(target=target, name=f"reward {spec.label}", daemon=True)
+        worker.start()
+        worker.join(timeout)
+        if worker.is_alive():
+            raise RewardError(
+                f"reward {spec.label!r} did not return within {timeout:g} s (reward.timeout_s) on {where} "
+                f"({_batch(prompts)})"
+            )
+        if "error" in box:
+            raise box["error"]
+        return box["result"]
+    except RewardError:
+        raise
+    except Exception as exc:
+        first = (str(exc).splitlines() or [""])[0][:200]
+        raise RewardError(
+            f"reward {spec.label!r} raised {type(exc).__name__}: {first} on {where} ({_batch(prompts)})"
+        ) from exc
+
+
 def score(rewards: Sequence[tuple[Any, Any]], outputs: Any, prompts: Sequence[str], metadata: Sequence[Any], *, where: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Every reward on the batch; a malformed result stops the run before an update uses it.
     Videos reach a reward frame by frame (every ``frame_stride``-th frame of the reward's spec)
     unless the reward declares ``accepts_video = True``."""
     scores: dict[str, torch.Tensor] = {}
     details: dict[str, Any] = {}
+    prompts = list(prompts)
     for spec, reward in rewards:
         if is_video_batch(outputs) and not getattr(reward, "accepts_video", False):
-            result = score_frames(reward, outputs, prompts, metadata, getattr(spec, "frame_stride", 1))
+            stride = getattr(spec, "frame_stride", 1)
+            call = functools.partial(score_frames, reward, outputs, prompts, metadata, stride)
         else:
-            result = reward(outputs, list(prompts), list(metadata))
-        s = torch.as_tensor(result.scores).detach()
+            call = functools.partial(reward, outputs, prompts, list(metadata))
+        result = call_reward(spec, call, prompts, where)
+        if not hasattr(result, "scores"):
+            raise RewardError(
+                f"reward {spec.label!r} returned {shown(result)} for {where} ({_batch(prompts)}); "
+                "expected a RewardResult(scores=...)"
+            )
+        try:
+            s = torch.as_tensor(result.scores).detach()
+            if s.is_complex():
+                raise TypeError
+        except (TypeError, ValueError, RuntimeError):
+            raise RewardError(
+                f"reward {spec.label!r} returned scores {shown(result.scores)} for {where} ({_batch(prompts)}); "
+                "expected a tensor of numbers"
+            ) from None
         if s.shape != (len(prompts),):
             raise RewardError(
                 f"reward {spec.label!r} returned scores of shape {tuple(s.shape)} for {where} "
@@ -146,10 +209,10 @@ def score(rewards: Sequence[tuple[Any, Any]], outputs: Any, prompts: Sequence[st
             i = int(bad.nonzero()[0])
             raise RewardError(
                 f"reward {spec.label!r} returned {s[i].item()} for {where} "
-                f"(sample {i}, prompt {prompts[i]!r}; {int(bad.sum())} non-finite of {len(prompts)})"
+                f"(sample {i}, prompt {shown(prompts[i])}; {int(bad.sum())} non-finite of {len(prompts)})"
             )
         scores[spec.label] = s.float()
-        details[spec.label] = result.details
+        details[spec.label] = getattr(result, "details", {})
     return scores, details
 
 

@@ -11,6 +11,7 @@ import math
 import os
 import random
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -190,9 +191,14 @@ def accelerate_settings(train: Any = None, env: Any = None) -> tuple[str, int]:
 
 def make_accelerator(cpu: bool | None = None, train: Any = None) -> Any:
     """The run's Accelerator, with the mixed precision and gradient accumulation of
-    :func:`accelerate_settings` (fp16 needs a GPU; model-sharding launches are refused)."""
+    :func:`accelerate_settings` (fp16 needs a GPU; model-sharding launches are refused) and, with
+    several processes, ``train.process_group_timeout_s`` as the longest wait for the others at a
+    collective (a stopped or crashed peer then ends the run with an error, not a silent hang)."""
+    from datetime import timedelta
+
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
+    from accelerate.utils import InitProcessGroupKwargs
 
     if cpu is None:
         cpu = not torch.cuda.is_available()
@@ -204,7 +210,9 @@ def make_accelerator(cpu: bool | None = None, train: Any = None) -> Any:
         )])
     if AcceleratorState._shared_state.get("_mixed_precision") not in (None, precision):
         AcceleratorState._reset_state()  # a new run in the same process (tests, tools): its own precision
-    acc = Accelerator(cpu=cpu, mixed_precision=precision, gradient_accumulation_steps=steps)
+    timeout = getattr(train, "process_group_timeout_s", None)
+    handlers = [InitProcessGroupKwargs(timeout=timedelta(seconds=timeout))] if timeout else []
+    acc = Accelerator(cpu=cpu, mixed_precision=precision, gradient_accumulation_steps=steps, kwargs_handlers=handlers)
     kind = str(acc.distributed_type).split(".")[-1]
     if kind not in DATA_PARALLEL:
         raise RecipeError([ConfigError(
@@ -215,6 +223,17 @@ def make_accelerator(cpu: bool | None = None, train: Any = None) -> Any:
             "model.text_encoder_device: cpu and bf16 weights",
         )])
     return acc
+
+
+def check_prompts(policy: Any, prompts: Sequence[str], key: str) -> None:
+    """Refuse prompts the policy cannot read, before anything runs: a policy with a closed
+    vocabulary (``shapes-dit``) says why through an optional ``check_prompts(prompts) -> [problem]``."""
+    check = getattr(policy, "check_prompts", None)
+    problems = check(list(prompts)) if check is not None else []
+    if problems:
+        shown = [ConfigError(key, p) for p in problems[:5]]
+        more = [ConfigError(key, f"... and {len(problems) - 5} more prompts the model cannot read")] if len(problems) > 5 else []
+        raise RecipeError(shown + more)
 
 
 def build_run(
@@ -233,6 +252,7 @@ def build_run(
     sampler = recipe.build("sampler")
     objective = recipe.build("objective")
     prompts = recipe.build("prompts")
+    check_prompts(policy, prompts.train_prompts() + prompts.test_prompts(), "prompts")
     rewards = recipe.build_rewards()
     trainable = [p for p in policy.trainable_parameters() if p.requires_grad]
     if not trainable:
