@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.metadata as md
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -120,7 +121,13 @@ def test_builtin_recipe_after_a_non_editable_install(root, tmp_path):
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
     env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
     subprocess.run(pip + ["torch==2.13.0"], check=True, env=env)  # a bare torch would pull a CUDA build
-    packages = [str(root / "packages" / p) for p in PACKAGES[:3]] + [str(root / "packages" / "fgrpo-models") + "[diffusers]"]
+    # build from a copy: setuptools builds in the source tree (build/), and the copy keeps the
+    # relative link fgrpo/core/recipes -> recipes/ that puts the recipes into the wheel
+    src = tmp_path / "src"
+    skip = shutil.ignore_patterns("build", "*.egg-info", "__pycache__", "tests")
+    shutil.copytree(root / "packages", src / "packages", symlinks=True, ignore=skip)
+    shutil.copytree(root / "recipes", src / "recipes")
+    packages = [str(src / "packages" / p) for p in PACKAGES[:3]] + [str(src / "packages" / "fgrpo-models") + "[diffusers]"]
     subprocess.run(pip + packages, check=True, env=env)
     work = tmp_path / "elsewhere"
     work.mkdir()
@@ -139,4 +146,6 @@ def test_builtin_recipe_after_a_non_editable_install(root, tmp_path):
     composed = run("compose", "shapes", "--out", "run", "--quiet", "--set", "train.iterations=1",
                    "--set", "train.prompts_per_iteration=2", "--set", "eval.every=1", "--set", "eval.max_prompts=4")
     assert composed.returncode == 0, composed.stderr
+    assert (work / "run" / "report.html").is_file()
+    assert composed.stdout.strip().splitlines()[-1] == "report: run/report.html"
     assert composed.stderr == ""  # quiet: no import-time warnings a user cannot act on

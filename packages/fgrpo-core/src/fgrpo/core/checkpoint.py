@@ -28,7 +28,7 @@ EMA = "ema.safetensors"
 OPTIMIZER = "optimizer.pt"
 STATE = "state.json"
 # recipe keys that may differ on resume: extending a run, or how it is displayed
-RESUMABLE_CHANGES = ("train.iterations", "log.quiet", "log.tensorboard", "log.sample_grid", "log.plots")
+RESUMABLE_CHANGES = ("train.iterations", "log")  # a key or a whole section (every log.* key)
 
 
 def folder_name(iteration: int) -> str:
@@ -145,7 +145,7 @@ def recipe_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> 
         elif isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
             for i, (x, y) in enumerate(zip(a, b)):
                 walk(x, y, f"{prefix}.{i}")
-        elif a != b and prefix not in RESUMABLE_CHANGES:
+        elif a != b and not any(prefix == k or prefix.startswith(f"{k}.") for k in RESUMABLE_CHANGES):
             diffs.append(f"{prefix}: {a!r} in the checkpoint, {b!r} now")
 
     walk(saved, current, "")

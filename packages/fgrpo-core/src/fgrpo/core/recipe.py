@@ -15,7 +15,7 @@ from typing import Any, Literal
 import attrs
 import yaml
 
-from fgrpo.core import registry
+from fgrpo.core import registry, trackers
 from fgrpo.core.config import ConfigError, RecipeError, check_params, param
 
 # --- the trainer's own sections ----------------------------------------------------------------
@@ -63,7 +63,17 @@ class EvalConfig:
 
 @attrs.define
 class LogConfig:
-    tensorboard: bool = param(True)
+    trackers: list[str] = param(
+        factory=lambda: ["tensorboard"],
+        validator=trackers.check_names,
+        help="experiment trackers through accelerate: tensorboard, wandb, comet_ml, mlflow, aim, clearml, dvclive, swanlab, trackio",
+    )
+    project: str = param("fgrpo", help="the trackers' project name (wandb, comet_ml, mlflow ...)")
+    init_kwargs: dict[str, dict[str, Any]] = param(
+        factory=dict,
+        validator=lambda _i, _a, value: trackers.check_init_kwargs(value),
+        help="per-tracker options for accelerate's init_trackers, e.g. {wandb: {entity: me, tags: [a]}}"
+    )
     quiet: bool = param(False, help="no progress bars: one line per iteration (CI logs)")
     sample_grid: bool = param(True, help="write a PNG grid of evaluation samples")
     plots: bool = param(True, help="write a curve PNG (needs matplotlib)")

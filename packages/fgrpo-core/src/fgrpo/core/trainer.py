@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ import torch
 from rich.console import Console
 
 from fgrpo.core import checkpoint as ckpt
-from fgrpo.core import evaluation, phases, tensors, visuals
+from fgrpo.core import evaluation, phases, report, tensors, trackers, visuals
 from fgrpo.core.config import ConfigError, RecipeError
 from fgrpo.core.data import PromptSchedule
 from fgrpo.core.ema import EMA
@@ -68,19 +69,14 @@ def train(run: Run) -> dict[str, Any]:
     total = cfg.iterations
     row: dict[str, Any] = {}
     if run.start_iteration == 0 and run.recipe.eval.every and run.recipe.eval.at_start:
-        row = run_evaluation(run, 0)
-        if run.is_main and run.log is not None:
-            row = run.log.write(0, row)
+        row = record(run, 0, run_evaluation(run, 0))
     run.display.start_at(run.start_iteration)
     for it in range(run.start_iteration, total):
         metrics = iteration(run, it)
         done = it + 1
         if run.recipe.eval.every and (done % run.recipe.eval.every == 0 or done == total):
             metrics.update(run_evaluation(run, done))
-        if run.is_main and run.log is not None:
-            row = run.log.write(done, metrics)
-        else:
-            row = {"iteration": done, **metrics}
+        row = record(run, done, metrics)
         hooks.fgrpo_iteration_end(run=run, iteration=done, metrics=row)
         run.display.iteration_done(done, row)
         if run.out_dir is not None and (done == total or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0)):
@@ -89,10 +85,23 @@ def train(run: Run) -> dict[str, Any]:
     return row
 
 
+def record(run: Run, step: int, metrics: dict[str, Any]) -> dict[str, Any]:
+    """One row of metrics.jsonl (main process), also sent to the experiment trackers."""
+    if not (run.is_main and run.log is not None):
+        return {"iteration": step, **metrics}
+    row = run.log.write(step, metrics)
+    run.accelerator.log(trackers.scalars(row), step=step)
+    return row
+
+
 def run_evaluation(run: Run, it: int) -> dict[str, float]:
     metrics: dict[str, float] = {}
     if run.is_main:
+        t0 = time.perf_counter()
         metrics = evaluation.evaluate(run, it, run.out_dir)
+        if metrics:
+            metrics["time_eval_s"] = time.perf_counter() - t0
+        run.display.evaluation_done(it, metrics)
         plugin_manager().hook.fgrpo_evaluation(run=run, iteration=it, metrics=metrics)
     run.accelerator.wait_for_everyone()
     return metrics
@@ -101,8 +110,15 @@ def run_evaluation(run: Run, it: int) -> dict[str, float]:
 def finish(run: Run) -> None:
     if run.log is not None:
         run.log.close()
+    for tracker in run.accelerator.trackers:  # accelerate's end_training would also end the process group
+        tracker.finish()
+    if run.is_main and run.out_dir is not None:
+        report.write(run.out_dir)
     if run.is_main and run.out_dir is not None and run.recipe.log.plots:
-        visuals.curves(read_metrics(run.out_dir), run.out_dir / "curves.png")
+        if visuals.have_matplotlib():
+            visuals.curves(read_metrics(run.out_dir), run.out_dir / "curves.png")
+        else:
+            run.display.say('curves.png skipped: matplotlib is not installed (pip install "fgrpo-core[plots]"); report.html has the curves')
 
 
 # --- building a run ----------------------------------------------------------------------------
@@ -123,12 +139,13 @@ def lr_lambda(cfg: Any) -> Any:
     return factor
 
 
-def make_accelerator(cpu: bool | None = None) -> Any:
+def make_accelerator(cpu: bool | None = None, **options: Any) -> Any:
+    """The run's Accelerator; ``options`` go to its constructor (``log_with``, ``project_dir``)."""
     from accelerate import Accelerator
 
     if cpu is None:
         cpu = not torch.cuda.is_available()
-    return Accelerator(cpu=cpu)
+    return Accelerator(cpu=cpu, **options)
 
 
 def build_run(recipe: Recipe, *, out_dir: Path | None, console: Console, quiet: bool = False, accelerator: Any = None) -> Run:
@@ -243,13 +260,17 @@ def default_out_dir(recipe: Recipe) -> Path:
     return Path("runs") / Path(recipe.source).stem / time.strftime("%Y%m%d-%H%M%S")
 
 
-def open_run(recipe: Recipe, *, out: str | None, resume: bool, console: Console, quiet: bool = False) -> Run:
-    """The run ``fgrpo compose`` trains: its folder prepared, its components built, and when
-    resuming, the newest complete checkpoint restored."""
+def open_run(
+    recipe: Recipe, *, out: str | None, resume: bool, console: Console, quiet: bool = False, extra_trackers: Sequence[Any] = ()
+) -> Run:
+    """The run ``fgrpo compose`` trains: its folder prepared, its components built, its trackers
+    started (``log.trackers`` and ``extra_trackers``, accelerate GeneralTracker instances), and
+    when resuming, the newest complete checkpoint restored."""
     if resume and not out:
         raise RecipeError([ConfigError("--resume", "needs --out DIR: the run folder to continue")])
     out_dir = Path(out) if out else default_out_dir(recipe)
-    acc = make_accelerator()
+    log_with = trackers.log_with(recipe.log.trackers, out_dir, extra_trackers)
+    acc = make_accelerator(log_with=log_with or None, project_dir=str(out_dir))
     last = prepare_out_dir(recipe, out_dir, resume) if acc.is_main_process else None
     acc.wait_for_everyone()
     if not acc.is_main_process:
@@ -260,7 +281,8 @@ def open_run(recipe: Recipe, *, out: str | None, resume: bool, console: Console,
         run.display.say(f"resuming {out_dir} from {last.name} (iteration {run.start_iteration})")
     elif resume:
         run.display.say(f"no complete checkpoint in {out_dir}/checkpoints: starting from iteration 0")
-    run.log = MetricsLog(out_dir, tensorboard=recipe.log.tensorboard, resume_from=run.start_iteration) if run.is_main else None
+    run.log = MetricsLog(out_dir, resume_from=run.start_iteration) if run.is_main else None
+    trackers.start(acc, recipe, out_dir)
     return run
 
 
