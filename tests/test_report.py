@@ -186,3 +186,21 @@ def test_grid_has_separators_scores_and_what_was_read():
     assert noted.shape[0] > plain.shape[0]  # the note has lines of its own
     note = noted[plain.shape[0] : noted.shape[0], :32]
     assert ((note != 255).any(-1)).sum() > 20  # text drawn under the caption
+
+
+def test_evaluation_bar_with_eta_in_a_terminal(root):
+    from rich.console import Console
+
+    from fgrpo.core import recipe as recipe_mod
+    from fgrpo.core.trainer import build_run, run_evaluation
+
+    screen = io.StringIO()
+    console = Console(file=screen, force_terminal=True, width=120, color_system=None)
+    run = build_run(recipe_mod.load(root / "recipes" / "vector.yaml", ["eval.every=1", "eval.batch_size=8"]),
+                    out_dir=None, console=console)
+    assert not run.display.quiet
+    with run.display:
+        metrics = run_evaluation(run, 0)
+    text = screen.getvalue()
+    assert re.search(r"evaluation at 0 .* \d+/4 .* eta", text)  # one step per test prompt, with the time left
+    assert "eval at iteration 0/30" in text and f"reward_mean {metrics['eval/reward_mean']:.4g}" in text
