@@ -204,3 +204,13 @@ def test_evaluation_bar_with_eta_in_a_terminal(root):
     text = screen.getvalue()
     assert re.search(r"evaluation at 0 .* \d+/4 .* eta", text)  # one step per test prompt, with the time left
     assert "eval at iteration 0/30" in text and f"reward_mean {metrics['eval/reward_mean']:.4g}" in text
+
+
+def test_without_matplotlib_curves_png_is_one_line_of_notice(root, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(visuals, "have_matplotlib", lambda: False)
+    out = tmp_path / "run"
+    assert cli.main(["compose", "vector", "--out", str(out), "--quiet", "--set", "train.iterations=2", "--set", "eval.every=2"]) == 0
+    printed = capsys.readouterr().out
+    notices = [line for line in printed.splitlines() if "matplotlib is" in line]
+    assert notices == ['curves.png skipped: matplotlib is not installed (pip install "fgrpo-core[plots]"); report.html has the curves']
+    assert not (out / "curves.png").exists() and (out / "report.html").is_file()
