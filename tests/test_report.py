@@ -20,7 +20,7 @@ from PIL import Image
 from fgrpo.core import cli, visuals
 from fgrpo.core.runlog import read_metrics
 
-ITERATIONS, EVERY, PROMPTS = 4, 2, 6
+ITERATIONS, EVERY, PROMPTS = 2, 1, 6
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +124,7 @@ def test_report_holds_every_figure_and_image_it_claims(shapes_run):
         assert f"#{anchor}" in page.nav
         assert charts and all(chart["series"] for chart in charts), anchor
     evaluations = [r["iteration"] for r in rows if "eval/reward_mean" in r]
-    assert evaluations == [0, 2, 4]
+    assert evaluations == [0, 1, 2]
     reward = page.figures["fig-reward"][0]["series"]
     assert reward == {"train reward_mean": ITERATIONS, "eval/reward_mean": len(evaluations)}
     categories = sorted(k.split("/")[-1] for k in rows[0] if k.startswith("eval/shapes/accuracy/"))
@@ -153,7 +153,7 @@ def test_report_holds_every_figure_and_image_it_claims(shapes_run):
 def test_filmstrip_keeps_prompts_and_noise_fixed_across_evaluations(shapes_run):
     out, _ = shapes_run
     first = json.loads((out / "samples" / "eval_000000" / "index.json").read_text())
-    last = json.loads((out / "samples" / "eval_000004" / "index.json").read_text())
+    last = json.loads((out / "samples" / f"eval_{ITERATIONS:06d}" / "index.json").read_text())
     assert [t["prompt"] for t in first] == [t["prompt"] for t in last]
     assert all(t["read"] and isinstance(t["score"], float) for t in first)
 
@@ -171,7 +171,7 @@ def test_report_command_writes_elsewhere_and_refuses_a_non_run(shapes_run, tmp_p
 def test_one_line_per_evaluation_when_not_a_terminal(shapes_run):
     _, printed = shapes_run
     lines = [line for line in printed.splitlines() if line.startswith("eval at iteration")]
-    assert [line.split(" ")[3].split("/")[0] for line in lines] == ["0", "2", "4"]  # the base's too
+    assert [line.split(" ")[3].split("/")[0] for line in lines] == ["0", "1", "2"]  # the base's too
     assert all(re.search(r"\(\d+\.\d s\): reward_mean [\d.]+ .*shapes/accuracy [\d.]+", line) for line in lines)
 
 
