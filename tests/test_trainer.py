@@ -135,7 +135,10 @@ def test_objective_kl_uses_the_reference_with_gradient(root):
     iteration(run, 0)
     metrics = iteration(run, 1)
     assert metrics["kl"] > 0  # LoRA moved away from the reference after one step
-    assert metrics["nfe_train"] == 2 * metrics["nfe_rollout"]
+    # the policy and the reference on every trained (sample, step) pair; 9 of the 10 steps are
+    # trained since timestep_fraction defaults to flow_grpo's 0.99 (it was 2 * nfe_rollout with all 10)
+    assert metrics["trained_steps"] == 9 and metrics["trained_samples"] == 64
+    assert metrics["nfe_train"] == 2 * 9 * 64
 
 
 @pytest.mark.parametrize("sampler", [

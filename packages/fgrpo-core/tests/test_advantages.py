@@ -120,3 +120,58 @@ def test_bad_inputs():
         combine(REWARDS, {"a": 1.0}, GROUPS)
     with pytest.raises(ValueError, match="mode"):
         combine(REWARDS, WEIGHTS, GROUPS, mode="sum")
+
+
+# --- the references' other normalisations -----------------------------------------------------
+
+
+def test_ungrouped_uses_the_batch_mean_and_std():
+    # flow_grpo per_prompt_stat_tracking: False -> (r - mean(all)) / (np.std(all) + 1e-4);
+    # rewards [1, 3, 0, 0, 4, 4]: mean 2, population std sqrt(3)
+    rewards = t([1.0, 3.0, 0.0, 0.0, 4.0, 4.0])
+    adv, stats = group_advantages(rewards, idx([7, 7, 2, 2, 2, 2]), per_prompt=False)
+    torch.testing.assert_close(adv, (rewards - 2.0) / (math.sqrt(3.0) + 1e-4))
+    assert stats["zero_std_ratio"] == 0.0  # still about the prompt groups
+    # a flat prompt group is not flat in the batch: its samples keep their advantage
+    adv, stats = group_advantages(t([1.0, 1.0, 0.0, 2.0]), idx([0, 0, 1, 1]), per_prompt=False)
+    torch.testing.assert_close(adv, t([0.0, 0.0, -1.0, 1.0]) / (math.sqrt(0.5) + 1e-4))
+    assert stats["zero_std_ratio"] == 0.5
+    # a flat batch: exact zeros
+    adv, _ = group_advantages(t([0.3, 0.3, 0.3]), idx([0, 1, 2]), per_prompt=False, unbiased=True)
+    assert adv.tolist() == [0.0, 0.0, 0.0]
+
+
+def test_dancegrpo_mixgrpo_normalisation():
+    # use_group: (r - group mean) / (torch std, unbiased, + 1e-8); use_group False: the batch's
+    rewards = t([1.0, 3.0, 0.0, 0.0, 4.0, 4.0])
+    adv, _ = group_advantages(rewards, idx([7, 7, 2, 2, 2, 2]), unbiased=True, eps=1e-8)
+    s7, s2 = math.sqrt(2.0), math.sqrt(16 / 3)  # unbiased std of [1, 3] and of [0, 0, 4, 4]
+    torch.testing.assert_close(adv, t([-1 / s7, 1 / s7, -2 / s2, -2 / s2, 2 / s2, 2 / s2]))
+    for group in (t([1.0, 3.0]), t([0.0, 0.0, 4.0, 4.0])):
+        reference = (group - group.mean()) / (group.std() + 1e-8)  # the MixGRPO/DanceGRPO line
+        ours, _ = group_advantages(group, idx([0] * len(group)), unbiased=True, eps=1e-8)
+        torch.testing.assert_close(ours, reference, rtol=0, atol=1e-15)
+    ungrouped, _ = group_advantages(rewards, idx([7, 7, 2, 2, 2, 2]), per_prompt=False, unbiased=True, eps=1e-8)
+    torch.testing.assert_close(ungrouped, (rewards - rewards.mean()) / (rewards.std() + 1e-8), rtol=0, atol=1e-15)
+
+
+def test_population_vs_unbiased_size_at_g8():
+    # the measured size of the difference: sqrt(8/7) = 1.069x larger with the unbiased-free estimator
+    g = torch.Generator().manual_seed(0)
+    rewards = torch.rand(8, generator=g, dtype=D64)
+    pop, _ = group_advantages(rewards, idx([0] * 8), eps=1e-4)
+    unb, _ = group_advantages(rewards, idx([0] * 8), unbiased=True, eps=1e-8)
+    ratio = (pop / unb).mean().item()
+    assert ratio == pytest.approx(math.sqrt(8 / 7), rel=1e-3) and 1.068 < ratio < 1.070
+
+
+def test_combine_passes_the_options():
+    rewards = {"a": t([0.0, 1.0, 2.0, 4.0])}
+    adv, _ = combine(rewards, {"a": 1.0}, idx([0, 0, 1, 1]), per_prompt=False, unbiased=True, eps=1e-8)
+    r = rewards["a"]
+    torch.testing.assert_close(adv, (r - r.mean()) / (r.std() + 1e-8))
+    # grouped, unbiased: [0, 1] -> +-0.5 / sqrt(0.5); [2, 4] -> +-1 / sqrt(2)
+    expected = t([-0.5 / (math.sqrt(0.5) + 1e-8), 0.5 / (math.sqrt(0.5) + 1e-8), -1 / (math.sqrt(2) + 1e-8), 1 / (math.sqrt(2) + 1e-8)])
+    for mode in ("reward_sum", "advantage_sum"):
+        adv, _ = combine(rewards, {"a": 1.0}, idx([0, 0, 1, 1]), mode=mode, unbiased=True, eps=1e-8)
+        torch.testing.assert_close(adv, expected)

@@ -261,3 +261,49 @@ def test_bad_params_raise_recipe_error(name):
     assert keys == [
         "objective.adv_clip", "objective.beta", "objective.clip", "objective.clip_range", "objective.kl"
     ]
+
+
+# --- flow_grpo's KL scale ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("objective", [GRPO, GRPOGuard])
+def test_kl_flow_grpo_is_minus_dt_times_the_exact_kl(objective):
+    # flow_grpo: mean (mu - mu_ref)^2 / (2 std_dev_t^2), std_dev_t = g (the step std is g sqrt(-dt))
+    mean = t([[0.3, -0.1], [0.0, 0.4]], grad=True)
+    ref = t([[0.1, 0.1], [0.0, 0.0]])
+    std, dt = t([0.5, 2.0]), t([-0.25, -0.04])
+    logp = t([0.0, 0.0], grad=True)
+    exact = objective(beta=0.5)(batch(logp, logp.detach(), t([1.0, -1.0]), mean=mean, std=std, dt=dt, ref_mean=ref))
+    ours = objective(beta=0.5, kl="flow_grpo")(batch(logp, logp.detach(), t([1.0, -1.0]), mean=mean, std=std, dt=dt, ref_mean=ref))
+    # per sample exact [0.08, 0.01] (see test_kl_mean_value_and_gradient) times -dt [0.25, 0.04]
+    assert ours.metrics["kl"].item() == pytest.approx((0.08 * 0.25 + 0.01 * 0.04) / 2, abs=1e-12)
+    g = std / torch.sqrt(-dt)  # what flow_grpo divides by
+    reference = (((mean - ref) ** 2).mean(dim=1) / (2 * g**2)).mean()
+    assert ours.metrics["kl"].item() == pytest.approx(reference.item(), abs=1e-12)
+    assert exact.metrics["kl"].item() == pytest.approx(0.045, abs=1e-12)
+
+
+def test_measured_kl_ratio_on_a_10_step_shift_3_schedule():
+    # exact / flow_grpo = 1 / (-dt): 28x at step 0, 12x at step 5, 5.6x at step 8 (docs/method.md)
+    grid = torch.linspace(1, 0, 11, dtype=D64)
+    sigmas = 3 * grid / (1 + 2 * grid)
+    ratio = 1 / (sigmas[:-1] - sigmas[1:])
+    assert [round(ratio[i].item(), 1) for i in (0, 5, 8)] == [28.0, 12.0, 5.6]
+
+
+def _resolved(objective, kernel):
+    return {"objective": {"name": "x", "beta": 0.1, **objective}, "sampler": {"name": "full", "kernel": kernel}}
+
+
+def test_recipe_rules_between_objective_and_kernel():
+    cps = {"name": "cps", "eta": 0.8, "normalized_logprob": False}
+    errors = GRPOGuard.check_recipe(_resolved({"kl": "mean"}, cps))
+    assert [e.key for e in errors] == ["sampler.kernel.normalized_logprob"]
+    assert "set sampler.kernel.normalized_logprob: true" in errors[0].message
+    assert GRPOGuard.check_recipe(_resolved({"kl": "mean"}, {**cps, "normalized_logprob": True})) == []
+    assert GRPOGuard.check_recipe(_resolved({"kl": "mean"}, {"name": "sde", "eta": 0.7})) == []
+    assert GRPO.check_recipe(_resolved({"kl": "mean"}, cps)) == []  # plain GRPO takes either log-prob
+    errors = GRPO.check_recipe(_resolved({"kl": "flow_grpo"}, cps))
+    assert [e.key for e in errors] == ["objective.kl"] and "use kl: mean" in errors[0].message
+    assert GRPO.check_recipe(_resolved({"kl": "flow_grpo"}, {"name": "dance", "eta": 0.3})) == []
+    assert GRPO.check_recipe(_resolved({"kl": "flow_grpo", "beta": 0.0}, cps)) == []  # no KL at all

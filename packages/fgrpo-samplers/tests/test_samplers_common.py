@@ -93,9 +93,9 @@ NFE_CASES = [
     ("full", {"steps": 8}, None, 48),
     ("full", {"steps": 8, "timestep_fraction": 0.5}, None, 48),
     # window at 3: prefix 3 steps x P=2 (shared), then 5 steps x 6  ->  6 + 30
-    ("fast", {"steps": 8, "window_start_range": [3, 4]}, None, 36),
+    ("fast", {"steps": 8, "window_range": [3, 5]}, None, 36),
     # the same recomputing the prefix per sample: 8 x 6
-    ("fast", {"steps": 8, "window_start_range": [3, 4], "share_prefix": False}, None, 48),
+    ("fast", {"steps": 8, "window_range": [3, 5], "share_prefix": False}, None, 48),
     # window [0, 2): nothing before it -> 8 x 6
     ("mixgrpo", {"steps": 8, "window": 2}, 0, 48),
     # iteration 50 with shift_every 25 -> window [2, 4): prefix 2 x 2 + 6 x 6
@@ -147,8 +147,8 @@ CROSS_KEY_ERRORS = [
     ("fast", {"kernel": {"name": "dpmpp2m"}}, "sampler.kernel"),
     ("full", {"timestep_fraction": 0.05}, "sampler.timestep_fraction"),  # int(10 * 0.05) = 0
     ("fast", {"window": 11}, "sampler.window"),
-    ("fast", {"window_start_range": [3, 2]}, "sampler.window_start_range"),
-    ("fast", {"window_start_range": [0, 10]}, "sampler.window_start_range"),  # window would overflow
+    ("fast", {"window_range": [3, 4]}, "sampler.window_range"),  # the window of 2 does not fit
+    ("fast", {"window_range": [0, 11]}, "sampler.window_range"),  # past the last step
     ("mixgrpo", {"window_end": 3}, "sampler.window_end"),  # window 4 does not fit in [0, 3)
     ("mixgrpo", {"steps": 5}, "sampler.window"),  # window 4 does not fit in [0, 5 - 2)
 ]

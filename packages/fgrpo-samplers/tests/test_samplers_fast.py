@@ -43,7 +43,7 @@ def test_shared_prefix_is_bit_identical_to_recomputing_it(make_policy, cfg, kern
 
 
 def test_group_starts_the_window_from_one_state(policy):
-    sampler = registry.create("sampler", "fast", steps=10, window_start_range=[3, 4])
+    sampler = registry.create("sampler", "fast", steps=10, window_range=[3, 5])
     traj = sampler.rollout(policy, PROMPTS, 3, generator=gen())
     assert traj.step_index.tolist() == [[3, 4]] * 9
     assert traj.info["phases"] == ["prefix"] * 3 + ["window"] * 2 + ["suffix"] * 5
@@ -55,30 +55,77 @@ def test_group_starts_the_window_from_one_state(policy):
     assert not torch.equal(traj.final[0], traj.final[1])  # the window makes the group diverge
 
 
-def test_window_start_distribution_covers_the_range(policy):
-    # default range [0, steps // 2) = [0, 5), drawn once per rollout from the rollout's generator
-    sampler = registry.create("sampler", "fast", steps=10, window=2)
+def test_window_lies_inside_window_range_as_flow_grpo_draws_it(policy):
+    # flow_grpo: start = random.randint(low, high - window), inclusive, so the whole window lies in
+    # [low, high). Default range: [0, steps // 2] (flow_grpo's Fast configs). 10 steps, window 3:
+    # starts 0..2, trained steps 0..4 (never 5 or 6)
+    sampler = registry.create("sampler", "fast", steps=10, window=3)
+    assert sampler.bounds == (0, 5) and sampler.start_range == (0, 2)
     g = gen(0)
     starts = Counter(sampler.rollout(policy, ["a"], 2, generator=g).info["window_start"] for _ in range(150))
-    assert set(starts) == {0, 1, 2, 3, 4}
-    assert min(starts.values()) >= 15  # 30 expected per value
-    custom = registry.create("sampler", "fast", steps=10, window=3, window_start_range=[2, 8])
+    assert set(starts) == {0, 1, 2}
+    assert min(starts.values()) >= 35  # 50 expected per value
+    # window 2 of 10 steps: starts 0..3
+    two = registry.create("sampler", "fast", steps=10, window=2)
+    seen = {two.rollout(policy, ["a"], 2, generator=gen(s)).info["window_start"] for s in range(60)}
+    assert seen == {0, 1, 2, 3}
+    custom = registry.create("sampler", "fast", steps=10, window=3, window_range=[2, 8])
+    for s in range(60):
+        steps = custom.rollout(policy, ["a"], 2, generator=gen(s)).step_index
+        assert steps.min() >= 2 and steps.max() <= 7
     seen = {custom.rollout(policy, ["a"], 2, generator=gen(s)).info["window_start"] for s in range(60)}
-    assert seen == set(range(2, 8))
+    assert seen == set(range(2, 6))
 
 
-def test_window_start_never_lets_the_window_overflow(policy):
-    # 4 steps, window 3: the default range is cut to [0, 2)
+def test_window_range_fits_a_window_wider_than_half(policy):
+    # 4 steps, window 3: steps // 2 = 2 cannot hold the window; the default range widens to [0, 3]
     sampler = registry.create("sampler", "fast", steps=4, window=3)
-    assert sampler.start_range == (0, 2)
+    assert sampler.start_range == (0, 0)
     for seed in range(10):
         traj = sampler.rollout(policy, ["a"], 2, generator=gen(seed))
-        assert traj.step_index.max() <= 3
+        assert traj.step_index.tolist() == [[0, 1, 2]] * 2
+
+
+def test_independent_noise_gives_each_sample_its_own_start(make_policy):
+    # flow_grpo same_latent: false: every sample of a group has its own initial noise and prefix
+    policy = make_policy(shape=(2, 3))
+    sampler = registry.create("sampler", "fast", steps=10, window_range=[0, 2], share_noise=False)
+    traj = sampler.rollout(policy, PROMPTS, 4, generator=gen())
+    # the window starts at step 0, so the first trained state is the initial noise: the window
+    # start is drawn first, then one noise per sample (12 draws), all distinct
+    g = gen()
+    torch.randint(0, 1, (1,), generator=g)
+    expected = policy.initial_noise(12, generator=g)
+    assert torch.equal(traj.latents[:, 0], expected)
+    assert len({tuple(row.flatten().tolist()) for row in expected}) == 12
+    assert traj.info["shared_prefix_steps"] == 0
+    # later window: no shared prefix, the prefix runs per sample and the group starts apart
+    policy.rows.clear()
+    later = registry.create("sampler", "fast", steps=10, window_range=[3, 5], share_noise=False)
+    traj = later.rollout(policy, PROMPTS, 4, generator=gen())
+    assert policy.rows == [12] * 10
+    assert not torch.equal(traj.latents[0, 0], traj.latents[1, 0])
+    # with a shared noise the G samples of a prompt start the window from one state
+    shared = registry.create("sampler", "fast", steps=10, window_range=[3, 5]).rollout(policy, PROMPTS, 4, generator=gen())
+    assert torch.equal(shared.latents[0, 0], shared.latents[1, 0])
 
 
 def test_cps_window_on_the_last_step_drops_it(policy):
     # window [3, 5) of 5 steps: step 4 goes to sigma' = 0, where cps has std 0 -> sampled, not trained
-    sampler = registry.create("sampler", "fast", steps=5, window=2, window_start_range=[3, 4], kernel="cps")
+    sampler = registry.create("sampler", "fast", steps=5, window=2, window_range=[3, 5], kernel="cps")
     traj = sampler.rollout(policy, ["a"], 2, generator=gen())
     assert traj.step_index.tolist() == [[3], [3]]
     assert (traj.stds > 0).all()
+
+
+def test_final_ode_on_a_window_that_reaches_the_last_step(policy):
+    # window [8, 10) of 10 steps with final: ode -> step 9 becomes an untrained Euler step
+    sampler = registry.create("sampler", "fast", steps=10, window_range=[8, 10], final="ode")
+    traj = sampler.rollout(policy, ["a"], 2, generator=gen())
+    assert traj.step_index.tolist() == [[8]] * 2 and traj.info["final"] == "ode"
+    x0 = registry.create("sampler", "fast", steps=10, window_range=[8, 10], final="x0")
+    traj = x0.rollout(policy, ["a"], 2, generator=gen())
+    assert traj.step_index.tolist() == [[8, 9]] * 2
+    x, sigma = traj.latents[:, -1], traj.sigmas[9]
+    v = policy.velocity(x, sigma.repeat(2), traj.cond)
+    assert torch.equal(traj.final, x - sigma * v)

@@ -62,3 +62,53 @@ def test_cps_step_to_zero_is_never_trained(policy):
     )
     traj = explicit.rollout(policy, ["a"], 2, generator=gen())
     assert traj.step_index.tolist() == [[0, 1]] * 2
+
+
+def test_default_fraction_is_flow_grpo_099(policy):
+    # flow_grpo's configs: timestep_fraction 0.99 -> 10 steps train 0..8, the sharp sigma -> 0 step is left out
+    sampler = registry.create("sampler", "full", steps=10)
+    assert sampler.timestep_fraction == 0.99
+    assert sampler.rollout(policy, ["a"], 2, generator=gen()).step_index.tolist() == [list(range(9))] * 2
+
+
+def _last_velocity(policy, traj):
+    x = traj.latents[:, -1]
+    sigma = traj.sigmas[traj.step_index[:, -1]]
+    return x, sigma, policy.velocity(x, sigma, traj.cond)
+
+
+def test_final_x0_decodes_the_last_steps_predicted_x0(make_policy):
+    # DanceGRPO decodes pred_original = x - sigma v of the last step; the dance kernel defaults to it
+    policy = make_policy(shape=(2, 3))
+    sampler = registry.create("sampler", "full", steps=6, timestep_fraction=1.0, kernel={"name": "dance", "eta": 0.3})
+    traj = sampler.rollout(policy, ["a", "b"], 2, generator=gen(5))
+    assert traj.info["final"] == "x0" and traj.step_index[0, -1] == 5  # the last step is still trained
+    x, sigma, v = _last_velocity(policy, traj)
+    assert torch.equal(traj.final, x - sigma.reshape(-1, 1, 1) * v)
+    # the kernel's own x0_hat: its mean is x + dt v + eta^2/2 (x + (1 - sigma) v) dt / sigma with dt = -sigma
+    # (sigma' = 0), i.e. x - sigma v - eta^2/2 (x + (1 - sigma) v): x0_hat = mean + eta^2/2 (x + (1 - sigma) v)
+    out = sampler.kernel.step(v, x, traj.sigmas, traj.step_index[:, -1], prev_sample=traj.next_latents[:, -1])
+    s = sigma.reshape(-1, 1, 1)
+    torch.testing.assert_close(traj.final, out.mean + 0.5 * 0.3**2 * (x + (1 - s) * v))
+    # same rollout decoding the noisy sample: identical up to the last step, final = its action
+    noisy = registry.create(
+        "sampler", "full", steps=6, timestep_fraction=1.0, final="sample", kernel={"name": "dance", "eta": 0.3}
+    ).rollout(policy, ["a", "b"], 2, generator=gen(5))
+    assert torch.equal(noisy.next_latents, traj.next_latents)
+    assert torch.equal(noisy.final, noisy.next_latents[:, -1])
+    assert (noisy.final - traj.final).abs().max() > 1e-3
+
+
+def test_final_ode_makes_the_last_step_deterministic_and_untrained(make_policy):
+    policy = make_policy(shape=(3,))
+    sampler = registry.create("sampler", "full", steps=5, timestep_fraction=1.0, final="ode")
+    traj = sampler.rollout(policy, ["a"], 2, generator=gen(2))
+    assert traj.step_index.tolist() == [[0, 1, 2, 3]] * 2
+    # the last step is x' = x + dt v from sigma_4 to 0, i.e. x - sigma_4 v = the predicted x0
+    x4 = traj.next_latents[:, -1]
+    sigma = traj.sigmas[4].repeat(2)
+    v = policy.velocity(x4, sigma, traj.cond)
+    torch.testing.assert_close(traj.final, x4 - traj.sigmas[4] * v)
+    # the sde kernel's reference is the noisy sample
+    default = registry.create("sampler", "full", steps=5, timestep_fraction=1.0).rollout(policy, ["a"], 2, generator=gen(2))
+    assert default.info["final"] == "sample" and torch.equal(default.final, default.next_latents[:, -1])

@@ -163,3 +163,62 @@ def test_flash_after_a_window_that_ends_the_schedule(policy):
     traj = sampler.rollout(policy, ["a"], 2, generator=gen())
     assert traj.info["phases"] == ["prefix"] * 4 + ["window"] * 2
     assert "flash_sigmas" not in traj.info
+
+
+def test_decay_strategy_dwells_less_at_lower_noise():
+    # MixGRPO decay: iters at start p = max(min, int(max (1 - p/end) + min p/end)), end = steps - 2
+    sampler = make(steps=10, window=2, shift_every=10, min_shift_every=2, strategy="decay")
+    assert sampler.end == 8 and sampler.last_start == 6
+    dwells = [sampler.dwell(p) for p in range(7)]
+    assert dwells == [max(2, int(10 * (1 - p / 8) + 2 * p / 8)) for p in range(7)] == [10, 9, 8, 7, 6, 5, 4]
+    seq = starts(sampler, range(sum(dwells) + 3))
+    expected = [p for p, d in enumerate(dwells) for _ in range(d)]
+    assert seq == expected + [0, 0, 0]  # rolls back
+    # min_shift_every defaults to max(1, shift_every // 4), as the reference's class default
+    assert make(steps=10, window=2, shift_every=10, strategy="decay").dwell(8) == 2
+
+
+def test_exp_decay_strategy():
+    # dwell = ceil(shift_every * exp(-k * relu(start - threshold)))
+    sampler = make(steps=25, window=4, shift_every=5, strategy="exp_decay", decay_threshold=13, decay_rate=0.1)
+    import math
+
+    assert [sampler.dwell(p) for p in (0, 13, 14, 19)] == [5, 5, math.ceil(5 * math.exp(-0.1)), math.ceil(5 * math.exp(-0.6))]
+    seq = starts(sampler, range(200))
+    assert seq[:65] == [p for p in range(13) for _ in range(5)]
+    assert seq[65:70] == [13] * 5 and seq[70:75] == [14] * 5  # ceil(4.52) = 5
+    stay = make(steps=25, window=4, shift_every=5, strategy="exp_decay", at_end="stay")
+    assert starts(stay, [10_000]) == [19]
+
+
+def test_shrinking_window_as_mixgrpo(policy):
+    # MixGRPO: window = range(start, min(start + size, max)), starts up to max - 1 (empty at max skipped)
+    sampler = make(steps=10, window=4, shift_every=1, shrink=True)
+    assert sampler.last_start == 7
+    assert starts(sampler, range(10)) == [0, 1, 2, 3, 4, 5, 6, 7, 0, 1]
+    assert [sampler.window_at(p) for p in (4, 5, 7)] == [[4, 5, 6, 7], [5, 6, 7], [7]]
+    sampler.advance(6)
+    traj = sampler.rollout(policy, ["a"], 2, generator=gen())
+    assert traj.step_index.tolist() == [[6, 7]] * 2
+    # the state of a shrunk position round-trips
+    other = make(steps=10, window=4, shift_every=1, shrink=True)
+    other.load_state_dict(sampler.state_dict())
+    assert other.window_start == 6
+
+
+def test_flash_order_3_uses_dpmpp3m(policy):
+    keys = {"steps": 25, "window": 4, "shift_every": 1, "flash": True}
+    third = make(flash_order=3, **keys)
+    second = make(**keys)
+    a = third.rollout(policy, ["a"], 2, generator=gen())
+    b = second.rollout(policy, ["a"], 2, generator=gen())
+    assert type(third._dpm).__name__ == "DPMpp3MKernel" and type(second._dpm).__name__ == "DPMpp2MKernel"
+    assert torch.equal(a.next_latents, b.next_latents)
+    compressed = torch.tensor(a.info["flash_sigmas"])
+    dpm = registry.create("kernel", "dpmpp3m")
+    x = a.next_latents[:, -1]
+    for j in range(len(compressed) - 1):
+        v = policy.velocity(x, compressed[j].repeat(x.shape[0]), a.cond)
+        x = dpm.step(v, x, compressed, j).prev_sample
+    assert torch.equal(x, a.final)
+    assert not torch.equal(a.final, b.final)

@@ -1,9 +1,13 @@
 """Group-relative advantages: each sample's reward compared with the other samples of its prompt.
 
-Pure functions; the trainer passes the options (``global_std``, the multi-reward mode). Matches
-flow_grpo's per-prompt stat tracker: statistics in float64, the *population* standard deviation
-(numpy's ``np.std``, ddof=0, which is also defined for a group of one), (r - mean) / (std + 1e-4),
-statistics from the current batch only (flow_grpo clears its tracker every epoch).
+Pure functions; the trainer passes the options (``global_std``, ``per_prompt``, the std
+estimator and epsilon, the multi-reward mode). The defaults match flow_grpo's per-prompt stat
+tracker: statistics in float64, the *population* standard deviation (numpy's ``np.std``, ddof=0,
+which is also defined for a group of one), (r - mean) / (std + 1e-4), statistics from the current
+batch only (flow_grpo clears its tracker every epoch). MixGRPO and DanceGRPO divide by the
+unbiased std (torch's ``Tensor.std``) + 1e-8: ``unbiased=True, eps=1e-8``. ``per_prompt=False``
+normalises with the whole batch's mean and std (flow_grpo ``per_prompt_stat_tracking: False``,
+MixGRPO/DanceGRPO ``use_group: False``).
 """
 
 from __future__ import annotations
@@ -35,28 +39,42 @@ def _out_dtype(rewards: torch.Tensor) -> torch.dtype:
 
 
 def _normalise(
-    rewards: torch.Tensor, group_index: torch.Tensor, global_std: bool, eps: float
+    rewards: torch.Tensor,
+    group_index: torch.Tensor,
+    global_std: bool,
+    eps: float,
+    per_prompt: bool = True,
+    unbiased: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """float64 advantages (B,) and, per group, whether all its rewards are equal (G,)."""
+    """float64 advantages (B,) and, per prompt group, whether all its rewards are equal (G,)."""
     _check(rewards, group_index)
     r = rewards.detach().to(torch.float64)
     _, inverse = torch.unique(group_index, return_inverse=True)
     n = int(inverse.max()) + 1
+    flat = _flat(r, inverse, n)
+    if not per_prompt:  # one group: the whole batch
+        inverse, n = torch.zeros_like(inverse), 1
     zeros = r.new_zeros(n)
     count = zeros.index_add(0, inverse, torch.ones_like(r))
     mean = zeros.index_add(0, inverse, r) / count
     centred = r - mean[inverse]
-    if global_std:
-        std = r.std(unbiased=False).expand(n)
+    if global_std or not per_prompt:
+        std = r.std(unbiased=unbiased).expand(n)
     else:
-        std = (zeros.index_add(0, inverse, centred**2) / count).sqrt()
+        # a group of one has no unbiased std (0/0): it is flat and gets zeros below anyway
+        std = (zeros.index_add(0, inverse, centred**2) / (count - 1 if unbiased else count)).sqrt()
     # A flat group carries no signal; test it exactly (max == min) rather than trusting the mean's
     # rounding, so that it gives exact zeros and not (tiny error) / 1e-4.
+    same = flat if per_prompt else _flat(r, inverse, 1)
+    advantages = torch.where(same[inverse], 0.0, centred / (std[inverse] + eps))
+    return advantages, flat
+
+
+def _flat(r: torch.Tensor, inverse: torch.Tensor, n: int) -> torch.Tensor:
+    """(n,) whether every reward of each group is the same number."""
     hi = r.new_full((n,), -torch.inf).scatter_reduce(0, inverse, r, "amax")
     lo = r.new_full((n,), torch.inf).scatter_reduce(0, inverse, r, "amin")
-    flat = hi == lo
-    advantages = torch.where(flat[inverse], 0.0, centred / (std[inverse] + eps))
-    return advantages, flat
+    return hi == lo
 
 
 def group_advantages(
@@ -65,17 +83,22 @@ def group_advantages(
     *,
     global_std: bool = False,
     eps: float = 1e-4,
+    per_prompt: bool = True,
+    unbiased: bool = False,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Per-prompt z-scores (r - mean_group) / (std_group + eps), and statistics for logging.
 
     ``group_index`` (B,) gives each sample's prompt (any integers; order does not matter).
     ``global_std`` divides by the std of all rewards of the batch instead of the group's (useful
-    when rewards are sparse and groups are often nearly flat). Groups whose rewards are all equal,
-    including groups of one sample, get exactly zero advantages. Returns advantages with the
-    rewards' dtype and device, and ``zero_std_ratio`` (fraction of flat groups), ``reward_mean``,
-    ``reward_std`` (population std of the batch) as Python floats.
+    when rewards are sparse and groups are often nearly flat); ``per_prompt=False`` also takes the
+    batch's mean instead of the group's; ``unbiased`` uses the n - 1 std. Groups whose rewards are
+    all equal, including groups of one sample, get exactly zero advantages (with
+    ``per_prompt=False``: a batch whose rewards are all equal). Returns advantages with the
+    rewards' dtype and device, and ``zero_std_ratio`` (fraction of flat prompt groups, whatever
+    the normalisation), ``reward_mean``, ``reward_std`` (population std of the batch) as Python
+    floats.
     """
-    advantages, flat = _normalise(rewards, group_index, global_std, eps)
+    advantages, flat = _normalise(rewards, group_index, global_std, eps, per_prompt, unbiased)
     r = rewards.detach().to(torch.float64)
     stats = {
         "zero_std_ratio": flat.double().mean().item(),
@@ -93,6 +116,8 @@ def combine(
     mode: Aggregation = "reward_sum",
     global_std: bool = False,
     eps: float = 1e-4,
+    per_prompt: bool = True,
+    unbiased: bool = False,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Advantages from several named rewards.
 
@@ -115,12 +140,13 @@ def combine(
     names = sorted(rewards)
     out_dtype = functools.reduce(torch.promote_types, (_out_dtype(rewards[k]) for k in names))
     total = sum(weights[k] * rewards[k].detach().to(torch.float64) for k in names)
-    advantages, stats = group_advantages(total, group_index, global_std=global_std, eps=eps)
+    options = {"global_std": global_std, "eps": eps, "per_prompt": per_prompt, "unbiased": unbiased}
+    advantages, stats = group_advantages(total, group_index, **options)
     if mode == "advantage_sum":
         advantages = torch.zeros_like(total)
         all_flat = None
         for k in names:
-            adv_k, flat_k = _normalise(rewards[k], group_index, global_std, eps)
+            adv_k, flat_k = _normalise(rewards[k], group_index, **options)
             advantages = advantages + weights[k] * adv_k
             all_flat = flat_k if all_flat is None else all_flat & flat_k
         stats["zero_std_ratio"] = all_flat.double().mean().item()

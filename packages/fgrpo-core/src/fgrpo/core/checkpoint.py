@@ -7,32 +7,61 @@ Layout of ``checkpoints/iter_NNNNNN/``::
     ema.safetensors         their EMA, when enabled
     optimizer.pt            optimizer and LR-schedule state (tensors and numbers only)
     rng-rankR.pt            each process's torch RNG states
-    state.json              iteration, sampler state, data position, the resolved recipe
-Loading uses ``torch.load(weights_only=True)`` and safetensors: nothing arbitrary is unpickled.
+    state.json              iteration, sampler state, data position, the resolved recipe, run id
+Loading uses ``torch.load(weights_only=True)`` and safetensors: nothing arbitrary is unpickled; a
+file that does not read back raises :class:`CheckpointError` (one line, "not a valid checkpoint").
+
+Only names this module creates are ever deleted (``iter_NNNNNN`` written by the same run, its own
+``.tmp-iter_NNNNNN-PID`` folders), never through a link: a user's ``iter_000004-best`` copy, a
+``.tmp-mine`` folder or a checkpoint of another run in the same folder stays. An existing folder
+of the name about to be written is set aside (renamed), never overwritten.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
+import pickle
+import re
 import shutil
-from collections.abc import Mapping
+import zipfile
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from fgrpo.core.registry import ComponentError
+
 TRAINABLE = "trainable.safetensors"
 EMA = "ema.safetensors"
 OPTIMIZER = "optimizer.pt"
 STATE = "state.json"
-# recipe keys that may differ on resume: extending a run, or how it is displayed
-RESUMABLE_CHANGES = ("train.iterations", "log")  # a key or a whole section (every log.* key)
+# recipe keys that may differ on resume (fnmatch patterns): extending a run, how it is shown,
+# how long to wait for a reward or for the other processes
+RESUMABLE_CHANGES = (
+    "train.iterations", "log.*",
+    "train.process_group_timeout_s", "reward.*.timeout_s",
+)
+ITER_NAME = re.compile(r"iter_(\d{6,})")
+TMP_NAME = re.compile(r"\.tmp-iter_\d{6,}-\d+")
+LAST_TMP_NAME = re.compile(r"\.last-\d+")
+
+
+class CheckpointError(ComponentError):
+    """A checkpoint folder or file that does not read back: ``str()`` is one line for the user."""
 
 
 def folder_name(iteration: int) -> str:
     return f"iter_{iteration:06d}"
+
+
+def iteration_of(path: Path) -> int | None:
+    """N of a folder named exactly ``iter_NNNNNN`` (None for any other name)."""
+    match = ITER_NAME.fullmatch(path.name)
+    return int(match.group(1)) if match else None
 
 
 def _fsync_dir(path: Path) -> None:
@@ -69,7 +98,8 @@ def write(
     state: Mapping[str, Any],
     keep: int,
 ) -> Path:
-    """Write checkpoint ``iteration`` under ``root`` (checkpoints/) and point ``last`` at it."""
+    """Write checkpoint ``iteration`` under ``root`` (checkpoints/) and point ``last`` at it; then
+    prune the older checkpoints of the same run (``state["run_id"]``) down to ``keep``."""
     root.mkdir(parents=True, exist_ok=True)
     final = root / folder_name(iteration)
     tmp = root / f".tmp-{folder_name(iteration)}-{os.getpid()}"
@@ -84,13 +114,22 @@ def write(
         torch.save(states, tmp / f"rng-rank{rank}.pt")
     (tmp / STATE).write_text(json.dumps(dict(state), indent=1, sort_keys=True))
     _fsync_tree(tmp)
-    if final.exists():  # a re-run of the same iteration after a resume: replace it
-        shutil.rmtree(final)
+    if final.is_symlink() or final.exists():  # not this run's (resume starts past its own)
+        set_aside(final)
     os.replace(tmp, final)
     _point_last(root, final.name)
     _fsync_dir(root)
-    prune(root, keep)
+    prune(root, keep, state.get("run_id"))
     return final
+
+
+def set_aside(path: Path) -> Path:
+    """Rename ``path`` to ``<name>.set-aside-K`` (the first free K): kept, out of the way."""
+    k = 1
+    while (aside := path.with_name(f"{path.name}.set-aside-{k}")).exists() or aside.is_symlink():
+        k += 1
+    os.replace(path, aside)
+    return aside
 
 
 def _point_last(root: Path, name: str) -> None:
@@ -102,41 +141,166 @@ def _point_last(root: Path, name: str) -> None:
     os.replace(tmp_link, link)
 
 
-def prune(root: Path, keep: int) -> None:
-    """Keep the ``keep`` newest iteration folders (never the one ``last`` names); drop temp folders."""
-    last = latest(root)
-    folders = sorted(p for p in root.glob("iter_*") if p.is_dir())
-    for old in folders[:-keep] if keep else folders:
-        if last is None or old.resolve() != last.resolve():
-            shutil.rmtree(old, ignore_errors=True)
-    for tmp in root.glob(".tmp-*"):
-        if tmp.is_dir() and not tmp.name.endswith(f"-{os.getpid()}"):
-            shutil.rmtree(tmp, ignore_errors=True)
+def _is_real_dir(path: Path) -> bool:
+    return path.is_dir() and not path.is_symlink()
+
+
+def prune(root: Path, keep: int, run_id: str | None) -> None:
+    """Keep the ``keep`` newest complete checkpoints of run ``run_id`` (and whatever ``last``
+    names); delete the older ones of that run and this run's leftover temporary folders. Nothing
+    else: not another run's checkpoints, not a name this module does not create, not a link."""
+    if run_id is None:
+        return
+    last = (root / "last").resolve() if (root / "last").is_symlink() else None
+    mine = [p for p in complete(root) if _run_id(p) == run_id]
+    for old in mine[:-keep] if keep else mine:
+        if old.resolve() != last:
+            shutil.rmtree(old)
+    for item in root.iterdir():
+        if TMP_NAME.fullmatch(item.name) and _is_real_dir(item):
+            shutil.rmtree(item)  # an interrupted write: the folder is locked, so nobody else's
+        elif LAST_TMP_NAME.fullmatch(item.name) and item.is_symlink():
+            item.unlink()
+
+
+def _run_id(folder: Path) -> str | None:
+    try:
+        return json.loads((folder / STATE).read_text()).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+# --- which folders are complete checkpoints ----------------------------------------------------
+
+
+def _safetensors_problem(path: Path) -> str | None:
+    """Why ``path`` is not a whole safetensors file: its header must parse and its data must end
+    exactly at the end of the file (a truncated copy does not)."""
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            if size < 8 or n <= 0 or 8 + n > size:
+                return f"{path.name} is truncated"
+            header = json.loads(fh.read(n))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    except FileNotFoundError:
+        return f"{path.name} is missing"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError):
+        return f"{path.name} is not a safetensors file"
+    if 8 + n + end != size:
+        return f"{path.name} is truncated" if 8 + n + end > size else f"{path.name} has trailing bytes"
+    return None
+
+
+def _torch_file_problem(path: Path) -> str | None:
+    if not path.is_file():
+        return f"{path.name} is missing"
+    if not zipfile.is_zipfile(path):  # torch.save writes a zip archive; a truncated one has no end record
+        return f"{path.name} is truncated or not a torch.save file"
+    return None
+
+
+def problem(folder: Path) -> str | None:
+    """Why ``folder`` is not a complete checkpoint; None when every file it needs reads back."""
+    if not folder.is_dir():
+        return "not a folder"
+    try:
+        state = json.loads((folder / STATE).read_text())
+    except FileNotFoundError:
+        return f"{STATE} is missing"
+    except (OSError, ValueError) as exc:
+        return f"{STATE} is not valid JSON ({str(exc)[:80]})"
+    if not isinstance(state, dict) or not isinstance(state.get("iteration"), int) or not isinstance(state.get("recipe"), dict):
+        return f"{STATE} lacks the iteration or the recipe"
+    files = [_safetensors_problem(folder / TRAINABLE), _torch_file_problem(folder / OPTIMIZER), _torch_file_problem(folder / "rng-rank0.pt")]
+    if (folder / EMA).exists():
+        files.append(_safetensors_problem(folder / EMA))
+    return next((p for p in files if p is not None), None)
+
+
+def complete(root: Path) -> list[Path]:
+    """The complete checkpoints under ``root``, oldest first: real folders named ``iter_NNNNNN``."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if iteration_of(p) is not None and _is_real_dir(p)]
+    return [p for p in sorted(found, key=iteration_of) if problem(p) is None]
+
+
+def newest(root: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest complete checkpoint under ``root`` (whatever ``last`` says: it may be missing,
+    dangling or behind after a kill), and the newer ``iter_NNNNNN`` folders that are not complete,
+    each with why."""
+    if not root.is_dir():
+        return None, []
+    found = sorted((p for p in root.iterdir() if iteration_of(p) is not None and _is_real_dir(p)), key=iteration_of)
+    skipped: list[tuple[Path, str]] = []
+    for folder in reversed(found):
+        why = problem(folder)
+        if why is None:
+            return folder, skipped[::-1]
+        skipped.append((folder, why))
+    return None, skipped[::-1]
 
 
 def latest(root: Path) -> Path | None:
-    link = root / "last"
-    if not link.exists():
-        return None
-    target = link.resolve()
-    return target if (target / STATE).is_file() else None
+    return newest(root)[0]
+
+
+# --- reading -----------------------------------------------------------------------------------
+
+
+def _invalid(path: Path, why: str) -> CheckpointError:
+    return CheckpointError(f"{path.parent} is not a valid checkpoint: {path.name} {why}")
 
 
 def read_state(folder: Path) -> dict[str, Any]:
-    return json.loads((folder / STATE).read_text())
+    path = folder / STATE
+    try:
+        state = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise _invalid(path, "is missing") from None
+    except (OSError, ValueError) as exc:
+        raise _invalid(path, f"does not read back ({str(exc)[:80]})") from None
+    if not isinstance(state, dict) or not isinstance(state.get("iteration"), int) or not isinstance(state.get("recipe"), dict):
+        raise _invalid(path, "lacks the iteration or the recipe")
+    return state
 
 
 def read_tensors(path: Path, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-    return load_file(str(path), device=str(device))
+    why = _safetensors_problem(path)
+    if why is not None:
+        raise CheckpointError(f"{path.parent} is not a valid checkpoint: {why}")
+    try:
+        return load_file(str(path), device=str(device))
+    except Exception as exc:  # safetensors raises its own error type for corrupt data
+        raise _invalid(path, f"does not read back ({str(exc).splitlines()[0][:120]})") from None
 
 
 def read_torch(path: Path) -> Any:
-    return torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise _invalid(path, "is missing") from None
+    except Exception as exc:
+        if "Weights only load failed" in str(exc) or isinstance(exc, pickle.UnpicklingError):
+            raise _invalid(path, "holds objects other than tensors and numbers (refused to unpickle them)") from None
+        raise _invalid(path, f"does not read back ({str(exc).splitlines()[0][:120]})") from None
 
 
-def recipe_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
-    """Dotted keys whose values differ between two resolved recipes (allowed changes excluded)."""
+def recipe_differences(
+    saved: Mapping[str, Any],
+    current: Mapping[str, Any],
+    *,
+    only: Sequence[str] = ("*",),
+    ignore: Sequence[str] = RESUMABLE_CHANGES,
+) -> list[str]:
+    """``key: a in the checkpoint, b now`` for every dotted key whose value differs between two
+    resolved recipes, among the keys matching a pattern of ``only`` and none of ``ignore``."""
     diffs: list[str] = []
+
+    def matches(key: str, patterns: Sequence[str]) -> bool:
+        return any(fnmatch.fnmatchcase(key, pattern) for pattern in patterns)
 
     def walk(a: Any, b: Any, prefix: str) -> None:
         if isinstance(a, Mapping) and isinstance(b, Mapping):
@@ -145,7 +309,7 @@ def recipe_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> 
         elif isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
             for i, (x, y) in enumerate(zip(a, b)):
                 walk(x, y, f"{prefix}.{i}")
-        elif a != b and not any(prefix == k or prefix.startswith(f"{k}.") for k in RESUMABLE_CHANGES):
+        elif a != b and matches(prefix, only) and not matches(prefix, ignore):
             diffs.append(f"{prefix}: {a!r} in the checkpoint, {b!r} now")
 
     walk(saved, current, "")

@@ -34,8 +34,12 @@ err = _console(stderr=True)
 out = _console()
 
 
-def _add_recipe_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("recipe", help="path to recipe.yaml, or the name of a built-in recipe (shapes, vector, ...)")
+def _add_recipe_args(p: argparse.ArgumentParser, optional: bool = False) -> None:
+    text = "path to recipe.yaml, or the name of a built-in recipe (shapes, vector, ...)"
+    if optional:
+        p.add_argument("recipe", nargs="?", default=None, help=text)
+    else:
+        p.add_argument("recipe", help=text)
     p.add_argument(
         "--set",
         dest="overrides",
@@ -68,8 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("compose", help="build the recipe's components and train")
     _add_recipe_args(p)
-    p.add_argument("--out", default=None, help="run directory (default: runs/<recipe name>)")
-    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints/last")
+    p.add_argument("--out", default=None, help="run folder (default: a new runs/<recipe name>/<date-time>)")
+    again = p.add_mutually_exclusive_group()
+    again.add_argument("--resume", action="store_true", help="continue OUT from its newest complete checkpoint")
+    again.add_argument(
+        "--start-over", action="store_true", help="train OUT again from iteration 0 when it holds no complete checkpoint"
+    )
     p.add_argument("--dry-run", action="store_true", help="build and show the components, do not train")
     p.add_argument("--quiet", action="store_true", help="one line per iteration, no progress bars")
     p.set_defaults(handler=cmd_compose)
@@ -85,8 +93,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=cmd_check)
 
     p = sub.add_parser("sample", help="write images from the base model or a checkpoint")
-    _add_recipe_args(p)
-    p.add_argument("--checkpoint", default=None, help="a checkpoint folder (default: the base model)")
+    _add_recipe_args(p, optional=True)  # with --checkpoint, its own recipe is the default
+    p.add_argument(
+        "--checkpoint",
+        default=None,
+        help="a checkpoint folder or a run folder (its newest complete checkpoint); sampled with the "
+        "checkpoint's own recipe unless RECIPE is given (it must agree on the model)",
+    )
     p.add_argument("--prompts", required=True, help="a prompt file (.txt or .jsonl)")
     p.add_argument("--n", type=int, default=1, help="samples per prompt")
     p.add_argument("--seed", type=int, default=0)
@@ -216,15 +229,18 @@ def cmd_compose(args: argparse.Namespace) -> int:
         out.print(composition_tree(recipe, f"composed {args.recipe} (dry run)"))
         out.print(f"built {len(components)} components; nothing trained (--dry-run)", markup=False)
         return 0
-    from fgrpo.core.trainer import open_run, train
+    from fgrpo.core.trainer import close_run, open_run, train
 
-    run = open_run(recipe, out=args.out, resume=args.resume, console=out, quiet=args.quiet)
+    run = open_run(recipe, out=args.out, resume=args.resume, start_over=args.start_over, console=out, quiet=args.quiet)
     folder = run.out_dir
-    run.display.say(
-        f"training {recipe.source} -> {folder} ({run.accelerator.num_processes} process(es), device {run.policy.device})"
-    )
-    with run.display:
-        train(run)
+    try:
+        run.display.say(
+            f"training {recipe.source} -> {folder} ({run.accelerator.num_processes} process(es), device {run.policy.device})"
+        )
+        with run.display:
+            train(run)
+    finally:
+        close_run(run)
     run.display.say(
         f"done: metrics in {folder / 'metrics.jsonl'}, weights in {folder / 'checkpoints' / 'last'}"
         + (f", curves in {folder / 'curves.png'}" if (folder / "curves.png").exists() else "")
@@ -272,11 +288,23 @@ def cmd_sample(args: argparse.Namespace) -> int:
     from fgrpo.core.seeding import derive_seed
     from fgrpo.core.trainer import load_checkpoint_weights
 
-    recipe = _load(args)
+    from fgrpo.core import rundir
+
+    checkpoint = None
+    if args.checkpoint:
+        checkpoint = rundir.find_checkpoint(Path(args.checkpoint))
+        from fgrpo.core.shipped import find_recipe
+
+        given = find_recipe(args.recipe) if args.recipe is not None else None
+        recipe = rundir.recipe_for_checkpoint(checkpoint, given, args.overrides)
+    elif args.recipe is None:
+        raise RecipeError([ConfigError("recipe", "give a RECIPE to sample its base model, or --checkpoint DIR")])
+    else:
+        recipe = _load(args)
     torch.manual_seed(derive_seed(recipe.seed, "build"))
     policy = recipe.build("model")
-    if args.checkpoint:
-        load_checkpoint_weights(policy, Path(args.checkpoint), recipe.train.ema_decay)
+    if checkpoint is not None:
+        load_checkpoint_weights(policy, checkpoint, recipe.train.ema_decay)
     try:
         prompts = [p for p, _ in read_prompt_file(args.prompts)]
     except (OSError, ValueError) as exc:

@@ -14,10 +14,17 @@ class EMA:
         self.decay = decay
         self.shadow = [p.detach().clone() for p in self.params]
 
+    def warmup_decay(self, steps: int) -> float:
+        """flow_grpo's warm-up: min((1 + n) / (10 + n), decay) after n optimizer steps, so the
+        average follows the weights closely early in a run instead of the initial weights."""
+        return min((1 + steps) / (10 + steps), self.decay)
+
     @torch.no_grad()
-    def update(self) -> None:
+    def update(self, decay: float | None = None) -> None:
+        """shadow <- decay * shadow + (1 - decay) * weights (``decay`` defaults to the EMA's)."""
+        weight = 1.0 - (self.decay if decay is None else decay)
         for s, p in zip(self.shadow, self.params):
-            s.lerp_(p.detach().to(s.dtype), 1.0 - self.decay)
+            s.lerp_(p.detach().to(s.dtype), weight)
 
     @contextmanager
     def swapped_in(self) -> Iterator[None]:

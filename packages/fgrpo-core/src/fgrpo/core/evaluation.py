@@ -1,34 +1,67 @@
-"""Deterministic generation with the ODE kernel, and evaluation on the held-out prompts."""
+"""Deterministic generation (Euler steps of the flow ODE), and evaluation on the held-out prompts."""
 
 from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from fgrpo.core import registry, tensors, trackers, visuals
+from fgrpo.core import tensors, trackers, visuals
+from fgrpo.core.config import ConfigError, RecipeError
 from fgrpo.core.phases import score
 from fgrpo.core.run import Run
 from fgrpo.core.seeding import generator
 
 
 @torch.no_grad()
-def generate(policy: Any, prompts: Sequence[str], per_prompt: int, steps: int, g: torch.Generator) -> Any:
-    """``per_prompt`` samples of each prompt (prompt-major), integrated with the ODE kernel."""
-    ode = registry.create("kernel", "ode")
+def generate(
+    policy: Any,
+    prompts: Sequence[str],
+    per_prompt: int,
+    steps: int,
+    g: torch.Generator,
+    *,
+    sigmas: torch.Tensor | None = None,
+) -> Any:
+    """``per_prompt`` samples of each prompt (prompt-major): Euler steps x + dt v of the flow ODE in
+    float32 on ``sigmas`` (default: the policy's own schedule of ``steps`` steps)."""
     cond = tensors.repeat_interleave(policy.encode(list(prompts)), per_prompt)
     n = len(prompts) * per_prompt
-    x = policy.initial_noise(n, g)
-    sigmas = policy.sigmas(steps).to(policy.device)
-    for i in range(steps):
+    x = torch.as_tensor(policy.initial_noise(n, g)).to(torch.float32)
+    sigmas = policy.sigmas(steps) if sigmas is None else sigmas
+    sigmas = torch.as_tensor(sigmas).to(device=x.device, dtype=torch.float32)
+    for i in range(sigmas.shape[0] - 1):
         v = policy.velocity(x, sigmas[i].expand(n), cond)
-        x = ode.step(v, x, sigmas, i).prev_sample
+        x = x + (sigmas[i + 1] - sigmas[i]) * v.to(torch.float32)
     return policy.decode(x)
+
+
+def evaluation_sigmas(run: Run) -> torch.Tensor | None:
+    """The schedule evaluation integrates on: the sampler's (``Sampler.sigmas(policy, steps)`` when
+    it offers one, e.g. a recipe's ``sampler.schedule``) with ``eval.steps`` steps, else the policy's."""
+    sigmas = getattr(run.sampler, "sigmas", None)
+    return sigmas(run.policy, run.recipe.eval.steps) if callable(sigmas) else None
+
+
+@contextlib.contextmanager
+def guidance(policy: Any, scale: float | None) -> Iterator[None]:
+    """The policy's ``guidance_scale`` set to ``scale`` for a while (None: left as it is)."""
+    if scale is None:
+        yield
+        return
+    if not hasattr(policy, "guidance_scale"):
+        raise RecipeError([ConfigError("eval.guidance_scale", f"got {scale!r}, but the policy {type(policy).__name__} has no guidance_scale")])
+    trained = policy.guidance_scale
+    policy.guidance_scale = scale
+    try:
+        yield
+    finally:
+        policy.guidance_scale = trained
 
 
 def _numeric_means(details: dict[str, Any]) -> dict[str, float]:
@@ -52,7 +85,8 @@ def _numeric_means(details: dict[str, Any]) -> dict[str, float]:
 
 def evaluate(run: Run, iteration: int, out_dir: Path | None) -> dict[str, float]:
     """Every test prompt, ``samples_per_prompt`` times, with the same noise at every evaluation
-    (so curves compare like with like). Metrics are prefixed ``eval/``."""
+    (so curves compare like with like), on the sampler's schedule with ``eval.steps`` steps and
+    ``eval.guidance_scale`` (flow_grpo's eval_guidance_scale). Metrics are prefixed ``eval/``."""
     cfg = run.recipe.eval
     prompts = run.prompts.test_prompts()
     if cfg.max_prompts:
@@ -62,11 +96,12 @@ def evaluate(run: Run, iteration: int, out_dir: Path | None) -> dict[str, float]
     per_call = max(1, cfg.batch_size // cfg.samples_per_prompt)
     outputs, all_prompts = [], []
     context = run.ema.swapped_in() if run.ema is not None else contextlib.nullcontext()
-    with context, run.display.phase(f"evaluation at {iteration}", total=len(prompts)) as advance:
+    sigmas = evaluation_sigmas(run)
+    with context, guidance(run.policy, cfg.guidance_scale), run.display.phase(f"evaluation at {iteration}", total=len(prompts)) as advance:
         for start in range(0, len(prompts), per_call):
             chunk = prompts[start : start + per_call]
             g = generator(run.recipe.seed, "eval", start, device=run.policy.device)
-            outputs.append(generate(run.policy, chunk, cfg.samples_per_prompt, cfg.steps, g))
+            outputs.append(generate(run.policy, chunk, cfg.samples_per_prompt, cfg.steps, g, sigmas=sigmas))
             all_prompts += [p for p in chunk for _ in range(cfg.samples_per_prompt)]
             advance(len(chunk))
     outputs = torch.cat(outputs) if isinstance(outputs[0], torch.Tensor) else tensors.cat(outputs)

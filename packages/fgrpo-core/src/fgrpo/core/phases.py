@@ -114,9 +114,19 @@ def advantages(run: Run, traj: Trajectory, scores: dict[str, torch.Tensor]) -> t
     gathered = {k: acc.gather(v.to(device)) for k, v in scores.items()}
     groups = acc.gather(traj.group_index.to(device))
     weights = {spec.label: spec.weight for spec in run.recipe.rewards}
+    cfg = run.recipe.train
     adv, stats = combine(
-        gathered, weights, groups, mode=run.recipe.train.advantage, global_std=run.recipe.train.global_std
+        gathered,
+        weights,
+        groups,
+        mode=cfg.advantage,
+        global_std=cfg.global_std,
+        eps=cfg.advantage_eps,
+        per_prompt=cfg.per_prompt,
+        unbiased=cfg.advantage_std == "unbiased",
     )
+    # what the update leaves out (samples whose advantage is exactly 0), over every process
+    stats["dropped_fraction"] = (adv == 0).double().mean().item() if cfg.drop_zero_advantage else 0.0
     n = traj.batch_size
     local = adv[acc.process_index * n : (acc.process_index + 1) * n]
     return local.to(device=device, dtype=torch.float32), stats
@@ -129,6 +139,7 @@ def advantages(run: Run, traj: Trajectory, scores: dict[str, torch.Tensor]) -> t
 class UpdateStats:
     metrics: dict[str, list[torch.Tensor]] = attrs.Factory(lambda: defaultdict(list))
     optimizer_steps: int = 0
+    samples: int = 0  # samples the update trained on (after the zero-advantage filter)
     nfe: int = 0
     first_ratio_deviation: float | None = None  # max |ratio - 1| before the first optimizer step
     grad_norms: list[float] = attrs.Factory(list)
@@ -189,6 +200,34 @@ def sync_gradients(run: Run, params: Sequence[torch.nn.Parameter]) -> None:
         offset += n
 
 
+def informative(run: Run, adv: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """This process's samples the update trains on, and the most any process has.
+
+    With ``train.drop_zero_advantage`` (flow_grpo) samples whose advantage is exactly 0 (flat
+    groups) are left out, so the policy loss and the KL average over informative samples only;
+    otherwise every sample."""
+    n = adv.shape[0]
+    if not run.recipe.train.drop_zero_advantage:
+        return torch.arange(n), n
+    kept = (adv != 0).nonzero().squeeze(1).cpu()
+    counts = run.accelerator.gather(torch.tensor([len(kept)], device=adv.device))
+    return kept, int(counts.max())
+
+
+def minibatches(kept: torch.Tensor, most: int, n: int, per_step: int, order: torch.Tensor | None) -> list[torch.Tensor]:
+    """``kept`` (in the order ``order`` permutes them) split into the minibatches of one epoch.
+
+    Without dropped samples: minibatches of ``per_step`` samples. When samples were dropped, each
+    minibatch shrinks in proportion (ceil(most * per_step / n) samples), as flow_grpo's keep their
+    number; every process makes the same number of minibatches (empty ones where it has fewer
+    samples), since each one ends with a gradient all-reduce."""
+    if most == 0:
+        return []
+    size = math.ceil(most * per_step / n)
+    chunks = list((kept if order is None else kept[order]).split(size))
+    return chunks + [kept[:0]] * (math.ceil(most / size) - len(chunks))
+
+
 def update(run: Run, traj: Trajectory, adv: torch.Tensor, iteration: int) -> UpdateStats:
     """``inner_epochs`` passes over the samples in minibatches; each minibatch is one optimizer
     step whose gradient accumulates over all its (sample, step) pairs."""
@@ -197,17 +236,19 @@ def update(run: Run, traj: Trajectory, adv: torch.Tensor, iteration: int) -> Upd
     params = run.trainable
     n = traj.batch_size
     per_step = cfg.minibatch_size or n
-    total_steps = cfg.inner_epochs * math.ceil(n / per_step)
+    kept, most = informative(run, adv)
+    stats.samples = len(kept)
+    total_steps = cfg.inner_epochs * (math.ceil(most / math.ceil(most * per_step / n)) if most else 0)
     with run.display.phase("update", total_steps) as advance:
         for epoch in range(cfg.inner_epochs):
             order = (
-                torch.randperm(n, generator=generator(run.recipe.seed, "minibatch", iteration, epoch))
+                torch.randperm(len(kept), generator=generator(run.recipe.seed, "minibatch", iteration, epoch))
                 if cfg.shuffle_minibatches
-                else torch.arange(n)
+                else None
             )
-            for samples in order.split(per_step):
+            for samples in minibatches(kept, most, n, per_step, order):
                 run.optimizer.zero_grad(set_to_none=True)
-                pairs = pair_batches(traj, samples.to(traj.latents.device), cfg.micro_batch_size)
+                pairs = pair_batches(traj, samples.to(traj.latents.device), cfg.micro_batch_size) if len(samples) else []
                 total_pairs = len(samples) * traj.num_trained_steps
                 for rows, cols in pairs:
                     batch, nfe = step_batch(run, traj, adv, rows, cols)
@@ -225,8 +266,9 @@ def update(run: Run, traj: Trajectory, adv: torch.Tensor, iteration: int) -> Upd
                     stats.grad_norms.append(float(norm))
                 run.optimizer.step()
                 stats.optimizer_steps += 1
-                if run.ema is not None and stats.optimizer_steps % cfg.ema_every == 0:
-                    run.ema.update()
+                run.optimizer_steps += 1
+                if run.ema is not None and run.optimizer_steps % cfg.ema_every == 0:
+                    run.ema.update(run.ema.warmup_decay(run.optimizer_steps) if cfg.ema_warmup else None)
                 advance()
     return stats
 
@@ -242,6 +284,7 @@ def summarize(stats: UpdateStats) -> dict[str, float]:
         else:
             out[key] = stacked.mean().item()
     out["optimizer_steps"] = stats.optimizer_steps
+    out["trained_samples"] = stats.samples
     if stats.grad_norms:
         out["grad_norm"] = sum(stats.grad_norms) / len(stats.grad_norms)
     if stats.first_ratio_deviation is not None:

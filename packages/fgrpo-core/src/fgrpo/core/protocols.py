@@ -41,6 +41,10 @@ class Kernel(Protocol):
 
     ``index`` is an int or a LongTensor of shape (batch,) (per-sample step indices).
     With ``prev_sample`` given nothing is sampled: only the log-prob of that action is evaluated.
+
+    Optional class attributes the built-in samplers and objectives read: ``reference_final``
+    (what a sampler decodes by default: 'sample' or 'x0', the kernel's reference implementation's
+    choice) and ``brownian`` (the step's std is g sqrt(-dt), so flow_grpo's KL form applies).
     """
 
     stochastic: bool
@@ -128,7 +132,11 @@ class Trajectory:
 
 @runtime_checkable
 class Sampler(Protocol):
-    """Runs group rollouts under no_grad; owns its kernel (``sampler.kernel``) and its state."""
+    """Runs group rollouts under no_grad; owns its kernel (``sampler.kernel``) and its state.
+
+    Optional: ``sigmas(policy, steps) -> Tensor``, the schedule the sampler samples on for
+    ``steps`` steps; evaluation integrates on it (else on ``policy.sigmas(steps)``).
+    """
 
     kernel: Kernel
 

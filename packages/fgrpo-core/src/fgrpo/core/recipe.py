@@ -15,7 +15,7 @@ from typing import Any, Literal
 import attrs
 import yaml
 
-from fgrpo.core import registry, trackers
+from fgrpo.core import registry
 from fgrpo.core.config import ConfigError, RecipeError, check_params, param
 
 # --- the trainer's own sections ----------------------------------------------------------------
@@ -42,11 +42,28 @@ class TrainConfig:
     lr_schedule: Literal["constant", "linear", "cosine"] = param("constant")
     warmup_iterations: int = param(0, ge=0)
     ema_decay: float = param(0.0, ge=0, lt=1, help="EMA of the trainable weights; 0 = off")
-    ema_every: int = param(1, ge=1, help="update the EMA every N optimizer steps")
+    ema_every: int = param(1, ge=1, help="update the EMA every N optimizer steps (counted over the whole run)")
+    ema_warmup: bool = param(
+        True, help="flow_grpo's EMA warm-up: decay min((1 + n) / (10 + n), ema_decay) after n optimizer steps"
+    )
     advantage: Literal["reward_sum", "advantage_sum"] = param(
         "reward_sum", help="reward_sum: weight rewards then normalise; advantage_sum: normalise each then weight"
     )
     global_std: bool = param(False, help="normalise by the std of the whole batch instead of the group's")
+    per_prompt: bool = param(
+        True,
+        help="advantages from each prompt group's mean and std (flow_grpo per_prompt_stat_tracking, "
+        "MixGRPO/DanceGRPO use_group); false: the whole batch's mean and std",
+    )
+    advantage_std: Literal["population", "unbiased"] = param(
+        "population", help="std estimator of the advantages: population (flow_grpo) or unbiased (MixGRPO, DanceGRPO)"
+    )
+    advantage_eps: float = param(1e-4, ge=0, help="A = (r - mean) / (std + eps): flow_grpo 1e-4, MixGRPO/DanceGRPO 1e-8")
+    drop_zero_advantage: bool = param(
+        True,
+        help="leave samples whose advantage is exactly 0 out of the update, so that the policy loss and the "
+        "KL average over informative samples only (flow_grpo)",
+    )
     checkpoint_every: int = param(0, ge=0, help="iterations between checkpoints; 0 = only at the end")
     keep_checkpoints: int = param(2, ge=1, help="iteration checkpoints kept on disk")
 
@@ -54,24 +71,47 @@ class TrainConfig:
 @attrs.define
 class EvalConfig:
     every: int = param(0, ge=0, help="iterations between evaluations; 0 = off")
-    steps: int = param(20, ge=1, help="ODE steps at evaluation")
+    steps: int = param(20, ge=1, help="ODE steps at evaluation, on the sampler's schedule")
+    guidance_scale: float | None = param(
+        None, ge=1.0, help="the model's guidance_scale at evaluation (flow_grpo eval_guidance_scale); null = the training one"
+    )
     samples_per_prompt: int = param(4, ge=1)
     max_prompts: int = param(0, ge=0, help="test prompts used; 0 = all")
     batch_size: int = param(64, ge=1)
     at_start: bool = param(True, help="evaluate the base before training")
+
+    @staticmethod
+    def check_recipe(resolved: Mapping[str, Any]) -> list[ConfigError]:
+        scale = resolved["eval"].get("guidance_scale")
+        model = resolved.get("model")
+        if scale is None or not isinstance(model, Mapping) or "guidance_scale" in model:
+            return []
+        return [
+            ConfigError(
+                "eval.guidance_scale",
+                f"got {scale!r}, but the model {model.get('name')!r} has no guidance_scale key; "
+                "remove eval.guidance_scale",
+            )
+        ]
+
+
+def _trackers():  # accelerate is imported when a recipe is checked, not with this module
+    from fgrpo.core import trackers
+
+    return trackers
 
 
 @attrs.define
 class LogConfig:
     trackers: list[str] = param(
         factory=lambda: ["tensorboard"],
-        validator=trackers.check_names,
+        validator=lambda _i, _a, names: _trackers().check_names(names),
         help="experiment trackers through accelerate: tensorboard, wandb, comet_ml, mlflow, aim, clearml, dvclive, swanlab, trackio",
     )
     project: str = param("fgrpo", help="the trackers' project name (wandb, comet_ml, mlflow ...)")
     init_kwargs: dict[str, dict[str, Any]] = param(
         factory=dict,
-        validator=lambda _i, _a, value: trackers.check_init_kwargs(value),
+        validator=lambda _i, _a, value: _trackers().check_init_kwargs(value),
         help="per-tracker options for accelerate's init_trackers, e.g. {wandb: {entity: me, tags: [a]}}"
     )
     quiet: bool = param(False, help="no progress bars: one line per iteration (CI logs)")
@@ -265,6 +305,8 @@ def validate(data: Mapping[str, Any], source: str = "recipe") -> tuple[Recipe | 
         if not errs:
             configs[section] = cls(**checked)
             resolved[section] = _plain(attrs.asdict(configs[section]))
+    if not errors:
+        errors.extend(cross_section_errors(resolved))
     if errors:
         return None, errors
     recipe = Recipe(
@@ -277,6 +319,23 @@ def validate(data: Mapping[str, Any], source: str = "recipe") -> tuple[Recipe | 
         source=source,
     )
     return recipe, []
+
+
+def cross_section_errors(resolved: Mapping[str, Any]) -> list[ConfigError]:
+    """Rules that involve several sections, checked once each section is valid on its own: a
+    component class (or a trainer section) may declare ``check_recipe(resolved) -> errors``."""
+    classes: list[Any] = []
+    for section in ("model", "sampler", "objective", "prompts"):
+        spec = resolved.get(section)
+        if isinstance(spec, Mapping) and isinstance(spec.get("name"), str):
+            classes.append(registry.load(section, spec["name"]))
+    classes.extend(OWN_SECTIONS.values())
+    errors: list[ConfigError] = []
+    for cls in classes:
+        check = getattr(cls, "check_recipe", None)
+        if check is not None:
+            errors.extend(check(resolved))
+    return errors
 
 
 def _check_rewards(value: Any) -> tuple[list[RewardSpec], Any, list[ConfigError]]:

@@ -16,6 +16,7 @@ from fgrpo.core.data import PromptSchedule
 from fgrpo.core.ema import EMA
 from fgrpo.core.protocols import Objective, Policy, PromptSource, Reward, Sampler
 from fgrpo.core.recipe import Recipe, RewardSpec
+from fgrpo.core.rundir import RunFolder
 from fgrpo.core.runlog import Display, MetricsLog
 
 if TYPE_CHECKING:
@@ -39,7 +40,9 @@ class Run:
     display: Display
     out_dir: Path | None = None
     log: MetricsLog | None = None
+    folder: RunFolder | None = None  # the locked run folder (main process of a compose)
     start_iteration: int = 0  # iterations already done (after a resume)
+    optimizer_steps: int = 0  # over the whole run (checkpointed): the EMA counts these
 
     @property
     def is_main(self) -> bool:

@@ -28,7 +28,8 @@ def _plain_number(value: Any) -> Any:
 
 class MetricsLog:
     """Appends one JSON object per iteration; on resume, lines past the checkpoint are dropped so
-    the file reads as if the run had never been interrupted."""
+    the file reads as if the run had never been interrupted (TensorBoard, through the trackers,
+    is told to purge the events past it too); a new run replaces the file."""
 
     def __init__(self, run_dir: Path, *, resume_from: int | None = None):
         self.path = run_dir / METRICS

@@ -1,9 +1,9 @@
 """Experiment trackers through accelerate: ``log.trackers: [tensorboard, wandb, ...]``.
 
-The Accelerator gets the trackers in ``log_with`` and starts them with ``init_trackers``, the
-resolved recipe (flattened to dotted keys) as the run's config; every iteration's numeric metrics
-go through ``Accelerator.log`` and each evaluation's sample grid through the trackers'
-``log_images``. TensorBoard writes where it always did, ``RUN/tensorboard``. Trackers other than
+The Accelerator gets the trackers in ``log_with`` (see :class:`RunTracker`) and starts them
+with ``init_trackers``, the resolved recipe (flattened to dotted keys) as the run's config;
+every iteration's numeric metrics go through ``Accelerator.log`` and each evaluation's sample
+grid through the trackers' ``log_images``. TensorBoard writes where it always did, ``RUN/tensorboard``. Trackers other than
 TensorBoard are optional: choosing one that is not installed is a recipe error naming the
 ``pip install`` that fixes it. Only the main process logs (accelerate's rule).
 """
@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from accelerate.tracking import GeneralTracker
 
 #: accelerate's tracker names -> the pip package that provides each
 PACKAGES = {
@@ -31,8 +32,8 @@ PACKAGES = {
 TENSORBOARD_FOLDER = "tensorboard"
 
 
-def check_names(_instance: Any, _attribute: Any, names: Sequence[str]) -> None:
-    """attrs validator of ``log.trackers``: known to accelerate, installed, each named once."""
+def check_names(names: Sequence[str]) -> None:
+    """``log.trackers``: known to accelerate, installed, each named once."""
     from accelerate.tracking import LOGGER_TYPE_TO_CLASS, get_available_trackers
 
     known = sorted(set(PACKAGES) | set(LOGGER_TYPE_TO_CLASS))
@@ -56,34 +57,82 @@ def check_init_kwargs(value: Mapping[str, Any]) -> None:
         raise ValueError(f"got {dict(value)!r}; expected a mapping of options per tracker (not for {', '.join(bad)})")
 
 
-def log_with(names: Sequence[str], out_dir: Path | None, extra: Sequence[Any] = ()) -> list[Any]:
-    """The Accelerator's ``log_with``: TensorBoard as an accelerate tracker writing to
-    ``RUN/tensorboard``, the other names as accelerate resolves them, then ``extra`` (accelerate
-    ``GeneralTracker`` instances). Nothing without a run folder."""
-    if out_dir is None:
-        return []
-    chosen: list[Any] = []
-    for name in names:
-        if name == "tensorboard":
-            from accelerate.tracking import TensorBoardTracker
+class RunTracker(GeneralTracker):
+    """One of accelerate's trackers, built when the run starts rather than with the Accelerator.
 
-            # started (and its writer created) by init_trackers, on the main process only
-            chosen.append(TensorBoardTracker(TENSORBOARD_FOLDER, str(out_dir)))
+    The Accelerator exists before the run folder is claimed (the main process claims it, then
+    shares it), but accelerate takes ``log_with`` at construction: each named tracker is passed
+    as this thin custom tracker (accelerate's way of adding one), which builds the real tracker
+    (``LOGGER_TYPE_TO_CLASS[name]``) in ``start()`` with the run's folder and project, and
+    forwards everything to it. TensorBoard writes to ``RUN/tensorboard``.
+    """
+
+    requires_logging_directory = False
+
+    def __init__(self, name: str):
+        super().__init__(_blank=True)
+        self.name = name
+        self.inner: Any = None
+        self._setup: tuple[Path, str, dict[str, Any]] | None = None
+
+    def configure(self, run_dir: Path, project: str, options: Mapping[str, Any]) -> None:
+        self._setup = (run_dir, project, dict(options))
+
+    def start(self) -> None:
+        from accelerate.tracking import LOGGER_TYPE_TO_CLASS, TensorBoardTracker
+
+        if self._setup is None:
+            raise RuntimeError(f"tracker {self.name!r} started before its run folder was known")
+        run_dir, project, options = self._setup
+        if self.name == "tensorboard":
+            self.inner = TensorBoardTracker(TENSORBOARD_FOLDER, str(run_dir), **options)
         else:
-            chosen.append(name)
-    return chosen + list(extra)
+            cls = LOGGER_TYPE_TO_CLASS[self.name]
+            args = (project, str(run_dir)) if cls.requires_logging_directory else (project,)
+            self.inner = cls(*args, **options)
+        self.inner.start()
+
+    @property
+    def tracker(self) -> Any:
+        return self.inner.tracker
+
+    def store_init_configuration(self, values: dict) -> None:
+        self.inner.store_init_configuration(values)
+
+    def log(self, values: dict, step: int | None = None, **kwargs: Any) -> None:
+        self.inner.log(values, step=step, **kwargs)
+
+    def log_images(self, values: dict, step: int | None = None, **kwargs: Any) -> None:
+        if hasattr(self.inner, "log_images"):
+            self.inner.log_images(values, step=step, **kwargs)
+
+    def finish(self) -> None:
+        self.inner.finish()
 
 
-def start(accelerator: Any, recipe: Any, out_dir: Path) -> None:
-    """``init_trackers`` with the resolved recipe as config (main process only, by accelerate)."""
+def log_with(names: Sequence[str], extra: Sequence[Any] = ()) -> list[Any]:
+    """The Accelerator's ``log_with``: a :class:`RunTracker` per name, then ``extra`` (accelerate
+    ``GeneralTracker`` instances, used as they are)."""
+    return [RunTracker(name) for name in names] + list(extra)
+
+
+def start(accelerator: Any, recipe: Any, out_dir: Path, *, resume_from: int | None) -> None:
+    """Start the trackers (main process; accelerate's ``init_trackers``) with the resolved recipe
+    as config. TensorBoard hides events past ``resume_from`` that an interrupted attempt wrote."""
     if not accelerator.log_with:
         return
     cfg = recipe.log
-    init_kwargs = {"wandb": {"name": out_dir.name, "dir": str(out_dir)}}
-    for name, options in (cfg.init_kwargs or {}).items():
-        init_kwargs[name] = {**init_kwargs.get(name, {}), **options}
+    options: dict[str, dict[str, Any]] = {
+        "tensorboard": {"purge_step": resume_from + 1 if resume_from is not None else 0},
+        "wandb": {"name": out_dir.name, "dir": str(out_dir)},
+    }
+    for name, extra in (cfg.init_kwargs or {}).items():
+        options[name] = {**options.get(name, {}), **extra}
+    for tracker in accelerator.log_with:
+        if isinstance(tracker, RunTracker):
+            tracker.configure(out_dir, cfg.project, options.get(tracker.name, {}))
     config = {**flat_config(recipe.data), "recipe_source": str(recipe.source), "run_dir": str(out_dir)}
-    accelerator.init_trackers(cfg.project, config=config, init_kwargs=init_kwargs)
+    accelerator.init_trackers(cfg.project, config=config)
 
 
 def flat_config(data: Any, prefix: str = "") -> dict[str, Any]:

@@ -18,7 +18,7 @@ import torch
 from rich.console import Console
 
 from fgrpo.core import checkpoint as ckpt
-from fgrpo.core import evaluation, phases, report, tensors, trackers, visuals
+from fgrpo.core import evaluation, phases, report, rundir, tensors, trackers, visuals
 from fgrpo.core.config import ConfigError, RecipeError
 from fgrpo.core.data import PromptSchedule
 from fgrpo.core.ema import EMA
@@ -108,10 +108,6 @@ def run_evaluation(run: Run, it: int) -> dict[str, float]:
 
 
 def finish(run: Run) -> None:
-    if run.log is not None:
-        run.log.close()
-    for tracker in run.accelerator.trackers:  # accelerate's end_training would also end the process group
-        tracker.finish()
     if run.is_main and run.out_dir is not None:
         report.write(run.out_dir)
     if run.is_main and run.out_dir is not None and run.recipe.log.plots:
@@ -119,6 +115,17 @@ def finish(run: Run) -> None:
             visuals.curves(read_metrics(run.out_dir), run.out_dir / "curves.png")
         else:
             run.display.say('curves.png skipped: matplotlib is not installed (pip install "fgrpo-core[plots]"); report.html has the curves')
+    close_run(run)
+
+
+def close_run(run: Run) -> None:
+    """Close the metrics log and the trackers, release the run folder's lock (idempotent)."""
+    if run.log is not None:
+        run.log.close()
+    while run.accelerator.trackers:  # not accelerate's end_training: it also ends the process group
+        run.accelerator.trackers.pop().finish()
+    if run.folder is not None:
+        run.folder.release()
 
 
 # --- building a run ----------------------------------------------------------------------------
@@ -217,8 +224,10 @@ def save_checkpoint(run: Run, done: int) -> None:
                 "iteration": done,
                 "data_position": done * run.recipe.train.prompts_per_iteration,
                 "sampler": run.sampler.state_dict(),
+                "optimizer_steps": run.optimizer_steps,
                 "recipe": run.recipe.data,
                 "processes": run.accelerator.num_processes,
+                "run_id": run.folder.run_id if run.folder is not None else None,
             },
             keep=run.recipe.train.keep_checkpoints,
         )
@@ -227,10 +236,9 @@ def save_checkpoint(run: Run, done: int) -> None:
 
 
 def restore(run: Run, folder: Path) -> int:
+    """Load checkpoint ``folder`` into the run (its recipe was checked when the folder was
+    claimed); returns the iterations it had done."""
     state = ckpt.read_state(folder)
-    diffs = ckpt.recipe_differences(state["recipe"], run.recipe.data)
-    if diffs:
-        raise RecipeError([ConfigError("--resume", f"the recipe differs from the checkpoint's: {d}") for d in diffs])
     run.policy.load_trainable_state_dict(ckpt.read_tensors(folder / ckpt.TRAINABLE, run.policy.device))
     if run.ema is not None:
         run.ema.load_state_dict(ckpt.read_tensors(folder / ckpt.EMA, run.policy.device))
@@ -239,50 +247,81 @@ def restore(run: Run, folder: Path) -> int:
     run.scheduler.load_state_dict(opt["scheduler"])
     torch.set_rng_state(ckpt.read_torch(folder / "rng-rank0.pt")["torch"])
     run.sampler.load_state_dict(state["sampler"])
+    run.optimizer_steps = int(state.get("optimizer_steps", 0))  # absent before it was saved: EMA counts restart
     return int(state["iteration"])
-
-
-def prepare_out_dir(recipe: Recipe, out_dir: Path, resume: bool) -> Path | None:
-    """The run folder; refuses to overwrite a run unless resuming. Returns the checkpoint to load."""
-    last = ckpt.latest(out_dir / "checkpoints")
-    if not resume and (last is not None or (out_dir / "metrics.jsonl").exists()):
-        raise RecipeError([ConfigError("--out", f"{out_dir} already holds a run; pass --resume to continue it or choose another --out")])
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "recipe.resolved.yaml").write_text(recipe.to_yaml())
-    return last
 
 
 # --- opening a run folder ----------------------------------------------------------------------
 
 
-def default_out_dir(recipe: Recipe) -> Path:
-    """runs/<recipe>/<date-time>: a new folder per run, so repeating a command loses nothing."""
-    return Path("runs") / Path(recipe.source).stem / time.strftime("%Y%m%d-%H%M%S")
+def _share(acc: Any, value: Any) -> Any:
+    """The main process's ``value`` on every process."""
+    if acc.num_processes == 1:
+        return value
+    from accelerate.utils import broadcast_object_list
+
+    box = [value]
+    broadcast_object_list(box, from_process=0)
+    return box[0]
 
 
 def open_run(
-    recipe: Recipe, *, out: str | None, resume: bool, console: Console, quiet: bool = False, extra_trackers: Sequence[Any] = ()
+    recipe: Recipe,
+    *,
+    out: str | None,
+    resume: bool,
+    start_over: bool = False,
+    console: Console,
+    quiet: bool = False,
+    extra_trackers: Sequence[Any] = (),
 ) -> Run:
-    """The run ``fgrpo compose`` trains: its folder prepared, its components built, its trackers
-    started (``log.trackers`` and ``extra_trackers``, accelerate GeneralTracker instances), and
-    when resuming, the newest complete checkpoint restored."""
-    if resume and not out:
-        raise RecipeError([ConfigError("--resume", "needs --out DIR: the run folder to continue")])
-    out_dir = Path(out) if out else default_out_dir(recipe)
-    log_with = trackers.log_with(recipe.log.trackers, out_dir, extra_trackers)
-    acc = make_accelerator(log_with=log_with or None, project_dir=str(out_dir))
-    last = prepare_out_dir(recipe, out_dir, resume) if acc.is_main_process else None
-    acc.wait_for_everyone()
-    if not acc.is_main_process:
-        last = ckpt.latest(out_dir / "checkpoints") if resume else None
-    run = build_run(recipe, out_dir=out_dir, console=console, quiet=quiet, accelerator=acc)
-    if last is not None:
-        run.start_iteration = restore(run, last)
-        run.display.say(f"resuming {out_dir} from {last.name} (iteration {run.start_iteration})")
+    """The run ``fgrpo compose`` trains: its folder claimed (locked, checked), its components
+    built, the newest complete checkpoint restored when resuming; only then is anything written
+    (check first, write after), and its trackers started (``log.trackers`` and
+    ``extra_trackers``, accelerate GeneralTracker instances). ``close_run`` (or ``finish``)
+    releases the folder."""
+    mode = rundir.RESUME if resume else rundir.START_OVER if start_over else rundir.NEW
+    acc = make_accelerator(log_with=trackers.log_with(recipe.log.trackers, extra_trackers) or None)
+    folder, failure = None, None
+    if acc.is_main_process:
+        try:
+            folder = rundir.claim(recipe, out, mode)
+        except RecipeError as exc:
+            failure = exc
+    plan = _share(acc, None if folder is None else (str(folder.path), folder.resume_from and str(folder.resume_from)))
+    if failure is not None:
+        raise failure
+    if plan is None:
+        raise RecipeError([ConfigError("--out", "the main process could not open the run folder")])
+    out_dir, resume_from = Path(plan[0]), plan[1] and Path(plan[1])
+    try:
+        run = build_run(recipe, out_dir=out_dir, console=console, quiet=quiet, accelerator=acc)
+        run.folder = folder
+        if resume_from:
+            try:
+                run.start_iteration = restore(run, resume_from)
+            except ckpt.CheckpointError as exc:
+                raise RecipeError([ConfigError("--resume", str(exc))]) from None
+            except (KeyError, ValueError, TypeError, RuntimeError) as exc:  # files that read but do not fit
+                first = (str(exc).splitlines() or [type(exc).__name__])[0][:300]
+                raise RecipeError([ConfigError("--resume", f"{resume_from} is not a valid checkpoint of this run: {first}")]) from None
+        if folder is not None:
+            folder.write_recipe(recipe)
+            run.log = MetricsLog(out_dir, resume_from=run.start_iteration if resume_from else None)
+            trackers.start(acc, recipe, out_dir, resume_from=run.start_iteration if resume_from else None)
+    except BaseException:
+        if folder is not None:
+            folder.abandon()
+        raise
+    if folder is not None:
+        for skipped, why in folder.skipped:
+            run.display.say(f"{skipped.name} is not complete ({why}): kept, set aside if the run writes its iteration again")
+    if resume_from:
+        run.display.say(f"resuming {out_dir} from {resume_from.name} (iteration {run.start_iteration})")
+    elif folder is not None and folder.started_over:
+        run.display.say(f"starting {out_dir} over from iteration 0 (--start-over)")
     elif resume:
-        run.display.say(f"no complete checkpoint in {out_dir}/checkpoints: starting from iteration 0")
-    run.log = MetricsLog(out_dir, resume_from=run.start_iteration) if run.is_main else None
-    trackers.start(acc, recipe, out_dir)
+        run.display.say(f"nothing to resume in {out_dir}: starting from iteration 0")
     return run
 
 
@@ -292,7 +331,7 @@ def open_run(
 def first_ratio_check(recipe: Recipe, console: Console) -> tuple[float, Run]:
     """One iteration, one batch, one gradient step: the largest |ratio - 1| of the stored actions'
     re-evaluated log-probs before the first optimizer step (0 when rollout and update agree)."""
-    cfg = attrs.evolve(recipe.train, iterations=1, minibatch_size=0, inner_epochs=1)
+    cfg = attrs.evolve(recipe.train, iterations=1, minibatch_size=0, inner_epochs=1, drop_zero_advantage=False)
     checked = attrs.evolve(recipe, train=cfg, eval=attrs.evolve(recipe.eval, every=0))
     run = build_run(checked, out_dir=None, console=console, quiet=True)
     metrics = iteration(run, 0)
@@ -337,12 +376,18 @@ def load_checkpoint_weights(policy: Policy, folder: Path, ema_decay: float) -> N
     the recipe trains with an EMA)."""
     if not (folder / ckpt.TRAINABLE).is_file():
         raise RecipeError([ConfigError("--checkpoint", f"{folder} holds no {ckpt.TRAINABLE}")])
-    if (folder / ckpt.EMA).is_file() and ema_decay > 0:
-        params = [p for p in policy.trainable_parameters() if p.requires_grad]
-        ema = EMA(params, ema_decay)
-        ema.load_state_dict(ckpt.read_tensors(folder / ckpt.EMA, policy.device))
-        with torch.no_grad():
-            for p, s in zip(params, ema.shadow):
-                p.copy_(s)
-    else:
-        policy.load_trainable_state_dict(ckpt.read_tensors(folder / ckpt.TRAINABLE, policy.device))
+    try:
+        if (folder / ckpt.EMA).is_file() and ema_decay > 0:
+            params = [p for p in policy.trainable_parameters() if p.requires_grad]
+            ema = EMA(params, ema_decay)
+            ema.load_state_dict(ckpt.read_tensors(folder / ckpt.EMA, policy.device))
+            with torch.no_grad():
+                for p, s in zip(params, ema.shadow):
+                    p.copy_(s)
+        else:
+            policy.load_trainable_state_dict(ckpt.read_tensors(folder / ckpt.TRAINABLE, policy.device))
+    except ckpt.CheckpointError as exc:
+        raise RecipeError([ConfigError("--checkpoint", str(exc))]) from None
+    except (ValueError, RuntimeError, KeyError) as exc:  # shapes or names that do not fit the model
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise RecipeError([ConfigError("--checkpoint", f"{folder} does not fit the model: {first[:300]}")]) from None

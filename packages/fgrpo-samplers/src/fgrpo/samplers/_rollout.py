@@ -33,7 +33,7 @@ import attrs
 import torch
 
 from fgrpo.core import tensors
-from fgrpo.core.config import ConfigError, RecipeError
+from fgrpo.core.config import ConfigError, RecipeError, param
 from fgrpo.core.protocols import Kernel, Policy, Trajectory
 
 
@@ -104,6 +104,40 @@ def builtin_kernel(name: str) -> Kernel:
     from fgrpo.core import registry
 
     return registry.create("kernel", name)
+
+
+# --- the final sample --------------------------------------------------------------------------
+
+FINALS = ("sample", "x0", "ode")
+
+
+def final_param() -> Any:
+    """The ``final`` key every sampler shares."""
+    return param(
+        None,
+        choices=FINALS,
+        help="the final image: 'sample' = the last step's x' (flow_grpo), 'x0' = the last step's "
+        "predicted x0 = x - sigma v (DanceGRPO; MixGRPO drop_last_sample), 'ode' = a deterministic, "
+        "untrained last step; null = the kernel's reference (sde, cps: sample; dance: x0)",
+    )
+
+
+def resolve_final(final: str | None, kernel: Kernel) -> str:
+    """``final``, or when null what the kernel's reference implementation decodes."""
+    return final if final is not None else str(getattr(kernel, "reference_final", "sample"))
+
+
+def with_final(program: Sequence[Step], final: str, ode: Kernel) -> list[Step]:
+    """``program`` with its last step made a deterministic Euler step when ``final`` is 'ode'."""
+    last = program[-1]
+    if final != "ode" or not last.kernel.stochastic:
+        return list(program)
+    return [*program[:-1], Step(ode, last.sigmas, last.index, last.phase)]
+
+
+def stochastic_steps(program: Sequence[Step], kernel: Kernel) -> list[int]:
+    """Positions of the program that run ``kernel`` (the candidates for training)."""
+    return [position for position, step in enumerate(program) if step.kernel is kernel]
 
 
 # --- schedules, randomness ---------------------------------------------------------------------
@@ -186,6 +220,7 @@ def run(
     generator: torch.Generator | None = None,
     phases: Sequence[str] = (),
     info: dict[str, Any] | None = None,
+    final: str = "sample",
 ) -> Trajectory:
     """Run ``program`` for ``group_size`` samples of each prompt and record the ``trained`` steps.
 
@@ -194,6 +229,8 @@ def run(
     its last trained step). ``prefix`` steps are computed once per prompt (needs ``share_noise``;
     they must be deterministic and untrained). ``phases`` lists the NFE keys always reported
     (with 0 when a phase is empty this time), so the metrics keep the same keys every iteration.
+    ``final``: 'x0' returns the last step's predicted clean sample x - sigma v instead of the state
+    after the last step ('sample'; 'ode' too: :func:`with_final` has made that step deterministic).
     """
     prompts = list(prompts)
     if not prompts:
@@ -210,6 +247,8 @@ def run(
     for position in range(prefix):
         if program[position].kernel.stochastic:
             raise ValueError(f"step {position} of the shared prefix is stochastic")
+    if final not in FINALS:
+        raise ValueError(f"final must be one of {FINALS}, got {final!r}")
     if bool((trained < prefix).any()) or bool((trained >= len(program)).any()):
         raise ValueError("trained steps must lie after the shared prefix and inside the program")
 
@@ -258,6 +297,8 @@ def run(
 
             noise = randn(x.shape, generator, device) if step.kernel.stochastic else None
             out = step.kernel.step(velocity, x, step.sigmas, step.index, noise=noise)
+            if final == "x0" and position == len(program) - 1:
+                predicted_x0 = x - sigma.reshape(-1, *([1] * (x.dim() - 1))) * velocity.to(torch.float32)
 
             column = slot[:, position]
             record = column >= 0
@@ -288,6 +329,7 @@ def run(
         "shared_prefix_steps": prefix,
     }
     details.update(info or {})
+    details["final"] = final
     return Trajectory(
         prompts=[p for p in prompts for _ in range(group)],
         group_index=torch.arange(n_prompts, device=device).repeat_interleave(group),
@@ -299,7 +341,7 @@ def run(
         log_probs=log_probs,
         means=means,
         stds=stds,
-        final=x,
+        final=predicted_x0 if final == "x0" else x,
         nfe=total,
         info=details,
     )

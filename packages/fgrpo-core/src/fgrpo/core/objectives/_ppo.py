@@ -7,15 +7,16 @@ averaging (GRPO-Guard divides each sample's loss by its own -dt).
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any, Literal
 
 import torch
 
-from fgrpo.core.config import param
+from fgrpo.core.config import ConfigError, param
 from fgrpo.core.protocols import ObjectiveOutput, StepBatch
 
-KlForm = Literal["mean", "velocity"]
-KL_FORMS = ("mean", "velocity")
+KlForm = Literal["mean", "flow_grpo", "velocity"]
+KL_FORMS = ("mean", "flow_grpo", "velocity")
 
 
 # --- recipe keys (declared once, used by every objective) ---------------------------------------
@@ -37,8 +38,40 @@ def kl_param():
     return param(
         "mean",
         choices=KL_FORMS,
-        help="KL form: 'mean' = (mu - mu_ref)^2 / (2 std^2), 'velocity' = (v - v_ref)^2",
+        help="KL form: 'mean' = (mu - mu_ref)^2 / (2 std^2), the exact KL; 'flow_grpo' = (mu - mu_ref)^2 / "
+        "(2 g^2) with g = std / sqrt(-dt), i.e. (-dt) x the exact KL (flow_grpo's, so its beta values carry "
+        "over); 'velocity' = (v - v_ref)^2",
     )
+
+
+# --- rules between the objective and the sampler (checked when a recipe is validated) ----------
+
+
+def kernel_spec(resolved: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The resolved ``sampler.kernel`` mapping of a recipe, if it is one."""
+    sampler = resolved.get("sampler")
+    kernel = sampler.get("kernel") if isinstance(sampler, Mapping) else None
+    return kernel if isinstance(kernel, Mapping) and isinstance(kernel.get("name"), str) else None
+
+
+def kl_recipe_errors(resolved: Mapping[str, Any]) -> list[ConfigError]:
+    """``kl: flow_grpo`` divides by 2 g^2 with g = std / sqrt(-dt): defined for kernels whose step
+    std is g sqrt(-dt) (``brownian``: sde, dance). With ``cps`` flow_grpo divides by the full std,
+    which is the exact KL: ``kl: mean``."""
+    objective, kernel = resolved.get("objective") or {}, kernel_spec(resolved)
+    if objective.get("kl") != "flow_grpo" or not objective.get("beta") or kernel is None:
+        return []
+    from fgrpo.core import registry
+
+    if getattr(registry.load("kernel", kernel["name"]), "brownian", False):
+        return []
+    return [
+        ConfigError(
+            "objective.kl",
+            f"got 'flow_grpo' with the kernel {kernel['name']!r}, whose std is not g * sqrt(-dt); flow_grpo "
+            "divides its KL by the kernel's full std there, which is the exact KL: use kl: mean",
+        )
+    ]
 
 
 # --- pieces of the loss ---------------------------------------------------------------------------
@@ -72,11 +105,14 @@ def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, clip_range:
 def kl_term(batch: StepBatch, form: str) -> torch.Tensor:
     """Scalar KL to the reference, with gradient through the current mean / velocity only."""
     b = batch.log_prob.shape[0]
-    if form == "mean":
+    if form in ("mean", "flow_grpo"):
         if batch.ref_mean is None:
-            raise ValueError("beta > 0 with kl='mean' needs StepBatch.ref_mean (see needs_reference)")
+            raise ValueError(f"beta > 0 with kl={form!r} needs StepBatch.ref_mean (see needs_reference)")
         std = per_sample(batch.std, b).detach()
-        return (sq_dist(batch.mean, batch.ref_mean.detach()) / (2 * std**2)).mean()
+        exact = sq_dist(batch.mean, batch.ref_mean.detach()) / (2 * std**2)
+        if form == "flow_grpo":  # divided by 2 g^2 = 2 std^2 / (-dt) instead of 2 std^2
+            exact = exact * -per_sample(batch.dt, b).detach()
+        return exact.mean()
     if form == "velocity":
         if batch.velocity is None or batch.ref_velocity is None:
             raise ValueError(

@@ -2,8 +2,8 @@
 
 Each kernel satisfies :class:`fgrpo.core.protocols.Kernel` and is registered under the entry point
 group ``fgrpo.kernels``: ``ode``, ``sde`` (Flow-GRPO), ``dance`` (DanceGRPO), ``cps``
-(coefficients-preserving) and ``dpmpp2m`` (DPM-Solver++(2M), deterministic, keeps a one-step
-history: call ``reset()`` before each run). All arithmetic is float32.
+(coefficients-preserving), ``dpmpp2m`` and ``dpmpp3m`` (DPM-Solver++(2M) and (3M), deterministic,
+keep a one- or two-step history: call ``reset()`` before each run). All arithmetic is float32.
 
 A step whose ``std`` is zero (every step of ``ode``/``dpmpp2m``, the last step to sigma' = 0 of
 ``cps``, any step with eta = 0) is deterministic: its log-prob is 0 and it must not be trained.
@@ -12,7 +12,8 @@ A step whose ``std`` is zero (every step of ``ode``/``dpmpp2m``, the last step t
 from fgrpo.samplers.kernels.cps import CPSKernel
 from fgrpo.samplers.kernels.dance import DanceKernel
 from fgrpo.samplers.kernels.dpmpp2m import DPMpp2MKernel
+from fgrpo.samplers.kernels.dpmpp3m import DPMpp3MKernel
 from fgrpo.samplers.kernels.ode import ODEKernel
 from fgrpo.samplers.kernels.sde import SDEKernel
 
-__all__ = ["CPSKernel", "DPMpp2MKernel", "DanceKernel", "ODEKernel", "SDEKernel"]
+__all__ = ["CPSKernel", "DPMpp2MKernel", "DPMpp3MKernel", "DanceKernel", "ODEKernel", "SDEKernel"]

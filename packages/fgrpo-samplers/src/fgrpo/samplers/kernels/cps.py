@@ -31,6 +31,10 @@ class CPSKernel:
     """
 
     stochastic: ClassVar[bool] = True
+    #: the step's std is not g * sqrt(-dt): flow_grpo's KL form is the exact KL here
+    brownian: ClassVar[bool] = False
+    #: what a sampler decodes by default (``final: null``): its last step to sigma' = 0 is deterministic: the sample is x0
+    reference_final: ClassVar[str] = "sample"
 
     eta: float = param(0.8, ge=0, le=1, help="noise level: std = sigma' * sin(eta * pi / 2)")
     normalized_logprob: bool = param(

@@ -26,6 +26,10 @@ class DanceKernel:
     """
 
     stochastic: ClassVar[bool] = True
+    #: the step's std is g * sqrt(-dt) (an Euler-Maruyama step): flow_grpo's KL divides by 2 g^2
+    brownian: ClassVar[bool] = True
+    #: what a sampler decodes by default (``final: null``): DanceGRPO decodes the last step's predicted x0
+    reference_final: ClassVar[str] = "x0"
 
     eta: float = param(0.3, ge=0, help="constant diffusion coefficient g = eta")
 

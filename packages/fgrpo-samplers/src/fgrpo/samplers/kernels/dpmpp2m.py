@@ -11,7 +11,7 @@ from fgrpo.core.protocols import KernelStep
 from fgrpo.samplers.kernels._common import deterministic, prepare
 
 
-class _History(NamedTuple):
+class History(NamedTuple):
     x0: torch.Tensor  # data prediction of the previous step (detached, float32)
     sigma: torch.Tensor  # (batch, 1, ...) where it was predicted
     sigma_next: torch.Tensor  # (batch, 1, ...) where that step ended
@@ -40,7 +40,7 @@ class DPMpp2MKernel:
 
     stochastic: ClassVar[bool] = False
 
-    _history: _History | None = attrs.field(default=None, init=False, repr=False, eq=False)
+    _history: History | None = attrs.field(default=None, init=False, repr=False, eq=False)
 
     def reset(self) -> None:
         """Forget the previous step: the next step is first order."""
@@ -58,26 +58,50 @@ class DPMpp2MKernel:
         generator: torch.Generator | None = None,
     ) -> KernelStep:
         s = prepare(velocity, sample, sigmas, index, noise=noise, prev_sample=prev_sample)
-        x, sigma, sigma_next = s.sample, s.sigma, s.sigma_next
-        alpha, alpha_next = 1 - sigma, 1 - sigma_next
-        x0 = x - sigma * s.velocity
-        ratio = sigma_next / sigma
-        c0 = alpha_next - alpha * ratio  # = -alpha' (e^-h - 1)
-        out = ratio * x + c0 * x0
-
+        x0 = s.sample - s.sigma * s.velocity
+        out = first_order(s.sample, x0, s.sigma, s.sigma_next)
         hist = self._history
-        if hist is not None and hist.x0.shape == x0.shape and hist.x0.device == x0.device:
-            second = (hist.sigma_next == sigma) & (sigma_next > 0) & (hist.sigma < 1) & (sigma < 1)
+        if continues(hist, x0):
+            second = (hist.sigma_next == s.sigma) & (s.sigma_next > 0) & (hist.sigma < 1) & (s.sigma < 1)
             if bool(second.any()):
-                one = torch.ones_like(sigma)
-                # lambda differences as logs of ratios, made safe where the step stays first order
-                s_prev = torch.where(second, hist.sigma, 0.5 * one)
-                s_next = torch.where(second, sigma_next, 0.5 * one)
-                s_cur = torch.where(second, sigma, 0.5 * one)
-                h = torch.log((1 - s_next) * s_cur / (s_next * (1 - s_cur)))
-                h_prev = torch.log((1 - s_cur) * s_prev / (s_cur * (1 - s_prev)))
-                h_prev = torch.where(second, h_prev, one)
-                d1 = (x0 - hist.x0) * (h / h_prev)
-                out = torch.where(second, out + 0.5 * c0 * d1, out)
-        self._history = _History(x0.detach(), sigma, sigma_next)
+                out = torch.where(second, out + second_order_term(x0, hist, s.sigma, s.sigma_next, second), out)
+        self._history = History(x0.detach(), s.sigma, s.sigma_next)
         return deterministic(s, out)
+
+
+# --- the pieces DPM-Solver++(3M) shares ------------------------------------------------------------
+
+
+def first_order(x: torch.Tensor, x0: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor) -> torch.Tensor:
+    """x' = (sigma'/sigma) x + c0 x0 with c0 = alpha' - alpha sigma'/sigma = -alpha' (e^-h - 1)."""
+    ratio = sigma_next / sigma
+    return ratio * x + c0(sigma, sigma_next) * x0
+
+
+def c0(sigma: torch.Tensor, sigma_next: torch.Tensor) -> torch.Tensor:
+    return (1 - sigma_next) - (1 - sigma) * (sigma_next / sigma)
+
+
+def continues(hist: History | None, x0: torch.Tensor) -> bool:
+    """Whether ``hist`` may continue into a step on ``x0`` (same batch shape and device)."""
+    return hist is not None and hist.x0.shape == x0.shape and hist.x0.device == x0.device
+
+
+def log_snr_step(s_from: torch.Tensor, s_to: torch.Tensor) -> torch.Tensor:
+    """lambda(s_to) - lambda(s_from) as the log of a ratio, lambda = log((1 - s) / s)."""
+    return torch.log((1 - s_to) * s_from / (s_to * (1 - s_from)))
+
+
+def safe(where: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``value`` where the higher-order term applies, else 1/2 (keeps unused logs finite)."""
+    return torch.where(where, value, torch.full_like(value, 0.5))
+
+
+def second_order_term(
+    x0: torch.Tensor, hist: History, sigma: torch.Tensor, sigma_next: torch.Tensor, where: torch.Tensor
+) -> torch.Tensor:
+    """1/2 c0 D1 with D1 = (x0 - x0_prev) h / h_prev (diffusers' "midpoint" 2M update)."""
+    h = log_snr_step(safe(where, sigma), safe(where, sigma_next))
+    h_prev = torch.where(where, log_snr_step(safe(where, hist.sigma), safe(where, sigma)), torch.ones_like(sigma))
+    d1 = (x0 - hist.x0) * (h / h_prev)
+    return 0.5 * c0(sigma, sigma_next) * d1

@@ -27,6 +27,10 @@ class SDEKernel:
     """
 
     stochastic: ClassVar[bool] = True
+    #: the step's std is g * sqrt(-dt) (an Euler-Maruyama step): flow_grpo's KL divides by 2 g^2
+    brownian: ClassVar[bool] = True
+    #: what a sampler decodes by default (``final: null``): flow_grpo decodes the last step's sample
+    reference_final: ClassVar[str] = "sample"
 
     eta: float = param(0.7, ge=0, help="noise level eta of g(sigma) = eta*sqrt(sigma/(1-sigma))")
 
