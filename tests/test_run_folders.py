@@ -258,7 +258,7 @@ def test_5_pruning_keeps_checkpoints_of_another_run_lineage(four):
 @pytest.fixture
 def lora_run(tmp_path) -> Path:
     out = tmp_path / "lora"
-    assert compose(out, "--set", "train.iterations=2", "--set", "model.lora_rank=4", "--set", "model.hidden=32") == 0
+    assert compose(out, "--set", "train.iterations=2", "--set", "model.lora.rank=4", "--set", "model.hidden=32") == 0
     return out
 
 
@@ -269,7 +269,7 @@ def test_6_sample_uses_the_checkpoints_recipe(lora_run, tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     assert cli.main(["sample", "--checkpoint", last, "--prompts", str(prompts), "--n", "4", "--out", str(a)]) == 0
     # the same checkpoint sampled with the recipe it was trained with: the same samples
-    same = [RECIPE, "--set", "model.lora_rank=4", "--set", "model.hidden=32", "--set", "eval.every=0"]
+    same = [RECIPE, "--set", "model.lora.rank=4", "--set", "model.hidden=32", "--set", "eval.every=0"]
     assert cli.main(["sample", *same, "--checkpoint", last, "--prompts", str(prompts), "--n", "4", "--out", str(b)]) == 0
     for name in ("00000_00.pt", "00000_03.pt"):
         assert torch.equal(torch.load(a / name), torch.load(b / name))
@@ -277,9 +277,9 @@ def test_6_sample_uses_the_checkpoints_recipe(lora_run, tmp_path):
 
 
 @pytest.mark.parametrize("sets, keys", [
-    (["--set", "model.hidden=32"], ["model.lora_rank: 4 in the checkpoint, 0 now"]),
-    ([], ["model.lora_rank: 4 in the checkpoint, 0 now", "model.hidden: 32 in the checkpoint, 64 now"]),
-    (["--set", "model.lora_rank=4", "--set", "model.hidden=32", "--set", "seed=3"], ["seed: 0 in the checkpoint, 3 now"]),
+    (["--set", "model.hidden=32"], ["model.lora: {'rank': 4, 'alpha': 8, 'target_modules': None, 'init': 'default'} in the checkpoint, None now"]),
+    ([], ["model.lora: {'rank': 4", "model.hidden: 32 in the checkpoint, 64 now"]),
+    (["--set", "model.lora.rank=4", "--set", "model.hidden=32", "--set", "seed=3"], ["seed: 0 in the checkpoint, 3 now"]),
 ])
 def test_6_sample_refuses_a_conflicting_recipe_listing_the_keys(lora_run, tmp_path, sets, keys, capsys):
     prompts = tmp_path / "p.txt"

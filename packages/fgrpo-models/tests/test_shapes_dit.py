@@ -13,6 +13,7 @@ pytest.importorskip("peft")
 from fgrpo.core import registry
 from fgrpo.core.config import check_params
 from fgrpo.core.protocols import Policy
+from fgrpo.core.testing import PolicyConformance
 from fgrpo.models.shapes_dit import (
     Architecture,
     ShapesDiT,
@@ -235,3 +236,9 @@ def test_shipped_base_strict_accuracy_is_in_the_target_band():
     assert 0.30 <= accuracy <= 0.65, accuracy
     assert accuracy == pytest.approx(0.377, abs=0.02)  # the tool printed 0.377 for the written file; another CPU may flip a few samples
     assert details["clean_cells"].mean().item() > 0.9  # errors are compositional, not broken glyphs
+
+
+class TestShapesDiTConformance(PolicyConformance):
+    model_name = "shapes-dit"
+    model_params = {"random_init": True, **{k: v for k, v in TINY.items() if k != "text_heads"}, "lora": {"rank": 4}, "device": "cpu"}
+    reward = {"name": "shapes"}

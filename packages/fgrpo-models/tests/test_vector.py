@@ -10,6 +10,7 @@ import torch
 from fgrpo.core import registry
 from fgrpo.core.config import RecipeError
 from fgrpo.core.protocols import Policy
+from fgrpo.core.testing import PolicyConformance
 from fgrpo.core.vectors import target_vectors
 from fgrpo.models.vector import VectorPolicy, base_samples
 
@@ -109,12 +110,12 @@ def test_base_is_reproducible_from_init():
     torch.manual_seed(0)
     a = torch.rand(1)
     torch.manual_seed(0)
-    make(init=7, lora_rank=2)
+    make(init=7, lora={"rank": 2})
     assert torch.equal(a, torch.rand(1))
 
 
 def test_reference_disables_a_changed_lora_adapter():
-    policy = make(lora_rank=4)
+    policy = make(lora={"rank": 4})
     x, sigma, cond = probe(policy)
     base = policy.velocity(x, sigma, cond).detach()
     names = [n for n, _ in policy.net.named_parameters() if _.requires_grad]
@@ -144,7 +145,7 @@ def test_reference_is_the_base_under_full_fine_tuning():
 
 
 def test_gradients_reach_only_the_trainable_parameters():
-    policy = make(lora_rank=2)
+    policy = make(lora={"rank": 2})
     x, sigma, cond = probe(policy)
     policy.velocity(x, sigma, cond).sum().backward()
     trainable = {id(p) for p in policy.trainable_parameters()}
@@ -157,11 +158,11 @@ def test_gradients_reach_only_the_trainable_parameters():
 
 @pytest.mark.parametrize("rank", [0, 3])
 def test_trainable_state_dict_round_trip(rank):
-    policy = make(lora_rank=rank, init=5)
+    policy = make(lora={"rank": rank}, init=5)
     perturb(policy)
     state = policy.trainable_state_dict()
     assert set(state) == {n for n, p in policy.net.named_parameters() if p.requires_grad}
-    fresh = make(lora_rank=rank, init=5)
+    fresh = make(lora={"rank": rank}, init=5)
     x, sigma, cond = probe(policy)
     assert not torch.allclose(fresh.velocity(x, sigma, cond), policy.velocity(x, sigma, cond))
     fresh.load_trainable_state_dict(state)
@@ -171,14 +172,14 @@ def test_trainable_state_dict_round_trip(rank):
     with pytest.raises(ValueError, match="missing"):
         fresh.load_trainable_state_dict({})
     with pytest.raises(ValueError, match="unexpected"):
-        make(lora_rank=1 if rank == 0 else 0).load_trainable_state_dict(state)
+        make(lora={"rank": 1 if rank == 0 else 0}).load_trainable_state_dict(state)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("rank", [0, 2])
 def test_dtype_option(dtype, rank):
-    low = make(dtype=dtype, lora_rank=rank)
-    ref = make(lora_rank=rank)
+    low = make(dtype=dtype, lora={"rank": rank})
+    ref = make(lora={"rank": rank})
     assert all(p.dtype == getattr(torch, dtype) for n, p in low.net.named_parameters() if "lora_" not in n)
     x, sigma, cond = probe(low)
     v = low.velocity(x, sigma, cond)
@@ -196,7 +197,7 @@ def test_bad_keys_are_reported_together():
 
 
 def test_base_weights_file_round_trip(tmp_path):
-    policy = make(init=11, lora_rank=2)
+    policy = make(init=11, lora={"rank": 2})
     file = tmp_path / "base.safetensors"
     policy.save_base(file)
     loaded = make(init=0, path=str(file))
@@ -297,3 +298,15 @@ def test_grpo_on_target_distance_learns_in_a_few_iterations():
         optimizer.step()
     first, last = sum(history[:3]) / 3, sum(history[-3:]) / 3
     assert last > first + 0.3, history
+
+
+class TestVectorConformance(PolicyConformance):
+    model_name = "vector"
+    model_params = {"lora": {"rank": 4}, "pretrain_steps": 50}
+    prompts = ("target 1 1", "target -1 0.5")
+    reward = {"name": "target-distance"}
+    outputs_in_unit_range = False  # the outputs are the vectors themselves
+
+
+class TestVectorFullFineTuningConformance(TestVectorConformance):
+    model_params = {"lora": None}  # the frozen copy of the base is the reference

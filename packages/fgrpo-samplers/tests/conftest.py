@@ -1,92 +1,10 @@
-"""A tiny Policy for sampler tests: the exact velocity of a Gaussian data distribution.
-
-Data: x0 ~ N(m(c), s^2 I), the mean m(c) set by the prompt (a fixed random vector per prompt,
-times a trainable ``gain``). With x = (1 - sigma) x0 + sigma eps the posterior means are closed
-form, and v(x, sigma, c) = E[eps - x0 | x]. Everything is elementwise per row, so a row's velocity
-does not depend on the batch it is evaluated in (the samplers' shared-prefix tests rely on that).
-``guidance`` turns on classifier-free guidance (unconditional mean 0), which costs 2 evaluations
-per call. ``rows`` lists the batch size of every ``velocity`` call.
-"""
+"""The samplers' tests run on the public toy policy (fgrpo.core.testing.GaussianPolicy)."""
 
 from __future__ import annotations
 
-import contextlib
-import zlib
-from collections.abc import Iterator, Mapping, Sequence
-
 import pytest
-import torch
 
-
-class GaussianPolicy:
-    def __init__(self, shape: Sequence[int] = (4,), spread: float = 0.5, guidance: float | None = None):
-        self.device = torch.device("cpu")
-        self.shape = tuple(shape)
-        self.spread = float(spread)
-        self.guidance = guidance
-        self.evaluations_per_call = 1 if guidance is None else 2
-        self.gain = torch.nn.Parameter(torch.ones(()))
-        self.rows: list[int] = []
-        self.encoded: list[str] = []
-        self._use_reference = False
-
-    def _prompt_mean(self, prompt: str) -> torch.Tensor:
-        g = torch.Generator().manual_seed(zlib.crc32(prompt.encode()))
-        return 2 * torch.randn(self.shape, generator=g)
-
-    def encode(self, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
-        self.encoded.extend(prompts)
-        means = torch.stack([self._prompt_mean(p) for p in prompts])
-        return {"mean": means, "length": torch.tensor([len(p) for p in prompts])}
-
-    def initial_noise(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
-        return torch.randn((n, *self.shape), generator=generator)
-
-    def sigmas(self, steps: int) -> torch.Tensor:
-        t = torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64)
-        return (3.0 * t / (1 + 2.0 * t)).to(torch.float32)
-
-    def _velocity(self, x: torch.Tensor, sigma: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
-        sig = sigma.reshape(-1, *([1] * (x.dim() - 1))).to(x.dtype)
-        alpha = 1 - sig
-        s2 = self.spread**2
-        var = alpha * alpha * s2 + sig * sig
-        resid = x - alpha * mean
-        eps = sig * resid / var
-        x0 = mean + alpha * s2 * resid / var
-        return eps - x0
-
-    def velocity(self, x: torch.Tensor, sigma: torch.Tensor, cond: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        assert sigma.shape == (x.shape[0],), "sigma must be (batch,)"
-        assert cond["mean"].shape[0] == x.shape[0], "conditioning must be batched like x"
-        self.rows.append(int(x.shape[0]))
-        gain = torch.ones(()) if self._use_reference else self.gain
-        v = self._velocity(x, sigma, cond["mean"] * gain)
-        if self.guidance is not None:
-            v_uncond = self._velocity(x, sigma, torch.zeros_like(cond["mean"]))
-            v = v_uncond + self.guidance * (v - v_uncond)
-        return v
-
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        return latents
-
-    def trainable_parameters(self) -> Iterator[torch.nn.Parameter]:
-        yield self.gain
-
-    @contextlib.contextmanager
-    def reference(self) -> Iterator[None]:
-        self._use_reference = True
-        try:
-            yield
-        finally:
-            self._use_reference = False
-
-    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
-        return {"gain": self.gain.detach().clone()}
-
-    def load_trainable_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        with torch.no_grad():
-            self.gain.copy_(state["gain"])
+from fgrpo.core.testing.toys import GaussianPolicy
 
 
 @pytest.fixture

@@ -8,6 +8,8 @@ Layout of ``checkpoints/iter_NNNNNN/``::
     optimizer.pt            optimizer and LR-schedule state (tensors and numbers only)
     rng-rankR.pt            each process's torch RNG states
     state.json              iteration, sampler state, data position, the resolved recipe, run id
+    export/                 the trained weights in the backbone's own format, when the policy
+                            writes them (a LoRA as diffusers' save_lora_weights does)
 Loading uses ``torch.load(weights_only=True)`` and safetensors: nothing arbitrary is unpickled; a
 file that does not read back raises :class:`CheckpointError` (one line, "not a valid checkpoint").
 
@@ -26,7 +28,7 @@ import pickle
 import re
 import shutil
 import zipfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +41,7 @@ TRAINABLE = "trainable.safetensors"
 EMA = "ema.safetensors"
 OPTIMIZER = "optimizer.pt"
 STATE = "state.json"
+EXPORT = "export"
 # recipe keys that may differ on resume (fnmatch patterns): extending a run, how it is shown,
 # how long to wait for a reward or for the other processes
 RESUMABLE_CHANGES = (
@@ -97,9 +100,11 @@ def write(
     rng: Mapping[int, Any],
     state: Mapping[str, Any],
     keep: int,
+    export: Callable[[str], Any] | None = None,
 ) -> Path:
     """Write checkpoint ``iteration`` under ``root`` (checkpoints/) and point ``last`` at it; then
-    prune the older checkpoints of the same run (``state["run_id"]``) down to ``keep``."""
+    prune the older checkpoints of the same run (``state["run_id"]``) down to ``keep``. ``export(folder)`` writes extra files into ``export/`` before the
+    folder becomes visible."""
     root.mkdir(parents=True, exist_ok=True)
     final = root / folder_name(iteration)
     tmp = root / f".tmp-{folder_name(iteration)}-{os.getpid()}"
@@ -113,6 +118,10 @@ def write(
     for rank, states in rng.items():
         torch.save(states, tmp / f"rng-rank{rank}.pt")
     (tmp / STATE).write_text(json.dumps(dict(state), indent=1, sort_keys=True))
+    if export is not None:
+        export(str(tmp / EXPORT))
+        if (tmp / EXPORT).is_dir():
+            _fsync_tree(tmp / EXPORT)
     _fsync_tree(tmp)
     if final.is_symlink() or final.exists():  # not this run's (resume starts past its own)
         set_aside(final)

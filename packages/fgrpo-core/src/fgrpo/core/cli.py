@@ -1,4 +1,4 @@
-"""The ``fgrpo`` command: plugins, validate, compose, report, check, sample.
+"""The ``fgrpo`` command: plugins, validate, compose, report, check, sample, export.
 
 Bad input (a recipe error, an unknown or broken component) prints one line per problem and exits
 with code 2, never a traceback.
@@ -107,6 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.set_defaults(handler=cmd_sample)
 
+    p = sub.add_parser("export", help="a checkpoint's trained weights in the backbone's own format (diffusers LoRA)")
+    p.add_argument("checkpoint", help="a checkpoint folder (RUN/checkpoints/iter_N) or a run folder (its newest checkpoint)")
+    p.add_argument("--out", required=True, help="folder to write (e.g. for pipe.load_lora_weights(OUT))")
+    p.add_argument("--no-ema", action="store_true", help="the raw trained weights even when the run keeps an EMA")
+    p.set_defaults(handler=cmd_export)
+
     from fgrpo.core.hookspecs import plugin_manager
 
     plugin_manager().hook.fgrpo_register_commands(subparsers=sub)
@@ -191,12 +197,14 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def composition_tree(recipe: Any, title: str) -> Tree:
+    from fgrpo.core.recipe import REWARD_EXTRA_KEYS
+
     tree = Tree(f"[bold]{title}[/]")
     for section in ("model", "sampler", "objective", "prompts"):
         _spec_branch(tree, section, section, recipe.data[section])
     rewards = tree.add("reward")
     for spec in recipe.data["reward"]:
-        params = {k: v for k, v in spec.items() if k not in ("weight", "label")}
+        params = {k: v for k, v in spec.items() if k not in REWARD_EXTRA_KEYS}
         _spec_branch(rewards, "reward", f"{spec['label']} (weight {spec['weight']})", params)
     for section in ("train", "eval", "log"):
         node = tree.add(section)
@@ -234,9 +242,7 @@ def cmd_compose(args: argparse.Namespace) -> int:
     run = open_run(recipe, out=args.out, resume=args.resume, start_over=args.start_over, console=out, quiet=args.quiet)
     folder = run.out_dir
     try:
-        run.display.say(
-            f"training {recipe.source} -> {folder} ({run.accelerator.num_processes} process(es), device {run.policy.device})"
-        )
+        run.display.say(f"training {recipe.source} -> {folder} ({accelerate_summary(run)})")
         with run.display:
             train(run)
     finally:
@@ -255,6 +261,14 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def accelerate_summary(run: Any) -> str:
+    acc = run.accelerator
+    return (
+        f"{acc.num_processes} process(es), device {run.policy.device}, mixed precision {acc.mixed_precision}, "
+        f"gradient accumulation {acc.gradient_accumulation_steps}"
+    )
+
+
 def build_components(recipe: Any) -> dict[str, Any]:
     built = {section: recipe.build(section) for section in ("model", "sampler", "objective", "prompts")}
     for spec, reward in recipe.build_rewards():
@@ -268,7 +282,8 @@ def cmd_check(args: argparse.Namespace) -> int:
 
     deviation, run = first_ratio_check(_load(args), console=out)
     out.print(
-        f"largest |ratio - 1| before the first optimizer step: {deviation:.3e} (tolerance {args.tolerance:g})",
+        f"largest |ratio - 1| before the first optimizer step: {deviation:.3e} (tolerance {args.tolerance:g}; "
+        f"{accelerate_summary(run)})",
         markup=False,
     )
     if deviation <= args.tolerance:
@@ -281,11 +296,8 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
-    import torch
-
     from fgrpo.core.evaluation import write_samples
     from fgrpo.core.prompts import read_prompt_file
-    from fgrpo.core.seeding import derive_seed
     from fgrpo.core.trainer import load_checkpoint_weights
 
     from fgrpo.core import rundir
@@ -301,8 +313,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
         raise RecipeError([ConfigError("recipe", "give a RECIPE to sample its base model, or --checkpoint DIR")])
     else:
         recipe = _load(args)
-    torch.manual_seed(derive_seed(recipe.seed, "build"))
-    policy = recipe.build("model")
+    policy = _build_policy(recipe)
     if checkpoint is not None:
         load_checkpoint_weights(policy, checkpoint, recipe.train.ema_decay)
     try:
@@ -312,6 +323,51 @@ def cmd_sample(args: argparse.Namespace) -> int:
     written = write_samples(policy, prompts, args.n, args.steps or recipe.eval.steps, args.seed, Path(args.out))
     out.print(f"wrote {written} samples to {args.out}", markup=False)
     return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """Copy the export a checkpoint already holds (LoRA runs write one in diffusers' format), or
+    build the checkpoint's model, load its weights and let the policy export them."""
+    import shutil
+    from pathlib import Path
+
+    from fgrpo.core import checkpoint as ckpt
+    from fgrpo.core import rundir
+
+    folder = rundir.find_checkpoint(Path(args.checkpoint))
+    if not (folder / ckpt.STATE).is_file():
+        raise RecipeError([ConfigError("checkpoint", f"{folder} is not a checkpoint folder (no {ckpt.STATE}); expected RUN, RUN/checkpoints/iter_N or RUN/checkpoints/last")])
+    out_dir = Path(args.out)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise RecipeError([ConfigError("--out", f"{out_dir} exists and is not empty; choose a new folder")])
+    ema_in_use = (folder / ckpt.EMA).is_file()
+    ready = folder / ckpt.EXPORT
+    if ready.is_dir() and not (args.no_ema and ema_in_use):  # a checkpoint's export holds its EMA weights
+        shutil.copytree(ready, out_dir, dirs_exist_ok=True)
+        written = sorted(str(p) for p in out_dir.rglob("*") if p.is_file())
+    else:
+        recipe = rundir.recipe_for_checkpoint(folder, None, [])
+        policy = _build_policy(recipe)
+        export = getattr(policy, "export", None)
+        if export is None:
+            raise RecipeError([ConfigError("model", f"{recipe.data['model']['name']!r} has no export(): its weights are in {folder / ckpt.TRAINABLE}")])
+        from fgrpo.core.trainer import load_checkpoint_weights
+
+        load_checkpoint_weights(policy, folder, 0.0 if args.no_ema else recipe.train.ema_decay)
+        written = list(export(str(out_dir)))
+    for path in written:
+        out.print(f"wrote {path}", markup=False)
+    out.print(f"exported {folder} ({'raw' if args.no_ema or not ema_in_use else 'EMA'} weights) to {out_dir}", markup=False)
+    return 0
+
+
+def _build_policy(recipe: Any) -> Any:
+    import torch
+
+    from fgrpo.core.seeding import derive_seed
+
+    torch.manual_seed(derive_seed(recipe.seed, "build"))
+    return recipe.build("model")
 
 
 # --- entry -------------------------------------------------------------------------------------

@@ -97,7 +97,9 @@ def evaluate(run: Run, iteration: int, out_dir: Path | None) -> dict[str, float]
     outputs, all_prompts = [], []
     context = run.ema.swapped_in() if run.ema is not None else contextlib.nullcontext()
     sigmas = evaluation_sigmas(run)
-    with context, guidance(run.policy, cfg.guidance_scale), run.display.phase(f"evaluation at {iteration}", total=len(prompts)) as advance:
+    with context, guidance(run.policy, cfg.guidance_scale), run.accelerator.autocast(), run.display.phase(
+        f"evaluation at {iteration}", total=len(prompts)
+    ) as advance:
         for start in range(0, len(prompts), per_call):
             chunk = prompts[start : start + per_call]
             g = generator(run.recipe.seed, "eval", start, device=run.policy.device)

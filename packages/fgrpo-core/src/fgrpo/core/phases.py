@@ -65,7 +65,7 @@ def rollout(run: Run, iteration: int) -> Trajectory:
         for start in range(0, len(local), chunk):
             slots, prompts = zip(*local[start : start + chunk])
             g = generator(run.recipe.seed, "rollout", iteration, slots[0], device=run.policy.device)
-            with autocast(run.policy.device, cfg.rollout_precision):
+            with run.accelerator.autocast(), autocast(run.policy.device, cfg.rollout_precision):
                 traj = run.sampler.rollout(run.policy, list(prompts), cfg.group_size, generator=g)
             # group ids become global prompt slots: unique across chunks and processes
             traj.group_index = torch.as_tensor(slots, device=traj.group_index.device)[traj.group_index]
@@ -82,12 +82,44 @@ def decode(run: Run, traj: Trajectory) -> Any:
     return run.policy.decode(traj.final)
 
 
+def is_video_batch(outputs: Any) -> bool:
+    return isinstance(outputs, torch.Tensor) and outputs.dim() == 5 and outputs.shape[2] == 3
+
+
+def score_frames(reward: Any, videos: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Any], stride: int) -> Any:
+    """An image reward on videos (B, T, 3, H, W): frames 0, stride, 2 stride, ... of every video
+    scored as images with their video's prompt and metadata; a video's score is the mean over its
+    frames, numeric details are averaged per video, other details listed per video."""
+    from fgrpo.core.protocols import RewardResult
+
+    frames = videos[:, ::stride]
+    b, t = frames.shape[:2]
+    result = reward(frames.reshape(b * t, *frames.shape[2:]), [p for p in prompts for _ in range(t)], [m for m in metadata for _ in range(t)])
+    scores = torch.as_tensor(result.scores).detach()
+    if scores.shape != (b * t,):
+        return result  # malformed: reported by score() with the shape it has
+    details: dict[str, Any] = {}
+    for key, value in result.details.items():
+        if isinstance(value, torch.Tensor) and value.shape[:1] == (b * t,) and (value.is_floating_point() or value.dtype == torch.bool):
+            details[key] = value.float().reshape(b, t, *value.shape[1:]).mean(dim=1)
+        elif isinstance(value, (list, tuple)) and len(value) == b * t:
+            details[key] = [list(value[i * t : (i + 1) * t]) for i in range(b)]
+        else:
+            details[key] = value
+    return RewardResult(scores=scores.float().reshape(b, t).mean(dim=1), details=details)
+
+
 def score(rewards: Sequence[tuple[Any, Any]], outputs: Any, prompts: Sequence[str], metadata: Sequence[Any], *, where: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Every reward on the batch; a malformed result stops the run before an update uses it."""
+    """Every reward on the batch; a malformed result stops the run before an update uses it.
+    Videos reach a reward frame by frame (every ``frame_stride``-th frame of the reward's spec)
+    unless the reward declares ``accepts_video = True``."""
     scores: dict[str, torch.Tensor] = {}
     details: dict[str, Any] = {}
     for spec, reward in rewards:
-        result = reward(outputs, list(prompts), list(metadata))
+        if is_video_batch(outputs) and not getattr(reward, "accepts_video", False):
+            result = score_frames(reward, outputs, prompts, metadata, getattr(spec, "frame_stride", 1))
+        else:
+            result = reward(outputs, list(prompts), list(metadata))
         s = torch.as_tensor(result.scores).detach()
         if s.shape != (len(prompts),):
             raise RewardError(
@@ -229,16 +261,22 @@ def minibatches(kept: torch.Tensor, most: int, n: int, per_step: int, order: tor
 
 
 def update(run: Run, traj: Trajectory, adv: torch.Tensor, iteration: int) -> UpdateStats:
-    """``inner_epochs`` passes over the samples in minibatches; each minibatch is one optimizer
-    step whose gradient accumulates over all its (sample, step) pairs."""
+    """``inner_epochs`` passes over the samples in minibatches; an optimizer step every
+    ``gradient_accumulation_steps`` minibatches (accelerate's setting by default, 1), its gradient
+    the mean over all their (sample, step) pairs. Forwards run under the run's mixed precision
+    (accelerate's autocast); with fp16 the loss is scaled (accelerate's GradScaler)."""
     cfg = run.recipe.train
+    acc = run.accelerator
+    scaler = getattr(acc, "scaler", None)
     stats = UpdateStats()
     params = run.trainable
     n = traj.batch_size
     per_step = cfg.minibatch_size or n
+    accumulate = max(1, int(acc.gradient_accumulation_steps))
     kept, most = informative(run, adv)
     stats.samples = len(kept)
-    total_steps = cfg.inner_epochs * (math.ceil(most / math.ceil(most * per_step / n)) if most else 0)
+    per_epoch = math.ceil(most / math.ceil(most * per_step / n)) if most else 0
+    total_steps = cfg.inner_epochs * math.ceil(per_epoch / accumulate)
     with run.display.phase("update", total_steps) as advance:
         for epoch in range(cfg.inner_epochs):
             order = (
@@ -246,25 +284,36 @@ def update(run: Run, traj: Trajectory, adv: torch.Tensor, iteration: int) -> Upd
                 if cfg.shuffle_minibatches
                 else None
             )
-            for samples in minibatches(kept, most, n, per_step, order):
+            batches = minibatches(kept, most, n, per_step, order)
+            for first in range(0, len(batches), accumulate):
+                group = batches[first : first + accumulate]
                 run.optimizer.zero_grad(set_to_none=True)
-                pairs = pair_batches(traj, samples.to(traj.latents.device), cfg.micro_batch_size) if len(samples) else []
-                total_pairs = len(samples) * traj.num_trained_steps
-                for rows, cols in pairs:
-                    batch, nfe = step_batch(run, traj, adv, rows, cols)
-                    out = run.objective(batch)
-                    (out.loss * (len(rows) / total_pairs)).backward()
-                    stats.nfe += nfe
-                    for key, value in out.metrics.items():
-                        stats.metrics[key].append(value.detach())
-                    if stats.optimizer_steps == 0:
-                        dev = (batch.log_prob.detach() - batch.old_log_prob).exp().sub(1).abs().max().item()
-                        stats.first_ratio_deviation = max(stats.first_ratio_deviation or 0.0, dev)
+                total_pairs = sum(len(samples) for samples in group) * traj.num_trained_steps
+                for samples in group:
+                    pairs = pair_batches(traj, samples.to(traj.latents.device), cfg.micro_batch_size) if len(samples) else []
+                    for rows, cols in pairs:
+                        with acc.autocast():
+                            batch, nfe = step_batch(run, traj, adv, rows, cols)
+                            out = run.objective(batch)
+                        loss = out.loss * (len(rows) / total_pairs)
+                        (scaler.scale(loss) if scaler is not None else loss).backward()
+                        stats.nfe += nfe
+                        for key, value in out.metrics.items():
+                            stats.metrics[key].append(value.detach())
+                        if stats.optimizer_steps == 0:
+                            dev = (batch.log_prob.detach() - batch.old_log_prob).exp().sub(1).abs().max().item()
+                            stats.first_ratio_deviation = max(stats.first_ratio_deviation or 0.0, dev)
                 sync_gradients(run, params)
+                if scaler is not None:
+                    scaler.unscale_(run.optimizer)  # after the all-reduce: every process sees the same inf/nan
                 if cfg.max_grad_norm > 0:
                     norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
                     stats.grad_norms.append(float(norm))
-                run.optimizer.step()
+                if scaler is not None:
+                    scaler.step(run.optimizer)
+                    scaler.update()
+                else:
+                    run.optimizer.step()
                 stats.optimizer_steps += 1
                 run.optimizer_steps += 1
                 if run.ema is not None and run.optimizer_steps % cfg.ema_every == 0:

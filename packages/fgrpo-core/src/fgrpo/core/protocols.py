@@ -15,7 +15,8 @@ import attrs
 import torch
 
 #: Conditioning produced by ``Policy.encode``: a tensor or a (nested) dict/tuple of tensors whose
-#: first dimension is the batch. ``fgrpo.core.tensors`` repeats and indexes it.
+#: first dimension is the batch. ``fgrpo.core.tensors`` repeats, indexes and concatenates it along
+#: dimension 0; nothing without a batch dimension travels in it (see ``Policy``).
 Cond = Any
 
 
@@ -68,11 +69,26 @@ class Policy(Protocol):
 
     ``velocity`` predicts v = eps - x0 at noise level ``sigma`` (shape (batch,)) for the
     conditioning ``cond`` (batch-first, as returned by ``encode``; classifier-free guidance, if
-    any, is applied inside). ``reference()`` is a context in which ``velocity`` is the frozen
-    reference policy (LoRA adapters disabled) without a second copy of the network.
-    ``sigmas(steps)`` is the model's own default schedule (length steps + 1, from 1 down to 0);
-    ``evaluations_per_call`` is the NFE one ``velocity`` call costs (2 with classifier-free
-    guidance), so samplers count NFE honestly.
+    any, is applied inside), as float32 in the layout of ``x``. ``reference()`` is a context in
+    which ``velocity`` is the frozen reference policy (LoRA adapters disabled) without a second
+    copy of the network. ``sigmas(steps)`` is the model's own default schedule (length steps + 1,
+    from 1 down to 0); ``evaluations_per_call`` is the NFE one ``velocity`` call costs (2 with
+    classifier-free guidance), so samplers count NFE honestly. ``decode`` gives the outputs
+    rewards score: images (B, 3, H, W) or videos (B, T, 3, H, W) as float32 in [0, 1], or the
+    policy's own tensors.
+
+    How tensors travel: every tensor in ``cond`` has the batch as its first dimension, because
+    the trainer repeats it per group, indexes (sample, step) pairs out of it and concatenates
+    rollout chunks along dimension 0. Tensors that have no batch dimension (FLUX's image and
+    text position ids, rotary tables, Qwen-Image's image shapes) never go into ``cond``: the
+    policy derives them inside ``velocity`` from the shapes of ``x`` and ``cond`` (and may
+    cache them). Per-sample data of varying length is padded to a fixed width with a mask in
+    ``cond`` (Qwen-Image pads prompt embeddings to ``max_sequence_length`` and trims each
+    forward to its longest prompt), so batches from different calls can be concatenated.
+
+    Optional: ``export(folder)`` writes the trained weights in the backbone's own format (the
+    ``fgrpo export`` command), and ``export_in_checkpoints`` (true) puts that export into every
+    checkpoint.
     """
 
     device: torch.device
@@ -170,7 +186,13 @@ class RewardResult:
 
 @runtime_checkable
 class Reward(Protocol):
-    """Scores finished samples in batches. Images are float (B, 3, H, W) in [0, 1]."""
+    """Scores finished samples in batches. Images are float (B, 3, H, W) in [0, 1].
+
+    Videos (B, T, 3, H, W) reach a reward as images, frame by frame (every ``frame_stride``-th
+    frame, a key of the reward's recipe entry), and a video's score is the mean of its frames'
+    (``fgrpo.core.phases.score_frames``); a reward that scores whole videos itself declares the
+    class attribute ``accepts_video = True`` and receives the (B, T, 3, H, W) tensor.
+    """
 
     def __call__(
         self, outputs: Any, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]

@@ -30,6 +30,14 @@ class TrainConfig:
     rollout_precision: Literal["same", "bfloat16", "float16"] = param(
         "same", help="autocast the rollout to this dtype (faster, but off-policy: `fgrpo check` shows it)"
     )
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = param(
+        "auto",
+        help="autocast of every network forward (rollout, update, evaluation); auto: accelerate's "
+        "(accelerate launch --mixed_precision / its config file), else no. Kernel arithmetic stays float32",
+    )
+    gradient_accumulation_steps: int = param(
+        0, ge=0, help="minibatches per optimizer step; 0: accelerate's (--gradient_accumulation_steps / its config), else 1"
+    )
     inner_epochs: int = param(1, ge=1, help="passes over each iteration's samples")
     minibatch_size: int = param(0, ge=0, help="samples per optimizer step; 0 = the whole batch (on-policy)")
     micro_batch_size: int = param(0, ge=0, help="(sample, step) pairs per forward pass; 0 = the whole minibatch")
@@ -132,7 +140,7 @@ SECTIONS: dict[str, str] = {
 }
 REQUIRED = ("model", "sampler", "reward", "objective", "prompts")
 OWN_SECTIONS = {"train": TrainConfig, "eval": EvalConfig, "log": LogConfig}
-REWARD_EXTRA_KEYS = ("weight", "label")
+REWARD_EXTRA_KEYS = ("weight", "label", "frame_stride")
 
 
 @attrs.frozen
@@ -141,6 +149,7 @@ class RewardSpec:
     label: str
     weight: float
     params: dict[str, Any]
+    frame_stride: int = 1  # videos: score every k-th frame as an image (fgrpo.core.phases.score)
 
 
 @attrs.frozen
@@ -363,9 +372,14 @@ def _check_rewards(value: Any) -> tuple[list[RewardSpec], Any, list[ConfigError]
         if not isinstance(label, str):
             errors.append(ConfigError(f"{key}.label", f"expected a string, got {label!r}"))
             label = str(label)
-        resolved.append({**spec, "weight": float(weight), "label": label})
+        stride = extra.get("frame_stride", 1)
+        if isinstance(stride, bool) or not isinstance(stride, int) or stride < 1:
+            errors.append(ConfigError(f"{key}.frame_stride", f"got {stride!r}; allowed: an integer >= 1 (videos: score every k-th frame)"))
+            stride = 1
+        resolved.append({**spec, "weight": float(weight), "label": label, "frame_stride": stride})
         if not errs:
-            specs.append(RewardSpec(spec["name"], label, float(weight), {k: v for k, v in spec.items() if k != "name"}))
+            params = {k: v for k, v in spec.items() if k != "name"}
+            specs.append(RewardSpec(spec["name"], label, float(weight), params, frame_stride=stride))
     labels = [r["label"] for r in resolved]
     for label in sorted({lb for lb in labels if labels.count(lb) > 1}):
         errors.append(ConfigError("reward", f"two rewards are labelled {label!r}; give each a distinct 'label'"))

@@ -29,8 +29,7 @@ COMPONENTS: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
     **{("reward", n): ("fgrpo-rewards", ("clip",)) for n in ("clip-score", "pickscore", "aesthetic")},
     ("prompts", "shapes"): ("fgrpo-rewards", ()),
     ("model", "vector"): ("fgrpo-models", ()),
-    ("model", "sd3"): ("fgrpo-models", ("diffusers",)),
-    ("model", "shapes-dit"): ("fgrpo-models", ("diffusers",)),
+    **{("model", n): ("fgrpo-models", ("diffusers",)) for n in ("sd3", "flux", "qwen-image", "wan", "shapes-dit")},
 }
 
 #: the distribution that provides most components of a kind (fgrpo-core provides objectives and

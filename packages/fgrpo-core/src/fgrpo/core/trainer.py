@@ -6,7 +6,9 @@ compute advantages, update, evaluate, log, checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import random
 import time
 from collections.abc import Sequence
@@ -146,17 +148,84 @@ def lr_lambda(cfg: Any) -> Any:
     return factor
 
 
-def make_accelerator(cpu: bool | None = None, **options: Any) -> Any:
-    """The run's Accelerator; ``options`` go to its constructor (``log_with``, ``project_dir``)."""
+#: how the processes of a run share work: each rolls out its own prompt groups and gradients are
+#: averaged by one all-reduce per optimizer step (``phases.sync_gradients``)
+DATA_PARALLEL = ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_MUSA", "MULTI_HPU", "MULTI_SDAA")
+
+
+def accelerate_settings(train: Any = None, env: Any = None) -> tuple[str, int]:
+    """(mixed precision, gradient accumulation steps) of a run: the recipe's ``train`` keys when
+    set, else what ``accelerate launch`` passed on (flags or its config file, as environment
+    variables), else no / 1. A recipe and a launcher that disagree are refused."""
+    env = os.environ if env is None else env
+    launched_precision = env.get("ACCELERATE_MIXED_PRECISION", "").lower() or None
+    launched_steps = env.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS") or None
+    wanted_precision = getattr(train, "mixed_precision", "auto")
+    wanted_steps = getattr(train, "gradient_accumulation_steps", 0)
+    errors = []
+    if wanted_precision == "auto":
+        precision = launched_precision or "no"
+    else:
+        precision = wanted_precision
+        if launched_precision not in (None, "no", precision):
+            errors.append(ConfigError(
+                "train.mixed_precision",
+                f"got {precision!r} but accelerate was launched with mixed precision {launched_precision!r}; "
+                "set one of them (train.mixed_precision: auto follows accelerate)",
+            ))
+    if precision not in ("no", "bf16", "fp16"):
+        errors.append(ConfigError("train.mixed_precision", f"accelerate asks for {precision!r}; allowed: no, bf16, fp16"))
+    try:
+        steps_from_launcher = int(launched_steps) if launched_steps is not None else None
+    except ValueError:
+        steps_from_launcher = None
+        errors.append(ConfigError("train.gradient_accumulation_steps", f"accelerate passed {launched_steps!r}; expected an integer"))
+    if wanted_steps:
+        steps = wanted_steps
+        if steps_from_launcher not in (None, 1, steps):
+            errors.append(ConfigError(
+                "train.gradient_accumulation_steps",
+                f"got {steps} but accelerate was launched with {steps_from_launcher}; set one of them (0 follows accelerate)",
+            ))
+    else:
+        steps = steps_from_launcher or 1
+    if errors:
+        raise RecipeError(errors)
+    return precision, steps
+
+
+def make_accelerator(cpu: bool | None = None, train: Any = None, **options: Any) -> Any:
+    """The run's Accelerator, with the mixed precision and gradient accumulation of
+    :func:`accelerate_settings` (fp16 needs a GPU; model-sharding launches are refused);
+    ``options`` go to its constructor (``log_with``)."""
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
 
     if cpu is None:
         cpu = not torch.cuda.is_available()
-    return Accelerator(cpu=cpu, **options)
+    precision, steps = accelerate_settings(train)
+    if precision == "fp16" and (cpu or not torch.cuda.is_available()):
+        raise RecipeError([ConfigError(
+            "train.mixed_precision",
+            "fp16 mixed precision needs a GPU (accelerate ignores it on the CPU); use bf16 or no",
+        )])
+    if AcceleratorState._shared_state.get("_mixed_precision") not in (None, precision):
+        AcceleratorState._reset_state()  # a new run in the same process (tests, tools): its own precision
+    acc = Accelerator(cpu=cpu, mixed_precision=precision, gradient_accumulation_steps=steps, **options)
+    kind = str(acc.distributed_type).split(".")[-1]
+    if kind not in DATA_PARALLEL:
+        raise RecipeError([ConfigError(
+            "accelerate",
+            f"distributed type {kind} (from the accelerate config or launch flags) is not supported: fgrpo runs data "
+            "parallel (each process rolls out its own prompt groups; one gradient all-reduce per optimizer step). "
+            "Use recipes/accelerate/ddp.yaml; to fit memory use LoRA, gradient checkpointing, "
+            "model.text_encoder_device: cpu and bf16 weights",
+        )])
+    return acc
 
 
 def build_run(recipe: Recipe, *, out_dir: Path | None, console: Console, quiet: bool = False, accelerator: Any = None) -> Run:
-    acc = accelerator or make_accelerator()
+    acc = accelerator or make_accelerator(train=recipe.train)
     # components draw their initial weights (LoRA init, ...) from the global RNG: same on every rank
     torch.manual_seed(derive_seed(recipe.seed, "build"))
     random.seed(derive_seed(recipe.seed, "python"))
@@ -230,9 +299,18 @@ def save_checkpoint(run: Run, done: int) -> None:
                 "run_id": run.folder.run_id if run.folder is not None else None,
             },
             keep=run.recipe.train.keep_checkpoints,
+            export=(lambda folder: export_policy(run, folder)) if getattr(run.policy, "export_in_checkpoints", False) else None,
         )
         plugin_manager().hook.fgrpo_checkpoint_saved(run=run, iteration=done, path=str(path))
     run.accelerator.wait_for_everyone()
+
+
+def export_policy(run: Run, folder: str) -> list[str]:
+    """The policy's own-format export (what users deploy): with the EMA weights when the run
+    keeps an EMA, as evaluation uses them."""
+    context = run.ema.swapped_in() if run.ema is not None else contextlib.nullcontext()
+    with context:
+        return list(run.policy.export(folder))
 
 
 def restore(run: Run, folder: Path) -> int:
@@ -281,7 +359,7 @@ def open_run(
     ``extra_trackers``, accelerate GeneralTracker instances). ``close_run`` (or ``finish``)
     releases the folder."""
     mode = rundir.RESUME if resume else rundir.START_OVER if start_over else rundir.NEW
-    acc = make_accelerator(log_with=trackers.log_with(recipe.log.trackers, extra_trackers) or None)
+    acc = make_accelerator(train=recipe.train, log_with=trackers.log_with(recipe.log.trackers, extra_trackers) or None)
     folder, failure = None, None
     if acc.is_main_process:
         try:

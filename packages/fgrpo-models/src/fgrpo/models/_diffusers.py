@@ -1,7 +1,14 @@
-"""Pieces shared by the diffusers backbones (sd3 today; flux, qwen-image, wan later).
+"""What the diffusers backbones share (sd3, flux, qwen-image, wan and plugins built the same way).
 
 - dtype and device parsing for the ``dtype``/``device`` recipe keys;
-- the ``lora`` recipe key (normalisation, peft injection, state dicts, adapter files);
+- loading a pipeline from a hub id or a local folder, failing fast when the weights are absent
+  (:func:`load_pipeline`, over :func:`fgrpo.core.hub.pretrained_source`);
+- the schedule: the pipeline scheduler's own sigmas with an optional fixed time shift
+  (:func:`scheduler_sigmas`), and the resolution-dependent shift ``mu`` (:func:`dynamic_shift_mu`);
+- guidance: :func:`guided` (classifier-free guidance), 2x2 latent packing (:func:`pack_2x2`);
+- the ``lora`` recipe key (one shape for every backbone: ``{rank, alpha, target_modules, init}``
+  or null for full fine-tuning), peft injection, state dicts, adapter files, and the export in
+  diffusers' own LoRA format (:func:`save_diffusers_lora`);
 - :func:`adapters_disabled`, the reference-policy context (diffusers models have no
   ``disable_adapter()`` context manager);
 - :class:`PromptCache`, a bounded per-prompt cache of frozen text-encoder outputs.
@@ -22,6 +29,7 @@ from typing import Any
 
 import torch
 
+from fgrpo.core.config import param
 
 # --- import-time messages a user cannot act on --------------------------------------------------
 
@@ -111,6 +119,126 @@ def freeze(*modules: torch.nn.Module | None) -> None:
             module.eval()
 
 
+# --- loading ------------------------------------------------------------------------------------
+
+
+def load_pipeline(pipeline_class: Any, path: str, torch_dtype: torch.dtype, *, key: str = "model.path") -> Any:
+    """``pipeline_class.from_pretrained(path)`` in ``torch_dtype``, from a local folder or a hub id;
+    ``pipeline_class`` may be a diffusers class name (imported after the weights are found).
+
+    Absent weights fail at once with one message naming ``key``, the id and the remedies
+    (:func:`fgrpo.core.hub.pretrained_source`); a folder that is not a pipeline of this class is
+    reported with the class name. Raises ``OSError`` (the registry's "could not be built").
+    """
+    from fgrpo.core.hub import WeightsUnavailable, pretrained_source
+
+    source = pretrained_source(path, key=key)
+    if isinstance(pipeline_class, str):
+        import diffusers
+
+        pipeline_class = getattr(diffusers, pipeline_class)
+    try:
+        return pipeline_class.from_pretrained(source.location, **source.kwargs, **from_pretrained_dtype_kwargs(torch_dtype))
+    except WeightsUnavailable:
+        raise
+    except (OSError, ValueError, EnvironmentError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise OSError(f"{key}: cannot load a {pipeline_class.__name__} from {path!r}: {first}") from exc
+
+
+# --- the schedule and guidance ------------------------------------------------------------------
+
+
+def dynamic_shift_mu(config: Mapping[str, Any], image_seq_len: int) -> float:
+    """The resolution-dependent shift ``mu`` of FLUX/Qwen-Image/SD3.5 pipelines: linear in the
+    number of image tokens between (base_image_seq_len, base_shift) and (max_image_seq_len,
+    max_shift), read from the scheduler's config (defaults as diffusers' ``calculate_shift``)."""
+    base_len = config.get("base_image_seq_len", 256)
+    max_len = config.get("max_image_seq_len", 4096)
+    base_shift = config.get("base_shift", 0.5)
+    max_shift = config.get("max_shift", 1.15)
+    m = (max_shift - base_shift) / (max_len - base_len)
+    return image_seq_len * m + base_shift - m * base_len
+
+
+def scheduler_sigmas(
+    scheduler: Any, steps: int, *, shift: float | None, device: torch.device, image_seq_len: int | None = None,
+    explicit_grid: bool = False,
+) -> torch.Tensor:
+    """The sigmas (steps + 1 values, 1 -> 0, float32 on ``device``) that ``pipe(num_inference_steps=
+    steps)`` integrates over, from a copy of the pipeline's scheduler.
+
+    - ``shift`` None keeps the scheduler's own shifting (a fixed ``shift``, or the dynamic one with
+      ``mu`` from ``image_seq_len``); a number is a fixed time shift s*t/(1+(s-1)*t) that replaces
+      dynamic shifting.
+    - ``explicit_grid``: the pipeline passes ``sigmas=linspace(1, 1/steps, steps)`` (FLUX,
+      Qwen-Image) instead of letting the scheduler space the timesteps (SD3, Wan).
+    - A multistep scheduler with flow sigmas (Wan 2.1's UniPC, ``flow_shift``) becomes the Euler
+      scheduler over the same shifted sigmas: kernels integrate one step at a time.
+    """
+    if steps < 1:
+        raise ValueError(f"steps: got {steps}; must be >= 1")
+    import numpy as np
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    config = dict(scheduler.config)
+    grid = np.linspace(1.0, 1 / steps, steps) if explicit_grid else None
+    if isinstance(scheduler, FlowMatchEulerDiscreteScheduler):
+        cls = type(scheduler)
+    elif config.get("use_flow_sigmas"):
+        # UniPC / DPM-Solver over flow sigmas (Wan 2.1): their grid, linspace(1, 1/T, steps + 1)
+        # without its last point, shifted by flow_shift; stepped one Euler step at a time here
+        cls = FlowMatchEulerDiscreteScheduler
+        train_steps = config.get("num_train_timesteps", 1000)
+        config = {"num_train_timesteps": train_steps, "shift": config.get("flow_shift", 1.0), "use_dynamic_shifting": False}
+        grid = np.linspace(1.0, 1 / train_steps, steps + 1)[:-1]
+    else:
+        raise ValueError(
+            f"{type(scheduler).__name__} is not a flow-matching scheduler (FlowMatchEulerDiscreteScheduler, or one "
+            "with use_flow_sigmas): fgrpo's kernels need sigmas of a rectified flow"
+        )
+    overrides: dict[str, Any] = {}
+    kwargs: dict[str, Any] = {}
+    if shift is not None and (config.get("use_dynamic_shifting") or shift != float(config.get("shift", 1.0))):
+        overrides = {"shift": float(shift), "use_dynamic_shifting": False}
+    elif config.get("use_dynamic_shifting"):
+        if image_seq_len is None:
+            raise ValueError("this scheduler shifts by resolution: scheduler_sigmas needs image_seq_len")
+        kwargs["mu"] = dynamic_shift_mu(config, image_seq_len)
+    if grid is not None:
+        kwargs["sigmas"] = grid
+    copy = cls.from_config({**config, **overrides})
+    with np.errstate(divide="ignore", invalid="ignore"):
+        copy.set_timesteps(None if grid is not None else steps, device="cpu", **kwargs)
+    sigmas = copy.sigmas.to(dtype=torch.float32)
+    if not torch.isfinite(sigmas).all():
+        raise ValueError(
+            f"steps: the pipeline scheduler's schedule for {steps} step(s) is not finite ({sigmas.tolist()}); "
+            "use more steps (a terminal-stretched schedule needs at least 2)"
+        )
+    return sigmas.to(device)
+
+
+def guided(uncond: torch.Tensor, cond: torch.Tensor, scale: float) -> torch.Tensor:
+    """Classifier-free guidance: v_u + s (v_c - v_u)."""
+    return uncond + scale * (cond - uncond)
+
+
+def pack_2x2(latents: torch.Tensor) -> torch.Tensor:
+    """(B, C, H, W) -> (B, H/2 * W/2, 4C): 2x2 patches as tokens (FLUX, Qwen-Image), in the
+    pipelines' ``_pack_latents`` order."""
+    b, c, h, w = latents.shape
+    x = latents.reshape(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack_2x2(tokens: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """The inverse of :func:`pack_2x2` for a latent of ``height`` x ``width``."""
+    b, _, d = tokens.shape
+    x = tokens.reshape(b, height // 2, width // 2, d // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return x.reshape(b, d // 4, height, width)
+
+
 # --- the ``lora`` recipe key --------------------------------------------------------------------
 
 LORA_KEYS = ("rank", "alpha", "target_modules", "init")
@@ -119,28 +247,33 @@ LORA_KEYS = ("rank", "alpha", "target_modules", "init")
 #: adapter changes the outputs from the start: for tests). Methods that modify the base weights
 #: (PiSSA, OLoRA) are excluded because the reference policy must stay the base model.
 LORA_INITS: dict[str, Any] = {"default": True, "gaussian": "gaussian", "random": False}
+LORA_HELP = (
+    "{rank, alpha (null: 2 x rank), target_modules (module-name suffixes, peft's matching), "
+    "init: default|gaussian|random}; null or rank 0: full fine-tuning"
+)
 
 ADAPTER_NAME = "default"
 
 
 def lora_converter(
-    rank: int, alpha: float, target_modules: Sequence[str], init: str = "default"
+    rank: int, target_modules: Sequence[str] | None, init: str = "default"
 ) -> Callable[[Any], dict[str, Any] | None]:
-    """A converter for a backbone's ``lora`` key with these defaults.
+    """A converter for a backbone's ``lora`` key with these defaults (alpha defaults to 2 x rank,
+    the LoRA scale flow_grpo and DanceGRPO use for every model).
 
     Accepts ``None`` or a mapping with any of ``rank, alpha, target_modules, init`` and returns
     the complete mapping, or ``None`` for full fine-tuning (``null`` or rank 0). Idempotent.
-    Raises ``ValueError("got ...; allowed ...")`` for bad values.
+    ``target_modules`` None (as a default) means "the backbone decides" (it resolves it when
+    it injects the adapter). Raises ``ValueError("got ...; allowed ...")`` for bad values.
     """
-    defaults = {"rank": rank, "alpha": alpha, "target_modules": list(target_modules), "init": init}
+    defaults = {"rank": rank, "alpha": None, "target_modules": None if target_modules is None else list(target_modules), "init": init}
 
     def convert(value: Any) -> dict[str, Any] | None:
         if value is None:
             return None
         if not isinstance(value, Mapping):
             raise ValueError(
-                f"got {value!r}; allowed: null (full fine-tuning) or a mapping with keys "
-                f"{', '.join(LORA_KEYS)}"
+                f"got {value!r}; allowed: null (full fine-tuning) or a mapping with keys {', '.join(LORA_KEYS)}"
             )
         unknown = sorted(set(value) - set(LORA_KEYS))
         if unknown:
@@ -154,21 +287,46 @@ def lora_converter(
         spec["rank"] = int(r)
         a = spec["alpha"]
         if a is None:
-            a = spec["rank"]
+            a = 2 * spec["rank"]
         if isinstance(a, bool) or not isinstance(a, (int, float)) or a <= 0:
-            raise ValueError(f"got alpha {a!r}; allowed: a number > 0")
+            raise ValueError(f"got alpha {a!r}; allowed: a number > 0 (null: 2 x rank)")
         spec["alpha"] = float(a) if not float(a).is_integer() else int(a)
         targets = spec["target_modules"]
         if isinstance(targets, str):
             targets = [targets]
-        if not isinstance(targets, (list, tuple)) or not targets or not all(isinstance(t, str) and t for t in targets):
-            raise ValueError(f"got target_modules {targets!r}; allowed: a non-empty list of module names")
-        spec["target_modules"] = list(targets)
+        if targets is not None:
+            if not isinstance(targets, (list, tuple)) or not targets or not all(isinstance(t, str) and t for t in targets):
+                raise ValueError(f"got target_modules {targets!r}; allowed: a non-empty list of module names")
+            targets = list(targets)
+        spec["target_modules"] = targets
         if spec["init"] not in LORA_INITS:
             raise ValueError(f"got init {spec['init']!r}; allowed: {', '.join(map(repr, LORA_INITS))}")
         return spec
 
     return convert
+
+
+def lora_param(rank: int, target_modules: Sequence[str] | None, *, default: bool = True) -> Any:
+    """The ``lora`` recipe key of a backbone: its default rank (alpha 2 x rank) and targets, or
+    ``default=False`` for full fine-tuning unless the recipe asks for an adapter."""
+    convert = lora_converter(rank, target_modules)
+    return param(
+        factory=(lambda: convert({})) if default else (lambda: None),
+        converter=convert,
+        help=LORA_HELP,
+    )
+
+
+def lora_config(spec: Mapping[str, Any]) -> Any:
+    """The peft ``LoraConfig`` of a normalised ``lora`` spec."""
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=int(spec["rank"]),
+        lora_alpha=spec["alpha"],
+        target_modules=list(spec["target_modules"]),
+        init_lora_weights=LORA_INITS[spec["init"]],
+    )
 
 
 def inject_lora(model: torch.nn.Module, spec: Mapping[str, Any], *, trainable_dtype: torch.dtype | None = torch.float32) -> None:
@@ -179,15 +337,8 @@ def inject_lora(model: torch.nn.Module, spec: Mapping[str, Any], *, trainable_dt
     peft casts the layer input to the adapter's dtype and the result back, so the optimiser
     state and updates are float32 (as diffusers' training scripts do with ``cast_training_params``).
     """
-    from peft import LoraConfig
-
     model.requires_grad_(False)
-    config = LoraConfig(
-        r=int(spec["rank"]),
-        lora_alpha=spec["alpha"],
-        target_modules=list(spec["target_modules"]),
-        init_lora_weights=LORA_INITS[spec["init"]],
-    )
+    config = lora_config(spec)
     try:
         model.add_adapter(config, adapter_name=ADAPTER_NAME)
     except ValueError as exc:
@@ -297,6 +448,33 @@ def read_lora_file(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
         key = re.sub(rf"\.(lora_[AB])\.{ADAPTER_NAME}\.", r".\1.", key)
         out[key] = value
     return out
+
+
+# --- export in diffusers' own format ----------------------------------------------------------
+
+DIFFUSERS_LORA_FILE = "pytorch_lora_weights.safetensors"
+
+
+def save_diffusers_lora(pipeline_class: Any, model: torch.nn.Module, folder: str | os.PathLike[str]) -> str:
+    """Write ``model``'s adapter as ``pipeline_class.save_lora_weights`` does: keys prefixed with the
+    pipeline's transformer name, the adapter's LoraConfig (rank, alpha, targets) in the
+    safetensors metadata, so ``pipe.load_lora_weights(folder)`` gets the same scale. Returns the
+    file written."""
+    from peft import get_peft_model_state_dict
+
+    state = {k: v.detach().to("cpu").contiguous() for k, v in get_peft_model_state_dict(model, adapter_name=ADAPTER_NAME).items()}
+    metadata = model.peft_config[ADAPTER_NAME].to_dict()
+    for key, value in list(metadata.items()):
+        if isinstance(value, set):  # target_modules is a set after peft normalises it
+            metadata[key] = sorted(value)
+    os.makedirs(folder, exist_ok=True)
+    pipeline_class.save_lora_weights(
+        os.fspath(folder),
+        transformer_lora_layers=state,
+        transformer_lora_adapter_metadata=metadata,
+        weight_name=DIFFUSERS_LORA_FILE,
+    )
+    return os.path.join(os.fspath(folder), DIFFUSERS_LORA_FILE)
 
 
 # --- prompt embeddings --------------------------------------------------------------------------

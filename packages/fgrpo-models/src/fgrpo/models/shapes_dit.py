@@ -357,11 +357,7 @@ class ShapesDiT:
     text_layers: int | None = _arch_key("text encoder transformer layers", _optional_count)
     max_words: int | None = _arch_key("longest prompt in words")
     random_init: bool = param(False, help="ignore path: a randomly initialised network of this architecture (tests)")
-    lora: dict | None = param(
-        None,
-        converter=dx.lora_converter(16, 16, SHAPES_LORA_TARGETS),
-        help="null or rank 0: full fine-tuning of the transformer; or {rank, alpha, target_modules, init}",
-    )
+    lora: dict | None = dx.lora_param(16, SHAPES_LORA_TARGETS, default=False)
     reference_copy: bool = param(
         True, help="with full fine-tuning keep a frozen copy of the base transformer for reference() (KL)"
     )

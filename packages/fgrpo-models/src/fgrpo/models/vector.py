@@ -26,6 +26,7 @@ from torch import nn
 
 from fgrpo.core.config import param
 from fgrpo.core.vectors import condition_vector
+from fgrpo.models._diffusers import lora_config, lora_param
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -99,8 +100,8 @@ class VectorPolicy:
     the safetensors file ``path``), then optionally fitted with ``pretrain_steps`` steps of
     rectified-flow matching to ``pretrain_data``, a distribution that ignores the prompt.
 
-    Fine-tuning: ``lora_rank > 0`` puts peft LoRA adapters on every Linear layer (only they are
-    trained; ``reference()`` disables them). ``lora_rank: 0`` trains all weights; the network is
+    Fine-tuning: ``lora: {rank: r}`` puts peft LoRA adapters on every Linear layer (only they are
+    trained; ``reference()`` disables them). ``lora: null`` (the default) trains all weights; the network is
     tiny, so the policy keeps a frozen copy of the base weights, taken at construction, for
     ``reference()``. Both give the same reference: the base model, before any training.
     """
@@ -114,8 +115,7 @@ class VectorPolicy:
     layers: int = param(3, ge=1, help="number of Linear layers")
     time_dim: int = param(16, ge=2, validator=_even, help="size of the sinusoidal embedding of sigma")
     shift: float = param(3.0, gt=0, help="time shift s of the default schedule: s*t/(1+(s-1)*t)")
-    lora_rank: int = param(0, ge=0, help="LoRA rank on every Linear; 0 = full fine-tuning")
-    lora_alpha: float | None = param(None, gt=0, help="LoRA alpha; none = 2 x rank")
+    lora: dict | None = lora_param(8, None, default=False)
     init: int = param(0, help="seed of the initial weights (and of pretraining and LoRA init)")
     path: str | None = param(None, help="safetensors file with the base weights (VectorPolicy.save_base)")
     pretrain_steps: int = param(0, ge=0, help="flow-matching steps fitting the base to pretrain_data at construction (300: ~1 s)")
@@ -143,7 +143,7 @@ class VectorPolicy:
             _pretrain(net, self.pretrain_steps, self.pretrain_data, self.dim, self.cond_dim, self.init)
         net.requires_grad_(False)
         net.to(device=self.device, dtype=self.torch_dtype)
-        if self.lora_rank > 0:
+        if self.lora is not None:
             self._add_lora(net)
         else:
             self._reference_net = copy.deepcopy(net)
@@ -164,20 +164,18 @@ class VectorPolicy:
 
     def _add_lora(self, net: VelocityMLP) -> None:
         try:
-            from peft import LoraConfig, inject_adapter_in_model
+            from peft import inject_adapter_in_model
             from peft.tuners.tuners_utils import BaseTunerLayer
         except ImportError as exc:  # peft ships with the [diffusers] extra
             raise ImportError(
-                f"model.lora_rank: {self.lora_rank} needs peft: pip install \"fgrpo-models[diffusers]\" "
+                "model.lora needs peft: pip install \"fgrpo-models[diffusers]\" "
                 "(or pip install peft)"
             ) from exc
-        alpha = self.lora_alpha if self.lora_alpha is not None else 2.0 * self.lora_rank
-        config = LoraConfig(
-            r=self.lora_rank,
-            lora_alpha=alpha,
-            target_modules=[f"layers.{i}" for i in range(len(net.layers))],
-            init_lora_weights=True,  # B = 0: the adapted model starts exactly at the base
-        )
+        spec = dict(self.lora)
+        if spec["target_modules"] is None:  # every Linear layer
+            spec["target_modules"] = [f"layers.{i}" for i in range(len(net.layers))]
+        self.lora = spec
+        config = lora_config(spec)  # default init: B = 0, the adapted model starts exactly at the base
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.init + 2)
             inject_adapter_in_model(config, net)
@@ -252,7 +250,7 @@ class VectorPolicy:
         if missing or unexpected:
             raise ValueError(
                 "trainable state does not fit this vector policy "
-                f"(lora_rank {self.lora_rank}): missing {missing or 'none'}, unexpected {unexpected or 'none'}"
+                f"(lora {self.lora}): missing {missing or 'none'}, unexpected {unexpected or 'none'}"
             )
         with torch.no_grad():
             for name, p in self._trainable.items():

@@ -7,6 +7,10 @@ Conformance bases a plugin's own tests subclass, as diffusers' scheduler tests d
     class TestMyReward(RewardConformance):
         reward_name = "my-reward"
         ...
+
+``PolicyConformance`` does the same for backbones (fgrpo-models' ``fgrpo.models.testing`` adds
+the diffusers-specific checks and tiny pipelines); ``GaussianPolicy`` is a toy policy with a
+closed-form velocity for tests of samplers, objectives and the trainer.
 """
 
 from __future__ import annotations
@@ -16,14 +20,15 @@ import importlib
 try:  # detailed assertion messages inside the conformance bases, for plugin authors' tests
     import pytest
 
-    pytest.register_assert_rewrite("fgrpo.core.testing.kernels", "fgrpo.core.testing.rewards")
+    pytest.register_assert_rewrite("fgrpo.core.testing.kernels", "fgrpo.core.testing.rewards", "fgrpo.core.testing.policies")
 except ImportError:  # pytest is only needed to run the bases
     pass
 
 _EXPORTS = {
+    "GaussianPolicy": "fgrpo.core.testing.toys",
     "KernelConformance": "fgrpo.core.testing.kernels",
+    "PolicyConformance": "fgrpo.core.testing.policies",
     "RewardConformance": "fgrpo.core.testing.rewards",
-    "build_tiny_sd3_pipeline": "fgrpo.core.testing.tiny_pipelines",
 }
 
 __all__ = sorted(_EXPORTS)

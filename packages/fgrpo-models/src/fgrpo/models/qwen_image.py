@@ -1,0 +1,120 @@
+"""``qwen-image``: Qwen-Image (diffusers ``QwenImagePipeline``) with a peft LoRA.
+
+What differs from :class:`~fgrpo.models.diffusers_policy.DiffusersPolicy` (checked in tests
+against ``pipe(..., output_type="latent")``):
+
+- prompts go through the pipeline's prompt template into Qwen2.5-VL; the template's first
+  ``prompt_template_encode_start_idx`` tokens are dropped, as the pipeline does. ``cond`` holds
+  ``prompt_embeds`` padded to ``max_sequence_length`` tokens and ``prompt_embeds_mask`` (1 for
+  real tokens), so every prompt has the same width; ``velocity`` trims both to the longest
+  prompt of its batch (the pipeline's padding) and drops an all-ones mask, as the pipeline does;
+- true classifier-free guidance (``true_cfg_scale``, 4 by default) with the negative prompt
+  (" " by default), then the pipeline's rescale of the guided prediction to the norm of the
+  conditional one (per token);
+- the state is the unpacked latent (B, 16, H/8, W/8) (the pipeline's frame axis of length 1
+  dropped); the transformer sees 2x2 packed tokens; the image shapes it needs for its rotary
+  embedding have no batch dimension and are derived from the state's shape;
+- ``timestep = sigma``; the schedule is the pipeline's: ``linspace(1, 1/steps, steps)`` with the
+  resolution-dependent exponential shift and the terminal stretch of its scheduler;
+- latents are normalised per channel by the VAE's ``latents_mean``/``latents_std``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import attrs
+import torch
+
+from fgrpo.core.config import param
+from fgrpo.models import _diffusers as dx
+from fgrpo.models.diffusers_policy import DiffusersPolicy
+
+QWEN_IMAGE_LORA_TARGETS = (
+    "to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
+    "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2",
+)
+
+
+@attrs.define(eq=False)
+class QwenImagePolicy(DiffusersPolicy):
+    """Qwen-Image (diffusers) with LoRA; satisfies :class:`fgrpo.core.protocols.Policy`."""
+
+    pipeline_class_name = "QwenImagePipeline"
+    text_encoder_names = ("text_encoder",)
+    timestep_scale = 1.0
+    explicit_sigma_grid = True
+
+    true_cfg_scale: float = param(
+        4.0, ge=1.0, help="classifier-free guidance with negative_prompt (rescaled to the conditional norm); 1 = off"
+    )
+    negative_prompt: str = param(" ", help="the unconditional prompt of classifier-free guidance")
+    max_sequence_length: int = param(512, ge=1, le=1024, help="prompt tokens after the template (longer prompts are cut)")
+    lora: dict | None = dx.lora_param(64, QWEN_IMAGE_LORA_TARGETS)
+
+    @property
+    def cfg_scale(self) -> float:
+        return self.true_cfg_scale
+
+    def _encode_uncached(self, prompts: list[str], device: torch.device) -> dict[str, torch.Tensor]:
+        embeds, mask = self._pipeline._get_qwen_prompt_embeds(prompts, device)
+        width = self.max_sequence_length
+        embeds, mask = embeds[:, :width], mask[:, :width]
+        pad = width - embeds.shape[1]
+        if pad:
+            embeds = torch.cat([embeds, embeds.new_zeros(embeds.shape[0], pad, embeds.shape[2])], dim=1)
+            mask = torch.cat([mask, mask.new_zeros(mask.shape[0], pad)], dim=1)
+        return {"prompt_embeds": embeds, "prompt_embeds_mask": mask}
+
+    def _predict(self, x: torch.Tensor, sigma: torch.Tensor, cond: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        transformer = self.transformer
+        dtype = transformer.dtype
+        mask = cond["prompt_embeds_mask"]
+        longest = int(mask.sum(dim=1).max())
+        embeds, mask = cond["prompt_embeds"][:, :longest], mask[:, :longest]
+        h, w = self._latent_shape[-2:]
+        return transformer(
+            hidden_states=dx.pack_2x2(x).to(dtype),
+            timestep=sigma * self.timestep_scale,
+            encoder_hidden_states=embeds.to(dtype),
+            encoder_hidden_states_mask=None if bool(mask.all()) else mask,
+            img_shapes=[[(1, h // 2, w // 2)]] * x.shape[0],
+            return_dict=False,
+        )[0].float()
+
+    def _combine(self, uncond: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        guided = dx.guided(uncond, cond, self.cfg_scale)
+        return guided * (torch.norm(cond, dim=-1, keepdim=True) / torch.norm(guided, dim=-1, keepdim=True))
+
+    def _to_state(self, out: torch.Tensor) -> torch.Tensor:
+        h, w = self._latent_shape[-2:]
+        return dx.unpack_2x2(out, h, w)
+
+    def to_pipeline_latents(self, x: torch.Tensor) -> torch.Tensor:
+        return dx.pack_2x2(x)
+
+    def from_pipeline_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        return self._to_state(latents)
+
+    def _decode(self, latents: torch.Tensor) -> torch.Tensor:
+        vae = self._pipeline.vae
+        z = latents.to(vae.dtype)[:, :, None]  # the VAE's frame axis
+        channels = vae.config.z_dim
+        mean = torch.tensor(vae.config.latents_mean).view(1, channels, 1, 1, 1).to(z.device, z.dtype)
+        inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, channels, 1, 1, 1).to(z.device, z.dtype)
+        image = vae.decode(z / inv_std + mean, return_dict=False)[0][:, :, 0]
+        return (image.float() / 2 + 0.5).clamp(0, 1)
+
+    def _latent_shape_for(self, height: int, width: int) -> tuple[int, int, int]:
+        scale = self.vae_scale_factor
+        return (int(self.transformer.config.in_channels) // 4, height // scale, width // scale)
+
+    def _size_multiple(self) -> int:
+        return self.vae_scale_factor * 2  # 2x2 packing
+
+    def _image_seq_len(self) -> int:
+        h, w = self._latent_shape[-2:]
+        return (h // 2) * (w // 2)
+
+
+__all__ = ["QWEN_IMAGE_LORA_TARGETS", "QwenImagePolicy"]

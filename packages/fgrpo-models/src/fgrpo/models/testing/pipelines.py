@@ -1,0 +1,354 @@
+"""Tiny random diffusers pipelines built offline, for tests, tools and plugin authors.
+
+Nothing is downloaded: tokenizers are built from in-memory vocabularies and every network is a
+freshly initialised miniature of the real architecture, with the real configurations where they
+matter (schedulers, VAE latent normalisation, the Qwen-Image prompt template's token count). Each
+builder returns a real pipeline that runs ``pipe(...)``, and saves it with ``save_pretrained`` when
+given a path, so a test loads it through the same ``from_pretrained`` path users take:
+
+- :func:`build_tiny_sd3_pipeline` -> ``StableDiffusion3Pipeline`` (CLIP x2 + T5, SD3 transformer)
+- :func:`build_tiny_flux_pipeline` -> ``FluxPipeline`` (CLIP + T5, guidance-distilled transformer)
+- :func:`build_tiny_qwen_image_pipeline` -> ``QwenImagePipeline`` (Qwen2.5-VL text encoder)
+- :func:`build_tiny_wan_pipeline` -> ``WanPipeline`` (UMT5, Wan 2.1 text-to-video transformer)
+
+About 1-3 MB each; 64x64 outputs by default (Wan: 5 frames of 32x32).
+diffusers and transformers are imported inside the builders, so importing this module is cheap.
+"""
+
+from __future__ import annotations
+
+import os
+import string
+import tempfile
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+#: The real SD3 VAE's latent normalisation, so tests exercise scaling *and* shift.
+SD3_VAE_SCALING_FACTOR = 1.5305
+SD3_VAE_SHIFT_FACTOR = 0.0609
+#: FLUX.1's VAE normalisation and scheduler (resolution-dependent shift)
+FLUX_VAE_SCALING_FACTOR = 0.3611
+FLUX_VAE_SHIFT_FACTOR = 0.1159
+FLUX_SCHEDULER = {
+    "base_image_seq_len": 256, "base_shift": 0.5, "max_image_seq_len": 4096, "max_shift": 1.15,
+    "num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": True,
+}
+#: Qwen-Image's scheduler: exponential resolution-dependent shift, stretched to a terminal sigma
+QWEN_IMAGE_SCHEDULER = {
+    "base_image_seq_len": 256, "base_shift": 0.5, "max_image_seq_len": 8192, "max_shift": 0.9,
+    "num_train_timesteps": 1000, "shift": 1.0, "shift_terminal": 0.02, "time_shift_type": "exponential",
+    "use_dynamic_shifting": True,
+}
+#: Qwen-Image's prompt template (the pipeline's ``prompt_template_encode``); its part before the
+#: prompt is 34 tokens with the real tokenizer, the pipeline's ``prompt_template_encode_start_idx``
+QWEN_IMAGE_TEMPLATE = (
+    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
+    "spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n"
+    "<|im_start|>assistant\n"
+)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character table (CLIP's BPE alphabet)."""
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def tiny_clip_tokenizer(model_max_length: int = 77) -> Any:
+    """A byte-level ``CLIPTokenizer`` without merges (every character is a token); 514 tokens."""
+    from transformers import CLIPTokenizer
+
+    chars = list(_bytes_to_unicode().values())
+    vocab = {c: i for i, c in enumerate(chars)}
+    for c in chars:
+        vocab[c + "</w>"] = len(vocab)
+    vocab["<|startoftext|>"] = len(vocab)
+    vocab["<|endoftext|>"] = len(vocab)
+    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=model_max_length)
+
+
+def tiny_t5_tokenizer() -> Any:
+    """A character-level T5 (unigram) tokenizer: <pad>, </s>, <unk>, '▁' and printable ASCII."""
+    from transformers import T5Tokenizer
+
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -1.0)]
+    pieces += [(c, -2.0) for c in string.ascii_letters + string.digits + string.punctuation]
+    return T5Tokenizer(vocab=pieces, extra_ids=0)
+
+
+def tiny_qwen_tokenizer() -> Any:
+    """A byte-level ``Qwen2Tokenizer`` whose merges make each word of the Qwen-Image prompt template
+    one token, so the template's prefix is 34 tokens as with the real tokenizer (the pipeline drops
+    exactly that many); other text is mostly one token per byte. 367 tokens."""
+    import re
+
+    from transformers import Qwen2Tokenizer
+
+    table = _bytes_to_unicode()
+    vocab = {c: i for i, c in enumerate(table.values())}
+    merges: list[tuple[str, str]] = []
+    plain = QWEN_IMAGE_TEMPLATE.replace("<|im_start|>", "\n").replace("<|im_end|>", "\n")
+    words = sorted({"".join(table[b] for b in w.encode()) for w in re.findall(r" ?[A-Za-z]+", plain)})
+    for word in words:
+        built = word[0]
+        for char in word[1:]:
+            if (built, char) not in merges:
+                merges.append((built, char))
+            built += char
+            vocab.setdefault(built, len(vocab))
+    for special in ("<|endoftext|>", "<|im_start|>", "<|im_end|>"):
+        vocab[special] = len(vocab)
+    return Qwen2Tokenizer(
+        vocab=vocab, merges=merges, unk_token=None, bos_token=None, eos_token="<|im_end|>",
+        pad_token="<|endoftext|>", additional_special_tokens=["<|im_start|>"],
+    )
+
+
+def _clip_config(**overrides: Any) -> Any:
+    from transformers import CLIPTextConfig
+
+    return CLIPTextConfig(**{
+        "bos_token_id": 512, "eos_token_id": 513, "pad_token_id": 513, "hidden_size": 32, "intermediate_size": 37,
+        "layer_norm_eps": 1e-5, "num_attention_heads": 4, "num_hidden_layers": 2, "projection_dim": 32,
+        "vocab_size": 514, "max_position_embeddings": 77, "hidden_act": "gelu", **overrides,
+    })
+
+
+def _t5_encoder(d_model: int, *, umt5: bool = False) -> Any:
+    from transformers import T5Config, T5EncoderModel, UMT5Config, UMT5EncoderModel
+
+    config_class, model_class = (UMT5Config, UMT5EncoderModel) if umt5 else (T5Config, T5EncoderModel)
+    config = config_class(
+        vocab_size=98, d_model=d_model, d_kv=d_model // 4, d_ff=2 * d_model, num_layers=2, num_heads=4,
+        relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+    )
+    return model_class(config)
+
+
+def _kl_vae(blocks: Sequence[int], latent_channels: int, sample_size: int, scaling: float, shift: float) -> Any:
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        in_channels=3, out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * len(blocks), up_block_types=("UpDecoderBlock2D",) * len(blocks),
+        block_out_channels=tuple(blocks), layers_per_block=1, latent_channels=latent_channels,
+        norm_num_groups=min(8, min(blocks)), sample_size=sample_size, scaling_factor=scaling, shift_factor=shift,
+        use_quant_conv=False, use_post_quant_conv=False,
+    )
+
+
+def _randomise(module: torch.nn.Module, std: float = 0.05) -> None:
+    """Every weight random (diffusers zero-initialises output projections and modulation gates,
+    which would make a tiny transformer's output ignore its inputs)."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if p.dim() == 1 and ("norm" in name and name.endswith("weight")):
+                p.fill_(1.0)  # keep norms at unit gain
+            else:
+                p.normal_(0.0, std)
+
+
+def _finish(pipe: Any, path: str | os.PathLike[str] | None, torch_dtype: torch.dtype) -> Any:
+    pipe.set_progress_bar_config(disable=True)
+    if torch_dtype != torch.float32:
+        pipe.to(dtype=torch_dtype)
+    for module in pipe.components.values():
+        if isinstance(module, torch.nn.Module):
+            module.eval()
+    if path is not None:
+        pipe.save_pretrained(os.fspath(path))
+    return pipe
+
+
+def build_tiny_sd3_pipeline(
+    path: str | os.PathLike[str] | None = None,
+    *,
+    sample_size: int = 8,
+    num_layers: int = 2,
+    sd35: bool = False,
+    shift: float = 3.0,
+    vae_block_out_channels: Sequence[int] = (8, 16, 16, 16),
+    seed: int = 0,
+    torch_dtype: torch.dtype = torch.float32,
+) -> Any:
+    """A tiny random ``StableDiffusion3Pipeline`` (about 2 MB), saved to ``path`` if given.
+
+    - ``sample_size``: the transformer's latent size; the default image side is
+      ``sample_size * 2 ** (len(vae_block_out_channels) - 1)`` (8 x 8 = 64 px by default).
+    - ``sd35``: SD3.5-style blocks (``qk_norm="rms_norm"``, a dual-attention first layer).
+    - ``shift``: the scheduler's time shift (``FlowMatchEulerDiscreteScheduler(shift=...)``).
+    - ``vae_block_out_channels``: one block per entry; the VAE downsamples by 2 per extra block.
+    - ``seed``: weights are drawn from a private RNG; the global torch RNG is left untouched.
+
+    Transformer: 4 heads x 16, joint_attention_dim 64 (= T5 d_model), pooled 64 (= 2 x CLIP
+    projection 32), patch 2, 16 latent channels. Returns the in-memory pipeline (also when saved).
+    """
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+    from transformers import CLIPTextModelWithProjection
+
+    patch_size = 2
+    blocks = tuple(int(c) for c in vae_block_out_channels)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        transformer = SD3Transformer2DModel(
+            sample_size=sample_size, patch_size=patch_size, in_channels=16, out_channels=16, num_layers=num_layers,
+            attention_head_dim=16, num_attention_heads=4, joint_attention_dim=64, caption_projection_dim=64,
+            pooled_projection_dim=64, pos_embed_max_size=max(16, sample_size // patch_size),
+            **({"qk_norm": "rms_norm", "dual_attention_layers": (0,)} if sd35 else {}),
+        )
+        text_encoder = CLIPTextModelWithProjection(_clip_config())
+        text_encoder_2 = CLIPTextModelWithProjection(_clip_config())
+        text_encoder_3 = _t5_encoder(64)
+        vae = _kl_vae(blocks, 16, sample_size * 2 ** (len(blocks) - 1), SD3_VAE_SCALING_FACTOR, SD3_VAE_SHIFT_FACTOR)
+    pipe = StableDiffusion3Pipeline(
+        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=shift), vae=vae,
+        text_encoder=text_encoder, tokenizer=tiny_clip_tokenizer(),
+        text_encoder_2=text_encoder_2, tokenizer_2=tiny_clip_tokenizer(),
+        text_encoder_3=text_encoder_3, tokenizer_3=tiny_t5_tokenizer(),
+    )
+    return _finish(pipe, path, torch_dtype)
+
+
+def build_tiny_flux_pipeline(
+    path: str | os.PathLike[str] | None = None,
+    *,
+    guidance_embeds: bool = True,
+    seed: int = 0,
+    torch_dtype: torch.dtype = torch.float32,
+) -> Any:
+    """A tiny random ``FluxPipeline`` (FLUX.1-dev's structure: guidance embedding, 2x2 packed
+    latents, resolution-dependent shift), saved to ``path`` if given.
+
+    Transformer: 1 double + 2 single blocks, 4 heads x 16, rope axes (4, 6, 6), in_channels 64
+    (= 4 x 16 latent channels); T5 d_model 64 = joint_attention_dim; pooled 32 = CLIP hidden
+    size. ``guidance_embeds=False`` gives FLUX.1-schnell's structure. The pipeline's default
+    image side stays FluxPipeline's 1024: pass ``height``/``width`` (``resolution``) of 64.
+    """
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextModel, T5TokenizerFast
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        transformer = FluxTransformer2DModel(
+            patch_size=1, in_channels=64, num_layers=1, num_single_layers=2, attention_head_dim=16,
+            num_attention_heads=4, joint_attention_dim=64, pooled_projection_dim=32,
+            guidance_embeds=guidance_embeds, axes_dims_rope=(4, 6, 6),
+        )
+        _randomise(transformer)
+        text_encoder = CLIPTextModel(_clip_config())
+        text_encoder_2 = _t5_encoder(64)
+        vae = _kl_vae((8, 16, 16, 16), 16, 64, FLUX_VAE_SCALING_FACTOR, FLUX_VAE_SHIFT_FACTOR)
+    with tempfile.TemporaryDirectory() as tmp:  # the fast T5 tokenizer FLUX pipelines expect
+        tiny_t5_tokenizer().save_pretrained(tmp)
+        tokenizer_2 = T5TokenizerFast.from_pretrained(tmp)
+    pipe = FluxPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**FLUX_SCHEDULER), vae=vae,
+        text_encoder=text_encoder, tokenizer=tiny_clip_tokenizer(),
+        text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, transformer=transformer,
+    )
+    return _finish(pipe, path, torch_dtype)
+
+
+def build_tiny_qwen_image_pipeline(
+    path: str | os.PathLike[str] | None = None, *, seed: int = 0, torch_dtype: torch.dtype = torch.float32
+) -> Any:
+    """A tiny random ``QwenImagePipeline``, saved to ``path`` if given.
+
+    Text encoder: ``Qwen2_5_VLForConditionalGeneration`` with a 2-layer text model (hidden 32,
+    mrope sections [2, 2, 4]) and a 1-layer vision tower; tokenizer: :func:`tiny_qwen_tokenizer`
+    (the template prefix is 34 tokens, as the pipeline assumes). Transformer: 2 blocks, 4 heads x
+    16, joint_attention_dim 32, patch 2 (in_channels 64 = 4 x 16). VAE: ``AutoencoderKLQwenImage``
+    (base_dim 8, z_dim 16, the real per-channel latent mean and std). Qwen-Image's scheduler.
+    """
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImagePipeline,
+        QwenImageTransformer2DModel,
+    )
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    tokenizer = tiny_qwen_tokenizer()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        transformer = QwenImageTransformer2DModel(
+            patch_size=2, in_channels=64, out_channels=16, num_layers=2, attention_head_dim=16,
+            num_attention_heads=4, joint_attention_dim=32, axes_dims_rope=(4, 6, 6),
+        )
+        _randomise(transformer)
+        config = Qwen2_5_VLConfig(
+            text_config={
+                "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+                "num_key_value_heads": 2, "vocab_size": len(tokenizer), "max_position_embeddings": 1024,
+                "rope_scaling": {"type": "mrope", "mrope_section": [2, 2, 4], "rope_type": "default"},
+                "rope_theta": 1000000.0,
+            },
+            vision_config={"depth": 1, "hidden_size": 32, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": 32},
+            pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        )
+        text_encoder = Qwen2_5_VLForConditionalGeneration(config)
+        vae = AutoencoderKLQwenImage(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1)
+    pipe = QwenImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER), vae=vae, text_encoder=text_encoder,
+        tokenizer=tokenizer, transformer=transformer,
+    )
+    return _finish(pipe, path, torch_dtype)
+
+
+def build_tiny_wan_pipeline(
+    path: str | os.PathLike[str] | None = None, *, shift: float = 3.0, seed: int = 0, torch_dtype: torch.dtype = torch.float32
+) -> Any:
+    """A tiny random ``WanPipeline`` (Wan 2.1 text-to-video), saved to ``path`` if given.
+
+    UMT5 encoder (d_model 32), ``WanTransformer3DModel`` (patch (1, 2, 2), 2 heads x 12, 2
+    layers, text_dim 32), ``AutoencoderKLWan`` (base_dim 8, z_dim 16: 4x temporal and 8x spatial
+    compression), ``FlowMatchEulerDiscreteScheduler(shift=shift)`` (the released Wan 2.1 uses
+    UniPC with the same ``flow_shift``; the Euler scheduler lets tests compare step by step).
+    """
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        transformer = WanTransformer3DModel(
+            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16, out_channels=16,
+            text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
+        )
+        _randomise(transformer)
+        text_encoder = _t5_encoder(32, umt5=True)
+        vae = AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1)
+    with tempfile.TemporaryDirectory() as tmp:
+        from transformers import AutoTokenizer
+
+        tiny_t5_tokenizer().save_pretrained(tmp)
+        tokenizer = AutoTokenizer.from_pretrained(tmp)
+    pipe = WanPipeline(
+        tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=shift),
+    )
+    return _finish(pipe, path, torch_dtype)
+
+
+__all__ = [
+    "QWEN_IMAGE_TEMPLATE",
+    "build_tiny_flux_pipeline",
+    "build_tiny_qwen_image_pipeline",
+    "build_tiny_sd3_pipeline",
+    "build_tiny_wan_pipeline",
+    "tiny_clip_tokenizer",
+    "tiny_qwen_tokenizer",
+    "tiny_t5_tokenizer",
+]

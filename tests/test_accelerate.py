@@ -1,0 +1,89 @@
+"""accelerate's mixed precision and gradient accumulation are honoured (or refused with a message),
+whether they come from `accelerate launch` flags, its config file or the recipe."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from rich.console import Console
+
+from fgrpo.core import cli
+from fgrpo.core import recipe as recipe_mod
+from fgrpo.core.config import RecipeError
+from fgrpo.core.trainer import accelerate_settings, build_run, iteration
+
+QUIET = Console(quiet=True)
+BIN = Path(sys.executable).parent
+
+
+def vector(root, *overrides):
+    return recipe_mod.load(root / "recipes" / "vector.yaml", list(overrides))
+
+
+def test_autocast_dtype_inside_the_model_under_accelerate_bf16(root, monkeypatch):
+    """What `accelerate launch --mixed_precision bf16` passes on (ACCELERATE_MIXED_PRECISION):
+    every forward of the rollout and of the update runs under bf16 autocast, and the run stays
+    on-policy (the first ratio is exactly 1)."""
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    run = build_run(vector(root, "train.minibatch_size=0"), out_dir=None, console=QUIET, quiet=True)
+    assert run.accelerator.mixed_precision == "bf16"
+    seen = []
+    run.policy.net.register_forward_pre_hook(
+        lambda module, args: seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
+    )
+    metrics = iteration(run, 0)
+    steps = run.recipe.data["sampler"]["steps"]
+    assert len(seen) > steps  # the rollout's forwards and the update's
+    assert set(seen) == {(True, torch.bfloat16)}
+    assert metrics["first_ratio_deviation"] == 0.0
+    assert all(p.dtype == torch.float32 for p in run.trainable)  # weights stay float32 (autocast, not a cast)
+
+
+def test_check_passes_under_accelerate_launch_bf16(root, tmp_path):
+    done = subprocess.run(
+        [str(BIN / "accelerate"), "launch", "--cpu", "--num_processes", "1", "--num_machines", "1",
+         "--mixed_precision", "bf16", "--dynamo_backend", "no", "-m", "fgrpo.core.cli", "check",
+         str(root / "recipes" / "vector.yaml")],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "mixed precision bf16" in done.stdout and "on-policy check passed" in done.stdout
+
+
+def test_recipe_and_launcher_settings():
+    class Train:
+        mixed_precision = "auto"
+        gradient_accumulation_steps = 0
+
+    assert accelerate_settings(Train(), {}) == ("no", 1)
+    launched = {"ACCELERATE_MIXED_PRECISION": "bf16", "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "4"}
+    assert accelerate_settings(Train(), launched) == ("bf16", 4)
+    Train.mixed_precision, Train.gradient_accumulation_steps = "bf16", 2
+    assert accelerate_settings(Train(), {"ACCELERATE_MIXED_PRECISION": "no"}) == ("bf16", 2)  # the launcher's default
+    with pytest.raises(RecipeError) as info:
+        accelerate_settings(Train(), {"ACCELERATE_MIXED_PRECISION": "fp16", "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "3"})
+    assert [e.key for e in info.value.errors] == ["train.mixed_precision", "train.gradient_accumulation_steps"]
+    assert "'bf16' but accelerate was launched with mixed precision 'fp16'" in str(info.value)
+
+
+def test_fp16_on_the_cpu_is_refused(root, capsys):
+    assert cli.main(["check", str(root / "recipes" / "vector.yaml"), "--set", "train.mixed_precision=fp16"]) == 2
+    assert "fp16 mixed precision needs a GPU" in capsys.readouterr().err
+
+
+def test_gradient_accumulation_from_accelerate(root, monkeypatch):
+    """ACCELERATE_GRADIENT_ACCUMULATION_STEPS=2 (what `--gradient_accumulation_steps 2` passes on):
+    one optimizer step per 2 minibatches, the same update as minibatches twice the size."""
+    monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "2")
+    accumulated = build_run(vector(root, "train.minibatch_size=16", "train.shuffle_minibatches=false"), out_dir=None, console=QUIET, quiet=True)
+    assert accumulated.accelerator.gradient_accumulation_steps == 2
+    assert iteration(accumulated, 0)["optimizer_steps"] == 2  # 64 samples, 4 minibatches
+    monkeypatch.delenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
+    larger = build_run(vector(root, "train.minibatch_size=32", "train.shuffle_minibatches=false"), out_dir=None, console=QUIET, quiet=True)
+    assert iteration(larger, 0)["optimizer_steps"] == 2
+    for a, b in zip(accumulated.trainable, larger.trainable):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
