@@ -94,9 +94,13 @@ def load_clip(path: str, processor_path: str | None, dtype: str, device: str | N
     def build() -> CLIP:
         from transformers import CLIPModel, CLIPProcessor
 
+        from fgrpo.core.hub import pretrained_source  # absent weights: one message at once, no retries
+
+        model_from = pretrained_source(path, key=key)
+        processor_from = pretrained_source(processor_path, key="reward.processor_path") if processor_path else model_from
         try:
-            model = CLIPModel.from_pretrained(path)
-            processor = CLIPProcessor.from_pretrained(processor_path or path)
+            model = CLIPModel.from_pretrained(model_from.location, **model_from.kwargs)
+            processor = CLIPProcessor.from_pretrained(processor_from.location, **processor_from.kwargs)
         except OSError as exc:
             raise loading_error(key, processor_path or path, "a CLIP model and processor", exc) from exc
         model = model.to(device=dev, dtype=DTYPES[dtype]).eval().requires_grad_(False)

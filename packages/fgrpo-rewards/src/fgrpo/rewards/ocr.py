@@ -86,6 +86,7 @@ class OCRReward:
     (the texts read), ``edit_distance``.
     """
 
+    accepts_video = True  # whole videos, not frames: flow_grpo's video rule needs all frames of a sample
     detect: bool = param(True, help="detect text boxes first; false = recognise the whole image as one line (much faster)")
     min_confidence: float = param(0.0, ge=0.0, le=1.0, help="drop recognised lines below this confidence (flow_grpo: 0)")
     frame_interval: int = param(4, ge=1, help="for videos: score every n-th frame")
