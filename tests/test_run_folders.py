@@ -200,6 +200,21 @@ def test_2_resume_into_an_absent_folder_starts_it(tmp_path, capsys):
     assert iterations_logged(out) == [1, 2]
 
 
+def test_2_a_checkpoint_from_before_newer_recipe_keys_resumes(four):
+    # keys added to fgrpo after a checkpoint was written count with their defaults
+    state_file = four / "checkpoints" / "iter_000004" / "state.json"
+    state = json.loads(state_file.read_text())
+    del state["recipe"]["train"]["process_group_timeout_s"]
+    for reward in state["recipe"]["reward"]:
+        del reward["timeout_s"]
+    del state["run_id"]  # and from before run ids: never pruned, the run continues under a new id
+    state_file.write_text(json.dumps(state))
+    assert compose(four, "--resume", "--set", "train.iterations=8") == 0
+    assert iterations_logged(four) == list(range(1, 9))
+    names = ["iter_000002", "iter_000004", "iter_000006", "iter_000008"]  # 2 and 4: not this id's
+    assert sorted(p.name for p in (four / "checkpoints").glob("iter_*")) == names
+
+
 # --- 3. check first, write after ----------------------------------------------------------------
 
 

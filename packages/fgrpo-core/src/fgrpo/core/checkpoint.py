@@ -269,8 +269,10 @@ def read_state(folder: Path) -> dict[str, Any]:
         state = json.loads(path.read_text())
     except FileNotFoundError:
         raise _invalid(path, "is missing") from None
-    except (OSError, ValueError) as exc:
-        raise _invalid(path, f"does not read back ({str(exc)[:80]})") from None
+    except OSError as exc:
+        raise _invalid(path, f"cannot be read ({exc.strerror})") from None
+    except ValueError as exc:
+        raise _invalid(path, f"is not valid JSON ({str(exc)[:80]})") from None
     if not isinstance(state, dict) or not isinstance(state.get("iteration"), int) or not isinstance(state.get("recipe"), dict):
         raise _invalid(path, "lacks the iteration or the recipe")
     return state

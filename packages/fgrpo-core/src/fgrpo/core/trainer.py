@@ -20,7 +20,7 @@ import torch
 from rich.console import Console
 
 from fgrpo.core import checkpoint as ckpt
-from fgrpo.core import evaluation, phases, report, rundir, tensors, trackers, visuals
+from fgrpo.core import evaluation, phases, report, rundir, tensors, timing, trackers, visuals
 from fgrpo.core.config import ConfigError, RecipeError
 from fgrpo.core.data import PromptSchedule
 from fgrpo.core.ema import EMA
@@ -30,37 +30,45 @@ from fgrpo.core.recipe import Recipe
 from fgrpo.core.run import Run
 from fgrpo.core.runlog import Display, MetricsLog, read_metrics
 from fgrpo.core.seeding import derive_seed
+from fgrpo.core.threads import ThreadGovernor
 
 
 # --- one iteration -----------------------------------------------------------------------------
 
 
 def iteration(run: Run, it: int) -> dict[str, Any]:
+    clock = run.clock
+    clock.read()  # what evaluation or set-up left on the clock is not this iteration's
+    timing.synchronize(run.policy.device)
     t0 = time.perf_counter()
     run.sampler.advance(it)
-    traj = phases.rollout(run, it)
+    where = f"the batch of iteration {it}"
+    worker = phases.RewardWorker(run, where) if run.recipe.train.reward_worker else None
+    traj = phases.rollout(run, it, on_chunk=worker.submit if worker else None)
+    timing.synchronize(run.policy.device)
     t1 = time.perf_counter()
-    outputs = phases.decode(run, traj)
-    metadata = [run.prompts.metadata(p) for p in traj.prompts]
-    scores, _ = phases.score(run.rewards, outputs, traj.prompts, metadata, where=f"the batch of iteration {it}")
+    scores = worker.scores() if worker else phases.decode_and_score(run, traj, where)
     t2 = time.perf_counter()
     adv, adv_stats = phases.advantages(run, traj, scores)
     stats = phases.update(run, traj, adv, it)
     run.scheduler.step()
-    t3 = time.perf_counter()
-    n_samples = traj.batch_size * run.accelerator.num_processes
-    return {
+    metrics = {
         **adv_stats,
         **{f"reward/{k}": v.mean().item() for k, v in scores.items()},
         **phases.summarize(stats),
+    }
+    t3 = time.perf_counter()
+    n_samples = traj.batch_size * run.accelerator.num_processes
+    return {
+        **metrics,
         "lr": run.optimizer.param_groups[0]["lr"],
         "trained_steps": traj.num_trained_steps,
         "nfe_rollout": traj.nfe,
+        **{f"nfe_rollout/{k}": v for k, v in phases.nfe_by_phase(traj).items()},
         "nfe_train": stats.nfe,
         "time_rollout_s": t1 - t0,
-        "time_reward_s": t2 - t1,
         "time_train_s": t3 - t2,
-        "time_iteration_s": t3 - t0,
+        **timing.accounting(clock.read(), t3 - t0),
         "samples_per_s": n_samples / (t3 - t0),
     }
 
@@ -73,8 +81,10 @@ def train(run: Run) -> dict[str, Any]:
     if run.start_iteration == 0 and run.recipe.eval.every and run.recipe.eval.at_start:
         row = record(run, 0, run_evaluation(run, 0))
     run.display.start_at(run.start_iteration)
+    governor = ThreadGovernor()
     for it in range(run.start_iteration, total):
         metrics = iteration(run, it)
+        metrics["threads"] = governor.step() or torch.get_num_threads()
         done = it + 1
         if run.recipe.eval.every and (done % run.recipe.eval.every == 0 or done == total):
             metrics.update(run_evaluation(run, done))
@@ -196,10 +206,15 @@ def accelerate_settings(train: Any = None, env: Any = None) -> tuple[str, int]:
 
 def make_accelerator(cpu: bool | None = None, train: Any = None, **options: Any) -> Any:
     """The run's Accelerator, with the mixed precision and gradient accumulation of
-    :func:`accelerate_settings` (fp16 needs a GPU; model-sharding launches are refused);
+    :func:`accelerate_settings` (fp16 needs a GPU; model-sharding launches are refused) and, with
+    several processes, ``train.process_group_timeout_s`` as the longest wait for the others at a
+    collective (a stopped or crashed peer then ends the run with an error, not a silent hang);
     ``options`` go to its constructor (``log_with``)."""
+    from datetime import timedelta
+
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
+    from accelerate.utils import InitProcessGroupKwargs
 
     if cpu is None:
         cpu = not torch.cuda.is_available()
@@ -211,7 +226,9 @@ def make_accelerator(cpu: bool | None = None, train: Any = None, **options: Any)
         )])
     if AcceleratorState._shared_state.get("_mixed_precision") not in (None, precision):
         AcceleratorState._reset_state()  # a new run in the same process (tests, tools): its own precision
-    acc = Accelerator(cpu=cpu, mixed_precision=precision, gradient_accumulation_steps=steps, **options)
+    timeout = getattr(train, "process_group_timeout_s", None)
+    handlers = [InitProcessGroupKwargs(timeout=timedelta(seconds=timeout))] if timeout else []
+    acc = Accelerator(cpu=cpu, mixed_precision=precision, gradient_accumulation_steps=steps, kwargs_handlers=handlers, **options)
     kind = str(acc.distributed_type).split(".")[-1]
     if kind not in DATA_PARALLEL:
         raise RecipeError([ConfigError(
@@ -224,15 +241,34 @@ def make_accelerator(cpu: bool | None = None, train: Any = None, **options: Any)
     return acc
 
 
-def build_run(recipe: Recipe, *, out_dir: Path | None, console: Console, quiet: bool = False, accelerator: Any = None) -> Run:
+def check_prompts(policy: Any, prompts: Sequence[str], key: str) -> None:
+    """Refuse prompts the policy cannot read, before anything runs: a policy with a closed
+    vocabulary (``shapes-dit``) says why through an optional ``check_prompts(prompts) -> [problem]``."""
+    check = getattr(policy, "check_prompts", None)
+    problems = check(list(prompts)) if check is not None else []
+    if problems:
+        shown = [ConfigError(key, p) for p in problems[:5]]
+        more = [ConfigError(key, f"... and {len(problems) - 5} more prompts the model cannot read")] if len(problems) > 5 else []
+        raise RecipeError(shown + more)
+
+
+def build_run(
+    recipe: Recipe, *, out_dir: Path | None, console: Console, quiet: bool = False, accelerator: Any = None, policy: Policy | None = None
+) -> Run:
+    """A run of ``recipe``; ``policy``: an already built model instead of the recipe's (benchmarks)."""
     acc = accelerator or make_accelerator(train=recipe.train)
     # components draw their initial weights (LoRA init, ...) from the global RNG: same on every rank
     torch.manual_seed(derive_seed(recipe.seed, "build"))
     random.seed(derive_seed(recipe.seed, "python"))
-    policy = recipe.build("model")
+    policy = recipe.build("model") if policy is None else policy
+    if recipe.train.compile:
+        if not isinstance(getattr(policy, "transformer", None), torch.nn.Module):
+            raise RecipeError([ConfigError("train.compile", f"the model {type(policy).__name__} has no transformer module to compile")])
+        policy.transformer.compile()  # in place (lazily, at the first call): the policy keeps calling the same module
     sampler = recipe.build("sampler")
     objective = recipe.build("objective")
     prompts = recipe.build("prompts")
+    check_prompts(policy, prompts.train_prompts() + prompts.test_prompts(), "prompts")
     rewards = recipe.build_rewards()
     trainable = [p for p in policy.trainable_parameters() if p.requires_grad]
     if not trainable:
