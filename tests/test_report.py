@@ -216,3 +216,13 @@ def test_without_matplotlib_curves_png_is_one_line_of_notice(root, tmp_path, mon
     notices = [line for line in printed.splitlines() if "matplotlib is" in line]
     assert notices == ['curves.png skipped: matplotlib is not installed (pip install "fgrpo-core[plots]"); report.html has the curves']
     assert not (out / "curves.png").exists() and (out / "report.html").is_file()
+
+
+@pytest.mark.parametrize("lo, hi", [(0.9995, 1.0003), (0.0503, 0.0547), (0, 1.3e-4), (-3.9, -3.7), (0, 2e6), (0, 55)])
+def test_axis_ticks_have_distinct_labels(lo, hi):
+    from fgrpo.core.report import _tick_label, _ticks
+
+    ticks = _ticks(lo, hi)
+    labels = [_tick_label(t, ticks[1] - ticks[0], max(map(abs, ticks))) for t in ticks]
+    assert len(ticks) >= 3 and len(set(labels)) == len(labels), labels
+    assert ticks[0] >= lo - 1e-12 and ticks[-1] <= hi + 1e-12

@@ -53,6 +53,16 @@ def _fmt(v: float) -> str:
     return f"{v:.4g}" if v != 0 else "0"
 
 
+def _tick_label(v: float, step: float, size: float) -> str:
+    """Enough decimals to tell neighbouring ticks apart (1.0002 and 1.0000, not 1 and 1);
+    ``size`` is the largest |tick|: tiny or huge axes get the short general format."""
+    if 1e-3 <= size < 1e6:
+        decimals = max(0, -math.floor(math.log10(step) + 1e-9))
+        decimals += 0 if abs(step * 10**decimals - round(step * 10**decimals)) < 1e-6 else 1
+        return f"{v:.{decimals}f}"
+    return _fmt(round(v / step) * step)
+
+
 def line_chart(lines: Sequence[Series], *, title: str, width: int = 520, height: int = 230) -> str:
     """An inline SVG chart of one or more series (x = iteration); ``""`` when nothing to draw."""
     lines = [(label, pts) for label, pts in lines if pts]
@@ -81,9 +91,11 @@ def line_chart(lines: Sequence[Series], *, title: str, width: int = 520, height:
         f'<text x="{left}" y="14" class="title">{html.escape(title)}</text>',
         f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" class="frame"/>',
     ]
-    for t in _ticks(y0, y1):
+    yticks = _ticks(y0, y1)
+    for t in yticks:
+        label = _tick_label(t, yticks[1] - yticks[0], max(map(abs, yticks))) if len(yticks) > 1 else _fmt(t)
         out.append(f'<line x1="{left}" x2="{left + pw}" y1="{py(t):.1f}" y2="{py(t):.1f}" class="grid"/>')
-        out.append(f'<text x="{left - 4}" y="{py(t) + 4:.1f}" text-anchor="end">{_fmt(t)}</text>')
+        out.append(f'<text x="{left - 4}" y="{py(t) + 4:.1f}" text-anchor="end">{label}</text>')
     for t in _ticks(x0, x1):
         if float(t).is_integer():
             out.append(f'<text x="{px(t):.1f}" y="{top + ph + 14}" text-anchor="middle">{int(t)}</text>')
@@ -144,10 +156,12 @@ def figures(rows: Sequence[Mapping[str, Any]]) -> list[tuple[str, str, list[str]
         title = f"Held-out {base[len('eval/'):]} per category"
         lines = [series(rows, base, "all")] + [series(rows, f"{base}/{c}", c) for c in categories]
         add(f"fig-{_slug(base)}", title, line_chart(lines, title=base))
-    plain = [k for k in keys if k.startswith("eval/") and k.count("/") == 2 and k not in categorised and "gold" not in k]
+    golds = [k for k in keys if k.startswith("eval/") and k.count("/") == 2 and "gold" in k.split("/")[-1]]
+    proxies = {f"eval/reward/{g.split('/')[1]}" for g in golds}  # drawn beside their gold metric below
+    plain = [k for k in keys if k.startswith("eval/") and k.count("/") == 2 and k not in categorised and k not in golds and k not in proxies]
     if plain:
         add("fig-eval", "Held-out metrics", *[line_chart([series(rows, k)], title=k, width=340, height=200) for k in plain])
-    for gold in [k for k in keys if k.startswith("eval/") and k.count("/") == 2 and "gold" in k.split("/")[-1]]:
+    for gold in golds:
         label = gold.split("/")[1]
         proxy = f"eval/reward/{label}" if f"eval/reward/{label}" in keys else "eval/reward_mean"
         add(f"fig-gold-{_slug(gold)}", f"Proxy against gold: {proxy} (optimised) and {gold} (not optimised)",
