@@ -15,7 +15,7 @@ from typing import Any
 import attrs
 import torch
 
-from fgrpo.core import tensors
+from fgrpo.core import sharding, tensors
 from fgrpo.core.advantages import combine
 from fgrpo.core.protocols import StepBatch, Trajectory
 from fgrpo.core.registry import ComponentError
@@ -220,8 +220,9 @@ def step_batch(run: Run, traj: Trajectory, adv: torch.Tensor, rows: torch.Tensor
 
 def sync_gradients(run: Run, params: Sequence[torch.nn.Parameter]) -> None:
     """Average gradients over processes: one all-reduce of a flat buffer per optimizer step.
-    (A Policy need not be one nn.Module, so DDP's forward hooks are not used.)"""
-    if run.accelerator.num_processes == 1:
+    (A Policy need not be one nn.Module, so DDP's forward hooks are not used.) A sharded run's
+    gradients were averaged by FSDP's reduce-scatter in backward: nothing to do."""
+    if run.accelerator.num_processes == 1 or run.sharded:
         return
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     flat = run.accelerator.reduce(torch.cat([g.reshape(-1) for g in grads]), reduction="mean")
@@ -230,6 +231,17 @@ def sync_gradients(run: Run, params: Sequence[torch.nn.Parameter]) -> None:
         n = g.numel()
         p.grad = flat[offset : offset + n].view_as(p).clone()
         offset += n
+
+
+def idle_passes(run: Run, traj: Trajectory, adv: torch.Tensor, count: int) -> None:
+    """``count`` forward/backward passes that change no gradient (loss weight 0), on this process's
+    first (sample, step) pair: in a sharded run every process must make as many passes as the
+    busiest one, since each pass all-gathers parameters and reduce-scatters gradients."""
+    one = torch.zeros(1, dtype=torch.long, device=traj.latents.device)
+    for _ in range(count):
+        with run.accelerator.autocast():
+            batch, _ = step_batch(run, traj, adv, one, one)
+        (batch.velocity.float().sum() * 0.0).backward()
 
 
 def informative(run: Run, adv: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -289,26 +301,31 @@ def update(run: Run, traj: Trajectory, adv: torch.Tensor, iteration: int) -> Upd
                 group = batches[first : first + accumulate]
                 run.optimizer.zero_grad(set_to_none=True)
                 total_pairs = sum(len(samples) for samples in group) * traj.num_trained_steps
-                for samples in group:
-                    pairs = pair_batches(traj, samples.to(traj.latents.device), cfg.micro_batch_size) if len(samples) else []
-                    for rows, cols in pairs:
-                        with acc.autocast():
-                            batch, nfe = step_batch(run, traj, adv, rows, cols)
-                            out = run.objective(batch)
-                        loss = out.loss * (len(rows) / total_pairs)
-                        (scaler.scale(loss) if scaler is not None else loss).backward()
-                        stats.nfe += nfe
-                        for key, value in out.metrics.items():
-                            stats.metrics[key].append(value.detach())
-                        if stats.optimizer_steps == 0:
-                            dev = (batch.log_prob.detach() - batch.old_log_prob).exp().sub(1).abs().max().item()
-                            stats.first_ratio_deviation = max(stats.first_ratio_deviation or 0.0, dev)
+                passes = [
+                    pair for samples in group if len(samples)
+                    for pair in pair_batches(traj, samples.to(traj.latents.device), cfg.micro_batch_size)
+                ]
+                # sharded: every process makes as many passes (each one all-gathers and reduce-scatters)
+                padding = sharding.missing_passes(acc, len(passes)) if run.sharded else 0
+                for rows, cols in passes:
+                    with acc.autocast():
+                        batch, nfe = step_batch(run, traj, adv, rows, cols)
+                        out = run.objective(batch)
+                    loss = out.loss * (len(rows) / total_pairs)
+                    (scaler.scale(loss) if scaler is not None else loss).backward()
+                    stats.nfe += nfe
+                    for key, value in out.metrics.items():
+                        stats.metrics[key].append(value.detach())
+                    if stats.optimizer_steps == 0:
+                        dev = (batch.log_prob.detach() - batch.old_log_prob).exp().sub(1).abs().max().item()
+                        stats.first_ratio_deviation = max(stats.first_ratio_deviation or 0.0, dev)
+                idle_passes(run, traj, adv, padding)
                 sync_gradients(run, params)
                 if scaler is not None:
                     scaler.unscale_(run.optimizer)  # after the all-reduce: every process sees the same inf/nan
                 if cfg.max_grad_norm > 0:
                     norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-                    stats.grad_norms.append(float(norm))
+                    stats.grad_norms.append(float(sharding.full(norm)))
                 if scaler is not None:
                     scaler.step(run.optimizer)
                     scaler.update()
