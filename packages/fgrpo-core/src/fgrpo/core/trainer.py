@@ -11,6 +11,7 @@ import math
 import os
 import random
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ import torch
 from rich.console import Console
 
 from fgrpo.core import checkpoint as ckpt
-from fgrpo.core import evaluation, phases, rundir, sharding, tensors, visuals
+from fgrpo.core import evaluation, phases, report, rundir, sharding, tensors, timing, trackers, visuals
 from fgrpo.core.config import ConfigError, RecipeError
 from fgrpo.core.data import PromptSchedule
 from fgrpo.core.ema import EMA
@@ -29,37 +30,45 @@ from fgrpo.core.recipe import Recipe
 from fgrpo.core.run import Run
 from fgrpo.core.runlog import Display, MetricsLog, read_metrics
 from fgrpo.core.seeding import derive_seed
+from fgrpo.core.threads import ThreadGovernor
 
 
 # --- one iteration -----------------------------------------------------------------------------
 
 
 def iteration(run: Run, it: int) -> dict[str, Any]:
+    clock = run.clock
+    clock.read()  # what evaluation or set-up left on the clock is not this iteration's
+    timing.synchronize(run.policy.device)
     t0 = time.perf_counter()
     run.sampler.advance(it)
-    traj = phases.rollout(run, it)
+    where = f"the batch of iteration {it}"
+    worker = phases.RewardWorker(run, where) if run.recipe.train.reward_worker else None
+    traj = phases.rollout(run, it, on_chunk=worker.submit if worker else None)
+    timing.synchronize(run.policy.device)
     t1 = time.perf_counter()
-    outputs = phases.decode(run, traj)
-    metadata = [run.prompts.metadata(p) for p in traj.prompts]
-    scores, _ = phases.score(run.rewards, outputs, traj.prompts, metadata, where=f"the batch of iteration {it}")
+    scores = worker.scores() if worker else phases.decode_and_score(run, traj, where)
     t2 = time.perf_counter()
     adv, adv_stats = phases.advantages(run, traj, scores)
     stats = phases.update(run, traj, adv, it)
     run.scheduler.step()
-    t3 = time.perf_counter()
-    n_samples = traj.batch_size * run.accelerator.num_processes
-    return {
+    metrics = {
         **adv_stats,
         **{f"reward/{k}": v.mean().item() for k, v in scores.items()},
         **phases.summarize(stats),
+    }
+    t3 = time.perf_counter()
+    n_samples = traj.batch_size * run.accelerator.num_processes
+    return {
+        **metrics,
         "lr": run.optimizer.param_groups[0]["lr"],
         "trained_steps": traj.num_trained_steps,
         "nfe_rollout": traj.nfe,
+        **{f"nfe_rollout/{k}": v for k, v in phases.nfe_by_phase(traj).items()},
         "nfe_train": stats.nfe,
         "time_rollout_s": t1 - t0,
-        "time_reward_s": t2 - t1,
         "time_train_s": t3 - t2,
-        "time_iteration_s": t3 - t0,
+        **timing.accounting(clock.read(), t3 - t0),
         "samples_per_s": n_samples / (t3 - t0),
     }
 
@@ -70,19 +79,16 @@ def train(run: Run) -> dict[str, Any]:
     total = cfg.iterations
     row: dict[str, Any] = {}
     if run.start_iteration == 0 and run.recipe.eval.every and run.recipe.eval.at_start:
-        row = run_evaluation(run, 0)
-        if run.is_main and run.log is not None:
-            row = run.log.write(0, row)
+        row = record(run, 0, run_evaluation(run, 0))
     run.display.start_at(run.start_iteration)
+    governor = ThreadGovernor()
     for it in range(run.start_iteration, total):
         metrics = iteration(run, it)
+        metrics["threads"] = governor.step() or torch.get_num_threads()
         done = it + 1
         if run.recipe.eval.every and (done % run.recipe.eval.every == 0 or done == total):
             metrics.update(run_evaluation(run, done))
-        if run.is_main and run.log is not None:
-            row = run.log.write(done, metrics)
-        else:
-            row = {"iteration": done, **metrics}
+        row = record(run, done, metrics)
         hooks.fgrpo_iteration_end(run=run, iteration=done, metrics=row)
         run.display.iteration_done(done, row)
         if run.out_dir is not None and (done == total or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0)):
@@ -91,27 +97,47 @@ def train(run: Run) -> dict[str, Any]:
     return row
 
 
+def record(run: Run, step: int, metrics: dict[str, Any]) -> dict[str, Any]:
+    """One row of metrics.jsonl (main process), also sent to the experiment trackers."""
+    if not (run.is_main and run.log is not None):
+        return {"iteration": step, **metrics}
+    row = run.log.write(step, metrics)
+    run.accelerator.log(trackers.scalars(row), step=step)
+    return row
+
+
 def run_evaluation(run: Run, it: int) -> dict[str, float]:
     metrics: dict[str, float] = {}
     if run.is_main:
+        t0 = time.perf_counter()
         metrics = evaluation.evaluate(run, it, run.out_dir)
+        if metrics:
+            metrics["time_eval_s"] = time.perf_counter() - t0
+        run.display.evaluation_done(it, metrics)
         plugin_manager().hook.fgrpo_evaluation(run=run, iteration=it, metrics=metrics)
     elif run.sharded:
-        evaluation.evaluation_samples(run)  # the main process's forwards need this process's shards
+        evaluation.evaluation_samples(run, it)  # the main process's forwards need this process's shards
     run.accelerator.wait_for_everyone()
     return metrics
 
 
 def finish(run: Run) -> None:
+    if run.is_main and run.out_dir is not None:
+        report.write(run.out_dir)
     if run.is_main and run.out_dir is not None and run.recipe.log.plots:
-        visuals.curves(read_metrics(run.out_dir), run.out_dir / "curves.png")
+        if visuals.have_matplotlib():
+            visuals.curves(read_metrics(run.out_dir), run.out_dir / "curves.png")
+        else:
+            run.display.say('curves.png skipped: matplotlib is not installed (pip install "fgrpo-core[plots]"); report.html has the curves')
     close_run(run)
 
 
 def close_run(run: Run) -> None:
-    """Close the metrics log and release the run folder's lock (idempotent)."""
+    """Close the metrics log and the trackers, release the run folder's lock (idempotent)."""
     if run.log is not None:
         run.log.close()
+    while run.accelerator.trackers:  # not accelerate's end_training: it also ends the process group
+        run.accelerator.trackers.pop().finish()
     if run.folder is not None:
         run.folder.release()
 
@@ -181,12 +207,18 @@ def accelerate_settings(train: Any = None, env: Any = None) -> tuple[str, int]:
     return precision, steps
 
 
-def make_accelerator(cpu: bool | None = None, train: Any = None) -> Any:
+def make_accelerator(cpu: bool | None = None, train: Any = None, **options: Any) -> Any:
     """The run's Accelerator, with the mixed precision and gradient accumulation of
-    :func:`accelerate_settings` (fp16 needs a GPU). Data-parallel and FSDP launches run (FSDP also
-    on the CPU, see :mod:`fgrpo.core.sharding`); other kinds are refused."""
+    :func:`accelerate_settings` (fp16 needs a GPU) and, with several processes,
+    ``train.process_group_timeout_s`` as the longest wait for the others at a collective (a
+    stopped or crashed peer then ends the run with an error, not a silent hang); ``options`` go to
+    its constructor (``log_with``). Data-parallel and FSDP launches run (FSDP also on the CPU, see
+    :mod:`fgrpo.core.sharding`); other kinds are refused."""
+    from datetime import timedelta
+
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
+    from accelerate.utils import InitProcessGroupKwargs
 
     if cpu is None:
         cpu = not torch.cuda.is_available()
@@ -198,7 +230,9 @@ def make_accelerator(cpu: bool | None = None, train: Any = None) -> Any:
         )])
     if AcceleratorState._shared_state.get("_mixed_precision") not in (None, precision):
         AcceleratorState._reset_state()  # a new run in the same process (tests, tools): its own precision
-    acc = Accelerator(cpu=cpu, mixed_precision=precision, gradient_accumulation_steps=steps)
+    timeout = getattr(train, "process_group_timeout_s", None)
+    handlers = [InitProcessGroupKwargs(timeout=timedelta(seconds=timeout))] if timeout else []
+    acc = Accelerator(cpu=cpu, mixed_precision=precision, gradient_accumulation_steps=steps, kwargs_handlers=handlers, **options)
     kind = str(acc.distributed_type).split(".")[-1]
     if kind == "MULTI_CPU" and sharding.launched_sharded():
         sharding.enable_on_cpu(acc)
@@ -214,15 +248,34 @@ def make_accelerator(cpu: bool | None = None, train: Any = None) -> Any:
     return acc
 
 
-def build_run(recipe: Recipe, *, out_dir: Path | None, console: Console, quiet: bool = False, accelerator: Any = None) -> Run:
+def check_prompts(policy: Any, prompts: Sequence[str], key: str) -> None:
+    """Refuse prompts the policy cannot read, before anything runs: a policy with a closed
+    vocabulary (``shapes-dit``) says why through an optional ``check_prompts(prompts) -> [problem]``."""
+    check = getattr(policy, "check_prompts", None)
+    problems = check(list(prompts)) if check is not None else []
+    if problems:
+        shown = [ConfigError(key, p) for p in problems[:5]]
+        more = [ConfigError(key, f"... and {len(problems) - 5} more prompts the model cannot read")] if len(problems) > 5 else []
+        raise RecipeError(shown + more)
+
+
+def build_run(
+    recipe: Recipe, *, out_dir: Path | None, console: Console, quiet: bool = False, accelerator: Any = None, policy: Policy | None = None
+) -> Run:
+    """A run of ``recipe``; ``policy``: an already built model instead of the recipe's (benchmarks)."""
     acc = accelerator or make_accelerator(train=recipe.train)
     # components draw their initial weights (LoRA init, ...) from the global RNG: same on every rank
     torch.manual_seed(derive_seed(recipe.seed, "build"))
     random.seed(derive_seed(recipe.seed, "python"))
-    policy = recipe.build("model")
+    policy = recipe.build("model") if policy is None else policy
+    if recipe.train.compile:
+        if not isinstance(getattr(policy, "transformer", None), torch.nn.Module):
+            raise RecipeError([ConfigError("train.compile", f"the model {type(policy).__name__} has no transformer module to compile")])
+        policy.transformer.compile()  # in place (lazily, at the first call): the policy keeps calling the same module
     sampler = recipe.build("sampler")
     objective = recipe.build("objective")
     prompts = recipe.build("prompts")
+    check_prompts(policy, prompts.train_prompts() + prompts.test_prompts(), "prompts")
     rewards = recipe.build_rewards()
     trainable = [p for p in policy.trainable_parameters() if p.requires_grad]
     if not trainable:
@@ -356,13 +409,22 @@ def _share(acc: Any, value: Any) -> Any:
 
 
 def open_run(
-    recipe: Recipe, *, out: str | None, resume: bool, start_over: bool = False, console: Console, quiet: bool = False
+    recipe: Recipe,
+    *,
+    out: str | None,
+    resume: bool,
+    start_over: bool = False,
+    console: Console,
+    quiet: bool = False,
+    extra_trackers: Sequence[Any] = (),
 ) -> Run:
     """The run ``fgrpo compose`` trains: its folder claimed (locked, checked), its components
     built, the newest complete checkpoint restored when resuming; only then is anything written
-    (check first, write after). ``close_run`` (or ``finish``) releases the folder."""
+    (check first, write after), and its trackers started (``log.trackers`` and
+    ``extra_trackers``, accelerate GeneralTracker instances). ``close_run`` (or ``finish``)
+    releases the folder."""
     mode = rundir.RESUME if resume else rundir.START_OVER if start_over else rundir.NEW
-    acc = make_accelerator(train=recipe.train)
+    acc = make_accelerator(train=recipe.train, log_with=trackers.log_with(recipe.log.trackers, extra_trackers) or None)
     folder, failure = None, None
     if acc.is_main_process:
         try:
@@ -388,7 +450,8 @@ def open_run(
                 raise RecipeError([ConfigError("--resume", f"{resume_from} is not a valid checkpoint of this run: {first}")]) from None
         if folder is not None:
             folder.write_recipe(recipe)
-            run.log = MetricsLog(out_dir, tensorboard=recipe.log.tensorboard, resume_from=run.start_iteration if resume_from else None)
+            run.log = MetricsLog(out_dir, resume_from=run.start_iteration if resume_from else None)
+            trackers.start(acc, recipe, out_dir, resume_from=run.start_iteration if resume_from else None)
     except BaseException:
         if folder is not None:
             folder.abandon()

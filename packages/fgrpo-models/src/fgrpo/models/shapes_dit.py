@@ -453,6 +453,17 @@ class ShapesDiT:
 
     # --- Policy ---------------------------------------------------------------------------------
 
+    def check_prompts(self, prompts: Sequence[str]) -> list[str]:
+        """Why each prompt this model cannot read fails (a word outside its vocabulary, too many
+        words); the trainer asks before the first rollout."""
+        problems = []
+        for prompt in dict.fromkeys(prompts):
+            try:
+                self._network.token_ids([prompt])
+            except ValueError as exc:
+                problems.append(str(exc))
+        return problems
+
     def encode(self, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
         """{prompt_embeds (B, tokens, text_width), pooled_prompt_embeds (B, text_width)}, plus
         ``negative_*`` (the empty prompt, an expanded view) with guidance. Frozen and cached."""

@@ -34,6 +34,7 @@ import torch
 
 from fgrpo.core import tensors
 from fgrpo.core.config import ConfigError, RecipeError, param
+from fgrpo.core.config import shown as config_shown
 from fgrpo.core.protocols import Kernel, Policy, Trajectory
 
 
@@ -79,14 +80,36 @@ def kernel_error(spec: Any, prefix: str) -> ConfigError | None:
             target = registry.load("kernel", str(name))
         except registry.ComponentError:
             return None  # reported by the registry's own check of the kernel key
-    if getattr(target, "stochastic", False):
-        return None
     shown = name if name is not None else type(spec).__name__
-    return ConfigError(
-        key(prefix, "kernel"),
-        f"got the deterministic kernel {shown!r}; a sampler trains its kernel's steps and needs a "
-        "stochastic one (sde, dance, cps)",
-    )
+    if not getattr(target, "stochastic", False):
+        return ConfigError(
+            key(prefix, "kernel"),
+            f"got the deterministic kernel {shown!r}; a sampler trains its kernel's steps and needs a "
+            "stochastic one (sde, dance, cps)",
+        )
+    if _silent(spec, name):
+        return ConfigError(
+            key(prefix, "kernel"),
+            f"got {config_shown(spec)}, which adds no noise at any step (std 0): a sampler trains its kernel's "
+            "steps and needs noise (a noise level such as eta > 0)",
+        )
+    return None
+
+
+def _silent(spec: Any, name: str | None) -> bool:
+    """Whether a stochastic kernel, as configured, has std 0 at every step of a probe schedule
+    (``sde`` with ``eta: 0`` is the ODE in disguise: nothing to train)."""
+    from fgrpo.core import registry
+
+    kernel = spec
+    if name is not None:
+        params = {k: v for k, v in spec.items() if k != "name"} if isinstance(spec, Mapping) else {}
+        try:
+            kernel = registry.create("kernel", str(name), **params)
+        except (RecipeError, registry.ComponentError):
+            return False  # its own keys are reported where they are checked
+    steps = 10
+    return not trainable(kernel, torch.linspace(1.0, 0.0, steps + 1), range(steps))
 
 
 def raise_errors(errors: Sequence[ConfigError | None]) -> None:
