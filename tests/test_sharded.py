@@ -58,7 +58,7 @@ def sd3_recipe(folder: Path, pipeline: str, *, lora: bool) -> Path:
         "train": {"iterations": 3, "group_size": 2, "prompts_per_iteration": 2, "micro_batch_size": 1,
                   "lr": 1e-2 if lora else 1e-3, "adam_eps": 1e-6, "drop_zero_advantage": False, "checkpoint_every": 1, "ema_decay": 0.9},
         "eval": {"every": 2, "samples_per_prompt": 1, "steps": 2},
-        "log": {"tensorboard": False, "plots": False, "quiet": True, "sample_grid": False},
+        "log": {"plots": False, "quiet": True, "sample_grid": False},
     }
     path = folder / ("sd3-lora.yaml" if lora else "sd3-full.yaml")
     path.write_text(yaml.safe_dump(data))
