@@ -405,6 +405,9 @@ def report(errors: Sequence[Any]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from fgrpo.core import threads
+
+    threads.configure()  # before anything imports torch: the OpenMP wait policy is read at load
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

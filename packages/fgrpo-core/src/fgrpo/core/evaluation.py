@@ -23,15 +23,17 @@ def generate(
     prompts: Sequence[str],
     per_prompt: int,
     steps: int,
-    g: torch.Generator,
+    g: torch.Generator | None,
     *,
     sigmas: torch.Tensor | None = None,
+    noise: torch.Tensor | None = None,
 ) -> Any:
     """``per_prompt`` samples of each prompt (prompt-major): Euler steps x + dt v of the flow ODE in
-    float32 on ``sigmas`` (default: the policy's own schedule of ``steps`` steps)."""
+    float32 on ``sigmas`` (default: the policy's own schedule of ``steps`` steps), from ``noise``
+    (default: drawn from ``g``)."""
     cond = tensors.repeat_interleave(policy.encode(list(prompts)), per_prompt)
     n = len(prompts) * per_prompt
-    x = torch.as_tensor(policy.initial_noise(n, g)).to(torch.float32)
+    x = torch.as_tensor(policy.initial_noise(n, g) if noise is None else noise).to(torch.float32)
     sigmas = policy.sigmas(steps) if sigmas is None else sigmas
     sigmas = torch.as_tensor(sigmas).to(device=x.device, dtype=torch.float32)
     for i in range(sigmas.shape[0] - 1):
@@ -124,23 +126,39 @@ def evaluate(run: Run, iteration: int, out_dir: Path | None) -> dict[str, float]
 
 
 
-def write_samples(policy: Any, prompts: Sequence[str], n: int, steps: int, seed: int, out: Path) -> int:
+def write_samples(
+    policy: Any, prompts: Sequence[str], n: int, steps: int, seed: int, out: Path, batch_size: int = 64
+) -> int:
     """``n`` samples of every prompt as PNG files (tensors as .pt for non-image outputs) and an
-    ``index.jsonl`` naming each file's prompt, seed and index; returns how many were written."""
+    ``index.jsonl`` naming each file's prompt, seed and index; returns how many were written.
+
+    Prompts are generated together, about ``batch_size`` samples per forward; the initial noise of
+    prompt ``i`` is drawn from its own generator (seed, "sample", i), so a prompt's samples do not
+    depend on the other prompts of the file or on the batch size."""
     out.mkdir(parents=True, exist_ok=True)
     rows = []
-    for i, prompt in enumerate(prompts):
-        g = generator(seed, "sample", i, device=policy.device)
-        images = generate(policy, [prompt], n, steps, g)
-        for k in range(n):
-            if visuals.is_image_batch(images):
-                from PIL import Image
+    per_call = max(1, batch_size // max(1, n))
+    for start in range(0, len(prompts), per_call):
+        chunk = list(prompts[start : start + per_call])
+        noise = torch.cat(
+            [
+                torch.as_tensor(policy.initial_noise(n, generator(seed, "sample", start + j, device=policy.device)))
+                for j in range(len(chunk))
+            ]
+        )
+        images = generate(policy, chunk, n, steps, None, noise=noise)
+        for j, prompt in enumerate(chunk):
+            i = start + j
+            for k in range(n):
+                row = j * n + k
+                if visuals.is_image_batch(images):
+                    from PIL import Image
 
-                name = f"{i:05d}_{k:02d}.png"
-                Image.fromarray(visuals.to_uint8(images[k : k + 1])[0]).save(out / name)
-            else:
-                name = f"{i:05d}_{k:02d}.pt"
-                torch.save(images[k].cpu(), out / name)
-            rows.append({"file": name, "prompt": prompt, "seed": seed, "index": k})
+                    name = f"{i:05d}_{k:02d}.png"
+                    Image.fromarray(visuals.to_uint8(images[row : row + 1])[0]).save(out / name)
+                else:
+                    name = f"{i:05d}_{k:02d}.pt"
+                    torch.save(images[row].cpu(), out / name)
+                rows.append({"file": name, "prompt": prompt, "seed": seed, "index": k})
     (out / "index.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return len(rows)

@@ -40,7 +40,16 @@ class TrainConfig:
     )
     inner_epochs: int = param(1, ge=1, help="passes over each iteration's samples")
     minibatch_size: int = param(0, ge=0, help="samples per optimizer step; 0 = the whole batch (on-policy)")
-    micro_batch_size: int = param(0, ge=0, help="(sample, step) pairs per forward pass; 0 = the whole minibatch")
+    micro_batch_size: int = param(
+        0, ge=0, help="(sample, step) pairs per forward pass (all trained steps of a sample batched); 0 = the whole minibatch"
+    )
+    reference_batch_size: int = param(
+        0, ge=0, help="(sample, step) pairs per forward of the KL's reference pass (once per iteration, no gradient); 0 = micro_batch_size"
+    )
+    reward_worker: bool = param(
+        False, help="decode and score each rollout chunk (train.rollout_prompts) in a worker thread while the next chunk rolls out"
+    )
+    compile: bool = param(False, help="torch.compile the policy's transformer (minutes of compilation; pays off on long GPU runs)")
     shuffle_minibatches: bool = param(True, help="shuffle samples before splitting into minibatches")
     lr: float = param(1e-4, gt=0, le=1, help="AdamW learning rate")
     weight_decay: float = param(1e-4, ge=0)

@@ -18,6 +18,7 @@ from fgrpo.core.protocols import Objective, Policy, PromptSource, Reward, Sample
 from fgrpo.core.recipe import Recipe, RewardSpec
 from fgrpo.core.rundir import RunFolder
 from fgrpo.core.runlog import Display, MetricsLog
+from fgrpo.core.timing import Clock
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -43,6 +44,7 @@ class Run:
     folder: RunFolder | None = None  # the locked run folder (main process of a compose)
     start_iteration: int = 0  # iterations already done (after a resume)
     optimizer_steps: int = 0  # over the whole run (checkpointed): the EMA counts these
+    clock: Clock = attrs.Factory(lambda self: Clock(self.policy.device), takes_self=True)  # time accounting
 
     @property
     def is_main(self) -> bool:

@@ -20,7 +20,7 @@ import torch
 from rich.console import Console
 
 from fgrpo.core import checkpoint as ckpt
-from fgrpo.core import evaluation, phases, rundir, tensors, visuals
+from fgrpo.core import evaluation, phases, rundir, tensors, timing, visuals
 from fgrpo.core.config import ConfigError, RecipeError
 from fgrpo.core.data import PromptSchedule
 from fgrpo.core.ema import EMA
@@ -30,37 +30,45 @@ from fgrpo.core.recipe import Recipe
 from fgrpo.core.run import Run
 from fgrpo.core.runlog import Display, MetricsLog, read_metrics
 from fgrpo.core.seeding import derive_seed
+from fgrpo.core.threads import ThreadGovernor
 
 
 # --- one iteration -----------------------------------------------------------------------------
 
 
 def iteration(run: Run, it: int) -> dict[str, Any]:
+    clock = run.clock
+    clock.read()  # what evaluation or set-up left on the clock is not this iteration's
+    timing.synchronize(run.policy.device)
     t0 = time.perf_counter()
     run.sampler.advance(it)
-    traj = phases.rollout(run, it)
+    where = f"the batch of iteration {it}"
+    worker = phases.RewardWorker(run, where) if run.recipe.train.reward_worker else None
+    traj = phases.rollout(run, it, on_chunk=worker.submit if worker else None)
+    timing.synchronize(run.policy.device)
     t1 = time.perf_counter()
-    outputs = phases.decode(run, traj)
-    metadata = [run.prompts.metadata(p) for p in traj.prompts]
-    scores, _ = phases.score(run.rewards, outputs, traj.prompts, metadata, where=f"the batch of iteration {it}")
+    scores = worker.scores() if worker else phases.decode_and_score(run, traj, where)
     t2 = time.perf_counter()
     adv, adv_stats = phases.advantages(run, traj, scores)
     stats = phases.update(run, traj, adv, it)
     run.scheduler.step()
-    t3 = time.perf_counter()
-    n_samples = traj.batch_size * run.accelerator.num_processes
-    return {
+    metrics = {
         **adv_stats,
         **{f"reward/{k}": v.mean().item() for k, v in scores.items()},
         **phases.summarize(stats),
+    }
+    t3 = time.perf_counter()
+    n_samples = traj.batch_size * run.accelerator.num_processes
+    return {
+        **metrics,
         "lr": run.optimizer.param_groups[0]["lr"],
         "trained_steps": traj.num_trained_steps,
         "nfe_rollout": traj.nfe,
+        **{f"nfe_rollout/{k}": v for k, v in phases.nfe_by_phase(traj).items()},
         "nfe_train": stats.nfe,
         "time_rollout_s": t1 - t0,
-        "time_reward_s": t2 - t1,
         "time_train_s": t3 - t2,
-        "time_iteration_s": t3 - t0,
+        **timing.accounting(clock.read(), t3 - t0),
         "samples_per_s": n_samples / (t3 - t0),
     }
 
@@ -75,8 +83,10 @@ def train(run: Run) -> dict[str, Any]:
         if run.is_main and run.log is not None:
             row = run.log.write(0, row)
     run.display.start_at(run.start_iteration)
+    governor = ThreadGovernor()
     for it in range(run.start_iteration, total):
         metrics = iteration(run, it)
+        metrics["threads"] = governor.step() or torch.get_num_threads()
         done = it + 1
         if run.recipe.eval.every and (done % run.recipe.eval.every == 0 or done == total):
             metrics.update(run_evaluation(run, done))
@@ -226,12 +236,19 @@ def check_prompts(policy: Any, prompts: Sequence[str], key: str) -> None:
         raise RecipeError(shown + more)
 
 
-def build_run(recipe: Recipe, *, out_dir: Path | None, console: Console, quiet: bool = False, accelerator: Any = None) -> Run:
+def build_run(
+    recipe: Recipe, *, out_dir: Path | None, console: Console, quiet: bool = False, accelerator: Any = None, policy: Policy | None = None
+) -> Run:
+    """A run of ``recipe``; ``policy``: an already built model instead of the recipe's (benchmarks)."""
     acc = accelerator or make_accelerator(train=recipe.train)
     # components draw their initial weights (LoRA init, ...) from the global RNG: same on every rank
     torch.manual_seed(derive_seed(recipe.seed, "build"))
     random.seed(derive_seed(recipe.seed, "python"))
-    policy = recipe.build("model")
+    policy = recipe.build("model") if policy is None else policy
+    if recipe.train.compile:
+        if not isinstance(getattr(policy, "transformer", None), torch.nn.Module):
+            raise RecipeError([ConfigError("train.compile", f"the model {type(policy).__name__} has no transformer module to compile")])
+        policy.transformer.compile()  # in place (lazily, at the first call): the policy keeps calling the same module
     sampler = recipe.build("sampler")
     objective = recipe.build("objective")
     prompts = recipe.build("prompts")

@@ -72,7 +72,11 @@ def _as_index(index: object, batch: int, last: int, device: torch.device) -> tor
         elif index.shape != (batch,):
             raise ValueError(f"index: expected {allowed}, got a tensor of shape {tuple(index.shape)}")
         index = index.to(device=device, dtype=torch.long)
-        # One host sync; an out-of-range gather would otherwise fail obscurely (or assert on GPU).
+        if device.type == "cuda":  # no host sync inside the update's loops: a device-side assert
+            if batch:
+                torch._assert_async((index.min() >= 0) & (index.max() <= last), f"index: expected {allowed}")
+            return index
+        # On the CPU the check costs nothing and names the bad value.
         low, high = (int(v) for v in torch.stack([index.min(), index.max()]).tolist()) if batch else (0, 0)
         if low < 0 or high > last:
             bad = low if low < 0 else high
@@ -124,7 +128,9 @@ def prepare(
     sigma_next = sigmas[idx + 1].reshape(view)
     # One host sync: the step must go down, inside [0, 1] (else NaNs appear far from the cause).
     ok = (sigma_next >= 0) & (sigma_next < sigma) & (sigma <= 1)
-    if batch and not bool(ok.all()):
+    if batch and device.type == "cuda":  # as for the index: no host sync on a GPU
+        torch._assert_async(ok.all(), "sigmas: expected 1 >= sigmas[index] > sigmas[index + 1] >= 0")
+    elif batch and not bool(ok.all()):
         where = int((~ok.reshape(-1)).nonzero()[0])
         i = int(idx[where])
         raise ValueError(
