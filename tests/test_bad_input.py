@@ -19,7 +19,7 @@ from fgrpo.core.protocols import RewardResult
 from fgrpo.core.recipe import RewardSpec
 
 RECIPE = str(ROOT / "recipes" / "vector.yaml")
-FAST = ["--quiet", "--set", "eval.every=0", "--set", "log.plots=false", "--set", "log.tensorboard=false"]
+FAST = ["--quiet", "--set", "eval.every=0", "--set", "log.plots=false", "--set", "log.trackers=[]"]
 
 
 def error_lines(capsys) -> list[str]:

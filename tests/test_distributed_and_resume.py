@@ -122,7 +122,7 @@ def test_a_stopped_process_ends_the_run_with_a_message(root, tmp_path):
     proc = subprocess.Popen(
         [*launcher, "-m", "fgrpo.core.cli", "compose", str(root / "recipes" / "vector.yaml"), "--out", str(out), "--quiet",
          "--set", "train.iterations=100000", "--set", "eval.every=0", "--set", "log.plots=false",
-         "--set", "log.tensorboard=false", "--set", "train.process_group_timeout_s=3"],
+         "--set", "log.trackers=[]", "--set", "train.process_group_timeout_s=3"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     stopped = None

@@ -38,7 +38,7 @@ def write_recipe(folder, model_path, *, lora="{rank: 4}", ema=0.0):
         objective: {{name: grpo, clip_range: 1.0e-3}}
         prompts: {{name: list, train: ["a red circle", "a blue square"]}}
         train: {{iterations: 2, group_size: 2, prompts_per_iteration: 2, lr: 0.05, ema_decay: {ema}}}
-        log: {{tensorboard: false, plots: false, quiet: true}}
+        log: {{trackers: [], plots: false, quiet: true}}
     """))
     return str(recipe)
 

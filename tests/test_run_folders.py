@@ -31,7 +31,7 @@ RECIPE = str(ROOT / "recipes" / "vector.yaml")
 BIN = Path(sys.executable).parent
 QUIET = Console(quiet=True)
 # the smallest run: no evaluation, no plots, no TensorBoard; a checkpoint every 2 iterations
-FAST = ["--quiet", "--set", "eval.every=0", "--set", "log.plots=false", "--set", "log.tensorboard=false",
+FAST = ["--quiet", "--set", "eval.every=0", "--set", "log.plots=false", "--set", "log.trackers=[]",
         "--set", "train.checkpoint_every=2"]
 LOCK_NAME = ".fgrpo.lock"
 
@@ -65,7 +65,7 @@ def iterations_logged(folder: Path) -> list[int]:
 def test_1_default_folders_are_unique_within_one_second(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(time, "strftime", lambda fmt, *a: "20260101-000000")  # both start "at once"
-    recipe = recipe_mod.load(RECIPE, ["eval.every=0", "log.plots=false", "log.tensorboard=false"])
+    recipe = recipe_mod.load(RECIPE, ["eval.every=0", "log.plots=false", "log.trackers=[]"])
     first = trainer.open_run(recipe, out=None, resume=False, console=QUIET, quiet=True)
     second = trainer.open_run(recipe, out=None, resume=False, console=QUIET, quiet=True)
     try:
@@ -89,7 +89,7 @@ def test_1_repeating_a_command_in_the_same_second_starts_a_new_run(tmp_path, mon
 
 def test_1_a_second_writer_is_refused_with_the_holders_pid(tmp_path, capsys):
     out = tmp_path / "run"
-    recipe = recipe_mod.load(RECIPE, ["eval.every=0", "log.plots=false", "log.tensorboard=false"])
+    recipe = recipe_mod.load(RECIPE, ["eval.every=0", "log.plots=false", "log.trackers=[]"])
     holder = trainer.open_run(recipe, out=str(out), resume=False, console=QUIET, quiet=True)
     try:
         before = snapshot(out)

@@ -45,7 +45,7 @@ EXPORT = "export"
 # recipe keys that may differ on resume (fnmatch patterns): extending a run, how it is shown,
 # how long to wait for a reward or for the other processes
 RESUMABLE_CHANGES = (
-    "train.iterations", "log.quiet", "log.tensorboard", "log.sample_grid", "log.plots",
+    "train.iterations", "log.*",
     "train.process_group_timeout_s", "reward.*.timeout_s",
 )
 ITER_NAME = re.compile(r"iter_(\d{6,})")

@@ -1,4 +1,4 @@
-"""The ``fgrpo`` command: plugins, validate, compose, check, sample, export.
+"""The ``fgrpo`` command: plugins, validate, compose, report, check, sample, export.
 
 Bad input (a recipe error, an unknown or broken component) prints one line per problem and exits
 with code 2, never a traceback.
@@ -12,6 +12,7 @@ import math
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -19,6 +20,7 @@ from rich.table import Table
 from rich.tree import Tree
 
 from fgrpo.core import registry
+from fgrpo.core import report as run_report
 from fgrpo.core.config import ConfigError, RecipeError, help_lines
 
 EXIT_USAGE = 2
@@ -110,6 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="build and show the components, do not train")
     p.add_argument("--quiet", action="store_true", help="one line per iteration, no progress bars")
     p.set_defaults(handler=cmd_compose)
+
+    p = sub.add_parser("report", help="write a run's self-contained HTML report (curves, evaluations, filmstrip)")
+    p.add_argument("run", help="a run folder (the --out of compose)")
+    p.add_argument("--out", default=None, help="the HTML file (default: RUN/report.html)")
+    p.set_defaults(handler=cmd_report)
 
     p = sub.add_parser("check", help="on-policy check: the first ratio must be exactly 1")
     _add_recipe_args(p)
@@ -274,6 +281,13 @@ def cmd_compose(args: argparse.Namespace) -> int:
         f"done: metrics in {folder / 'metrics.jsonl'}, weights in {folder / 'checkpoints' / 'last'}"
         + (f", curves in {folder / 'curves.png'}" if (folder / "curves.png").exists() else "")
     )
+    run.display.say(f"report: {folder / run_report.REPORT}")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    path = run_report.write(Path(args.run), Path(args.out) if args.out else None)
+    out.print(f"report: {path} ({path.stat().st_size / 1024:.0f} KiB)", markup=False)
     return 0
 
 
@@ -315,8 +329,6 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from fgrpo.core import rundir
     from fgrpo.core.evaluation import write_samples
     from fgrpo.core.prompts import read_prompt_file

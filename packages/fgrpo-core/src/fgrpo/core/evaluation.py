@@ -8,9 +8,10 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
-from fgrpo.core import tensors, visuals
+from fgrpo.core import tensors, trackers, visuals
 from fgrpo.core.config import ConfigError, RecipeError
 from fgrpo.core.phases import score
 from fgrpo.core.run import Run
@@ -98,12 +99,15 @@ def evaluate(run: Run, iteration: int, out_dir: Path | None) -> dict[str, float]
     outputs, all_prompts = [], []
     context = run.ema.swapped_in() if run.ema is not None else contextlib.nullcontext()
     sigmas = evaluation_sigmas(run)
-    with context, guidance(run.policy, cfg.guidance_scale), run.accelerator.autocast():
+    with context, guidance(run.policy, cfg.guidance_scale), run.accelerator.autocast(), run.display.phase(
+        f"evaluation at {iteration}", total=len(prompts)
+    ) as advance:
         for start in range(0, len(prompts), per_call):
             chunk = prompts[start : start + per_call]
             g = generator(run.recipe.seed, "eval", start, device=run.policy.device)
             outputs.append(generate(run.policy, chunk, cfg.samples_per_prompt, cfg.steps, g, sigmas=sigmas))
             all_prompts += [p for p in chunk for _ in range(cfg.samples_per_prompt)]
+            advance(len(chunk))
     outputs = torch.cat(outputs) if isinstance(outputs[0], torch.Tensor) else tensors.cat(outputs)
     metadata = [run.prompts.metadata(p) for p in all_prompts]
     scores, details = score(run.rewards, outputs, all_prompts, metadata, where=f"evaluation at iteration {iteration}")
@@ -120,9 +124,32 @@ def evaluate(run: Run, iteration: int, out_dir: Path | None) -> dict[str, float]
                 metrics[f"eval/{key}"] = float(value)
     metrics["eval/reward_mean"] = total.mean().item()
     if out_dir is not None and run.recipe.log.sample_grid and visuals.is_image_batch(outputs):
-        pick = list(range(0, len(all_prompts), cfg.samples_per_prompt))[:32]
-        visuals.sample_grid(outputs[pick], [all_prompts[i] for i in pick], out_dir / "samples" / f"eval_{iteration:06d}.png")
+        write_eval_samples(run, iteration, out_dir, outputs, all_prompts, total, details)
     return metrics
+
+
+def write_eval_samples(
+    run: Run, iteration: int, out_dir: Path, outputs: torch.Tensor, prompts: Sequence[str], total: torch.Tensor, details: dict[str, Any]
+) -> None:
+    """The first sample of (up to) 32 test prompts — the same prompts and noise at every
+    evaluation — as a grid with each image's score and what the rewards read
+    (``samples/eval_N.png``, also sent to the trackers) and as tiles for the report's filmstrip
+    (``samples/eval_N/``)."""
+    pick = list(range(0, len(prompts), run.recipe.eval.samples_per_prompt))[:32]
+    reads = [d["read"] for d in details.values() if isinstance(d, dict) and _per_sample_strings(d.get("read"), len(prompts))]
+    rows = [
+        {"prompt": prompts[i], "sample": 0, "score": round(total[i].item(), 4), "read": "; ".join(r[i] for r in reads)}
+        for i in pick
+    ]
+    notes = [f"score {row['score']:.3g}" + (f" · read: {row['read']}" if row["read"] else "") for row in rows]
+    name = f"eval_{iteration:06d}"
+    grid = visuals.sample_grid(outputs[pick], [row["prompt"] for row in rows], out_dir / "samples" / f"{name}.png", notes=notes)
+    visuals.write_tiles(outputs[pick], rows, out_dir / "samples" / name)
+    trackers.log_image(run.accelerator, "eval/samples", np.asarray(grid), iteration)
+
+
+def _per_sample_strings(value: Any, n: int) -> bool:
+    return isinstance(value, (list, tuple)) and len(value) == n and all(isinstance(v, str) for v in value)
 
 
 

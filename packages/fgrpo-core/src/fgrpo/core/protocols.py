@@ -174,7 +174,11 @@ class Sampler(Protocol):
 
 @attrs.define
 class RewardResult:
-    """``scores``: float tensor (B,); ``details``: named per-sample tensors or lists (logged)."""
+    """``scores``: float tensor (B,); ``details``: named per-sample tensors or lists (logged).
+
+    Float (and bool) details are averaged into evaluation metrics, per ``category`` too when the
+    reward gives one (a list of str); ``read``, a list of str, says what the reward read in each
+    output (a verifier's parse) and is shown under the images of sample grids and the report."""
 
     scores: torch.Tensor
     details: dict[str, Any] = attrs.Factory(dict)

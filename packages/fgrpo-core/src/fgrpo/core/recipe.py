@@ -118,9 +118,25 @@ class EvalConfig:
         ]
 
 
+def _trackers():  # accelerate is imported when a recipe is checked, not with this module
+    from fgrpo.core import trackers
+
+    return trackers
+
+
 @attrs.define
 class LogConfig:
-    tensorboard: bool = param(True)
+    trackers: list[str] = param(
+        factory=lambda: ["tensorboard"],
+        validator=lambda _i, _a, names: _trackers().check_names(names),
+        help="experiment trackers through accelerate: tensorboard, wandb, comet_ml, mlflow, aim, clearml, dvclive, swanlab, trackio",
+    )
+    project: str = param("fgrpo", help="the trackers' project name (wandb, comet_ml, mlflow ...)")
+    init_kwargs: dict[str, dict[str, Any]] = param(
+        factory=dict,
+        validator=lambda _i, _a, value: _trackers().check_init_kwargs(value),
+        help="per-tracker options for accelerate's init_trackers, e.g. {wandb: {entity: me, tags: [a]}}"
+    )
     quiet: bool = param(False, help="no progress bars: one line per iteration (CI logs)")
     sample_grid: bool = param(True, help="write a PNG grid of evaluation samples")
     plots: bool = param(True, help="write a curve PNG (needs matplotlib)")

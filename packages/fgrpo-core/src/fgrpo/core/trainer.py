@@ -20,7 +20,7 @@ import torch
 from rich.console import Console
 
 from fgrpo.core import checkpoint as ckpt
-from fgrpo.core import evaluation, phases, rundir, tensors, timing, visuals
+from fgrpo.core import evaluation, phases, report, rundir, tensors, timing, trackers, visuals
 from fgrpo.core.config import ConfigError, RecipeError
 from fgrpo.core.data import PromptSchedule
 from fgrpo.core.ema import EMA
@@ -79,9 +79,7 @@ def train(run: Run) -> dict[str, Any]:
     total = cfg.iterations
     row: dict[str, Any] = {}
     if run.start_iteration == 0 and run.recipe.eval.every and run.recipe.eval.at_start:
-        row = run_evaluation(run, 0)
-        if run.is_main and run.log is not None:
-            row = run.log.write(0, row)
+        row = record(run, 0, run_evaluation(run, 0))
     run.display.start_at(run.start_iteration)
     governor = ThreadGovernor()
     for it in range(run.start_iteration, total):
@@ -90,10 +88,7 @@ def train(run: Run) -> dict[str, Any]:
         done = it + 1
         if run.recipe.eval.every and (done % run.recipe.eval.every == 0 or done == total):
             metrics.update(run_evaluation(run, done))
-        if run.is_main and run.log is not None:
-            row = run.log.write(done, metrics)
-        else:
-            row = {"iteration": done, **metrics}
+        row = record(run, done, metrics)
         hooks.fgrpo_iteration_end(run=run, iteration=done, metrics=row)
         run.display.iteration_done(done, row)
         if run.out_dir is not None and (done == total or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0)):
@@ -102,25 +97,45 @@ def train(run: Run) -> dict[str, Any]:
     return row
 
 
+def record(run: Run, step: int, metrics: dict[str, Any]) -> dict[str, Any]:
+    """One row of metrics.jsonl (main process), also sent to the experiment trackers."""
+    if not (run.is_main and run.log is not None):
+        return {"iteration": step, **metrics}
+    row = run.log.write(step, metrics)
+    run.accelerator.log(trackers.scalars(row), step=step)
+    return row
+
+
 def run_evaluation(run: Run, it: int) -> dict[str, float]:
     metrics: dict[str, float] = {}
     if run.is_main:
+        t0 = time.perf_counter()
         metrics = evaluation.evaluate(run, it, run.out_dir)
+        if metrics:
+            metrics["time_eval_s"] = time.perf_counter() - t0
+        run.display.evaluation_done(it, metrics)
         plugin_manager().hook.fgrpo_evaluation(run=run, iteration=it, metrics=metrics)
     run.accelerator.wait_for_everyone()
     return metrics
 
 
 def finish(run: Run) -> None:
+    if run.is_main and run.out_dir is not None:
+        report.write(run.out_dir)
     if run.is_main and run.out_dir is not None and run.recipe.log.plots:
-        visuals.curves(read_metrics(run.out_dir), run.out_dir / "curves.png")
+        if visuals.have_matplotlib():
+            visuals.curves(read_metrics(run.out_dir), run.out_dir / "curves.png")
+        else:
+            run.display.say('curves.png skipped: matplotlib is not installed (pip install "fgrpo-core[plots]"); report.html has the curves')
     close_run(run)
 
 
 def close_run(run: Run) -> None:
-    """Close the metrics log and release the run folder's lock (idempotent)."""
+    """Close the metrics log and the trackers, release the run folder's lock (idempotent)."""
     if run.log is not None:
         run.log.close()
+    while run.accelerator.trackers:  # not accelerate's end_training: it also ends the process group
+        run.accelerator.trackers.pop().finish()
     if run.folder is not None:
         run.folder.release()
 
@@ -189,11 +204,12 @@ def accelerate_settings(train: Any = None, env: Any = None) -> tuple[str, int]:
     return precision, steps
 
 
-def make_accelerator(cpu: bool | None = None, train: Any = None) -> Any:
+def make_accelerator(cpu: bool | None = None, train: Any = None, **options: Any) -> Any:
     """The run's Accelerator, with the mixed precision and gradient accumulation of
     :func:`accelerate_settings` (fp16 needs a GPU; model-sharding launches are refused) and, with
     several processes, ``train.process_group_timeout_s`` as the longest wait for the others at a
-    collective (a stopped or crashed peer then ends the run with an error, not a silent hang)."""
+    collective (a stopped or crashed peer then ends the run with an error, not a silent hang);
+    ``options`` go to its constructor (``log_with``)."""
     from datetime import timedelta
 
     from accelerate import Accelerator
@@ -212,7 +228,7 @@ def make_accelerator(cpu: bool | None = None, train: Any = None) -> Any:
         AcceleratorState._reset_state()  # a new run in the same process (tests, tools): its own precision
     timeout = getattr(train, "process_group_timeout_s", None)
     handlers = [InitProcessGroupKwargs(timeout=timedelta(seconds=timeout))] if timeout else []
-    acc = Accelerator(cpu=cpu, mixed_precision=precision, gradient_accumulation_steps=steps, kwargs_handlers=handlers)
+    acc = Accelerator(cpu=cpu, mixed_precision=precision, gradient_accumulation_steps=steps, kwargs_handlers=handlers, **options)
     kind = str(acc.distributed_type).split(".")[-1]
     if kind not in DATA_PARALLEL:
         raise RecipeError([ConfigError(
@@ -364,13 +380,22 @@ def _share(acc: Any, value: Any) -> Any:
 
 
 def open_run(
-    recipe: Recipe, *, out: str | None, resume: bool, start_over: bool = False, console: Console, quiet: bool = False
+    recipe: Recipe,
+    *,
+    out: str | None,
+    resume: bool,
+    start_over: bool = False,
+    console: Console,
+    quiet: bool = False,
+    extra_trackers: Sequence[Any] = (),
 ) -> Run:
     """The run ``fgrpo compose`` trains: its folder claimed (locked, checked), its components
     built, the newest complete checkpoint restored when resuming; only then is anything written
-    (check first, write after). ``close_run`` (or ``finish``) releases the folder."""
+    (check first, write after), and its trackers started (``log.trackers`` and
+    ``extra_trackers``, accelerate GeneralTracker instances). ``close_run`` (or ``finish``)
+    releases the folder."""
     mode = rundir.RESUME if resume else rundir.START_OVER if start_over else rundir.NEW
-    acc = make_accelerator(train=recipe.train)
+    acc = make_accelerator(train=recipe.train, log_with=trackers.log_with(recipe.log.trackers, extra_trackers) or None)
     folder, failure = None, None
     if acc.is_main_process:
         try:
@@ -396,7 +421,8 @@ def open_run(
                 raise RecipeError([ConfigError("--resume", f"{resume_from} is not a valid checkpoint of this run: {first}")]) from None
         if folder is not None:
             folder.write_recipe(recipe)
-            run.log = MetricsLog(out_dir, tensorboard=recipe.log.tensorboard, resume_from=run.start_iteration if resume_from else None)
+            run.log = MetricsLog(out_dir, resume_from=run.start_iteration if resume_from else None)
+            trackers.start(acc, recipe, out_dir, resume_from=run.start_iteration if resume_from else None)
     except BaseException:
         if folder is not None:
             folder.abandon()

@@ -259,7 +259,7 @@ class PolicyConformance:
             "train": {"iterations": 1, "group_size": 2, "prompts_per_iteration": 2, "lr": 1e-2, "drop_zero_advantage": False,
                       "mixed_precision": self.mixed_precision},
             "eval": {"every": 0},
-            "log": {"tensorboard": False, "plots": False, "quiet": True, "sample_grid": False},
+            "log": {"trackers": [], "plots": False, "quiet": True, "sample_grid": False},
         }
         recipe, errors = recipe_mod.validate(data, "conformance")
         assert not errors, [str(e) for e in errors]
