@@ -112,3 +112,17 @@ def test_batched_reading_equals_rapidocrs_own_pipeline(detect):
     together = reward(batch, prompts, [{}] * 5)
     torch.testing.assert_close(together.scores, one_by_one.scores)
     assert together.details["recognised"] == one_by_one.details["recognised"]
+
+
+def test_videos_average_the_frames_that_read_something():
+    """flow_grpo's video rule: every frame_interval-th frame, the mean of the frames scoring > 0."""
+    pytest.importorskip("rapidocr")
+    pytest.importorskip("onnxruntime")
+    from fgrpo.core import registry
+
+    reward = registry.create("reward", "ocr", detect=False, frame_interval=2)
+    blank = torch.ones(3, 96, 256)
+    video = torch.stack([render("GRPO"), blank, blank, blank, render("GRPQ"), blank])  # frames 0, 2, 4 scored
+    result = reward(torch.stack([video, torch.stack([blank] * 6)]), ['"GRPO"', '"GRPO"'], [{}, {}])
+    torch.testing.assert_close(result.scores, torch.tensor([(1.0 + 0.75) / 2, 0.0]))
+    assert result.details["recognised"][0].lower().split(" | ") == ["grpo", "", "grpq"]
