@@ -100,17 +100,27 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.mark.parametrize("name", ["ddp.yaml", "cpu.yaml"])
+@pytest.mark.parametrize("name", ["ddp.yaml", "cpu.yaml", "fsdp-lora.yaml", "fsdp-full.yaml"])
 def test_shipped_accelerate_configs_are_valid(name):
+    """Each config reads with accelerate's own loader, is a kind fgrpo runs (data parallel, or
+    FSDP2 sharding one unit per transformer block) and is documented with its launch command."""
     from accelerate.commands.config.config_args import ClusterConfig, load_config_from_file
 
     config = load_config_from_file(str(CONFIGS / name))
     assert isinstance(config, ClusterConfig)
-    assert str(config.distributed_type).split(".")[-1] in ("MULTI_GPU",)  # data parallel: what fgrpo runs
+    kind = str(config.distributed_type).split(".")[-1]
+    if name.startswith("fsdp"):
+        assert kind == "FSDP"
+        assert config.fsdp_config["fsdp_version"] == 2
+        assert config.fsdp_config["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
+        assert not config.fsdp_config["fsdp_offload_params"] and not config.fsdp_config["fsdp_activation_checkpointing"]
+    else:
+        assert kind == "MULTI_GPU"  # data parallel
     assert config.num_processes >= 2 and config.mixed_precision in ("no", "bf16")
     text = (CONFIGS / name).read_text()
     assert f"accelerate launch --config_file recipes/accelerate/{name}" in text
-    assert sorted(p.name for p in CONFIGS.glob("*.yaml")) == ["cpu.yaml", "ddp.yaml"]
+    assert f"`{name}`" in (CONFIGS / "README.md").read_text()
+    assert sorted(p.name for p in CONFIGS.glob("*.yaml")) == ["cpu.yaml", "ddp.yaml", "fsdp-full.yaml", "fsdp-lora.yaml"]
 
 
 @pytest.mark.slow

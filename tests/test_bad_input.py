@@ -39,8 +39,10 @@ def error_lines(capsys) -> list[str]:
     (["compose", RECIPE, "--resume", "--start-over", "--out", "o"], "argument --start-over: not allowed with argument --resume"),
 ])
 def test_bad_arguments_are_one_line(args, message, capsys):
-    with pytest.raises(SystemExit) as info:  # before: --n 0 wrote nothing and said so, --n -1 and
-        cli.main(args)                        # --steps -3 ended in tracebacks, nan passed every check
+    # before (argparse type=int/float, no bounds): --n 0 wrote 0 samples, --n -1 and --steps -3 failed
+    # inside the sampler with a traceback, --tolerance nan made every check fail
+    with pytest.raises(SystemExit) as info:
+        cli.main(args)
     assert info.value.code == 2
     assert error_lines(capsys) == [f"error: {message} (see fgrpo {args[0]} --help)"]
 

@@ -124,13 +124,18 @@ def exiting(tmp_path):
     return tmp_path
 
 
-def test_a_plugin_that_exits_at_import_is_isolated(exiting):
-    env = {"PYTHONPATH": str(exiting)}
-    helped = run_fgrpo("--help", env=env)  # before: exit 3 and no output, for every command
-    assert helped.returncode == 0 and "compose" in helped.stdout, helped.stderr
-    listing = run_fgrpo("plugins", "--json", env=env)
-    assert listing.returncode == 0, listing.stderr
-    found = json.loads(listing.stdout)
+def test_a_plugin_that_exits_at_import_is_isolated(exiting, monkeypatch, capsys):
+    from fgrpo.core import cli, hookspecs
+
+    monkeypatch.syspath_prepend(str(exiting))
+    monkeypatch.setattr(registry, "_loaded", {})
+    monkeypatch.setattr(hookspecs, "_manager", None)  # this test's own plugin manager
+    monkeypatch.setattr(hookspecs, "_failures", [])
+    with pytest.raises(SystemExit) as helped:  # before: exit 3 and no output, for every command
+        cli.main(["--help"])
+    assert helped.value.code == 0 and "compose" in capsys.readouterr().out
+    assert cli.main(["plugins", "--json"]) == 0
+    found = json.loads(capsys.readouterr().out)
     rows = {(r["kind"], r["name"], r["distribution"]): r for r in found["components"]}
     exiting_row = rows[("reward", "exiting", "fgrpo-exiting")]
     assert exiting_row["status"] == "import error" and "SystemExit: 3" in exiting_row["error"]

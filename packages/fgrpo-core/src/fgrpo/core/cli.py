@@ -294,7 +294,8 @@ def cmd_report(args: argparse.Namespace) -> int:
 def accelerate_summary(run: Any) -> str:
     acc = run.accelerator
     return (
-        f"{acc.num_processes} process(es), device {run.policy.device}, mixed precision {acc.mixed_precision}, "
+        f"{acc.num_processes} process(es){', sharded (FSDP2)' if run.sharded else ''}, device {run.policy.device}, "
+        f"mixed precision {acc.mixed_precision}, "
         f"gradient accumulation {acc.gradient_accumulation_steps}"
     )
 

@@ -89,26 +89,10 @@ def evaluate(run: Run, iteration: int, out_dir: Path | None) -> dict[str, float]
     """Every test prompt, ``samples_per_prompt`` times, with the same noise at every evaluation
     (so curves compare like with like), on the sampler's schedule with ``eval.steps`` steps and
     ``eval.guidance_scale`` (flow_grpo's eval_guidance_scale). Metrics are prefixed ``eval/``."""
-    cfg = run.recipe.eval
-    prompts = run.prompts.test_prompts()
-    if cfg.max_prompts:
-        prompts = prompts[: cfg.max_prompts]
-    if not prompts:
+    generated = evaluation_samples(run, iteration)
+    if generated is None:
         return {}
-    per_call = max(1, cfg.batch_size // cfg.samples_per_prompt)
-    outputs, all_prompts = [], []
-    context = run.ema.swapped_in() if run.ema is not None else contextlib.nullcontext()
-    sigmas = evaluation_sigmas(run)
-    with context, guidance(run.policy, cfg.guidance_scale), run.accelerator.autocast(), run.display.phase(
-        f"evaluation at {iteration}", total=len(prompts)
-    ) as advance:
-        for start in range(0, len(prompts), per_call):
-            chunk = prompts[start : start + per_call]
-            g = generator(run.recipe.seed, "eval", start, device=run.policy.device)
-            outputs.append(generate(run.policy, chunk, cfg.samples_per_prompt, cfg.steps, g, sigmas=sigmas))
-            all_prompts += [p for p in chunk for _ in range(cfg.samples_per_prompt)]
-            advance(len(chunk))
-    outputs = torch.cat(outputs) if isinstance(outputs[0], torch.Tensor) else tensors.cat(outputs)
+    outputs, all_prompts = generated
     metadata = [run.prompts.metadata(p) for p in all_prompts]
     scores, details = score(run.rewards, outputs, all_prompts, metadata, where=f"evaluation at iteration {iteration}")
     metrics: dict[str, float] = {}
@@ -126,6 +110,31 @@ def evaluate(run: Run, iteration: int, out_dir: Path | None) -> dict[str, float]
     if out_dir is not None and run.recipe.log.sample_grid and visuals.is_image_batch(outputs):
         write_eval_samples(run, iteration, out_dir, outputs, all_prompts, total, details)
     return metrics
+
+
+def evaluation_samples(run: Run, iteration: int) -> tuple[Any, list[str]] | None:
+    """The outputs :func:`evaluate` scores and their prompts (None without test prompts). The
+    other processes of a sharded run call this too: each forward needs every process."""
+    cfg = run.recipe.eval
+    prompts = run.prompts.test_prompts()
+    if cfg.max_prompts:
+        prompts = prompts[: cfg.max_prompts]
+    if not prompts:
+        return None
+    per_call = max(1, cfg.batch_size // cfg.samples_per_prompt)
+    outputs, all_prompts = [], []
+    context = run.ema.swapped_in() if run.ema is not None else contextlib.nullcontext()
+    sigmas = evaluation_sigmas(run)
+    with context, guidance(run.policy, cfg.guidance_scale), run.accelerator.autocast(), run.display.phase(
+        f"evaluation at {iteration}", total=len(prompts)
+    ) as advance:
+        for start in range(0, len(prompts), per_call):
+            chunk = prompts[start : start + per_call]
+            g = generator(run.recipe.seed, "eval", start, device=run.policy.device)
+            outputs.append(generate(run.policy, chunk, cfg.samples_per_prompt, cfg.steps, g, sigmas=sigmas))
+            all_prompts += [p for p in chunk for _ in range(cfg.samples_per_prompt)]
+            advance(len(chunk))
+    return (torch.cat(outputs) if isinstance(outputs[0], torch.Tensor) else tensors.cat(outputs)), all_prompts
 
 
 def write_eval_samples(

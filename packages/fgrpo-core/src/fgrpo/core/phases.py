@@ -18,7 +18,7 @@ from typing import Any
 import attrs
 import torch
 
-from fgrpo.core import tensors
+from fgrpo.core import sharding, tensors
 from fgrpo.core.advantages import combine
 from fgrpo.core.config import shown
 from fgrpo.core.protocols import StepBatch, Trajectory
@@ -357,22 +357,29 @@ def reference(run: Run, traj: Trajectory, samples: torch.Tensor) -> Reference | 
     mean = torch.zeros_like(traj.means)
     velocity = torch.zeros_like(traj.means)
     nfe = 0
-    if len(samples):
-        with policy.reference():
-            for rows, cols in pair_batches(traj, samples.to(traj.latents.device), cfg.reference_batch_size or cfg.micro_batch_size):
-                x, index = traj.latents[rows, cols], traj.step_index[rows, cols]
-                with run.accelerator.autocast():
-                    v = policy.velocity(x, traj.sigmas[index], tensors.index(traj.cond, rows))
-                velocity[rows, cols] = v.float()
-                mean[rows, cols] = kernel.step(v, x, traj.sigmas, index, prev_sample=traj.next_latents[rows, cols]).mean
-                nfe += len(rows) * policy.evaluations_per_call
+    passes = pair_batches(traj, samples.to(traj.latents.device), cfg.reference_batch_size or cfg.micro_batch_size) if len(samples) else []
+    # sharded: every process makes as many forwards (each one all-gathers the weights)
+    padding = sharding.missing_passes(run.accelerator, len(passes)) if run.sharded else 0
+    with policy.reference():
+        for rows, cols in passes:
+            x, index = traj.latents[rows, cols], traj.step_index[rows, cols]
+            with run.accelerator.autocast():
+                v = policy.velocity(x, traj.sigmas[index], tensors.index(traj.cond, rows))
+            velocity[rows, cols] = v.float()
+            mean[rows, cols] = kernel.step(v, x, traj.sigmas, index, prev_sample=traj.next_latents[rows, cols]).mean
+            nfe += len(rows) * policy.evaluations_per_call
+        first = torch.zeros(1, dtype=torch.long, device=traj.latents.device)
+        for _ in range(padding):
+            with run.accelerator.autocast():
+                policy.velocity(traj.latents[first, first], traj.sigmas[traj.step_index[first, first]], tensors.index(traj.cond, first))
     return Reference(mean=mean, velocity=velocity, nfe=nfe)
 
 
 def sync_gradients(run: Run, params: Sequence[torch.nn.Parameter]) -> None:
     """Average gradients over processes: one all-reduce of a flat buffer per optimizer step.
-    (A Policy need not be one nn.Module, so DDP's forward hooks are not used.)"""
-    if run.accelerator.num_processes == 1:
+    (A Policy need not be one nn.Module, so DDP's forward hooks are not used.) A sharded run's
+    gradients were averaged by FSDP's reduce-scatter in backward: nothing to do."""
+    if run.accelerator.num_processes == 1 or run.sharded:
         return
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     flat = run.accelerator.reduce(torch.cat([g.reshape(-1) for g in grads]), reduction="mean")
@@ -381,6 +388,17 @@ def sync_gradients(run: Run, params: Sequence[torch.nn.Parameter]) -> None:
         n = g.numel()
         p.grad = flat[offset : offset + n].view_as(p).clone()
         offset += n
+
+
+def idle_passes(run: Run, traj: Trajectory, adv: torch.Tensor, count: int) -> None:
+    """``count`` forward/backward passes that change no gradient (loss weight 0), on this process's
+    first (sample, step) pair: in a sharded run every process must make as many passes as the
+    busiest one, since each pass all-gathers parameters and reduce-scatters gradients."""
+    one = torch.zeros(1, dtype=torch.long, device=traj.latents.device)
+    for _ in range(count):
+        with run.accelerator.autocast():
+            batch, _ = step_batch(run, traj, adv, one, one)
+        (batch.velocity.float().sum() * 0.0).backward()
 
 
 def informative(run: Run, adv: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -442,28 +460,33 @@ def update(run: Run, traj: Trajectory, adv: torch.Tensor, iteration: int) -> Upd
                 group = batches[first : first + accumulate]
                 run.optimizer.zero_grad(set_to_none=True)
                 total_pairs = sum(len(samples) for samples in group) * traj.num_trained_steps
-                for samples in group:
-                    pairs = pair_batches(traj, samples.to(traj.latents.device), cfg.micro_batch_size) if len(samples) else []
-                    for rows, cols in pairs:
-                        with acc.autocast():
-                            batch, nfe = step_batch(run, traj, adv, rows, cols, ref)
-                            out = run.objective(batch)
-                        loss = out.loss * (len(rows) / total_pairs)
-                        with run.clock.section("model"):
-                            (scaler.scale(loss) if scaler is not None else loss).backward()
-                        stats.nfe += nfe
-                        for key, value in out.metrics.items():
-                            stats.metrics[key].append(value.detach())
-                        if stats.optimizer_steps == 0:  # on device: read once, by summarize
-                            dev = (batch.log_prob.detach() - batch.old_log_prob).exp().sub(1).abs().max()
-                            first = stats.first_ratio_deviation
-                            stats.first_ratio_deviation = dev if first is None else torch.maximum(first, dev)
+                passes = [
+                    pair for samples in group if len(samples)
+                    for pair in pair_batches(traj, samples.to(traj.latents.device), cfg.micro_batch_size)
+                ]
+                # sharded: every process makes as many passes (each one all-gathers and reduce-scatters)
+                padding = sharding.missing_passes(acc, len(passes)) if run.sharded else 0
+                for rows, cols in passes:
+                    with acc.autocast():
+                        batch, nfe = step_batch(run, traj, adv, rows, cols, ref)
+                        out = run.objective(batch)
+                    loss = out.loss * (len(rows) / total_pairs)
+                    with run.clock.section("model"):
+                        (scaler.scale(loss) if scaler is not None else loss).backward()
+                    stats.nfe += nfe
+                    for key, value in out.metrics.items():
+                        stats.metrics[key].append(value.detach())
+                    if stats.optimizer_steps == 0:  # on device: read once, by summarize
+                        dev = (batch.log_prob.detach() - batch.old_log_prob).exp().sub(1).abs().max()
+                        first = stats.first_ratio_deviation
+                        stats.first_ratio_deviation = dev if first is None else torch.maximum(first, dev)
+                idle_passes(run, traj, adv, padding)
                 sync_gradients(run, params)
                 if scaler is not None:
                     scaler.unscale_(run.optimizer)  # after the all-reduce: every process sees the same inf/nan
                 if cfg.max_grad_norm > 0:
                     norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-                    stats.grad_norms.append(norm.detach())
+                    stats.grad_norms.append(sharding.full(norm).detach())
                 if scaler is not None:
                     scaler.step(run.optimizer)
                     scaler.update()

@@ -89,6 +89,13 @@ class Policy(Protocol):
     Optional: ``export(folder)`` writes the trained weights in the backbone's own format (the
     ``fgrpo export`` command), and ``export_in_checkpoints`` (true) puts that export into every
     checkpoint.
+
+    Optional, for sharded runs (FSDP launches, :mod:`fgrpo.core.sharding`): ``trainable_module``
+    is the ``nn.Module`` that holds every trainable parameter and that ``velocity`` calls (through
+    its ``__call__``) for each forward, e.g. the transformer; FSDP shards it in place, so its
+    parameters become DTensor shards. ``trainable_state_dict`` then returns whole tensors (every
+    process calls it), ``load_trainable_state_dict`` takes whole tensors, and ``export(folder,
+    state=...)`` writes the given ``trainable_state_dict()`` instead of reading the module.
     """
 
     device: torch.device

@@ -49,3 +49,10 @@ class Run:
     @property
     def is_main(self) -> bool:
         return self.accelerator.is_main_process
+
+    @property
+    def sharded(self) -> bool:
+        """The policy's network is split over the processes (FSDP; :mod:`fgrpo.core.sharding`)."""
+        from fgrpo.core.sharding import is_sharded
+
+        return is_sharded(self.accelerator)

@@ -20,7 +20,7 @@ import torch
 from rich.console import Console
 
 from fgrpo.core import checkpoint as ckpt
-from fgrpo.core import evaluation, phases, report, rundir, tensors, timing, trackers, visuals
+from fgrpo.core import evaluation, phases, report, rundir, sharding, tensors, timing, trackers, visuals
 from fgrpo.core.config import ConfigError, RecipeError
 from fgrpo.core.data import PromptSchedule
 from fgrpo.core.ema import EMA
@@ -115,6 +115,8 @@ def run_evaluation(run: Run, it: int) -> dict[str, float]:
             metrics["time_eval_s"] = time.perf_counter() - t0
         run.display.evaluation_done(it, metrics)
         plugin_manager().hook.fgrpo_evaluation(run=run, iteration=it, metrics=metrics)
+    elif run.sharded:
+        evaluation.evaluation_samples(run, it)  # the main process's forwards need this process's shards
     run.accelerator.wait_for_everyone()
     return metrics
 
@@ -159,7 +161,8 @@ def lr_lambda(cfg: Any) -> Any:
 
 
 #: how the processes of a run share work: each rolls out its own prompt groups and gradients are
-#: averaged by one all-reduce per optimizer step (``phases.sync_gradients``)
+#: averaged by one all-reduce per optimizer step (``phases.sync_gradients``); FSDP launches shard
+#: the network instead (:mod:`fgrpo.core.sharding`)
 DATA_PARALLEL = ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_MUSA", "MULTI_HPU", "MULTI_SDAA")
 
 
@@ -206,10 +209,11 @@ def accelerate_settings(train: Any = None, env: Any = None) -> tuple[str, int]:
 
 def make_accelerator(cpu: bool | None = None, train: Any = None, **options: Any) -> Any:
     """The run's Accelerator, with the mixed precision and gradient accumulation of
-    :func:`accelerate_settings` (fp16 needs a GPU; model-sharding launches are refused) and, with
-    several processes, ``train.process_group_timeout_s`` as the longest wait for the others at a
-    collective (a stopped or crashed peer then ends the run with an error, not a silent hang);
-    ``options`` go to its constructor (``log_with``)."""
+    :func:`accelerate_settings` (fp16 needs a GPU) and, with several processes,
+    ``train.process_group_timeout_s`` as the longest wait for the others at a collective (a
+    stopped or crashed peer then ends the run with an error, not a silent hang); ``options`` go to
+    its constructor (``log_with``). Data-parallel and FSDP launches run (FSDP also on the CPU, see
+    :mod:`fgrpo.core.sharding`); other kinds are refused."""
     from datetime import timedelta
 
     from accelerate import Accelerator
@@ -230,13 +234,16 @@ def make_accelerator(cpu: bool | None = None, train: Any = None, **options: Any)
     handlers = [InitProcessGroupKwargs(timeout=timedelta(seconds=timeout))] if timeout else []
     acc = Accelerator(cpu=cpu, mixed_precision=precision, gradient_accumulation_steps=steps, kwargs_handlers=handlers, **options)
     kind = str(acc.distributed_type).split(".")[-1]
-    if kind not in DATA_PARALLEL:
+    if kind == "MULTI_CPU" and sharding.launched_sharded():
+        sharding.enable_on_cpu(acc)
+        kind = sharding.FSDP
+    if kind not in DATA_PARALLEL and kind != sharding.FSDP:
         raise RecipeError([ConfigError(
             "accelerate",
             f"distributed type {kind} (from the accelerate config or launch flags) is not supported: fgrpo runs data "
-            "parallel (each process rolls out its own prompt groups; one gradient all-reduce per optimizer step). "
-            "Use recipes/accelerate/ddp.yaml; to fit memory use LoRA, gradient checkpointing, "
-            "model.text_encoder_device: cpu and bf16 weights",
+            "parallel (recipes/accelerate/ddp.yaml) or sharded with FSDP2 (recipes/accelerate/fsdp-lora.yaml, "
+            "fsdp-full.yaml); to fit memory also use LoRA, gradient checkpointing, model.text_encoder_device: cpu "
+            "and bf16 weights",
         )])
     return acc
 
@@ -278,6 +285,8 @@ def build_run(
     optimizer = torch.optim.AdamW(
         trainable, lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps, weight_decay=cfg.weight_decay
     )
+    if sharding.is_sharded(acc):
+        trainable = sharding.shard_policy(acc, policy, optimizer)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     if cfg.prompts_per_iteration % acc.num_processes:
         raise RecipeError([ConfigError("train.prompts_per_iteration", f"got {cfg.prompts_per_iteration}; must be a multiple of the {acc.num_processes} processes")])
@@ -316,14 +325,21 @@ def broadcast_parameters(acc: Any, params: list[torch.nn.Parameter]) -> None:
 
 
 def save_checkpoint(run: Run, done: int) -> None:
+    """Write checkpoint ``done`` (the main process writes; in a sharded run every process first
+    takes part in gathering the whole tensors)."""
     run.accelerator.wait_for_everyone()
+    if run.is_main or run.sharded:
+        trainable = run.policy.trainable_state_dict()
+        ema = run.ema.state_dict() if run.ema is not None else None
+        optimizer = sharding.full_optimizer_state(run.optimizer)
+        export = export_in_checkpoint(run)
     if run.is_main:
         path = ckpt.write(
             run.out_dir / "checkpoints",
             done,
-            trainable=run.policy.trainable_state_dict(),
-            ema=run.ema.state_dict() if run.ema is not None else None,
-            optimizer={"optimizer": run.optimizer.state_dict(), "scheduler": run.scheduler.state_dict()},
+            trainable=trainable,
+            ema=ema,
+            optimizer={"optimizer": optimizer, "scheduler": run.scheduler.state_dict()},
             rng={0: {"torch": torch.get_rng_state()}},
             state={
                 "iteration": done,
@@ -335,10 +351,23 @@ def save_checkpoint(run: Run, done: int) -> None:
                 "run_id": run.folder.run_id if run.folder is not None else None,
             },
             keep=run.recipe.train.keep_checkpoints,
-            export=(lambda folder: export_policy(run, folder)) if getattr(run.policy, "export_in_checkpoints", False) else None,
+            export=export,
         )
         plugin_manager().hook.fgrpo_checkpoint_saved(run=run, iteration=done, path=str(path))
     run.accelerator.wait_for_everyone()
+
+
+def export_in_checkpoint(run: Run) -> Any:
+    """What writes the checkpoint's ``export/`` folder (None when the policy writes none): the
+    policy's own-format export of the weights evaluation uses (the EMA's when the run keeps one).
+    A sharded run gathers those weights first, on every process."""
+    if not getattr(run.policy, "export_in_checkpoints", False):
+        return None
+    if not run.sharded:
+        return lambda folder: export_policy(run, folder)
+    with run.ema.swapped_in() if run.ema is not None else contextlib.nullcontext():
+        weights = run.policy.trainable_state_dict()
+    return lambda folder: run.policy.export(folder, state=weights)
 
 
 def export_policy(run: Run, folder: str) -> list[str]:
@@ -357,7 +386,7 @@ def restore(run: Run, folder: Path) -> int:
     if run.ema is not None:
         run.ema.load_state_dict(ckpt.read_tensors(folder / ckpt.EMA, run.policy.device))
     opt = ckpt.read_torch(folder / ckpt.OPTIMIZER)
-    run.optimizer.load_state_dict(opt["optimizer"])
+    sharding.load_full_optimizer_state(run.optimizer, opt["optimizer"])
     run.scheduler.load_state_dict(opt["scheduler"])
     torch.set_rng_state(ckpt.read_torch(folder / "rng-rank0.pt")["torch"])
     run.sampler.load_state_dict(state["sampler"])

@@ -238,6 +238,12 @@ class DiffusersPolicy:
         return self._pipeline.transformer
 
     @property
+    def trainable_module(self) -> torch.nn.Module:
+        """What a sharded (FSDP) run splits over the processes: the transformer, one FSDP unit per
+        block (its ``_no_split_modules``)."""
+        return self.transformer
+
+    @property
     def text_device(self) -> torch.device:
         return dx.resolve_device(self.text_encoder_device) if self.text_encoder_device is not None else self.device
 
@@ -378,15 +384,19 @@ class DiffusersPolicy:
         """Checkpoints also hold :meth:`export`'s files (a LoRA is small; a full transformer is not)."""
         return self.lora is not None
 
-    def export(self, folder: str) -> list[str]:
+    def export(self, folder: str, state: Mapping[str, torch.Tensor] | None = None) -> list[str]:
         """The trained weights in diffusers' own format: the adapter as the pipeline's
         ``save_lora_weights`` writes it (``pipe.load_lora_weights(folder)`` loads it with its
         rank and alpha), or with full fine-tuning the transformer's ``save_pretrained`` in
-        ``folder/transformer``. Returns the files written."""
+        ``folder/transformer``. ``state``: a LoRA's :meth:`trainable_state_dict` to write instead
+        of the transformer's current adapter (a sharded run gathers it first). Returns the files
+        written."""
         import os
 
         if self.lora is not None:
-            return [dx.save_diffusers_lora(type(self._pipeline), self.transformer, folder)]
+            return [dx.save_diffusers_lora(type(self._pipeline), self.transformer, folder, state)]
+        if state is not None:
+            raise ValueError("export(state=...) takes LoRA weights; a fully fine-tuned transformer exports its own")
         target = os.path.join(folder, "transformer")
         self.transformer.save_pretrained(target)
         return sorted(os.path.join(target, f) for f in os.listdir(target))

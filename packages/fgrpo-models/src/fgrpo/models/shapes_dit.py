@@ -429,6 +429,12 @@ class ShapesDiT:
         return self._network.transformer
 
     @property
+    def trainable_module(self) -> nn.Module:
+        """What a sharded (FSDP) run splits over the processes: the transformer (one FSDP unit per
+        joint block); the text encoder and the reference copy stay whole on every process."""
+        return self._network.transformer
+
+    @property
     def architecture(self) -> Architecture:
         return self._network.arch
 
