@@ -87,3 +87,50 @@ def test_gradient_accumulation_from_accelerate(root, monkeypatch):
     assert iteration(larger, 0)["optimizer_steps"] == 2
     for a, b in zip(accumulated.trainable, larger.trainable):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+CONFIGS = Path(__file__).resolve().parents[1] / "recipes" / "accelerate"
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("name", ["ddp.yaml", "cpu.yaml", "fsdp-lora.yaml", "fsdp-full.yaml"])
+def test_shipped_accelerate_configs_are_valid(name):
+    """Each config reads with accelerate's own loader, is a kind fgrpo runs (data parallel, or
+    FSDP2 sharding one unit per transformer block) and is documented with its launch command."""
+    from accelerate.commands.config.config_args import ClusterConfig, load_config_from_file
+
+    config = load_config_from_file(str(CONFIGS / name))
+    assert isinstance(config, ClusterConfig)
+    kind = str(config.distributed_type).split(".")[-1]
+    if name.startswith("fsdp"):
+        assert kind == "FSDP"
+        assert config.fsdp_config["fsdp_version"] == 2
+        assert config.fsdp_config["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
+        assert not config.fsdp_config["fsdp_offload_params"] and not config.fsdp_config["fsdp_activation_checkpointing"]
+    else:
+        assert kind == "MULTI_GPU"  # data parallel
+    assert config.num_processes >= 2 and config.mixed_precision in ("no", "bf16")
+    text = (CONFIGS / name).read_text()
+    assert f"accelerate launch --config_file recipes/accelerate/{name}" in text
+    assert f"`{name}`" in (CONFIGS / "README.md").read_text()
+    assert sorted(p.name for p in CONFIGS.glob("*.yaml")) == ["cpu.yaml", "ddp.yaml", "fsdp-full.yaml", "fsdp-lora.yaml"]
+
+
+@pytest.mark.slow
+def test_cpu_config_runs_two_processes(root, tmp_path):
+    """The shipped CPU config starts two data-parallel processes (about 45 s on 2 busy cores)."""
+    done = subprocess.run(
+        [str(BIN / "accelerate"), "launch", "--config_file", str(CONFIGS / "cpu.yaml"), "--main_process_port", str(free_port()),
+         "-m", "fgrpo.core.cli", "compose", str(root / "recipes" / "vector.yaml"), "--out", str(tmp_path / "run"),
+         "--quiet", "--set", "train.iterations=2", "--set", "eval.every=0"],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "(2 process(es)" in done.stdout

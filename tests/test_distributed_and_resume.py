@@ -98,3 +98,58 @@ def test_sigkill_at_random_moments_then_resume_is_bit_exact(root, tmp_path):
     strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(("time_", "samples_per_s"))} for r in rows]
     read = lambda d: [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
     assert strip(read(reference)) == strip(read(interrupted))
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(c) for c in (task / "children").read_text().split()]
+    return found
+
+
+def _rank(pid: int) -> int | None:
+    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    ranks = [int(e.split(b"=", 1)[1]) for e in env if e.startswith(b"RANK=")]
+    return ranks[0] if ranks else None
+
+
+def test_a_stopped_process_ends_the_run_with_a_message(root, tmp_path):
+    """One rank stopped (SIGSTOP): the other waits train.process_group_timeout_s at its next
+    collective, then the run ends with one line saying so (before: it waited silently forever)."""
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    launcher = [str(BIN / "torchrun"), "--nnodes", "1", "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(_free_port())]
+    proc = subprocess.Popen(
+        [*launcher, "-m", "fgrpo.core.cli", "compose", str(root / "recipes" / "vector.yaml"), "--out", str(out), "--quiet",
+         "--set", "train.iterations=100000", "--set", "eval.every=0", "--set", "log.plots=false",
+         "--set", "log.trackers=[]", "--set", "train.process_group_timeout_s=3"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    stopped = None
+    try:
+        deadline = time.time() + 120
+        while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().count("\n") >= 3):
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
+            time.sleep(0.05)
+        ranks = {_rank(pid): pid for pid in _children(proc.pid)}
+        stopped = ranks[1]
+        os.kill(stopped, signal.SIGSTOP)
+        waited = time.time()
+        while Path(f"/proc/{ranks[0]}").exists() and Path(f"/proc/{ranks[0]}/stat").read_text().split()[2] != "Z":
+            assert time.time() - waited < 60, "rank 0 still waits for the stopped rank"  # before: forever
+            time.sleep(0.1)
+        os.kill(stopped, signal.SIGKILL)  # spare the launcher its 30 s of SIGTERM to a stopped process
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if stopped is not None:
+            try:
+                os.kill(stopped, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode != 0
+    assert "error: process 0 of 2 lost the other processes in a collective" in err, err[-3000:]
+    assert "train.process_group_timeout_s" in err
+    assert "[rank0]: Traceback" not in err  # (the launcher still reports its failed child its own way)

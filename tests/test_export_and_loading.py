@@ -38,7 +38,7 @@ def write_recipe(folder, model_path, *, lora="{rank: 4}", ema=0.0):
         objective: {{name: grpo, clip_range: 1.0e-3}}
         prompts: {{name: list, train: ["a red circle", "a blue square"]}}
         train: {{iterations: 2, group_size: 2, prompts_per_iteration: 2, lr: 0.05, ema_decay: {ema}}}
-        log: {{tensorboard: false, plots: false, quiet: true}}
+        log: {{trackers: [], plots: false, quiet: true}}
     """))
     return str(recipe)
 
@@ -131,3 +131,13 @@ def test_a_missing_local_folder_is_reported_as_such(tmp_path):
     for name in ("sd3", "flux", "qwen-image", "wan"):
         with pytest.raises(registry.BuildError, match=f"model.path: the local folder {str(tmp_path / 'nowhere')!r} does not exist"):
             registry.create("model", name, path=str(tmp_path / "nowhere"), device="cpu")
+
+
+def test_reward_models_from_the_hub_fail_fast_too(monkeypatch):
+    pytest.importorskip("transformers")
+    from fgrpo.core import registry
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for name in ("clip-score", "pickscore"):
+        with pytest.raises(registry.BuildError, match="reward.path: 'someone/no-such-clip' is not in the local hub cache"):
+            registry.create("reward", name, path="someone/no-such-clip", device="cpu")

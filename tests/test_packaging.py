@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.metadata as md
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -52,14 +53,16 @@ def test_shipped_recipes_are_the_repository_recipes(root):
     assert "fgrpo.core" in pyproject(root, "fgrpo-core")["tool"]["setuptools"]["package-data"]
 
 
-def test_builtin_recipe_by_name_from_anywhere(tmp_path):
-    result = run_fgrpo("validate", "shapes", cwd=tmp_path)
-    assert result.returncode == 0, result.stderr
-    assert "shapes: ok" in result.stdout
-    result = run_fgrpo("validate", "shapez", cwd=tmp_path)
-    assert result.returncode == 2
-    assert "shapez: no such recipe file, and no built-in recipe of that name; built-in recipes: " in result.stderr
-    assert "shapes-fast" in result.stderr and "Traceback" not in result.stderr
+def test_builtin_recipe_by_name_from_anywhere(tmp_path, monkeypatch, capsys):
+    from fgrpo.core import cli
+
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["validate", "shapes"]) == 0
+    assert "shapes: ok" in capsys.readouterr().out
+    assert cli.main(["validate", "shapez"]) == 2
+    err = capsys.readouterr().err
+    assert "shapez: no such recipe file, and no built-in recipe of that name; built-in recipes: " in err
+    assert "shapes-fast" in err
 
 
 def test_builtin_component_table_matches_the_pyprojects(root):
@@ -67,6 +70,8 @@ def test_builtin_component_table_matches_the_pyprojects(root):
     declared = {}
     for package in PACKAGES:
         for group, eps in pyproject(root, package)["project"].get("entry-points", {}).items():
+            if group not in groups:  # hook plugins (fgrpo.plugins) are not components
+                continue
             for name, target in eps.items():
                 extras = tuple(re.findall(r"\[(.*)\]", target)[0].replace(" ", "").split(",")) if "[" in target else ()
                 declared[(groups[group], name)] = (package, extras)
@@ -120,7 +125,13 @@ def test_builtin_recipe_after_a_non_editable_install(root, tmp_path):
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
     env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
     subprocess.run(pip + ["torch==2.13.0"], check=True, env=env)  # a bare torch would pull a CUDA build
-    packages = [str(root / "packages" / p) for p in PACKAGES[:3]] + [str(root / "packages" / "fgrpo-models") + "[diffusers]"]
+    # build from a copy: setuptools builds in the source tree (build/), and the copy keeps the
+    # relative link fgrpo/core/recipes -> recipes/ that puts the recipes into the wheel
+    src = tmp_path / "src"
+    skip = shutil.ignore_patterns("build", "*.egg-info", "__pycache__", "tests")
+    shutil.copytree(root / "packages", src / "packages", symlinks=True, ignore=skip)
+    shutil.copytree(root / "recipes", src / "recipes")
+    packages = [str(src / "packages" / p) for p in PACKAGES[:3]] + [str(src / "packages" / "fgrpo-models") + "[diffusers]"]
     subprocess.run(pip + packages, check=True, env=env)
     work = tmp_path / "elsewhere"
     work.mkdir()
@@ -139,4 +150,6 @@ def test_builtin_recipe_after_a_non_editable_install(root, tmp_path):
     composed = run("compose", "shapes", "--out", "run", "--quiet", "--set", "train.iterations=1",
                    "--set", "train.prompts_per_iteration=2", "--set", "eval.every=1", "--set", "eval.max_prompts=4")
     assert composed.returncode == 0, composed.stderr
+    assert (work / "run" / "report.html").is_file()
+    assert composed.stdout.strip().splitlines()[-1] == "report: run/report.html"
     assert composed.stderr == ""  # quiet: no import-time warnings a user cannot act on

@@ -104,3 +104,56 @@ def test_example_plugin_usable_in_a_recipe(root, capsys):
     recipe = str(root / "recipes" / "vector.yaml")
     code = cli.main(["validate", recipe, "--set", "reward={name: brightness, target: 0.5}"])
     assert code == 0, capsys.readouterr().err
+
+
+@pytest.fixture
+def exiting(tmp_path):
+    """A distribution whose reward module and hook plugin call sys.exit() when imported, and one
+    that registers a reward name the example plugin already registers."""
+    (tmp_path / "exiting_reward.py").write_text("import sys\nsys.exit(3)\n")
+    (tmp_path / "exiting_hooks.py").write_text("import sys\nsys.exit('bye')\n")
+    (tmp_path / "rival_reward.py").write_text("class Brightness:\n    pass\n")
+    for name, entry_points in (
+        ("fgrpo_exiting", "[fgrpo.rewards]\nexiting = exiting_reward:Exiting\n[fgrpo.plugins]\nexiting-hooks = exiting_hooks\n"),
+        ("fgrpo_rival", "[fgrpo.rewards]\nbrightness = rival_reward:Brightness\n"),
+    ):
+        info = tmp_path / f"{name}-0.1.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name.replace('_', '-')}\nVersion: 0.1\n")
+        (info / "entry_points.txt").write_text(entry_points)
+    return tmp_path
+
+
+def test_a_plugin_that_exits_at_import_is_isolated(exiting, monkeypatch, capsys):
+    from fgrpo.core import cli, hookspecs
+
+    monkeypatch.syspath_prepend(str(exiting))
+    monkeypatch.setattr(registry, "_loaded", {})
+    monkeypatch.setattr(hookspecs, "_manager", None)  # this test's own plugin manager
+    monkeypatch.setattr(hookspecs, "_failures", [])
+    with pytest.raises(SystemExit) as helped:  # before: exit 3 and no output, for every command
+        cli.main(["--help"])
+    assert helped.value.code == 0 and "compose" in capsys.readouterr().out
+    assert cli.main(["plugins", "--json"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    rows = {(r["kind"], r["name"], r["distribution"]): r for r in found["components"]}
+    exiting_row = rows[("reward", "exiting", "fgrpo-exiting")]
+    assert exiting_row["status"] == "import error" and "SystemExit: 3" in exiting_row["error"]
+    hooks = {h["name"]: h for h in found["hook_plugins"]}
+    assert hooks["exiting-hooks"]["status"] == "import error" and "SystemExit: bye" in hooks["exiting-hooks"]["error"]
+    # before: the first distribution found silently won; now both rows say so
+    for dist in ("fgrpo-reward-example", "fgrpo-rival"):
+        row = rows[("reward", "brightness", dist)]
+        assert row["status"] == "conflict"
+        assert "reward 'brightness' is registered by fgrpo-reward-example and fgrpo-rival" in row["error"]
+
+
+def test_a_name_two_distributions_register_is_refused_in_a_recipe(exiting, monkeypatch, root, capsys):
+    from fgrpo.core import cli
+
+    monkeypatch.syspath_prepend(str(exiting))
+    monkeypatch.setattr(registry, "_loaded", {})
+    code = cli.main(["validate", str(root / "recipes" / "vector.yaml"), "--set", "reward={name: brightness, target: 0.5}"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "reward.name: reward 'brightness' is registered by fgrpo-reward-example and fgrpo-rival; fgrpo will not pick one" in err

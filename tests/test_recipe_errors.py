@@ -30,7 +30,26 @@ EXPECTED = {
     "not_a_mapping.yaml": ["a recipe is a mapping of sections, got list"],
     "bad_choice.yaml": ["objective.kl: got 'forward'; allowed: 'mean', 'flow_grpo', 'velocity'"],
     "missing_name.yaml": ["model.name: missing required key"],
+    # issue 9: before, each of these was accepted by `validate` (then a traceback in `compose`),
+    # silently changed meaning, or ended in a traceback / a MemoryError
+    "alias_bomb.yaml": ["alias_bomb.yaml: YAML aliases (*name) expand it by more than 100000 values"],
+    "adam_betas_out_of_range.yaml": ["train.adam_betas: got 2.0 at item 0 of (2.0, 3.0); allowed: >= 0 and < 1"],
+    "adam_betas_nan.yaml": ["train.adam_betas: got nan at item 0 of (nan, 0.999); must be a finite number"],
+    "kernel_eta_zero.yaml": ["sampler.kernel: got {'eta': 0.0, 'name': 'sde'}, which adds no noise at any step (std 0)"],
+    "reward_weights.yaml": [
+        "reward.0.weight: got nan; must be a finite number",
+        "reward.1.weight: got inf; must be a finite number",
+        "reward.2.weight: got 1e+308; allowed: >= -1000000.0 and <= 1000000.0",
+    ],
+    "empty_section.yaml": ["train: expected a mapping of train keys, got an empty section"],
+    "duplicate_keys.yaml": [
+        "train: duplicate section (", "duplicate_keys.yaml:9, first at line 7)",
+        "train.lr: duplicate key (",
+    ],
+    "not_utf8.yaml": ["not_utf8.yaml: not UTF-8 text (byte 0xe9 at offset"],
 }
+# files whose expected parts all belong to one error line
+ONE_LINE = ("malformed.yaml", "python_tag.yaml", "duplicate_keys.yaml")
 
 
 def test_corpus_is_complete():
@@ -44,7 +63,9 @@ def test_bad_recipe_exits_2_naming_the_key(name, capsys):
     assert code == 2
     lines = [ln for ln in captured.err.splitlines() if ln.startswith("error: ")]
     expected = EXPECTED[name]
-    if name in ("malformed.yaml", "python_tag.yaml"):
+    if name == "duplicate_keys.yaml":  # two errors: the section and the key
+        assert len(lines) == 2 and all(any(part in line for line in lines) for part in expected), lines
+    elif name in ONE_LINE:
         assert len(lines) == 1 and all(part in lines[0] for part in expected), lines
     else:
         assert len(lines) == len(expected), lines
@@ -70,6 +91,41 @@ def test_console_script_reports_without_traceback():
 
 def test_compose_refuses_bad_recipe_too(capsys):
     assert cli.main(["compose", str(BAD / "out_of_range.yaml"), "--dry-run"]) == 2
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_compose_of_a_bad_recipe_writes_nothing(name, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert cli.main(["compose", str(BAD / name), "--out", str(out)]) == 2
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("override", ["train=", "train=0", "train=[]", "train=null", "eval=1"])
+def test_setting_a_section_to_a_non_mapping_is_an_error(root, override, capsys):
+    # before: `--set train=` (and the others) silently replaced the section with its defaults
+    assert cli.main(["validate", str(root / "recipes" / "vector.yaml"), "--set", override]) == 2
+    section = override.split("=")[0]
+    assert f"error: {section}: expected a mapping of {section} keys" in capsys.readouterr().err
+
+
+def test_an_alias_bomb_in_an_override_is_refused_quickly(root, capsys):
+    bomb = '"lol"'
+    for level in range(9):  # nine levels of nine, in one --set value
+        bomb = "[" + ",".join([f"&a{level} {bomb}"] + [f"*a{level}"] * 8) + "]"
+    assert cli.main(["validate", str(root / "recipes" / "vector.yaml"), "--set", f"prompts.train={bomb}"]) == 2
+    assert "YAML aliases (*name) expand it by more than" in capsys.readouterr().err
+
+
+def test_an_alias_that_contains_itself_is_refused(root, capsys):
+    assert cli.main(["validate", str(root / "recipes" / "vector.yaml"), "--set", "prompts.train=&a [*a]"]) == 2
+    assert "refers to a value that contains it" in capsys.readouterr().err
+
+
+def test_errors_echo_a_bounded_value(root, capsys):
+    long = "[" + ",".join(str(i) for i in range(3000)) + "]"
+    assert cli.main(["validate", str(root / "recipes" / "vector.yaml"), "--set", f"train.iterations={long}"]) == 2
+    line = next(ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error: train.iterations"))
+    assert len(line) < 200 and "..." in line
 
 
 def test_set_overrides_are_typed_and_checked(root, capsys):

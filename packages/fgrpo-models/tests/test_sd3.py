@@ -41,6 +41,18 @@ class TestSD3(DiffusersBackboneConformance):
         assert torch.all(flat[1:-1] < policy.sigmas(4)[1:-1])  # the pipeline's shift 3 keeps more noise
 
 
+    @torch.no_grad()
+    def test_text_encoders_elsewhere_and_decoding_in_chunks(self, policy, model_keys):
+        other = self.make_policy(model_keys, text_encoder_device="cpu", decode_batch_size=1)
+        assert all(p.device.type == "cpu" for m in other.text_encoders() for p in m.parameters())
+        cond, expected = other.encode(list(self.prompts)), policy.encode(list(self.prompts))
+        for key in expected:
+            assert cond[key].device == other.device
+            torch.testing.assert_close(cond[key], expected[key], rtol=0, atol=1e-6)
+        x = policy.initial_noise(3, torch.Generator().manual_seed(5))
+        torch.testing.assert_close(other.decode(x), policy.decode(x), rtol=0, atol=1e-5)
+
+
 def test_from_pipeline_and_resolution():
     pipe = build_tiny_sd3_pipeline(sample_size=8)
     policy = SD3Policy.from_pipeline(pipe, device="cpu", lora=None, resolution=32, max_sequence_length=SEQ)

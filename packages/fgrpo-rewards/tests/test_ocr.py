@@ -90,3 +90,39 @@ def test_detection_path_reads_text():
     reward = registry.create("reward", "ocr")
     result = reward(render("GRPO")[None], ['a sign "grpo"'], [{}])
     assert result.scores.item() == 1.0
+
+
+@pytest.mark.parametrize("detect", [True, False])
+def test_batched_reading_equals_rapidocrs_own_pipeline(detect):
+    """read_batch (stacked detection, one recogniser call for every line) reads what rapidocr's
+    single-image call reads, image by image; the reward's scores do not depend on the batch size."""
+    pytest.importorskip("rapidocr")
+    pytest.importorskip("onnxruntime")
+    from fgrpo.core import registry
+    from fgrpo.rewards.jpeg import to_uint8_images
+
+    reward = registry.create("reward", "ocr", detect=detect, batch_size=8)
+    batch = torch.stack([render(t) for t in ("GRPO", "hello", "Flow 2025", "cat")] + [torch.ones(3, 96, 256)])
+    arrays = list(to_uint8_images(batch))
+    alone = [reward.read(Image.fromarray(a)) for a in arrays]
+    assert reward.read_batch(arrays) == alone
+    assert [t.lower().replace(" ", "") for t in alone[:4]] == ["grpo", "hello", "flow2025", "cat"] and alone[4] == ""
+    prompts = ['"GRPO"', '"hello"', '"Flow 2025"', '"cat"', '"x"']
+    one_by_one = registry.create("reward", "ocr", detect=detect, batch_size=1)(batch, prompts, [{}] * 5)
+    together = reward(batch, prompts, [{}] * 5)
+    torch.testing.assert_close(together.scores, one_by_one.scores)
+    assert together.details["recognised"] == one_by_one.details["recognised"]
+
+
+def test_videos_average_the_frames_that_read_something():
+    """flow_grpo's video rule: every frame_interval-th frame, the mean of the frames scoring > 0."""
+    pytest.importorskip("rapidocr")
+    pytest.importorskip("onnxruntime")
+    from fgrpo.core import registry
+
+    reward = registry.create("reward", "ocr", detect=False, frame_interval=2)
+    blank = torch.ones(3, 96, 256)
+    video = torch.stack([render("GRPO"), blank, blank, blank, render("GRPQ"), blank])  # frames 0, 2, 4 scored
+    result = reward(torch.stack([video, torch.stack([blank] * 6)]), ['"GRPO"', '"GRPO"'], [{}, {}])
+    torch.testing.assert_close(result.scores, torch.tensor([(1.0 + 0.75) / 2, 0.0]))
+    assert result.details["recognised"][0].lower().split(" | ") == ["grpo", "", "grpq"]

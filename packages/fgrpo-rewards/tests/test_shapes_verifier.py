@@ -237,3 +237,19 @@ class TestShapesGoldConformance(RewardConformance):
 
     def make_inputs(self):
         return _conformance_inputs()
+
+
+def test_what_was_read_is_described_per_image():
+    scene = (P("blue", "circle", 0, 0), P("blue", "circle", 2, 2), P("red", "square", 1, 1))
+    broken = _uint8(CIRCLE)
+    broken[8 + 3, 8 + 1 : 8 + 5] = 0  # the red circle loses 4 pixels: unreadable
+    images = _batch([render(scene), render(()), broken, _speckle(40)])
+    reading = read_cells(images)
+    assert [reading.describe(b) for b in range(4)] == [
+        "2 blue circles, red square",
+        "nothing",
+        "1 unreadable (broken glyph)",
+        "red circle, 1 unreadable (off-palette)",
+    ]
+    read = evaluate(images, ["a red circle"] * 4)["read"]
+    assert read == [reading.describe(b) for b in range(4)]

@@ -45,7 +45,7 @@ EXPORT = "export"
 # recipe keys that may differ on resume (fnmatch patterns): extending a run, how it is shown,
 # how long to wait for a reward or for the other processes
 RESUMABLE_CHANGES = (
-    "train.iterations", "log.quiet", "log.tensorboard", "log.sample_grid", "log.plots",
+    "train.iterations", "log.*",
     "train.process_group_timeout_s", "reward.*.timeout_s",
 )
 ITER_NAME = re.compile(r"iter_(\d{6,})")
@@ -269,8 +269,10 @@ def read_state(folder: Path) -> dict[str, Any]:
         state = json.loads(path.read_text())
     except FileNotFoundError:
         raise _invalid(path, "is missing") from None
-    except (OSError, ValueError) as exc:
-        raise _invalid(path, f"does not read back ({str(exc)[:80]})") from None
+    except OSError as exc:
+        raise _invalid(path, f"cannot be read ({exc.strerror})") from None
+    except ValueError as exc:
+        raise _invalid(path, f"is not valid JSON ({str(exc)[:80]})") from None
     if not isinstance(state, dict) or not isinstance(state.get("iteration"), int) or not isinstance(state.get("recipe"), dict):
         raise _invalid(path, "lacks the iteration or the recipe")
     return state

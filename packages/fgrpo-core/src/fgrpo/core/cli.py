@@ -1,4 +1,4 @@
-"""The ``fgrpo`` command: plugins, validate, compose, check, sample, export.
+"""The ``fgrpo`` command: plugins, validate, compose, report, check, sample, export.
 
 Bad input (a recipe error, an unknown or broken component) prints one line per problem and exits
 with code 2, never a traceback.
@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -18,6 +20,7 @@ from rich.table import Table
 from rich.tree import Tree
 
 from fgrpo.core import registry
+from fgrpo.core import report as run_report
 from fgrpo.core.config import ConfigError, RecipeError, help_lines
 
 EXIT_USAGE = 2
@@ -48,10 +51,40 @@ def _add_recipe_args(p: argparse.ArgumentParser, optional: bool = False) -> None
     )
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a bad argument reported like every other bad input: one line, exit 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(EXIT_USAGE, f"error: {message} (see {self.prog} --help)\n")
+
+
+def _whole(low: int) -> Any:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}")
+        return value
+
+    return parse
+
+
+def _tolerance(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     from fgrpo.core.shipped import versions_text
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="fgrpo",
         description="Online RL for flow-matching generators.",
         formatter_class=argparse.RawDescriptionHelpFormatter,  # --version prints one line per distribution
@@ -80,9 +113,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="one line per iteration, no progress bars")
     p.set_defaults(handler=cmd_compose)
 
+    p = sub.add_parser("report", help="write a run's self-contained HTML report (curves, evaluations, filmstrip)")
+    p.add_argument("run", help="a run folder (the --out of compose)")
+    p.add_argument("--out", default=None, help="the HTML file (default: RUN/report.html)")
+    p.set_defaults(handler=cmd_report)
+
     p = sub.add_parser("check", help="on-policy check: the first ratio must be exactly 1")
     _add_recipe_args(p)
-    p.add_argument("--tolerance", type=float, default=1e-6)
+    p.add_argument("--tolerance", type=_tolerance, default=1e-6, help="largest |ratio - 1| accepted (default 1e-6)")
     p.set_defaults(handler=cmd_check)
 
     p = sub.add_parser("sample", help="write images from the base model or a checkpoint")
@@ -94,9 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
         "checkpoint's own recipe unless RECIPE is given (it must agree on the model)",
     )
     p.add_argument("--prompts", required=True, help="a prompt file (.txt or .jsonl)")
-    p.add_argument("--n", type=int, default=1, help="samples per prompt")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--steps", type=int, default=None, help="ODE steps (default: eval.steps)")
+    p.add_argument("--n", type=_whole(1), default=1, help="samples per prompt")
+    p.add_argument("--seed", type=_whole(0), default=0)
+    p.add_argument("--steps", type=_whole(1), default=None, help="ODE steps (default: eval.steps)")
     p.add_argument("--out", required=True)
     p.set_defaults(handler=cmd_sample)
 
@@ -106,9 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-ema", action="store_true", help="the raw trained weights even when the run keeps an EMA")
     p.set_defaults(handler=cmd_export)
 
-    from fgrpo.core.hookspecs import plugin_manager
+    from fgrpo.core.hookspecs import register_commands
 
-    plugin_manager().hook.fgrpo_register_commands(subparsers=sub)
+    register_commands(sub)
     return parser
 
 
@@ -157,9 +195,8 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     for col in ("kind", "name", "target", "distribution", "status"):
         table.add_column(col)
     for row in rows:
-        status = {"ok": "[green]ok[/]", "missing extra": "[yellow]missing extra[/]"}.get(
-            row["status"], "[red]import error[/]"
-        )
+        colour = {"ok": "green", "missing extra": "yellow"}.get(row["status"], "red")
+        status = f"[{colour}]{row['status']}[/]"
         table.add_row(row["kind"], row["name"], row["target"], f"{row['distribution']} {row['version']}", status)
     out.print(table)
     for row in rows:
@@ -244,19 +281,30 @@ def cmd_compose(args: argparse.Namespace) -> int:
         f"done: metrics in {folder / 'metrics.jsonl'}, weights in {folder / 'checkpoints' / 'last'}"
         + (f", curves in {folder / 'curves.png'}" if (folder / "curves.png").exists() else "")
     )
+    run.display.say(f"report: {folder / run_report.REPORT}")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    path = run_report.write(Path(args.run), Path(args.out) if args.out else None)
+    out.print(f"report: {path} ({path.stat().st_size / 1024:.0f} KiB)", markup=False)
     return 0
 
 
 def accelerate_summary(run: Any) -> str:
     acc = run.accelerator
     return (
-        f"{acc.num_processes} process(es), device {run.policy.device}, mixed precision {acc.mixed_precision}, "
+        f"{acc.num_processes} process(es){', sharded (FSDP2)' if run.sharded else ''}, device {run.policy.device}, "
+        f"mixed precision {acc.mixed_precision}, "
         f"gradient accumulation {acc.gradient_accumulation_steps}"
     )
 
 
 def build_components(recipe: Any) -> dict[str, Any]:
+    from fgrpo.core.trainer import check_prompts
+
     built = {section: recipe.build(section) for section in ("model", "sampler", "objective", "prompts")}
+    check_prompts(built["model"], built["prompts"].train_prompts() + built["prompts"].test_prompts(), "prompts")
     for spec, reward in recipe.build_rewards():
         built[f"reward/{spec.label}"] = reward
     return built
@@ -282,33 +330,36 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
+    from fgrpo.core import rundir
     from fgrpo.core.evaluation import write_samples
     from fgrpo.core.prompts import read_prompt_file
-    from fgrpo.core.trainer import load_checkpoint_weights
+    from fgrpo.core.shipped import find_recipe
+    from fgrpo.core.trainer import check_prompts, load_checkpoint_weights
 
-    from fgrpo.core import rundir
-
-    checkpoint = None
+    try:
+        prompts = [p for p, _ in read_prompt_file(args.prompts)]
+    except OSError as exc:
+        raise RecipeError([ConfigError("--prompts", f"cannot read {args.prompts}: {exc.strerror}")]) from None
+    except ValueError as exc:
+        raise RecipeError([ConfigError("--prompts", str(exc))]) from None
     if args.checkpoint:
         checkpoint = rundir.find_checkpoint(Path(args.checkpoint))
-        from fgrpo.core.shipped import find_recipe
-
         given = find_recipe(args.recipe) if args.recipe is not None else None
         recipe = rundir.recipe_for_checkpoint(checkpoint, given, args.overrides)
     elif args.recipe is None:
         raise RecipeError([ConfigError("recipe", "give a RECIPE to sample its base model, or --checkpoint DIR")])
     else:
-        recipe = _load(args)
+        checkpoint, recipe = None, _load(args)
     policy = _build_policy(recipe)
+    check_prompts(policy, prompts, "--prompts")
     if checkpoint is not None:
         load_checkpoint_weights(policy, checkpoint, recipe.train.ema_decay)
+    target = Path(args.out)
     try:
-        prompts = [p for p, _ in read_prompt_file(args.prompts)]
-    except (OSError, ValueError) as exc:
-        raise RecipeError([ConfigError("--prompts", str(exc))]) from None
-    written = write_samples(policy, prompts, args.n, args.steps or recipe.eval.steps, args.seed, Path(args.out))
+        target.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise RecipeError([ConfigError("--out", f"cannot create {target}: {exc.strerror}")]) from None
+    written = write_samples(policy, prompts, args.n, args.steps or recipe.eval.steps, args.seed, target)
     out.print(f"wrote {written} samples to {args.out}", markup=False)
     return 0
 
@@ -367,6 +418,9 @@ def report(errors: Sequence[Any]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from fgrpo.core import threads
+
+    threads.configure()  # before anything imports torch: the OpenMP wait policy is read at load
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -381,6 +435,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         err.print("interrupted", markup=False)
         return 130
+    except RuntimeError as exc:
+        lost = _lost_peers(exc)
+        if lost is None:
+            raise
+        err.print(f"error: {lost}", markup=False)
+        return 1
+
+
+def _lost_peers(exc: RuntimeError) -> str | None:
+    """The one line for a collective that failed in a multi-process run (a peer stopped, stuck or
+    dead: gloo and NCCL time out after train.process_group_timeout_s); None for any other error."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    text = str(exc)
+    if not (isinstance(exc, getattr(dist, "DistError", ())) or "Timed out" in text or "timeout" in text.lower() or "closed by peer" in text):
+        return None
+    first = next((line.strip() for line in text.splitlines() if line.strip()), type(exc).__name__)
+    return (
+        f"process {dist.get_rank()} of {dist.get_world_size()} lost the other processes in a collective ({first[:200]}): "
+        "one of them is stopped, stuck or dead. The wait is bounded by train.process_group_timeout_s; "
+        "the run's checkpoints are kept (--resume continues it)"
+    )
 
 
 if __name__ == "__main__":

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import difflib
 import math
+import reprlib
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -20,12 +22,35 @@ import attrs
 _MISSING = attrs.NOTHING
 
 
+#: the longest error message shown (values echoed in it are shortened by :func:`shown` first)
+MAX_MESSAGE = 500
+
+
+def _capped(message: str) -> str:
+    message = str(message)
+    if len(message) <= MAX_MESSAGE:
+        return message
+    return f"{message[:MAX_MESSAGE]}... ({len(message) - MAX_MESSAGE} more characters)"
+
+
+_SHORT = reprlib.Repr()
+_SHORT.maxstring = _SHORT.maxother = 80
+_SHORT.maxlist = _SHORT.maxtuple = _SHORT.maxdict = _SHORT.maxset = 6
+_SHORT.maxlevel = 3
+
+
+def shown(value: Any) -> str:
+    """``repr(value)`` cut short: long strings, long or deeply nested lists and mappings are
+    elided (``...``), so echoing a value in an error costs little whatever its size."""
+    return _SHORT.repr(value)
+
+
 @attrs.frozen
 class ConfigError:
     """One problem in a recipe: the dotted key path, the bad value, what is allowed."""
 
     key: str
-    message: str
+    message: str = attrs.field(converter=_capped)
 
     def __str__(self) -> str:
         return f"{self.key}: {self.message}" if self.key else self.message
@@ -39,23 +64,52 @@ class RecipeError(Exception):
         super().__init__("\n".join(str(e) for e in self.errors))
 
 
+def read_text_file(path: str | Path, *, limit: int, what: str) -> str:
+    """The text of the UTF-8 file ``path``, read in chunks up to ``limit`` bytes; ValueError with
+    one line when it is larger, holds NUL bytes (``/dev/zero``, a binary file) or is not UTF-8."""
+    path = Path(path)
+    chunks, size = [], 0
+    with path.open("rb") as fh:
+        while chunk := fh.read(1 << 20):
+            if b"\0" in chunk:
+                raise ValueError(f"{path}: holds NUL bytes; {what} is a text file")
+            size += len(chunk)
+            if size > limit:
+                raise ValueError(f"{path}: larger than {limit >> 20} MiB; {what} is not that large")
+            chunks.append(chunk)
+    data = b"".join(chunks)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(
+            f"{path}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start}); save it as UTF-8"
+        ) from None
+
+
 def _bounds_validator(ge=None, gt=None, le=None, lt=None, choices=None):
+    def check_number(value, where=""):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"got {shown(value)}{where}; must be a finite number")
+        for bound, ok in (
+            (ge, lambda v, b: v >= b),
+            (gt, lambda v, b: v > b),
+            (le, lambda v, b: v <= b),
+            (lt, lambda v, b: v < b),
+        ):
+            if bound is not None and not ok(value, bound):
+                raise ValueError(f"got {shown(value)}{where}; allowed: {allowed_text(ge, gt, le, lt)}")
+
     def check(_instance, attribute, value):
         if value is None:
             return
         if choices is not None and value not in choices:
-            raise ValueError(f"got {value!r}; allowed: {', '.join(map(repr, choices))}")
+            raise ValueError(f"got {shown(value)}; allowed: {', '.join(map(repr, choices))}")
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            if isinstance(value, float) and not math.isfinite(value):
-                raise ValueError(f"got {value!r}; must be a finite number")
-            for bound, ok, word in (
-                (ge, lambda v, b: v >= b, ">="),
-                (gt, lambda v, b: v > b, ">"),
-                (le, lambda v, b: v <= b, "<="),
-                (lt, lambda v, b: v < b, "<"),
-            ):
-                if bound is not None and not ok(value, bound):
-                    raise ValueError(f"got {value!r}; allowed: {allowed_text(ge, gt, le, lt)}")
+            check_number(value)
+        elif isinstance(value, (list, tuple)):  # a list of numbers: every item is checked
+            for i, item in enumerate(value):
+                if isinstance(item, (int, float)) and not isinstance(item, bool):
+                    check_number(item, f" at item {i} of {shown(value)}")
 
     return check
 
@@ -151,21 +205,21 @@ def coerce(value: Any, tp: Any) -> Any:
                 return coerce(value, arg)
             except TypeError:
                 continue
-        raise TypeError(f"expected {_type_name(tp)}, got {value!r}")
+        raise TypeError(f"expected {_type_name(tp)}, got {shown(value)}")
     if origin is typing.Literal:
         if value in typing.get_args(tp):
             return value
-        raise TypeError(f"got {value!r}; allowed: {', '.join(map(repr, typing.get_args(tp)))}")
+        raise TypeError(f"got {shown(value)}; allowed: {', '.join(map(repr, typing.get_args(tp)))}")
     if tp is bool:
         if isinstance(value, bool):
             return value
-        raise TypeError(f"expected true or false, got {value!r}")
+        raise TypeError(f"expected true or false, got {shown(value)}")
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
         if isinstance(value, float) and value.is_integer():
             return int(value)
-        raise TypeError(f"expected an integer, got {value!r}")
+        raise TypeError(f"expected an integer, got {shown(value)}")
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
@@ -174,25 +228,25 @@ def coerce(value: Any, tp: Any) -> Any:
                 return float(value)
             except ValueError:
                 pass
-        raise TypeError(f"expected a number, got {value!r}")
+        raise TypeError(f"expected a number, got {shown(value)}")
     if tp is str:
         if isinstance(value, str):
             return value
-        raise TypeError(f"expected a string, got {value!r}")
+        raise TypeError(f"expected a string, got {shown(value)}")
     if origin in (list, tuple, Sequence) or tp in (list, tuple):
         if not isinstance(value, (list, tuple)):
-            raise TypeError(f"expected a list, got {value!r}")
+            raise TypeError(f"expected a list, got {shown(value)}")
         args = typing.get_args(tp)
         if origin is tuple and args and args[-1] is not Ellipsis:
             if len(args) != len(value):
-                raise TypeError(f"expected a list of {len(args)} items, got {value!r}")
+                raise TypeError(f"expected a list of {len(args)} items, got {shown(value)}")
             return tuple(coerce(v, a) for v, a in zip(value, args))
         item = args[0] if args else Any
         out = [coerce(v, item) for v in value]
         return tuple(out) if origin is tuple or tp is tuple else out
     if origin in (dict, Mapping) or tp is dict:
         if not isinstance(value, Mapping):
-            raise TypeError(f"expected a mapping, got {value!r}")
+            raise TypeError(f"expected a mapping, got {shown(value)}")
         return dict(value)
     return value  # an annotation we do not check (a protocol, a tensor ...)
 
@@ -273,7 +327,7 @@ def _clean(message: str, value: Any) -> str:
     # attrs' own validators say "'x' must be ..."; ours already say "got ...; allowed ...".
     if "got" in message or "expected" in message:
         return message
-    return f"got {value!r}; {message}"
+    return f"got {shown(value)}; {message}"
 
 
 def help_lines(cls: type) -> list[tuple[str, str, str]]:

@@ -7,6 +7,8 @@ from contextlib import contextmanager
 
 import torch
 
+from fgrpo.core.sharding import full, shard_like
+
 
 class EMA:
     def __init__(self, params: Sequence[torch.nn.Parameter], decay: float):
@@ -41,10 +43,12 @@ class EMA:
                     p.copy_(b)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {f"ema.{i}": s for i, s in enumerate(self.shadow)}
+        """Whole tensors (in a sharded run every process must call this: shards are gathered)."""
+        return {f"ema.{i}": full(s) for i, s in enumerate(self.shadow)}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Whole tensors, as :meth:`state_dict` gives them (a sharded run keeps its shards)."""
         if len(state) != len(self.shadow):
             raise ValueError(f"EMA state has {len(state)} tensors, the policy {len(self.shadow)}")
         for i, s in enumerate(self.shadow):
-            s.copy_(state[f"ema.{i}"])
+            s.copy_(shard_like(state[f"ema.{i}"], s))

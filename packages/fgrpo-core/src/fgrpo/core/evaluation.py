@@ -8,9 +8,10 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
-from fgrpo.core import tensors, visuals
+from fgrpo.core import tensors, trackers, visuals
 from fgrpo.core.config import ConfigError, RecipeError
 from fgrpo.core.phases import score
 from fgrpo.core.run import Run
@@ -23,15 +24,17 @@ def generate(
     prompts: Sequence[str],
     per_prompt: int,
     steps: int,
-    g: torch.Generator,
+    g: torch.Generator | None,
     *,
     sigmas: torch.Tensor | None = None,
+    noise: torch.Tensor | None = None,
 ) -> Any:
     """``per_prompt`` samples of each prompt (prompt-major): Euler steps x + dt v of the flow ODE in
-    float32 on ``sigmas`` (default: the policy's own schedule of ``steps`` steps)."""
+    float32 on ``sigmas`` (default: the policy's own schedule of ``steps`` steps), from ``noise``
+    (default: drawn from ``g``)."""
     cond = tensors.repeat_interleave(policy.encode(list(prompts)), per_prompt)
     n = len(prompts) * per_prompt
-    x = torch.as_tensor(policy.initial_noise(n, g)).to(torch.float32)
+    x = torch.as_tensor(policy.initial_noise(n, g) if noise is None else noise).to(torch.float32)
     sigmas = policy.sigmas(steps) if sigmas is None else sigmas
     sigmas = torch.as_tensor(sigmas).to(device=x.device, dtype=torch.float32)
     for i in range(sigmas.shape[0] - 1):
@@ -86,23 +89,10 @@ def evaluate(run: Run, iteration: int, out_dir: Path | None) -> dict[str, float]
     """Every test prompt, ``samples_per_prompt`` times, with the same noise at every evaluation
     (so curves compare like with like), on the sampler's schedule with ``eval.steps`` steps and
     ``eval.guidance_scale`` (flow_grpo's eval_guidance_scale). Metrics are prefixed ``eval/``."""
-    cfg = run.recipe.eval
-    prompts = run.prompts.test_prompts()
-    if cfg.max_prompts:
-        prompts = prompts[: cfg.max_prompts]
-    if not prompts:
+    generated = evaluation_samples(run, iteration)
+    if generated is None:
         return {}
-    per_call = max(1, cfg.batch_size // cfg.samples_per_prompt)
-    outputs, all_prompts = [], []
-    context = run.ema.swapped_in() if run.ema is not None else contextlib.nullcontext()
-    sigmas = evaluation_sigmas(run)
-    with context, guidance(run.policy, cfg.guidance_scale), run.accelerator.autocast():
-        for start in range(0, len(prompts), per_call):
-            chunk = prompts[start : start + per_call]
-            g = generator(run.recipe.seed, "eval", start, device=run.policy.device)
-            outputs.append(generate(run.policy, chunk, cfg.samples_per_prompt, cfg.steps, g, sigmas=sigmas))
-            all_prompts += [p for p in chunk for _ in range(cfg.samples_per_prompt)]
-    outputs = torch.cat(outputs) if isinstance(outputs[0], torch.Tensor) else tensors.cat(outputs)
+    outputs, all_prompts = generated
     metadata = [run.prompts.metadata(p) for p in all_prompts]
     scores, details = score(run.rewards, outputs, all_prompts, metadata, where=f"evaluation at iteration {iteration}")
     metrics: dict[str, float] = {}
@@ -118,29 +108,93 @@ def evaluate(run: Run, iteration: int, out_dir: Path | None) -> dict[str, float]
                 metrics[f"eval/{key}"] = float(value)
     metrics["eval/reward_mean"] = total.mean().item()
     if out_dir is not None and run.recipe.log.sample_grid and visuals.is_image_batch(outputs):
-        pick = list(range(0, len(all_prompts), cfg.samples_per_prompt))[:32]
-        visuals.sample_grid(outputs[pick], [all_prompts[i] for i in pick], out_dir / "samples" / f"eval_{iteration:06d}.png")
+        write_eval_samples(run, iteration, out_dir, outputs, all_prompts, total, details)
     return metrics
 
 
+def evaluation_samples(run: Run, iteration: int) -> tuple[Any, list[str]] | None:
+    """The outputs :func:`evaluate` scores and their prompts (None without test prompts). The
+    other processes of a sharded run call this too: each forward needs every process."""
+    cfg = run.recipe.eval
+    prompts = run.prompts.test_prompts()
+    if cfg.max_prompts:
+        prompts = prompts[: cfg.max_prompts]
+    if not prompts:
+        return None
+    per_call = max(1, cfg.batch_size // cfg.samples_per_prompt)
+    outputs, all_prompts = [], []
+    context = run.ema.swapped_in() if run.ema is not None else contextlib.nullcontext()
+    sigmas = evaluation_sigmas(run)
+    with context, guidance(run.policy, cfg.guidance_scale), run.accelerator.autocast(), run.display.phase(
+        f"evaluation at {iteration}", total=len(prompts)
+    ) as advance:
+        for start in range(0, len(prompts), per_call):
+            chunk = prompts[start : start + per_call]
+            g = generator(run.recipe.seed, "eval", start, device=run.policy.device)
+            outputs.append(generate(run.policy, chunk, cfg.samples_per_prompt, cfg.steps, g, sigmas=sigmas))
+            all_prompts += [p for p in chunk for _ in range(cfg.samples_per_prompt)]
+            advance(len(chunk))
+    return (torch.cat(outputs) if isinstance(outputs[0], torch.Tensor) else tensors.cat(outputs)), all_prompts
 
-def write_samples(policy: Any, prompts: Sequence[str], n: int, steps: int, seed: int, out: Path) -> int:
+
+def write_eval_samples(
+    run: Run, iteration: int, out_dir: Path, outputs: torch.Tensor, prompts: Sequence[str], total: torch.Tensor, details: dict[str, Any]
+) -> None:
+    """The first sample of (up to) 32 test prompts — the same prompts and noise at every
+    evaluation — as a grid with each image's score and what the rewards read
+    (``samples/eval_N.png``, also sent to the trackers) and as tiles for the report's filmstrip
+    (``samples/eval_N/``)."""
+    pick = list(range(0, len(prompts), run.recipe.eval.samples_per_prompt))[:32]
+    reads = [d["read"] for d in details.values() if isinstance(d, dict) and _per_sample_strings(d.get("read"), len(prompts))]
+    rows = [
+        {"prompt": prompts[i], "sample": 0, "score": round(total[i].item(), 4), "read": "; ".join(r[i] for r in reads)}
+        for i in pick
+    ]
+    notes = [f"score {row['score']:.3g}" + (f" · read: {row['read']}" if row["read"] else "") for row in rows]
+    name = f"eval_{iteration:06d}"
+    grid = visuals.sample_grid(outputs[pick], [row["prompt"] for row in rows], out_dir / "samples" / f"{name}.png", notes=notes)
+    visuals.write_tiles(outputs[pick], rows, out_dir / "samples" / name)
+    trackers.log_image(run.accelerator, "eval/samples", np.asarray(grid), iteration)
+
+
+def _per_sample_strings(value: Any, n: int) -> bool:
+    return isinstance(value, (list, tuple)) and len(value) == n and all(isinstance(v, str) for v in value)
+
+
+
+def write_samples(
+    policy: Any, prompts: Sequence[str], n: int, steps: int, seed: int, out: Path, batch_size: int = 64
+) -> int:
     """``n`` samples of every prompt as PNG files (tensors as .pt for non-image outputs) and an
-    ``index.jsonl`` naming each file's prompt, seed and index; returns how many were written."""
+    ``index.jsonl`` naming each file's prompt, seed and index; returns how many were written.
+
+    Prompts are generated together, about ``batch_size`` samples per forward; the initial noise of
+    prompt ``i`` is drawn from its own generator (seed, "sample", i), so a prompt's samples do not
+    depend on the other prompts of the file or on the batch size."""
     out.mkdir(parents=True, exist_ok=True)
     rows = []
-    for i, prompt in enumerate(prompts):
-        g = generator(seed, "sample", i, device=policy.device)
-        images = generate(policy, [prompt], n, steps, g)
-        for k in range(n):
-            if visuals.is_image_batch(images):
-                from PIL import Image
+    per_call = max(1, batch_size // max(1, n))
+    for start in range(0, len(prompts), per_call):
+        chunk = list(prompts[start : start + per_call])
+        noise = torch.cat(
+            [
+                torch.as_tensor(policy.initial_noise(n, generator(seed, "sample", start + j, device=policy.device)))
+                for j in range(len(chunk))
+            ]
+        )
+        images = generate(policy, chunk, n, steps, None, noise=noise)
+        for j, prompt in enumerate(chunk):
+            i = start + j
+            for k in range(n):
+                row = j * n + k
+                if visuals.is_image_batch(images):
+                    from PIL import Image
 
-                name = f"{i:05d}_{k:02d}.png"
-                Image.fromarray(visuals.to_uint8(images[k : k + 1])[0]).save(out / name)
-            else:
-                name = f"{i:05d}_{k:02d}.pt"
-                torch.save(images[k].cpu(), out / name)
-            rows.append({"file": name, "prompt": prompt, "seed": seed, "index": k})
+                    name = f"{i:05d}_{k:02d}.png"
+                    Image.fromarray(visuals.to_uint8(images[row : row + 1])[0]).save(out / name)
+                else:
+                    name = f"{i:05d}_{k:02d}.pt"
+                    torch.save(images[row].cpu(), out / name)
+                rows.append({"file": name, "prompt": prompt, "seed": seed, "index": k})
     (out / "index.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return len(rows)

@@ -7,20 +7,25 @@ calls them in order.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
+import threading
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import attrs
 import torch
 
-from fgrpo.core import tensors
+from fgrpo.core import sharding, tensors
 from fgrpo.core.advantages import combine
+from fgrpo.core.config import shown
 from fgrpo.core.protocols import StepBatch, Trajectory
 from fgrpo.core.registry import ComponentError
 from fgrpo.core.run import Run
 from fgrpo.core.seeding import generator
+from fgrpo.core.timing import TimedPolicy
 
 
 class RewardError(ComponentError):
@@ -54,24 +59,37 @@ def cat_trajectories(parts: Sequence[Trajectory]) -> Trajectory:
 
 
 @torch.no_grad()
-def rollout(run: Run, iteration: int) -> Trajectory:
+def rollout(run: Run, iteration: int, on_chunk: Callable[[Trajectory], None] | None = None) -> Trajectory:
     """This process's prompt groups, rolled out in chunks whose noise depends only on the chunk's
-    global prompt slots: 1 or N processes draw the same samples."""
+    global prompt slots: 1 or N processes draw the same samples. ``on_chunk`` receives each
+    chunk as soon as it is sampled (the reward worker scores it while the next one rolls out)."""
     cfg = run.recipe.train
     local = run.schedule.local(iteration)
     chunk = cfg.rollout_prompts or len(local)
     parts = []
+    policy = TimedPolicy(run.policy, run.clock)
     with run.display.phase("rollout", len(local)) as advance:
         for start in range(0, len(local), chunk):
             slots, prompts = zip(*local[start : start + chunk])
             g = generator(run.recipe.seed, "rollout", iteration, slots[0], device=run.policy.device)
             with run.accelerator.autocast(), autocast(run.policy.device, cfg.rollout_precision):
-                traj = run.sampler.rollout(run.policy, list(prompts), cfg.group_size, generator=g)
+                traj = run.sampler.rollout(policy, list(prompts), cfg.group_size, generator=g)
             # group ids become global prompt slots: unique across chunks and processes
             traj.group_index = torch.as_tensor(slots, device=traj.group_index.device)[traj.group_index]
             parts.append(traj)
+            if on_chunk is not None:
+                on_chunk(traj)
             advance(len(slots))
     return cat_trajectories(parts)
+
+
+def nfe_by_phase(traj: Trajectory) -> dict[str, int]:
+    """The rollout's NFE split by the sampler's phases (prefix, window, flash, ...), over chunks."""
+    out: dict[str, int] = {}
+    for info in traj.info.get("chunks", [traj.info]):
+        for phase, n in (info.get("nfe") or {}).items():
+            out[phase] = out.get(phase, 0) + int(n)
+    return out
 
 
 # --- rewards -----------------------------------------------------------------------------------
@@ -109,18 +127,78 @@ def score_frames(reward: Any, videos: torch.Tensor, prompts: Sequence[str], meta
     return RewardResult(scores=scores.float().reshape(b, t).mean(dim=1), details=details)
 
 
+def _batch(prompts: Sequence[str]) -> str:
+    first = list(dict.fromkeys(prompts))[:3]
+    more = ", ..." if len(set(prompts)) > 3 else ""
+    return f"{len(prompts)} samples of the prompts {', '.join(shown(p) for p in first)}{more}"
+
+
+def call_reward(spec: Any, call: Callable[[], Any], prompts: list[str], where: str) -> Any:
+    """``call()`` (the reward on the batch); with ``spec.timeout_s``, in a daemon thread that is
+    given up on (and the run stopped) after that many seconds. Any failure becomes a RewardError
+    naming the reward and the prompts."""
+    timeout = getattr(spec, "timeout_s", None)
+    try:
+        if timeout is None:
+            return call()
+        box: dict[str, Any] = {}
+        grad = torch.is_grad_enabled()  # grad mode is per thread
+
+        def target() -> None:
+            try:
+                with torch.set_grad_enabled(grad):
+                    box["result"] = call()
+            except BaseException as exc:  # handed to the caller below
+                box["error"] = exc
+
+        worker = threading.Thread(target=target, name=f"reward {spec.label}", daemon=True)
+        worker.start()
+        worker.join(timeout)
+        if worker.is_alive():
+            raise RewardError(
+                f"reward {spec.label!r} did not return within {timeout:g} s (reward.timeout_s) on {where} "
+                f"({_batch(prompts)})"
+            )
+        if "error" in box:
+            raise box["error"]
+        return box["result"]
+    except RewardError:
+        raise
+    except Exception as exc:
+        first = (str(exc).splitlines() or [""])[0][:200]
+        raise RewardError(
+            f"reward {spec.label!r} raised {type(exc).__name__}: {first} on {where} ({_batch(prompts)})"
+        ) from exc
+
+
 def score(rewards: Sequence[tuple[Any, Any]], outputs: Any, prompts: Sequence[str], metadata: Sequence[Any], *, where: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Every reward on the batch; a malformed result stops the run before an update uses it.
     Videos reach a reward frame by frame (every ``frame_stride``-th frame of the reward's spec)
     unless the reward declares ``accepts_video = True``."""
     scores: dict[str, torch.Tensor] = {}
     details: dict[str, Any] = {}
+    prompts = list(prompts)
     for spec, reward in rewards:
         if is_video_batch(outputs) and not getattr(reward, "accepts_video", False):
-            result = score_frames(reward, outputs, prompts, metadata, getattr(spec, "frame_stride", 1))
+            stride = getattr(spec, "frame_stride", 1)
+            call = functools.partial(score_frames, reward, outputs, prompts, metadata, stride)
         else:
-            result = reward(outputs, list(prompts), list(metadata))
-        s = torch.as_tensor(result.scores).detach()
+            call = functools.partial(reward, outputs, prompts, list(metadata))
+        result = call_reward(spec, call, prompts, where)
+        if not hasattr(result, "scores"):
+            raise RewardError(
+                f"reward {spec.label!r} returned {shown(result)} for {where} ({_batch(prompts)}); "
+                "expected a RewardResult(scores=...)"
+            )
+        try:
+            s = torch.as_tensor(result.scores).detach()
+            if s.is_complex():
+                raise TypeError
+        except (TypeError, ValueError, RuntimeError):
+            raise RewardError(
+                f"reward {spec.label!r} returned scores {shown(result.scores)} for {where} ({_batch(prompts)}); "
+                "expected a tensor of numbers"
+            ) from None
         if s.shape != (len(prompts),):
             raise RewardError(
                 f"reward {spec.label!r} returned scores of shape {tuple(s.shape)} for {where} "
@@ -131,11 +209,48 @@ def score(rewards: Sequence[tuple[Any, Any]], outputs: Any, prompts: Sequence[st
             i = int(bad.nonzero()[0])
             raise RewardError(
                 f"reward {spec.label!r} returned {s[i].item()} for {where} "
-                f"(sample {i}, prompt {prompts[i]!r}; {int(bad.sum())} non-finite of {len(prompts)})"
+                f"(sample {i}, prompt {shown(prompts[i])}; {int(bad.sum())} non-finite of {len(prompts)})"
             )
         scores[spec.label] = s.float()
-        details[spec.label] = result.details
+        details[spec.label] = getattr(result, "details", {})
     return scores, details
+
+
+def decode_and_score(run: Run, traj: Trajectory, where: str) -> dict[str, torch.Tensor]:
+    """The rollout's outputs decoded and scored by every reward, each phase on the run's clock."""
+    with run.clock.phase("decode"):
+        outputs = decode(run, traj)
+    metadata = [run.prompts.metadata(p) for p in traj.prompts]
+    with run.clock.phase("reward"):
+        scores, _ = score(run.rewards, outputs, traj.prompts, metadata, where=where)
+    return scores
+
+
+class RewardWorker:
+    """Decodes and scores rollout chunks in one background thread while the main thread rolls
+    out the next chunk (``train.reward_worker``; overlap needs ``train.rollout_prompts`` smaller
+    than the batch). Rewards that wait (a remote judge, an OCR engine releasing the GIL) then
+    cost little more than the rollout; errors surface in :meth:`scores`."""
+
+    def __init__(self, run: Run, where: str):
+        self.run, self.where = run, where
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fgrpo-reward")
+        self._futures: list[Any] = []
+
+    def submit(self, chunk: Trajectory) -> None:
+        self._futures.append(self._pool.submit(self._score, chunk))
+
+    def _score(self, chunk: Trajectory) -> dict[str, torch.Tensor]:
+        with torch.no_grad():
+            return decode_and_score(self.run, chunk, self.where)
+
+    def scores(self) -> dict[str, torch.Tensor]:
+        """Every chunk's scores, concatenated in rollout order (waits for the last ones)."""
+        try:
+            parts = [f.result() for f in self._futures]
+        finally:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
 
 
 def advantages(run: Run, traj: Trajectory, scores: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
@@ -172,9 +287,10 @@ class UpdateStats:
     metrics: dict[str, list[torch.Tensor]] = attrs.Factory(lambda: defaultdict(list))
     optimizer_steps: int = 0
     samples: int = 0  # samples the update trained on (after the zero-advantage filter)
-    nfe: int = 0
-    first_ratio_deviation: float | None = None  # max |ratio - 1| before the first optimizer step
-    grad_norms: list[float] = attrs.Factory(list)
+    nfe: int = 0  # the update's forwards, the reference pass included
+    reference_nfe: int = 0  # the reference pass alone
+    first_ratio_deviation: torch.Tensor | None = None  # max |ratio - 1| before the first optimizer step
+    grad_norms: list[torch.Tensor] = attrs.Factory(list)
 
 
 def pair_batches(traj: Trajectory, samples: torch.Tensor, per_forward: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -186,9 +302,12 @@ def pair_batches(traj: Trajectory, samples: torch.Tensor, per_forward: int) -> l
     return list(zip(rows.split(size), cols.split(size)))
 
 
-def step_batch(run: Run, traj: Trajectory, adv: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> tuple[StepBatch, int]:
-    """Re-evaluate the stored actions of these (sample, step) pairs under the current policy."""
-    policy, kernel = run.policy, run.sampler.kernel
+def step_batch(
+    run: Run, traj: Trajectory, adv: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, ref: Reference | None = None
+) -> tuple[StepBatch, int]:
+    """Re-evaluate the stored actions of these (sample, step) pairs under the current policy
+    (``ref``: the reference pass of the KL term, see :func:`reference`)."""
+    policy, kernel = TimedPolicy(run.policy, run.clock), run.sampler.kernel
     x = traj.latents[rows, cols]
     x_next = traj.next_latents[rows, cols]
     index = traj.step_index[rows, cols]
@@ -198,11 +317,8 @@ def step_batch(run: Run, traj: Trajectory, adv: torch.Tensor, rows: torch.Tensor
     new = kernel.step(v, x, sigmas, index, prev_sample=x_next)
     nfe = len(rows) * policy.evaluations_per_call
     ref_mean = ref_velocity = None
-    if run.objective.needs_reference:
-        with torch.no_grad(), policy.reference():
-            ref_velocity = policy.velocity(x, sigmas[index], cond)
-            ref_mean = kernel.step(ref_velocity, x, sigmas, index, prev_sample=x_next).mean
-        nfe *= 2
+    if ref is not None:
+        ref_mean, ref_velocity = ref.mean[rows, cols], ref.velocity[rows, cols]
     batch = StepBatch(
         log_prob=new.log_prob,
         old_log_prob=traj.log_probs[rows, cols],
@@ -218,10 +334,52 @@ def step_batch(run: Run, traj: Trajectory, adv: torch.Tensor, rows: torch.Tensor
     return batch, nfe
 
 
+@attrs.frozen
+class Reference:
+    """The reference policy's mean and velocity at every stored (x_t, t): (B, S, *shape) each."""
+
+    mean: torch.Tensor
+    velocity: torch.Tensor
+    nfe: int
+
+
+@torch.no_grad()
+def reference(run: Run, traj: Trajectory, samples: torch.Tensor) -> Reference | None:
+    """The KL term's reference prediction of every trained (sample, step) pair of ``samples``,
+    computed once per iteration without gradient (the reference does not change during the
+    update, whatever the number of inner epochs), in forward passes of
+    ``train.reference_batch_size`` pairs under one switch to the reference; None when the
+    objective needs no reference."""
+    if not run.objective.needs_reference:
+        return None
+    cfg = run.recipe.train
+    policy, kernel = TimedPolicy(run.policy, run.clock), run.sampler.kernel
+    mean = torch.zeros_like(traj.means)
+    velocity = torch.zeros_like(traj.means)
+    nfe = 0
+    passes = pair_batches(traj, samples.to(traj.latents.device), cfg.reference_batch_size or cfg.micro_batch_size) if len(samples) else []
+    # sharded: every process makes as many forwards (each one all-gathers the weights)
+    padding = sharding.missing_passes(run.accelerator, len(passes)) if run.sharded else 0
+    with policy.reference():
+        for rows, cols in passes:
+            x, index = traj.latents[rows, cols], traj.step_index[rows, cols]
+            with run.accelerator.autocast():
+                v = policy.velocity(x, traj.sigmas[index], tensors.index(traj.cond, rows))
+            velocity[rows, cols] = v.float()
+            mean[rows, cols] = kernel.step(v, x, traj.sigmas, index, prev_sample=traj.next_latents[rows, cols]).mean
+            nfe += len(rows) * policy.evaluations_per_call
+        first = torch.zeros(1, dtype=torch.long, device=traj.latents.device)
+        for _ in range(padding):
+            with run.accelerator.autocast():
+                policy.velocity(traj.latents[first, first], traj.sigmas[traj.step_index[first, first]], tensors.index(traj.cond, first))
+    return Reference(mean=mean, velocity=velocity, nfe=nfe)
+
+
 def sync_gradients(run: Run, params: Sequence[torch.nn.Parameter]) -> None:
     """Average gradients over processes: one all-reduce of a flat buffer per optimizer step.
-    (A Policy need not be one nn.Module, so DDP's forward hooks are not used.)"""
-    if run.accelerator.num_processes == 1:
+    (A Policy need not be one nn.Module, so DDP's forward hooks are not used.) A sharded run's
+    gradients were averaged by FSDP's reduce-scatter in backward: nothing to do."""
+    if run.accelerator.num_processes == 1 or run.sharded:
         return
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     flat = run.accelerator.reduce(torch.cat([g.reshape(-1) for g in grads]), reduction="mean")
@@ -230,6 +388,17 @@ def sync_gradients(run: Run, params: Sequence[torch.nn.Parameter]) -> None:
         n = g.numel()
         p.grad = flat[offset : offset + n].view_as(p).clone()
         offset += n
+
+
+def idle_passes(run: Run, traj: Trajectory, adv: torch.Tensor, count: int) -> None:
+    """``count`` forward/backward passes that change no gradient (loss weight 0), on this process's
+    first (sample, step) pair: in a sharded run every process must make as many passes as the
+    busiest one, since each pass all-gathers parameters and reduce-scatters gradients."""
+    one = torch.zeros(1, dtype=torch.long, device=traj.latents.device)
+    for _ in range(count):
+        with run.accelerator.autocast():
+            batch, _ = step_batch(run, traj, adv, one, one)
+        (batch.velocity.float().sum() * 0.0).backward()
 
 
 def informative(run: Run, adv: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -275,6 +444,8 @@ def update(run: Run, traj: Trajectory, adv: torch.Tensor, iteration: int) -> Upd
     accumulate = max(1, int(acc.gradient_accumulation_steps))
     kept, most = informative(run, adv)
     stats.samples = len(kept)
+    ref = reference(run, traj, kept)
+    stats.reference_nfe = stats.nfe = ref.nfe if ref is not None else 0
     per_epoch = math.ceil(most / math.ceil(most * per_step / n)) if most else 0
     total_steps = cfg.inner_epochs * math.ceil(per_epoch / accumulate)
     with run.display.phase("update", total_steps) as advance:
@@ -289,26 +460,33 @@ def update(run: Run, traj: Trajectory, adv: torch.Tensor, iteration: int) -> Upd
                 group = batches[first : first + accumulate]
                 run.optimizer.zero_grad(set_to_none=True)
                 total_pairs = sum(len(samples) for samples in group) * traj.num_trained_steps
-                for samples in group:
-                    pairs = pair_batches(traj, samples.to(traj.latents.device), cfg.micro_batch_size) if len(samples) else []
-                    for rows, cols in pairs:
-                        with acc.autocast():
-                            batch, nfe = step_batch(run, traj, adv, rows, cols)
-                            out = run.objective(batch)
-                        loss = out.loss * (len(rows) / total_pairs)
+                passes = [
+                    pair for samples in group if len(samples)
+                    for pair in pair_batches(traj, samples.to(traj.latents.device), cfg.micro_batch_size)
+                ]
+                # sharded: every process makes as many passes (each one all-gathers and reduce-scatters)
+                padding = sharding.missing_passes(acc, len(passes)) if run.sharded else 0
+                for rows, cols in passes:
+                    with acc.autocast():
+                        batch, nfe = step_batch(run, traj, adv, rows, cols, ref)
+                        out = run.objective(batch)
+                    loss = out.loss * (len(rows) / total_pairs)
+                    with run.clock.section("model"):
                         (scaler.scale(loss) if scaler is not None else loss).backward()
-                        stats.nfe += nfe
-                        for key, value in out.metrics.items():
-                            stats.metrics[key].append(value.detach())
-                        if stats.optimizer_steps == 0:
-                            dev = (batch.log_prob.detach() - batch.old_log_prob).exp().sub(1).abs().max().item()
-                            stats.first_ratio_deviation = max(stats.first_ratio_deviation or 0.0, dev)
+                    stats.nfe += nfe
+                    for key, value in out.metrics.items():
+                        stats.metrics[key].append(value.detach())
+                    if stats.optimizer_steps == 0:  # on device: read once, by summarize
+                        dev = (batch.log_prob.detach() - batch.old_log_prob).exp().sub(1).abs().max()
+                        first = stats.first_ratio_deviation
+                        stats.first_ratio_deviation = dev if first is None else torch.maximum(first, dev)
+                idle_passes(run, traj, adv, padding)
                 sync_gradients(run, params)
                 if scaler is not None:
                     scaler.unscale_(run.optimizer)  # after the all-reduce: every process sees the same inf/nan
                 if cfg.max_grad_norm > 0:
                     norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-                    stats.grad_norms.append(float(norm))
+                    stats.grad_norms.append(sharding.full(norm).detach())
                 if scaler is not None:
                     scaler.step(run.optimizer)
                     scaler.update()
@@ -323,19 +501,21 @@ def update(run: Run, traj: Trajectory, adv: torch.Tensor, iteration: int) -> Upd
 
 
 def summarize(stats: UpdateStats) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for key, values in stats.metrics.items():
-        stacked = torch.stack([v.float().reshape(()) for v in values])
-        if key.endswith("_min"):
-            out[key] = stacked.min().item()
-        elif key.endswith("_max"):
-            out[key] = stacked.max().item()
-        else:
-            out[key] = stacked.mean().item()
+    """The update's metrics as numbers: everything the loop kept on device is read here, in one
+    transfer."""
+    keys = list(stats.metrics)
+    values = []
+    for key in keys:
+        stacked = torch.stack([v.float().reshape(()) for v in stats.metrics[key]])
+        values.append(stacked.min() if key.endswith("_min") else stacked.max() if key.endswith("_max") else stacked.mean())
+    if stats.grad_norms:
+        keys.append("grad_norm")
+        values.append(torch.stack([g.float().reshape(()) for g in stats.grad_norms]).mean())
+    if stats.first_ratio_deviation is not None:
+        keys.append("first_ratio_deviation")
+        values.append(torch.as_tensor(stats.first_ratio_deviation).float().reshape(()))
+    out: dict[str, float] = dict(zip(keys, torch.stack(values).double().tolist())) if values else {}
     out["optimizer_steps"] = stats.optimizer_steps
     out["trained_samples"] = stats.samples
-    if stats.grad_norms:
-        out["grad_norm"] = sum(stats.grad_norms) / len(stats.grad_norms)
-    if stats.first_ratio_deviation is not None:
-        out["first_ratio_deviation"] = stats.first_ratio_deviation
+    out["nfe_reference"] = stats.reference_nfe
     return out

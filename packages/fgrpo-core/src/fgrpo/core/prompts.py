@@ -13,7 +13,7 @@ from typing import Any
 
 import attrs
 
-from fgrpo.core.config import ConfigError, param
+from fgrpo.core.config import ConfigError, param, read_text_file
 
 
 def _existing_file(_instance, attribute, value):
@@ -21,22 +21,27 @@ def _existing_file(_instance, attribute, value):
         raise ValueError(f"got {value!r}; expected an existing .txt or .jsonl file of prompts")
 
 
+MAX_PROMPT_FILE_BYTES = 256 << 20
+
+
 def read_prompt_file(path: str | Path) -> list[tuple[str, dict[str, Any]]]:
     """``.txt``: one prompt a line. ``.jsonl``: {"prompt": ..., other keys are metadata}."""
     path = Path(path)
     rows: list[tuple[str, dict[str, Any]]] = []
-    with path.open(encoding="utf-8") as fh:
-        for number, line in enumerate(fh, 1):
-            line = line.strip()
-            if not line:
-                continue
-            if path.suffix == ".jsonl":
+    for number, line in enumerate(read_text_file(path, limit=MAX_PROMPT_FILE_BYTES, what="a prompt file").splitlines(), 1):
+        line = line.strip()
+        if not line:
+            continue
+        if path.suffix == ".jsonl":
+            try:
                 obj = json.loads(line)
-                if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
-                    raise ValueError(f"{path}:{number}: expected an object with a 'prompt' string")
-                rows.append((obj.pop("prompt"), obj))
-            else:
-                rows.append((line, {}))
+            except ValueError as exc:
+                raise ValueError(f"{path}:{number}: not a JSON object ({exc})") from None
+            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+                raise ValueError(f"{path}:{number}: expected an object with a 'prompt' string")
+            rows.append((obj.pop("prompt"), obj))
+        else:
+            rows.append((line, {}))
     if not rows:
         raise ValueError(f"{path}: no prompts")
     return rows
@@ -136,16 +141,17 @@ class FolderPrompts:
         return self._meta.get(prompt, {})
 
 
+def _not_empty(_instance: Any, _attribute: Any, value: list[str]) -> None:
+    if not value:  # checked with the other keys at validation, not when the run is built
+        raise ValueError("got []; expected at least one prompt")
+
+
 @attrs.define
 class ListPrompts:
     """Prompts written in the recipe itself."""
 
-    train: list[str] = param()
+    train: list[str] = param(validator=_not_empty)
     test: list[str] = param(factory=list)
-
-    def __attrs_post_init__(self) -> None:
-        if not self.train:
-            raise ValueError("prompts.train: expected at least one prompt")
 
     def train_prompts(self) -> list[str]:
         return list(self.train)

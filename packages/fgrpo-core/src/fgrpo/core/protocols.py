@@ -89,6 +89,13 @@ class Policy(Protocol):
     Optional: ``export(folder)`` writes the trained weights in the backbone's own format (the
     ``fgrpo export`` command), and ``export_in_checkpoints`` (true) puts that export into every
     checkpoint.
+
+    Optional, for sharded runs (FSDP launches, :mod:`fgrpo.core.sharding`): ``trainable_module``
+    is the ``nn.Module`` that holds every trainable parameter and that ``velocity`` calls (through
+    its ``__call__``) for each forward, e.g. the transformer; FSDP shards it in place, so its
+    parameters become DTensor shards. ``trainable_state_dict`` then returns whole tensors (every
+    process calls it), ``load_trainable_state_dict`` takes whole tensors, and ``export(folder,
+    state=...)`` writes the given ``trainable_state_dict()`` instead of reading the module.
     """
 
     device: torch.device
@@ -174,7 +181,11 @@ class Sampler(Protocol):
 
 @attrs.define
 class RewardResult:
-    """``scores``: float tensor (B,); ``details``: named per-sample tensors or lists (logged)."""
+    """``scores``: float tensor (B,); ``details``: named per-sample tensors or lists (logged).
+
+    Float (and bool) details are averaged into evaluation metrics, per ``category`` too when the
+    reward gives one (a list of str); ``read``, a list of str, says what the reward read in each
+    output (a verifier's parse) and is shown under the images of sample grids and the report."""
 
     scores: torch.Tensor
     details: dict[str, Any] = attrs.Factory(dict)

@@ -16,7 +16,7 @@ import attrs
 import yaml
 
 from fgrpo.core import registry
-from fgrpo.core.config import ConfigError, RecipeError, check_params, param
+from fgrpo.core.config import ConfigError, RecipeError, check_params, param, read_text_file, shown
 
 # --- the trainer's own sections ----------------------------------------------------------------
 
@@ -40,11 +40,20 @@ class TrainConfig:
     )
     inner_epochs: int = param(1, ge=1, help="passes over each iteration's samples")
     minibatch_size: int = param(0, ge=0, help="samples per optimizer step; 0 = the whole batch (on-policy)")
-    micro_batch_size: int = param(0, ge=0, help="(sample, step) pairs per forward pass; 0 = the whole minibatch")
+    micro_batch_size: int = param(
+        0, ge=0, help="(sample, step) pairs per forward pass (all trained steps of a sample batched); 0 = the whole minibatch"
+    )
+    reference_batch_size: int = param(
+        0, ge=0, help="(sample, step) pairs per forward of the KL's reference pass (once per iteration, no gradient); 0 = micro_batch_size"
+    )
+    reward_worker: bool = param(
+        False, help="decode and score each rollout chunk (train.rollout_prompts) in a worker thread while the next chunk rolls out"
+    )
+    compile: bool = param(False, help="torch.compile the policy's transformer (minutes of compilation; pays off on long GPU runs)")
     shuffle_minibatches: bool = param(True, help="shuffle samples before splitting into minibatches")
     lr: float = param(1e-4, gt=0, le=1, help="AdamW learning rate")
     weight_decay: float = param(1e-4, ge=0)
-    adam_betas: tuple[float, float] = param((0.9, 0.999))
+    adam_betas: tuple[float, float] = param((0.9, 0.999), ge=0, lt=1, help="AdamW (beta1, beta2), each in [0, 1)")
     adam_eps: float = param(1e-8, gt=0)
     max_grad_norm: float = param(1.0, ge=0, help="gradient-norm clip; 0 = off")
     lr_schedule: Literal["constant", "linear", "cosine"] = param("constant")
@@ -74,6 +83,12 @@ class TrainConfig:
     )
     checkpoint_every: int = param(0, ge=0, help="iterations between checkpoints; 0 = only at the end")
     keep_checkpoints: int = param(2, ge=1, help="iteration checkpoints kept on disk")
+    process_group_timeout_s: float = param(
+        1800.0,
+        gt=0,
+        help="with several processes: seconds one waits for the others at a collective (gather, all-reduce, "
+        "barrier) before the run ends with an error; cover the main process's evaluations and checkpoints",
+    )
 
 
 @attrs.define
@@ -103,9 +118,25 @@ class EvalConfig:
         ]
 
 
+def _trackers():  # accelerate is imported when a recipe is checked, not with this module
+    from fgrpo.core import trackers
+
+    return trackers
+
+
 @attrs.define
 class LogConfig:
-    tensorboard: bool = param(True)
+    trackers: list[str] = param(
+        factory=lambda: ["tensorboard"],
+        validator=lambda _i, _a, names: _trackers().check_names(names),
+        help="experiment trackers through accelerate: tensorboard, wandb, comet_ml, mlflow, aim, clearml, dvclive, swanlab, trackio",
+    )
+    project: str = param("fgrpo", help="the trackers' project name (wandb, comet_ml, mlflow ...)")
+    init_kwargs: dict[str, dict[str, Any]] = param(
+        factory=dict,
+        validator=lambda _i, _a, value: _trackers().check_init_kwargs(value),
+        help="per-tracker options for accelerate's init_trackers, e.g. {wandb: {entity: me, tags: [a]}}"
+    )
     quiet: bool = param(False, help="no progress bars: one line per iteration (CI logs)")
     sample_grid: bool = param(True, help="write a PNG grid of evaluation samples")
     plots: bool = param(True, help="write a curve PNG (needs matplotlib)")
@@ -124,7 +155,7 @@ SECTIONS: dict[str, str] = {
 }
 REQUIRED = ("model", "sampler", "reward", "objective", "prompts")
 OWN_SECTIONS = {"train": TrainConfig, "eval": EvalConfig, "log": LogConfig}
-REWARD_EXTRA_KEYS = ("weight", "label", "frame_stride")
+REWARD_EXTRA_KEYS = ("weight", "label", "frame_stride", "timeout_s")
 
 
 @attrs.frozen
@@ -134,6 +165,17 @@ class RewardSpec:
     weight: float
     params: dict[str, Any]
     frame_stride: int = 1  # videos: score every k-th frame as an image (fgrpo.core.phases.score)
+    timeout_s: float | None = None
+
+
+@attrs.define
+class RewardExtras:
+    """The keys of a reward entry that are the trainer's, not the reward's."""
+
+    weight: float = param(1.0, ge=-1e6, le=1e6, help="weight of this reward in the sum")
+    label: str | None = param(None, help="name of this reward in metrics (default: its name)")
+    frame_stride: int = param(1, ge=1, help="videos: score every k-th frame as an image")
+    timeout_s: float | None = param(None, gt=0, help="seconds a call may take before the run ends with an error; null = no limit")
 
 
 @attrs.frozen
@@ -179,21 +221,109 @@ def _yaml_error(source: str, exc: yaml.YAMLError) -> ConfigError:
     return ConfigError(where, f"malformed YAML: {problem}")
 
 
-def read_yaml(text: str, source: str = "recipe") -> Any:
+#: how many values YAML aliases (``*name``) may add to a document: a recipe needs a handful; an
+#: alias bomb (a kilobyte that expands to hundreds of millions of values) stops here
+MAX_ALIAS_EXPANSION = 100_000
+MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+def _children(node: yaml.Node) -> list[tuple[str | None, yaml.Node]]:
+    """(key text or None, child) pairs: a mapping's keys and values, a sequence's items."""
+    if isinstance(node, yaml.MappingNode):
+        out: list[tuple[str | None, yaml.Node]] = []
+        for key, value in node.value:
+            out += [(None, key), (key.value if isinstance(key, yaml.ScalarNode) else None, value)]
+        return out
+    if isinstance(node, yaml.SequenceNode):
+        return [(str(i), item) for i, item in enumerate(node.value)]
+    return []
+
+
+def _node_errors(root: yaml.Node, source: str) -> tuple[ConfigError | None, list[ConfigError]]:
+    """(an alias that refers to itself or expands the document by more than MAX_ALIAS_EXPANSION
+    values, the duplicate keys YAML would silently drop): one pass over the distinct nodes."""
+    errors: list[ConfigError] = []
+    size: dict[int, int] = {}  # values under a node, aliases expanded
+    path: dict[int, str] = {id(root): ""}
+    on_path: set[int] = set()
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, finished = stack.pop()
+        ident = id(node)
+        if finished:
+            on_path.discard(ident)
+            size[ident] = 1 + sum(size[id(child)] for _, child in _children(node))
+            continue
+        if ident in size:
+            continue
+        if ident in on_path:
+            line = node.start_mark.line + 1
+            return ConfigError(f"{source}:{line}", "a YAML alias refers to a value that contains it (a cycle)"), errors
+        on_path.add(ident)
+        stack.append((node, True))
+        if isinstance(node, yaml.MappingNode):
+            errors += _duplicates(node, path[ident], source)
+        for key, child in _children(node):
+            if key is not None:
+                path.setdefault(id(child), f"{path[ident]}.{key}" if path[ident] else key)
+            stack.append((child, False))
+    distinct = len(size)
+    if size[id(root)] - distinct > MAX_ALIAS_EXPANSION:
+        return ConfigError(source, f"YAML aliases (*name) expand it by more than {MAX_ALIAS_EXPANSION} values; a recipe needs far fewer"), errors
+    return None, errors
+
+
+def _duplicates(node: yaml.MappingNode, where: str, source: str) -> list[ConfigError]:
+    first: dict[str, int] = {}
+    errors = []
+    for key, _ in node.value:
+        if not isinstance(key, yaml.ScalarNode) or key.tag == MERGE_TAG:
+            continue
+        line = key.start_mark.line + 1
+        if key.value in first:
+            name = f"{where}.{key.value}" if where else key.value
+            what = "section" if not where else "key"
+            errors.append(ConfigError(name, f"duplicate {what} ({source}:{line}, first at line {first[key.value]}); write it once"))
+        else:
+            first[key.value] = line
+    return errors
+
+
+def load_yaml(text: str, source: str = "recipe") -> tuple[Any, list[ConfigError]]:
+    """The data of a YAML document (``yaml.safe_load``) and its duplicate keys; raises RecipeError
+    when it is malformed or its aliases expand it too far."""
+    loader = yaml.SafeLoader(text)
     try:
-        return yaml.safe_load(text)
+        node = loader.get_single_node()
+        if node is None:
+            return None, []
+        fatal, duplicates = _node_errors(node, source)
+        if fatal is not None:
+            raise RecipeError([fatal])
+        return loader.construct_document(node), duplicates
     except yaml.YAMLError as exc:
         raise RecipeError([_yaml_error(source, exc)]) from None
+    except RecursionError:
+        raise RecipeError([ConfigError(source, "nested too deeply to be a recipe")]) from None
+    finally:
+        loader.dispose()
+
+
+def read_yaml(text: str, source: str = "recipe") -> Any:
+    data, errors = load_yaml(text, source)
+    if errors:
+        raise RecipeError(errors)
+    return data
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
     """``a.b.c=value`` -> (["a", "b", "c"], value parsed as YAML; typed later by the schema)."""
     if "=" not in item:
-        raise RecipeError([ConfigError("--set", f"expected KEY=VALUE (e.g. train.lr=1e-4), got {item!r}")])
+        raise RecipeError([ConfigError("--set", f"expected KEY=VALUE (e.g. train.lr=1e-4), got {shown(item)}")])
     key, raw = item.split("=", 1)
     path = [part for part in key.strip().split(".")]
     if not all(path):
-        raise RecipeError([ConfigError("--set", f"bad key {key!r}: expected dotted keys like train.lr")])
+        raise RecipeError([ConfigError("--set", f"bad key {shown(key)}: expected dotted keys like train.lr")])
     return path, read_yaml(raw, f"--set {key}") if raw.strip() else ""
 
 
@@ -235,25 +365,30 @@ def _child(node: Any, part: str) -> Any:
     return None
 
 
+MAX_RECIPE_BYTES = 16 << 20
+
+
 def load(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
     """Read, override and validate a recipe file; raises RecipeError with every problem."""
     path = Path(path)
     try:
-        text = path.read_text()
+        text = read_text_file(path, limit=MAX_RECIPE_BYTES, what="a recipe")
     except OSError as exc:
         raise RecipeError([ConfigError(str(path), f"cannot read the recipe: {exc.strerror}")]) from None
+    except ValueError as exc:
+        raise RecipeError([ConfigError("", str(exc))]) from None
     return from_text(text, overrides, source=str(path))
 
 
 def from_text(text: str, overrides: Sequence[str] = (), source: str = "recipe") -> Recipe:
-    data = read_yaml(text, source)
+    data, duplicates = load_yaml(text, source)
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise RecipeError([ConfigError(source, f"a recipe is a mapping of sections, got {type(data).__name__}")])
     data, errors = apply_overrides(data, overrides)
     recipe, more = validate(data, source)
-    errors.extend(more)
+    errors = duplicates + errors + more
     if errors:
         raise RecipeError(errors)
     assert recipe is not None
@@ -273,7 +408,7 @@ def validate(data: Mapping[str, Any], source: str = "recipe") -> tuple[Recipe | 
 
     seed = data.get("seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        errors.append(ConfigError("seed", f"expected a non-negative integer, got {seed!r}"))
+        errors.append(ConfigError("seed", f"expected a non-negative integer, got {shown(seed)}"))
     resolved["seed"] = seed
 
     for section in ("model", "sampler", "objective", "prompts"):
@@ -288,9 +423,9 @@ def validate(data: Mapping[str, Any], source: str = "recipe") -> tuple[Recipe | 
 
     configs = {}
     for section, cls in OWN_SECTIONS.items():
-        raw = data.get(section) or {}
-        if not isinstance(raw, Mapping):
-            errors.append(ConfigError(section, f"expected a mapping, got {raw!r}"))
+        raw = data.get(section, {})
+        if not isinstance(raw, Mapping):  # `train:` or `--set train=` would silently mean "all defaults"
+            errors.append(ConfigError(section, f"expected a mapping of {section} keys, got {'an empty section' if raw is None else shown(raw)}; leave the section out for the defaults"))
             raw = {}
         checked, errs = check_params(cls, raw, section)
         errors.extend(errs)
@@ -342,31 +477,22 @@ def _check_rewards(value: Any) -> tuple[list[RewardSpec], Any, list[ConfigError]
         if isinstance(item, str):
             item = {"name": item}
         if not isinstance(item, Mapping):
-            errors.append(ConfigError(key, f"expected a reward name or mapping, got {item!r}"))
+            errors.append(ConfigError(key, f"expected a reward name or mapping, got {shown(item)}"))
             continue
-        extra = {k: item[k] for k in REWARD_EXTRA_KEYS if k in item}
         params = {k: v for k, v in item.items() if k not in REWARD_EXTRA_KEYS}
         spec, errs = registry.check_spec("reward", params, key)
-        errors.extend(errs)
-        weight = extra.get("weight", 1.0)
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)):
-            errors.append(ConfigError(f"{key}.weight", f"expected a number, got {weight!r}"))
-            weight = 1.0
-        label = extra.get("label", spec.get("name", "?"))
-        if not isinstance(label, str):
-            errors.append(ConfigError(f"{key}.label", f"expected a string, got {label!r}"))
-            label = str(label)
-        stride = extra.get("frame_stride", 1)
-        if isinstance(stride, bool) or not isinstance(stride, int) or stride < 1:
-            errors.append(ConfigError(f"{key}.frame_stride", f"got {stride!r}; allowed: an integer >= 1 (videos: score every k-th frame)"))
-            stride = 1
-        resolved.append({**spec, "weight": float(weight), "label": label, "frame_stride": stride})
-        if not errs:
+        extra, extra_errs = check_params(RewardExtras, {k: item[k] for k in REWARD_EXTRA_KEYS if k in item}, key)
+        errors += errs + extra_errs
+        # (a key that failed its check is absent from ``extra``)
+        weight, stride, timeout = extra.get("weight", 1.0), extra.get("frame_stride", 1), extra.get("timeout_s")
+        label = extra.get("label") or str(spec.get("name", "?"))
+        resolved.append({**spec, "weight": float(weight), "label": label, "frame_stride": stride, "timeout_s": timeout})
+        if not errs and not extra_errs:
             params = {k: v for k, v in spec.items() if k != "name"}
-            specs.append(RewardSpec(spec["name"], label, float(weight), params, frame_stride=stride))
+            specs.append(RewardSpec(spec["name"], label, float(weight), params, frame_stride=stride, timeout_s=timeout))
     labels = [r["label"] for r in resolved]
     for label in sorted({lb for lb in labels if labels.count(lb) > 1}):
-        errors.append(ConfigError("reward", f"two rewards are labelled {label!r}; give each a distinct 'label'"))
+        errors.append(ConfigError("reward", f"two rewards are labelled {shown(label)}; give each a distinct 'label'"))
     return specs, resolved, errors
 
 

@@ -44,6 +44,10 @@ class MissingExtra(ComponentError):
     pass
 
 
+class AmbiguousComponent(ComponentError):
+    """Two distributions register the same name."""
+
+
 class BuildError(ComponentError):
     """A component rejected its (well-typed) parameters or its files while being built."""
 
@@ -69,12 +73,28 @@ def _check_kind(kind: str) -> str:
     return GROUPS[kind]
 
 
-def _entry_points(kind: str) -> dict[str, md.EntryPoint]:
+def _registrations(kind: str) -> dict[str, list[md.EntryPoint]]:
+    """Every entry point of ``kind`` by name: more than one when distributions collide."""
     group = _check_kind(kind)
-    found: dict[str, md.EntryPoint] = {}
+    found: dict[str, list[md.EntryPoint]] = {}
     for ep in md.entry_points(group=group):
-        found.setdefault(ep.name, ep)  # the first distribution on sys.path wins, as for imports
+        found.setdefault(ep.name, []).append(ep)
     return found
+
+
+def _entry_points(kind: str) -> dict[str, md.EntryPoint]:
+    return {name: eps[0] for name, eps in _registrations(kind).items()}
+
+
+def _distribution(ep: md.EntryPoint) -> str:
+    return ep.dist.metadata["Name"] if ep.dist is not None else "?"
+
+
+def rivals(kind: str, name: str) -> list[str]:
+    """The distributions that register ``name`` when more than one does (a recipe cannot say
+    which it means, so fgrpo refuses to pick)."""
+    found = sorted({_distribution(ep) for ep in _registrations(kind).get(name, [])})
+    return found if len(found) > 1 else []
 
 
 def names(kind: str) -> list[str]:
@@ -88,15 +108,16 @@ def _as_entry(kind: str, ep: md.EntryPoint) -> Entry:
         kind=kind,
         name=ep.name,
         target=ep.value.split("[")[0].strip(),
-        distribution=dist.metadata["Name"] if dist is not None else "?",
+        distribution=_distribution(ep),
         version=dist.version if dist is not None else "?",
         extras=tuple(ep.extras),
     )
 
 
 def entries(kind: str) -> list[Entry]:
-    eps = _entry_points(kind)
-    return [_as_entry(kind, eps[name]) for name in sorted(eps)]
+    """Every registration of ``kind`` (a name registered by two distributions appears twice)."""
+    found = _registrations(kind)
+    return [_as_entry(kind, ep) for name in sorted(found) for ep in found[name]]
 
 
 def entry(kind: str, name: str) -> Entry:
@@ -152,6 +173,12 @@ def load(kind: str, name: str) -> Any:
     if key in _loaded:
         return _loaded[key]
     info = entry(kind, name)
+    both = rivals(kind, name)
+    if both:
+        raise AmbiguousComponent(
+            f"{kind} {name!r} is registered by {' and '.join(both)}; fgrpo will not pick one: "
+            f"uninstall one of them (pip uninstall {both[-1]})"
+        )
     missing = missing_requirements(info)
     if missing:
         raise MissingExtra(
@@ -160,7 +187,7 @@ def load(kind: str, name: str) -> Any:
     ep = _entry_points(kind)[name]
     try:
         obj = ep.load()
-    except Exception as exc:  # a plugin's bug must not take the others down
+    except (Exception, SystemExit) as exc:  # a plugin's bug (even sys.exit()) must not take the others down
         raise PluginImportError(
             f"{kind} {name!r} from {info.distribution} failed to import: "
             f"{type(exc).__name__}: {exc}"
@@ -170,11 +197,13 @@ def load(kind: str, name: str) -> Any:
 
 
 def status(entry_: Entry) -> tuple[str, str]:
-    """('ok' | 'missing extra' | 'import error', detail) without raising."""
+    """('ok' | 'missing extra' | 'conflict' | 'import error', detail) without raising."""
     try:
         load(entry_.kind, entry_.name)
     except MissingExtra as exc:
         return "missing extra", str(exc)
+    except AmbiguousComponent as exc:
+        return "conflict", str(exc)
     except ComponentError as exc:
         return "import error", str(exc)
     return "ok", ""

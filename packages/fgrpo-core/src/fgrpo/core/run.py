@@ -18,6 +18,7 @@ from fgrpo.core.protocols import Objective, Policy, PromptSource, Reward, Sample
 from fgrpo.core.recipe import Recipe, RewardSpec
 from fgrpo.core.rundir import RunFolder
 from fgrpo.core.runlog import Display, MetricsLog
+from fgrpo.core.timing import Clock
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -43,7 +44,15 @@ class Run:
     folder: RunFolder | None = None  # the locked run folder (main process of a compose)
     start_iteration: int = 0  # iterations already done (after a resume)
     optimizer_steps: int = 0  # over the whole run (checkpointed): the EMA counts these
+    clock: Clock = attrs.Factory(lambda self: Clock(self.policy.device), takes_self=True)  # time accounting
 
     @property
     def is_main(self) -> bool:
         return self.accelerator.is_main_process
+
+    @property
+    def sharded(self) -> bool:
+        """The policy's network is split over the processes (FSDP; :mod:`fgrpo.core.sharding`)."""
+        from fgrpo.core.sharding import is_sharded
+
+        return is_sharded(self.accelerator)

@@ -5,7 +5,7 @@ A run folder (``--out DIR``; by default ``runs/<recipe>/<date-time>``, made uniq
     .fgrpo.lock            locked (flock) by the process training into the folder, for its life
     recipe.resolved.yaml   the validated recipe, every default written out
     metrics.jsonl          one JSON object per iteration
-    tensorboard/  samples/  curves.png
+    tensorboard/  samples/  curves.png  report.html
     checkpoints/iter_NNNNNN/  checkpoints/last
 
 :func:`claim` opens a folder for a run: it takes the lock (a second writer is refused, naming the
@@ -36,7 +36,7 @@ from fgrpo.core.runlog import METRICS
 LOCK = ".fgrpo.lock"
 RECIPE_FILE = "recipe.resolved.yaml"
 #: names whose presence makes a folder a run folder (what a run writes)
-RUN_FILES = frozenset({RECIPE_FILE, METRICS, "checkpoints", "tensorboard", "samples", "curves.png"})
+RUN_FILES = frozenset({RECIPE_FILE, METRICS, "checkpoints", "tensorboard", "samples", "curves.png", "report.html"})
 NEW, RESUME, START_OVER = "new", "resume", "start-over"
 #: what decides the sampled policy: ``fgrpo sample`` refuses a recipe that differs from the
 #: checkpoint's in these (where it runs and in which dtype may differ)

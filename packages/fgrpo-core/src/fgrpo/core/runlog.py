@@ -1,5 +1,6 @@
-"""What a run writes as it goes: metrics.jsonl (a line per iteration), TensorBoard events, and
-what the terminal shows (rich progress bars, or one plain line per iteration in quiet mode)."""
+"""What a run writes as it goes: metrics.jsonl (a line per iteration) and what the terminal shows
+(rich progress bars, or one plain line per iteration in quiet mode). Experiment trackers
+(TensorBoard, wandb ...) get the same rows through accelerate: see :mod:`fgrpo.core.trackers`."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 METRICS = "metrics.jsonl"
 
@@ -27,22 +28,15 @@ def _plain_number(value: Any) -> Any:
 
 class MetricsLog:
     """Appends one JSON object per iteration; on resume, lines past the checkpoint are dropped so
-    the file reads as if the run had never been interrupted (TensorBoard is told to purge the
-    events past it too); a new run replaces the file."""
+    the file reads as if the run had never been interrupted (TensorBoard, through the trackers,
+    is told to purge the events past it too); a new run replaces the file."""
 
-    def __init__(self, run_dir: Path, *, tensorboard: bool, resume_from: int | None = None):
+    def __init__(self, run_dir: Path, *, resume_from: int | None = None):
         self.path = run_dir / METRICS
         if resume_from is not None:
             self._truncate_after(resume_from)
         elif self.path.exists():
             self.path.unlink()
-        self.writer = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            # events of an interrupted (or started-over) attempt past this point are hidden
-            purge = resume_from + 1 if resume_from is not None else 0
-            self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=purge)
 
     def _truncate_after(self, iteration: int) -> None:
         if not self.path.exists():
@@ -65,17 +59,10 @@ class MetricsLog:
             fh.write(json.dumps(row) + "\n")
             fh.flush()
             os.fsync(fh.fileno())
-        if self.writer is not None:
-            for key, value in row.items():
-                if key != "iteration" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self.writer.add_scalar(key, value, iteration)
-            self.writer.flush()
         return row
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-            self.writer = None
+        pass
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
@@ -85,22 +72,31 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-SUMMARY_KEYS = ("reward_mean", "eval/reward_mean", "ratio_mean", "clipfrac", "kl", "time_iteration_s")
+SUMMARY_KEYS = ("reward_mean", "ratio_mean", "clipfrac", "kl", "time_iteration_s")
 
 
 def summary_line(iteration: int, total: int, row: Mapping[str, Any]) -> str:
+    """One iteration's headline numbers (evaluations get their own line: :func:`evaluation_line`)."""
     parts = [f"iter {iteration}/{total}"]
     for key in SUMMARY_KEYS:
         if key in row and isinstance(row[key], (int, float)):
             parts.append(f"{key} {row[key]:.4g}")
-    for key, value in row.items():
-        if key.startswith("eval/") and key.endswith("accuracy") and isinstance(value, (int, float)):
-            parts.append(f"{key} {value:.3f}")
     return "  ".join(parts)
 
 
+def evaluation_line(iteration: int, total: int, metrics: Mapping[str, Any]) -> str:
+    """``eval at iteration 25/200 (31.2 s): reward_mean 0.45  shapes/accuracy 0.45 ...``: every
+    overall evaluation metric (per-category ones stay in metrics.jsonl and the report)."""
+    seconds = metrics.get("time_eval_s")
+    head = f"eval at iteration {iteration}/{total}" + (f" ({seconds:.1f} s)" if isinstance(seconds, (int, float)) else "")
+    keys = ["eval/reward_mean"] + sorted(k for k in metrics if k.startswith("eval/") and k.count("/") <= 2 and k != "eval/reward_mean")
+    parts = [f"{k[len('eval/'):]} {metrics[k]:.4g}" for k in keys if isinstance(metrics.get(k), (int, float))]
+    return f"{head}: " + "  ".join(parts)
+
+
 class Display:
-    """rich progress bars for the rollout and update phases, or plain lines when quiet."""
+    """rich progress bars (iterations, and the rollout, update and evaluation of each) with the
+    time left, or plain lines when quiet or not writing to a terminal (CI logs, nohup)."""
 
     def __init__(self, console: Console, *, quiet: bool, total: int, enabled: bool = True):
         self.console = console
@@ -116,6 +112,8 @@ class Display:
                 BarColumn(),
                 MofNCompleteColumn(),
                 TimeElapsedColumn(),
+                TextColumn("eta"),
+                TimeRemainingColumn(),
                 console=self.console,
                 transient=False,
             )
@@ -133,7 +131,8 @@ class Display:
 
     @contextmanager
     def phase(self, name: str, total: int) -> Iterator[Any]:
-        """A transient bar for one phase (rollout, update); yields an ``advance()`` callable."""
+        """A transient bar for one phase (rollout, update, evaluation); yields an ``advance(n=1)``
+        callable, a no-op when there are no bars."""
         if self.progress is None:
             yield lambda n=1: None
             return
@@ -152,6 +151,11 @@ class Display:
             self.progress.console.print(line, markup=False, highlight=False)
         else:
             self.console.print(line, markup=False, highlight=False)
+
+    def evaluation_done(self, iteration: int, metrics: Mapping[str, Any]) -> None:
+        """One line per evaluation, the one before training included, bars or not."""
+        if metrics:
+            self.say(evaluation_line(iteration, self.total, metrics))
 
     def say(self, text: str) -> None:
         if self.enabled:

@@ -24,9 +24,12 @@ COMPONENTS: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
     **{("kernel", n): ("fgrpo-samplers", ()) for n in ("ode", "sde", "dance", "cps", "dpmpp2m", "dpmpp3m")},
     **{("sampler", n): ("fgrpo-samplers", ()) for n in ("full", "fast", "mixgrpo")},
     **{("reward", n): ("fgrpo-rewards", ()) for n in (
-        "jpeg-compressibility", "jpeg-incompressibility", "target-distance", "shapes", "shapes-gold")},
+        "jpeg-compressibility", "jpeg-incompressibility", "target-distance", "shapes", "shapes-gold", "vlm-judge",
+        "remote")},
     ("reward", "ocr"): ("fgrpo-rewards", ("ocr",)),
-    **{("reward", n): ("fgrpo-rewards", ("clip",)) for n in ("clip-score", "pickscore", "aesthetic")},
+    **{("reward", n): ("fgrpo-rewards", ("clip",)) for n in (
+        "clip-score", "pickscore", "aesthetic", "hpsv2", "imagereward")},
+    ("reward", "geneval"): ("fgrpo-rewards", ("geneval",)),
     ("prompts", "shapes"): ("fgrpo-rewards", ()),
     ("model", "vector"): ("fgrpo-models", ()),
     **{("model", n): ("fgrpo-models", ("diffusers",)) for n in ("sd3", "flux", "qwen-image", "wan", "shapes-dit")},

@@ -11,6 +11,7 @@ import math
 import os
 import random
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ import torch
 from rich.console import Console
 
 from fgrpo.core import checkpoint as ckpt
-from fgrpo.core import evaluation, phases, rundir, tensors, visuals
+from fgrpo.core import evaluation, phases, report, rundir, sharding, tensors, timing, trackers, visuals
 from fgrpo.core.config import ConfigError, RecipeError
 from fgrpo.core.data import PromptSchedule
 from fgrpo.core.ema import EMA
@@ -29,37 +30,45 @@ from fgrpo.core.recipe import Recipe
 from fgrpo.core.run import Run
 from fgrpo.core.runlog import Display, MetricsLog, read_metrics
 from fgrpo.core.seeding import derive_seed
+from fgrpo.core.threads import ThreadGovernor
 
 
 # --- one iteration -----------------------------------------------------------------------------
 
 
 def iteration(run: Run, it: int) -> dict[str, Any]:
+    clock = run.clock
+    clock.read()  # what evaluation or set-up left on the clock is not this iteration's
+    timing.synchronize(run.policy.device)
     t0 = time.perf_counter()
     run.sampler.advance(it)
-    traj = phases.rollout(run, it)
+    where = f"the batch of iteration {it}"
+    worker = phases.RewardWorker(run, where) if run.recipe.train.reward_worker else None
+    traj = phases.rollout(run, it, on_chunk=worker.submit if worker else None)
+    timing.synchronize(run.policy.device)
     t1 = time.perf_counter()
-    outputs = phases.decode(run, traj)
-    metadata = [run.prompts.metadata(p) for p in traj.prompts]
-    scores, _ = phases.score(run.rewards, outputs, traj.prompts, metadata, where=f"the batch of iteration {it}")
+    scores = worker.scores() if worker else phases.decode_and_score(run, traj, where)
     t2 = time.perf_counter()
     adv, adv_stats = phases.advantages(run, traj, scores)
     stats = phases.update(run, traj, adv, it)
     run.scheduler.step()
-    t3 = time.perf_counter()
-    n_samples = traj.batch_size * run.accelerator.num_processes
-    return {
+    metrics = {
         **adv_stats,
         **{f"reward/{k}": v.mean().item() for k, v in scores.items()},
         **phases.summarize(stats),
+    }
+    t3 = time.perf_counter()
+    n_samples = traj.batch_size * run.accelerator.num_processes
+    return {
+        **metrics,
         "lr": run.optimizer.param_groups[0]["lr"],
         "trained_steps": traj.num_trained_steps,
         "nfe_rollout": traj.nfe,
+        **{f"nfe_rollout/{k}": v for k, v in phases.nfe_by_phase(traj).items()},
         "nfe_train": stats.nfe,
         "time_rollout_s": t1 - t0,
-        "time_reward_s": t2 - t1,
         "time_train_s": t3 - t2,
-        "time_iteration_s": t3 - t0,
+        **timing.accounting(clock.read(), t3 - t0),
         "samples_per_s": n_samples / (t3 - t0),
     }
 
@@ -70,19 +79,16 @@ def train(run: Run) -> dict[str, Any]:
     total = cfg.iterations
     row: dict[str, Any] = {}
     if run.start_iteration == 0 and run.recipe.eval.every and run.recipe.eval.at_start:
-        row = run_evaluation(run, 0)
-        if run.is_main and run.log is not None:
-            row = run.log.write(0, row)
+        row = record(run, 0, run_evaluation(run, 0))
     run.display.start_at(run.start_iteration)
+    governor = ThreadGovernor()
     for it in range(run.start_iteration, total):
         metrics = iteration(run, it)
+        metrics["threads"] = governor.step() or torch.get_num_threads()
         done = it + 1
         if run.recipe.eval.every and (done % run.recipe.eval.every == 0 or done == total):
             metrics.update(run_evaluation(run, done))
-        if run.is_main and run.log is not None:
-            row = run.log.write(done, metrics)
-        else:
-            row = {"iteration": done, **metrics}
+        row = record(run, done, metrics)
         hooks.fgrpo_iteration_end(run=run, iteration=done, metrics=row)
         run.display.iteration_done(done, row)
         if run.out_dir is not None and (done == total or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0)):
@@ -91,25 +97,47 @@ def train(run: Run) -> dict[str, Any]:
     return row
 
 
+def record(run: Run, step: int, metrics: dict[str, Any]) -> dict[str, Any]:
+    """One row of metrics.jsonl (main process), also sent to the experiment trackers."""
+    if not (run.is_main and run.log is not None):
+        return {"iteration": step, **metrics}
+    row = run.log.write(step, metrics)
+    run.accelerator.log(trackers.scalars(row), step=step)
+    return row
+
+
 def run_evaluation(run: Run, it: int) -> dict[str, float]:
     metrics: dict[str, float] = {}
     if run.is_main:
+        t0 = time.perf_counter()
         metrics = evaluation.evaluate(run, it, run.out_dir)
+        if metrics:
+            metrics["time_eval_s"] = time.perf_counter() - t0
+        run.display.evaluation_done(it, metrics)
         plugin_manager().hook.fgrpo_evaluation(run=run, iteration=it, metrics=metrics)
+    elif run.sharded:
+        evaluation.evaluation_samples(run, it)  # the main process's forwards need this process's shards
     run.accelerator.wait_for_everyone()
     return metrics
 
 
 def finish(run: Run) -> None:
+    if run.is_main and run.out_dir is not None:
+        report.write(run.out_dir)
     if run.is_main and run.out_dir is not None and run.recipe.log.plots:
-        visuals.curves(read_metrics(run.out_dir), run.out_dir / "curves.png")
+        if visuals.have_matplotlib():
+            visuals.curves(read_metrics(run.out_dir), run.out_dir / "curves.png")
+        else:
+            run.display.say('curves.png skipped: matplotlib is not installed (pip install "fgrpo-core[plots]"); report.html has the curves')
     close_run(run)
 
 
 def close_run(run: Run) -> None:
-    """Close the metrics log and release the run folder's lock (idempotent)."""
+    """Close the metrics log and the trackers, release the run folder's lock (idempotent)."""
     if run.log is not None:
         run.log.close()
+    while run.accelerator.trackers:  # not accelerate's end_training: it also ends the process group
+        run.accelerator.trackers.pop().finish()
     if run.folder is not None:
         run.folder.release()
 
@@ -133,7 +161,8 @@ def lr_lambda(cfg: Any) -> Any:
 
 
 #: how the processes of a run share work: each rolls out its own prompt groups and gradients are
-#: averaged by one all-reduce per optimizer step (``phases.sync_gradients``)
+#: averaged by one all-reduce per optimizer step (``phases.sync_gradients``); FSDP launches shard
+#: the network instead (:mod:`fgrpo.core.sharding`)
 DATA_PARALLEL = ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_MUSA", "MULTI_HPU", "MULTI_SDAA")
 
 
@@ -178,11 +207,18 @@ def accelerate_settings(train: Any = None, env: Any = None) -> tuple[str, int]:
     return precision, steps
 
 
-def make_accelerator(cpu: bool | None = None, train: Any = None) -> Any:
+def make_accelerator(cpu: bool | None = None, train: Any = None, **options: Any) -> Any:
     """The run's Accelerator, with the mixed precision and gradient accumulation of
-    :func:`accelerate_settings` (fp16 needs a GPU; model-sharding launches are refused)."""
+    :func:`accelerate_settings` (fp16 needs a GPU) and, with several processes,
+    ``train.process_group_timeout_s`` as the longest wait for the others at a collective (a
+    stopped or crashed peer then ends the run with an error, not a silent hang); ``options`` go to
+    its constructor (``log_with``). Data-parallel and FSDP launches run (FSDP also on the CPU, see
+    :mod:`fgrpo.core.sharding`); other kinds are refused."""
+    from datetime import timedelta
+
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
+    from accelerate.utils import InitProcessGroupKwargs
 
     if cpu is None:
         cpu = not torch.cuda.is_available()
@@ -194,28 +230,52 @@ def make_accelerator(cpu: bool | None = None, train: Any = None) -> Any:
         )])
     if AcceleratorState._shared_state.get("_mixed_precision") not in (None, precision):
         AcceleratorState._reset_state()  # a new run in the same process (tests, tools): its own precision
-    acc = Accelerator(cpu=cpu, mixed_precision=precision, gradient_accumulation_steps=steps)
+    timeout = getattr(train, "process_group_timeout_s", None)
+    handlers = [InitProcessGroupKwargs(timeout=timedelta(seconds=timeout))] if timeout else []
+    acc = Accelerator(cpu=cpu, mixed_precision=precision, gradient_accumulation_steps=steps, kwargs_handlers=handlers, **options)
     kind = str(acc.distributed_type).split(".")[-1]
-    if kind not in DATA_PARALLEL:
+    if kind == "MULTI_CPU" and sharding.launched_sharded():
+        sharding.enable_on_cpu(acc)
+        kind = sharding.FSDP
+    if kind not in DATA_PARALLEL and kind != sharding.FSDP:
         raise RecipeError([ConfigError(
             "accelerate",
             f"distributed type {kind} (from the accelerate config or launch flags) is not supported: fgrpo runs data "
-            "parallel (each process rolls out its own prompt groups; one gradient all-reduce per optimizer step). "
-            "Use recipes/accelerate/ddp.yaml; to fit memory use LoRA, gradient checkpointing, "
-            "model.text_encoder_device: cpu and bf16 weights",
+            "parallel (recipes/accelerate/ddp.yaml) or sharded with FSDP2 (recipes/accelerate/fsdp-lora.yaml, "
+            "fsdp-full.yaml); to fit memory also use LoRA, gradient checkpointing, model.text_encoder_device: cpu "
+            "and bf16 weights",
         )])
     return acc
 
 
-def build_run(recipe: Recipe, *, out_dir: Path | None, console: Console, quiet: bool = False, accelerator: Any = None) -> Run:
+def check_prompts(policy: Any, prompts: Sequence[str], key: str) -> None:
+    """Refuse prompts the policy cannot read, before anything runs: a policy with a closed
+    vocabulary (``shapes-dit``) says why through an optional ``check_prompts(prompts) -> [problem]``."""
+    check = getattr(policy, "check_prompts", None)
+    problems = check(list(prompts)) if check is not None else []
+    if problems:
+        shown = [ConfigError(key, p) for p in problems[:5]]
+        more = [ConfigError(key, f"... and {len(problems) - 5} more prompts the model cannot read")] if len(problems) > 5 else []
+        raise RecipeError(shown + more)
+
+
+def build_run(
+    recipe: Recipe, *, out_dir: Path | None, console: Console, quiet: bool = False, accelerator: Any = None, policy: Policy | None = None
+) -> Run:
+    """A run of ``recipe``; ``policy``: an already built model instead of the recipe's (benchmarks)."""
     acc = accelerator or make_accelerator(train=recipe.train)
     # components draw their initial weights (LoRA init, ...) from the global RNG: same on every rank
     torch.manual_seed(derive_seed(recipe.seed, "build"))
     random.seed(derive_seed(recipe.seed, "python"))
-    policy = recipe.build("model")
+    policy = recipe.build("model") if policy is None else policy
+    if recipe.train.compile:
+        if not isinstance(getattr(policy, "transformer", None), torch.nn.Module):
+            raise RecipeError([ConfigError("train.compile", f"the model {type(policy).__name__} has no transformer module to compile")])
+        policy.transformer.compile()  # in place (lazily, at the first call): the policy keeps calling the same module
     sampler = recipe.build("sampler")
     objective = recipe.build("objective")
     prompts = recipe.build("prompts")
+    check_prompts(policy, prompts.train_prompts() + prompts.test_prompts(), "prompts")
     rewards = recipe.build_rewards()
     trainable = [p for p in policy.trainable_parameters() if p.requires_grad]
     if not trainable:
@@ -225,6 +285,8 @@ def build_run(recipe: Recipe, *, out_dir: Path | None, console: Console, quiet: 
     optimizer = torch.optim.AdamW(
         trainable, lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps, weight_decay=cfg.weight_decay
     )
+    if sharding.is_sharded(acc):
+        trainable = sharding.shard_policy(acc, policy, optimizer)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     if cfg.prompts_per_iteration % acc.num_processes:
         raise RecipeError([ConfigError("train.prompts_per_iteration", f"got {cfg.prompts_per_iteration}; must be a multiple of the {acc.num_processes} processes")])
@@ -263,14 +325,21 @@ def broadcast_parameters(acc: Any, params: list[torch.nn.Parameter]) -> None:
 
 
 def save_checkpoint(run: Run, done: int) -> None:
+    """Write checkpoint ``done`` (the main process writes; in a sharded run every process first
+    takes part in gathering the whole tensors)."""
     run.accelerator.wait_for_everyone()
+    if run.is_main or run.sharded:
+        trainable = run.policy.trainable_state_dict()
+        ema = run.ema.state_dict() if run.ema is not None else None
+        optimizer = sharding.full_optimizer_state(run.optimizer)
+        export = export_in_checkpoint(run)
     if run.is_main:
         path = ckpt.write(
             run.out_dir / "checkpoints",
             done,
-            trainable=run.policy.trainable_state_dict(),
-            ema=run.ema.state_dict() if run.ema is not None else None,
-            optimizer={"optimizer": run.optimizer.state_dict(), "scheduler": run.scheduler.state_dict()},
+            trainable=trainable,
+            ema=ema,
+            optimizer={"optimizer": optimizer, "scheduler": run.scheduler.state_dict()},
             rng={0: {"torch": torch.get_rng_state()}},
             state={
                 "iteration": done,
@@ -282,10 +351,23 @@ def save_checkpoint(run: Run, done: int) -> None:
                 "run_id": run.folder.run_id if run.folder is not None else None,
             },
             keep=run.recipe.train.keep_checkpoints,
-            export=(lambda folder: export_policy(run, folder)) if getattr(run.policy, "export_in_checkpoints", False) else None,
+            export=export,
         )
         plugin_manager().hook.fgrpo_checkpoint_saved(run=run, iteration=done, path=str(path))
     run.accelerator.wait_for_everyone()
+
+
+def export_in_checkpoint(run: Run) -> Any:
+    """What writes the checkpoint's ``export/`` folder (None when the policy writes none): the
+    policy's own-format export of the weights evaluation uses (the EMA's when the run keeps one).
+    A sharded run gathers those weights first, on every process."""
+    if not getattr(run.policy, "export_in_checkpoints", False):
+        return None
+    if not run.sharded:
+        return lambda folder: export_policy(run, folder)
+    with run.ema.swapped_in() if run.ema is not None else contextlib.nullcontext():
+        weights = run.policy.trainable_state_dict()
+    return lambda folder: run.policy.export(folder, state=weights)
 
 
 def export_policy(run: Run, folder: str) -> list[str]:
@@ -304,7 +386,7 @@ def restore(run: Run, folder: Path) -> int:
     if run.ema is not None:
         run.ema.load_state_dict(ckpt.read_tensors(folder / ckpt.EMA, run.policy.device))
     opt = ckpt.read_torch(folder / ckpt.OPTIMIZER)
-    run.optimizer.load_state_dict(opt["optimizer"])
+    sharding.load_full_optimizer_state(run.optimizer, opt["optimizer"])
     run.scheduler.load_state_dict(opt["scheduler"])
     torch.set_rng_state(ckpt.read_torch(folder / "rng-rank0.pt")["torch"])
     run.sampler.load_state_dict(state["sampler"])
@@ -327,13 +409,22 @@ def _share(acc: Any, value: Any) -> Any:
 
 
 def open_run(
-    recipe: Recipe, *, out: str | None, resume: bool, start_over: bool = False, console: Console, quiet: bool = False
+    recipe: Recipe,
+    *,
+    out: str | None,
+    resume: bool,
+    start_over: bool = False,
+    console: Console,
+    quiet: bool = False,
+    extra_trackers: Sequence[Any] = (),
 ) -> Run:
     """The run ``fgrpo compose`` trains: its folder claimed (locked, checked), its components
     built, the newest complete checkpoint restored when resuming; only then is anything written
-    (check first, write after). ``close_run`` (or ``finish``) releases the folder."""
+    (check first, write after), and its trackers started (``log.trackers`` and
+    ``extra_trackers``, accelerate GeneralTracker instances). ``close_run`` (or ``finish``)
+    releases the folder."""
     mode = rundir.RESUME if resume else rundir.START_OVER if start_over else rundir.NEW
-    acc = make_accelerator(train=recipe.train)
+    acc = make_accelerator(train=recipe.train, log_with=trackers.log_with(recipe.log.trackers, extra_trackers) or None)
     folder, failure = None, None
     if acc.is_main_process:
         try:
@@ -359,7 +450,8 @@ def open_run(
                 raise RecipeError([ConfigError("--resume", f"{resume_from} is not a valid checkpoint of this run: {first}")]) from None
         if folder is not None:
             folder.write_recipe(recipe)
-            run.log = MetricsLog(out_dir, tensorboard=recipe.log.tensorboard, resume_from=run.start_iteration if resume_from else None)
+            run.log = MetricsLog(out_dir, resume_from=run.start_iteration if resume_from else None)
+            trackers.start(acc, recipe, out_dir, resume_from=run.start_iteration if resume_from else None)
     except BaseException:
         if folder is not None:
             folder.abandon()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import textwrap
 from collections.abc import Sequence
@@ -23,24 +24,86 @@ def is_image_batch(outputs: Any) -> bool:
     return isinstance(outputs, torch.Tensor) and outputs.dim() == 4 and outputs.shape[1] == 3
 
 
-def sample_grid(images: torch.Tensor, captions: Sequence[str], path: Path, *, cell: int = 128, columns: int = 8) -> Path:
-    """Each image scaled to ``cell`` px (nearest: small images stay crisp) with its prompt under it."""
+SEPARATOR = (200, 200, 200)
+LINE_HEIGHT = 12
+
+
+def _wrap(text: str, width: int, lines: int) -> list[str]:
+    wrapped = textwrap.wrap(text, width=width)
+    if len(wrapped) > lines:
+        wrapped = wrapped[:lines]
+        wrapped[-1] = wrapped[-1][: max(0, width - 1)] + "…"
+    return wrapped
+
+
+def grid_image(
+    images: torch.Tensor,
+    captions: Sequence[str],
+    notes: Sequence[str] | None = None,
+    *,
+    cell: int = 128,
+    columns: int = 8,
+    gap: int = 2,
+) -> Image.Image:
+    """Each image scaled to ``cell`` px (nearest: small images stay crisp), a thin grey line
+    between tiles, its prompt under it and, in grey, its ``note`` (the score, what was read)."""
     pics = to_uint8(images)
     n = len(pics)
     columns = min(columns, n)
     rows = math.ceil(n / columns)
-    text_h = 40
-    grid = Image.new("RGB", (columns * cell, rows * (cell + text_h)), "white")
+    width = max(8, cell // 6)
+    texts = [_wrap(c, width, 3) for c in captions]
+    extra = [_wrap(note, width, 3) for note in notes] if notes is not None else [[] for _ in range(n)]
+    text_h = LINE_HEIGHT * max(len(a) + len(b) for a, b in zip(texts, extra)) + 4
+    tile_w, tile_h = cell + gap, cell + text_h + gap
+    grid = Image.new("RGB", (columns * tile_w - gap, rows * tile_h - gap), SEPARATOR)
     draw = ImageDraw.Draw(grid)
     font = ImageFont.load_default()
-    for i, (pic, caption) in enumerate(zip(pics, captions)):
-        x, y = (i % columns) * cell, (i // columns) * (cell + text_h)
+    for i in range(n, rows * columns):  # the empty end of the last row
+        x, y = (i % columns) * tile_w, (i // columns) * tile_h
+        draw.rectangle((x - gap, y - gap, x + tile_w, y + tile_h), fill="white")
+    for i, pic in enumerate(pics):
+        x, y = (i % columns) * tile_w, (i // columns) * tile_h
+        draw.rectangle((x, y + cell, x + cell - 1, y + cell + text_h - 1), fill="white")
         grid.paste(Image.fromarray(pic).resize((cell, cell), Image.NEAREST), (x, y))
-        lines = textwrap.wrap(caption, width=max(8, cell // 6))[:3]
-        draw.multiline_text((x + 2, y + cell + 1), "\n".join(lines), fill="black", font=font, spacing=1)
+        for k, line in enumerate(texts[i]):
+            draw.text((x + 2, y + cell + 1 + k * LINE_HEIGHT), line, fill="black", font=font)
+        for k, line in enumerate(extra[i], start=len(texts[i])):
+            draw.text((x + 2, y + cell + 1 + k * LINE_HEIGHT), line, fill=(90, 90, 90), font=font)
+    return grid
+
+
+def sample_grid(
+    images: torch.Tensor, captions: Sequence[str], path: Path, *, notes: Sequence[str] | None = None, **layout: Any
+) -> Image.Image:
+    """:func:`grid_image` saved as a PNG at ``path``; returns the image."""
+    grid = grid_image(images, captions, notes, **layout)
     path.parent.mkdir(parents=True, exist_ok=True)
     grid.save(path)
-    return path
+    return grid
+
+
+THUMBNAIL = 256  #: the largest side of a stored tile; larger images are scaled down and kept as JPEG
+
+
+def write_tiles(images: torch.Tensor, rows: Sequence[dict[str, Any]], folder: Path) -> Path:
+    """One file per image (PNG at its own size up to THUMBNAIL px, else a THUMBNAIL-px JPEG) and
+    ``index.json`` listing each tile's file with ``rows[i]`` (prompt, score, what was read ...):
+    what the run report's filmstrip shows, evaluation by evaluation."""
+    folder.mkdir(parents=True, exist_ok=True)
+    index = []
+    for i, (pic, row) in enumerate(zip(to_uint8(images), rows)):
+        image = Image.fromarray(pic)
+        if max(image.size) > THUMBNAIL:
+            image.thumbnail((THUMBNAIL, THUMBNAIL), Image.LANCZOS)
+            name = f"{i:03d}.jpg"
+            image.save(folder / name, quality=85)
+        else:
+            name = f"{i:03d}.png"
+            image.save(folder / name)
+        index.append({"file": name, **row})
+    (folder / "index.json").write_text(json.dumps(index, indent=1))
+    return folder
 
 
 def curve_keys(rows: Sequence[dict]) -> list[str]:
@@ -55,6 +118,12 @@ def curve_keys(rows: Sequence[dict]) -> list[str]:
             ):
                 keys.append(key)
     return keys
+
+
+def have_matplotlib() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None
 
 
 def curves(rows: Sequence[dict], path: Path) -> Path | None:

@@ -380,12 +380,19 @@ def adapters_disabled(model: torch.nn.Module) -> Iterator[None]:
         model.enable_adapters()
 
 
+def cpu_copies(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Detached CPU copies of whole tensors (DTensor shards of a sharded run are gathered first:
+    every process must call this)."""
+    from fgrpo.core.sharding import full
+
+    return {k: full(v.detach()).to("cpu", copy=True) for k, v in state.items()}
+
+
 def lora_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The adapter weights only (peft naming without the adapter name), detached CPU copies."""
     from peft import get_peft_model_state_dict
 
-    state = get_peft_model_state_dict(model, adapter_name=ADAPTER_NAME)
-    return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+    return cpu_copies(get_peft_model_state_dict(model, adapter_name=ADAPTER_NAME))
 
 
 def load_lora_state_dict(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> None:
@@ -455,14 +462,15 @@ def read_lora_file(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
 DIFFUSERS_LORA_FILE = "pytorch_lora_weights.safetensors"
 
 
-def save_diffusers_lora(pipeline_class: Any, model: torch.nn.Module, folder: str | os.PathLike[str]) -> str:
+def save_diffusers_lora(
+    pipeline_class: Any, model: torch.nn.Module, folder: str | os.PathLike[str], state: Mapping[str, torch.Tensor] | None = None
+) -> str:
     """Write ``model``'s adapter as ``pipeline_class.save_lora_weights`` does: keys prefixed with the
     pipeline's transformer name, the adapter's LoraConfig (rank, alpha, targets) in the
-    safetensors metadata, so ``pipe.load_lora_weights(folder)`` gets the same scale. Returns the
+    safetensors metadata, so ``pipe.load_lora_weights(folder)`` gets the same scale. ``state``:
+    adapter weights as :func:`lora_state_dict` gives them, instead of the model's. Returns the
     file written."""
-    from peft import get_peft_model_state_dict
-
-    state = {k: v.detach().to("cpu").contiguous() for k, v in get_peft_model_state_dict(model, adapter_name=ADAPTER_NAME).items()}
+    state = {k: v.contiguous() for k, v in (lora_state_dict(model) if state is None else cpu_copies(state)).items()}
     metadata = model.peft_config[ADAPTER_NAME].to_dict()
     for key, value in list(metadata.items()):
         if isinstance(value, set):  # target_modules is a set after peft normalises it
@@ -537,11 +545,14 @@ def trainable_state(model: torch.nn.Module, *, lora: bool) -> dict[str, torch.Te
     """What a policy trains, as detached CPU copies: its LoRA weights, or every weight."""
     if lora:
         return lora_state_dict(model)
-    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    return cpu_copies(model.state_dict())
 
 
 def load_trainable_state(model: torch.nn.Module, state: Mapping[str, torch.Tensor], *, lora: bool) -> None:
     if lora:
         load_lora_state_dict(model, state)
     else:
-        model.load_state_dict(dict(state), strict=True)
+        from fgrpo.core.sharding import shard_like
+
+        current = model.state_dict()  # a sharded run's module keeps DTensor shards: cut whole tensors to them
+        model.load_state_dict({k: shard_like(v, current[k]) if k in current else v for k, v in state.items()}, strict=True)

@@ -59,7 +59,8 @@ def _optional_device(inst: Any, attribute: Any, value: Any) -> None:
 @attrs.define(eq=False)
 class DiffusersPolicy:
     """Base of the diffusers backbones; a subclass sets the class attributes and implements
-    ``_encode_uncached``, ``_predict``, ``_decode``, ``_latent_shape_for`` and ``cfg_scale``.
+    ``cfg_scale``, ``_encode_uncached`` and ``_predict`` (``_decode`` and ``_latent_shape_for``
+    default to an image pipeline with an ``AutoencoderKL``).
 
     Build one from a recipe (``path``) or around an already built pipeline with
     :meth:`from_pipeline`. The policy owns the pipeline: it moves it to ``device``/``dtype``,
@@ -76,6 +77,9 @@ class DiffusersPolicy:
     timestep_scale: ClassVar[float] = 1000.0
     #: the pipeline passes sigmas=linspace(1, 1/steps, steps) to its scheduler (FLUX, Qwen-Image)
     explicit_sigma_grid: ClassVar[bool] = False
+    #: the transformer sees 2x2 patches of the latent as tokens (FLUX, Qwen-Image): the state stays
+    #: the unpacked latent, ``velocity`` packs and unpacks
+    packs_2x2: ClassVar[bool] = False
 
     path: str = param(help="hub id or local folder (save_pretrained output) of the diffusers pipeline")
     dtype: str = param(
@@ -121,6 +125,8 @@ class DiffusersPolicy:
 
     def _to_state(self, out: torch.Tensor) -> torch.Tensor:
         """The transformer's layout -> the state layout (identity unless tokens are packed)."""
+        if self.packs_2x2:
+            return dx.unpack_2x2(out, *self._latent_shape[-2:])
         return out
 
     def _combine(self, uncond: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
@@ -128,24 +134,35 @@ class DiffusersPolicy:
         return dx.guided(uncond, cond, self.cfg_scale)
 
     def _decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """Outputs of one chunk of final latents, float32 in [0, 1]."""
-        raise NotImplementedError
+        """Outputs of one chunk of final latents, float32 in [0, 1]. Default: an ``AutoencoderKL``
+        whose latents are ``(z - shift_factor) * scaling_factor`` (SD3, FLUX), as the pipelines do."""
+        vae = self._pipeline.vae
+        z = latents.to(vae.dtype) / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
+        image = vae.decode(z, return_dict=False)[0]
+        return (image.float() / 2 + 0.5).clamp(0, 1)
 
     def _latent_shape_for(self, height: int, width: int) -> tuple[int, ...]:
-        raise NotImplementedError
+        """An image latent (C, H/s, W/s); C is the transformer's input channels (a quarter of them
+        when it sees 2x2 patches)."""
+        scale = self.vae_scale_factor
+        channels = int(self.transformer.config.in_channels) // (4 if self.packs_2x2 else 1)
+        return (channels, height // scale, width // scale)
 
     def _default_size(self) -> tuple[int, int]:
         pipe = self._pipeline
         side = int(getattr(pipe, "default_sample_size", 0) or self.transformer.config.get("sample_size", 64)) * self.vae_scale_factor
         return side, side
 
+    def _patch(self) -> int:
+        return 2 if self.packs_2x2 else int(self.transformer.config.get("patch_size", 1) or 1)
+
     def _size_multiple(self) -> int:
         """Height and width must be multiples of this (VAE scale x patch size)."""
-        return self.vae_scale_factor * int(self.transformer.config.get("patch_size", 1) or 1)
+        return self.vae_scale_factor * self._patch()
 
     def _image_seq_len(self) -> int:
         """Image tokens of one latent (for the resolution-dependent time shift)."""
-        patch = int(self.transformer.config.get("patch_size", 1) or 1)
+        patch = self._patch()
         h, w = self._latent_shape[-2:]
         return (h // patch) * (w // patch)
 
@@ -219,6 +236,12 @@ class DiffusersPolicy:
     @property
     def transformer(self) -> torch.nn.Module:
         return self._pipeline.transformer
+
+    @property
+    def trainable_module(self) -> torch.nn.Module:
+        """What a sharded (FSDP) run splits over the processes: the transformer, one FSDP unit per
+        block (its ``_no_split_modules``)."""
+        return self.transformer
 
     @property
     def text_device(self) -> torch.device:
@@ -317,11 +340,11 @@ class DiffusersPolicy:
 
     def to_pipeline_latents(self, x: torch.Tensor) -> torch.Tensor:
         """States in the layout the pipeline's ``latents=`` argument takes (packed for FLUX/Qwen)."""
-        return x
+        return dx.pack_2x2(x) if self.packs_2x2 else x
 
     def from_pipeline_latents(self, latents: torch.Tensor) -> torch.Tensor:
         """``pipe(..., output_type="latent")`` output -> states (the inverse of ``to_pipeline_latents``)."""
-        return latents
+        return self._to_state(latents)
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Outputs as the pipeline makes them with ``output_type="pt"``: images (B, 3, H, W) or
@@ -361,15 +384,19 @@ class DiffusersPolicy:
         """Checkpoints also hold :meth:`export`'s files (a LoRA is small; a full transformer is not)."""
         return self.lora is not None
 
-    def export(self, folder: str) -> list[str]:
+    def export(self, folder: str, state: Mapping[str, torch.Tensor] | None = None) -> list[str]:
         """The trained weights in diffusers' own format: the adapter as the pipeline's
         ``save_lora_weights`` writes it (``pipe.load_lora_weights(folder)`` loads it with its
         rank and alpha), or with full fine-tuning the transformer's ``save_pretrained`` in
-        ``folder/transformer``. Returns the files written."""
+        ``folder/transformer``. ``state``: a LoRA's :meth:`trainable_state_dict` to write instead
+        of the transformer's current adapter (a sharded run gathers it first). Returns the files
+        written."""
         import os
 
         if self.lora is not None:
-            return [dx.save_diffusers_lora(type(self._pipeline), self.transformer, folder)]
+            return [dx.save_diffusers_lora(type(self._pipeline), self.transformer, folder, state)]
+        if state is not None:
+            raise ValueError("export(state=...) takes LoRA weights; a fully fine-tuned transformer exports its own")
         target = os.path.join(folder, "transformer")
         self.transformer.save_pretrained(target)
         return sorted(os.path.join(target, f) for f in os.listdir(target))

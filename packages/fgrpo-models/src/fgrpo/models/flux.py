@@ -43,6 +43,7 @@ class FluxPolicy(DiffusersPolicy):
     text_encoder_names = ("text_encoder", "text_encoder_2")
     timestep_scale = 1.0
     explicit_sigma_grid = True
+    packs_2x2 = True
 
     guidance_scale: float = param(
         3.5, ge=0.0, help="embedded guidance of guidance-distilled models (FLUX.1-dev); ignored by models without it"
@@ -95,33 +96,6 @@ class FluxPolicy(DiffusersPolicy):
             img_ids=image_ids,
             return_dict=False,
         )[0].float()
-
-    def _to_state(self, out: torch.Tensor) -> torch.Tensor:
-        h, w = self._latent_shape[-2:]
-        return dx.unpack_2x2(out, h, w)
-
-    def to_pipeline_latents(self, x: torch.Tensor) -> torch.Tensor:
-        return dx.pack_2x2(x)
-
-    def from_pipeline_latents(self, latents: torch.Tensor) -> torch.Tensor:
-        return self._to_state(latents)
-
-    def _decode(self, latents: torch.Tensor) -> torch.Tensor:
-        vae = self._pipeline.vae
-        z = latents.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
-        image = vae.decode(z, return_dict=False)[0]
-        return (image.float() / 2 + 0.5).clamp(0, 1)
-
-    def _latent_shape_for(self, height: int, width: int) -> tuple[int, int, int]:
-        scale = self.vae_scale_factor
-        return (int(self.transformer.config.in_channels) // 4, height // scale, width // scale)
-
-    def _size_multiple(self) -> int:
-        return self.vae_scale_factor * 2  # 2x2 packing
-
-    def _image_seq_len(self) -> int:
-        h, w = self._latent_shape[-2:]
-        return (h // 2) * (w // 2)
 
 
 __all__ = ["FLUX_LORA_TARGETS", "FluxPolicy"]

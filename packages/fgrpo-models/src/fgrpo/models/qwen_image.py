@@ -44,6 +44,7 @@ class QwenImagePolicy(DiffusersPolicy):
     text_encoder_names = ("text_encoder",)
     timestep_scale = 1.0
     explicit_sigma_grid = True
+    packs_2x2 = True
 
     true_cfg_scale: float = param(
         4.0, ge=1.0, help="classifier-free guidance with negative_prompt (rescaled to the conditional norm); 1 = off"
@@ -86,16 +87,6 @@ class QwenImagePolicy(DiffusersPolicy):
         guided = dx.guided(uncond, cond, self.cfg_scale)
         return guided * (torch.norm(cond, dim=-1, keepdim=True) / torch.norm(guided, dim=-1, keepdim=True))
 
-    def _to_state(self, out: torch.Tensor) -> torch.Tensor:
-        h, w = self._latent_shape[-2:]
-        return dx.unpack_2x2(out, h, w)
-
-    def to_pipeline_latents(self, x: torch.Tensor) -> torch.Tensor:
-        return dx.pack_2x2(x)
-
-    def from_pipeline_latents(self, latents: torch.Tensor) -> torch.Tensor:
-        return self._to_state(latents)
-
     def _decode(self, latents: torch.Tensor) -> torch.Tensor:
         vae = self._pipeline.vae
         z = latents.to(vae.dtype)[:, :, None]  # the VAE's frame axis
@@ -104,17 +95,6 @@ class QwenImagePolicy(DiffusersPolicy):
         inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, channels, 1, 1, 1).to(z.device, z.dtype)
         image = vae.decode(z / inv_std + mean, return_dict=False)[0][:, :, 0]
         return (image.float() / 2 + 0.5).clamp(0, 1)
-
-    def _latent_shape_for(self, height: int, width: int) -> tuple[int, int, int]:
-        scale = self.vae_scale_factor
-        return (int(self.transformer.config.in_channels) // 4, height // scale, width // scale)
-
-    def _size_multiple(self) -> int:
-        return self.vae_scale_factor * 2  # 2x2 packing
-
-    def _image_seq_len(self) -> int:
-        h, w = self._latent_shape[-2:]
-        return (h // 2) * (w // 2)
 
 
 __all__ = ["QWEN_IMAGE_LORA_TARGETS", "QwenImagePolicy"]

@@ -63,16 +63,6 @@ class SD3Policy(DiffusersPolicy):
             return_dict=False,
         )[0].float()
 
-    def _decode(self, latents: torch.Tensor) -> torch.Tensor:
-        vae = self._pipeline.vae
-        z = latents.to(vae.dtype) / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
-        image = vae.decode(z, return_dict=False)[0]
-        return (image.float() / 2 + 0.5).clamp(0, 1)
-
-    def _latent_shape_for(self, height: int, width: int) -> tuple[int, int, int]:
-        scale = self.vae_scale_factor
-        return (int(self.transformer.config.in_channels), height // scale, width // scale)
-
     def _default_size(self) -> tuple[int, int]:
         side = int(self.transformer.config.sample_size) * self.vae_scale_factor
         return side, side

@@ -429,6 +429,12 @@ class ShapesDiT:
         return self._network.transformer
 
     @property
+    def trainable_module(self) -> nn.Module:
+        """What a sharded (FSDP) run splits over the processes: the transformer (one FSDP unit per
+        joint block); the text encoder and the reference copy stay whole on every process."""
+        return self._network.transformer
+
+    @property
     def architecture(self) -> Architecture:
         return self._network.arch
 
@@ -446,6 +452,17 @@ class ShapesDiT:
         return (a.channels, a.size, a.size)
 
     # --- Policy ---------------------------------------------------------------------------------
+
+    def check_prompts(self, prompts: Sequence[str]) -> list[str]:
+        """Why each prompt this model cannot read fails (a word outside its vocabulary, too many
+        words); the trainer asks before the first rollout."""
+        problems = []
+        for prompt in dict.fromkeys(prompts):
+            try:
+                self._network.token_ids([prompt])
+            except ValueError as exc:
+                problems.append(str(exc))
+        return problems
 
     def encode(self, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
         """{prompt_embeds (B, tokens, text_width), pooled_prompt_embeds (B, text_width)}, plus

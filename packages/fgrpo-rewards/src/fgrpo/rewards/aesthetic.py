@@ -16,7 +16,7 @@ from torch import nn
 
 from fgrpo.core.config import param
 from fgrpo.core.protocols import RewardResult
-from fgrpo.rewards.clip import DTYPES, check_images, image_embeddings, load_clip, shared
+from fgrpo.rewards.clip import check_images, device_key, dtype_key, image_embeddings, load_clip, shared
 from fgrpo.rewards.weights import read_state_dict
 
 #: the head's layer widths after the input (768 for ViT-L/14); no activations between them,
@@ -57,8 +57,8 @@ class Aesthetic:
     path: str = param("openai/clip-vit-large-patch14", help="hub id or folder of the CLIP ViT-L/14")
     processor_path: str | None = param(None, help="hub id or folder of its CLIPProcessor; none = path")
     batch_size: int = param(32, ge=1, help="images scored per forward pass")
-    dtype: str = param("float32", choices=tuple(DTYPES), help="dtype of the CLIP weights (the head runs in float32)")
-    device: str | None = param(None, help="torch device; none = this process's cuda device if any, else cpu")
+    dtype: str = dtype_key("the CLIP weights (the head runs in float32)")
+    device: str | None = device_key()
     _clip: Any = attrs.field(init=False, default=None, repr=False)
     _head: Any = attrs.field(init=False, default=None, repr=False)
 

@@ -27,6 +27,16 @@ OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
+def dtype_key(what: str = "the weights") -> Any:
+    """The ``dtype`` recipe key every model reward has."""
+    return param("float32", choices=tuple(DTYPES), help=f"dtype of {what}")
+
+
+def device_key() -> Any:
+    """The ``device`` recipe key every model reward has."""
+    return param(None, help="torch device; none = this process's cuda device if any, else cpu")
+
+
 def require_transformers() -> None:
     if importlib.util.find_spec("transformers") is None:
         raise ImportError(INSTALL)
@@ -45,7 +55,7 @@ def resolve_device(device: str | None) -> torch.device:
 # --- one copy of every model per process -------------------------------------------------------
 
 _MODELS: dict[tuple, Any] = {}
-_LOCK = threading.Lock()
+_LOCK = threading.RLock()  # a shared object may load another (geneval: the colour CLIP)
 
 
 def shared(key: tuple, build: Callable[[], Any]) -> Any:
@@ -94,9 +104,13 @@ def load_clip(path: str, processor_path: str | None, dtype: str, device: str | N
     def build() -> CLIP:
         from transformers import CLIPModel, CLIPProcessor
 
+        from fgrpo.core.hub import pretrained_source  # absent weights: one message at once, no retries
+
+        model_from = pretrained_source(path, key=key)
+        processor_from = pretrained_source(processor_path, key="reward.processor_path") if processor_path else model_from
         try:
-            model = CLIPModel.from_pretrained(path)
-            processor = CLIPProcessor.from_pretrained(processor_path or path)
+            model = CLIPModel.from_pretrained(model_from.location, **model_from.kwargs)
+            processor = CLIPProcessor.from_pretrained(processor_from.location, **processor_from.kwargs)
         except OSError as exc:
             raise loading_error(key, processor_path or path, "a CLIP model and processor", exc) from exc
         model = model.to(device=dev, dtype=DTYPES[dtype]).eval().requires_grad_(False)
@@ -203,8 +217,8 @@ class CLIPScore:
     processor_path: str | None = param(None, help="hub id or folder of its CLIPProcessor; none = path")
     divisor: float = param(100.0, gt=0, help="the logits are divided by this (flow_grpo: 30)")
     batch_size: int = param(32, ge=1, help="images scored per forward pass")
-    dtype: str = param("float32", choices=tuple(DTYPES), help="dtype of the CLIP weights")
-    device: str | None = param(None, help="torch device; none = this process's cuda device if any, else cpu")
+    dtype: str = dtype_key("the CLIP weights")
+    device: str | None = device_key()
     _clip: Any = attrs.field(init=False, default=None, repr=False)
 
     def __attrs_post_init__(self) -> None:
@@ -235,8 +249,8 @@ class PickScore:
     )
     divisor: float = param(26.0, gt=0, help="the logits are divided by this (flow_grpo: 26)")
     batch_size: int = param(32, ge=1, help="images scored per forward pass")
-    dtype: str = param("float32", choices=tuple(DTYPES), help="dtype of the weights")
-    device: str | None = param(None, help="torch device; none = this process's cuda device if any, else cpu")
+    dtype: str = dtype_key("the weights")
+    device: str | None = device_key()
     _clip: Any = attrs.field(init=False, default=None, repr=False)
 
     def __attrs_post_init__(self) -> None:

@@ -2,6 +2,12 @@
 
 Needs the ``[ocr]`` extra (``rapidocr`` + ``onnxruntime``; the PP-OCR models ship inside the
 rapidocr wheel, nothing is downloaded). Both are imported only when the reward is built.
+
+Speed: the detector reads images at most ``det_side`` pixels on their longer side (960, as
+flow_grpo's PaddleOCR does; rapidocr's own default upscales a 512-pixel image to 736 on its
+shorter side, twice the pixels); the recogniser reads the text lines of ``batch_size`` images in
+one call. ``det_batch`` > 1 stacks images into one detector call: faster on a GPU execution
+provider, slower on a CPU (memory-bound; ``tools/bench/ocr.py`` measures both).
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
+import numpy as np
 import torch
 from PIL import Image
 
@@ -86,9 +93,14 @@ class OCRReward:
     (the texts read), ``edit_distance``.
     """
 
+    accepts_video = True  # whole videos, not frames: flow_grpo's video rule needs all frames of a sample
     detect: bool = param(True, help="detect text boxes first; false = recognise the whole image as one line (much faster)")
     min_confidence: float = param(0.0, ge=0.0, le=1.0, help="drop recognised lines below this confidence (flow_grpo: 0)")
     frame_interval: int = param(4, ge=1, help="for videos: score every n-th frame")
+    batch_size: int = param(16, ge=1, help="images whose text lines go through the recogniser together")
+    det_side: int = param(960, ge=32, help="the detector reads images at most this many pixels on their longer side (PaddleOCR: 960)")
+    det_batch: int = param(1, ge=1, help="images stacked per detector call (>1 pays off on a GPU, not on a CPU)")
+    threads: int = param(0, ge=0, help="onnxruntime threads per call; 0 = onnxruntime's default (all cores)")
     _engine: Any = attrs.field(init=False, default=None, repr=False)
 
     def __attrs_post_init__(self) -> None:
@@ -97,22 +109,71 @@ class OCRReward:
             from rapidocr import RapidOCR
         except ImportError as exc:
             raise ImportError(INSTALL) from exc
-        self._engine = RapidOCR(
-            params={"Global.log_level": "error", "Global.use_cls": False, "Global.text_score": self.min_confidence}
-        )
+        params = {
+            "Global.log_level": "error", "Global.use_cls": False, "Global.text_score": self.min_confidence,
+            "Rec.rec_batch_num": max(6, self.batch_size), "Det.limit_type": "max", "Det.limit_side_len": self.det_side,
+        }
+        if self.threads:
+            params["EngineConfig.onnxruntime.intra_op_num_threads"] = self.threads
+            params["EngineConfig.onnxruntime.inter_op_num_threads"] = 1
+        self._engine = RapidOCR(params=params)
 
     def read(self, image: Image.Image) -> str:
-        """The text the OCR engine reads in one RGB PIL image ('' when it finds none)."""
+        """The text the OCR engine reads in one RGB PIL image ('' when it finds none), through
+        rapidocr's own single-image pipeline (the reference the batched path is tested against)."""
         if self._engine is None:  # pragma: no cover - only if __attrs_post_init__ was bypassed
             raise ImportError(INSTALL)
-        if self.detect:
-            result = self._engine(image, use_cls=False)
-            texts = result.txts or ()
-            scores = result.scores or ()
-        else:
-            result = self._engine(image, use_det=False, use_cls=False)
-            texts, scores = result.txts or (), result.scores or ()
+        result = self._engine(image, use_cls=False) if self.detect else self._engine(image, use_det=False, use_cls=False)
+        texts, scores = result.txts or (), result.scores or ()
         return "".join(t for t, s in zip(texts, scores) if s >= self.min_confidence)
+
+    def read_batch(self, arrays: Sequence[np.ndarray]) -> list[str]:
+        """The text read in each (H, W, 3) uint8 RGB image: rapidocr's steps (load, resize within
+        bounds, vertical padding, detect, sort and crop the boxes, recognise), with the detector
+        run on stacked images and the recogniser on all their lines at once."""
+        engine = self._engine
+        prepared = [engine.preprocess_img(engine.load_img(Image.fromarray(a)))[0] for a in arrays]
+        lines = self._detect_lines(prepared) if self.detect else [[img] for img in prepared]
+        flat = [crop for crops in lines for crop in crops]
+        texts, scores = (), ()
+        if flat:
+            rec = engine._load_rec_model()
+            from rapidocr.ch_ppocr_rec import TextRecInput
+
+            out = rec(TextRecInput(img=flat, return_word_box=False))
+            texts, scores = out.txts or (), out.scores or ()
+        read, k = [], 0
+        for crops in lines:
+            pairs = list(zip(texts[k : k + len(crops)], scores[k : k + len(crops)]))
+            k += len(crops)
+            read.append("".join(t for t, s in pairs if t.strip() and s >= self.min_confidence))
+        return read
+
+    def _detect_lines(self, images: Sequence[np.ndarray]) -> list[list[np.ndarray]]:
+        from rapidocr.utils.process_img import apply_vertical_padding
+
+        engine = self._engine
+        det = engine._load_det_model()
+        if engine.cfg.Global.use_vertical_padding:
+            images = [apply_vertical_padding(img, {}, engine.width_height_ratio, engine.min_height)[0] for img in images]
+        pre = det.get_preprocess()
+        inputs = [pre(img) for img in images]
+        preds: list[Any] = [None] * len(images)
+        by_shape: dict[tuple, list[int]] = {}
+        for i, x in enumerate(inputs):
+            if x is not None:
+                by_shape.setdefault(x.shape, []).append(i)
+        for same_size in by_shape.values():
+            for start in range(0, len(same_size), self.det_batch):
+                members = same_size[start : start + self.det_batch]
+                out = det.session(np.concatenate([inputs[i] for i in members]))
+                for row, i in enumerate(members):
+                    preds[i] = out[row : row + 1]
+        lines = []
+        for img, pred in zip(images, preds):
+            boxes = det.postprocess_op(pred, img.shape[:2])[0] if pred is not None else []
+            lines.append(engine.crop_text_regions(img, det.sorted_boxes(boxes)) if len(boxes) else [])
+        return lines
 
     def __call__(
         self, outputs: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
@@ -122,20 +183,22 @@ class OCRReward:
         metas: Sequence[Mapping[str, Any] | None] = metadata if metadata else [None] * len(prompts)
         wanted = [text_to_render(p, m) for p, m in zip(prompts, metas)]
         video = outputs.dim() == 5
+        frames = [outputs[b, :: self.frame_interval] if video else outputs[b : b + 1] for b in range(outputs.shape[0])]
+        arrays = [array for f in frames for array in to_uint8_images(f)]
+        texts: list[str] = []
+        for start in range(0, len(arrays), self.batch_size):
+            chunk = arrays[start : start + self.batch_size]
+            try:
+                texts += self.read_batch(chunk)
+            except Exception as exc:  # flow_grpo: a failed OCR call is the maximum penalty
+                log.warning("OCR failed on samples %d-%d: %s", start, start + len(chunk) - 1, exc)
+                texts += [""] * len(chunk)
         scores, distances, recognised = [], [], []
-        for b in range(outputs.shape[0]):
-            frames = outputs[b, :: self.frame_interval] if video else outputs[b : b + 1]
-            frame_scores, frame_texts, frame_distances = [], [], []
-            for array in to_uint8_images(frames):
-                try:
-                    text = self.read(Image.fromarray(array))
-                except Exception as exc:  # flow_grpo: a failed OCR call is the maximum penalty
-                    log.warning("OCR failed on sample %d: %s", b, exc)
-                    text = ""
-                score, distance = ocr_score(text, wanted[b])
-                frame_scores.append(score)
-                frame_texts.append(text)
-                frame_distances.append(distance)
+        k = 0
+        for b, f in enumerate(frames):
+            frame_texts = texts[k : k + f.shape[0]]
+            k += f.shape[0]
+            frame_scores, frame_distances = zip(*(ocr_score(t, wanted[b]) for t in frame_texts))
             if video:
                 positive = [s for s in frame_scores if s > 0]
                 scores.append(sum(positive) / len(positive) if positive else 0.0)

@@ -67,3 +67,51 @@ def save_tiny_clip(folder: str | Path, *, seed: int = 0, projection_dim: int = 1
         size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size}
     ).save_pretrained(folder)
     return folder
+
+
+def save_tiny_owlv2(folder: str | Path, *, seed: int = 0, image_size: int = 32) -> Path:
+    """A random 2-layer OWLv2 detector (32x32 inputs, patch 8) with a byte-level tokenizer."""
+    from transformers import Owlv2Config, Owlv2ForObjectDetection, Owlv2ImageProcessor, Owlv2Processor
+
+    folder = Path(folder)
+    tokenizer = clip_tokenizer(max_length=16)
+    vocab = tokenizer.get_vocab()
+    text = dict(
+        vocab_size=len(vocab), hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=16, bos_token_id=vocab["<|startoftext|>"], eos_token_id=vocab["<|endoftext|>"],
+        pad_token_id=vocab["<|endoftext|>"],
+    )
+    vision = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4, image_size=image_size, patch_size=8)
+    torch.manual_seed(seed)
+    model = Owlv2ForObjectDetection(Owlv2Config(text_config=text, vision_config=vision, projection_dim=32))
+    model.save_pretrained(folder)
+    processor = Owlv2Processor(image_processor=Owlv2ImageProcessor(size={"height": image_size, "width": image_size}), tokenizer=tokenizer)
+    processor.save_pretrained(folder)
+    return folder
+
+
+def save_tiny_mask2former(
+    folder: str | Path, *, seed: int = 0, image_size: int = 64, num_labels: int = 80, favour: tuple[int, ...] = ()
+) -> Path:
+    """A random Mask2Former (a 4-stage Swin with one block a stage, 8 queries) with its image
+    processor, saved to ``folder``; 80 labels, as COCO's instance models have. ``favour``: label
+    ids whose logits get a bias of 6, so that a random model mostly names those."""
+    from transformers import Mask2FormerConfig, Mask2FormerForUniversalSegmentation, Mask2FormerImageProcessor, SwinConfig
+
+    folder = Path(folder)
+    backbone = SwinConfig(
+        image_size=image_size, patch_size=4, embed_dim=16, depths=[1, 1, 1, 1], num_heads=[1, 1, 2, 2], window_size=4,
+        out_features=["stage1", "stage2", "stage3", "stage4"],
+    )
+    config = Mask2FormerConfig(
+        backbone_config=backbone, backbone=None, use_pretrained_backbone=False, hidden_dim=32, mask_feature_size=32,
+        feature_size=32, encoder_layers=1, decoder_layers=2, num_attention_heads=2, dim_feedforward=64,
+        encoder_feedforward_dim=64, num_queries=8, num_labels=num_labels, id2label={i: f"class {i}" for i in range(num_labels)},
+    )
+    torch.manual_seed(seed)
+    model = Mask2FormerForUniversalSegmentation(config)
+    with torch.no_grad():
+        model.class_predictor.bias[list(favour)] += 6.0
+    model.save_pretrained(folder)
+    Mask2FormerImageProcessor(size={"shortest_edge": image_size, "longest_edge": image_size}, size_divisor=32).save_pretrained(folder)
+    return folder

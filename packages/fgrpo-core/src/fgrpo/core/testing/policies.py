@@ -62,6 +62,8 @@ class PolicyConformance:
     has_reference: ClassVar[bool] = True
     #: tolerance of "same velocity" between a row alone and the row in a batch
     batch_atol: ClassVar[float] = 1e-5
+    #: ``train.mixed_precision`` of the trainer iteration (bf16: autocast, still on-policy)
+    mixed_precision: ClassVar[str] = "auto"
 
     # --- building -------------------------------------------------------------------------------
 
@@ -254,9 +256,10 @@ class PolicyConformance:
             "reward": self.reward,
             "objective": {"name": "grpo", "clip_range": 1e-3, "beta": 0.01 if self.has_reference else 0.0},
             "prompts": {"name": "list", "train": list(self.prompts)},
-            "train": {"iterations": 1, "group_size": 2, "prompts_per_iteration": 2, "lr": 1e-2, "drop_zero_advantage": False},
+            "train": {"iterations": 1, "group_size": 2, "prompts_per_iteration": 2, "lr": 1e-2, "drop_zero_advantage": False,
+                      "mixed_precision": self.mixed_precision},
             "eval": {"every": 0},
-            "log": {"tensorboard": False, "plots": False, "quiet": True, "sample_grid": False},
+            "log": {"trackers": [], "plots": False, "quiet": True, "sample_grid": False},
         }
         recipe, errors = recipe_mod.validate(data, "conformance")
         assert not errors, [str(e) for e in errors]

@@ -16,8 +16,8 @@ diffusers backbone owes its users, on a tiny random pipeline saved and loaded li
 Added checks: our Euler loop over ``sigmas(steps)`` with our ``velocity`` reproduces
 ``pipe(..., output_type="latent")`` (with and without guidance); ``decode`` is the pipeline's
 decoding; the exported adapter loads into the plain pipeline with diffusers'
-``load_lora_weights`` and gives the same velocity (and back through ``lora_path``); the prompt
-cache encodes each prompt once; bf16 weights keep float32 LoRA weights, velocities and
+``load_lora_weights`` and gives the same velocity (and back through ``lora_path``); the trainer
+iteration runs under bf16 autocast and stays on-policy; the prompt cache encodes each prompt once; bf16 weights keep float32 LoRA weights, velocities and
 gradients; gradient checkpointing leaves gradients unchanged; full fine-tuning trains the
 whole transformer and exports it with ``save_pretrained``.
 """
@@ -51,6 +51,8 @@ class DiffusersBackboneConformance(PolicyConformance):
     #: tolerance of our Euler loop against the pipeline's own output
     pipeline_atol: ClassVar[float] = 1e-4
     steps: ClassVar[int] = 3
+    #: the trainer iteration runs under bf16 autocast: on-policy all the same
+    mixed_precision: ClassVar[str] = "bf16"
 
     def pipeline_kwargs(self, policy: Any) -> dict[str, Any]:
         """Keyword arguments that make ``pipe(...)`` generate what ``policy`` does (size, frames,

@@ -34,6 +34,7 @@ distance to anything clean).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -97,6 +98,15 @@ class Reading:
         return tuple(
             Placed(*ITEMS[codes[r][c] - 1], r, c) for r in range(GRID) for c in range(GRID) if codes[r][c] > 0
         )
+
+    def describe(self, b: int) -> str:
+        """What was read in image ``b``, e.g. ``2 blue circles, red square, 1 unreadable (broken
+        glyph)``; ``nothing`` for an empty image. Shown under the image in sample grids."""
+        counts = Counter((p.color, p.shape) for p in self.scene(b))
+        parts = [f"{n} {c} {s}s" if n > 1 else f"{c} {s}" for (c, s), n in sorted(counts.items())]
+        why = Counter(REASONS[r] for r in self.reasons[b].flatten().tolist() if r)
+        parts += [f"{n} unreadable ({reason})" for reason, n in sorted(why.items())]
+        return ", ".join(parts) or "nothing"
 
     @property
     def n_invalid(self) -> torch.Tensor:
@@ -190,7 +200,8 @@ def evaluate(
     glyph_tolerance: int = GLYPH_TOLERANCE,
 ) -> dict[str, Any]:
     """Everything the verifier knows about a batch, all (B,) CPU tensors or lists:
-    accuracy (0/1), partial, clean (0/1), clean_cells, gold_error, category, category_id."""
+    accuracy (0/1), partial, clean (0/1), clean_cells, gold_error, category, category_id, and
+    ``read``: what was read, one line per image."""
     if len(prompts) != images.shape[0]:
         raise ValueError(f"{images.shape[0]} images but {len(prompts)} prompts")
     metadata = list(metadata) if metadata is not None else [{}] * len(prompts)
@@ -208,6 +219,7 @@ def evaluate(
         "gold_error": reading.gold_error,
         "category": [s.category for s in specs],
         "category_id": torch.tensor([CATEGORIES.index(s.category) for s in specs], dtype=torch.long),
+        "read": [reading.describe(b) for b in range(len(specs))],
     }
 
 

@@ -1,0 +1,35 @@
+"""CLI commands that fgrpo-rewards adds through the ``fgrpo_register_commands`` hook.
+
+Kept light: ``fgrpo`` imports this module for every command; the server is imported when run.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fgrpo.core.hookspecs import hookimpl
+
+
+def _serve(args: Any) -> int:
+    from fgrpo.rewards.remote import serve
+
+    return serve(args)
+
+
+@hookimpl
+def fgrpo_register_commands(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "serve-reward",
+        help="serve a registered reward over HTTP for `reward: {name: remote, url: ...}`",
+        description="Build the reward NAME once and score batches POSTed by remote rewards. Binds "
+        "127.0.0.1 unless --host says otherwise; any other address needs a shared token in the "
+        "environment variable named by --token-env.",
+    )
+    p.add_argument("name", help="the reward to serve (fgrpo plugins lists them)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="a recipe key of the reward, e.g. --set path=/models/PickScore_v1 (repeatable)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8765, help="port (0 = any free one; the chosen one is printed)")
+    p.add_argument("--token-env", default="FGRPO_REWARD_TOKEN", help="environment variable holding the shared token")
+    p.add_argument("--max-request-mb", type=float, default=512.0, help="larger requests are refused unread")
+    p.set_defaults(handler=_serve)

@@ -1,0 +1,192 @@
+"""``vlm-judge``: a vision-language model judges each image over an OpenAI-compatible chat API.
+
+This is how UnifiedReward, Qwen2.5-VL and similar judges are served (vLLM, sglang, or any server
+with ``POST /v1/chat/completions``). Each image goes inline as a base64 data URL beside the
+prompt template; the answer is parsed into a number (``parse: number``) or a yes/no
+(``parse: yes-no``: the probability of "yes" from the first token's logprobs when the server gives
+them, else 1/0 from the text). Requests run ``concurrency`` at a time, each with a timeout and
+retries with exponential backoff. An answer that cannot be parsed is an error, unless
+``fallback`` is set: then that value is used, a warning is logged, and the sample's
+``fallback`` detail is 1 (its mean is reported by evaluation). The standard library only.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import logging
+import math
+import re
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import attrs
+import torch
+from PIL import Image
+
+from fgrpo.core.config import param
+from fgrpo.core.protocols import RewardResult
+from fgrpo.rewards.http import ServiceError, post, token_from_env
+from fgrpo.rewards.jpeg import to_uint8_images
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TEMPLATE = (
+    "You are shown an image generated from the caption below. Judge (1) how faithfully the image "
+    "follows the caption: objects, counts, attributes and relations; and (2) its visual quality: "
+    "sharpness, detail, colour and composition. Reply with a short justification, then a score "
+    "from 1 (poor) to 5 (excellent) written as 'Final Score: N'.\nCaption: {prompt}"
+)
+YES_NO_TEMPLATE = "Does this image show: {prompt}? Answer yes or no."
+
+
+class Unparsable(ValueError):
+    """The judge answered something that holds no score."""
+
+
+def parse_number(text: str, pattern: str) -> float:
+    match = re.search(pattern, text)
+    if match is None:
+        raise Unparsable(f"no match for {pattern!r} in {text[:200]!r}")
+    return float(match.group(1) if match.groups() else match.group(0))
+
+
+def _word(token: str) -> str:
+    return token.strip().strip(".,!:;\"'").lower()
+
+
+def parse_yes_no(text: str, logprobs: Any) -> float:
+    """P(yes) among the first token's top alternatives that read yes or no; else 1/0 from the text."""
+    try:
+        first = logprobs["content"][0]["top_logprobs"]
+        yes = sum(math.exp(t["logprob"]) for t in first if _word(t["token"]) == "yes")
+        no = sum(math.exp(t["logprob"]) for t in first if _word(t["token"]) == "no")
+        if yes + no > 0:
+            return yes / (yes + no)
+    except (KeyError, IndexError, TypeError):
+        pass
+    words = re.findall(r"[a-z]+", text.lower())
+    if words and words[0] in ("yes", "no"):
+        return 1.0 if words[0] == "yes" else 0.0
+    raise Unparsable(f"no yes/no answer in {text[:200]!r}")
+
+
+def data_url(image: Any, fmt: str, size: int) -> str:
+    """A uint8 (H, W, 3) array as a base64 data URL, resized to size x size when size > 0."""
+    picture = Image.fromarray(image)
+    if size:
+        picture = picture.resize((size, size), Image.BICUBIC)
+    buffer = io.BytesIO()
+    picture.save(buffer, format="JPEG" if fmt == "jpeg" else "PNG", **({"quality": 95} if fmt == "jpeg" else {}))
+    mime = "jpeg" if fmt == "jpeg" else "png"
+    return f"data:image/{mime};base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+@attrs.define
+class VLMJudge:
+    """score = the judge's parsed answer / divisor (number), or P(yes) (yes-no). Details:
+    ``answer`` (the raw text), ``fallback`` (1 where the fallback value was used)."""
+
+    model: str = param(help="the model name the server serves (e.g. UnifiedReward-7b-v1.5, Qwen/Qwen2.5-VL-7B-Instruct)")
+    url: str = param("http://127.0.0.1:8000/v1", help="base URL of the OpenAI-compatible API (…/v1)")
+    api_key_env: str | None = param("OPENAI_API_KEY", help="environment variable holding the API key; unset = no key")
+    template: str | None = param(None, help="the question; {prompt} is the caption; none = a 1-5 judge (number) or a yes/no question")
+    parse: str = param("number", choices=("number", "yes-no"), help="how the answer becomes a score")
+    pattern: str = param(r"Final Score:\s*([-+]?\d+(?:\.\d+)?)", help="parse: number — a regex whose first group is the score")
+    divisor: float = param(5.0, gt=0, help="parse: number — the number is divided by this (flow_grpo's UnifiedReward: 5)")
+    image_format: str = param("png", choices=("png", "jpeg"), help="how images are encoded inline")
+    image_size: int = param(512, ge=0, help="images are resized to this square size before sending; 0 = as generated")
+    max_tokens: int = param(256, ge=1, help="longest answer asked for")
+    temperature: float = param(0.0, ge=0, help="sampling temperature of the judge")
+    concurrency: int = param(8, ge=1, help="requests in flight at once")
+    timeout: float = param(60.0, gt=0, help="seconds to wait for one answer")
+    retries: int = param(3, ge=0, help="retries of a request that failed to arrive (no connection, timeout, HTTP 429/5xx)")
+    backoff: float = param(1.0, ge=0, help="seconds before the first retry; doubled for each next one")
+    fallback: float | None = param(None, help="score of an unparsable answer; none = such an answer is an error")
+    _fallbacks: int = attrs.field(init=False, default=0, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        if self.parse == "number":
+            try:
+                re.compile(self.pattern)
+            except re.error as exc:
+                raise ValueError(f"reward.pattern: {self.pattern!r} is not a regular expression: {exc}") from exc
+        self.question("a caption")  # a template that cannot be filled fails when the reward is built
+
+    def question(self, prompt: str) -> str:
+        template = self.template or (DEFAULT_TEMPLATE if self.parse == "number" else YES_NO_TEMPLATE)
+        try:
+            return template.format(prompt=prompt)
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ValueError(f"reward.template: cannot fill {template!r} (only {{prompt}} is known; double other braces): {exc}") from exc
+
+    def request(self, image: Any, prompt: str) -> bytes:
+        body = {
+            "model": self.model,
+            "messages": [{
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": data_url(image, self.image_format, self.image_size)}},
+                    {"type": "text", "text": self.question(prompt)},
+                ],
+            }],
+            "temperature": self.temperature,
+            "max_tokens": self.max_tokens,
+        }
+        if self.parse == "yes-no":
+            body.update(logprobs=True, top_logprobs=5)
+        return json.dumps(body).encode()
+
+    def ask(self, image: Any, prompt: str) -> tuple[float | None, str]:
+        """(score, answer text); score None when the answer holds none."""
+        headers = {"Content-Type": "application/json"}
+        key = token_from_env(self.api_key_env)
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        raw = post(
+            self.url.rstrip("/") + "/chat/completions", self.request(image, prompt), headers=headers,
+            timeout=self.timeout, retries=self.retries, backoff=self.backoff, what=f"vlm-judge {self.model}",
+        )
+        try:
+            choice = json.loads(raw)["choices"][0]
+            text = choice["message"]["content"]
+            if not isinstance(text, str):
+                raise TypeError("content is not text")
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            return None, f"<not a chat completion: {raw[:200]!r} ({exc})>"
+        try:
+            if self.parse == "number":
+                return parse_number(text, self.pattern) / self.divisor, text
+            return parse_yes_no(text, choice.get("logprobs")), text
+        except Unparsable:
+            return None, text
+
+    def __call__(self, outputs: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> RewardResult:
+        images = to_uint8_images(outputs)
+        if len(images) != len(prompts):
+            raise ValueError(f"vlm-judge got {len(images)} images for {len(prompts)} prompts")
+        with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
+            answers = list(pool.map(self.ask, images, prompts))
+        bad = [i for i, (score, _) in enumerate(answers) if score is None]
+        if bad and self.fallback is None:
+            i = bad[0]
+            raise ServiceError(
+                f"vlm-judge {self.model}: {len(bad)} of {len(prompts)} answers hold no score (sample {i}, prompt "
+                f"{prompts[i]!r}: {answers[i][1][:200]!r}); set reward.fallback to score them instead"
+            )
+        if bad:
+            self._fallbacks += len(bad)
+            log.warning(
+                "vlm-judge %s: %d of %d answers hold no score; scored %g (%d in this process so far)",
+                self.model, len(bad), len(prompts), self.fallback, self._fallbacks,
+            )
+        scores = [self.fallback if s is None else s for s, _ in answers]
+        return RewardResult(
+            scores=torch.tensor(scores, dtype=torch.float32),
+            details={
+                "answer": [text for _, text in answers],
+                "fallback": torch.tensor([float(s is None) for s, _ in answers]),
+            },
+        )

@@ -1,0 +1,196 @@
+"""vlm-judge against a real OpenAI-compatible HTTP server on 127.0.0.1 started by the test: good
+answers, yes/no with and without logprobs, malformed answers, slow answers, a flaky server, a
+server that is down, a wrong key."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import math
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+from PIL import Image
+
+from fgrpo.core import registry
+from fgrpo.core.testing import RewardConformance
+from fgrpo.rewards.http import ServiceError
+from fgrpo.rewards.vlm_judge import parse_number, parse_yes_no
+
+KEY = "test-key"
+
+
+class JudgeHandler(BaseHTTPRequestHandler):
+    """Answers like a chat-completions server; what it says depends on the caption."""
+
+    def log_message(self, *args):  # keep pytest's output clean
+        pass
+
+    def do_POST(self):
+        server = self.server
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        server.requests.append((self.path, dict(self.headers), body))
+        if self.headers.get("Authorization") != f"Bearer {KEY}":
+            return self.reply(401, {"error": {"message": "invalid api key"}})
+        caption = body["messages"][0]["content"][1]["text"].rsplit("Caption: ", 1)[-1]
+        caption = caption.removeprefix("Does this image show: ").removesuffix("? Answer yes or no.")
+        if caption.startswith("good"):
+            return self.answer(f"Sharp and faithful. Final Score: {caption.split()[1]}")
+        if caption == "likely yes":
+            top = [{"token": "Yes", "logprob": math.log(0.6)}, {"token": " yes", "logprob": math.log(0.2)},
+                   {"token": "No", "logprob": math.log(0.1)}, {"token": "Maybe", "logprob": math.log(0.1)}]
+            return self.answer("Yes", {"content": [{"token": "Yes", "logprob": math.log(0.6), "top_logprobs": top}]})
+        if caption == "plain no":
+            return self.answer("No, it shows a cat.")
+        if caption == "malformed":
+            return self.answer("I cannot judge this image.")
+        if caption == "garbage":
+            return self.reply(200, None, raw=b"<html>proxy error</html>")
+        if caption == "slow":
+            time.sleep(1.5)
+            return self.answer("Final Score: 5")
+        if caption == "flaky":
+            server.flaky += 1
+            if server.flaky % 2:
+                return self.reply(503, {"error": {"message": "overloaded"}})
+            return self.answer("Final Score: 2")
+        return self.reply(400, {"error": {"message": f"unknown caption {caption!r}"}})
+
+    def answer(self, text, logprobs=None):
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}
+        if logprobs is not None:
+            choice["logprobs"] = logprobs
+        self.reply(200, {"id": "x", "object": "chat.completion", "choices": [choice]})
+
+    def reply(self, status, data, raw=None):
+        payload = raw if raw is not None else json.dumps(data).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+
+@pytest.fixture(scope="module")
+def judge_server():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), JudgeHandler)
+    server.daemon_threads = True
+    server.requests, server.flaky = [], 0
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture
+def judge(judge_server, monkeypatch):
+    monkeypatch.setenv("JUDGE_KEY", KEY)
+    url = f"http://127.0.0.1:{judge_server.server_address[1]}/v1"
+
+    def make(**params):
+        base = {"model": "judge-7b", "url": url, "api_key_env": "JUDGE_KEY", "image_size": 16, "backoff": 0.01, "timeout": 5.0}
+        return registry.create("reward", "vlm-judge", **{**base, **params})
+
+    return make
+
+
+def images(n=4):
+    return torch.rand(n, 3, 24, 24, generator=torch.Generator().manual_seed(0))
+
+
+class TestVLMJudge(RewardConformance):
+    reward_name = "vlm-judge"
+
+    @pytest.fixture
+    def reward(self, judge):
+        return judge()
+
+    def make_inputs(self):
+        prompts = ["good 1", "good 2.5", "good 4", "good 5"]
+        return images(), prompts, [{} for _ in prompts]
+
+
+def test_scores_and_the_request(judge, judge_server):
+    judge_server.requests.clear()
+    result = judge()(images(), ["good 1", "good 2.5", "good 4", "good 5"], [{}] * 4)
+    torch.testing.assert_close(result.scores, torch.tensor([0.2, 0.5, 0.8, 1.0]))
+    assert result.details["fallback"].tolist() == [0.0] * 4
+    assert result.details["answer"][0] == "Sharp and faithful. Final Score: 1"
+    path, headers, body = judge_server.requests[0]
+    assert path == "/v1/chat/completions" and headers["Authorization"] == f"Bearer {KEY}"
+    assert body["model"] == "judge-7b" and body["temperature"] == 0.0 and "logprobs" not in body
+    url = body["messages"][0]["content"][0]["image_url"]["url"]
+    assert url.startswith("data:image/png;base64,")
+    assert Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))).size == (16, 16)
+
+
+def test_yes_no_reads_logprobs_then_text(judge, judge_server):
+    judge_server.requests.clear()
+    result = judge(parse="yes-no")(images(2), ["likely yes", "plain no"], [{}, {}])
+    torch.testing.assert_close(result.scores, torch.tensor([0.8 / 0.9, 0.0]))  # (0.6 + 0.2) / (0.6 + 0.2 + 0.1)
+    assert all(body["logprobs"] is True and body["top_logprobs"] == 5 for _, _, body in judge_server.requests)
+
+
+def test_malformed_answer_is_an_error_or_a_counted_fallback(judge, caplog):
+    with pytest.raises(ServiceError, match=r"1 of 2 answers hold no score \(sample 1, prompt 'malformed'.*reward.fallback"):
+        judge()(images(2), ["good 3", "malformed"], [{}, {}])
+    with pytest.raises(ServiceError, match="hold no score.*not a chat completion"):
+        judge()(images(1), ["garbage"], [{}])
+    reward = judge(fallback=0.0)
+    with caplog.at_level("WARNING"):
+        result = reward(images(3), ["good 3", "malformed", "garbage"], [{}] * 3)
+    torch.testing.assert_close(result.scores, torch.tensor([0.6, 0.0, 0.0]))
+    assert result.details["fallback"].tolist() == [0.0, 1.0, 1.0]
+    assert "2 of 3 answers hold no score; scored 0" in caplog.text
+
+
+def test_slow_answer_times_out_after_retries(judge):
+    start = time.perf_counter()
+    with pytest.raises(ServiceError, match=r"no answer within 0.3 s, after 1 retry"):
+        judge(timeout=0.3, retries=1)(images(1), ["slow"], [{}])
+    assert time.perf_counter() - start < 1.5  # two 0.3 s waits and a 0.01 s backoff, not the 1.5 s answer
+
+
+def test_flaky_server_is_retried(judge, judge_server):
+    judge_server.flaky = 0
+    assert judge(retries=2)(images(1), ["flaky"], [{}]).scores.tolist() == [pytest.approx(0.4)]
+    judge_server.flaky = 0
+    with pytest.raises(ServiceError, match=r"HTTP 503 \(overloaded\), after 0 retries"):
+        judge(retries=0)(images(1), ["flaky"], [{}])
+
+
+def test_server_down(judge):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # free once closed: nothing listens there
+    with pytest.raises(ServiceError, match=rf"cannot reach http://127.0.0.1:{port}/v1/chat/completions .*after 2 retries"):
+        judge(url=f"http://127.0.0.1:{port}/v1", retries=2)(images(1), ["good 1"], [{}])
+
+
+def test_wrong_key_is_not_retried(judge, judge_server, monkeypatch):
+    monkeypatch.setenv("JUDGE_KEY", "wrong")
+    judge_server.requests.clear()
+    with pytest.raises(ServiceError, match=r"refused the token \(HTTP 401: invalid api key\)"):
+        judge(retries=3)(images(1), ["good 1"], [{}])
+    assert len(judge_server.requests) == 1
+
+
+def test_parsers():
+    assert parse_number("Final Score: 4.5 because", r"Final Score:\s*([-+]?\d+(?:\.\d+)?)") == 4.5
+    assert parse_number("score 7", r"\d+") == 7.0
+    assert parse_yes_no("YES.", None) == 1.0 and parse_yes_no("no", {"content": []}) == 0.0
+    with pytest.raises(ValueError):
+        parse_yes_no("perhaps", None)
+
+
+def test_bad_template_and_pattern_name_the_key():
+    with pytest.raises(registry.ComponentError, match="reward.template"):
+        registry.create("reward", "vlm-judge", model="m", template="{caption}")
+    with pytest.raises(registry.ComponentError, match="reward.pattern"):
+        registry.create("reward", "vlm-judge", model="m", pattern="(")

@@ -1,0 +1,156 @@
+"""Experiment trackers through accelerate: a tracker passed to the Accelerator's ``log_with``
+receives the resolved recipe as config, every iteration's scalars and each evaluation's sample
+grid; TensorBoard gets the same; wandb is optional and never reaches the network here."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import numpy as np
+import pytest
+from accelerate import tracking
+from accelerate.tracking import GeneralTracker
+from accelerate.utils import LoggerType
+from rich.console import Console
+
+from fgrpo.core import cli, recipe as recipe_mod
+from fgrpo.core.runlog import read_metrics
+from fgrpo.core.trainer import open_run, train
+
+QUIET = Console(quiet=True)
+SMALL_SHAPES = [
+    "train.iterations=2", "train.prompts_per_iteration=2", "eval.every=2", "eval.max_prompts=6",
+    "eval.samples_per_prompt=2", "log.project=my-project",
+]
+
+
+class FakeTracker(GeneralTracker):
+    """A custom tracker the way accelerate lets you write one (an instance in ``log_with``)."""
+
+    name = "fake"
+    requires_logging_directory = False
+
+    def __init__(self):
+        super().__init__()
+        self.started = self.finished = False
+        self.config: dict | None = None
+        self.scalars: dict[int, dict] = {}
+        self.images: dict[int, dict] = {}
+
+    @property
+    def tracker(self):
+        return self
+
+    def start(self):
+        self.started = True
+
+    def store_init_configuration(self, values):
+        self.config = dict(values)
+
+    def log(self, values, step=None, **kwargs):
+        self.scalars.setdefault(step, {}).update(values)
+
+    def log_images(self, values, step=None, **kwargs):
+        self.images[step] = {k: np.asarray(v) for k, v in values.items()}
+
+    def finish(self):
+        self.finished = True
+
+
+def test_a_tracker_receives_config_scalars_and_sample_grids(root, tmp_path):
+    recipe = recipe_mod.load(root / "recipes" / "shapes.yaml", SMALL_SHAPES)
+    fake = FakeTracker()
+    out = tmp_path / "run"
+    run = open_run(recipe, out=str(out), resume=False, console=QUIET, quiet=True, extra_trackers=[fake])
+    with run.display:
+        train(run)
+    assert fake.started and fake.finished
+    config = fake.config
+    assert config["model.name"] == "shapes-dit" and config["model.lora.rank"] == 32
+    assert config["sampler.kernel.name"] == "cps" and config["reward.0.name"] == "shapes"
+    assert config["train.iterations"] == 2 and config["log.trackers.0"] == "tensorboard"
+    assert config["run_dir"] == str(out)
+    assert all(isinstance(v, (int, float, str, bool)) for v in config.values())
+    rows = read_metrics(out)
+    assert sorted(fake.scalars) == [r["iteration"] for r in rows] == [0, 1, 2]
+    for row in rows:  # every numeric metric of metrics.jsonl, at its iteration
+        expected = {k: v for k, v in row.items() if k != "iteration" and isinstance(v, (int, float))}
+        assert fake.scalars[row["iteration"]] == expected
+    assert "eval/shapes/accuracy" in fake.scalars[0] and "reward_mean" in fake.scalars[1]
+    assert sorted(fake.images) == [0, 2]  # one sample grid per evaluation
+    grid = fake.images[2]["eval/samples"]
+    assert grid.dtype == np.uint8 and grid.ndim == 4 and grid.shape[0] == 1 and grid.shape[-1] == 3
+    from PIL import Image
+
+    assert np.array_equal(grid[0], np.asarray(Image.open(out / "samples" / "eval_000002.png").convert("RGB")))
+
+    # TensorBoard, started the same way, holds the same scalars, the grids and the config
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tensorboard"), size_guidance={"images": 0}).Reload()
+    assert [e.step for e in events.Scalars("reward_mean")] == [1, 2]
+    assert [e.step for e in events.Images("eval/samples")] == [0, 2]
+    assert list((out / "tensorboard").glob("*/hparams.yml"))
+
+
+def test_no_trackers_writes_no_events(root, tmp_path):
+    out = tmp_path / "run"
+    assert cli.main(["compose", str(root / "recipes" / "vector.yaml"), "--out", str(out), "--quiet",
+                     "--set", "train.iterations=1", "--set", "log.trackers=[]"]) == 0
+    assert not (out / "tensorboard").exists() and read_metrics(out)
+
+
+def test_wandb_chosen_but_not_installed_is_a_recipe_error(root, monkeypatch, capsys):
+    monkeypatch.setattr(tracking, "_available_trackers", [t for t in tracking._available_trackers if t != LoggerType.WANDB])
+    code = cli.main(["validate", str(root / "recipes" / "vector.yaml"), "--set", "log.trackers=[tensorboard, wandb, mlfow]"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "log.trackers: got ['tensorboard', 'wandb', 'mlfow']: " in err
+    assert "wandb is not installed: pip install wandb" in err
+    assert "unknown tracker 'mlfow' (accelerate knows: " in err
+    assert "Traceback" not in err
+
+
+def test_wandb_gets_project_run_name_folder_and_options(root, tmp_path, monkeypatch):
+    """accelerate's own WandBTracker over a stand-in wandb module: what fgrpo passes reaches
+    wandb.init; nothing is sent anywhere."""
+    calls: dict = {"logs": []}
+    fake = types.ModuleType("wandb")
+
+    class FakeRun:
+        def log(self, values, step=None, **kwargs):
+            calls["logs"].append((step, values))
+
+        def finish(self):
+            calls["finished"] = True
+
+    def init(**kwargs):
+        calls["init"] = kwargs
+        return FakeRun()
+
+    fake.init = init
+    fake.config = types.SimpleNamespace(update=lambda values, allow_val_change: calls.setdefault("config", dict(values)))
+    fake.Image = lambda image: ("image", np.asarray(image).shape)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.setattr(tracking, "_available_trackers", [*tracking._available_trackers, LoggerType.WANDB])
+    out = tmp_path / "run"
+    assert cli.main(["compose", str(root / "recipes" / "vector.yaml"), "--out", str(out), "--quiet",
+                     "--set", "train.iterations=2", "--set", "log.trackers=[wandb]", "--set", "log.project=fgrpo-tests",
+                     "--set", "log.init_kwargs={wandb: {mode: offline, tags: [ci]}}"]) == 0
+    assert calls["init"] == {"project": "fgrpo-tests", "name": "run", "dir": str(out), "mode": "offline", "tags": ["ci"]}
+    assert calls["config"]["train.iterations"] == 2
+    assert [step for step, _ in calls["logs"]] == [0, 1, 2] and "reward_mean" in calls["logs"][1][1]
+    assert calls["finished"]
+
+
+def test_tracker_options_must_be_mappings(root, capsys):
+    assert cli.main(["validate", str(root / "recipes" / "vector.yaml"), "--set", "log.init_kwargs={wandb: 3}"]) == 2
+    assert "log.init_kwargs: got {'wandb': 3}; expected a mapping of options per tracker (not for wandb)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("change", ["log.trackers=[]", "log.project=other"])
+def test_changing_trackers_on_resume_is_allowed(root, tmp_path, change):
+    base = ["compose", str(root / "recipes" / "vector.yaml"), "--out", str(tmp_path), "--quiet", "--set", "train.iterations=1"]
+    assert cli.main(base) == 0
+    assert cli.main(base + ["--resume", "--set", "train.iterations=2", "--set", change]) == 0
