@@ -37,7 +37,7 @@ from fgrpo.samplers.base import EULER, GroupSampler, Plan, Step, final_param, ke
 @attrs.define
 class FastSampler(GroupSampler):
     """Flow-GRPO-Fast: a window of ``window`` stochastic, trained steps at a random start, Euler
-    steps elsewhere, the prefix shared by the group (see the module docstring)."""
+    steps elsewhere; each sample its own initial noise unless ``share_noise`` (see the module docstring)."""
 
     steps: int = param(10, ge=1, help="sampling steps")
     window: int = param(2, ge=1, help="consecutive stochastic (trained) steps")
