@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 from fgrpo.core import registry
 from fgrpo.core.config import RecipeError, check_params
 from fgrpo.core.protocols import Sampler, Trajectory
+from fgrpo.core.testing import GaussianPolicy
 
 PROMPTS = ["a red circle", "a blue square"]
 GROUP = 3
@@ -169,3 +171,76 @@ def test_schedule_key(policy):
     assert traj.sigmas.tolist() == [1.0, 0.75, 0.5, 0.25, 0.0]
     default = registry.create("sampler", "full", steps=4).rollout(policy, PROMPTS[:1], 2, generator=gen())
     assert torch.equal(default.sigmas, policy.sigmas(4))
+
+
+# --- a plugin that registers a built-in kernel's name ---------------------------------------------
+
+PLUGIN = '''
+import attrs, torch
+from typing import ClassVar
+from fgrpo.samplers.kernels.base import KernelBase
+
+
+@attrs.define
+class Overshoot(KernelBase):
+    """A third party's deterministic kernel: twice the Euler step."""
+
+    stochastic: ClassVar[bool] = False
+
+    def transition(self, s):
+        return s.sample + 2 * s.dt * s.velocity, None
+'''
+
+
+def install_overshoot(tmp_path, monkeypatch):
+    """A distribution that registers its kernel as ``ode``, ``dpmpp2m`` and ``dpmpp3m``."""
+    (tmp_path / "overshoot_kernels.py").write_text(PLUGIN)
+    info = tmp_path / "overshoot_kernels-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: overshoot-kernels\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(
+        "[fgrpo.kernels]\n" + "".join(f"{n} = overshoot_kernels:Overshoot\n" for n in ("ode", "dpmpp2m", "dpmpp3m"))
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(registry, "_loaded", {})
+
+
+PLUGIN_CASES = [
+    ("fast", {"steps": 8, "window_range": [3, 5]}, None),
+    ("fast", {"steps": 8, "window_range": [3, 5], "share_prefix": False, "final": "ode"}, None),
+    ("mixgrpo", {"steps": 8, "window": 2, "flash": True}, 50),
+    ("mixgrpo", {"steps": 12, "window": 2, "flash": True, "flash_order": 3, "flash_ratio": 0.8}, 50),
+]
+
+
+@pytest.mark.parametrize("how", ["beside", "instead"])
+@pytest.mark.parametrize(("name", "keys", "iteration"), PLUGIN_CASES)
+def test_a_plugin_registering_ode_does_not_change_the_builtin_samplers(tmp_path, monkeypatch, how, name, keys, iteration):
+    """The Euler prefix/suffix and the Flash solver are the built-in kernels, whatever is registered
+    under their names: ``beside`` = the plugin and fgrpo-samplers both register ``ode`` (a recipe
+    naming it is refused as ambiguous); ``instead`` = the name resolves to the plugin's kernel."""
+
+    def rollout():
+        sampler = registry.create("sampler", name, **keys)
+        if iteration is not None:
+            sampler.advance(iteration)
+        return sampler.rollout(GaussianPolicy(), PROMPTS, GROUP, generator=gen(5))
+
+    before = rollout()
+    install_overshoot(tmp_path, monkeypatch)
+    if how == "beside":
+        with pytest.raises(registry.AmbiguousComponent, match="overshoot-kernels"):
+            registry.create("kernel", "ode")
+    else:
+        overshoot = importlib.import_module("overshoot_kernels").Overshoot
+        for kernel in ("ode", "dpmpp2m", "dpmpp3m"):
+            registry._loaded[("kernel", kernel)] = overshoot
+        assert type(registry.create("kernel", "ode")).__name__ == "Overshoot"  # the name is the plugin's now
+    after = rollout()
+    start = before.info["window_start"]
+    assert after.info["window_start"] == start and start > 0
+    # the state at the window start is the built-in Euler prefix's result, the rest follows from it
+    assert torch.equal(after.latents[:, 0], before.latents[:, 0])
+    for field in ("latents", "next_latents", "log_probs", "means", "final"):
+        assert torch.equal(getattr(after, field), getattr(before, field)), field
+    assert after.info["nfe"] == before.info["nfe"]
