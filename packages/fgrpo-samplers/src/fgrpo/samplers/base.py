@@ -7,7 +7,8 @@ its recipe keys and which writes :meth:`GroupSampler.program`::
 
     import attrs
     from typing import Any
-    from fgrpo.core.config import component, param
+    from fgrpo.core.config import param
+    from fgrpo.core.registry import component
     from fgrpo.samplers.base import EULER, GroupSampler, Plan, Step, final_param, schedule_param
 
     @attrs.define

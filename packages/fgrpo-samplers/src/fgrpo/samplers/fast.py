@@ -27,13 +27,17 @@ from typing import Any, ClassVar
 import attrs
 import torch
 
-from fgrpo.core.config import ConfigError, component, param
+from fgrpo.core.config import ConfigError, param
+from fgrpo.core.registry import component
 from fgrpo.samplers import _rollout
 from fgrpo.samplers.base import EULER, GroupSampler, Plan, Step, final_param, key, schedule_param
 
 
 @attrs.define
 class FastSampler(GroupSampler):
+    """Flow-GRPO-Fast: a window of ``window`` stochastic, trained steps at a random start, Euler
+    steps elsewhere, the prefix shared by the group (see the module docstring)."""
+
     steps: int = param(10, ge=1, help="sampling steps")
     window: int = param(2, ge=1, help="consecutive stochastic (trained) steps")
     window_range: list[int] | None = param(

@@ -21,12 +21,16 @@ from typing import Any
 import attrs
 import torch
 
-from fgrpo.core.config import ConfigError, component, param
+from fgrpo.core.config import ConfigError, param
+from fgrpo.core.registry import component
 from fgrpo.samplers.base import GroupSampler, Plan, Step, final_param, key, schedule_param
 
 
 @attrs.define
 class FullSampler(GroupSampler):
+    """Every step stochastic, the first ``int(steps * timestep_fraction)`` (or a random subset of that
+    size) trained: Flow-GRPO and DanceGRPO (see the module docstring)."""
+
     steps: int = param(10, ge=1, help="sampling steps")
     timestep_fraction: float = param(
         0.99, gt=0.0, le=1.0, help="train the first int(steps * fraction) steps (flow_grpo 0.99, DanceGRPO 0.6)"

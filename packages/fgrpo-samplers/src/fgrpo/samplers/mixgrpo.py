@@ -60,7 +60,8 @@ from typing import Any, ClassVar
 import attrs
 import torch
 
-from fgrpo.core.config import ConfigError, component, param
+from fgrpo.core.config import ConfigError, param
+from fgrpo.core.registry import component
 from fgrpo.core.seeding import generator as seeded_generator
 from fgrpo.samplers.base import EULER, GroupSampler, Plan, Step, final_param, key, schedule_param
 from fgrpo.samplers.kernels.dpmpp2m import DPMpp2MKernel
@@ -87,6 +88,9 @@ def flash_sigmas(sigmas: torch.Tensor, last: int, ratio: float) -> torch.Tensor 
 
 @attrs.define
 class MixGRPOSampler(GroupSampler):
+    """MixGRPO: a sliding window of stochastic, trained steps that moves with the iterations, Euler
+    steps before it and Euler or DPM-Solver++ (Flash) steps after it (see the module docstring)."""
+
     steps: int = param(10, ge=1, help="sampling steps")
     window: int = param(4, ge=1, help="consecutive stochastic (trained) steps")
     stride: int = param(1, ge=1, help="steps the window moves at each shift")

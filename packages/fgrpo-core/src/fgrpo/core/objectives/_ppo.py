@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 import torch
 
+from fgrpo.core import registry
 from fgrpo.core.config import ConfigError, param
 from fgrpo.core.protocols import ObjectiveOutput, StepBatch
 
@@ -61,8 +62,6 @@ def kl_recipe_errors(resolved: Mapping[str, Any]) -> list[ConfigError]:
     objective, kernel = resolved.get("objective") or {}, kernel_spec(resolved)
     if objective.get("kl") != "flow_grpo" or not objective.get("beta") or kernel is None:
         return []
-    from fgrpo.core import registry
-
     if getattr(registry.load("kernel", kernel["name"]), "brownian", False):
         return []
     return [
