@@ -34,11 +34,12 @@ from shapes_relation_probe import outcomes  # noqa: E402  (a sibling tool)
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--recipe", default="recipes/shapes.yaml")
-    p.add_argument("--checkpoint", help="a checkpoint folder whose trainable weights to load")
+    p.add_argument("--checkpoint", help="a checkpoint folder whose trainable weights to load (LoRA as in the recipe)")
     p.add_argument("--groups", type=int, nargs="+", default=[8, 16, 32])
     p.add_argument("--prompts", type=int, default=32, help="training prompts per category")
     p.add_argument("--chunk", type=int, default=512, help="samples per rollout call")
     p.add_argument("--seed", type=int, default=11)
+    p.add_argument("--categories", nargs="+", help="only these categories (default: all)")
     args = p.parse_args()
     recipe = recipe_mod.load(args.recipe)
     policy = recipe.build("model")
@@ -51,6 +52,8 @@ def main() -> None:
         by_category.setdefault(source.metadata(prompt)["category"], []).append(prompt)
     print(f"{args.recipe} {args.checkpoint or 'base'}: {args.prompts} training prompts per category")
     for category, prompts in by_category.items():
+        if args.categories and category not in args.categories:
+            continue
         prompts = prompts[: args.prompts]
         for group in args.groups:
             per_call = max(1, args.chunk // group)
