@@ -7,21 +7,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
-import numpy as np
 import torch
 from PIL import Image
 
 from fgrpo.core.config import param
 from fgrpo.core.protocols import RewardResult
-
-
-def to_uint8_images(images: torch.Tensor) -> np.ndarray:
-    """(B, 3, H, W) floats in [0, 1] -> (B, H, W, 3) uint8 (rounded, clamped), on the CPU."""
-    if not isinstance(images, torch.Tensor) or images.dim() != 4 or images.shape[1] != 3:
-        shape = tuple(images.shape) if isinstance(images, torch.Tensor) else type(images).__name__
-        raise ValueError(f"expected images of shape (B, 3, H, W) in [0, 1], got {shape}")
-    pixels = (images.detach().float() * 255).round().clamp(0, 255).to(torch.uint8)
-    return pixels.permute(0, 2, 3, 1).cpu().numpy()
+from fgrpo.core.visuals import to_uint8
 
 
 def jpeg_sizes_kb(images: torch.Tensor, quality: int = 95) -> torch.Tensor:
@@ -33,7 +24,7 @@ def jpeg_sizes_kb(images: torch.Tensor, quality: int = 95) -> torch.Tensor:
         b, f = images.shape[:2]
         return jpeg_sizes_kb(images.reshape(b * f, *images.shape[2:]), quality).view(b, f).mean(dim=1)
     sizes = []
-    for array in to_uint8_images(images):
+    for array in to_uint8(images):
         buffer = io.BytesIO()
         Image.fromarray(array).save(buffer, format="JPEG", quality=quality)
         sizes.append(buffer.tell() / 1000.0)

@@ -14,11 +14,11 @@ it exactly; multiplying by c turns what is left into mean(e·δ)/c = mean(ξ·δ
 whose spread no longer depends on the step's noise level. Dividing by -dt evens out the
 steps' gradient sizes.
 
-Source: the GRPO-Guard section of seed 000 ("RatioNorm + Gradient Reweight", exp[Δlogp·c +
-‖δ‖²/(2c)] and L/(sqrt Δt)²), which is the same expression as above, and the official flow_grpo
-training script it describes (``config.rationorm``), where c = std_dev_t·sqrt(-dt) with std_dev_t
-the SDE noise g = η·sqrt(σ/(1-σ)). The seed's prose calls σ_t "the forward noise σ, not g"; the
-official code uses g, and so does DESIGN.md §1; we follow the code. The official code uses
+Source: GRPO-Guard's "RatioNorm + Gradient Reweight" (the ratio exp[Δlogp·c + ‖δ‖²/(2c)] and the
+loss divided by (sqrt Δt)²), which is the same expression as above, and the official flow_grpo
+training script that implements it (``config.rationorm``), where c = std_dev_t·sqrt(-dt) with
+std_dev_t the SDE noise g = η·sqrt(σ/(1-σ)). Written derivations of the method call σ_t "the
+forward noise σ, not g"; the official code uses g, and so does docs/method.md; we follow the code. The official code uses
 minibatch means of g and sqrt(-dt) (all its samples share a step); we use each sample's own c and
 -dt, which is identical when they share a step and still right when a minibatch mixes steps.
 
