@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 import torch
@@ -31,8 +31,23 @@ def jpeg_sizes_kb(images: torch.Tensor, quality: int = 95) -> torch.Tensor:
     return torch.tensor(sizes, dtype=torch.float32)
 
 
+class _JpegSize:
+    """score = sign x scale x the image's size in kB as a JPEG at ``quality``; details ``jpeg_kb``."""
+
+    __slots__ = ()
+    sign: ClassVar[float]
+    quality: int
+    scale: float
+
+    def __call__(
+        self, outputs: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
+    ) -> RewardResult:
+        kb = jpeg_sizes_kb(outputs, self.quality)
+        return RewardResult(scores=self.sign * self.scale * kb, details={"jpeg_kb": kb})
+
+
 @attrs.define
-class JpegCompressibility:
+class JpegCompressibility(_JpegSize):
     """Smaller JPEG files score higher: score = -scale x size in kB (quality 95 by default).
 
     flow_grpo's ``jpeg_compressibility`` is this with ``scale: 0.002`` (it divides by 500); the
@@ -40,29 +55,19 @@ class JpegCompressibility:
     Details: ``jpeg_kb`` (B,).
     """
 
+    sign: ClassVar[float] = -1.0
     quality: int = param(95, ge=1, le=100, help="JPEG quality the size is measured at")
     scale: float = param(1.0, gt=0, help="multiplies the size in kB (flow_grpo: 0.002)")
 
-    def __call__(
-        self, outputs: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
-    ) -> RewardResult:
-        kb = jpeg_sizes_kb(outputs, self.quality)
-        return RewardResult(scores=-self.scale * kb, details={"jpeg_kb": kb})
-
 
 @attrs.define
-class JpegIncompressibility:
+class JpegIncompressibility(_JpegSize):
     """Larger JPEG files score higher: score = scale x size in kB (quality 95 by default).
 
     Equal to flow_grpo's ``jpeg_incompressibility`` with the default scale 1. Details:
     ``jpeg_kb`` (B,).
     """
 
+    sign: ClassVar[float] = 1.0
     quality: int = param(95, ge=1, le=100, help="JPEG quality the size is measured at")
     scale: float = param(1.0, gt=0, help="multiplies the size in kB")
-
-    def __call__(
-        self, outputs: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
-    ) -> RewardResult:
-        kb = jpeg_sizes_kb(outputs, self.quality)
-        return RewardResult(scores=self.scale * kb, details={"jpeg_kb": kb})

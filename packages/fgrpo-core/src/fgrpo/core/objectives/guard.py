@@ -33,13 +33,12 @@ from __future__ import annotations
 import attrs
 import torch
 
+from fgrpo.core.config import ConfigError
 from fgrpo.core.objectives._ppo import (
+    ClippedObjective,
     KlForm,
     adv_clip_param,
-    as_float,
-    assemble,
     beta_param,
-    clip_advantages,
     clip_range_param,
     clipped_surrogate,
     kernel_spec,
@@ -48,12 +47,11 @@ from fgrpo.core.objectives._ppo import (
     per_sample,
     sq_dist,
 )
-from fgrpo.core.config import ConfigError
-from fgrpo.core.protocols import ObjectiveOutput, StepBatch
+from fgrpo.core.protocols import StepBatch
 
 
 @attrs.frozen
-class GRPOGuard:
+class GRPOGuard(ClippedObjective):
     """GRPO with RatioNorm-centred ratios and a 1/(-dt) weight per step (see module docstring).
 
     The default clip 2e-6 is flow_grpo's GRPO-Guard setting for OCR/GenEval on SD3.5-M (its
@@ -64,10 +62,6 @@ class GRPOGuard:
     adv_clip: float = adv_clip_param()
     beta: float = beta_param()
     kl: KlForm = kl_param()
-
-    @property
-    def needs_reference(self) -> bool:
-        return self.beta > 0
 
     @staticmethod
     def check_recipe(resolved: dict) -> list[ConfigError]:
@@ -84,17 +78,11 @@ class GRPOGuard:
             )
         return errors
 
-    def __call__(self, batch: StepBatch) -> ObjectiveOutput:
+    def surrogate(self, batch: StepBatch, advantages: torch.Tensor, log_ratio: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         b = batch.log_prob.shape[0]
         c = per_sample(batch.std, b).detach()
         neg_dt = -per_sample(batch.dt, b).detach()
-        advantages = clip_advantages(batch.advantages, self.adv_clip)
-        log_ratio = as_float(batch.log_prob) - as_float(batch.old_log_prob).detach()
         # The shift carries gradient through mu, as in the official code.
         shift = sq_dist(batch.mean, batch.old_mean.detach()) / (2 * c**2)
         ratio = torch.exp((log_ratio + shift) * c)
-        policy_loss = (clipped_surrogate(ratio, advantages, self.clip_range) / neg_dt).mean()
-        return assemble(
-            policy_loss, ratio, log_ratio, batch,
-            clip_range=self.clip_range, beta=self.beta, kl=self.kl,
-        )
+        return ratio, (clipped_surrogate(ratio, advantages, self.clip_range) / neg_dt).mean()
