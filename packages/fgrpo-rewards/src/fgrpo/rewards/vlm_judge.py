@@ -7,7 +7,7 @@ prompt template; the answer is parsed into a number (``parse: number``) or a yes
 them, else 1/0 from the text). Requests run ``concurrency`` at a time, each with a timeout and
 retries with exponential backoff. An answer that cannot be parsed is an error, unless
 ``fallback`` is set: then that value is used, a warning is logged, and the sample's
-``fallback`` detail is 1 (its mean is reported by evaluation). The standard library only.
+``fallback`` detail is 1 (its mean is logged every iteration as ``reward/LABEL/fallback`` and by evaluation). The standard library only.
 """
 
 from __future__ import annotations
