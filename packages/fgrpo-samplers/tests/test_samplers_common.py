@@ -71,9 +71,10 @@ NFE_CASES = [
     ("full", {"steps": 8}, None, 48),
     ("full", {"steps": 8, "timestep_fraction": 0.5}, None, 48),
     # window at 3: prefix 3 steps x P=2 (shared), then 5 steps x 6  ->  6 + 30
-    ("fast", {"steps": 8, "window_range": [3, 5]}, None, 36),
+    ("fast", {"steps": 8, "window_range": [3, 5], "share_noise": True}, None, 36),
     # the same recomputing the prefix per sample: 8 x 6
-    ("fast", {"steps": 8, "window_range": [3, 5], "share_prefix": False}, None, 48),
+    ("fast", {"steps": 8, "window_range": [3, 5], "share_noise": True, "share_prefix": False}, None, 48),
+    ("fast", {"steps": 8, "window_range": [3, 5]}, None, 48),  # independent noise: no shared prefix
     # window [0, 2): nothing before it -> 8 x 6
     ("mixgrpo", {"steps": 8, "window": 2}, 0, 48),
     # iteration 50 with shift_every 25 -> window [2, 4): prefix 2 x 2 + 6 x 6

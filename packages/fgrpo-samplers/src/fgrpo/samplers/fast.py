@@ -8,15 +8,16 @@ the rollout's generator, before anything else is drawn. The window's steps use t
 kernel and are trained; every other step is an Euler ODE step (kernel ``ode``). ``step_index`` is
 (B, window), the same row for every sample.
 
-Initial noise (flow_grpo ``same_latent``): with ``share_noise`` the G samples of a prompt start
-from the same noise (drawn once per prompt and repeated), so the ODE prefix 0 .. k - 1 is the same
-for the whole group. With ``share_prefix`` it is then computed ONCE per prompt (batch = number of
+Initial noise (flow_grpo ``same_latent``): by default every sample has its own initial noise, as
+in flow_grpo (on the shapes world a shared start left 35-48% of the groups flat against 8-20%,
+and learned less; docs/method.md). With ``share_noise`` the G samples of a prompt start from the
+same noise (drawn once per prompt and repeated), so the ODE prefix 0 .. k - 1 is the same for the
+whole group. With ``share_prefix`` it is then computed ONCE per prompt (batch = number of
 prompts) and the latents branch into G samples at the window start; with ``share_prefix: false``
 it is recomputed for every sample (the reference behaviour). Both give the same trajectories for
 the same generator seed (bit-identical when the network's rows do not depend on the batch size),
 and the shared prefix saves ``k * (G - 1) * prompts * evaluations_per_call`` network
-evaluations. With ``share_noise: false`` (flow_grpo's default) every sample has its own noise and
-its own prefix.
+evaluations.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from fgrpo.samplers.base import EULER, GroupSampler, Plan, Step, final_param, ke
 @attrs.define
 class FastSampler(GroupSampler):
     """Flow-GRPO-Fast: a window of ``window`` stochastic, trained steps at a random start, Euler
-    steps elsewhere, the prefix shared by the group (see the module docstring)."""
+    steps elsewhere; each sample its own initial noise unless ``share_noise`` (see the module docstring)."""
 
     steps: int = param(10, ge=1, help="sampling steps")
     window: int = param(2, ge=1, help="consecutive stochastic (trained) steps")
@@ -46,7 +47,9 @@ class FastSampler(GroupSampler):
         "from low .. high - window (flow_grpo sde_window_range); null = [0, steps // 2] (at least the window)",
     )
     share_noise: bool = param(
-        True, help="the G samples of a prompt start from the same initial noise (flow_grpo same_latent)"
+        False,
+        help="the G samples of a prompt start from the same initial noise (flow_grpo same_latent, default "
+        "false: a shared start leaves only the window to spread a group, and many more groups flat)",
     )
     share_prefix: bool = param(
         True, help="with share_noise: compute the ODE prefix once per prompt, not once per sample"
