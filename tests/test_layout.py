@@ -1,6 +1,17 @@
-"""fgrpo is a PEP 420 namespace shared by four distributions: no fgrpo/__init__.py anywhere."""
+"""fgrpo is a PEP 420 namespace shared by four distributions: no fgrpo/__init__.py anywhere; the
+packages' modules import each other without cycles, and each package only what it declares."""
 
 from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 import fgrpo
 
@@ -20,3 +31,80 @@ def test_namespace_spans_all_packages():
     assert getattr(fgrpo, "__file__", None) is None
     parts = sorted(p.split("/")[-3] for p in fgrpo.__path__)
     assert parts == ["fgrpo-core", "fgrpo-models", "fgrpo-rewards", "fgrpo-samplers"]
+
+
+# --- imports: no cycles, and each package imports only what it declares ---------------------------
+
+#: import name -> distribution, where they differ
+DISTRIBUTION_OF = {"PIL": "pillow", "yaml": "pyyaml"}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.parts[path.parts.index("src") + 1 :]
+    return ".".join(parts).removesuffix(".py").removesuffix(".__init__")
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module ``path`` imports, at the top or inside a function (absolute names)."""
+    package = _module_name(path) if path.name == "__init__.py" else _module_name(path).rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join([*package.split(".")[: len(package.split(".")) - node.level + 1], *filter(None, [base])])
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+    return found
+
+
+def test_no_import_cycle_between_modules(root):
+    """Not even through an import inside a function (config <-> registry was one)."""
+    sources = {_module_name(p): p for p in root.glob("packages/*/src/fgrpo/**/*.py")}
+    graph = {name: (_imports(path) & sources.keys()) - {name} for name, path in sources.items()}
+    done: set[str] = set()
+
+    def visit(name: str, trail: list[str]) -> None:
+        if name in trail:
+            raise AssertionError("import cycle: " + " -> ".join([*trail[trail.index(name):], name]))
+        if name in done:
+            return
+        for other in sorted(graph[name]):
+            visit(other, [*trail, name])
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name, [])
+
+
+@pytest.mark.parametrize("package", ["fgrpo-core", "fgrpo-samplers", "fgrpo-rewards", "fgrpo-models"])
+def test_a_package_imports_only_what_it_declares(root, package):
+    """Every third-party module a package's code imports is one of its dependencies or extras, and
+    another fgrpo package only when it depends on it (fgrpo-core depends on none of them)."""
+    project = tomllib.loads((root / "packages" / package / "pyproject.toml").read_text())["project"]
+    requirements = [*project["dependencies"], *(r for extra in project.get("optional-dependencies", {}).values() for r in extra)]
+    declared = {canonicalize_name(Requirement(r).name) for r in requirements} | {package}
+    undeclared = {}
+    for path in (root / "packages" / package / "src").rglob("*.py"):
+        for module in _imports(path):
+            top = module.split(".")[0]
+            if top in sys.stdlib_module_names or top == "__future__":
+                continue
+            dist = f"fgrpo-{module.split('.')[1]}" if top == "fgrpo" else DISTRIBUTION_OF.get(top, top)
+            if canonicalize_name(dist) not in declared:
+                undeclared.setdefault(dist, path.name)
+    assert undeclared == {}, f"{package} imports distributions it does not declare (distribution: a file): {undeclared}"
+
+
+def test_the_registry_imports_no_component_package():
+    """``fgrpo plugins`` and recipe checks import the registry: it reads entry points, it never
+    imports fgrpo-samplers, -models or -rewards (python -X importtime lists every import)."""
+    out = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", "import fgrpo.core.registry"],
+        capture_output=True, text=True, check=True,
+    ).stderr
+    imported = [line.rsplit("|", 1)[-1].strip() for line in out.splitlines() if line.startswith("import time:")]
+    assert "fgrpo.core.registry" in imported
+    assert [m for m in imported if m.startswith(("fgrpo.samplers", "fgrpo.models", "fgrpo.rewards"))] == []

@@ -198,6 +198,8 @@ def test_reward_worker_scores_the_same_as_the_main_thread(root):
     a, b = iteration(plain, 0), iteration(worker, 0)
     for key in ("reward_mean", "reward_std", "first_ratio_deviation", "kl", "policy_loss"):
         assert a[key] == b[key], key
+    details = [k for k in a if k.startswith("reward/shapes/")]  # the verifier's details, chunks joined
+    assert details and all(a[k] == b[k] for k in details)
 
 
 def test_sample_batches_prompts_without_changing_their_samples(root, tmp_path):

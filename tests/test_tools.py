@@ -35,3 +35,17 @@ def test_relation_probe_reads_objects_and_relation_separately(root):
 
     mixed = scenes[:4] + swapped[4:8]
     assert probe.rates(world.render_batch(mixed), position[:8]) == (1.0, 0.5)
+
+
+def test_relation_outcomes_per_image(root):
+    probe = _load(root, "shapes_relation_probe")
+    _, test = world.split(0, 16)
+    position = [p for p in test if world.parse_prompt(p).category == "position"][:6]
+    rng = np.random.default_rng(1)
+    scenes = [world.place(p, rng) for p in position]
+    swapped = [world.perturb(s, p, rng, kind="position") for s, p in zip(scenes, position)]
+    recoloured = [world.perturb(s, p, rng, kind="color") for s, p in zip(scenes, position)]
+    images = world.render_batch(scenes[:2] + swapped[2:4] + recoloured[4:])
+    assert probe.outcomes(images, position) == [1, 1, 0, 0, None, None]
+    single = [p for p in test if world.parse_prompt(p).category == "single"][:1]
+    assert probe.outcomes(world.render_batch([world.place(single[0], rng)]), single) == [1]

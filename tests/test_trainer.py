@@ -178,3 +178,22 @@ def test_resume_restores_ema_schedule_and_sampler_state_exactly(root, tmp_path, 
     assert [r.get("lr") for r in rows_a] == [r.get("lr") for r in rows_b]
     assert [r.get("reward_mean") for r in rows_a] == [r.get("reward_mean") for r in rows_b]
     assert len(rows_a) == 10
+
+
+def test_reward_details_are_logged_every_iteration(root):
+    """A reward's per-sample details (a judge's fallback flags, a verifier's partial scores) are
+    averaged into the iteration's metrics, so a fallback value is counted, never silent."""
+    run = build_run(vector_recipe(root), out_dir=None, console=QUIET, quiet=True)
+    spec, inner = run.rewards[0]
+
+    class FlagsEveryThird:
+        def __call__(self, outputs, prompts, metadata):
+            result = inner(outputs, prompts, metadata)
+            flags = torch.tensor([float(i % 3 == 0) for i in range(len(prompts))])
+            return RewardResult(result.scores, {"fallback": flags, "answer": ["?"] * len(prompts)})
+
+    run.rewards = [(spec, FlagsEveryThird())]
+    metrics = iteration(run, 0)
+    n = run.recipe.train.prompts_per_iteration * run.recipe.train.group_size
+    assert metrics[f"reward/{spec.label}/fallback"] == pytest.approx(len(range(0, n, 3)) / n)
+    assert f"reward/{spec.label}/answer" not in metrics  # text details are not averaged

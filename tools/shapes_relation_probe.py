@@ -30,22 +30,31 @@ from fgrpo.rewards.shapes.world import relation_holds
 CHANCE = 0.375  # P(two distinct uniformly random cells of the 3x3 grid are in a given relation)
 
 
-def rates(images: torch.Tensor, prompts: list[str]) -> tuple[float, float]:
-    """(fraction of images holding exactly the required objects, clean; fraction of those whose
-    relation holds: NaN when no prompt has a relation or no image has the objects)."""
+def outcomes(images: torch.Tensor, prompts: list[str]) -> list[int | None]:
+    """Per image: None unless it holds exactly the required objects (clean); then 1 or 0 whether
+    the prompt's relation holds (1 for a prompt without a relation)."""
     reading = read_cells(images)
-    objects_ok = relation_ok = with_relation = 0
+    out: list[int | None] = []
     for b, prompt in enumerate(prompts):
         spec = spec_for(prompt)
         scene = reading.scene(b)
         if not (bool(reading.clean[b]) and Counter(p.item for p in scene) == Counter(spec.required)):
-            continue
-        objects_ok += 1
-        if spec.relation is not None:
+            out.append(None)
+        elif spec.relation is None:
+            out.append(1)
+        else:
             a, other = (o[:2] for o in spec.objects)
-            with_relation += 1
-            relation_ok += relation_holds(scene, a, other, spec.relation)
-    return objects_ok / len(prompts), relation_ok / with_relation if with_relation else float("nan")
+            out.append(int(relation_holds(scene, a, other, spec.relation)))
+    return out
+
+
+def rates(images: torch.Tensor, prompts: list[str]) -> tuple[float, float]:
+    """(fraction of images holding exactly the required objects, clean; fraction of those whose
+    relation holds: NaN when no prompt has a relation or no image has the objects)."""
+    found = outcomes(images, prompts)
+    with_relation = [o for o, q in zip(found, prompts) if o is not None and spec_for(q).relation is not None]
+    objects = sum(o is not None for o in found) / len(prompts)
+    return objects, sum(with_relation) / len(with_relation) if with_relation else float("nan")
 
 
 def probe(policy: ShapesDiT, prompts: list[str], samples: int, steps: int, seed: int) -> tuple[float, float]:

@@ -1,11 +1,12 @@
 #!/usr/bin/env python
 """What sharing the ODE prefix saves in the ``fast`` sampler (Flow-GRPO-Fast).
 
-The group of G samples of a prompt shares its initial noise, so the ODE steps before the window
-are the same for all G: ``share_prefix: true`` runs them once per prompt and branches at the
-window start, ``share_prefix: false`` runs them for every sample (the reference behaviour). The
-NFE saved by one rollout whose window starts at k is ``k x (G - 1) x prompts x evaluations/call``;
-averaged over the window start (uniform in [0, steps // 2)) it is ``mean(k) x (G - 1) x prompts``.
+With ``share_noise: true`` the group of G samples of a prompt shares its initial noise, so the ODE
+steps before the window are the same for all G: ``share_prefix: true`` runs them once per prompt
+and branches at the window start, ``share_prefix: false`` runs them for every sample. The NFE
+saved by one rollout whose window starts at k is ``k x (G - 1) x prompts x evaluations/call``;
+averaged over the window start (uniform in [0, steps // 2 - window], the default window range)
+it is ``mean(k) x (G - 1) x prompts``.
 
 The network is a stand-in with a measurable cost: a 3-layer MLP applied to every one of
 ``--tokens`` latent tokens of ``--dim`` features (prompt embedding and sigma added to the input),
@@ -107,10 +108,13 @@ def main() -> None:
     policy = MLPPolicy(args.tokens, args.dim, args.hidden, args.cfg)
     prompts = [f"prompt {i}" for i in range(args.prompts)]
     samplers = {
-        share: registry.create("sampler", "fast", steps=args.steps, window=args.window, share_prefix=share)
+        share: registry.create(
+            "sampler", "fast", steps=args.steps, window=args.window, share_noise=True, share_prefix=share
+        )
         for share in (True, False)
     }
-    low, high = samplers[True].start_range
+    low, last = samplers[True].start_range
+    high = last + 1
     epc = policy.evaluations_per_call
 
     for share in (True, False):  # warm-up

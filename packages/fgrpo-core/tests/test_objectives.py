@@ -11,6 +11,7 @@ from fgrpo.core import registry
 from fgrpo.core.config import RecipeError
 from fgrpo.core.objectives import GRPO, GRPOGuard
 from fgrpo.core.protocols import Objective, StepBatch
+from fgrpo.core.testing import ObjectiveConformance
 
 D64 = torch.float64
 
@@ -307,3 +308,35 @@ def test_recipe_rules_between_objective_and_kernel():
     assert [e.key for e in errors] == ["objective.kl"] and "use kl: mean" in errors[0].message
     assert GRPO.check_recipe(_resolved({"kl": "flow_grpo"}, {"name": "dance", "eta": 0.3})) == []
     assert GRPO.check_recipe(_resolved({"kl": "flow_grpo", "beta": 0.0}, cps)) == []  # no KL at all
+
+
+# --- the conformance base ---------------------------------------------------------------------------
+
+
+class TestGRPOConformance(ObjectiveConformance):
+    objective_name = "grpo"
+    objective_params = {"clip_range": 1e-3}
+
+
+class TestGRPOMeanKLConformance(ObjectiveConformance):
+    objective_name = "grpo"
+    objective_params = {"clip_range": 1e-3, "beta": 0.04, "kl": "mean"}
+
+
+class TestGRPOFlowGRPOKLConformance(ObjectiveConformance):
+    objective_name = "grpo"
+    objective_params = {"clip_range": 1e-3, "beta": 0.04, "kl": "flow_grpo"}
+
+
+class TestGRPOVelocityKLConformance(ObjectiveConformance):
+    objective_name = "grpo"
+    objective_params = {"beta": 0.04, "kl": "velocity"}
+
+
+class TestGRPOGuardConformance(ObjectiveConformance):
+    objective_name = "grpo-guard"
+
+
+class TestGRPOGuardKLConformance(ObjectiveConformance):
+    objective_name = "grpo-guard"
+    objective_params = {"clip_range": 4e-6, "beta": 0.01}

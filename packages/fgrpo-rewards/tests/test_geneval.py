@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fgrpo.core import registry
-from fgrpo.core.evaluation import _numeric_means
+from fgrpo.core.phases import detail_means
 from fgrpo.core.testing import RewardConformance
 from fgrpo.rewards.geneval import (
     Detection,
@@ -148,7 +148,7 @@ def test_verdict_result_feeds_per_category_means():
     verdicts = [judge(objects(*d), m, colours(c)) for m, d, c, _ in CASES]
     result = verdict_result(verdicts, [m["tag"] for m, *_ in CASES], "strict")
     torch.testing.assert_close(result.scores, result.details["strict"])
-    means = _numeric_means(result.details)
+    means = detail_means(result.details)
     counting = [e for m, _, _, e in CASES if m["tag"] == "counting"]
     assert means["strict/counting"] == pytest.approx(sum(e[1] for e in counting) / len(counting))
     assert means["partial/position"] == pytest.approx((1 + 2 / 3 + 1 / 3 + 1) / 4)

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import json
+import importlib
 
 import pytest
 import torch
 
 from fgrpo.core import registry
 from fgrpo.core.config import RecipeError, check_params
-from fgrpo.core.protocols import Sampler, Trajectory
+from fgrpo.core.testing import GaussianPolicy, SamplerConformance
 
 PROMPTS = ["a red circle", "a blue square"]
 GROUP = 3
@@ -20,71 +20,54 @@ def gen(seed: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-# (sampler name, recipe keys): together they cover every kernel and every way of choosing steps
-CASES = [
-    ("full", {"steps": 6}),
-    ("full", {"steps": 6, "timestep_fraction": 0.5, "random_subset": True, "kernel": {"name": "dance", "eta": 0.3}}),
-    ("full", {"steps": 6, "kernel": "cps", "share_noise": True}),
-    ("fast", {"steps": 6, "window": 2}),
-    ("fast", {"steps": 6, "window": 3, "share_prefix": False, "kernel": "cps"}),
-    ("mixgrpo", {"steps": 8, "window": 2}),
-    ("mixgrpo", {"steps": 8, "window": 2, "flash": True, "kernel": "dance"}),
-]
-IDS = [f"{name}-{i}" for i, (name, _) in enumerate(CASES)]
+# Every built-in sampler passes the conformance base (trajectory shapes and dtypes, bit-identical
+# re-evaluation of the stored log-probs, seeds, NFE, state round trip); together these cover every
+# kernel and every way of choosing steps.
 
 
-@pytest.mark.parametrize(("name", "keys"), CASES, ids=IDS)
-@pytest.mark.parametrize("shape", [(4,), (2, 4, 4)], ids=["flat", "image"])
-def test_trajectory_shapes_and_dtypes(make_policy, name, keys, shape):
-    policy = make_policy(shape=shape)
-    sampler = registry.create("sampler", name, **keys)
-    assert isinstance(sampler, Sampler)
-    traj = sampler.rollout(policy, PROMPTS, GROUP, generator=gen())
-    assert isinstance(traj, Trajectory)
-    s = traj.num_trained_steps
-    assert traj.prompts == [p for p in PROMPTS for _ in range(GROUP)]
-    assert traj.group_index.tolist() == [0, 0, 0, 1, 1, 1]
-    assert traj.step_index.shape == (BATCH, s) and traj.step_index.dtype == torch.long
-    for t in (traj.latents, traj.next_latents, traj.means):
-        assert t.shape == (BATCH, s, *shape) and t.dtype == torch.float32
-    for t in (traj.log_probs, traj.stds):
-        assert t.shape == (BATCH, s) and t.dtype == torch.float32
-    assert (traj.stds > 0).all()
-    assert traj.final.shape == (BATCH, *shape) and traj.final.dtype == torch.float32
-    assert traj.sigmas.shape == (keys["steps"] + 1,)
-    assert traj.cond["mean"].shape == (BATCH, *shape)
-    assert traj.cond["length"].tolist() == [len(p) for p in traj.prompts]
-    assert policy.encoded == PROMPTS  # encoded once per prompt, then repeated
-    assert traj.nfe == sum(policy.rows) == sum(traj.info["nfe"].values())
-    assert json.dumps(sampler.state_dict())  # plain numbers only
-    # consecutive trained steps chain: the action of step j is the state of step j + 1
-    chained = traj.step_index[:, 1:] == traj.step_index[:, :-1] + 1
-    assert torch.equal(traj.next_latents[:, :-1][chained], traj.latents[:, 1:][chained])
+class TestFull(SamplerConformance):
+    sampler_name = "full"
+    sampler_params = {"steps": 6}
 
 
-@pytest.mark.parametrize(("name", "keys"), CASES, ids=IDS)
-def test_log_probs_re_evaluate_bit_identically(make_policy, name, keys):
-    """The update re-runs the network on the stored (x, sigma) and keeps the stored x' fixed."""
-    policy = make_policy(shape=(2, 4, 4))
-    sampler = registry.create("sampler", name, **keys)
-    traj = sampler.rollout(policy, PROMPTS, GROUP, generator=gen(3))
-    for j in range(traj.num_trained_steps):
-        index = traj.step_index[:, j]
-        x = traj.latents[:, j]
-        v = policy.velocity(x, traj.sigmas[index], traj.cond)
-        again = sampler.kernel.step(v, x, traj.sigmas, index, prev_sample=traj.next_latents[:, j])
-        assert torch.equal(again.log_prob, traj.log_probs[:, j])
-        assert torch.equal(again.mean, traj.means[:, j])
-        assert torch.equal(again.std.reshape(BATCH, -1)[:, 0], traj.stds[:, j])
+class TestFullDanceRandomSubset(SamplerConformance):
+    sampler_name = "full"
+    sampler_params = {"steps": 6, "timestep_fraction": 0.5, "random_subset": True, "kernel": {"name": "dance", "eta": 0.3}}
 
 
-@pytest.mark.parametrize(("name", "keys"), CASES[:1] + CASES[3:4] + CASES[5:6], ids=["full", "fast", "mixgrpo"])
-def test_same_seed_same_rollout(policy, name, keys):
-    a = registry.create("sampler", name, **keys).rollout(policy, PROMPTS, GROUP, generator=gen(7))
-    b = registry.create("sampler", name, **keys).rollout(policy, PROMPTS, GROUP, generator=gen(7))
-    c = registry.create("sampler", name, **keys).rollout(policy, PROMPTS, GROUP, generator=gen(8))
-    assert torch.equal(a.final, b.final) and torch.equal(a.log_probs, b.log_probs)
-    assert not torch.equal(a.final, c.final)
+class TestFullCPSSharedNoise(SamplerConformance):
+    sampler_name = "full"
+    sampler_params = {"steps": 6, "kernel": "cps", "share_noise": True}
+
+
+class TestFast(SamplerConformance):
+    sampler_name = "fast"
+    sampler_params = {"steps": 6, "window": 2}
+
+
+class TestFastSharedPrefix(SamplerConformance):
+    sampler_name = "fast"
+    sampler_params = {"steps": 6, "window": 2, "share_noise": True}
+
+
+class TestFastCPSPrefixPerSample(SamplerConformance):
+    sampler_name = "fast"
+    sampler_params = {"steps": 6, "window": 3, "share_noise": True, "share_prefix": False, "kernel": "cps"}
+
+
+class TestMixGRPO(SamplerConformance):
+    sampler_name = "mixgrpo"
+    sampler_params = {"steps": 8, "window": 2}
+
+
+class TestMixGRPOFlashDance(SamplerConformance):
+    sampler_name = "mixgrpo"
+    sampler_params = {"steps": 8, "window": 2, "flash": True, "kernel": "dance"}
+
+
+class TestMixGRPORandomFlash3(SamplerConformance):
+    sampler_name = "mixgrpo"
+    sampler_params = {"steps": 10, "window": 2, "strategy": "random", "shift_every": 2, "flash": True, "flash_order": 3}
 
 
 # NFE = sum over velocity calls of rows x evaluations_per_call; P = 2 prompts, G = 3, B = 6.
@@ -93,9 +76,10 @@ NFE_CASES = [
     ("full", {"steps": 8}, None, 48),
     ("full", {"steps": 8, "timestep_fraction": 0.5}, None, 48),
     # window at 3: prefix 3 steps x P=2 (shared), then 5 steps x 6  ->  6 + 30
-    ("fast", {"steps": 8, "window_range": [3, 5]}, None, 36),
+    ("fast", {"steps": 8, "window_range": [3, 5], "share_noise": True}, None, 36),
     # the same recomputing the prefix per sample: 8 x 6
-    ("fast", {"steps": 8, "window_range": [3, 5], "share_prefix": False}, None, 48),
+    ("fast", {"steps": 8, "window_range": [3, 5], "share_noise": True, "share_prefix": False}, None, 48),
+    ("fast", {"steps": 8, "window_range": [3, 5]}, None, 48),  # independent noise: no shared prefix
     # window [0, 2): nothing before it -> 8 x 6
     ("mixgrpo", {"steps": 8, "window": 2}, 0, 48),
     # iteration 50 with shift_every 25 -> window [2, 4): prefix 2 x 2 + 6 x 6
@@ -169,3 +153,76 @@ def test_schedule_key(policy):
     assert traj.sigmas.tolist() == [1.0, 0.75, 0.5, 0.25, 0.0]
     default = registry.create("sampler", "full", steps=4).rollout(policy, PROMPTS[:1], 2, generator=gen())
     assert torch.equal(default.sigmas, policy.sigmas(4))
+
+
+# --- a plugin that registers a built-in kernel's name ---------------------------------------------
+
+PLUGIN = '''
+import attrs, torch
+from typing import ClassVar
+from fgrpo.samplers.kernels.base import KernelBase
+
+
+@attrs.define
+class Overshoot(KernelBase):
+    """A third party's deterministic kernel: twice the Euler step."""
+
+    stochastic: ClassVar[bool] = False
+
+    def transition(self, s):
+        return s.sample + 2 * s.dt * s.velocity, None
+'''
+
+
+def install_overshoot(tmp_path, monkeypatch):
+    """A distribution that registers its kernel as ``ode``, ``dpmpp2m`` and ``dpmpp3m``."""
+    (tmp_path / "overshoot_kernels.py").write_text(PLUGIN)
+    info = tmp_path / "overshoot_kernels-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: overshoot-kernels\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(
+        "[fgrpo.kernels]\n" + "".join(f"{n} = overshoot_kernels:Overshoot\n" for n in ("ode", "dpmpp2m", "dpmpp3m"))
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(registry, "_loaded", {})
+
+
+PLUGIN_CASES = [
+    ("fast", {"steps": 8, "window_range": [3, 5], "share_noise": True}, None),
+    ("fast", {"steps": 8, "window_range": [3, 5], "final": "ode"}, None),
+    ("mixgrpo", {"steps": 8, "window": 2, "flash": True}, 50),
+    ("mixgrpo", {"steps": 12, "window": 2, "flash": True, "flash_order": 3, "flash_ratio": 0.8}, 50),
+]
+
+
+@pytest.mark.parametrize("how", ["beside", "instead"])
+@pytest.mark.parametrize(("name", "keys", "iteration"), PLUGIN_CASES)
+def test_a_plugin_registering_ode_does_not_change_the_builtin_samplers(tmp_path, monkeypatch, how, name, keys, iteration):
+    """The Euler prefix/suffix and the Flash solver are the built-in kernels, whatever is registered
+    under their names: ``beside`` = the plugin and fgrpo-samplers both register ``ode`` (a recipe
+    naming it is refused as ambiguous); ``instead`` = the name resolves to the plugin's kernel."""
+
+    def rollout():
+        sampler = registry.create("sampler", name, **keys)
+        if iteration is not None:
+            sampler.advance(iteration)
+        return sampler.rollout(GaussianPolicy(), PROMPTS, GROUP, generator=gen(5))
+
+    before = rollout()
+    install_overshoot(tmp_path, monkeypatch)
+    if how == "beside":
+        with pytest.raises(registry.AmbiguousComponent, match="overshoot-kernels"):
+            registry.create("kernel", "ode")
+    else:
+        overshoot = importlib.import_module("overshoot_kernels").Overshoot
+        for kernel in ("ode", "dpmpp2m", "dpmpp3m"):
+            registry._loaded[("kernel", kernel)] = overshoot
+        assert type(registry.create("kernel", "ode")).__name__ == "Overshoot"  # the name is the plugin's now
+    after = rollout()
+    start = before.info["window_start"]
+    assert after.info["window_start"] == start and start > 0
+    # the state at the window start is the built-in Euler prefix's result, the rest follows from it
+    assert torch.equal(after.latents[:, 0], before.latents[:, 0])
+    for field in ("latents", "next_latents", "log_probs", "means", "final"):
+        assert torch.equal(getattr(after, field), getattr(before, field)), field
+    assert after.info["nfe"] == before.info["nfe"]

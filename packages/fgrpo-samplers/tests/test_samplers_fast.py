@@ -24,7 +24,9 @@ def test_shared_prefix_is_bit_identical_to_recomputing_it(make_policy, cfg, kern
         runs = {}
         for share in (True, False):
             policy = make_policy(shape=(2, 4, 4), guidance=cfg)
-            sampler = registry.create("sampler", "fast", steps=steps, share_prefix=share, kernel=kernel)
+            sampler = registry.create(
+                "sampler", "fast", steps=steps, share_noise=True, share_prefix=share, kernel=kernel
+            )
             runs[share] = (sampler.rollout(policy, PROMPTS, group, generator=gen(seed)), policy)
         (a, pa), (b, pb) = runs[True], runs[False]
         start = a.info["window_start"]
@@ -43,7 +45,7 @@ def test_shared_prefix_is_bit_identical_to_recomputing_it(make_policy, cfg, kern
 
 
 def test_group_starts_the_window_from_one_state(policy):
-    sampler = registry.create("sampler", "fast", steps=10, window_range=[3, 5])
+    sampler = registry.create("sampler", "fast", steps=10, window_range=[3, 5], share_noise=True)
     traj = sampler.rollout(policy, PROMPTS, 3, generator=gen())
     assert traj.step_index.tolist() == [[3, 4]] * 9
     assert traj.info["phases"] == ["prefix"] * 3 + ["window"] * 2 + ["suffix"] * 5
@@ -87,9 +89,10 @@ def test_window_range_fits_a_window_wider_than_half(policy):
 
 
 def test_independent_noise_gives_each_sample_its_own_start(make_policy):
-    # flow_grpo same_latent: false: every sample of a group has its own initial noise and prefix
+    # flow_grpo same_latent: false (the default): every sample of a group has its own noise and prefix
     policy = make_policy(shape=(2, 3))
-    sampler = registry.create("sampler", "fast", steps=10, window_range=[0, 2], share_noise=False)
+    sampler = registry.create("sampler", "fast", steps=10, window_range=[0, 2])
+    assert sampler.share_noise is False
     traj = sampler.rollout(policy, PROMPTS, 4, generator=gen())
     # the window starts at step 0, so the first trained state is the initial noise: the window
     # start is drawn first, then one noise per sample (12 draws), all distinct
@@ -106,7 +109,8 @@ def test_independent_noise_gives_each_sample_its_own_start(make_policy):
     assert policy.rows == [12] * 10
     assert not torch.equal(traj.latents[0, 0], traj.latents[1, 0])
     # with a shared noise the G samples of a prompt start the window from one state
-    shared = registry.create("sampler", "fast", steps=10, window_range=[3, 5]).rollout(policy, PROMPTS, 4, generator=gen())
+    shared = registry.create("sampler", "fast", steps=10, window_range=[3, 5], share_noise=True)
+    shared = shared.rollout(policy, PROMPTS, 4, generator=gen())
     assert torch.equal(shared.latents[0, 0], shared.latents[1, 0])
 
 

@@ -106,6 +106,17 @@ def test_window_steps_use_the_kernel_and_the_rest_is_ode(policy):
     assert not torch.equal(other.latents[0, 0], other.latents[2, 0])
 
 
+def flash_replay(policy, traj, kernel_name):
+    """The Flash tail recomputed: ``kernel_name`` on the compressed schedule from the window's last action."""
+    compressed = torch.tensor(traj.info["flash_sigmas"])
+    dpm = registry.create("kernel", kernel_name)
+    x = traj.next_latents[:, -1]
+    for j in range(len(compressed) - 1):
+        v = policy.velocity(x, compressed[j].repeat(x.shape[0]), traj.cond)
+        x = dpm.step(v, x, compressed, j).prev_sample
+    return x
+
+
 class Spy:
     """Wraps a kernel and records the sigma every step starts from."""
 
@@ -148,13 +159,7 @@ def test_flash_uses_dpm_only_after_the_window_and_fewer_nfe(policy, iteration):
     assert a.nfe < b.nfe
     assert a.nfe == (start * 2 + (4 + points - 1) * 4)
     # the final latents are DPM-Solver++(2M) on the compressed schedule from the window's last action
-    compressed = torch.tensor(a.info["flash_sigmas"])
-    dpm = registry.create("kernel", "dpmpp2m")
-    x = a.next_latents[:, -1]
-    for j in range(len(compressed) - 1):
-        v = policy.velocity(x, compressed[j].repeat(x.shape[0]), a.cond)
-        x = dpm.step(v, x, compressed, j).prev_sample
-    assert torch.equal(x, a.final)
+    assert torch.equal(flash_replay(policy, a, "dpmpp2m"), a.final)
 
 
 def test_flash_after_a_window_that_ends_the_schedule(policy):
@@ -214,11 +219,5 @@ def test_flash_order_3_uses_dpmpp3m(policy):
     b = second.rollout(policy, ["a"], 2, generator=gen())
     assert type(third._dpm).__name__ == "DPMpp3MKernel" and type(second._dpm).__name__ == "DPMpp2MKernel"
     assert torch.equal(a.next_latents, b.next_latents)
-    compressed = torch.tensor(a.info["flash_sigmas"])
-    dpm = registry.create("kernel", "dpmpp3m")
-    x = a.next_latents[:, -1]
-    for j in range(len(compressed) - 1):
-        v = policy.velocity(x, compressed[j].repeat(x.shape[0]), a.cond)
-        x = dpm.step(v, x, compressed, j).prev_sample
-    assert torch.equal(x, a.final)
+    assert torch.equal(flash_replay(policy, a, "dpmpp3m"), a.final)
     assert not torch.equal(a.final, b.final)

@@ -252,11 +252,9 @@ def _spec_branch(parent: Tree, kind: str, label: str, spec: dict[str, Any]) -> N
     for key, value in spec.items():
         if key == "name":
             continue
-        if isinstance(value, dict) and "name" in value:
-            sub_kind = {"kernel": "kernel", "eval_kernel": "kernel"}.get(key, key)
-            if sub_kind in registry.GROUPS:
-                _spec_branch(node, sub_kind, key, value)
-                continue
+        if isinstance(value, dict) and "name" in value and key in registry.GROUPS:
+            _spec_branch(node, key, key, value)
+            continue
         node.add(f"{key} = {value!r}", highlight=False)
 
 

@@ -1,9 +1,11 @@
 """Declaring the recipe keys of a component, and checking values against them without building it.
 
 A component is an attrs class; each recipe key is a field declared with :func:`param` (a default,
-bounds, allowed choices and a help line) or :func:`component` (a nested component such as a
-sampler's kernel). :func:`check_params` reports every problem of a mapping of keys at once, before
-anything heavy is constructed; the registry and the recipe loader both use it.
+bounds, allowed choices and a help line) or :func:`fgrpo.core.registry.component` (a nested
+component such as a sampler's kernel, resolved through the registry). :func:`check_params` reports
+every problem of a mapping of keys at once, before anything heavy is constructed; the registry and
+the recipe loader both use it. This module knows nothing of the registry: a nested component's
+field carries the function that checks it.
 """
 
 from __future__ import annotations
@@ -148,21 +150,6 @@ def param(
     )
 
 
-def component(kind: str, default: Any = _MISSING, *, help: str = "") -> Any:
-    """A nested component (a name, a ``{name: ..., **params}`` mapping, or a built object)."""
-
-    def build(value: Any) -> Any:
-        from fgrpo.core import registry
-
-        return registry.resolve(kind, value)
-
-    return attrs.field(
-        default=default,
-        converter=build,
-        metadata={"fgrpo_kind": kind, "fgrpo_help": help},
-    )
-
-
 # --- checking values against annotations -------------------------------------------------------
 
 _TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
@@ -207,7 +194,11 @@ def coerce(value: Any, tp: Any) -> Any:
                 continue
         raise TypeError(f"expected {_type_name(tp)}, got {shown(value)}")
     if origin is typing.Literal:
-        if value in typing.get_args(tp):
+        args = typing.get_args(tp)
+        if isinstance(value, bool):  # YAML 1.1 reads a bare no/off/yes/on as a boolean
+            words = ("no", "off", "false") if value is False else ("yes", "on", "true")
+            value = next((w for w in words if w in args), value)
+        if value in args:
             return value
         raise TypeError(f"got {shown(value)}; allowed: {', '.join(map(repr, typing.get_args(tp)))}")
     if tp is bool:
@@ -266,9 +257,10 @@ def check_params(cls: type, params: Mapping[str, Any], prefix: str = "") -> tupl
     """Check ``params`` against the attrs fields of ``cls``.
 
     Returns the coerced parameters (defaults filled in, nested components as validated
-    mappings) and the list of :class:`ConfigError`. Nothing is constructed.
+    mappings) and the list of :class:`ConfigError`. Nothing is constructed. A nested component's
+    field names its kind (``fgrpo_kind``) and the function that checks its spec (``fgrpo_check``,
+    ``(kind, spec, key) -> (checked, errors)``) in its metadata.
     """
-    from fgrpo.core import registry
 
     def key(name: str) -> str:
         return f"{prefix}.{name}" if prefix else name
@@ -293,13 +285,13 @@ def check_params(cls: type, params: Mapping[str, Any], prefix: str = "") -> tupl
                 default = field.default
                 out[name] = default.factory() if isinstance(default, attrs.Factory) else default
                 if field.metadata.get("fgrpo_kind") and isinstance(out[name], (str, Mapping)):
-                    out[name], errs = registry.check_spec(field.metadata["fgrpo_kind"], out[name], key(name))
+                    out[name], errs = field.metadata["fgrpo_check"](field.metadata["fgrpo_kind"], out[name], key(name))
                     errors.extend(errs)
             continue
         value = params[name]
         kind = field.metadata.get("fgrpo_kind")
         if kind is not None:
-            out[name], errs = registry.check_spec(kind, value, key(name))
+            out[name], errs = field.metadata["fgrpo_check"](kind, value, key(name))
             errors.extend(errs)
             continue
         try:

@@ -13,7 +13,7 @@ import torch
 
 from fgrpo.core import tensors, trackers, visuals
 from fgrpo.core.config import ConfigError, RecipeError
-from fgrpo.core.phases import score
+from fgrpo.core.phases import detail_means, score
 from fgrpo.core.run import Run
 from fgrpo.core.seeding import generator
 
@@ -66,25 +66,6 @@ def guidance(policy: Any, scale: float | None) -> Iterator[None]:
         policy.guidance_scale = trained
 
 
-def _numeric_means(details: dict[str, Any]) -> dict[str, float]:
-    """Mean of every per-sample float detail; when the reward reports a ``category`` per sample
-    (e.g. GenEval-like categories), also the mean per category as ``key/category``."""
-    numeric = {}
-    for key, value in details.items():
-        t = torch.as_tensor(value) if isinstance(value, (list, tuple)) and value and isinstance(value[0], (int, float, bool)) else value
-        if isinstance(t, torch.Tensor) and t.numel() and (t.dtype.is_floating_point or t.dtype == torch.bool):
-            numeric[key] = t.float().reshape(-1).cpu()
-    out = {key: t.mean().item() for key, t in numeric.items()}
-    categories = details.get("category")
-    if isinstance(categories, (list, tuple)) and categories and all(isinstance(c, str) for c in categories):
-        for category in sorted(set(categories)):
-            mask = torch.tensor([c == category for c in categories])
-            for key, t in numeric.items():
-                if len(t) == len(mask):
-                    out[f"{key}/{category}"] = t[mask].mean().item()
-    return out
-
-
 def evaluate(run: Run, iteration: int, out_dir: Path | None) -> dict[str, float]:
     """Every test prompt, ``samples_per_prompt`` times, with the same noise at every evaluation
     (so curves compare like with like), on the sampler's schedule with ``eval.steps`` steps and
@@ -100,7 +81,7 @@ def evaluate(run: Run, iteration: int, out_dir: Path | None) -> dict[str, float]
     for spec, reward in run.rewards:
         total += spec.weight * scores[spec.label].cpu()
         metrics[f"eval/reward/{spec.label}"] = scores[spec.label].mean().item()
-        for key, value in _numeric_means(details[spec.label]).items():
+        for key, value in detail_means(details[spec.label]).items():
             metrics[f"eval/{spec.label}/{key}"] = value
         extra = getattr(reward, "eval_metrics", None)
         if extra is not None:

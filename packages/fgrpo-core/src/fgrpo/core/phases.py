@@ -216,14 +216,47 @@ def score(rewards: Sequence[tuple[Any, Any]], outputs: Any, prompts: Sequence[st
     return scores, details
 
 
-def decode_and_score(run: Run, traj: Trajectory, where: str) -> dict[str, torch.Tensor]:
-    """The rollout's outputs decoded and scored by every reward, each phase on the run's clock."""
+def detail_means(details: dict[str, Any], by_category: bool = True) -> dict[str, float]:
+    """Mean of every per-sample float detail; when the reward reports a ``category`` per sample
+    (e.g. GenEval-like categories) and ``by_category``, also the mean per category as
+    ``key/category``."""
+    numeric = {}
+    for key, value in details.items():
+        t = torch.as_tensor(value) if isinstance(value, (list, tuple)) and value and isinstance(value[0], (int, float, bool)) else value
+        if isinstance(t, torch.Tensor) and t.numel() and (t.dtype.is_floating_point or t.dtype == torch.bool):
+            numeric[key] = t.float().reshape(-1).cpu()
+    out = {key: t.mean().item() for key, t in numeric.items()}
+    categories = details.get("category")
+    if by_category and isinstance(categories, (list, tuple)) and categories and all(isinstance(c, str) for c in categories):
+        for category in sorted(set(categories)):
+            mask = torch.tensor([c == category for c in categories])
+            for key, t in numeric.items():
+                if len(t) == len(mask):
+                    out[f"{key}/{category}"] = t[mask].mean().item()
+    return out
+
+
+def cat_details(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Per-sample details of consecutive chunks joined (tensors concatenated, lists extended);
+    a key that is not per-sample in every chunk is left out."""
+    joined: dict[str, Any] = {}
+    for key in parts[0] if parts else ():
+        values = [part.get(key) for part in parts]
+        if all(isinstance(v, torch.Tensor) and v.dim() for v in values):
+            joined[key] = torch.cat([v.reshape(len(v), -1).squeeze(1) for v in values])
+        elif all(isinstance(v, (list, tuple)) for v in values):
+            joined[key] = [item for v in values for item in v]
+    return joined
+
+
+def decode_and_score(run: Run, traj: Trajectory, where: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The rollout's outputs decoded and scored by every reward, each phase on the run's clock:
+    the scores and each reward's per-sample details."""
     with run.clock.phase("decode"):
         outputs = decode(run, traj)
     metadata = [run.prompts.metadata(p) for p in traj.prompts]
     with run.clock.phase("reward"):
-        scores, _ = score(run.rewards, outputs, traj.prompts, metadata, where=where)
-    return scores
+        return score(run.rewards, outputs, traj.prompts, metadata, where=where)
 
 
 class RewardWorker:
@@ -240,17 +273,18 @@ class RewardWorker:
     def submit(self, chunk: Trajectory) -> None:
         self._futures.append(self._pool.submit(self._score, chunk))
 
-    def _score(self, chunk: Trajectory) -> dict[str, torch.Tensor]:
+    def _score(self, chunk: Trajectory) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         with torch.no_grad():
             return decode_and_score(self.run, chunk, self.where)
 
-    def scores(self) -> dict[str, torch.Tensor]:
-        """Every chunk's scores, concatenated in rollout order (waits for the last ones)."""
+    def scores(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Every chunk's scores and details, joined in rollout order (waits for the last ones)."""
         try:
             parts = [f.result() for f in self._futures]
         finally:
             self._pool.shutdown(wait=True, cancel_futures=True)
-        return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+        scores = {k: torch.cat([s[k] for s, _ in parts]) for k in parts[0][0]}
+        return scores, {k: cat_details([d[k] for _, d in parts]) for k in parts[0][1]}
 
 
 def advantages(run: Run, traj: Trajectory, scores: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import difflib
 import importlib.metadata as md
-import re
 from collections.abc import Mapping
 from typing import Any
 
 import attrs
+from packaging.requirements import InvalidRequirement, Requirement
 
 from fgrpo.core.config import ConfigError, RecipeError, check_params
+from fgrpo.core.shipped import missing_provider_hint
 
 #: kind -> entry-point group
 GROUPS: dict[str, str] = {
@@ -127,8 +128,6 @@ def entry(kind: str, name: str) -> Entry:
         close = difflib.get_close_matches(name, available, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         listing = ", ".join(available) or "none installed"
-        from fgrpo.core.shipped import missing_provider_hint
-
         provider = missing_provider_hint(kind, name)
         if provider is not None:  # a built-in name whose package is absent: say which to install
             raise UnknownComponent(f"unknown {kind} {name!r}: {provider}; available: {listing}")
@@ -136,11 +135,8 @@ def entry(kind: str, name: str) -> Entry:
     return _as_entry(kind, eps[name])
 
 
-_REQ_NAME = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)")
-
-
 def missing_requirements(entry: Entry) -> list[str]:
-    """Requirements of the entry point's extras that are not installed."""
+    """Requirements of the entry point's extras (on this Python and platform) that are not installed."""
     if not entry.extras:
         return []
     try:
@@ -148,19 +144,17 @@ def missing_requirements(entry: Entry) -> list[str]:
     except md.PackageNotFoundError:
         return []
     missing = []
-    for req in requires:
-        if ";" not in req:
+    for text in requires:
+        try:
+            req = Requirement(text)
+        except InvalidRequirement:
             continue
-        spec, marker = req.split(";", 1)
-        if not any(re.search(rf"extra\s*==\s*['\"]{re.escape(x)}['\"]", marker) for x in entry.extras):
-            continue
-        match = _REQ_NAME.match(spec)
-        if match is None:
+        if req.marker is None or not any(req.marker.evaluate({"extra": extra}) for extra in entry.extras):
             continue
         try:
-            md.distribution(match.group(1))
+            md.distribution(req.name)
         except md.PackageNotFoundError:
-            missing.append(match.group(1))
+            missing.append(req.name)
     return missing
 
 
@@ -241,7 +235,7 @@ def check_spec(kind: str, spec: Any, key: str = "") -> tuple[dict[str, Any], lis
 
 
 def _satisfies(kind: str, obj: Any) -> bool:
-    from fgrpo.core import protocols
+    from fgrpo.core import protocols  # lazy: it imports torch, which listing names never needs
 
     proto = {
         "kernel": protocols.Kernel,
@@ -259,14 +253,19 @@ def create(kind: str, name: str, **params: Any) -> Any:
 
     Raises :class:`RecipeError` listing all bad parameters, before anything heavy is built.
     """
-    cls = load(kind, name)
+    return build(kind, load(kind, name), params, name)
+
+
+def build(kind: str, cls: type, params: Mapping[str, Any], name: str = "") -> Any:
+    """Build ``cls`` (a component class, registered or not) from recipe keys, checked as
+    :func:`create` checks them."""
     checked, errors = check_params(cls, params, kind)
     if errors:
         raise RecipeError(errors)
     try:
         return cls(**checked)
     except (ValueError, OSError, ImportError) as exc:
-        raise BuildError(f"{kind} {name!r} could not be built: {exc}") from exc
+        raise BuildError(f"{kind} {name or cls.__name__!r} could not be built: {exc}") from exc
 
 
 def resolve(kind: str, spec: Any) -> Any:
@@ -275,3 +274,14 @@ def resolve(kind: str, spec: Any) -> Any:
         return spec
     name, params = split_spec(kind, spec, kind)
     return create(kind, name, **params)
+
+
+def component(kind: str, default: Any = attrs.NOTHING, *, help: str = "") -> Any:
+    """A recipe key holding a nested component of ``kind``: a registered name, a ``{name: ...,
+    **params}`` mapping, or a built object (``kernel: Any = component("kernel", default="sde")``).
+    It is checked with :func:`check_spec` and built with :func:`resolve`."""
+    return attrs.field(
+        default=default,
+        converter=lambda value: resolve(kind, value),
+        metadata={"fgrpo_kind": kind, "fgrpo_help": help, "fgrpo_check": check_spec},
+    )

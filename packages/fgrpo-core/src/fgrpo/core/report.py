@@ -147,7 +147,7 @@ def figures(rows: Sequence[Mapping[str, Any]]) -> list[tuple[str, str, list[str]
         if charts:
             figs.append((anchor, title, list(charts)))
 
-    train_rewards = [k for k in keys if k.startswith("reward/")]
+    train_rewards = [k for k in keys if k.startswith("reward/") and k.count("/") == 1]  # not reward/LABEL/DETAIL
     add("fig-reward", "Reward: training batches and held-out evaluation",
         line_chart([series(rows, "reward_mean", "train reward_mean"), series(rows, "eval/reward_mean")]
                    + ([series(rows, k) for k in train_rewards] if len(train_rewards) > 1 else []), title="reward"))

@@ -47,7 +47,7 @@ def iteration(run: Run, it: int) -> dict[str, Any]:
     traj = phases.rollout(run, it, on_chunk=worker.submit if worker else None)
     timing.synchronize(run.policy.device)
     t1 = time.perf_counter()
-    scores = worker.scores() if worker else phases.decode_and_score(run, traj, where)
+    scores, details = worker.scores() if worker else phases.decode_and_score(run, traj, where)
     t2 = time.perf_counter()
     adv, adv_stats = phases.advantages(run, traj, scores)
     stats = phases.update(run, traj, adv, it)
@@ -55,6 +55,7 @@ def iteration(run: Run, it: int) -> dict[str, Any]:
     metrics = {
         **adv_stats,
         **{f"reward/{k}": v.mean().item() for k, v in scores.items()},
+        **{f"reward/{k}/{key}": v for k, d in details.items() for key, v in phases.detail_means(d, by_category=False).items()},
         **phases.summarize(stats),
     }
     t3 = time.perf_counter()

@@ -7,7 +7,7 @@ prompt template; the answer is parsed into a number (``parse: number``) or a yes
 them, else 1/0 from the text). Requests run ``concurrency`` at a time, each with a timeout and
 retries with exponential backoff. An answer that cannot be parsed is an error, unless
 ``fallback`` is set: then that value is used, a warning is logged, and the sample's
-``fallback`` detail is 1 (its mean is reported by evaluation). The standard library only.
+``fallback`` detail is 1 (its mean is logged every iteration as ``reward/LABEL/fallback`` and by evaluation). The standard library only.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from PIL import Image
 
 from fgrpo.core.config import param
 from fgrpo.core.protocols import RewardResult
+from fgrpo.core.visuals import to_uint8
 from fgrpo.rewards.http import ServiceError, post, token_from_env
-from fgrpo.rewards.jpeg import to_uint8_images
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ class VLMJudge:
             return None, text
 
     def __call__(self, outputs: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> RewardResult:
-        images = to_uint8_images(outputs)
+        images = to_uint8(outputs)
         if len(images) != len(prompts):
             raise ValueError(f"vlm-judge got {len(images)} images for {len(prompts)} prompts")
         with ThreadPoolExecutor(max_workers=self.concurrency) as pool:

@@ -32,10 +32,9 @@ from typing import Any
 import attrs
 import torch
 
-from fgrpo.core import tensors
-from fgrpo.core.config import ConfigError, RecipeError, param
-from fgrpo.core.config import shown as config_shown
+from fgrpo.core import seeding, tensors
 from fgrpo.core.protocols import Kernel, Policy, Trajectory
+from fgrpo.samplers.schedules import Schedule, check_sigmas
 
 
 @attrs.frozen
@@ -48,119 +47,7 @@ class Step:
     phase: str  # NFE bookkeeping: "prefix", "window", "suffix", "flash", "sde", ...
 
 
-# --- recipe helpers ----------------------------------------------------------------------------
-
-
-def check_schedule(_instance: Any, _attribute: Any, value: Any) -> None:
-    """Validator of the ``schedule`` key: None or a mapping accepted by ``schedules.Schedule``."""
-    if value is None:
-        return
-    if not isinstance(value, Mapping):
-        raise ValueError(f"expected a mapping such as {{type: shift, shift: 3.0}} or null, got {value!r}")
-    from fgrpo.samplers.schedules import Schedule
-
-    try:
-        Schedule(**dict(value))
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"got {dict(value)!r}; {exc}") from None
-
-
-def key(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
-
-
-def kernel_error(spec: Any, prefix: str) -> ConfigError | None:
-    """An error if the kernel (a name, a {name: ...} mapping or a built kernel) is deterministic."""
-    from fgrpo.core import registry
-
-    target = spec
-    name = spec if isinstance(spec, str) else spec.get("name") if isinstance(spec, Mapping) else None
-    if name is not None:
-        try:
-            target = registry.load("kernel", str(name))
-        except registry.ComponentError:
-            return None  # reported by the registry's own check of the kernel key
-    shown = name if name is not None else type(spec).__name__
-    if not getattr(target, "stochastic", False):
-        return ConfigError(
-            key(prefix, "kernel"),
-            f"got the deterministic kernel {shown!r}; a sampler trains its kernel's steps and needs a "
-            "stochastic one (sde, dance, cps)",
-        )
-    if _silent(spec, name):
-        return ConfigError(
-            key(prefix, "kernel"),
-            f"got {config_shown(spec)}, which adds no noise at any step (std 0): a sampler trains its kernel's "
-            "steps and needs noise (a noise level such as eta > 0)",
-        )
-    return None
-
-
-def _silent(spec: Any, name: str | None) -> bool:
-    """Whether a stochastic kernel, as configured, has std 0 at every step of a probe schedule
-    (``sde`` with ``eta: 0`` is the ODE in disguise: nothing to train)."""
-    from fgrpo.core import registry
-
-    kernel = spec
-    if name is not None:
-        params = {k: v for k, v in spec.items() if k != "name"} if isinstance(spec, Mapping) else {}
-        try:
-            kernel = registry.create("kernel", str(name), **params)
-        except (RecipeError, registry.ComponentError):
-            return False  # its own keys are reported where they are checked
-    steps = 10
-    return not trainable(kernel, torch.linspace(1.0, 0.0, steps + 1), range(steps))
-
-
-def raise_errors(errors: Sequence[ConfigError | None]) -> None:
-    found = [e for e in errors if e is not None]
-    if found:
-        raise RecipeError(found)
-
-
-def field_values(instance: Any) -> dict[str, Any]:
-    """The recipe keys of a built component, as its ``check_keys`` expects them."""
-    return {f.name: getattr(instance, f.name) for f in attrs.fields(type(instance)) if f.init}
-
-
-def builtin_kernel(name: str) -> Kernel:
-    from fgrpo.core import registry
-
-    return registry.create("kernel", name)
-
-
-# --- the final sample --------------------------------------------------------------------------
-
-FINALS = ("sample", "x0", "ode")
-
-
-def final_param() -> Any:
-    """The ``final`` key every sampler shares."""
-    return param(
-        None,
-        choices=FINALS,
-        help="the final image: 'sample' = the last step's x' (flow_grpo), 'x0' = the last step's "
-        "predicted x0 = x - sigma v (DanceGRPO; MixGRPO drop_last_sample), 'ode' = a deterministic, "
-        "untrained last step; null = the kernel's reference (sde, cps: sample; dance: x0)",
-    )
-
-
-def resolve_final(final: str | None, kernel: Kernel) -> str:
-    """``final``, or when null what the kernel's reference implementation decodes."""
-    return final if final is not None else str(getattr(kernel, "reference_final", "sample"))
-
-
-def with_final(program: Sequence[Step], final: str, ode: Kernel) -> list[Step]:
-    """``program`` with its last step made a deterministic Euler step when ``final`` is 'ode'."""
-    last = program[-1]
-    if final != "ode" or not last.kernel.stochastic:
-        return list(program)
-    return [*program[:-1], Step(ode, last.sigmas, last.index, last.phase)]
-
-
-def stochastic_steps(program: Sequence[Step], kernel: Kernel) -> list[int]:
-    """Positions of the program that run ``kernel`` (the candidates for training)."""
-    return [position for position, step in enumerate(program) if step.kernel is kernel]
+FINALS = ("sample", "x0", "ode")  #: what a rollout may return as its final sample (see :func:`run`)
 
 
 # --- schedules, randomness ---------------------------------------------------------------------
@@ -168,14 +55,7 @@ def stochastic_steps(program: Sequence[Step], kernel: Kernel) -> list[int]:
 
 def main_sigmas(policy: Policy, steps: int, schedule: Mapping[str, Any] | None) -> torch.Tensor:
     """The sampling schedule: ``policy.sigmas(steps)`` or the configured ``Schedule``."""
-    if schedule is None:
-        sigmas = policy.sigmas(steps)
-    else:
-        from fgrpo.samplers.schedules import Schedule
-
-        sigmas = Schedule(**dict(schedule))(steps)
-    from fgrpo.samplers.schedules import check_sigmas
-
+    sigmas = policy.sigmas(steps) if schedule is None else Schedule(**dict(schedule))(steps)
     sigmas = check_sigmas(torch.as_tensor(sigmas).to(device=policy.device, dtype=torch.float32))
     if sigmas.shape != (steps + 1,):
         raise ValueError(f"sigmas: expected steps + 1 = {steps + 1} values, got {sigmas.shape[0]}")
@@ -190,12 +70,6 @@ def randint(low: int, high: int, generator: torch.Generator | None) -> int:
     """One integer uniformly in [low, high), drawn from ``generator``."""
     device = _generator_device(generator, torch.device("cpu"))
     return int(torch.randint(low, high, (1,), generator=generator, device=device).item())
-
-
-def randn(shape: Sequence[int], generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
-    """Standard normal float32 noise on ``device``, drawn on the generator's device."""
-    gdev = _generator_device(generator, device)
-    return torch.randn(tuple(shape), generator=generator, device=gdev, dtype=torch.float32).to(device)
 
 
 def step_stds(kernel: Kernel, sigmas: torch.Tensor, indices: Sequence[int]) -> dict[int, float]:
@@ -318,7 +192,7 @@ def run(
             calls += 1
             nfe[step.phase] = nfe.get(step.phase, 0) + rows * epc
 
-            noise = randn(x.shape, generator, device) if step.kernel.stochastic else None
+            noise = seeding.randn(x.shape, generator, device) if step.kernel.stochastic else None
             out = step.kernel.step(velocity, x, step.sigmas, step.index, noise=noise)
             if final == "x0" and position == len(program) - 1:
                 predicted_x0 = x - sigma.reshape(-1, *([1] * (x.dim() - 1))) * velocity.to(torch.float32)

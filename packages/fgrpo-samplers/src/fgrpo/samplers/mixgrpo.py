@@ -44,7 +44,7 @@ second order). A higher-order solver is never used before the window.
 Initial noise is shared within a group (``share_noise``, as MixGRPO does); then the ODE prefix
 before the window is computed once per prompt (``share_prefix``), see ``fast``.
 
-``final`` chooses the decoded image (see ``_rollout.final_param``); it only matters when the
+``final`` chooses the decoded image (see :func:`fgrpo.samplers.base.final_param`); it only matters when the
 window reaches the last step (the step after a window is deterministic, and its Euler step to
 sigma' = 0 already returns x0: MixGRPO's ``drop_last_sample`` changes nothing there).
 
@@ -54,15 +54,18 @@ State (``state_dict``): ``{"iteration": int, "window_start": int}``.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 import attrs
 import torch
 
-from fgrpo.core.config import ConfigError, component, param
-from fgrpo.core.protocols import Policy, Trajectory
-from fgrpo.samplers import _rollout
+from fgrpo.core.config import ConfigError, param
+from fgrpo.core.registry import component
+from fgrpo.core.seeding import generator as seeded_generator
+from fgrpo.samplers.base import EULER, GroupSampler, Plan, Step, final_param, key, schedule_param
+from fgrpo.samplers.kernels.dpmpp2m import DPMpp2MKernel
+from fgrpo.samplers.kernels.dpmpp3m import DPMpp3MKernel
 
 STRATEGIES = ("progressive", "decay", "exp_decay", "random")
 
@@ -84,7 +87,10 @@ def flash_sigmas(sigmas: torch.Tensor, last: int, ratio: float) -> torch.Tensor 
 
 
 @attrs.define
-class MixGRPOSampler:
+class MixGRPOSampler(GroupSampler):
+    """MixGRPO: a sliding window of stochastic, trained steps that moves with the iterations, Euler
+    steps before it and Euler or DPM-Solver++ (Flash) steps after it (see the module docstring)."""
+
     steps: int = param(10, ge=1, help="sampling steps")
     window: int = param(4, ge=1, help="consecutive stochastic (trained) steps")
     stride: int = param(1, ge=1, help="steps the window moves at each shift")
@@ -112,45 +118,36 @@ class MixGRPOSampler:
     share_noise: bool = param(True, help="the G samples of a prompt start from the same initial noise")
     share_prefix: bool = param(True, help="compute the ODE prefix once per prompt (needs share_noise)")
     seed: int = param(0, help="seeds the random strategy's window draws")
-    schedule: dict | None = param(
-        None,
-        validator=_rollout.check_schedule,
-        help="null: the model's own sigmas; else a schedule mapping, e.g. {type: shift, shift: 3.0}",
-    )
-    final: str | None = _rollout.final_param()
+    schedule: dict | None = schedule_param()
+    final: str | None = final_param()
     kernel: Any = component("kernel", default="sde", help="the stochastic kernel of the window")
     _iteration: int = attrs.field(init=False, default=0)
     _start: int = attrs.field(init=False, default=0)
-    _ode: Any = attrs.field(init=False, default=None, repr=False)
-    _dpm: Any = attrs.field(init=False, default=None, repr=False)
+    #: the Flash solver: stateful (its multistep history), so one per sampler
+    _dpm: Any = attrs.field(init=False, default=None, repr=False, eq=False)
+
+    nothing_to_train: ClassVar[str] = "the kernel has std 0 on the whole window {window} of {sigmas}"
 
     def __attrs_post_init__(self) -> None:
-        _rollout.raise_errors(self.check_keys(_rollout.field_values(self)))
+        super().__attrs_post_init__()
         self._start = self.window_start_at(0)
+        self._dpm = DPMpp2MKernel() if self.flash_order == 2 else DPMpp3MKernel()
 
     @classmethod
-    def check_keys(cls, keys: Mapping[str, Any], prefix: str = "sampler") -> list[ConfigError]:
-        """The errors that involve several keys (each key's own checks are its field's).
-
-        ``keys``: the recipe keys after the per-key checks (absent keys are not checked here).
-        """
-        errors = [_rollout.kernel_error(keys["kernel"], prefix)] if "kernel" in keys else []
-        if all(k in keys for k in ("steps", "window", "window_end")):
-            steps, window, given = keys["steps"], keys["window"], keys["window_end"]
-            end = steps - 2 if given is None else given
-            if not window <= end <= steps:
-                errors.append(
-                    ConfigError(
-                        _rollout.key(prefix, "window_end" if given is not None else "window"),
-                        f"the window of {window} steps must fit in [0, window_end = {end}) with "
-                        f"window_end <= steps ({steps}); window_end defaults to steps - 2",
-                    )
-                )
-        return [e for e in errors if e is not None]
-
-    def sigmas(self, policy: Policy, steps: int) -> torch.Tensor:
-        """This sampler's schedule with ``steps`` steps (evaluation integrates on it)."""
-        return _rollout.main_sigmas(policy, steps, self.schedule)
+    def check_own_keys(cls, keys: Mapping[str, Any], prefix: str) -> list[ConfigError]:
+        if not all(k in keys for k in ("steps", "window", "window_end")):
+            return []
+        steps, window, given = keys["steps"], keys["window"], keys["window_end"]
+        end = steps - 2 if given is None else given
+        if window <= end <= steps:
+            return []
+        return [
+            ConfigError(
+                key(prefix, "window_end" if given is not None else "window"),
+                f"the window of {window} steps must fit in [0, window_end = {end}) with "
+                f"window_end <= steps ({steps}); window_end defaults to steps - 2",
+            )
+        ]
 
     # --- the window schedule -------------------------------------------------------------------
 
@@ -190,7 +187,7 @@ class MixGRPOSampler:
         last = self.last_start
         if self.strategy == "random":
             shift = iteration // self.shift_every
-            rng = torch.Generator(device="cpu").manual_seed((self.seed * 1_000_003 + shift) % 2**63)
+            rng = seeded_generator(self.seed, "mixgrpo-window", shift)
             return int(torch.randint(0, last + 1, (1,), generator=rng).item())
         positions = list(range(0, last + 1, self.stride))
         if self.at_end == "stay" and positions[-1] != last:
@@ -226,49 +223,22 @@ class MixGRPOSampler:
 
     # --- the rollout ---------------------------------------------------------------------------
 
-    def rollout(
-        self,
-        policy: Policy,
-        prompts: Sequence[str],
-        group_size: int,
-        *,
-        generator: torch.Generator | None = None,
-    ) -> Trajectory:
+    def program(self, sigmas: torch.Tensor, generator: torch.Generator | None) -> Plan:
         start = self._start
-        sigmas = _rollout.main_sigmas(policy, self.steps, self.schedule)
         window = self.window_at(start)
-        if self._ode is None:
-            self._ode = _rollout.builtin_kernel("ode")
         last = window[-1]
-        program = [_rollout.Step(self._ode, sigmas, i, "prefix") for i in range(start)]
-        program += [_rollout.Step(self.kernel, sigmas, i, "window") for i in window]
+        steps = [Step(EULER, sigmas, i, "prefix") for i in range(start)]
+        steps += [Step(self.kernel, sigmas, i, "window") for i in window]
         info: dict[str, Any] = {"window_start": start, "window": window, "iteration": self._iteration}
         compressed = flash_sigmas(sigmas, last, self.flash_ratio) if self.flash else None
         if compressed is not None:
-            if self._dpm is None:
-                self._dpm = _rollout.builtin_kernel(f"dpmpp{self.flash_order}m")
-            program += [_rollout.Step(self._dpm, compressed, j, "flash") for j in range(len(compressed) - 1)]
+            steps += [Step(self._dpm, compressed, j, "flash") for j in range(len(compressed) - 1)]
             info["flash_sigmas"] = compressed.tolist()
         else:
-            program += [_rollout.Step(self._ode, sigmas, i, "suffix") for i in range(last + 1, self.steps)]
-        final = _rollout.resolve_final(self.final, self.kernel)
-        program = _rollout.with_final(program, final, self._ode)
-        trained = _rollout.trainable(self.kernel, sigmas, _rollout.stochastic_steps(program, self.kernel))
-        if not trained:
-            raise ValueError(f"the kernel has std 0 on the whole window {window} of {sigmas.tolist()}")
-        batch = len(prompts) * group_size
-        shared = start if (self.share_noise and self.share_prefix) else 0
-        return _rollout.run(
-            policy,
-            prompts,
-            group_size,
-            program=program,
-            sigmas=sigmas,
-            trained=torch.tensor(trained, dtype=torch.long).expand(batch, len(trained)).clone(),
-            share_noise=self.share_noise,
-            prefix=shared,
-            generator=generator,
+            steps += [Step(EULER, sigmas, i, "suffix") for i in range(last + 1, self.steps)]
+        return Plan(
+            steps,
+            prefix=start if (self.share_noise and self.share_prefix) else 0,
             phases=("prefix", "window", "flash" if self.flash else "suffix"),
             info=info,
-            final=final,
         )

@@ -8,9 +8,12 @@ Conformance bases a plugin's own tests subclass, as diffusers' scheduler tests d
         reward_name = "my-reward"
         ...
 
-``PolicyConformance`` does the same for backbones (fgrpo-models' ``fgrpo.models.testing`` adds
-the diffusers-specific checks and tiny pipelines); ``GaussianPolicy`` is a toy policy with a
-closed-form velocity for tests of samplers, objectives and the trainer.
+One base per protocol: ``KernelConformance``, ``SamplerConformance``, ``RewardConformance``,
+``PolicyConformance`` (fgrpo-models' ``fgrpo.models.testing`` adds the diffusers-specific checks
+and tiny pipelines) and ``ObjectiveConformance``. A kernel, sampler or objective under test is
+named by its entry point or, when it is not installed (defined in the test itself), given as a
+class (``kernel_class = MyKernel``). ``GaussianPolicy`` is a toy policy with a closed-form
+velocity for tests of samplers, objectives and the trainer.
 """
 
 from __future__ import annotations
@@ -20,15 +23,24 @@ import importlib
 try:  # detailed assertion messages inside the conformance bases, for plugin authors' tests
     import pytest
 
-    pytest.register_assert_rewrite("fgrpo.core.testing.kernels", "fgrpo.core.testing.rewards", "fgrpo.core.testing.policies")
+    pytest.register_assert_rewrite(
+        "fgrpo.core.testing._component",
+        "fgrpo.core.testing.kernels",
+        "fgrpo.core.testing.objectives",
+        "fgrpo.core.testing.policies",
+        "fgrpo.core.testing.rewards",
+        "fgrpo.core.testing.samplers",
+    )
 except ImportError:  # pytest is only needed to run the bases
     pass
 
 _EXPORTS = {
     "GaussianPolicy": "fgrpo.core.testing.toys",
     "KernelConformance": "fgrpo.core.testing.kernels",
+    "ObjectiveConformance": "fgrpo.core.testing.objectives",
     "PolicyConformance": "fgrpo.core.testing.policies",
     "RewardConformance": "fgrpo.core.testing.rewards",
+    "SamplerConformance": "fgrpo.core.testing.samplers",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,12 +1,12 @@
 """A conformance test suite for transition kernels (``fgrpo.kernels`` entry points).
 
-Subclass :class:`KernelConformance` in a test module, name the kernel and its parameters, and
-pytest runs every check of the :class:`fgrpo.core.protocols.Kernel` contract on it::
+Subclass :class:`KernelConformance` in a test module, name the kernel (or give its class) and its
+parameters, and pytest runs every check of the :class:`fgrpo.core.protocols.Kernel` contract on it::
 
-    from fgrpo.core.testing.kernels import KernelConformance
+    from fgrpo.core.testing import KernelConformance
 
     class TestMyKernel(KernelConformance):
-        kernel_name = "my-kernel"          # the entry-point name
+        kernel_name = "my-kernel"          # the entry-point name (or kernel_class = MyKernel)
         kernel_params = {"eta": 0.5}
 
 What is checked: construction through the registry (defaults, a bad parameter raises
@@ -29,9 +29,9 @@ import attrs
 import pytest
 import torch
 
-from fgrpo.core import registry
-from fgrpo.core.config import RecipeError, help_lines
+from fgrpo.core.config import RecipeError
 from fgrpo.core.protocols import Kernel, KernelStep
+from fgrpo.core.testing import _component
 
 
 def _shifted(steps: int, shift: float) -> list[float]:
@@ -44,6 +44,8 @@ class KernelConformance:
 
     #: the kernel's entry-point name in the ``fgrpo.kernels`` group
     kernel_name: ClassVar[str] = ""
+    #: or the kernel class itself (a kernel that is not installed, e.g. defined in a test)
+    kernel_class: ClassVar[type | None] = None
     #: parameters the kernel is built with for these checks
     kernel_params: ClassVar[dict[str, Any]] = {}
     #: parameters that must be refused with ``RecipeError`` (an unknown key works for any kernel)
@@ -65,7 +67,11 @@ class KernelConformance:
     # --- hooks ---------------------------------------------------------------------------------
 
     def make_kernel(self, **overrides: Any) -> Any:
-        return registry.create("kernel", self.kernel_name, **{**self.kernel_params, **overrides})
+        return self.build(**{**self.kernel_params, **overrides})
+
+    def build(self, **params: Any) -> Any:
+        """The kernel built from exactly ``params``, checked as a recipe's keys would be."""
+        return _component.build("kernel", self.kernel_name, self.kernel_class, params)
 
     def expected_log_prob(self, prev_sample: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
         """The log-prob the kernel must return (default: the normalised Gaussian density)."""
@@ -103,6 +109,12 @@ class KernelConformance:
         """A step with positive sigma' (every stochastic kernel has std > 0 there)."""
         return int(sigmas.shape[0]) - 3
 
+    def one_step(self, seed: int) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """(kernel, velocity, sample, sigmas, index): a step with positive sigma' on the first shape."""
+        sigmas = self.sigmas()
+        velocity, sample = self.inputs(self.shapes[0], seed=seed)
+        return self.make_kernel(), velocity, sample, sigmas, self.stochastic_index(sigmas)
+
     def _check_output(self, out: KernelStep, shape: tuple[int, ...]) -> None:
         assert isinstance(out, KernelStep)
         batch = shape[0]
@@ -118,20 +130,18 @@ class KernelConformance:
     # --- construction --------------------------------------------------------------------------
 
     def test_registry_defaults(self):
-        kernel = registry.create("kernel", self.kernel_name)
+        _component.check_registered_and_documented("kernel", self.kernel_name, self.kernel_class, docstring=True)
+        kernel = self.build()
         assert isinstance(kernel, Kernel)
         assert isinstance(type(kernel).stochastic, bool)
-        assert (type(kernel).__doc__ or "").strip(), "the kernel class needs a docstring with its formula"
-        for key, _default, help_text in help_lines(type(kernel)):
-            assert help_text, f"recipe key {key!r} has no help line"
         if attrs.has(type(kernel)):  # stochastic is a class attribute, not a recipe key
             assert "stochastic" not in {f.name for f in attrs.fields(type(kernel))}
 
     def test_bad_param_raises_recipe_error(self):
         with pytest.raises(RecipeError):
-            registry.create("kernel", self.kernel_name, **self.bad_params)
+            self.build(**self.bad_params)
         with pytest.raises(RecipeError, match="unknown key"):
-            registry.create("kernel", self.kernel_name, no_such_key=1)
+            self.build(no_such_key=1)
 
     # --- shapes, dtypes ------------------------------------------------------------------------
 
@@ -207,11 +217,8 @@ class KernelConformance:
     # --- randomness ----------------------------------------------------------------------------
 
     def test_noise_override(self):
-        kernel = self.make_kernel()
-        sigmas = self.sigmas()
+        kernel, velocity, sample, sigmas, index = self.one_step(seed=4)
         shape = self.shapes[0]
-        velocity, sample = self.inputs(shape, seed=4)
-        index = self.stochastic_index(sigmas)
         noise = torch.randn(shape, generator=torch.Generator().manual_seed(5))
         a = self.step(kernel, velocity, sample, sigmas, index, noise=noise)
         b = self.step(kernel, velocity, sample, sigmas, index, noise=noise.clone())
@@ -226,11 +233,8 @@ class KernelConformance:
             assert torch.equal(a.prev_sample, a.mean)
 
     def test_generator_reproducible(self):
-        kernel = self.make_kernel()
-        sigmas = self.sigmas()
+        kernel, velocity, sample, sigmas, index = self.one_step(seed=6)
         shape = self.shapes[0]
-        velocity, sample = self.inputs(shape, seed=6)
-        index = self.stochastic_index(sigmas)
 
         def run(seed):
             return self.step(kernel, velocity, sample, sigmas, index, generator=torch.Generator().manual_seed(seed))
@@ -314,11 +318,7 @@ class KernelConformance:
 
     def test_gradient_reaches_velocity(self):
         """The update differentiates the re-evaluated log-prob (stochastic) or x' (ODE) w.r.t. v."""
-        kernel = self.make_kernel()
-        sigmas = self.sigmas()
-        shape = self.shapes[0]
-        velocity, sample = self.inputs(shape, seed=16)
-        index = self.stochastic_index(sigmas)
+        kernel, velocity, sample, sigmas, index = self.one_step(seed=16)
         with torch.no_grad():
             out = self.step(kernel, velocity, sample, sigmas, index, generator=torch.Generator().manual_seed(1))
         v = (velocity + 0.05).requires_grad_(True)

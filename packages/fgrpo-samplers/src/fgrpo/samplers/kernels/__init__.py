@@ -7,6 +7,9 @@ keep a one- or two-step history: call ``reset()`` before each run). All arithmet
 
 A step whose ``std`` is zero (every step of ``ode``/``dpmpp2m``, the last step to sigma' = 0 of
 ``cps``, any step with eta = 0) is deterministic: its log-prob is 0 and it must not be trained.
+
+Every built-in kernel subclasses :class:`fgrpo.samplers.kernels.base.KernelBase` (input checks,
+noise, log-prob) and writes only its formula; a third-party kernel can do the same.
 """
 
 from fgrpo.samplers.kernels.cps import CPSKernel

@@ -9,12 +9,11 @@ import attrs
 import torch
 
 from fgrpo.core.config import param
-from fgrpo.core.protocols import KernelStep
-from fgrpo.samplers.kernels._common import finish, prepare
+from fgrpo.samplers.kernels.base import KernelBase, StepInputs
 
 
 @attrs.define
-class CPSKernel:
+class CPSKernel(KernelBase):
     """CPS step, sigma -> sigma'::
 
         std    = sigma' * sin(eta * pi / 2)
@@ -41,22 +40,11 @@ class CPSKernel:
         False, help="exact Gaussian log-density instead of the reference's unnormalised -(x'-mu)^2"
     )
 
-    def step(
-        self,
-        velocity: torch.Tensor,
-        sample: torch.Tensor,
-        sigmas: torch.Tensor,
-        index: int | torch.Tensor,
-        *,
-        noise: torch.Tensor | None = None,
-        prev_sample: torch.Tensor | None = None,
-        generator: torch.Generator | None = None,
-    ) -> KernelStep:
-        s = prepare(velocity, sample, sigmas, index, noise=noise, prev_sample=prev_sample)
+    def transition(self, s: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         x, v, sigma, sigma_next = s.sample, s.velocity, s.sigma, s.sigma_next
         std = sigma_next * math.sin(float(self.eta) * math.pi / 2)
         x0_hat = x - sigma * v
         x1_hat = x + (1 - sigma) * v
         # clamp: sigma'^2 - std^2 = (sigma' cos)^2 >= 0, but rounding may make it -1e-9 at eta = 1
         mean = x0_hat * (1 - sigma_next) + x1_hat * torch.sqrt((sigma_next**2 - std**2).clamp_min(0))
-        return finish(s, mean, std, generator=generator, normalized=self.normalized_logprob)
+        return mean, std

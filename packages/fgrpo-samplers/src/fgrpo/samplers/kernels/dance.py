@@ -8,12 +8,11 @@ import attrs
 import torch
 
 from fgrpo.core.config import param
-from fgrpo.core.protocols import KernelStep
-from fgrpo.samplers.kernels._common import finish, prepare
+from fgrpo.samplers.kernels.base import KernelBase, StepInputs
 
 
 @attrs.define
-class DanceKernel:
+class DanceKernel(KernelBase):
     """DanceGRPO step, sigma -> sigma' (dt = sigma' - sigma < 0), constant g = eta::
 
         x0_hat = x - sigma v;   score = -(x - (1 - sigma) x0_hat) / sigma^2
@@ -33,21 +32,10 @@ class DanceKernel:
 
     eta: float = param(0.3, ge=0, help="constant diffusion coefficient g = eta")
 
-    def step(
-        self,
-        velocity: torch.Tensor,
-        sample: torch.Tensor,
-        sigmas: torch.Tensor,
-        index: int | torch.Tensor,
-        *,
-        noise: torch.Tensor | None = None,
-        prev_sample: torch.Tensor | None = None,
-        generator: torch.Generator | None = None,
-    ) -> KernelStep:
-        s = prepare(velocity, sample, sigmas, index, noise=noise, prev_sample=prev_sample)
+    def transition(self, s: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         x, v, sigma, dt = s.sample, s.velocity, s.sigma, s.dt
         eta2 = float(self.eta) ** 2
         # -score * sigma = x + (1 - sigma) v, since x - (1 - sigma)(x - sigma v) = sigma (x + (1 - sigma) v)
         mean = x + dt * v + (0.5 * eta2) * (x + (1 - sigma) * v) * (dt / sigma)
         std = self.eta * torch.sqrt(-dt)
-        return finish(s, mean, std, generator=generator)
+        return mean, std

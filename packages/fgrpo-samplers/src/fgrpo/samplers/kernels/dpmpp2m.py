@@ -7,8 +7,7 @@ from typing import ClassVar, NamedTuple
 import attrs
 import torch
 
-from fgrpo.core.protocols import KernelStep
-from fgrpo.samplers.kernels._common import deterministic, prepare
+from fgrpo.samplers.kernels.base import KernelBase, StepInputs
 
 
 class History(NamedTuple):
@@ -18,7 +17,7 @@ class History(NamedTuple):
 
 
 @attrs.define
-class DPMpp2MKernel:
+class DPMpp2MKernel(KernelBase):
     """DPM-Solver++(2M) ODE step with alpha = 1 - sigma, lambda = log(alpha / sigma)::
 
         x0 = x - sigma v   (data prediction);   h = lambda' - lambda;   e^-h = alpha sigma' / (sigma alpha')
@@ -46,18 +45,7 @@ class DPMpp2MKernel:
         """Forget the previous step: the next step is first order."""
         self._history = None
 
-    def step(
-        self,
-        velocity: torch.Tensor,
-        sample: torch.Tensor,
-        sigmas: torch.Tensor,
-        index: int | torch.Tensor,
-        *,
-        noise: torch.Tensor | None = None,
-        prev_sample: torch.Tensor | None = None,
-        generator: torch.Generator | None = None,
-    ) -> KernelStep:
-        s = prepare(velocity, sample, sigmas, index, noise=noise, prev_sample=prev_sample)
+    def transition(self, s: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         x0 = s.sample - s.sigma * s.velocity
         out = first_order(s.sample, x0, s.sigma, s.sigma_next)
         hist = self._history
@@ -66,7 +54,7 @@ class DPMpp2MKernel:
             if bool(second.any()):
                 out = torch.where(second, out + second_order_term(x0, hist, s.sigma, s.sigma_next, second), out)
         self._history = History(x0.detach(), s.sigma, s.sigma_next)
-        return deterministic(s, out)
+        return out, None
 
 
 # --- the pieces DPM-Solver++(3M) shares ------------------------------------------------------------

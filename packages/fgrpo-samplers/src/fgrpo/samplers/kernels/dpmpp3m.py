@@ -7,8 +7,7 @@ from typing import ClassVar
 import attrs
 import torch
 
-from fgrpo.core.protocols import KernelStep
-from fgrpo.samplers.kernels._common import deterministic, prepare
+from fgrpo.samplers.kernels.base import KernelBase, StepInputs
 from fgrpo.samplers.kernels.dpmpp2m import (
     History,
     continues,
@@ -20,7 +19,7 @@ from fgrpo.samplers.kernels.dpmpp2m import (
 
 
 @attrs.define
-class DPMpp3MKernel:
+class DPMpp3MKernel(KernelBase):
     """DPM-Solver++(3M) ODE step (alpha = 1 - sigma, lambda = log(alpha / sigma), x0 = x - sigma v)::
 
         h = lambda' - lambda,  h0 = lambda - lambda_1,  h1 = lambda_1 - lambda_2,  r0 = h0/h,  r1 = h1/h
@@ -50,18 +49,7 @@ class DPMpp3MKernel:
         """Forget the previous steps: the next step is first order."""
         self._history = ()
 
-    def step(
-        self,
-        velocity: torch.Tensor,
-        sample: torch.Tensor,
-        sigmas: torch.Tensor,
-        index: int | torch.Tensor,
-        *,
-        noise: torch.Tensor | None = None,
-        prev_sample: torch.Tensor | None = None,
-        generator: torch.Generator | None = None,
-    ) -> KernelStep:
-        s = prepare(velocity, sample, sigmas, index, noise=noise, prev_sample=prev_sample)
+    def transition(self, s: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         x, sigma, sigma_next = s.sample, s.sigma, s.sigma_next
         x0 = x - sigma * s.velocity
         out = first_order(x, x0, sigma, sigma_next)
@@ -86,7 +74,7 @@ class DPMpp3MKernel:
         else:
             history = ()
         self._history = (*history[-1:], History(x0.detach(), sigma, sigma_next))
-        return deterministic(s, out)
+        return out, None
 
 
 def _third_order_terms(

@@ -7,12 +7,11 @@ from typing import ClassVar
 import attrs
 import torch
 
-from fgrpo.core.protocols import KernelStep
-from fgrpo.samplers.kernels._common import deterministic, prepare
+from fgrpo.samplers.kernels.base import KernelBase, StepInputs
 
 
 @attrs.define
-class ODEKernel:
+class ODEKernel(KernelBase):
     """Euler step of dx/dsigma = v: ``x' = x + dt * v`` with dt = sigma' - sigma < 0.
 
     Deterministic (``stochastic = False``): ``std`` and ``log_prob`` are zeros and ``mean`` is x'.
@@ -22,16 +21,5 @@ class ODEKernel:
 
     stochastic: ClassVar[bool] = False
 
-    def step(
-        self,
-        velocity: torch.Tensor,
-        sample: torch.Tensor,
-        sigmas: torch.Tensor,
-        index: int | torch.Tensor,
-        *,
-        noise: torch.Tensor | None = None,
-        prev_sample: torch.Tensor | None = None,
-        generator: torch.Generator | None = None,
-    ) -> KernelStep:
-        s = prepare(velocity, sample, sigmas, index, noise=noise, prev_sample=prev_sample)
-        return deterministic(s, s.sample + s.dt * s.velocity)
+    def transition(self, s: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return s.sample + s.dt * s.velocity, None

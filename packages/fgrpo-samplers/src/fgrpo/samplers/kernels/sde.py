@@ -8,12 +8,11 @@ import attrs
 import torch
 
 from fgrpo.core.config import param
-from fgrpo.core.protocols import KernelStep
-from fgrpo.samplers.kernels._common import finish, prepare
+from fgrpo.samplers.kernels.base import KernelBase, StepInputs
 
 
 @attrs.define
-class SDEKernel:
+class SDEKernel(KernelBase):
     """Flow-GRPO step, sigma -> sigma' (dt = sigma' - sigma < 0)::
 
         g   = eta * sqrt(sigma / (1 - sigma))        (sigma == 1: 1 - sigmas[1] in the denominator)
@@ -34,18 +33,7 @@ class SDEKernel:
 
     eta: float = param(0.7, ge=0, help="noise level eta of g(sigma) = eta*sqrt(sigma/(1-sigma))")
 
-    def step(
-        self,
-        velocity: torch.Tensor,
-        sample: torch.Tensor,
-        sigmas: torch.Tensor,
-        index: int | torch.Tensor,
-        *,
-        noise: torch.Tensor | None = None,
-        prev_sample: torch.Tensor | None = None,
-        generator: torch.Generator | None = None,
-    ) -> KernelStep:
-        s = prepare(velocity, sample, sigmas, index, noise=noise, prev_sample=prev_sample)
+    def transition(self, s: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         sigma, dt = s.sigma, s.dt
         # As the reference: at sigma == 1 the denominator uses sigmas[1] (1 - 1 would be 0).
         one_minus = 1 - torch.where(sigma == 1, s.sigmas[1], sigma)
@@ -55,4 +43,4 @@ class SDEKernel:
         v_coef = (1 + eta2 * (1 - sigma) / (2 * one_minus)) * dt  # (1 + g^2 (1-sigma)/(2 sigma)) dt
         mean = s.sample * x_coef + s.velocity * v_coef
         std = g * torch.sqrt(-dt)
-        return finish(s, mean, std, generator=generator)
+        return mean, std

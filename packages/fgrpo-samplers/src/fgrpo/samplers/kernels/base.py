@@ -1,4 +1,28 @@
-"""What every transition kernel shares: input checks, the sigma lookup, noise and the log-prob.
+"""The public base of a transition kernel: input checks, the sigma lookup, noise and the log-prob.
+
+A kernel is one short class that writes its formula and nothing else::
+
+    import attrs, torch
+    from typing import ClassVar
+    from fgrpo.core.config import param
+    from fgrpo.samplers.kernels.base import KernelBase, StepInputs
+
+    @attrs.define
+    class NoisyEulerKernel(KernelBase):
+        '''Euler step plus noise of std eta * sqrt(-dt): mu = x + dt v.'''
+
+        stochastic: ClassVar[bool] = True
+        eta: float = param(0.5, ge=0, help="noise level")
+
+        def transition(self, s: StepInputs):
+            return s.sample + s.dt * s.velocity, self.eta * torch.sqrt(-s.dt)
+
+:meth:`KernelBase.step` checks the arguments (:func:`prepare`; every ``ValueError`` names the
+argument, what was expected and what was given, as ``KernelConformance`` requires), hands them to
+``transition`` as float32 :class:`StepInputs`, then samples x' = mean + std * noise and evaluates
+its Gaussian log-prob (:func:`finish`), or for a deterministic kernel returns the computed state
+with std 0 and log-prob 0 (:func:`deterministic`). A kernel that does not fit that mould calls the
+same functions from its own ``step``.
 
 Numerics: every kernel casts ``velocity``, ``sample``, ``sigmas``, ``noise`` and ``prev_sample``
 to float32 before any arithmetic (whatever their dtype: bf16, fp16, float64) and returns float32
@@ -11,7 +35,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import torch
 
@@ -211,3 +235,42 @@ def deterministic(inputs: StepInputs, next_sample: torch.Tensor) -> KernelStep:
         std=inputs.zeros_std(),
         log_prob=torch.zeros(batch, dtype=torch.float32, device=next_sample.device),
     )
+
+
+class KernelBase:
+    """The base of a kernel whose step is a Gaussian N(mean, std^2) (or a deterministic map).
+
+    A subclass sets the class attribute ``stochastic`` and writes :meth:`transition`; its recipe
+    keys are attrs fields (``fgrpo.core.config.param``). ``normalized_logprob`` (a recipe key or a
+    class attribute; default true) chooses the exact Gaussian log-density or the unnormalised
+    -(x' - mu)^2 (see :func:`gaussian_log_prob`).
+    """
+
+    __slots__ = ()
+
+    #: whether the step has a std and a log-prob (and can be trained)
+    stochastic: ClassVar[bool]
+    normalized_logprob: ClassVar[bool] = True
+
+    def transition(self, s: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(mean, std) of x' given the checked inputs; a deterministic kernel returns (x', None)."""
+        raise NotImplementedError(f"{type(self).__name__} writes transition(s) -> (mean, std)")
+
+    def step(
+        self,
+        velocity: torch.Tensor,
+        sample: torch.Tensor,
+        sigmas: torch.Tensor,
+        index: int | torch.Tensor,
+        *,
+        noise: torch.Tensor | None = None,
+        prev_sample: torch.Tensor | None = None,
+        generator: torch.Generator | None = None,
+    ) -> KernelStep:
+        """:class:`fgrpo.core.protocols.Kernel`'s step: sample x' (or, with ``prev_sample``, only
+        evaluate its log-prob). ``noise`` and ``generator`` are ignored by deterministic kernels."""
+        s = prepare(velocity, sample, sigmas, index, noise=noise, prev_sample=prev_sample)
+        mean, std = self.transition(s)
+        if not self.stochastic:
+            return deterministic(s, mean)
+        return finish(s, mean, std, generator=generator, normalized=bool(self.normalized_logprob))

@@ -1,0 +1,175 @@
+"""``ObjectiveConformance``: the tests every policy objective (``fgrpo.objectives`` entry point) passes.
+
+An objective's test module subclasses it, names the objective (or gives its class) and its recipe
+keys; the checks call it on random minibatches of one trained step::
+
+    from fgrpo.core.testing import ObjectiveConformance
+
+    class TestMyObjective(ObjectiveConformance):
+        objective_name = "my-objective"              # the entry-point name (or objective_class = ...)
+        objective_params = {"clip_range": 1e-3, "beta": 0.04}
+
+What is checked: the entry point and every recipe key's help line; the ``Objective`` protocol
+(``needs_reference`` a bool); a bad key refused with ``RecipeError``; the loss is a finite scalar
+with gradient, the metrics finite detached scalars; the same batch gives the same loss and a
+reordered batch the same loss and metrics (samples are independent); on-policy (new log-probs equal
+to the stored ones) the gradient raises the log-prob of every sample with a positive advantage and
+lowers it for a negative one; an objective that asks for the reference uses it (moving the
+reference moves the loss) and one that does not never reads it (the trainer computes none);
+``check_recipe`` (optional) returns a list of errors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import attrs
+import pytest
+import torch
+
+from fgrpo.core.config import ConfigError, RecipeError
+from fgrpo.core.protocols import Objective, ObjectiveOutput, StepBatch
+from fgrpo.core.testing import _component
+
+
+class ObjectiveConformance:
+    """Subclass, set ``objective_name`` (or ``objective_class``) and ``objective_params``; pytest
+    collects the subclasses (``Test...``)."""
+
+    #: the objective's entry-point name in the ``fgrpo.objectives`` group
+    objective_name: ClassVar[str] = ""
+    #: or the objective class itself (an objective that is not installed, e.g. defined in a test)
+    objective_class: ClassVar[type | None] = None
+    #: recipe keys of the instance under test
+    objective_params: ClassVar[dict[str, Any]] = {}
+    #: keys that must be refused with ``RecipeError`` (an unknown key works for any objective)
+    bad_params: ClassVar[dict[str, Any]] = {"no_such_key": 1}
+    #: samples per minibatch and the shape of one sample
+    batch_size: ClassVar[int] = 6
+    shape: ClassVar[tuple[int, ...]] = (2, 3)
+    #: tolerance of "the same loss" for a reordered batch (sums in another order)
+    atol: ClassVar[float] = 1e-6
+
+    # --- hooks ----------------------------------------------------------------------------------
+
+    def make_objective(self, **overrides: Any) -> Any:
+        params = {**self.objective_params, **overrides}
+        return _component.build("objective", self.objective_name, self.objective_class, params)
+
+    def make_batch(self, *, seed: int = 0, on_policy: bool = True, reference: bool = True) -> StepBatch:
+        """A minibatch of one trained step: advantages of both signs (none zero), positive stds,
+        negative dts; ``on_policy``: the new log-probs and means equal the stored ones. The new
+        log-prob, mean and velocity are leaves with gradient."""
+        g = torch.Generator().manual_seed(seed)
+        b = self.batch_size
+
+        def randn(*shape: int) -> torch.Tensor:
+            return torch.randn(shape, generator=g)
+
+        old_log_prob, old_mean = randn(b), randn(b, *self.shape)
+        drift = 0.0 if on_policy else 1.0
+        velocity = randn(b, *self.shape)
+        signs = torch.tensor([(-1.0) ** i for i in range(b)])
+        return StepBatch(
+            log_prob=(old_log_prob + drift * 0.01 * randn(b)).requires_grad_(True),
+            old_log_prob=old_log_prob,
+            advantages=signs * (0.2 + torch.rand(b, generator=g)),
+            mean=(old_mean + drift * 0.01 * randn(b, *self.shape)).requires_grad_(True),
+            old_mean=old_mean,
+            std=0.1 + 0.4 * torch.rand(b, generator=g),
+            dt=-(0.05 + 0.1 * torch.rand(b, generator=g)),
+            velocity=velocity.requires_grad_(True),
+            ref_mean=(old_mean + 0.05 * randn(b, *self.shape)) if reference else None,
+            ref_velocity=(velocity.detach() + 0.05 * randn(b, *self.shape)) if reference else None,
+        )
+
+    def call(self, objective: Any, batch: StepBatch) -> ObjectiveOutput:
+        out = objective(batch)
+        assert isinstance(out, ObjectiveOutput), f"the objective returned {type(out).__name__}, expected ObjectiveOutput"
+        return out
+
+    # --- construction ---------------------------------------------------------------------------
+
+    def test_registered_with_documented_keys(self) -> None:
+        _component.check_registered_and_documented("objective", self.objective_name, self.objective_class, docstring=True)
+
+    def test_satisfies_protocol(self) -> None:
+        objective = self.make_objective()
+        assert isinstance(objective, Objective)
+        assert isinstance(objective.needs_reference, bool)
+
+    def test_bad_params_raise_recipe_error(self) -> None:
+        with pytest.raises(RecipeError):
+            self.make_objective(**self.bad_params)
+
+    # --- the loss -------------------------------------------------------------------------------
+
+    def test_loss_and_metrics(self) -> None:
+        batch = self.make_batch(on_policy=False)
+        out = self.call(self.make_objective(), batch)
+        assert out.loss.ndim == 0 and out.loss.is_floating_point() and torch.isfinite(out.loss)
+        assert out.loss.requires_grad, "the loss carries no gradient"
+        for name, value in out.metrics.items():
+            assert isinstance(value, torch.Tensor) and value.ndim == 0, f"metric {name!r} is not a 0-d tensor"
+            assert not value.requires_grad, f"metric {name!r} is not detached"
+            assert torch.isfinite(value), f"metric {name!r} = {value}"
+        out.loss.backward()
+        grads = [t.grad for t in (batch.log_prob, batch.mean, batch.velocity) if t.grad is not None]
+        assert grads and all(torch.isfinite(g).all() for g in grads)
+
+    def test_deterministic(self) -> None:
+        objective = self.make_objective()
+        a = self.call(objective, self.make_batch(seed=1, on_policy=False)).loss
+        b = self.call(objective, self.make_batch(seed=1, on_policy=False)).loss
+        assert torch.equal(a, b)
+
+    def test_samples_are_independent(self) -> None:
+        """A reordered minibatch gives the same loss and metrics."""
+        objective = self.make_objective()
+        batch = self.make_batch(seed=2, on_policy=False)
+        order = torch.roll(torch.arange(self.batch_size), 1)
+        moved = StepBatch(**{
+            f.name: None if getattr(batch, f.name) is None else getattr(batch, f.name).detach()[order]
+            for f in attrs.fields(StepBatch)
+        })
+        a, b = self.call(objective, batch), self.call(objective, moved)
+        torch.testing.assert_close(b.loss, a.loss.detach(), atol=self.atol, rtol=0)
+        for name, value in a.metrics.items():
+            torch.testing.assert_close(b.metrics[name], value, atol=self.atol, rtol=0, msg=name)
+
+    def test_on_policy_gradient_follows_the_advantage(self) -> None:
+        """d loss / d log_prob_i has the sign of -A_i: descent raises the log-prob of a sample with a
+        positive advantage and lowers it for a negative one."""
+        batch = self.make_batch(seed=3)
+        self.call(self.make_objective(), batch).loss.backward()
+        grad, adv = batch.log_prob.grad, batch.advantages
+        assert grad is not None, "the loss does not depend on the new log-probs"
+        assert torch.all(torch.sign(grad) == -torch.sign(adv)), f"gradient {grad.tolist()} for advantages {adv.tolist()}"
+
+    # --- the reference --------------------------------------------------------------------------
+
+    def test_reference_used_only_when_asked_for(self) -> None:
+        objective = self.make_objective()
+        with_ref = self.call(objective, self.make_batch(seed=4, on_policy=False)).loss
+        if not objective.needs_reference:
+            without = self.call(objective, self.make_batch(seed=4, on_policy=False, reference=False)).loss
+            assert torch.equal(with_ref, without), "the loss depends on a reference the objective did not ask for"
+            return
+        batch = self.make_batch(seed=4, on_policy=False)
+        moved = attrs.evolve(batch, ref_mean=batch.ref_mean + 0.5, ref_velocity=batch.ref_velocity + 0.5)
+        assert not torch.equal(self.call(objective, moved).loss, with_ref), "moving the reference did not move the loss"
+
+    def test_check_recipe(self) -> None:
+        check = getattr(self.make_objective(), "check_recipe", None)
+        if check is None:
+            pytest.skip("no check_recipe")
+        resolved: Mapping[str, Any] = {
+            "objective": {"name": self.objective_name or "objective", **self.objective_params},
+            "sampler": {"name": "full", "kernel": {"name": "sde", "eta": 0.7}},
+        }
+        errors = check(resolved)
+        assert isinstance(errors, list) and all(isinstance(e, ConfigError) for e in errors)
+
+
+__all__ = ["ObjectiveConformance"]

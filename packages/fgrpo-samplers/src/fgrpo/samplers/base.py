@@ -1,0 +1,265 @@
+"""The public base of a group sampler: what every sampler declares, checks and leaves to the rollout.
+
+A sampler decides *which kernel runs each step* and *which steps are trained*; :class:`GroupSampler`
+does the rest (the schedule, the ``final`` sample, the steps a kernel with std 0 cannot train, the
+group rollout of :func:`fgrpo.samplers._rollout.run`). A sampler is an attrs class whose fields are
+its recipe keys and which writes :meth:`GroupSampler.program`::
+
+    import attrs
+    from typing import Any
+    from fgrpo.core.config import param
+    from fgrpo.core.registry import component
+    from fgrpo.samplers.base import EULER, GroupSampler, Plan, Step, final_param, schedule_param
+
+    @attrs.define
+    class LastStepsSampler(GroupSampler):
+        steps: int = param(10, ge=1, help="sampling steps")
+        last: int = param(2, ge=1, help="stochastic (trained) steps at the end")
+        share_noise: bool = param(False, help="the G samples of a prompt start from the same noise")
+        schedule: dict | None = schedule_param()
+        final: str | None = final_param()
+        kernel: Any = component("kernel", default="sde", help="the stochastic kernel")
+
+        def program(self, sigmas, generator):  # Euler steps, then the kernel's
+            first = self.steps - self.last
+            euler = [Step(EULER, sigmas, i, "ode") for i in range(first)]
+            return Plan(euler + [Step(self.kernel, sigmas, i, "sde") for i in range(first, self.steps)])
+
+The built-in samplers take their deterministic steps with the built-in kernels directly
+(:data:`EULER`, DPM-Solver++), not through the registry: a plugin that registers a kernel under
+the same name changes what recipes name, never the inside of a sampler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+import attrs
+import torch
+
+from fgrpo.core import registry
+from fgrpo.core.config import ConfigError, RecipeError, param, shown
+from fgrpo.core.protocols import Kernel, Policy, Trajectory
+from fgrpo.samplers import _rollout
+from fgrpo.samplers._rollout import FINALS, Step, main_sigmas, trainable
+from fgrpo.samplers.kernels.ode import ODEKernel
+from fgrpo.samplers.schedules import Schedule
+
+#: the deterministic Euler step every built-in sampler takes outside its stochastic steps (stateless)
+EULER = ODEKernel()
+
+
+# --- recipe keys every sampler shares -----------------------------------------------------------
+
+
+def check_schedule(_instance: Any, _attribute: Any, value: Any) -> None:
+    """Validator of the ``schedule`` key: None or a mapping accepted by ``schedules.Schedule``."""
+    if value is None:
+        return
+    if not isinstance(value, Mapping):
+        raise ValueError(f"expected a mapping such as {{type: shift, shift: 3.0}} or null, got {value!r}")
+    try:
+        Schedule(**dict(value))
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"got {dict(value)!r}; {exc}") from None
+
+
+def schedule_param() -> Any:
+    """The ``schedule`` key every sampler shares."""
+    return param(
+        None,
+        validator=check_schedule,
+        help="null: the model's own sigmas; else a schedule mapping, e.g. {type: shift, shift: 3.0}",
+    )
+
+
+def final_param() -> Any:
+    """The ``final`` key every sampler shares."""
+    return param(
+        None,
+        choices=FINALS,
+        help="the final image: 'sample' = the last step's x' (flow_grpo), 'x0' = the last step's "
+        "predicted x0 = x - sigma v (DanceGRPO; MixGRPO drop_last_sample), 'ode' = a deterministic, "
+        "untrained last step; null = the kernel's reference (sde, cps: sample; dance: x0)",
+    )
+
+
+def key(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def kernel_error(spec: Any, prefix: str) -> ConfigError | None:
+    """An error if the kernel (a name, a {name: ...} mapping or a built kernel) is deterministic."""
+    target = spec
+    name = spec if isinstance(spec, str) else spec.get("name") if isinstance(spec, Mapping) else None
+    if name is not None:
+        try:
+            target = registry.load("kernel", str(name))
+        except registry.ComponentError:
+            return None  # reported by the registry's own check of the kernel key
+    shown_name = name if name is not None else type(spec).__name__
+    if not getattr(target, "stochastic", False):
+        return ConfigError(
+            key(prefix, "kernel"),
+            f"got the deterministic kernel {shown_name!r}; a sampler trains its kernel's steps and needs a "
+            "stochastic one (sde, dance, cps)",
+        )
+    if _silent(spec, name):
+        return ConfigError(
+            key(prefix, "kernel"),
+            f"got {shown(spec)}, which adds no noise at any step (std 0): a sampler trains its kernel's "
+            "steps and needs noise (a noise level such as eta > 0)",
+        )
+    return None
+
+
+def _silent(spec: Any, name: str | None) -> bool:
+    """Whether a stochastic kernel, as configured, has std 0 at every step of a probe schedule
+    (``sde`` with ``eta: 0`` is the ODE in disguise: nothing to train)."""
+    kernel = spec
+    if name is not None:
+        params = {k: v for k, v in spec.items() if k != "name"} if isinstance(spec, Mapping) else {}
+        try:
+            kernel = registry.create("kernel", str(name), **params)
+        except (RecipeError, registry.ComponentError):
+            return False  # its own keys are reported where they are checked
+    steps = 10
+    return not trainable(kernel, torch.linspace(1.0, 0.0, steps + 1), range(steps))
+
+
+# --- the final sample --------------------------------------------------------------------------
+
+
+def resolve_final(final: str | None, kernel: Kernel) -> str:
+    """``final``, or when null what the kernel's reference implementation decodes."""
+    return final if final is not None else str(getattr(kernel, "reference_final", "sample"))
+
+
+def with_final(program: Sequence[Step], final: str) -> list[Step]:
+    """``program`` with its last step made a deterministic Euler step when ``final`` is 'ode'."""
+    last = program[-1]
+    if final != "ode" or not last.kernel.stochastic:
+        return list(program)
+    return [*program[:-1], Step(EULER, last.sigmas, last.index, last.phase)]
+
+
+def stochastic_steps(program: Sequence[Step], kernel: Kernel) -> list[int]:
+    """Positions of the program that run ``kernel`` (the candidates for training)."""
+    return [position for position, step in enumerate(program) if step.kernel is kernel]
+
+
+# --- the sampler -------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Plan:
+    """What one rollout runs: the steps in order, how many of them the group shares.
+
+    ``prefix``: the first steps computed once per prompt (deterministic, untrained; needs
+    ``share_noise``). ``phases``: the NFE keys always reported. ``info``: logged with the rollout.
+    """
+
+    steps: list[Step]
+    prefix: int = 0
+    phases: tuple[str, ...] = ()
+    info: dict[str, Any] = attrs.Factory(dict)
+
+
+class GroupSampler:
+    """The base of a sampler (:class:`fgrpo.core.protocols.Sampler`); see the module docstring.
+
+    A subclass is an attrs class with at least the keys ``steps``, ``share_noise``, ``schedule``
+    (:func:`schedule_param`), ``final`` (:func:`final_param`) and ``kernel`` (a ``component``).
+    It writes :meth:`program`, and may override :meth:`trained_steps` (which of the kernel's
+    steps are trained), :meth:`check_own_keys` (rules between its own keys) and the state methods
+    (``advance``, ``state_dict``, ``load_state_dict``; stateless by default).
+    """
+
+    __slots__ = ()
+
+    kernel: Kernel
+    steps: int
+    share_noise: bool
+    schedule: Mapping[str, Any] | None
+    final: str | None
+
+    #: what ``rollout`` says when the kernel has std 0 at every step it would train
+    nothing_to_train: ClassVar[str] = "the kernel has std 0 at every step of {sigmas}: nothing to train"
+
+    def __attrs_post_init__(self) -> None:
+        errors = self.check_keys({f.name: getattr(self, f.name) for f in attrs.fields(type(self)) if f.init})
+        if errors:
+            raise RecipeError(errors)
+
+    @classmethod
+    def check_keys(cls, keys: Mapping[str, Any], prefix: str = "sampler") -> list[ConfigError]:
+        """The errors that involve several keys (each key's own checks are its field's).
+
+        ``keys``: the recipe keys after the per-key checks (absent keys are not checked here).
+        """
+        errors = [kernel_error(keys["kernel"], prefix)] if "kernel" in keys else []
+        errors += cls.check_own_keys(keys, prefix)
+        return [e for e in errors if e is not None]
+
+    @classmethod
+    def check_own_keys(cls, keys: Mapping[str, Any], prefix: str) -> list[ConfigError]:
+        """Rules between this sampler's own keys (see :meth:`check_keys`)."""
+        return []
+
+    def sigmas(self, policy: Policy, steps: int) -> torch.Tensor:
+        """This sampler's schedule with ``steps`` steps (evaluation integrates on it)."""
+        return main_sigmas(policy, steps, self.schedule)
+
+    def program(self, sigmas: torch.Tensor, generator: torch.Generator | None) -> Plan:
+        """The steps of one rollout on ``sigmas`` (the main schedule of ``steps`` steps)."""
+        raise NotImplementedError(f"{type(self).__name__} writes program(sigmas, generator) -> Plan")
+
+    def trained_steps(self, candidates: list[int], batch: int, generator: torch.Generator | None) -> torch.Tensor:
+        """(batch, S) program positions to train, from the kernel's steps with std > 0 (all of them)."""
+        return torch.tensor(candidates, dtype=torch.long).expand(batch, len(candidates)).clone()
+
+    def rollout(
+        self,
+        policy: Policy,
+        prompts: Sequence[str],
+        group_size: int,
+        *,
+        generator: torch.Generator | None = None,
+    ) -> Trajectory:
+        sigmas = self.sigmas(policy, self.steps)
+        plan = self.program(sigmas, generator)
+        final = resolve_final(self.final, self.kernel)
+        steps = with_final(plan.steps, final)
+        candidates = trainable(self.kernel, sigmas, stochastic_steps(steps, self.kernel))
+        if not candidates:
+            raise ValueError(self.nothing_to_train.format(sigmas=sigmas.tolist(), **plan.info))
+        return _rollout.run(
+            policy,
+            prompts,
+            group_size,
+            program=steps,
+            sigmas=sigmas,
+            trained=self.trained_steps(candidates, len(prompts) * group_size, generator),
+            share_noise=self.share_noise,
+            prefix=plan.prefix,
+            generator=generator,
+            phases=plan.phases,
+            info=plan.info,
+            final=final,
+        )
+
+    def advance(self, iteration: int) -> None:
+        """Called at the start of every iteration; nothing moves by default."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        pass
+
+
+__all__ = [
+    "EULER", "GroupSampler", "Plan", "Step", "check_schedule", "final_param", "kernel_error", "resolve_final",
+    "schedule_param", "stochastic_steps", "with_final",
+]
