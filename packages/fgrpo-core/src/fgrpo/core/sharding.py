@@ -57,8 +57,8 @@ def _dtensor_type() -> type | None:
 
 
 def is_sharded_tensor(t: Any) -> bool:
-    kind = _dtensor_type()
-    return kind is not None and isinstance(t, kind)
+    dtensor = _dtensor_type()
+    return dtensor is not None and isinstance(t, dtensor)
 
 
 def kind(accelerator: Any) -> str:
