@@ -100,10 +100,11 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.mark.parametrize("name", ["ddp.yaml", "cpu.yaml", "fsdp-lora.yaml", "fsdp-full.yaml"])
+@pytest.mark.parametrize("name", ["ddp.yaml", "cpu.yaml", "fsdp-lora.yaml", "fsdp-full.yaml", "deepspeed-zero2.yaml"])
 def test_shipped_accelerate_configs_are_valid(name):
-    """Each config reads with accelerate's own loader, is a kind fgrpo runs (data parallel, or
-    FSDP2 sharding one unit per transformer block) and is documented with its launch command."""
+    """Each config reads with accelerate's own loader, is a kind fgrpo runs (data parallel, FSDP2
+    sharding one unit per transformer block, DeepSpeed ZeRO-2 without offloading) and is
+    documented with its launch command."""
     from accelerate.commands.config.config_args import ClusterConfig, load_config_from_file
 
     config = load_config_from_file(str(CONFIGS / name))
@@ -114,13 +115,20 @@ def test_shipped_accelerate_configs_are_valid(name):
         assert config.fsdp_config["fsdp_version"] == 2
         assert config.fsdp_config["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
         assert not config.fsdp_config["fsdp_offload_params"] and not config.fsdp_config["fsdp_activation_checkpointing"]
+    elif name.startswith("deepspeed"):
+        assert kind == "DEEPSPEED"
+        assert config.deepspeed_config["zero_stage"] == 2
+        assert config.deepspeed_config["offload_optimizer_device"] == config.deepspeed_config["offload_param_device"] == "none"
+        assert "gradient_clipping" not in config.deepspeed_config  # fgrpo passes train.max_grad_norm
     else:
         assert kind == "MULTI_GPU"  # data parallel
     assert config.num_processes >= 2 and config.mixed_precision in ("no", "bf16")
     text = (CONFIGS / name).read_text()
     assert f"accelerate launch --config_file recipes/accelerate/{name}" in text
     assert f"`{name}`" in (CONFIGS / "README.md").read_text()
-    assert sorted(p.name for p in CONFIGS.glob("*.yaml")) == ["cpu.yaml", "ddp.yaml", "fsdp-full.yaml", "fsdp-lora.yaml"]
+    assert sorted(p.name for p in CONFIGS.glob("*.yaml")) == [
+        "cpu.yaml", "ddp.yaml", "deepspeed-zero2.yaml", "fsdp-full.yaml", "fsdp-lora.yaml",
+    ]
 
 
 @pytest.mark.slow

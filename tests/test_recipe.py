@@ -23,3 +23,18 @@ def test_weighted_reward_list(root):
     )
     recipe = recipe_mod.from_text(text)
     assert [(r.label, r.weight) for r in recipe.rewards] == [("target-distance", 0.7), ("t2", 0.3)]
+
+
+def test_a_bare_no_is_the_word_no_where_a_choice_allows_it(root):
+    """YAML 1.1 reads `mixed_precision: no` (and --set ...=no) as false; where the key's choices
+    include the word, it means the word; elsewhere a boolean is still refused."""
+    recipe = recipe_mod.load(root / "recipes" / "vector.yaml", ["train.mixed_precision=no"])
+    assert recipe.train.mixed_precision == "no"
+    text = (root / "recipes" / "vector.yaml").read_text()
+    assert recipe_mod.from_text(text.replace("train: {", "train: {mixed_precision: no, ")).train.mixed_precision == "no"
+    try:
+        recipe_mod.load(root / "recipes" / "vector.yaml", ["train.lr_schedule=no"])
+    except recipe_mod.RecipeError as exc:
+        assert "lr_schedule" in str(exc) and "False" in str(exc)
+    else:
+        raise AssertionError("a boolean where no choice is a yes/no word must be refused")

@@ -70,7 +70,7 @@ def rows(run_dir: Path) -> list[dict]:
 
 
 def without_timing(table: list[dict]) -> list[dict]:
-    return [{k: v for k, v in row.items() if not k.startswith(("time_", "samples_per_s"))} for row in table]
+    return [{k: v for k, v in row.items() if not k.startswith(("time_", "samples_per_s", "threads"))} for row in table]
 
 
 def last(run_dir: Path) -> Path:
@@ -82,80 +82,123 @@ def optimizer_tensors(run_dir: Path) -> dict:
     return {(i, k): v for i, per_param in state.items() for k, v in per_param.items()}
 
 
+SHARDED = [
+    pytest.param("fsdp", "lora", id="fsdp-lora"),
+    pytest.param("fsdp", "full", id="fsdp-full", marks=pytest.mark.slow),
+    pytest.param("deepspeed", "lora", id="deepspeed-lora", marks=pytest.mark.slow),
+    pytest.param("deepspeed", "full", id="deepspeed-full", marks=pytest.mark.slow),
+]
+
+
+def needs(kind: str) -> None:
+    if kind == "deepspeed":
+        pytest.importorskip("deepspeed", reason="DeepSpeed runs need the deepspeed package (fgrpo-core[deepspeed])")
+
+
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("variant", ["lora", pytest.param("full", marks=pytest.mark.slow)])
-def test_sharded_run_equals_data_parallel_and_resumes_exactly(variant, tiny_sd3, tmp_path):
+@pytest.mark.parametrize("kind, variant", SHARDED)
+def test_sharded_run_equals_data_parallel_and_resumes_exactly(kind, variant, tiny_sd3, tmp_path):
+    """FSDP2 (one test in the default run, about 35 s) and DeepSpeed ZeRO-2 (slow: DeepSpeed
+    compiles its CPU communication op once, about 100 s), LoRA and full fine-tuning."""
+    needs(kind)
     recipe = sd3_recipe(tmp_path, tiny_sd3, lora=variant == "lora")
     launcher = [str(BIN / "torchrun"), "--nnodes", "1", "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(free_port())]
     done = subprocess.run(
-        [*launcher, str(HERE / "fsdp_worker.py"), str(recipe), str(tmp_path / "runs"), "3"],
-        env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}, timeout=600, capture_output=True, text=True,
+        [*launcher, str(HERE / "sharded_worker.py"), kind, str(recipe), str(tmp_path / "runs"), "3"],
+        env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}, timeout=900, capture_output=True, text=True,
     )
     assert done.returncode == 0, done.stderr[-4000:]
     runs = tmp_path / "runs"
     report = [json.loads((runs / f"report-rank{r}.json").read_text()) for r in (0, 1)]
-    ddp, fsdp = report[0]["ddp"], report[0]["fsdp"]
-    assert not ddp["sharded"] and not ddp["dtensor"]
-    # sharded for real: DTensor parameters, each process holding half of a tensor
-    assert fsdp["sharded"] and fsdp["dtensor"] and fsdp["local_numel"] * 2 == fsdp["numel"]
+    ddp, sharded = report[0]["ddp"], report[0]["sharded"]
+    assert not ddp["sharded"] and ddp["stepped_numel"] == ddp["trainable_numel"]
+    # sharded for real: each process holds and steps about half of the optimizer state
+    assert sharded["kind"] == kind.upper() and sharded["sharded"] and sharded["dtensor"] == (kind == "fsdp")
+    assert sharded["trainable_numel"] / 2 <= sharded["stepped_numel"] < sharded["trainable_numel"]
     assert report[0]["resumed"]["start"] == 2
     # process 1 trains on fewer samples: it pads with passes that change nothing, process 0 never
-    assert report[1]["fsdp"]["padding_passes"] > 0 and report[0]["fsdp"]["padding_passes"] == 0
+    assert report[1]["sharded"]["padding_passes"] > 0 and report[0]["sharded"]["padding_passes"] == 0
     assert report[1]["ddp"]["padding_passes"] == 0
 
-    # on-policy under FSDP as under data parallel: the first ratio of every iteration is 1 (within
+    # on-policy sharded as under data parallel: the first ratio of every iteration is 1 (within
     # fgrpo check's 1e-6: one pair per forward here, the rollout's forwards held two samples)
-    for name in ("ddp", "fsdp", "resumed"):
+    for name in ("ddp", "sharded", "resumed"):
         deviations = [r["first_ratio_deviation"] for r in rows(runs / name) if "first_ratio_deviation" in r]
         assert len(deviations) == 3 and max(deviations) <= 1e-6, (name, deviations)
     # the same run: weights, EMA, optimizer moments and metrics within float tolerance
     files = ["trainable.safetensors", "ema.safetensors"] + (["export/pytorch_lora_weights.safetensors"] if variant == "lora" else [])
     for name in files:
-        a, b = load_file(str(last(runs / "ddp") / name)), load_file(str(last(runs / "fsdp") / name))
+        a, b = load_file(str(last(runs / "ddp") / name)), load_file(str(last(runs / "sharded") / name))
         assert a.keys() == b.keys() and a, name
         for key in a:
             torch.testing.assert_close(b[key], a[key], rtol=0, atol=1e-5, msg=lambda m: f"{name} {key}: {m}")
-    a, b = optimizer_tensors(runs / "ddp"), optimizer_tensors(runs / "fsdp")
+    a, b = optimizer_tensors(runs / "ddp"), optimizer_tensors(runs / "sharded")
     assert a.keys() == b.keys()
     for key in a:
         torch.testing.assert_close(b[key], a[key], rtol=0, atol=1e-5)
-    for x, y in zip(rows(runs / "ddp"), rows(runs / "fsdp")):
+    for x, y in zip(rows(runs / "ddp"), rows(runs / "sharded")):
         assert x.keys() == y.keys()
         for key, value in x.items():
             if isinstance(value, float) and not key.startswith(("time_", "samples_per_s")):
                 assert y[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
-    # resumed under FSDP from a checkpoint of sharded weights: bit for bit the uninterrupted run
+    # resumed sharded from a sharded run's checkpoint: bit for bit the uninterrupted run
     for name in files + ["optimizer.pt"]:
         if name.endswith(".safetensors"):
-            a, b = load_file(str(last(runs / "fsdp") / name)), load_file(str(last(runs / "resumed") / name))
+            a, b = load_file(str(last(runs / "sharded") / name)), load_file(str(last(runs / "resumed") / name))
             assert all(torch.equal(a[k], b[k]) for k in a), name
-    a, b = optimizer_tensors(runs / "fsdp"), optimizer_tensors(runs / "resumed")
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    assert without_timing(rows(runs / "fsdp")) == without_timing(rows(runs / "resumed"))
+    a, b = optimizer_tensors(runs / "sharded"), optimizer_tensors(runs / "resumed")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert without_timing(rows(runs / "sharded")) == without_timing(rows(runs / "resumed"))
+    # a data-parallel checkpoint resumes sharded: the same run within float tolerance
+    assert report[0]["crossed"]["start"] == 2 and report[0]["crossed"]["sharded"]
+    for name in files:
+        a, b = load_file(str(last(runs / "sharded") / name)), load_file(str(last(runs / "crossed") / name))
+        for key in a:
+            torch.testing.assert_close(b[key], a[key], rtol=0, atol=1e-5)
     # the checkpoint of a sharded run reads back as any other: diffusers loads its LoRA export
     if variant == "lora":
         from diffusers import StableDiffusion3Pipeline
 
         pipe = StableDiffusion3Pipeline.from_pretrained(tiny_sd3)
-        pipe.load_lora_weights(str(last(runs / "fsdp") / "export"))
+        pipe.load_lora_weights(str(last(runs / "sharded") / "export"))
         assert any("lora" in name for name, _ in pipe.transformer.named_parameters())
+
+
+def launch(config: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(BIN / "accelerate"), "launch", "--config_file", str(CONFIGS / config), "--num_processes", "2",
+         "--main_process_port", str(free_port()), "-m", "fgrpo.core.cli", *args],
+        capture_output=True, text=True, timeout=900, cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
+    )
 
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_shipped_fsdp_config_launches_and_stays_on_policy_under_bf16(tiny_sd3, tmp_path):
-    """`accelerate launch --config_file recipes/accelerate/fsdp-lora.yaml` (bf16) on a machine
-    without GPUs: two sharded processes over gloo, first ratio exactly 1 (about 25 s)."""
+@pytest.mark.parametrize("config, shown", [("fsdp-lora.yaml", "FSDP2"), ("deepspeed-zero2.yaml", "DeepSpeed ZeRO-2")])
+def test_shipped_config_launches_bf16_on_policy_and_resumes_exactly(config, shown, tiny_sd3, tmp_path):
+    """`accelerate launch --config_file recipes/accelerate/CONFIG` (bf16) on a machine without GPUs:
+    two sharded processes over gloo; `fgrpo check` finds the first ratio exactly 1; a run resumed
+    from its bf16 checkpoint ends bit for bit where the uninterrupted one does (about 100 s each)."""
+    needs("deepspeed" if config.startswith("deepspeed") else "fsdp")
     recipe = sd3_recipe(tmp_path, tiny_sd3, lora=True)
-    done = subprocess.run(
-        [str(BIN / "accelerate"), "launch", "--config_file", str(CONFIGS / "fsdp-lora.yaml"), "--num_processes", "2",
-         "--main_process_port", str(free_port()), "-m", "fgrpo.core.cli", "check", str(recipe), "--set", "train.micro_batch_size=0"],
-        capture_output=True, text=True, timeout=600, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("on-policy check passed") == 2
-    assert "2 process(es), sharded (FSDP2)" in done.stdout and "mixed precision bf16" in done.stdout
-    assert "largest |ratio - 1| before the first optimizer step: 0.000e+00" in done.stdout
+    # the update's forward passes hold the rollout's batches (DeepSpeed's bf16 rounds by batch size)
+    check = launch(config, "check", str(recipe), "--set", "train.micro_batch_size=0", cwd=tmp_path)
+    assert check.returncode == 0, check.stderr[-3000:]
+    assert check.stdout.count("on-policy check passed") == 2
+    assert f"2 process(es), sharded ({shown})" in check.stdout and "mixed precision bf16" in check.stdout
+    assert "largest |ratio - 1| before the first optimizer step: 0.000e+00" in check.stdout
+    for out, iterations, more in (("straight", 3, []), ("resumed", 2, []), ("resumed", 3, ["--resume"])):
+        done = launch(config, "compose", str(recipe), "--out", str(tmp_path / out), "--quiet", "--set", f"train.iterations={iterations}", *more, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr[-3000:]
+    for name in ("trainable.safetensors", "ema.safetensors", "export/pytorch_lora_weights.safetensors"):
+        a, b = load_file(str(last(tmp_path / "straight") / name)), load_file(str(last(tmp_path / "resumed") / name))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+    a = torch.load(last(tmp_path / "straight") / "optimizer.pt", weights_only=True)["optimizer"]
+    b = torch.load(last(tmp_path / "resumed") / "optimizer.pt", weights_only=True)["optimizer"]
+    assert a.keys() == b.keys()  # DeepSpeed's bf16 keeps float32 master weights: saved with the moments
+    flat = lambda o: [t for per_param in o["state"].values() for t in per_param.values()] + list(o.get("fp32_weights", {}).values())
+    assert all(torch.equal(x, y) for x, y in zip(flat(a), flat(b)))
+    assert without_timing(rows(tmp_path / "straight")) == without_timing(rows(tmp_path / "resumed"))
 
 
 # --- what cannot be sharded is refused ---------------------------------------------------------
@@ -194,8 +237,39 @@ def test_whole_optimizer_state_of_an_unsharded_run_is_its_state_dict():
     optimizer = torch.optim.AdamW([p], lr=0.1)
     p.grad = torch.full((3,), 0.5)
     optimizer.step()
-    saved = sharding.full_optimizer_state(optimizer)
+    data_parallel = SimpleNamespace(distributed_type="MULTI_CPU")
+    saved = sharding.optimizer_state(data_parallel, optimizer, [p])
     torch.testing.assert_close(saved["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"], rtol=0, atol=0)
-    other = torch.optim.AdamW([torch.nn.Parameter(torch.ones(3))], lr=0.1)
-    sharding.load_full_optimizer_state(other, saved)
+    q = torch.nn.Parameter(torch.ones(3))
+    other = torch.optim.AdamW([q], lr=0.1)
+    sharding.load_optimizer_state(data_parallel, other, [q], saved)
     assert torch.equal(other.state_dict()["state"][0]["exp_avg_sq"], saved["state"][0]["exp_avg_sq"])
+
+
+def deepspeed_accelerator(stage: int, offload: str = "none") -> SimpleNamespace:
+    config = {"zero_optimization": {"stage": stage, "offload_optimizer": {"device": offload}}}
+    return SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=stage, deepspeed_config=config)))
+
+
+def test_deepspeed_other_than_zero2_without_offloading_is_refused():
+    sharding.check_deepspeed(deepspeed_accelerator(2))
+    with pytest.raises(RecipeError) as info:
+        sharding.check_deepspeed(deepspeed_accelerator(3, offload="cpu"))
+    message = str(info.value)
+    assert "zero_stage 3 is not supported" in message and "offload_optimizer to 'cpu' is not supported" in message
+    assert [e.key for e in info.value.errors] == ["accelerate", "accelerate"]
+
+
+def test_a_deepspeed_launch_accelerate_did_not_set_up_is_refused(root, monkeypatch, capsys):
+    """`ACCELERATE_USE_DEEPSPEED=true` without a launcher's processes: not run as something else."""
+    from accelerate.state import AcceleratorState
+
+    from fgrpo.core import cli
+
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    try:
+        assert cli.main(["check", str(root / "recipes" / "vector.yaml")]) == 2
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)  # the next test's Accelerator starts afresh
+    assert "the launch asks for DeepSpeed but accelerate set up NO" in capsys.readouterr().err

@@ -99,11 +99,11 @@ def test_batched_reading_equals_rapidocrs_own_pipeline(detect):
     pytest.importorskip("rapidocr")
     pytest.importorskip("onnxruntime")
     from fgrpo.core import registry
-    from fgrpo.rewards.jpeg import to_uint8_images
+    from fgrpo.core.visuals import to_uint8
 
     reward = registry.create("reward", "ocr", detect=detect, batch_size=8)
     batch = torch.stack([render(t) for t in ("GRPO", "hello", "Flow 2025", "cat")] + [torch.ones(3, 96, 256)])
-    arrays = list(to_uint8_images(batch))
+    arrays = list(to_uint8(batch))
     alone = [reward.read(Image.fromarray(a)) for a in arrays]
     assert reward.read_batch(arrays) == alone
     assert [t.lower().replace(" ", "") for t in alone[:4]] == ["grpo", "hello", "flow2025", "cat"] and alone[4] == ""

@@ -9,7 +9,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from fgrpo.rewards.shapes import world
+from fgrpo.rewards.shapes import scenes, world
+from fgrpo.rewards.shapes.scenes import perturb, perturbations_for, place, sample_images, sample_scene
 from fgrpo.rewards.shapes.world import (
     CATEGORIES,
     Placed,
@@ -17,13 +18,8 @@ from fgrpo.rewards.shapes.world import (
     all_prompts,
     all_specs,
     parse_prompt,
-    perturb,
-    perturbations_for,
-    place,
     render,
     render_batch,
-    sample_images,
-    sample_scene,
     satisfies,
     split,
 )
@@ -141,7 +137,7 @@ def test_every_perturbation_breaks_the_caption():
                 assert not satisfies(bad, spec), (spec.prompt, kind, bad)
                 render(bad)
                 seen[kind] += 1
-    assert set(seen) == set(world.PERTURBATIONS)
+    assert set(seen) == set(scenes.PERTURBATIONS)
     spec = parse_prompt("a red circle")
     with pytest.raises(ValueError, match="does not apply"):
         perturb(place(spec, 0), spec, 0, "binding")

@@ -45,9 +45,14 @@ class TestFast(SamplerConformance):
     sampler_params = {"steps": 6, "window": 2}
 
 
+class TestFastSharedPrefix(SamplerConformance):
+    sampler_name = "fast"
+    sampler_params = {"steps": 6, "window": 2, "share_noise": True}
+
+
 class TestFastCPSPrefixPerSample(SamplerConformance):
     sampler_name = "fast"
-    sampler_params = {"steps": 6, "window": 3, "share_prefix": False, "kernel": "cps"}
+    sampler_params = {"steps": 6, "window": 3, "share_noise": True, "share_prefix": False, "kernel": "cps"}
 
 
 class TestMixGRPO(SamplerConformance):
@@ -183,8 +188,8 @@ def install_overshoot(tmp_path, monkeypatch):
 
 
 PLUGIN_CASES = [
-    ("fast", {"steps": 8, "window_range": [3, 5]}, None),
-    ("fast", {"steps": 8, "window_range": [3, 5], "share_prefix": False, "final": "ode"}, None),
+    ("fast", {"steps": 8, "window_range": [3, 5], "share_noise": True}, None),
+    ("fast", {"steps": 8, "window_range": [3, 5], "final": "ode"}, None),
     ("mixgrpo", {"steps": 8, "window": 2, "flash": True}, 50),
     ("mixgrpo", {"steps": 12, "window": 2, "flash": True, "flash_order": 3, "flash_ratio": 0.8}, 50),
 ]

@@ -252,11 +252,9 @@ def _spec_branch(parent: Tree, kind: str, label: str, spec: dict[str, Any]) -> N
     for key, value in spec.items():
         if key == "name":
             continue
-        if isinstance(value, dict) and "name" in value:
-            sub_kind = {"kernel": "kernel", "eval_kernel": "kernel"}.get(key, key)
-            if sub_kind in registry.GROUPS:
-                _spec_branch(node, sub_kind, key, value)
-                continue
+        if isinstance(value, dict) and "name" in value and key in registry.GROUPS:
+            _spec_branch(node, key, key, value)
+            continue
         node.add(f"{key} = {value!r}", highlight=False)
 
 
@@ -293,8 +291,9 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def accelerate_summary(run: Any) -> str:
     acc = run.accelerator
+    sharded = (", sharded (FSDP2)" if run.sharded_weights else ", sharded (DeepSpeed ZeRO-2)") if run.sharded else ""
     return (
-        f"{acc.num_processes} process(es){', sharded (FSDP2)' if run.sharded else ''}, device {run.policy.device}, "
+        f"{acc.num_processes} process(es){sharded}, device {run.policy.device}, "
         f"mixed precision {acc.mixed_precision}, "
         f"gradient accumulation {acc.gradient_accumulation_steps}"
     )

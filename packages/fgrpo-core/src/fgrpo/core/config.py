@@ -194,7 +194,11 @@ def coerce(value: Any, tp: Any) -> Any:
                 continue
         raise TypeError(f"expected {_type_name(tp)}, got {shown(value)}")
     if origin is typing.Literal:
-        if value in typing.get_args(tp):
+        args = typing.get_args(tp)
+        if isinstance(value, bool):  # YAML 1.1 reads a bare no/off/yes/on as a boolean
+            words = ("no", "off", "false") if value is False else ("yes", "on", "true")
+            value = next((w for w in words if w in args), value)
+        if value in args:
             return value
         raise TypeError(f"got {shown(value)}; allowed: {', '.join(map(repr, typing.get_args(tp)))}")
     if tp is bool:

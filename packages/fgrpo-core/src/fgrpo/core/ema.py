@@ -11,10 +11,13 @@ from fgrpo.core.sharding import full, shard_like
 
 
 class EMA:
+    """The average is kept in at least float32: an average of bf16 weights (DeepSpeed's bf16 mode,
+    bf16 full fine-tuning) kept in bf16 would round away most of each small update."""
+
     def __init__(self, params: Sequence[torch.nn.Parameter], decay: float):
         self.params = list(params)
         self.decay = decay
-        self.shadow = [p.detach().clone() for p in self.params]
+        self.shadow = [p.detach().to(torch.promote_types(p.dtype, torch.float32), copy=True) for p in self.params]
 
     def warmup_decay(self, steps: int) -> float:
         """flow_grpo's warm-up: min((1 + n) / (10 + n), decay) after n optimizer steps, so the

@@ -392,8 +392,8 @@ def reference(run: Run, traj: Trajectory, samples: torch.Tensor) -> Reference | 
     velocity = torch.zeros_like(traj.means)
     nfe = 0
     passes = pair_batches(traj, samples.to(traj.latents.device), cfg.reference_batch_size or cfg.micro_batch_size) if len(samples) else []
-    # sharded: every process makes as many forwards (each one all-gathers the weights)
-    padding = sharding.missing_passes(run.accelerator, len(passes)) if run.sharded else 0
+    # sharded weights: every process makes as many forwards (each one all-gathers the weights)
+    padding = sharding.missing_passes(run.accelerator, len(passes)) if run.sharded_weights else 0
     with policy.reference():
         for rows, cols in passes:
             x, index = traj.latents[rows, cols], traj.step_index[rows, cols]
@@ -432,7 +432,31 @@ def idle_passes(run: Run, traj: Trajectory, adv: torch.Tensor, count: int) -> No
     for _ in range(count):
         with run.accelerator.autocast():
             batch, _ = step_batch(run, traj, adv, one, one)
-        (batch.velocity.float().sum() * 0.0).backward()
+        sharding.backward(run.accelerator, batch.velocity.float().sum() * 0.0)
+
+
+def optimizer_step(run: Run, params: Sequence[torch.nn.Parameter]) -> torch.Tensor | None:
+    """One optimizer step on the accumulated gradients: averaged over the processes, unscaled
+    (fp16), clipped to ``train.max_grad_norm``; returns the norm before clipping (None without
+    clipping). DeepSpeed does all of it in ``engine.step()``."""
+    cfg, acc = run.recipe.train, run.accelerator
+    engine = sharding.deepspeed_engine(acc)
+    if engine is not None:
+        norm = sharding.deepspeed_step(engine)
+        return norm if cfg.max_grad_norm > 0 else None
+    scaler = getattr(acc, "scaler", None)
+    sync_gradients(run, params)
+    if scaler is not None:
+        scaler.unscale_(run.optimizer)  # after the all-reduce: every process sees the same inf/nan
+    norm = None
+    if cfg.max_grad_norm > 0:
+        norm = sharding.full(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)).detach()
+    if scaler is not None:
+        scaler.step(run.optimizer)
+        scaler.update()
+    else:
+        run.optimizer.step()
+    return norm
 
 
 def informative(run: Run, adv: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -470,7 +494,6 @@ def update(run: Run, traj: Trajectory, adv: torch.Tensor, iteration: int) -> Upd
     (accelerate's autocast); with fp16 the loss is scaled (accelerate's GradScaler)."""
     cfg = run.recipe.train
     acc = run.accelerator
-    scaler = getattr(acc, "scaler", None)
     stats = UpdateStats()
     params = run.trainable
     n = traj.batch_size
@@ -498,7 +521,7 @@ def update(run: Run, traj: Trajectory, adv: torch.Tensor, iteration: int) -> Upd
                     pair for samples in group if len(samples)
                     for pair in pair_batches(traj, samples.to(traj.latents.device), cfg.micro_batch_size)
                 ]
-                # sharded: every process makes as many passes (each one all-gathers and reduce-scatters)
+                # sharded: every process makes as many passes (each backward reduces gradients over them)
                 padding = sharding.missing_passes(acc, len(passes)) if run.sharded else 0
                 for rows, cols in passes:
                     with acc.autocast():
@@ -506,7 +529,7 @@ def update(run: Run, traj: Trajectory, adv: torch.Tensor, iteration: int) -> Upd
                         out = run.objective(batch)
                     loss = out.loss * (len(rows) / total_pairs)
                     with run.clock.section("model"):
-                        (scaler.scale(loss) if scaler is not None else loss).backward()
+                        sharding.backward(acc, loss)
                     stats.nfe += nfe
                     for key, value in out.metrics.items():
                         stats.metrics[key].append(value.detach())
@@ -515,17 +538,9 @@ def update(run: Run, traj: Trajectory, adv: torch.Tensor, iteration: int) -> Upd
                         first = stats.first_ratio_deviation
                         stats.first_ratio_deviation = dev if first is None else torch.maximum(first, dev)
                 idle_passes(run, traj, adv, padding)
-                sync_gradients(run, params)
-                if scaler is not None:
-                    scaler.unscale_(run.optimizer)  # after the all-reduce: every process sees the same inf/nan
-                if cfg.max_grad_norm > 0:
-                    norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-                    stats.grad_norms.append(sharding.full(norm).detach())
-                if scaler is not None:
-                    scaler.step(run.optimizer)
-                    scaler.update()
-                else:
-                    run.optimizer.step()
+                norm = optimizer_step(run, params)
+                if norm is not None:
+                    stats.grad_norms.append(norm)
                 stats.optimizer_steps += 1
                 run.optimizer_steps += 1
                 if run.ema is not None and run.optimizer_steps % cfg.ema_every == 0:

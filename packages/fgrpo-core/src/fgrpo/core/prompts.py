@@ -62,17 +62,12 @@ def index_splits(files: Mapping[str, str | Path | None]) -> tuple[dict[str, list
     return splits, meta
 
 
-@attrs.define
-class TextFilePrompts:
-    """Prompts from files (paths relative to the working directory)."""
+class _IndexedSplits:
+    """The ``PromptSource`` of split files read by :func:`index_splits` into ``_splits``/``_meta``."""
 
-    train: str = param(validator=_existing_file, help="training prompts: .txt (a line each) or .jsonl")
-    test: str | None = param(None, validator=_existing_file, help="held-out prompts for evaluation")
-    _meta: dict[str, dict[str, Any]] = attrs.field(init=False, factory=dict)
-    _splits: dict[str, list[str]] = attrs.field(init=False, factory=dict)
-
-    def __attrs_post_init__(self) -> None:
-        self._splits, self._meta = index_splits({"train": self.train, "test": self.test})
+    __slots__ = ()
+    _splits: dict[str, list[str]]
+    _meta: dict[str, dict[str, Any]]
 
     def train_prompts(self) -> list[str]:
         return list(self._splits["train"])
@@ -82,6 +77,19 @@ class TextFilePrompts:
 
     def metadata(self, prompt: str) -> Mapping[str, Any]:
         return self._meta.get(prompt, {})
+
+
+@attrs.define
+class TextFilePrompts(_IndexedSplits):
+    """Prompts from files (paths relative to the working directory)."""
+
+    train: str = param(validator=_existing_file, help="training prompts: .txt (a line each) or .jsonl")
+    test: str | None = param(None, validator=_existing_file, help="held-out prompts for evaluation")
+    _meta: dict[str, dict[str, Any]] = attrs.field(init=False, factory=dict)
+    _splits: dict[str, list[str]] = attrs.field(init=False, factory=dict)
+
+    def __attrs_post_init__(self) -> None:
+        self._splits, self._meta = index_splits({"train": self.train, "test": self.test})
 
 
 def _existing_folder(_instance, attribute, value):
@@ -102,7 +110,7 @@ def split_file(folder: str | Path, split: str) -> Path | None:
 
 
 @attrs.define
-class FolderPrompts:
+class FolderPrompts(_IndexedSplits):
     """A dataset folder laid out as flow_grpo's ``dataset/<task>/``: each split is
     ``<split>_metadata.jsonl`` (GenEval: ``{"tag", "include", "exclude", "prompt"}`` a line),
     else ``<split>.jsonl``, else ``<split>.txt`` (a prompt a line). JSONL keys other than
@@ -130,15 +138,6 @@ class FolderPrompts:
     def __attrs_post_init__(self) -> None:
         files = {"train": split_file(self.path, self.train), "test": split_file(self.path, self.test) if self.test else None}
         self._splits, self._meta = index_splits(files)
-
-    def train_prompts(self) -> list[str]:
-        return list(self._splits["train"])
-
-    def test_prompts(self) -> list[str]:
-        return list(self._splits["test"])
-
-    def metadata(self, prompt: str) -> Mapping[str, Any]:
-        return self._meta.get(prompt, {})
 
 
 def _not_empty(_instance: Any, _attribute: Any, value: list[str]) -> None:

@@ -52,7 +52,15 @@ class Run:
 
     @property
     def sharded(self) -> bool:
-        """The policy's network is split over the processes (FSDP; :mod:`fgrpo.core.sharding`)."""
+        """The training state is split over the processes (FSDP or DeepSpeed ZeRO-2,
+        :mod:`fgrpo.core.sharding`): every backward and every checkpoint involves every process."""
         from fgrpo.core.sharding import is_sharded
 
         return is_sharded(self.accelerator)
+
+    @property
+    def sharded_weights(self) -> bool:
+        """The weights themselves are split (FSDP): every forward involves every process."""
+        from fgrpo.core.sharding import shards_weights
+
+        return shards_weights(self.accelerator)

@@ -1,26 +1,37 @@
-"""Sharded runs: the policy's network split over the processes by FSDP2 (accelerate's FSDP plugin).
+"""Sharded runs: training state split over the processes, by FSDP2 or DeepSpeed ZeRO-2 (through
+accelerate's FSDP and DeepSpeed plugins).
 
-A data-parallel run keeps the whole network on every process and averages the gradients itself
-(``phases.sync_gradients``). A sharded run hands the policy's ``trainable_module`` (the
-transformer: the module that holds every trainable parameter and that the policy calls for each
-forward) to ``accelerator.prepare`` together with the optimizer. accelerate makes every transformer
-block (the module's ``_no_split_modules``, or the classes the config names) and then the whole
-module an FSDP unit: parameters become DTensor shards, each forward all-gathers a unit's
-parameters and backward reduce-scatters its gradients, averaged over the processes. What follows
-for the rest of fgrpo:
+A data-parallel run keeps the whole network and optimizer on every process and averages the
+gradients itself (``phases.sync_gradients``). A sharded run hands the policy's
+``trainable_module`` (the transformer: the module that holds every trainable parameter and that
+the policy calls for each forward) to ``accelerator.prepare`` together with the optimizer:
 
-- every process runs the same sequence of forwards and backwards: rollout and evaluation run on
-  every process, and the update pads a process that has fewer (sample, step) batches than another
-  with zero-weighted passes (:func:`missing_passes`);
-- whole tensors are gathered where a file is written (:func:`full`, :func:`full_optimizer_state`):
+- FSDP2 (:func:`shard_policy`): accelerate makes every transformer block (the module's
+  ``_no_split_modules``, or the classes the config names) and then the whole module an FSDP
+  unit; parameters become DTensor shards, each forward all-gathers a unit's parameters and
+  backward reduce-scatters its gradients, averaged over the processes.
+- DeepSpeed ZeRO-2 (:func:`prepare_deepspeed`): the module stays whole on every process;
+  gradients are reduced to the process that owns their partition in every backward, each process
+  keeps and steps the AdamW state of its partition only (``engine.backward``/``engine.step``,
+  :func:`backward`, :func:`optimizer_step`), then the updated weights are all-gathered.
+
+What follows for the rest of fgrpo:
+
+- every process runs the same sequence of collective passes: under FSDP every forward (rollout,
+  reference, update, evaluation: evaluation runs on every process), under both every backward;
+  the update pads a process that has fewer (sample, step) batches than another with
+  zero-weighted passes (:func:`missing_passes`);
+- whole tensors are gathered where a file is written (:func:`full`, :func:`optimizer_state`):
   every process takes part, the main process writes. A checkpoint holds whole tensors, the same
-  files as a data-parallel run, so either kind of run resumes from it and ``fgrpo export`` and
+  files as a data-parallel run, so any kind of run resumes from it and ``fgrpo export`` and
   ``fgrpo sample`` read it as they read any other;
-- loading keeps each process's shard of the whole tensors it reads (:func:`shard_like`).
+- loading keeps each process's shard of the whole tensors it reads (:func:`shard_like`,
+  :func:`load_optimizer_state`).
 
-accelerate 1.15 sets FSDP up only on accelerators; on a machine without one,
-:func:`enable_on_cpu` completes the same set-up over gloo, so that the code path runs (slowly) on
-a laptop or in CI.
+accelerate 1.15 sets FSDP and DeepSpeed up only on accelerators; on a machine without one, an
+FSDP launch is completed over gloo (:func:`enable_on_cpu`) and a DeepSpeed launch runs on
+DeepSpeed's CPU accelerator over gloo (:func:`accelerator_options`), so that the code paths run
+(slowly) on a laptop or in CI.
 """
 
 from __future__ import annotations
@@ -34,6 +45,7 @@ import torch
 from fgrpo.core.config import ConfigError, RecipeError
 
 FSDP = "FSDP"
+DEEPSPEED = "DEEPSPEED"
 
 
 def _dtensor_type() -> type | None:
@@ -45,19 +57,48 @@ def _dtensor_type() -> type | None:
 
 
 def is_sharded_tensor(t: Any) -> bool:
-    kind = _dtensor_type()
-    return kind is not None and isinstance(t, kind)
+    dtensor = _dtensor_type()
+    return dtensor is not None and isinstance(t, dtensor)
+
+
+def kind(accelerator: Any) -> str:
+    """accelerate's distributed type, e.g. ``MULTI_GPU``, ``FSDP``, ``DEEPSPEED``."""
+    return str(accelerator.distributed_type).split(".")[-1]
 
 
 def is_sharded(accelerator: Any) -> bool:
-    """Whether the run's network is split over its processes (accelerate's FSDP)."""
-    return str(accelerator.distributed_type).split(".")[-1] == FSDP
+    """Whether the run's training state is split over its processes (FSDP or DeepSpeed ZeRO-2):
+    backward passes and checkpoints then involve every process."""
+    return kind(accelerator) in (FSDP, DEEPSPEED)
+
+
+def shards_weights(accelerator: Any) -> bool:
+    """Whether the weights themselves are split (FSDP): every forward then involves every process."""
+    return kind(accelerator) == FSDP
 
 
 def launched_sharded(env: Mapping[str, str] | None = None) -> bool:
     """Whether ``accelerate launch`` asked for FSDP (its config file or ``--use_fsdp``)."""
     env = os.environ if env is None else env
     return env.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
+def launched_deepspeed(env: Mapping[str, str] | None = None) -> bool:
+    """Whether ``accelerate launch`` asked for DeepSpeed (its config file or ``--use_deepspeed``)."""
+    env = os.environ if env is None else env
+    return env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+
+
+def accelerator_options(cpu: bool, timeout: Any = None) -> tuple[bool, list[Any]]:
+    """The ``cpu`` flag and kwargs handlers for ``Accelerator``: accelerate sets DeepSpeed up only
+    when not told to run on the CPU, so a DeepSpeed launch on a machine without accelerators asks
+    for the gloo backend instead (DeepSpeed then picks its CPU accelerator)."""
+    from accelerate.utils import InitProcessGroupKwargs
+
+    options = {"timeout": timeout} if timeout is not None else {}
+    if cpu and launched_deepspeed() and "LOCAL_RANK" in os.environ:
+        return False, [InitProcessGroupKwargs(backend="gloo", **options)]
+    return cpu, [InitProcessGroupKwargs(**options)] if options else []
 
 
 def enable_on_cpu(accelerator: Any) -> None:
@@ -81,22 +122,36 @@ def _refuse(key: str, message: str) -> RecipeError:
     return RecipeError([ConfigError(key, message)])
 
 
-def shard_policy(accelerator: Any, policy: Any, optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
-    """Shard the policy's ``trainable_module`` with the optimizer through ``accelerator.prepare``
-    (in place: the policy keeps calling the same module); returns the trainable parameters, now
-    DTensor shards, in the optimizer's order."""
+def _trainable_module(policy: Any, optimizer: torch.optim.Optimizer) -> torch.nn.Module:
     module = getattr(policy, "trainable_module", None)
     name = type(policy).__name__
     if not isinstance(module, torch.nn.Module):
         raise _refuse(
             "model",
-            f"{name} cannot be sharded: it names no trainable_module (the network FSDP splits over the processes); "
-            "launch it data parallel (recipes/accelerate/ddp.yaml)",
+            f"{name} cannot be sharded: it names no trainable_module (the network FSDP or DeepSpeed splits over the "
+            "processes); launch it data parallel (recipes/accelerate/ddp.yaml)",
         )
     trainable = [p for group in optimizer.param_groups for p in group["params"]]
     owned = {id(p) for p in module.parameters()}
     if any(id(p) not in owned for p in trainable):
-        raise _refuse("model", f"{name} trains parameters outside its trainable_module, which FSDP cannot shard; launch it data parallel")
+        raise _refuse("model", f"{name} trains parameters outside its trainable_module, which cannot be sharded; launch it data parallel")
+    return module
+
+
+def prepare(accelerator: Any, policy: Any, optimizer: torch.optim.Optimizer, train: Any) -> list[torch.nn.Parameter]:
+    """Shard the policy's training state as the launch asks (FSDP2 or DeepSpeed ZeRO-2); returns the
+    trainable parameters in the optimizer's order."""
+    if kind(accelerator) == DEEPSPEED:
+        return prepare_deepspeed(accelerator, policy, optimizer, train)
+    return shard_policy(accelerator, policy, optimizer)
+
+
+def shard_policy(accelerator: Any, policy: Any, optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
+    """Shard the policy's ``trainable_module`` with the optimizer through ``accelerator.prepare``
+    (in place: the policy keeps calling the same module); returns the trainable parameters, now
+    DTensor shards, in the optimizer's order."""
+    module = _trainable_module(policy, optimizer)
+    trainable = [p for group in optimizer.param_groups for p in group["params"]]
     plugin = accelerator.state.fsdp_plugin
     if plugin.fsdp_version != 2:
         raise _refuse(
@@ -104,7 +159,7 @@ def shard_policy(accelerator: Any, policy: Any, optimizer: torch.optim.Optimizer
             f"fsdp_version {plugin.fsdp_version} is not supported: fgrpo shards with FSDP2 (fully_shard keeps the policy's "
             "module in place); set fsdp_version: 2 (recipes/accelerate/fsdp-lora.yaml, fsdp-full.yaml)",
         )
-    _reduce_in_float32(plugin, trainable)
+    _as_data_parallel(plugin)
     prepared, _ = accelerator.prepare(module, optimizer)
     if prepared is not module:  # the policy would keep calling the unsharded module
         raise RuntimeError("accelerate replaced the policy's trainable_module instead of sharding it in place")
@@ -114,21 +169,19 @@ def shard_policy(accelerator: Any, policy: Any, optimizer: torch.optim.Optimizer
     return params
 
 
-def _reduce_in_float32(plugin: Any, trainable: list[torch.nn.Parameter]) -> None:
-    """Average float32 gradients in float32 (accelerate's bf16 policy would reduce them in bf16),
-    as the data-parallel all-reduce does; the forward still computes in the mixed precision."""
+def _as_data_parallel(plugin: Any) -> None:
+    """Mixed precision with the numerics of a data-parallel run: weights all-gathered in their own
+    dtype (accelerate keeps trainable ones in float32) and computed under the run's autocast,
+    gradients reduced in float32. accelerate's bf16 policy would gather bf16 copies of the weights
+    and reduce in bf16: then a forward's rounding depends on its batch size, and the first ratio
+    is 1 only when the update's forward passes hold the rollout's batches."""
     policy = plugin.mixed_precision_policy
-    if policy is None or policy.reduce_dtype in (None, torch.float32):
-        return
-    if any(p.dtype != torch.float32 for p in trainable):
+    if policy is None:
         return
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     plugin.mixed_precision_policy = MixedPrecisionPolicy(
-        param_dtype=policy.param_dtype,
-        reduce_dtype=torch.float32,
-        output_dtype=policy.output_dtype,
-        cast_forward_inputs=policy.cast_forward_inputs,
+        param_dtype=None, reduce_dtype=torch.float32, output_dtype=None, cast_forward_inputs=policy.cast_forward_inputs
     )
 
 
@@ -156,8 +209,12 @@ def shard_like(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return distribute_tensor(value.to(like.device), like.device_mesh, like.placements, src_data_rank=None)
 
 
-def full_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """``optimizer.state_dict()`` with whole tensors: the file a data-parallel run writes."""
+def optimizer_state(accelerator: Any, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> dict[str, Any]:
+    """``optimizer.state_dict()`` with whole tensors, the file a data-parallel run writes (every
+    process of a sharded run must call this); ``params`` are the trainable parameters in order."""
+    engine = deepspeed_engine(accelerator)
+    if engine is not None:
+        return _deepspeed_optimizer_state(engine, optimizer, params)
     state = optimizer.state_dict()
     return {
         **state,
@@ -165,10 +222,15 @@ def full_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     }
 
 
-def load_full_optimizer_state(optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
-    """Load :func:`full_optimizer_state`'s dict (or a data-parallel run's): the state of a sharded
-    parameter is cut to this process's shard first."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
+def load_optimizer_state(
+    accelerator: Any, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], state: Mapping[str, Any]
+) -> None:
+    """Load :func:`optimizer_state`'s dict (of any kind of run): a sharded run keeps its share.
+    Call it after the weights are loaded (DeepSpeed copies them into its float32 partitions)."""
+    engine = deepspeed_engine(accelerator)
+    if engine is not None:
+        _load_deepspeed_optimizer_state(engine, optimizer, params, state)
+        return
     per_param = dict(state["state"])
     for i, values in per_param.items():
         param = params[int(i)] if int(i) < len(params) else None
@@ -188,16 +250,154 @@ def missing_passes(accelerator: Any, passes: int) -> int:
     return int(counts.max()) - passes
 
 
+# --- DeepSpeed ZeRO-2 ---------------------------------------------------------------------------
+
+
+def check_deepspeed(accelerator: Any) -> None:
+    """Refuse what fgrpo does not run under DeepSpeed: a ZeRO stage other than 2 (stage 3 splits the
+    weights, which the policy's own forward does not gather), offloading (not tested)."""
+    plugin = accelerator.state.deepspeed_plugin
+    zero = plugin.deepspeed_config.get("zero_optimization", {})
+    errors = []
+    if plugin.zero_stage != 2:
+        errors.append(ConfigError("accelerate", f"DeepSpeed zero_stage {plugin.zero_stage} is not supported: fgrpo runs ZeRO-2 (recipes/accelerate/deepspeed-zero2.yaml); FSDP shards the weights too (fsdp-lora.yaml, fsdp-full.yaml)"))
+    for key in ("offload_optimizer", "offload_param"):
+        device = (zero.get(key) or {}).get("device", "none")
+        if device not in (None, "none"):
+            errors.append(ConfigError("accelerate", f"DeepSpeed {key} to {device!r} is not supported (not tested with fgrpo); set offload_*_device: none"))
+    if errors:
+        raise RecipeError(errors)
+
+
+def prepare_deepspeed(accelerator: Any, policy: Any, optimizer: torch.optim.Optimizer, train: Any) -> list[torch.nn.Parameter]:
+    """Give the policy's ``trainable_module`` and the optimizer to DeepSpeed (ZeRO-2) through
+    ``accelerator.prepare``. The policy keeps calling the module itself (ZeRO-2 leaves it whole);
+    fgrpo's update owns the batching: DeepSpeed's gradient accumulation is unmanaged (every
+    ``engine.step()`` is a boundary) and its clipping is ``train.max_grad_norm``."""
+    module = _trainable_module(policy, optimizer)
+    config = accelerator.state.deepspeed_plugin.deepspeed_config
+    clip = config.get("gradient_clipping", "auto")
+    if clip not in ("auto", None) and float(clip) != float(train.max_grad_norm):
+        raise _refuse(
+            "train.max_grad_norm",
+            f"got {train.max_grad_norm} but the DeepSpeed config has gradient_clipping {clip}; set one of them "
+            "(leave gradient_clipping out of the accelerate config: fgrpo passes train.max_grad_norm)",
+        )
+    config["gradient_clipping"] = float(train.max_grad_norm)
+    config["train_micro_batch_size_per_gpu"] = 1  # bookkeeping only: fgrpo forms its own batches
+    config["gradient_accumulation_steps"] = accelerator.gradient_accumulation_steps
+    config["managed_gradient_accumulation"] = False
+    config.setdefault("steps_per_print", 2**62)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    engine, _ = accelerator.prepare(module, optimizer)
+    if engine.module is not module:
+        raise RuntimeError("DeepSpeed wrapped another module than the policy's trainable_module")
+    return params
+
+
+def deepspeed_engine(accelerator: Any) -> Any:
+    """The DeepSpeed engine of a DeepSpeed run (None otherwise)."""
+    wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
+    return wrapped.engine if wrapped is not None else None
+
+
+def backward(accelerator: Any, loss: torch.Tensor) -> None:
+    """Backward of one pass: DeepSpeed's (which reduces the gradients to their partitions), or
+    autograd's with accelerate's loss scaling (fp16)."""
+    engine = deepspeed_engine(accelerator)
+    if engine is not None:
+        engine.backward(loss, scale_wrt_gas=False)
+        return
+    scaler = getattr(accelerator, "scaler", None)
+    (scaler.scale(loss) if scaler is not None else loss).backward()
+
+
+def deepspeed_step(engine: Any) -> torch.Tensor | None:
+    """One DeepSpeed optimizer step (clipping included); the gradient norm before clipping."""
+    engine.step()
+    norm = engine.get_global_grad_norm()
+    return None if norm is None else torch.as_tensor(float(norm))
+
+
+def _group_of(zero: Any, param: torch.nn.Parameter) -> int:
+    """The optimizer group of a parameter (``_hp_mapping`` is None on a process that holds none of it)."""
+    return next(g for g, group in enumerate(zero.bit16_groups) if any(p is param for p in group))
+
+
+def _deepspeed_optimizer_state(engine: Any, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> dict[str, Any]:
+    """AdamW's per-parameter state assembled from every process's partition (DeepSpeed's tensor
+    fragment API; collective), in ``torch.optim`` format; the float32 master weights too when
+    the module computes in lower precision (bf16), so a resume is exact."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    zero = engine.optimizer
+    index = {id(p): i for i, p in enumerate(params)}
+    groups = [
+        {**{k: v for k, v in group.items() if k != "params"}, "params": [index[id(p)] for p in zero.bit16_groups[g]]}
+        for g, group in enumerate(optimizer.param_groups)
+    ]
+    state: dict[int, dict[str, Any]] = {}
+    if getattr(zero, "_hp_optimizer_states_linked", False):
+        for i, p in enumerate(params):
+            flat_state = optimizer.state[zero.single_partition_of_fp32_groups[_group_of(zero, p)]]
+            keys = [k for k, v in flat_state.items() if torch.is_tensor(v) and v.dim() > 0]
+            state[i] = {k: v.detach().clone().cpu() for k, v in flat_state.items() if k not in keys}
+            for key in keys:
+                state[i][key] = safe_get_full_optimizer_state(p, key).detach().cpu()
+    saved: dict[str, Any] = {"state": state, "param_groups": groups}
+    if any(p.dtype != torch.float32 for p in params):
+        saved["fp32_weights"] = {i: safe_get_full_fp32_param(p).detach().cpu() for i, p in enumerate(params)}
+    return saved
+
+
+def _load_deepspeed_optimizer_state(
+    engine: Any, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], state: Mapping[str, Any]
+) -> None:
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+    zero = engine.optimizer
+    for group, saved_group in zip(optimizer.param_groups, state["param_groups"]):
+        group.update({k: v for k, v in saved_group.items() if k != "params"})
+    per_param = state["state"]
+    masters = state.get("fp32_weights")
+    for i, p in enumerate(params):  # the weights were loaded into the module: DeepSpeed's float32 copy follows
+        safe_set_full_fp32_param(p, (masters[i] if masters is not None else p.detach()).to(p.device, torch.float32))
+    if not per_param:
+        return
+    for g, flat in enumerate(zero.single_partition_of_fp32_groups):
+        first = next(i for i, p in enumerate(params) if _group_of(zero, p) == g)
+        optimizer.state[flat] = {
+            k: (torch.zeros_like(flat) if torch.is_tensor(v) and v.dim() > 0 else (v.clone() if torch.is_tensor(v) else v))
+            for k, v in per_param[first].items()
+        }
+    zero._hp_optimizer_states_linked = False
+    zero._lazy_init_hp_params_optimizer_state()
+    for i, p in enumerate(params):
+        for key, value in per_param[i].items():
+            if torch.is_tensor(value) and value.dim() > 0:
+                safe_set_full_optimizer_state(p, value.to(p.device, torch.float32), key)
+
+
 __all__ = [
+    "accelerator_options",
+    "backward",
+    "check_deepspeed",
+    "deepspeed_engine",
+    "deepspeed_step",
     "enable_on_cpu",
     "full",
-    "full_optimizer_state",
     "full_state",
     "is_sharded",
     "is_sharded_tensor",
+    "kind",
+    "launched_deepspeed",
     "launched_sharded",
-    "load_full_optimizer_state",
+    "load_optimizer_state",
     "missing_passes",
+    "optimizer_state",
+    "prepare",
+    "prepare_deepspeed",
     "shard_like",
     "shard_policy",
+    "shards_weights",
 ]

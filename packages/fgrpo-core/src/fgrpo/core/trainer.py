@@ -116,7 +116,7 @@ def run_evaluation(run: Run, it: int) -> dict[str, float]:
             metrics["time_eval_s"] = time.perf_counter() - t0
         run.display.evaluation_done(it, metrics)
         plugin_manager().hook.fgrpo_evaluation(run=run, iteration=it, metrics=metrics)
-    elif run.sharded:
+    elif run.sharded_weights:
         evaluation.evaluation_samples(run, it)  # the main process's forwards need this process's shards
     run.accelerator.wait_for_everyone()
     return metrics
@@ -219,7 +219,6 @@ def make_accelerator(cpu: bool | None = None, train: Any = None, **options: Any)
 
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
-    from accelerate.utils import InitProcessGroupKwargs
 
     if cpu is None:
         cpu = not torch.cuda.is_available()
@@ -232,20 +231,28 @@ def make_accelerator(cpu: bool | None = None, train: Any = None, **options: Any)
     if AcceleratorState._shared_state.get("_mixed_precision") not in (None, precision):
         AcceleratorState._reset_state()  # a new run in the same process (tests, tools): its own precision
     timeout = getattr(train, "process_group_timeout_s", None)
-    handlers = [InitProcessGroupKwargs(timeout=timedelta(seconds=timeout))] if timeout else []
+    cpu, handlers = sharding.accelerator_options(cpu, timedelta(seconds=timeout) if timeout else None)
     acc = Accelerator(cpu=cpu, mixed_precision=precision, gradient_accumulation_steps=steps, kwargs_handlers=handlers, **options)
-    kind = str(acc.distributed_type).split(".")[-1]
+    kind = sharding.kind(acc)
     if kind == "MULTI_CPU" and sharding.launched_sharded():
         sharding.enable_on_cpu(acc)
         kind = sharding.FSDP
-    if kind not in DATA_PARALLEL and kind != sharding.FSDP:
+    if kind not in DATA_PARALLEL and kind not in (sharding.FSDP, sharding.DEEPSPEED):
         raise RecipeError([ConfigError(
             "accelerate",
             f"distributed type {kind} (from the accelerate config or launch flags) is not supported: fgrpo runs data "
-            "parallel (recipes/accelerate/ddp.yaml) or sharded with FSDP2 (recipes/accelerate/fsdp-lora.yaml, "
-            "fsdp-full.yaml); to fit memory also use LoRA, gradient checkpointing, model.text_encoder_device: cpu "
-            "and bf16 weights",
+            "parallel (recipes/accelerate/ddp.yaml), sharded with FSDP2 (fsdp-lora.yaml, fsdp-full.yaml) or with "
+            "DeepSpeed ZeRO-2 (deepspeed-zero2.yaml); to fit memory also use LoRA, gradient checkpointing, "
+            "model.text_encoder_device: cpu and bf16 weights",
         )])
+    if sharding.launched_deepspeed() and kind != sharding.DEEPSPEED:
+        raise RecipeError([ConfigError(
+            "accelerate",
+            f"the launch asks for DeepSpeed but accelerate set up {kind} (a DeepSpeed run needs processes started by "
+            "accelerate launch or torchrun, and the deepspeed package); fgrpo does not run it as something else",
+        )])
+    if kind == sharding.DEEPSPEED:
+        sharding.check_deepspeed(acc)
     return acc
 
 
@@ -287,7 +294,7 @@ def build_run(
         trainable, lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps, weight_decay=cfg.weight_decay
     )
     if sharding.is_sharded(acc):
-        trainable = sharding.shard_policy(acc, policy, optimizer)
+        trainable = sharding.prepare(acc, policy, optimizer, cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     if cfg.prompts_per_iteration % acc.num_processes:
         raise RecipeError([ConfigError("train.prompts_per_iteration", f"got {cfg.prompts_per_iteration}; must be a multiple of the {acc.num_processes} processes")])
@@ -332,7 +339,7 @@ def save_checkpoint(run: Run, done: int) -> None:
     if run.is_main or run.sharded:
         trainable = run.policy.trainable_state_dict()
         ema = run.ema.state_dict() if run.ema is not None else None
-        optimizer = sharding.full_optimizer_state(run.optimizer)
+        optimizer = sharding.optimizer_state(run.accelerator, run.optimizer, run.trainable)
         export = export_in_checkpoint(run)
     if run.is_main:
         path = ckpt.write(
@@ -387,7 +394,7 @@ def restore(run: Run, folder: Path) -> int:
     if run.ema is not None:
         run.ema.load_state_dict(ckpt.read_tensors(folder / ckpt.EMA, run.policy.device))
     opt = ckpt.read_torch(folder / ckpt.OPTIMIZER)
-    sharding.load_full_optimizer_state(run.optimizer, opt["optimizer"])
+    sharding.load_optimizer_state(run.accelerator, run.optimizer, run.trainable, opt["optimizer"])
     run.scheduler.load_state_dict(opt["scheduler"])
     torch.set_rng_state(ckpt.read_torch(folder / "rng-rank0.pt")["torch"])
     run.sampler.load_state_dict(state["sampler"])

@@ -15,7 +15,11 @@ from PIL import Image, ImageDraw, ImageFont
 
 
 def to_uint8(images: torch.Tensor) -> np.ndarray:
-    """(B, 3, H, W) floats in [0, 1] -> (B, H, W, 3) uint8."""
+    """(B, 3, H, W) floats in [0, 1] -> (B, H, W, 3) uint8 (clamped, rounded), on the CPU: what
+    PIL, image files and image rewards take."""
+    if not is_image_batch(images):
+        shape = tuple(images.shape) if isinstance(images, torch.Tensor) else type(images).__name__
+        raise ValueError(f"expected images of shape (B, 3, H, W) in [0, 1], got {shape}")
     arr = images.detach().float().clamp(0, 1).mul(255).round().to(torch.uint8)
     return arr.permute(0, 2, 3, 1).cpu().numpy()
 

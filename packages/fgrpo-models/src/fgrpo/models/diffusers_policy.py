@@ -123,6 +123,21 @@ class DiffusersPolicy:
         the transformer's own layout (packed tokens for FLUX/Qwen-Image)."""
         raise NotImplementedError
 
+    def _transformer_output(
+        self, hidden_states: torch.Tensor, sigma: torch.Tensor, as_given: Mapping[str, Any] | None = None, **embeds: torch.Tensor
+    ) -> torch.Tensor:
+        """The transformer's float32 output: ``hidden_states`` and ``embeds`` cast to its dtype, the
+        timestep ``sigma * timestep_scale``, the ``as_given`` inputs (ids, masks, guidance) as they are."""
+        transformer = self.transformer
+        dtype = transformer.dtype
+        return transformer(
+            hidden_states=hidden_states.to(dtype),
+            timestep=sigma * self.timestep_scale,
+            **{name: t.to(dtype) for name, t in embeds.items()},
+            **dict(as_given or {}),
+            return_dict=False,
+        )[0].float()
+
     def _to_state(self, out: torch.Tensor) -> torch.Tensor:
         """The transformer's layout -> the state layout (identity unless tokens are packed)."""
         if self.packs_2x2:

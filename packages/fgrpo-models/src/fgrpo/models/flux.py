@@ -79,23 +79,15 @@ class FluxPolicy(DiffusersPolicy):
         return self._ids[key]
 
     def _predict(self, x: torch.Tensor, sigma: torch.Tensor, cond: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        transformer = self.transformer
-        dtype = transformer.dtype
         embeds = cond["prompt_embeds"]
         text_ids, image_ids = self._non_batch_ids(embeds.shape[1])
         guidance = None
-        if transformer.config.guidance_embeds:
+        if self.transformer.config.guidance_embeds:
             guidance = torch.full((x.shape[0],), self.guidance_scale, device=self.device, dtype=torch.float32)
-        return transformer(
-            hidden_states=dx.pack_2x2(x).to(dtype),
-            timestep=sigma * self.timestep_scale,
-            guidance=guidance,
-            pooled_projections=cond["pooled_prompt_embeds"].to(dtype),
-            encoder_hidden_states=embeds.to(dtype),
-            txt_ids=text_ids,
-            img_ids=image_ids,
-            return_dict=False,
-        )[0].float()
+        return self._transformer_output(
+            dx.pack_2x2(x), sigma, {"guidance": guidance, "txt_ids": text_ids, "img_ids": image_ids},
+            pooled_projections=cond["pooled_prompt_embeds"], encoder_hidden_states=embeds,
+        )
 
 
 __all__ = ["FLUX_LORA_TARGETS", "FluxPolicy"]

@@ -68,20 +68,12 @@ class QwenImagePolicy(DiffusersPolicy):
         return {"prompt_embeds": embeds, "prompt_embeds_mask": mask}
 
     def _predict(self, x: torch.Tensor, sigma: torch.Tensor, cond: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        transformer = self.transformer
-        dtype = transformer.dtype
         mask = cond["prompt_embeds_mask"]
         longest = int(mask.sum(dim=1).max())
         embeds, mask = cond["prompt_embeds"][:, :longest], mask[:, :longest]
         h, w = self._latent_shape[-2:]
-        return transformer(
-            hidden_states=dx.pack_2x2(x).to(dtype),
-            timestep=sigma * self.timestep_scale,
-            encoder_hidden_states=embeds.to(dtype),
-            encoder_hidden_states_mask=None if bool(mask.all()) else mask,
-            img_shapes=[[(1, h // 2, w // 2)]] * x.shape[0],
-            return_dict=False,
-        )[0].float()
+        as_given = {"encoder_hidden_states_mask": None if bool(mask.all()) else mask, "img_shapes": [[(1, h // 2, w // 2)]] * x.shape[0]}
+        return self._transformer_output(dx.pack_2x2(x), sigma, as_given, encoder_hidden_states=embeds)
 
     def _combine(self, uncond: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
         guided = dx.guided(uncond, cond, self.cfg_scale)

@@ -53,15 +53,9 @@ class SD3Policy(DiffusersPolicy):
         return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
 
     def _predict(self, x: torch.Tensor, sigma: torch.Tensor, cond: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        transformer = self.transformer
-        dtype = transformer.dtype
-        return transformer(
-            hidden_states=x.to(dtype),
-            timestep=sigma * self.timestep_scale,
-            encoder_hidden_states=cond["prompt_embeds"].to(dtype),
-            pooled_projections=cond["pooled_prompt_embeds"].to(dtype),
-            return_dict=False,
-        )[0].float()
+        return self._transformer_output(
+            x, sigma, encoder_hidden_states=cond["prompt_embeds"], pooled_projections=cond["pooled_prompt_embeds"]
+        )
 
     def _default_size(self) -> tuple[int, int]:
         side = int(self.transformer.config.sample_size) * self.vae_scale_factor

@@ -44,6 +44,7 @@ import attrs
 import torch
 from torch import nn
 
+from fgrpo.core import flow, seeding
 from fgrpo.core.config import param
 from fgrpo.models import _diffusers as dx
 
@@ -478,16 +479,11 @@ class ShapesDiT:
 
     def initial_noise(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
         """(n, 3, 24, 24) float32 standard normal pixels on ``device`` (drawn on the generator's device)."""
-        where = generator.device if generator is not None else self.device
-        return torch.randn(n, *self.latent_shape, generator=generator, device=where, dtype=torch.float32).to(self.device)
+        return seeding.randn((n, *self.latent_shape), generator, self.device)
 
     def sigmas(self, steps: int) -> torch.Tensor:
         """(steps + 1,) float32 from 1 to 0: t linear, then the time shift s*t/(1+(s-1)*t)."""
-        if steps < 1:
-            raise ValueError(f"steps: got {steps}; must be >= 1")
-        t = torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64)
-        shifted = self.shift * t / (1 + (self.shift - 1) * t)
-        return shifted.to(device=self.device, dtype=torch.float32)
+        return flow.shifted_sigmas(steps, self.shift, self.device)
 
     def velocity(self, x: torch.Tensor, sigma: torch.Tensor | float, cond: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """v = eps - x0 at noise level ``sigma`` ((B,) or a scalar), float32, guidance applied."""

@@ -24,6 +24,7 @@ import attrs
 import torch
 from torch import nn
 
+from fgrpo.core import flow, seeding
 from fgrpo.core.config import param
 from fgrpo.core.vectors import condition_vector
 from fgrpo.models._diffusers import lora_config, lora_param
@@ -195,17 +196,11 @@ class VectorPolicy:
 
     def initial_noise(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
         """(n, dim) float32 standard normal noise on ``device``."""
-        where = generator.device if generator is not None else self.device
-        noise = torch.randn(n, self.dim, generator=generator, device=where, dtype=torch.float32)
-        return noise.to(self.device)
+        return seeding.randn((n, self.dim), generator, self.device)
 
     def sigmas(self, steps: int) -> torch.Tensor:
         """(steps + 1,) float32 from 1 to 0: a linear schedule with the SD3 time shift ``shift``."""
-        if steps < 1:
-            raise ValueError(f"steps must be >= 1, got {steps}")
-        t = torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64)
-        shifted = self.shift * t / (1 + (self.shift - 1) * t)
-        return shifted.to(device=self.device, dtype=torch.float32)
+        return flow.shifted_sigmas(steps, self.shift, self.device)
 
     def velocity(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
         """v = eps - x0 at noise level ``sigma`` ((B,) or a scalar), in the dtype of ``x``."""

@@ -70,14 +70,7 @@ class WanPolicy(DiffusersPolicy):
         return {"prompt_embeds": embeds}
 
     def _predict(self, x: torch.Tensor, sigma: torch.Tensor, cond: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        transformer = self.transformer
-        dtype = transformer.dtype
-        return transformer(
-            hidden_states=x.to(dtype),
-            timestep=sigma * self.timestep_scale,
-            encoder_hidden_states=cond["prompt_embeds"].to(dtype),
-            return_dict=False,
-        )[0].float()
+        return self._transformer_output(x, sigma, encoder_hidden_states=cond["prompt_embeds"])
 
     def _decode(self, latents: torch.Tensor) -> torch.Tensor:
         vae = self._pipeline.vae

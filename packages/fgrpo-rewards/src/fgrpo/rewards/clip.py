@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib.util
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 import torch
@@ -201,8 +201,39 @@ def similarity_reward(clip: CLIP, outputs: Any, prompts: Sequence[str], batch_si
     return RewardResult(scores=cosine * clip.logit_scale / divisor, details={"cosine": cosine})
 
 
+class HoldsCLIP:
+    """A reward around a loaded CLIP (``_clip``); ``model`` is its network."""
+
+    __slots__ = ()
+    _clip: CLIP
+
+    @property
+    def model(self) -> Any:
+        return self._clip.model
+
+
+class _Similarity(HoldsCLIP):
+    """CLIPScore and PickScore: a CLIPModel from ``path`` (``processor_path``) scoring
+    cos(image, prompt) x exp(logit_scale) / ``divisor``, reported under ``reward_name``."""
+
+    __slots__ = ()
+    reward_name: ClassVar[str]
+    path: str
+    processor_path: str | None
+    divisor: float
+    batch_size: int
+    dtype: str
+    device: str | None
+
+    def __attrs_post_init__(self) -> None:
+        self._clip = load_clip(self.path, self.processor_path, self.dtype, self.device)
+
+    def __call__(self, outputs: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> RewardResult:
+        return similarity_reward(self._clip, outputs, prompts, self.batch_size, self.divisor, self.reward_name)
+
+
 @attrs.define
-class CLIPScore:
+class CLIPScore(_Similarity):
     """score = cos(image embedding, text embedding) x exp(logit_scale) / divisor.
 
     With the default divisor 100 and OpenAI CLIP (exp(logit_scale) = 100) the score is the
@@ -213,6 +244,7 @@ class CLIPScore:
     model's length. Details: ``cosine`` (B,).
     """
 
+    reward_name: ClassVar[str] = "clip-score"
     path: str = param("openai/clip-vit-large-patch14", help="hub id or local folder of a CLIPModel")
     processor_path: str | None = param(None, help="hub id or folder of its CLIPProcessor; none = path")
     divisor: float = param(100.0, gt=0, help="the logits are divided by this (flow_grpo: 30)")
@@ -221,19 +253,9 @@ class CLIPScore:
     device: str | None = device_key()
     _clip: Any = attrs.field(init=False, default=None, repr=False)
 
-    def __attrs_post_init__(self) -> None:
-        self._clip = load_clip(self.path, self.processor_path, self.dtype, self.device)
-
-    @property
-    def model(self) -> Any:
-        return self._clip.model
-
-    def __call__(self, outputs: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> RewardResult:
-        return similarity_reward(self._clip, outputs, prompts, self.batch_size, self.divisor, "clip-score")
-
 
 @attrs.define
-class PickScore:
+class PickScore(_Similarity):
     """PickScore v1 (Kirstain et al. 2023): a CLIP-H fine-tuned on human preferences.
 
     score = exp(logit_scale) x cos(image, prompt) / divisor, as flow_grpo computes it (its
@@ -243,6 +265,7 @@ class PickScore:
     ``cosine`` (B,).
     """
 
+    reward_name: ClassVar[str] = "pickscore"
     path: str = param("yuvalkirstain/PickScore_v1", help="hub id or folder of the PickScore CLIPModel")
     processor_path: str | None = param(
         "laion/CLIP-ViT-H-14-laion2B-s32B-b79K", help="hub id or folder of its processor; none = path"
@@ -252,13 +275,3 @@ class PickScore:
     dtype: str = dtype_key("the weights")
     device: str | None = device_key()
     _clip: Any = attrs.field(init=False, default=None, repr=False)
-
-    def __attrs_post_init__(self) -> None:
-        self._clip = load_clip(self.path, self.processor_path, self.dtype, self.device)
-
-    @property
-    def model(self) -> Any:
-        return self._clip.model
-
-    def __call__(self, outputs: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> RewardResult:
-        return similarity_reward(self._clip, outputs, prompts, self.batch_size, self.divisor, "pickscore")

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from fgrpo.core.config import param
 from fgrpo.core.protocols import RewardResult
+from fgrpo.core.visuals import to_uint8
 from fgrpo.rewards.clip import (
     device_key,
     dtype_key,
@@ -286,11 +287,6 @@ class ColourClassifier:
 # --- detectors from transformers ---------------------------------------------------------------
 
 
-def _uint8_arrays(images: torch.Tensor) -> list[np.ndarray]:
-    pixels = (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8)
-    return list(pixels.permute(0, 2, 3, 1).cpu().numpy())
-
-
 @attrs.define
 class Mask2FormerDetector:
     """Closed-set instance segmentation (GenEval's detector family); boxes from the masks."""
@@ -303,7 +299,7 @@ class Mask2FormerDetector:
     @torch.no_grad()
     def __call__(self, images: torch.Tensor, classes: Sequence[Sequence[str]]) -> list[list[Detection]]:
         device = next(self.model.parameters()).device
-        inputs = self.processor(images=_uint8_arrays(images), return_tensors="pt").to(device)
+        inputs = self.processor(images=list(to_uint8(images)), return_tensors="pt").to(device)
         inputs["pixel_values"] = inputs["pixel_values"].to(next(self.model.parameters()).dtype)
         outputs = self.model(**inputs)
         sizes = [tuple(images.shape[-2:])] * images.shape[0]
@@ -343,7 +339,7 @@ class OwlDetector:
         if not names:
             return [[] for _ in range(images.shape[0])]
         queries = [[f"a photo of a {c}" for c in names]] * images.shape[0]
-        inputs = self.processor(text=queries, images=_uint8_arrays(images), return_tensors="pt").to(device)
+        inputs = self.processor(text=queries, images=list(to_uint8(images)), return_tensors="pt").to(device)
         inputs["pixel_values"] = inputs["pixel_values"].to(next(self.model.parameters()).dtype)
         outputs = self.model(**inputs)
         probs = outputs.logits.float().sigmoid().cpu()  # (B, boxes, queries)

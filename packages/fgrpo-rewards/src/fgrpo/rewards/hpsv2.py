@@ -25,6 +25,7 @@ from fgrpo.rewards.clip import (
     dtype_key,
     CLIP,
     DTYPES,
+    HoldsCLIP,
     check_images,
     image_embeddings,
     loading_error,
@@ -135,7 +136,7 @@ def load_hps(checkpoint: str, path: str, dtype: str, device: str | None) -> CLIP
 
 
 @attrs.define
-class HPSv2:
+class HPSv2(HoldsCLIP):
     """score = cos(image, prompt) of the HPSv2 CLIP, about 0.2-0.35 (HPS v2.1 on good images ~0.3).
     Details: none beyond the score.
     """
@@ -154,10 +155,6 @@ class HPSv2:
 
     def __attrs_post_init__(self) -> None:
         self._clip = load_hps(self.checkpoint, self.path, self.dtype, self.device)
-
-    @property
-    def model(self) -> Any:
-        return self._clip.model
 
     def __call__(self, outputs: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> RewardResult:
         check_images(outputs, prompts, "hpsv2")

@@ -4,24 +4,15 @@ from __future__ import annotations
 
 import io
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
-import numpy as np
 import torch
 from PIL import Image
 
 from fgrpo.core.config import param
 from fgrpo.core.protocols import RewardResult
-
-
-def to_uint8_images(images: torch.Tensor) -> np.ndarray:
-    """(B, 3, H, W) floats in [0, 1] -> (B, H, W, 3) uint8 (rounded, clamped), on the CPU."""
-    if not isinstance(images, torch.Tensor) or images.dim() != 4 or images.shape[1] != 3:
-        shape = tuple(images.shape) if isinstance(images, torch.Tensor) else type(images).__name__
-        raise ValueError(f"expected images of shape (B, 3, H, W) in [0, 1], got {shape}")
-    pixels = (images.detach().float() * 255).round().clamp(0, 255).to(torch.uint8)
-    return pixels.permute(0, 2, 3, 1).cpu().numpy()
+from fgrpo.core.visuals import to_uint8
 
 
 def jpeg_sizes_kb(images: torch.Tensor, quality: int = 95) -> torch.Tensor:
@@ -33,15 +24,30 @@ def jpeg_sizes_kb(images: torch.Tensor, quality: int = 95) -> torch.Tensor:
         b, f = images.shape[:2]
         return jpeg_sizes_kb(images.reshape(b * f, *images.shape[2:]), quality).view(b, f).mean(dim=1)
     sizes = []
-    for array in to_uint8_images(images):
+    for array in to_uint8(images):
         buffer = io.BytesIO()
         Image.fromarray(array).save(buffer, format="JPEG", quality=quality)
         sizes.append(buffer.tell() / 1000.0)
     return torch.tensor(sizes, dtype=torch.float32)
 
 
+class _JpegSize:
+    """score = sign x scale x the image's size in kB as a JPEG at ``quality``; details ``jpeg_kb``."""
+
+    __slots__ = ()
+    sign: ClassVar[float]
+    quality: int
+    scale: float
+
+    def __call__(
+        self, outputs: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
+    ) -> RewardResult:
+        kb = jpeg_sizes_kb(outputs, self.quality)
+        return RewardResult(scores=self.sign * self.scale * kb, details={"jpeg_kb": kb})
+
+
 @attrs.define
-class JpegCompressibility:
+class JpegCompressibility(_JpegSize):
     """Smaller JPEG files score higher: score = -scale x size in kB (quality 95 by default).
 
     flow_grpo's ``jpeg_compressibility`` is this with ``scale: 0.002`` (it divides by 500); the
@@ -49,29 +55,19 @@ class JpegCompressibility:
     Details: ``jpeg_kb`` (B,).
     """
 
+    sign: ClassVar[float] = -1.0
     quality: int = param(95, ge=1, le=100, help="JPEG quality the size is measured at")
     scale: float = param(1.0, gt=0, help="multiplies the size in kB (flow_grpo: 0.002)")
 
-    def __call__(
-        self, outputs: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
-    ) -> RewardResult:
-        kb = jpeg_sizes_kb(outputs, self.quality)
-        return RewardResult(scores=-self.scale * kb, details={"jpeg_kb": kb})
-
 
 @attrs.define
-class JpegIncompressibility:
+class JpegIncompressibility(_JpegSize):
     """Larger JPEG files score higher: score = scale x size in kB (quality 95 by default).
 
     Equal to flow_grpo's ``jpeg_incompressibility`` with the default scale 1. Details:
     ``jpeg_kb`` (B,).
     """
 
+    sign: ClassVar[float] = 1.0
     quality: int = param(95, ge=1, le=100, help="JPEG quality the size is measured at")
     scale: float = param(1.0, gt=0, help="multiplies the size in kB")
-
-    def __call__(
-        self, outputs: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
-    ) -> RewardResult:
-        kb = jpeg_sizes_kb(outputs, self.quality)
-        return RewardResult(scores=self.scale * kb, details={"jpeg_kb": kb})

@@ -24,7 +24,7 @@ from PIL import Image
 
 from fgrpo.core.config import param
 from fgrpo.core.protocols import RewardResult
-from fgrpo.rewards.jpeg import to_uint8_images
+from fgrpo.core.visuals import to_uint8
 
 INSTALL = 'pip install "fgrpo-rewards[ocr]"'
 
@@ -184,7 +184,7 @@ class OCRReward:
         wanted = [text_to_render(p, m) for p, m in zip(prompts, metas)]
         video = outputs.dim() == 5
         frames = [outputs[b, :: self.frame_interval] if video else outputs[b : b + 1] for b in range(outputs.shape[0])]
-        arrays = [array for f in frames for array in to_uint8_images(f)]
+        arrays = [array for f in frames for array in to_uint8(f)]
         texts: list[str] = []
         for start in range(0, len(arrays), self.batch_size):
             chunk = arrays[start : start + self.batch_size]

@@ -28,8 +28,8 @@ from PIL import Image
 
 from fgrpo.core.config import param
 from fgrpo.core.protocols import RewardResult
+from fgrpo.core.visuals import to_uint8
 from fgrpo.rewards.http import ServiceError, post, token_from_env
-from fgrpo.rewards.jpeg import to_uint8_images
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ class VLMJudge:
             return None, text
 
     def __call__(self, outputs: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> RewardResult:
-        images = to_uint8_images(outputs)
+        images = to_uint8(outputs)
         if len(images) != len(prompts):
             raise ValueError(f"vlm-judge got {len(images)} images for {len(prompts)} prompts")
         with ThreadPoolExecutor(max_workers=self.concurrency) as pool:

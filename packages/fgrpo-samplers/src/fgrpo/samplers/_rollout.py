@@ -32,7 +32,7 @@ from typing import Any
 import attrs
 import torch
 
-from fgrpo.core import tensors
+from fgrpo.core import seeding, tensors
 from fgrpo.core.protocols import Kernel, Policy, Trajectory
 from fgrpo.samplers.schedules import Schedule, check_sigmas
 
@@ -70,12 +70,6 @@ def randint(low: int, high: int, generator: torch.Generator | None) -> int:
     """One integer uniformly in [low, high), drawn from ``generator``."""
     device = _generator_device(generator, torch.device("cpu"))
     return int(torch.randint(low, high, (1,), generator=generator, device=device).item())
-
-
-def randn(shape: Sequence[int], generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
-    """Standard normal float32 noise on ``device``, drawn on the generator's device."""
-    gdev = _generator_device(generator, device)
-    return torch.randn(tuple(shape), generator=generator, device=gdev, dtype=torch.float32).to(device)
 
 
 def step_stds(kernel: Kernel, sigmas: torch.Tensor, indices: Sequence[int]) -> dict[int, float]:
@@ -198,7 +192,7 @@ def run(
             calls += 1
             nfe[step.phase] = nfe.get(step.phase, 0) + rows * epc
 
-            noise = randn(x.shape, generator, device) if step.kernel.stochastic else None
+            noise = seeding.randn(x.shape, generator, device) if step.kernel.stochastic else None
             out = step.kernel.step(velocity, x, step.sigmas, step.index, noise=noise)
             if final == "x0" and position == len(program) - 1:
                 predicted_x0 = x - sigma.reshape(-1, *([1] * (x.dim() - 1))) * velocity.to(torch.float32)

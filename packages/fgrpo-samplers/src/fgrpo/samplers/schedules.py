@@ -15,6 +15,7 @@ from typing import Literal
 import attrs
 import torch
 
+from fgrpo.core import flow
 from fgrpo.core.config import param
 
 
@@ -63,8 +64,7 @@ def time_shift(sigmas: torch.Tensor, shift: float) -> torch.Tensor:
     at high noise. Same values as diffusers' ``FlowMatchEulerDiscreteScheduler(shift=s)``."""
     if not shift > 0 or not math.isfinite(shift):
         raise ValueError(f"shift: expected a finite number > 0, got {shift!r}")
-    s = sigmas.double()
-    return (shift * s / (1 + (shift - 1) * s)).to(torch.float32)
+    return flow.time_shift(sigmas, shift)
 
 
 def flux_mu(

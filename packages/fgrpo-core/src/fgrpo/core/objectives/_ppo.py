@@ -121,6 +121,37 @@ def kl_term(batch: StepBatch, form: str) -> torch.Tensor:
     raise ValueError(f"unknown kl form {form!r}; allowed: {', '.join(map(repr, KL_FORMS))}")
 
 
+class ClippedObjective:
+    """What ``grpo`` and ``grpo-guard`` share around their surrogates: the reference only for a KL
+    (``beta > 0``), the clipped advantages, the raw log-ratio, the KL term and the metrics. A
+    subclass (an attrs class with ``clip_range``, ``adv_clip``, ``beta`` and ``kl`` keys) writes
+    :meth:`surrogate`."""
+
+    __slots__ = ()
+    clip_range: float
+    adv_clip: float
+    beta: float
+    kl: str
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.beta > 0
+
+    @staticmethod
+    def check_recipe(resolved: Mapping[str, Any]) -> list[ConfigError]:
+        return kl_recipe_errors(resolved)
+
+    def surrogate(self, batch: StepBatch, advantages: torch.Tensor, log_ratio: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the (b,) ratios the clip acts on, the scalar policy loss)."""
+        raise NotImplementedError
+
+    def __call__(self, batch: StepBatch) -> ObjectiveOutput:
+        advantages = clip_advantages(batch.advantages, self.adv_clip)
+        log_ratio = as_float(batch.log_prob) - as_float(batch.old_log_prob).detach()
+        ratio, policy_loss = self.surrogate(batch, advantages, log_ratio)
+        return assemble(policy_loss, ratio, log_ratio, batch, clip_range=self.clip_range, beta=self.beta, kl=self.kl)
+
+
 def assemble(
     policy_loss: torch.Tensor,
     ratio: torch.Tensor,

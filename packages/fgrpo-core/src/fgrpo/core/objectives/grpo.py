@@ -6,23 +6,19 @@ import attrs
 import torch
 
 from fgrpo.core.objectives._ppo import (
+    ClippedObjective,
     KlForm,
     adv_clip_param,
-    as_float,
-    assemble,
     beta_param,
-    clip_advantages,
     clip_range_param,
     clipped_surrogate,
     kl_param,
-    kl_recipe_errors,
 )
-from fgrpo.core.config import ConfigError
-from fgrpo.core.protocols import ObjectiveOutput, StepBatch
+from fgrpo.core.protocols import StepBatch
 
 
 @attrs.frozen
-class GRPO:
+class GRPO(ClippedObjective):
     """PPO-clip on one trained denoising step, with group-relative advantages.
 
     ratio = exp(logp_new - logp_old); loss = mean_b max(-A r, -A clip(r, 1-ε, 1+ε)) + beta * KL,
@@ -38,20 +34,6 @@ class GRPO:
     beta: float = beta_param()
     kl: KlForm = kl_param()
 
-    @property
-    def needs_reference(self) -> bool:
-        return self.beta > 0
-
-    @staticmethod
-    def check_recipe(resolved: dict) -> list[ConfigError]:
-        return kl_recipe_errors(resolved)
-
-    def __call__(self, batch: StepBatch) -> ObjectiveOutput:
-        advantages = clip_advantages(batch.advantages, self.adv_clip)
-        log_ratio = as_float(batch.log_prob) - as_float(batch.old_log_prob).detach()
+    def surrogate(self, batch: StepBatch, advantages: torch.Tensor, log_ratio: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ratio = torch.exp(log_ratio)
-        policy_loss = clipped_surrogate(ratio, advantages, self.clip_range).mean()
-        return assemble(
-            policy_loss, ratio, log_ratio, batch,
-            clip_range=self.clip_range, beta=self.beta, kl=self.kl,
-        )
+        return ratio, clipped_surrogate(ratio, advantages, self.clip_range).mean()

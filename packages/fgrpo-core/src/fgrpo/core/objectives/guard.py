@@ -14,11 +14,11 @@ it exactly; multiplying by c turns what is left into mean(e·δ)/c = mean(ξ·δ
 whose spread no longer depends on the step's noise level. Dividing by -dt evens out the
 steps' gradient sizes.
 
-Source: the GRPO-Guard section of seed 000 ("RatioNorm + Gradient Reweight", exp[Δlogp·c +
-‖δ‖²/(2c)] and L/(sqrt Δt)²), which is the same expression as above, and the official flow_grpo
-training script it describes (``config.rationorm``), where c = std_dev_t·sqrt(-dt) with std_dev_t
-the SDE noise g = η·sqrt(σ/(1-σ)). The seed's prose calls σ_t "the forward noise σ, not g"; the
-official code uses g, and so does DESIGN.md §1; we follow the code. The official code uses
+Source: GRPO-Guard's "RatioNorm + Gradient Reweight" (the ratio exp[Δlogp·c + ‖δ‖²/(2c)] and the
+loss divided by (sqrt Δt)²), which is the same expression as above, and the official flow_grpo
+training script that implements it (``config.rationorm``), where c = std_dev_t·sqrt(-dt) with
+std_dev_t the SDE noise g = η·sqrt(σ/(1-σ)). Written derivations of the method call σ_t "the
+forward noise σ, not g"; the official code uses g, and so does docs/method.md; we follow the code. The official code uses
 minibatch means of g and sqrt(-dt) (all its samples share a step); we use each sample's own c and
 -dt, which is identical when they share a step and still right when a minibatch mixes steps.
 
@@ -33,13 +33,12 @@ from __future__ import annotations
 import attrs
 import torch
 
+from fgrpo.core.config import ConfigError
 from fgrpo.core.objectives._ppo import (
+    ClippedObjective,
     KlForm,
     adv_clip_param,
-    as_float,
-    assemble,
     beta_param,
-    clip_advantages,
     clip_range_param,
     clipped_surrogate,
     kernel_spec,
@@ -48,12 +47,11 @@ from fgrpo.core.objectives._ppo import (
     per_sample,
     sq_dist,
 )
-from fgrpo.core.config import ConfigError
-from fgrpo.core.protocols import ObjectiveOutput, StepBatch
+from fgrpo.core.protocols import StepBatch
 
 
 @attrs.frozen
-class GRPOGuard:
+class GRPOGuard(ClippedObjective):
     """GRPO with RatioNorm-centred ratios and a 1/(-dt) weight per step (see module docstring).
 
     The default clip 2e-6 is flow_grpo's GRPO-Guard setting for OCR/GenEval on SD3.5-M (its
@@ -64,10 +62,6 @@ class GRPOGuard:
     adv_clip: float = adv_clip_param()
     beta: float = beta_param()
     kl: KlForm = kl_param()
-
-    @property
-    def needs_reference(self) -> bool:
-        return self.beta > 0
 
     @staticmethod
     def check_recipe(resolved: dict) -> list[ConfigError]:
@@ -84,17 +78,11 @@ class GRPOGuard:
             )
         return errors
 
-    def __call__(self, batch: StepBatch) -> ObjectiveOutput:
+    def surrogate(self, batch: StepBatch, advantages: torch.Tensor, log_ratio: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         b = batch.log_prob.shape[0]
         c = per_sample(batch.std, b).detach()
         neg_dt = -per_sample(batch.dt, b).detach()
-        advantages = clip_advantages(batch.advantages, self.adv_clip)
-        log_ratio = as_float(batch.log_prob) - as_float(batch.old_log_prob).detach()
         # The shift carries gradient through mu, as in the official code.
         shift = sq_dist(batch.mean, batch.old_mean.detach()) / (2 * c**2)
         ratio = torch.exp((log_ratio + shift) * c)
-        policy_loss = (clipped_surrogate(ratio, advantages, self.clip_range) / neg_dt).mean()
-        return assemble(
-            policy_loss, ratio, log_ratio, batch,
-            clip_range=self.clip_range, beta=self.beta, kl=self.kl,
-        )
+        return ratio, (clipped_surrogate(ratio, advantages, self.clip_range) / neg_dt).mean()

@@ -109,6 +109,12 @@ class KernelConformance:
         """A step with positive sigma' (every stochastic kernel has std > 0 there)."""
         return int(sigmas.shape[0]) - 3
 
+    def one_step(self, seed: int) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """(kernel, velocity, sample, sigmas, index): a step with positive sigma' on the first shape."""
+        sigmas = self.sigmas()
+        velocity, sample = self.inputs(self.shapes[0], seed=seed)
+        return self.make_kernel(), velocity, sample, sigmas, self.stochastic_index(sigmas)
+
     def _check_output(self, out: KernelStep, shape: tuple[int, ...]) -> None:
         assert isinstance(out, KernelStep)
         batch = shape[0]
@@ -211,11 +217,8 @@ class KernelConformance:
     # --- randomness ----------------------------------------------------------------------------
 
     def test_noise_override(self):
-        kernel = self.make_kernel()
-        sigmas = self.sigmas()
+        kernel, velocity, sample, sigmas, index = self.one_step(seed=4)
         shape = self.shapes[0]
-        velocity, sample = self.inputs(shape, seed=4)
-        index = self.stochastic_index(sigmas)
         noise = torch.randn(shape, generator=torch.Generator().manual_seed(5))
         a = self.step(kernel, velocity, sample, sigmas, index, noise=noise)
         b = self.step(kernel, velocity, sample, sigmas, index, noise=noise.clone())
@@ -230,11 +233,8 @@ class KernelConformance:
             assert torch.equal(a.prev_sample, a.mean)
 
     def test_generator_reproducible(self):
-        kernel = self.make_kernel()
-        sigmas = self.sigmas()
+        kernel, velocity, sample, sigmas, index = self.one_step(seed=6)
         shape = self.shapes[0]
-        velocity, sample = self.inputs(shape, seed=6)
-        index = self.stochastic_index(sigmas)
 
         def run(seed):
             return self.step(kernel, velocity, sample, sigmas, index, generator=torch.Generator().manual_seed(seed))
@@ -318,11 +318,7 @@ class KernelConformance:
 
     def test_gradient_reaches_velocity(self):
         """The update differentiates the re-evaluated log-prob (stochastic) or x' (ODE) w.r.t. v."""
-        kernel = self.make_kernel()
-        sigmas = self.sigmas()
-        shape = self.shapes[0]
-        velocity, sample = self.inputs(shape, seed=16)
-        index = self.stochastic_index(sigmas)
+        kernel, velocity, sample, sigmas, index = self.one_step(seed=16)
         with torch.no_grad():
             out = self.step(kernel, velocity, sample, sigmas, index, generator=torch.Generator().manual_seed(1))
         v = (velocity + 0.05).requires_grad_(True)

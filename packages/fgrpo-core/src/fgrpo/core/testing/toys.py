@@ -24,6 +24,8 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
+from fgrpo.core import flow
+
 
 class GaussianPolicy:
     """The exact velocity of a prompt-conditioned Gaussian (see the module docstring)."""
@@ -52,8 +54,7 @@ class GaussianPolicy:
         return torch.randn((n, *self.shape), generator=generator)
 
     def sigmas(self, steps: int) -> torch.Tensor:
-        t = torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64)
-        return (3.0 * t / (1 + 2.0 * t)).to(torch.float32)
+        return flow.shifted_sigmas(steps, 3.0)
 
     def _velocity(self, x: torch.Tensor, sigma: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
         sig = sigma.reshape(-1, *([1] * (x.dim() - 1))).to(x.dtype)

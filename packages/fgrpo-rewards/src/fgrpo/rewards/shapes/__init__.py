@@ -1,8 +1,8 @@
 """The shapes world: a GenEval-like compositional text-to-image task that learns on a laptop CPU.
 
-Design (after /work/shared/notes/toy-world-feasibility.md: free-form blobs left a tiny model
-stuck on drawing, cell-aligned glyphs let it draw clean objects within minutes so that its
-remaining errors are compositional - what RL should fix):
+Design (chosen by measurement on a prototype: free-form blobs left a tiny model stuck on
+drawing, cell-aligned glyphs let it draw clean objects within minutes so that its remaining
+errors are compositional - what RL should fix):
 
 - Image: RGB 24x24 on black = a 3x3 grid of 8x8 cells. With the policy's patch size 8 each cell
   is one token: 9 image tokens (attention cost grows with their square; 4x4 cells would cost
@@ -29,6 +29,7 @@ Public API for tools and recipes: :func:`render`, :func:`render_batch`, :func:`s
 """
 
 from fgrpo.rewards.shapes.prompts import ShapesPrompts
+from fgrpo.rewards.shapes.scenes import PERTURBATIONS, perturb, place, sample_images, sample_scene
 from fgrpo.rewards.shapes.verifier import (
     GLYPH_TOLERANCE,
     PIXEL_TOLERANCE,
@@ -45,7 +46,6 @@ from fgrpo.rewards.shapes.world import (
     COLORS,
     GRID,
     PALETTE,
-    PERTURBATIONS,
     RELATIONS,
     SHAPES,
     SIZE,
@@ -56,13 +56,9 @@ from fgrpo.rewards.shapes.world import (
     all_specs,
     match,
     parse_prompt,
-    perturb,
-    place,
     prompt_of,
     render,
     render_batch,
-    sample_images,
-    sample_scene,
     satisfies,
     split,
     to_tensor,

@@ -63,13 +63,6 @@ class ShapesPrompts:
     def test_prompts(self) -> list[str]:
         return list(self._test)
 
-    # short aliases (the PromptSource protocol names are train_prompts / test_prompts)
-    def train(self) -> list[str]:
-        return self.train_prompts()
-
-    def test(self) -> list[str]:
-        return self.test_prompts()
-
     def metadata(self, prompt: str) -> Mapping[str, Any]:
         if prompt not in self._meta:
             spec = parse_prompt(prompt)

@@ -1,0 +1,118 @@
+"""Train one recipe three ways in the same processes (under torchrun, 2 CPU processes over gloo)
+and leave the run folders for the test to compare:
+
+1. ``OUT/ddp``: data parallel, N iterations;
+2. ``OUT/sharded``: the same recipe sharded by KIND (``fsdp`` or ``deepspeed``: the environment
+   ``accelerate launch`` sets for recipes/accelerate/fsdp-*.yaml or deepspeed-zero2.yaml), N
+   iterations;
+3. ``OUT/resumed``: sharded, N - 1 iterations, then resumed from its checkpoint to N;
+4. ``OUT/crossed``: data parallel, N - 1 iterations, then resumed sharded to N.
+
+Process 1 trains on every other sample only (as when ``train.drop_zero_advantage`` leaves out
+more of its samples than of process 0's), so with a small ``train.micro_batch_size`` it makes
+fewer forward/backward passes and a sharded run must pad them.
+
+Writes ``OUT/report-rankR.json``: what each run saw of its parameters (sharded or whole, the size
+of this process's shard), how many padding passes it made, and its last row.
+
+Usage: sharded_worker.py KIND RECIPE OUT N [KEY=VALUE ...]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from rich.console import Console
+
+from fgrpo.core import phases, sharding
+from fgrpo.core import recipe as recipe_mod
+from fgrpo.core.trainer import close_run, open_run, train
+
+LAUNCHES = {  # what `accelerate launch --config_file recipes/accelerate/<config>.yaml` sets
+    "fsdp": {
+        "ACCELERATE_USE_FSDP": "true",
+        "FSDP_VERSION": "2",
+        "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
+        "FSDP_RESHARD_AFTER_FORWARD": "true",
+        "FSDP_OFFLOAD_PARAMS": "false",
+        "FSDP_CPU_RAM_EFFICIENT_LOADING": "false",
+        "FSDP_ACTIVATION_CHECKPOINTING": "false",
+    },
+    "deepspeed": {
+        "ACCELERATE_USE_DEEPSPEED": "true",
+        "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2",
+        "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "none",
+        "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "none",
+        "ACCELERATE_DEEPSPEED_ZERO3_INIT": "false",
+    },
+}
+
+
+PADDING = [0]
+
+
+def fewer_on_process_1(informative):
+    def kept_samples(run, adv):
+        kept, _ = informative(run, adv)
+        if run.accelerator.process_index == 1:
+            kept = kept[::2]
+        return kept, int(run.accelerator.gather(torch.tensor([len(kept)])).max())
+
+    return kept_samples
+
+
+def counted(idle_passes):
+    def padding(run, traj, adv, count):
+        PADDING[0] += count
+        idle_passes(run, traj, adv, count)
+
+    return padding
+
+
+def run(path: str, out: Path, iterations: int, overrides: list[str], *, resume: bool = False) -> dict:
+    recipe = recipe_mod.load(path, [*overrides, f"train.iterations={iterations}"])
+    PADDING[0] = 0
+    r = open_run(recipe, out=str(out), resume=resume, console=Console(quiet=True), quiet=True)
+    try:
+        stepped = [p for group in r.optimizer.param_groups for p in group["params"]]
+        seen = {
+            "kind": sharding.kind(r.accelerator),
+            "sharded": r.sharded,
+            "dtensor": sharding.is_sharded_tensor(r.trainable[0]),
+            # elements whose AdamW state this process holds and steps, of all trainable elements
+            "stepped_numel": sum((p.to_local() if sharding.is_sharded_tensor(p) else p).numel() for p in stepped),
+            "trainable_numel": sum(p.numel() for p in r.trainable),
+            "start": r.start_iteration,
+        }
+        seen["last_row"] = train(r)
+        seen["padding_passes"] = PADDING[0]
+    finally:
+        close_run(r)
+    return seen
+
+
+def main() -> None:
+    kind, path, out, n, *overrides = sys.argv[1:]
+    out, n = Path(out), int(n)
+    phases.informative = fewer_on_process_1(phases.informative)
+    phases.idle_passes = counted(phases.idle_passes)
+    report = {"ddp": run(path, out / "ddp", n, overrides), "crossed_ddp": run(path, out / "crossed", n - 1, overrides)}
+    os.environ.update(LAUNCHES[kind])
+    if kind == "deepspeed":  # a DeepSpeed launch starts fresh processes: accelerate's state starts over here
+        from accelerate.state import AcceleratorState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
+    report["sharded"] = run(path, out / "sharded", n, overrides)
+    report["partial"] = run(path, out / "resumed", n - 1, overrides)
+    report["resumed"] = run(path, out / "resumed", n, overrides, resume=True)
+    report["crossed"] = run(path, out / "crossed", n, overrides, resume=True)
+    (out / f"report-rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(report, default=float))
+
+
+if __name__ == "__main__":
+    main()
