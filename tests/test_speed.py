@@ -111,7 +111,13 @@ def test_configure_keeps_what_the_user_chose():
     before = torch.get_num_threads()
     try:
         n = threads.configure(env)  # torch is loaded here: the count is applied, not exported
-        assert n == threads.usable_cpus() and env == {"OMP_WAIT_POLICY": "PASSIVE"}
+        assert n == threads.usable_cpus() and env == {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "10000"}
+        env = {"GOMP_SPINCOUNT": "0"}  # the user's spin count, under our policy
+        threads.configure(env)
+        assert env == {"GOMP_SPINCOUNT": "0", "OMP_WAIT_POLICY": "PASSIVE"}
+        env = {"OMP_WAIT_POLICY": "ACTIVE"}  # the user's policy: no spin count of ours beside it
+        threads.configure(env)
+        assert env == {"OMP_WAIT_POLICY": "ACTIVE"}
     finally:
         torch.set_num_threads(before)
 

@@ -9,7 +9,7 @@ single-threaded busy loop (``--busy`` of them), under several thread policies:
 
 - ``fgrpo``: what ``fgrpo`` chooses by itself (no environment variable set by the user);
 - ``torch``: torch's own defaults (``FGRPO_THREADS=torch``: every core, spin-waiting threads);
-- ``passive``: torch's thread count with ``OMP_WAIT_POLICY=PASSIVE``;
+- ``passive``: torch's thread count with ``OMP_WAIT_POLICY=PASSIVE`` (threads never spin);
 - ``1-thread``: ``OMP_NUM_THREADS=1``.
 
 An ``--external NAME=COMMAND`` is another implementation run the same way: its command must
@@ -39,7 +39,7 @@ POLICIES = {
     "passive": {"FGRPO_THREADS": "torch", "OMP_WAIT_POLICY": "PASSIVE"},
     "1-thread": {"OMP_NUM_THREADS": "1"},
 }
-THREAD_VARIABLES = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "FGRPO_THREADS", "FGRPO_THREADS_CHOSEN", "MKL_NUM_THREADS")
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "FGRPO_THREADS", "FGRPO_THREADS_CHOSEN", "MKL_NUM_THREADS", "GOMP_SPINCOUNT")
 
 
 def clean_env(extra: dict[str, str]) -> dict[str, str]:
