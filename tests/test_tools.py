@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 import pytest
+import torch
 
 world = pytest.importorskip("fgrpo.rewards.shapes")
 
@@ -49,3 +50,20 @@ def test_relation_outcomes_per_image(root):
     assert probe.outcomes(images, position) == [1, 1, 0, 0, None, None]
     single = [p for p in test if world.parse_prompt(p).category == "single"][:1]
     assert probe.outcomes(world.render_batch([world.place(single[0], rng)]), single) == [1]
+
+
+def test_text_probe_compares_opposite_relations(root):
+    probe = _load(root, "shapes_relation_probe")
+    prompts = ["a red square to the left of a blue circle", "a red square to the right of a blue circle",
+               "a blue circle to the left of a red square", "a red square above a blue circle"]
+    codes = torch.tensor([[0.0, 0.0], [3.0, 4.0], [6.0, 8.0], [0.0, 1.0]])
+
+    def encode(batch):  # one row per prompt; pooled is twice the tokens
+        rows = codes[[prompts.index(q) for q in batch]]
+        return {"prompt_embeds": rows[:, None, :], "pooled_prompt_embeds": 2 * rows}
+
+    found = probe.text_distances(encode, prompts, pairs=8)
+    assert found["relation word flipped"] == pytest.approx((5.0, 10.0))  # left<->right both ways; "above" has no "below"
+    assert found["objects swapped"] == pytest.approx((10.0, 20.0))
+    assert set(found) == {"relation word flipped", "objects swapped", "random pair"}
+    assert probe.split_relation(prompts[3]) == ("a red square", "above", "a blue circle")

@@ -10,6 +10,12 @@ else), and for position prompts how often the relation holds *given* the right o
 distinct random cells satisfy a relation 37.5% of the time, so a conditional rate near that means
 the relation words are ignored. A checkpoint of a LoRA run needs the run's LoRA shape (--rank,
 --alpha; the shapes recipes use 32/64).
+
+``--text`` asks instead whether the (frozen) text encoder tells opposite relations apart: over every
+position prompt "A REL B" it prints the mean distance between its conditioning (the token outputs,
+flattened, and the pooled vector) and that of "A OPP B" (the relation word flipped), "B REL A" (the
+objects swapped; both the opposite layout) and of random pairs of position prompts. A LoRA on the
+transformer sees only this conditioning: what it does not separate, RL cannot teach apart.
 """
 
 from __future__ import annotations
@@ -62,6 +68,41 @@ def probe(policy: ShapesDiT, prompts: list[str], samples: int, steps: int, seed:
     return rates(images, [q for q in prompts for _ in range(samples)])
 
 
+OPPOSITE = {"to the left of": "to the right of", "to the right of": "to the left of", "above": "below", "below": "above"}
+
+
+def split_relation(prompt: str) -> tuple[str, str, str]:
+    """"a red square to the left of a green circle" -> ("a red square", "to the left of", "a green circle")."""
+    for relation in OPPOSITE:
+        head, sep, tail = prompt.partition(f" {relation} ")
+        if sep:
+            return head, relation, tail
+    raise ValueError(f"no relation in {prompt!r}")
+
+
+def text_distances(encode, prompts: list[str], pairs: int = 2000, seed: int = 0) -> dict[str, tuple[float, float]]:
+    """{comparison: (mean distance of the flattened token outputs, of the pooled vectors)} over
+    ``prompts`` (position prompts); ``encode`` is a policy's ``encode``."""
+    with torch.no_grad():
+        cond = encode(prompts)
+    tokens, pooled = cond["prompt_embeds"].flatten(1), cond["pooled_prompt_embeds"]
+    index = {q: i for i, q in enumerate(prompts)}
+    found: dict[str, list[tuple[int, int]]] = {"relation word flipped": [], "objects swapped": []}
+    for q in prompts:
+        a, rel, b = split_relation(q)
+        for name, other in (("relation word flipped", f"{a} {OPPOSITE[rel]} {b}"), ("objects swapped", f"{b} {rel} {a}")):
+            if other in index and other != q:
+                found[name].append((index[q], index[other]))
+    g = torch.Generator().manual_seed(seed)
+    found["random pair"] = torch.randint(len(prompts), (pairs, 2), generator=g).tolist()
+
+    def mean_distance(x: torch.Tensor, ij: list) -> float:
+        i, j = torch.tensor(ij).T
+        return (x[i] - x[j]).norm(dim=1).mean().item()
+
+    return {name: (mean_distance(tokens, ij), mean_distance(pooled, ij)) for name, ij in found.items() if ij}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoints", nargs="*", help="checkpoint folders holding trainable.safetensors")
@@ -70,7 +111,13 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=16, help="samples per test prompt")
     p.add_argument("--steps", type=int, default=20, help="ODE steps")
     p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--text", action="store_true", help="compare the text conditioning of opposite relations")
     args = p.parse_args()
+    if args.text:
+        position = world.all_prompts(["position"])  # the text encoder is frozen: one for every run
+        for name, (tokens, pooled) in text_distances(ShapesDiT(device="cpu").encode, position).items():
+            print(f"{name:22s} tokens {tokens:7.3f}  pooled {pooled:6.3f}  ({len(position)} position prompts)")
+        return
     _, test = world.split(0, 16)
     by_category = {c: [q for q in test if spec_for(q).category == c] for c in ("position", "color_attr")}
     print(f"chance of a relation between two random cells: {CHANCE:.3f}")
