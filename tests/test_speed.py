@@ -115,6 +115,9 @@ def test_configure_keeps_what_the_user_chose():
         env = {"GOMP_SPINCOUNT": "0"}  # the user's spin count, under our policy
         threads.configure(env)
         assert env == {"GOMP_SPINCOUNT": "0", "OMP_WAIT_POLICY": "PASSIVE"}
+        env = {"OMP_NUM_THREADS": "2"}  # a fixed count: no governor to keep it off busy cores, no spin
+        threads.configure(env)
+        assert env == {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE"}
         env = {"OMP_WAIT_POLICY": "ACTIVE"}  # the user's policy: no spin count of ours beside it
         threads.configure(env)
         assert env == {"OMP_WAIT_POLICY": "ACTIVE"}

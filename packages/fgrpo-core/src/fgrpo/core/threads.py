@@ -5,13 +5,13 @@ process, a thread that spins on a core the other process needs slows both down: 
 cores beside one busy loop, a tiny SD3 iteration went from 0.27 to 0.89 s with torch's defaults,
 0.48 s with passive waiting, 0.45 s with one thread. So, unless the user set them:
 
-- ``OMP_WAIT_POLICY=PASSIVE`` with ``GOMP_SPINCOUNT=10000``: a waiting thread spins briefly
-  (about 0.1 ms) and then sleeps. libgomp (torch's OpenMP on Linux) takes an explicit spin count
-  over the policy's, other OpenMP runtimes read the policy alone. Passive waiting alone cost a
-  third on a quiet machine (tiny SD3 iteration 0.288 s against 0.217 s with torch's spinning,
-  which takes 0.712 s beside a busy loop); the short spin keeps both: 0.214 s quiet, 0.367 s busy
-  (``tools/bench/contention.py``, 2 cores). OpenMP reads these when torch's library loads, so
-  :func:`configure` must run before ``import torch``: ``fgrpo``'s commands do.
+- ``OMP_WAIT_POLICY=PASSIVE``, and ``GOMP_SPINCOUNT=10000`` when fgrpo also chooses the count
+  (below): a waiting thread spins about 0.1 ms, then sleeps. libgomp (torch's OpenMP on Linux)
+  takes an explicit spin count over the policy's; other runtimes read the policy alone. Passive
+  waiting alone cost a third on a quiet machine (tiny SD3: 0.288 s per iteration against 0.217 s
+  with torch's spinning, which takes 0.712 s beside a busy loop); the short spin keeps both:
+  0.214 s quiet, 0.367 s busy (``tools/bench/contention.py``, 2 cores). OpenMP reads these when
+  torch's library loads, so :func:`configure` must run before ``import torch``: ``fgrpo`` does.
 - ``torch.set_num_threads(n)`` with ``n`` = the CPUs this process may use: its affinity mask
   (``os.sched_getaffinity``: taskset, Slurm, docker --cpuset-cpus) capped by its cgroup's CPU
   quota (docker --cpus, Kubernetes limits), which ``os.cpu_count()`` ignores.
@@ -19,9 +19,11 @@ cores beside one busy loop, a tiny SD3 iteration went from 0.27 to 0.89 s with t
   took during the last one (``/proc/stat`` minus this process's own), so a run keeps its threads
   on a quiet node and gives cores back when another job starts.
 
-``OMP_NUM_THREADS`` set by the user fixes the count (no governor); ``OMP_WAIT_POLICY`` set by the
-user is kept (and no spin count is added), as is a user's ``GOMP_SPINCOUNT``; ``FGRPO_THREADS=torch`` leaves everything to torch's defaults (for comparisons:
-``tools/bench/contention.py``).
+The float order of a reduction depends on the thread count, so a CPU run whose governor changed
+the count (its ``threads`` metric) is not bit-identical to one that kept it: to reproduce a CPU
+run bit for bit, fix the count. ``OMP_NUM_THREADS`` set by the user fixes it (no governor, no
+spin); ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` set by the user is kept; ``FGRPO_THREADS=torch``
+leaves everything to torch's defaults (for comparisons: ``tools/bench/contention.py``).
 """
 
 from __future__ import annotations
@@ -74,11 +76,15 @@ def configure(environ: dict[str, str] | None = None) -> int | None:
     env = os.environ if environ is None else environ
     if env.get("FGRPO_THREADS") == "torch":
         return None
-    if "OMP_WAIT_POLICY" not in env:
-        env["OMP_WAIT_POLICY"] = "PASSIVE"
-        env.setdefault("GOMP_SPINCOUNT", SPIN_COUNT)
+    users_policy = "OMP_WAIT_POLICY" in env
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if "OMP_NUM_THREADS" in env:
         return None
+    if not users_policy:
+        # Only beside the governor: it keeps the threads within the free cores. A fixed count on
+        # a shared core must not spin at all (tiny SD3 beside a busy loop, 2 fixed threads:
+        # 0.748 s per iteration with this spin, 0.363 s passive).
+        env.setdefault("GOMP_SPINCOUNT", SPIN_COUNT)
     n = usable_cpus()
     torch = sys.modules.get("torch")
     if torch is not None:
