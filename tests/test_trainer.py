@@ -197,3 +197,13 @@ def test_reward_details_are_logged_every_iteration(root):
     n = run.recipe.train.prompts_per_iteration * run.recipe.train.group_size
     assert metrics[f"reward/{spec.label}/fallback"] == pytest.approx(len(range(0, n, 3)) / n)
     assert f"reward/{spec.label}/answer" not in metrics  # text details are not averaged
+
+
+def test_detail_means_overall_is_the_unweighted_mean_of_the_categories():
+    from fgrpo.core.phases import detail_means
+
+    means = detail_means({"strict": torch.tensor([1.0, 0.0, 1.0]), "category": ["a", "a", "b"]})
+    assert means == pytest.approx({"strict": 2 / 3, "strict/a": 0.5, "strict/b": 1.0, "strict/overall": 0.75})
+    assert "strict/overall" not in detail_means({"strict": torch.tensor([1.0, 0.0]), "category": ["a", "a"]})
+    assert detail_means({"strict": torch.tensor([1.0, 0.0]), "category": ["a", "b"]}, by_category=False) == {"strict": 0.5}
+

@@ -153,6 +153,9 @@ def test_verdict_result_feeds_per_category_means():
     assert means["strict/counting"] == pytest.approx(sum(e[1] for e in counting) / len(counting))
     assert means["partial/position"] == pytest.approx((1 + 2 / 3 + 1 / 3 + 1) / 4)
     assert means["geneval"] == pytest.approx(sum(e[0] for *_, e in CASES) / len(CASES))
+    tags = sorted({m["tag"] for m, *_ in CASES})  # GenEval's overall score: each task counts once
+    assert len(tags) > 1
+    assert means["geneval/overall"] == pytest.approx(sum(means[f"geneval/{t}"] for t in tags) / len(tags))
 
 
 @pytest.mark.parametrize(

@@ -219,7 +219,8 @@ def score(rewards: Sequence[tuple[Any, Any]], outputs: Any, prompts: Sequence[st
 def detail_means(details: dict[str, Any], by_category: bool = True) -> dict[str, float]:
     """Mean of every per-sample float detail; when the reward reports a ``category`` per sample
     (e.g. GenEval-like categories) and ``by_category``, also the mean per category as
-    ``key/category``."""
+    ``key/category`` and, with several categories, their unweighted mean as ``key/overall``
+    (GenEval's overall score: every task counts the same, however many prompts it has)."""
     numeric = {}
     for key, value in details.items():
         t = torch.as_tensor(value) if isinstance(value, (list, tuple)) and value and isinstance(value[0], (int, float, bool)) else value
@@ -228,11 +229,14 @@ def detail_means(details: dict[str, Any], by_category: bool = True) -> dict[str,
     out = {key: t.mean().item() for key, t in numeric.items()}
     categories = details.get("category")
     if by_category and isinstance(categories, (list, tuple)) and categories and all(isinstance(c, str) for c in categories):
-        for category in sorted(set(categories)):
-            mask = torch.tensor([c == category for c in categories])
-            for key, t in numeric.items():
-                if len(t) == len(mask):
-                    out[f"{key}/{category}"] = t[mask].mean().item()
+        names = sorted(set(categories))
+        for key, t in numeric.items():
+            if len(t) != len(categories):
+                continue
+            per_category = [t[torch.tensor([c == name for c in categories])].mean().item() for name in names]
+            out.update({f"{key}/{name}": m for name, m in zip(names, per_category)})
+            if len(names) > 1:
+                out[f"{key}/overall"] = sum(per_category) / len(per_category)
     return out
 
 
