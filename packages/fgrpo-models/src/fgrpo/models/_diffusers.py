@@ -241,6 +241,10 @@ def unpack_2x2(tokens: torch.Tensor, height: int, width: int) -> torch.Tensor:
 
 # --- the ``lora`` recipe key --------------------------------------------------------------------
 
+#: LoRA on both attention streams (image and text) of every joint block, as flow_grpo's SD3 adapter;
+#: FLUX and Qwen-Image add their feed-forward layers.
+JOINT_ATTENTION_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+
 LORA_KEYS = ("rank", "alpha", "target_modules", "init")
 #: ``init`` values: peft's default (A Kaiming, B zero: starts as the base model), "gaussian" (A
 #: normal(1/r), B zero: also starts as the base model), "random" (A and B both random, so the

@@ -24,7 +24,7 @@ from fgrpo.models.diffusers_policy import DiffusersPolicy
 
 #: LoRA on both attention streams of every joint block (image: to_*; text: add_*/to_add_out),
 #: as flow_grpo does for SD3.5 (r 32, alpha 64).
-SD3_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+SD3_LORA_TARGETS = dx.JOINT_ATTENTION_LORA_TARGETS
 
 
 @attrs.define(eq=False)

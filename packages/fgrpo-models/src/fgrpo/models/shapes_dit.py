@@ -55,16 +55,7 @@ PAD, START = "<pad>", "<start>"
 SPECIALS = (PAD, START)
 
 #: LoRA on both attention streams of every joint block, as for sd3.
-SHAPES_LORA_TARGETS = (
-    "to_q",
-    "to_k",
-    "to_v",
-    "to_out.0",
-    "add_q_proj",
-    "add_k_proj",
-    "add_v_proj",
-    "to_add_out",
-)
+SHAPES_LORA_TARGETS = dx.JOINT_ATTENTION_LORA_TARGETS
 
 PREDICTIONS = ("x0", "velocity")
 #: sigma is clamped to this in velocity = (x - x0_hat) / sigma (samplers never evaluate sigma = 0).
