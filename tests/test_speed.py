@@ -8,6 +8,7 @@ benchmark tools run.
 from __future__ import annotations
 
 import importlib.util
+import math
 import sys
 import time
 
@@ -242,3 +243,29 @@ def test_compile_key_compiles_the_transformer_or_says_why_not(root):
     assert run.policy.transformer._compiled_call_impl is not None  # compiled lazily, at the first forward
     with pytest.raises(RecipeError, match="train.compile"):
         build_run(recipe_mod.load(root / "recipes" / "vector.yaml", ["train.compile=true"]), out_dir=None, console=QUIET, quiet=True)
+
+
+@pytest.mark.slow  # inductor's first compilation of these graphs takes about 110 s on 2 cores (20 s from its cache)
+def test_a_compiled_transformer_computes_what_the_eager_one_does_and_stays_on_policy(root):
+    eager = _shapes_run(root)
+    run = _shapes_run(root, "train.compile=true")
+    cond = eager.policy.encode(eager.prompts.train_prompts()[:2])
+    x, sigma = torch.randn(2, 3, 24, 24, generator=torch.Generator().manual_seed(0)), torch.tensor([0.7, 0.3])
+    with torch.no_grad():
+        torch.testing.assert_close(run.policy.velocity(x, sigma, cond), eager.policy.velocity(x, sigma, cond), rtol=1e-4, atol=1e-5)
+    # the rollout (a no-grad graph) and the update (a training graph) give the same log-probabilities
+    metrics = iteration(run, 0)
+    assert metrics["first_ratio_deviation"] <= 1e-6
+    assert metrics["nfe_train"] > 0 and all(map(math.isfinite, (metrics["policy_loss"], metrics["kl"])))
+
+
+def test_compile_without_a_cpp_compiler_is_refused_before_any_work(root, monkeypatch):
+    """On the CPU inductor builds C++ kernels: without a compiler the run would otherwise fail at
+    the first forward, inside torch, after the model and the evaluation were set up."""
+    from torch._inductor import config as inductor_config
+
+    from fgrpo.core.config import RecipeError
+
+    monkeypatch.setattr(inductor_config.cpp, "cxx", (None, "/nonexistent/g++"))
+    with pytest.raises(RecipeError, match=r"train\.compile: true needs a C\+\+ compiler"):
+        _shapes_run(root, "train.compile=true")

@@ -49,7 +49,7 @@ class TrainConfig:
     reward_worker: bool = param(
         False, help="decode and score each rollout chunk (train.rollout_prompts) in a worker thread while the next chunk rolls out"
     )
-    compile: bool = param(False, help="torch.compile the policy's transformer (minutes of compilation; pays off on long GPU runs)")
+    compile: bool = param(False, help="torch.compile the policy's transformer: minutes of first compilation (inductor caches it for later runs), then faster iterations; on the CPU it needs a C++ compiler")
     shuffle_minibatches: bool = param(True, help="shuffle samples before splitting into minibatches")
     lr: float = param(1e-4, gt=0, le=1, help="AdamW learning rate")
     weight_decay: float = param(1e-4, ge=0)

@@ -267,6 +267,25 @@ def check_prompts(policy: Any, prompts: Sequence[str], key: str) -> None:
         raise RecipeError(shown + more)
 
 
+def compile_transformer(policy: Policy, device: torch.device) -> None:
+    """``train.compile``: compile the policy's transformer in place, lazily at its first call, so the
+    policy keeps calling the same module. Refused before any work when it cannot succeed: a model
+    without a transformer module, or a CPU without the C++ compiler inductor builds its kernels with
+    (otherwise the run would fail minutes later, at the first forward, deep inside torch)."""
+    if not isinstance(getattr(policy, "transformer", None), torch.nn.Module):
+        raise RecipeError([ConfigError("train.compile", f"the model {type(policy).__name__} has no transformer module to compile")])
+    if device.type == "cpu":
+        from torch._inductor import cpp_builder, exc
+
+        try:
+            cpp_builder.get_cpp_compiler()
+        except exc.InvalidCxxCompiler:
+            raise RecipeError(
+                [ConfigError("train.compile", "true needs a C++ compiler on the CPU (inductor builds its kernels with g++, or $CXX) and none was found; allowed: false, or install one")]
+            ) from None
+    policy.transformer.compile()
+
+
 def build_run(
     recipe: Recipe, *, out_dir: Path | None, console: Console, quiet: bool = False, accelerator: Any = None, policy: Policy | None = None
 ) -> Run:
@@ -277,9 +296,7 @@ def build_run(
     random.seed(derive_seed(recipe.seed, "python"))
     policy = recipe.build("model") if policy is None else policy
     if recipe.train.compile:
-        if not isinstance(getattr(policy, "transformer", None), torch.nn.Module):
-            raise RecipeError([ConfigError("train.compile", f"the model {type(policy).__name__} has no transformer module to compile")])
-        policy.transformer.compile()  # in place (lazily, at the first call): the policy keeps calling the same module
+        compile_transformer(policy, acc.device)
     sampler = recipe.build("sampler")
     objective = recipe.build("objective")
     prompts = recipe.build("prompts")
