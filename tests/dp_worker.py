@@ -10,7 +10,7 @@ import torch
 from rich.console import Console
 
 from fgrpo.core import recipe as recipe_mod
-from fgrpo.core.trainer import build_run, iteration, make_accelerator
+from fgrpo.core.trainer import build_run, end_process_group, iteration, make_accelerator
 
 
 def main() -> None:
@@ -29,6 +29,7 @@ def main() -> None:
         flat = torch.cat([p.detach().reshape(-1) for p in run.trainable])
         with open(out, "w") as fh:
             json.dump({"processes": acc.num_processes, "rewards": rewards, "identical": identical, "weights": flat.tolist()}, fh)
+    end_process_group()
 
 
 if __name__ == "__main__":

@@ -265,7 +265,7 @@ def cmd_compose(args: argparse.Namespace) -> int:
         out.print(composition_tree(recipe, f"composed {args.recipe} (dry run)"))
         out.print(f"built {len(components)} components; nothing trained (--dry-run)", markup=False)
         return 0
-    from fgrpo.core.trainer import close_run, open_run, train
+    from fgrpo.core.trainer import close_run, end_process_group, open_run, train
 
     run = open_run(recipe, out=args.out, resume=args.resume, start_over=args.start_over, console=out, quiet=args.quiet)
     folder = run.out_dir
@@ -275,6 +275,7 @@ def cmd_compose(args: argparse.Namespace) -> int:
             train(run)
     finally:
         close_run(run)
+    end_process_group()
     run.display.say(
         f"done: metrics in {folder / 'metrics.jsonl'}, weights in {folder / 'checkpoints' / 'last'}"
         + (f", curves in {folder / 'curves.png'}" if (folder / "curves.png").exists() else "")

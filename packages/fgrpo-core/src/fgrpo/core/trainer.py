@@ -143,6 +143,16 @@ def close_run(run: Run) -> None:
         run.folder.release()
 
 
+def end_process_group() -> None:
+    """Leave the process group once every process has finished (a no-op in one process). A process
+    that exits with the group alive can abort while gloo's threads are torn down ("terminate called
+    without an active exception", exit -6), and the launcher then fails a run that had finished."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 # --- building a run ----------------------------------------------------------------------------
 
 
