@@ -50,11 +50,6 @@ class TrainConfig:
         False, help="decode and score each rollout chunk (train.rollout_prompts) in a worker thread while the next chunk rolls out"
     )
     compile: bool = param(False, help="torch.compile the policy's transformer: minutes of first compilation (inductor caches it for later runs), then faster iterations; on the CPU it needs a C++ compiler")
-    compile_scope: Literal["blocks", "model"] = param(
-        "blocks",
-        help="with train.compile: blocks compiles each repeated transformer block (regional compilation, as diffusers' "
-        "compile_repeated_blocks: one compilation serves every block); model compiles the whole transformer as one graph",
-    )
     shuffle_minibatches: bool = param(True, help="shuffle samples before splitting into minibatches")
     lr: float = param(1e-4, gt=0, le=1, help="AdamW learning rate")
     weight_decay: float = param(1e-4, ge=0)

@@ -277,23 +277,11 @@ def check_prompts(policy: Any, prompts: Sequence[str], key: str) -> None:
         raise RecipeError(shown + more)
 
 
-def repeated_blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:
-    """The blocks a transformer repeats: the classes its ``_repeated_blocks`` names (diffusers'
-    declaration for regional compilation), else every direct ``ModuleList`` child of one class."""
-    names = getattr(transformer, "_repeated_blocks", None)
-    if names:
-        return [m for m in transformer.modules() if type(m).__name__ in names]
-    lists = [c for c in transformer.children() if isinstance(c, torch.nn.ModuleList) and len(c) > 1 and len({type(m) for m in c}) == 1]
-    return [block for blocks in lists for block in blocks]
-
-
-def compile_transformer(policy: Policy, device: torch.device, scope: str = "blocks") -> None:
+def compile_transformer(policy: Policy, device: torch.device) -> None:
     """``train.compile``: compile the policy's transformer in place, lazily at its first call, so the
-    policy keeps calling the same modules. ``scope`` blocks compiles each repeated block (a model
-    without any is compiled whole), model the whole transformer. Refused before any work when it
-    cannot succeed: a model without a transformer module, or a CPU without the C++ compiler inductor
-    builds its kernels with (otherwise the run would fail minutes later, at the first forward, deep
-    inside torch)."""
+    policy keeps calling the same module. Refused before any work when it cannot succeed: a model
+    without a transformer module, or a CPU without the C++ compiler inductor builds its kernels with
+    (otherwise the run would fail minutes later, at the first forward, deep inside torch)."""
     if not isinstance(getattr(policy, "transformer", None), torch.nn.Module):
         raise RecipeError([ConfigError("train.compile", f"the model {type(policy).__name__} has no transformer module to compile")])
     if device.type == "cpu":
@@ -305,9 +293,7 @@ def compile_transformer(policy: Policy, device: torch.device, scope: str = "bloc
             raise RecipeError(
                 [ConfigError("train.compile", "true needs a C++ compiler on the CPU (inductor builds its kernels with g++, or $CXX) and none was found; allowed: false, or install one")]
             ) from None
-    blocks = repeated_blocks(policy.transformer) if scope == "blocks" else []
-    for module in blocks or [policy.transformer]:
-        module.compile()
+    policy.transformer.compile()
 
 
 def build_run(
@@ -320,7 +306,7 @@ def build_run(
     random.seed(derive_seed(recipe.seed, "python"))
     policy = recipe.build("model") if policy is None else policy
     if recipe.train.compile:
-        compile_transformer(policy, acc.device, recipe.train.compile_scope)
+        compile_transformer(policy, acc.device)
     sampler = recipe.build("sampler")
     objective = recipe.build("objective")
     prompts = recipe.build("prompts")
