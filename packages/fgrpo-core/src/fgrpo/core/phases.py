@@ -230,10 +230,11 @@ def detail_means(details: dict[str, Any], by_category: bool = True) -> dict[str,
     categories = details.get("category")
     if by_category and isinstance(categories, (list, tuple)) and categories and all(isinstance(c, str) for c in categories):
         names = sorted(set(categories))
+        masks = [torch.tensor([c == name for c in categories]) for name in names]
         for key, t in numeric.items():
             if len(t) != len(categories):
                 continue
-            per_category = [t[torch.tensor([c == name for c in categories])].mean().item() for name in names]
+            per_category = [t[mask].mean().item() for mask in masks]
             out.update({f"{key}/{name}": m for name, m in zip(names, per_category)})
             if len(names) > 1:
                 out[f"{key}/overall"] = sum(per_category) / len(per_category)
