@@ -66,4 +66,6 @@ def test_text_probe_compares_opposite_relations(root):
     assert found["relation word flipped"] == pytest.approx((5.0, 10.0))  # left<->right both ways; "above" has no "below"
     assert found["objects swapped"] == pytest.approx((10.0, 20.0))
     assert set(found) == {"relation word flipped", "objects swapped", "random pair"}
-    assert probe.split_relation(prompts[3]) == ("a red square", "above", "a blue circle")
+    assert probe.opposites(prompts[3]) == {
+        "relation word flipped": "a red square below a blue circle", "objects swapped": "a blue circle above a red square"
+    }

@@ -24,6 +24,7 @@ import argparse
 from collections import Counter
 from pathlib import Path
 
+import attrs
 import torch
 from safetensors.torch import load_file
 
@@ -31,7 +32,7 @@ from fgrpo.core.evaluation import generate
 from fgrpo.models.shapes_dit import ShapesDiT
 from fgrpo.rewards import shapes as world
 from fgrpo.rewards.shapes.verifier import read_cells, spec_for
-from fgrpo.rewards.shapes.world import relation_holds
+from fgrpo.rewards.shapes.world import OPPOSITE, relation_holds
 
 CHANCE = 0.375  # P(two distinct uniformly random cells of the 3x3 grid are in a given relation)
 
@@ -68,16 +69,14 @@ def probe(policy: ShapesDiT, prompts: list[str], samples: int, steps: int, seed:
     return rates(images, [q for q in prompts for _ in range(samples)])
 
 
-OPPOSITE = {"to the left of": "to the right of", "to the right of": "to the left of", "above": "below", "below": "above"}
-
-
-def split_relation(prompt: str) -> tuple[str, str, str]:
-    """"a red square to the left of a green circle" -> ("a red square", "to the left of", "a green circle")."""
-    for relation in OPPOSITE:
-        head, sep, tail = prompt.partition(f" {relation} ")
-        if sep:
-            return head, relation, tail
-    raise ValueError(f"no relation in {prompt!r}")
+def opposites(prompt: str) -> dict[str, str]:
+    """The prompts "A REL B" is compared with, written by the world's grammar: the relation word
+    flipped ("A OPP B") and the objects swapped ("B REL A"; both give the opposite layout)."""
+    spec = world.parse_prompt(prompt)
+    return {
+        "relation word flipped": world.prompt_of(attrs.evolve(spec, relation=OPPOSITE[spec.relation])),
+        "objects swapped": world.prompt_of(attrs.evolve(spec, objects=spec.objects[::-1])),
+    }
 
 
 def text_distances(encode, prompts: list[str], pairs: int = 2000, seed: int = 0) -> dict[str, tuple[float, float]]:
@@ -89,8 +88,7 @@ def text_distances(encode, prompts: list[str], pairs: int = 2000, seed: int = 0)
     index = {q: i for i, q in enumerate(prompts)}
     found: dict[str, list[tuple[int, int]]] = {"relation word flipped": [], "objects swapped": []}
     for q in prompts:
-        a, rel, b = split_relation(q)
-        for name, other in (("relation word flipped", f"{a} {OPPOSITE[rel]} {b}"), ("objects swapped", f"{b} {rel} {a}")):
+        for name, other in opposites(q).items():
             if other in index and other != q:
                 found[name].append((index[q], index[other]))
     g = torch.Generator().manual_seed(seed)
