@@ -163,7 +163,7 @@ def dynamic_shift_mu(config: Mapping[str, Any], image_seq_len: int) -> float:
 
 def scheduler_sigmas(
     scheduler: Any, steps: int, *, shift: float | None, device: torch.device, image_seq_len: int | None = None,
-    explicit_grid: bool = False,
+    explicit_grid: bool = False, mu: float | None = None,
 ) -> torch.Tensor:
     """The sigmas (steps + 1 values, 1 -> 0, float32 on ``device``) that ``pipe(num_inference_steps=
     steps)`` integrates over, from a copy of the pipeline's scheduler.
@@ -173,6 +173,8 @@ def scheduler_sigmas(
       dynamic shifting.
     - ``explicit_grid``: the pipeline passes ``sigmas=linspace(1, 1/steps, steps)`` (FLUX,
       Qwen-Image) instead of letting the scheduler space the timesteps (SD3, Wan).
+    - ``mu``: the dynamic shift the pipeline computes itself (FLUX.2's depends on the number of
+      steps too), instead of the scheduler config's line in ``image_seq_len``.
     - A multistep scheduler with flow sigmas (Wan 2.1's UniPC, ``flow_shift``) becomes the Euler
       scheduler over the same shifted sigmas: kernels integrate one step at a time.
     """
@@ -202,9 +204,9 @@ def scheduler_sigmas(
     if shift is not None and (config.get("use_dynamic_shifting") or shift != float(config.get("shift", 1.0))):
         overrides = {"shift": float(shift), "use_dynamic_shifting": False}
     elif config.get("use_dynamic_shifting"):
-        if image_seq_len is None:
+        if mu is None and image_seq_len is None:
             raise ValueError("this scheduler shifts by resolution: scheduler_sigmas needs image_seq_len")
-        kwargs["mu"] = dynamic_shift_mu(config, image_seq_len)
+        kwargs["mu"] = dynamic_shift_mu(config, image_seq_len) if mu is None else float(mu)
     if grid is not None:
         kwargs["sigmas"] = grid
     copy = cls.from_config({**config, **overrides})

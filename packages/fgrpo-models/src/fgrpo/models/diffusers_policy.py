@@ -181,6 +181,11 @@ class DiffusersPolicy:
         h, w = self._latent_shape[-2:]
         return (h // patch) * (w // patch)
 
+    def _shift_mu(self, steps: int) -> float | None:
+        """The dynamic time shift the pipeline passes to its scheduler for ``steps`` steps; None: the
+        scheduler config's line in the number of image tokens (FLUX.1, Qwen-Image, Z-Image)."""
+        return None
+
     def _check_pipeline(self, pipe: Any) -> None:
         """Refuse pipelines this backbone cannot drive (a subclass may add checks)."""
 
@@ -333,6 +338,7 @@ class DiffusersPolicy:
             device=self.device,
             image_seq_len=self._image_seq_len(),
             explicit_grid=self.explicit_sigma_grid,
+            mu=self._shift_mu(steps),
         )
 
     def velocity(self, x: torch.Tensor, sigma: torch.Tensor | float, cond: Mapping[str, torch.Tensor]) -> torch.Tensor:

@@ -23,10 +23,13 @@ except ImportError:  # pytest is only needed to run the base
 _PIPELINES = "fgrpo.models.testing.pipelines"
 _EXPORTS = {
     "DiffusersBackboneConformance": "fgrpo.models.testing.conformance",
+    "build_tiny_flux2_klein_pipeline": _PIPELINES,
+    "build_tiny_flux2_pipeline": _PIPELINES,
     "build_tiny_flux_pipeline": _PIPELINES,
     "build_tiny_qwen_image_pipeline": _PIPELINES,
     "build_tiny_sd3_pipeline": _PIPELINES,
     "build_tiny_wan_pipeline": _PIPELINES,
+    "build_tiny_z_image_pipeline": _PIPELINES,
 }
 
 __all__ = sorted(_EXPORTS)

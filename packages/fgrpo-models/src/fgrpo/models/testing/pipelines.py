@@ -342,13 +342,196 @@ def build_tiny_wan_pipeline(
     return _finish(pipe, path, torch_dtype)
 
 
+
+# --- chat-template tokenizers of the current text encoders (Mistral 3, Qwen3) -----------------
+
+#: Mistral's chat format as FLUX.2's processor renders the pipeline's messages (content parts of
+#: type "text" joined; a system message in [SYSTEM_PROMPT], a user turn in [INST])
+MISTRAL_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['content'] is string %}{% set text = m['content'] %}{% else %}"
+    "{% set text = m['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('') %}{% endif %}"
+    "{% if m['role'] == 'system' %}[SYSTEM_PROMPT]{{ text }}[/SYSTEM_PROMPT]{% elif m['role'] == 'user' %}[INST]{{ text }}[/INST]"
+    "{% else %}{{ text }}{{ eos_token }}{% endif %}{% endfor %}"
+)
+#: Qwen3's chat format for the turns the pipelines render (a user message and the generation
+#: prompt; ``enable_thinking=False`` adds the empty think block, as Qwen3's own template does)
+QWEN3_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and enable_thinking is false %}"
+    "<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+def tiny_byte_tokenizer(specials: Sequence[str], chat_template: str | None = None, **named: str) -> Any:
+    """A byte-level BPE ``PreTrainedTokenizerFast`` without merges (every byte a token) plus
+    ``specials``, with ``chat_template``; ``named`` maps bos/eos/pad/unk_token to specials."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(_bytes_to_unicode().values())}
+    for special in specials:
+        vocab[special] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    backend.decoder = decoders.ByteLevel()
+    others = [s for s in specials if s not in set(named.values())]
+    return PreTrainedTokenizerFast(tokenizer_object=backend, additional_special_tokens=others, chat_template=chat_template, **named)
+
+
+def tiny_mistral_tokenizer() -> Any:
+    """Mistral's special tokens and chat format (FLUX.2 [dev] uses a Pixtral processor, whose
+    ``apply_chat_template`` the pipeline calls; a tokenizer takes the same call)."""
+    specials = ["<unk>", "<s>", "</s>", "<pad>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[IMG]", "[IMG_BREAK]", "[IMG_END]"]
+    return tiny_byte_tokenizer(specials, MISTRAL_CHAT_TEMPLATE, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+
+
+def tiny_qwen3_tokenizer() -> Any:
+    """Qwen3's special tokens and chat format (FLUX.2 [klein], Z-Image)."""
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+    return tiny_byte_tokenizer(specials, QWEN3_CHAT_TEMPLATE, pad_token="<|endoftext|>", eos_token="<|im_end|>")
+
+
+def _qwen3_config(tokenizer: Any, layers: int = 2) -> Any:
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=8, vocab_size=len(tokenizer), max_position_embeddings=512, pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+#: FLUX.2's scheduler: the exponential time shift, by an ``mu`` the pipeline computes itself
+FLUX2_SCHEDULER = {
+    "base_image_seq_len": 256, "base_shift": 0.5, "max_image_seq_len": 4096, "max_shift": 1.15,
+    "num_train_timesteps": 1000, "shift": 3.0, "time_shift_type": "exponential", "use_dynamic_shifting": True,
+}
+
+
+def _flux2_parts(guidance_embeds: bool, text_hidden: int, layers_stacked: int = 3) -> tuple[Any, Any]:
+    """A tiny ``Flux2Transformer2DModel`` (1 double + 1 single block, 2 heads x 16, rope (4, 4, 4, 4),
+    128 input channels = 4 x 32 VAE channels) and ``AutoencoderKLFlux2`` (scale 8, 32 channels,
+    random batch-norm statistics so that decoding exercises them)."""
+    from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
+
+    transformer = Flux2Transformer2DModel(
+        patch_size=1, in_channels=128, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=layers_stacked * text_hidden, timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4),
+        guidance_embeds=guidance_embeds,
+    )
+    _randomise(transformer)
+    vae = AutoencoderKLFlux2(block_out_channels=(8, 16, 16, 16), layers_per_block=1, latent_channels=32, norm_num_groups=8, sample_size=64)
+    with torch.no_grad():
+        vae.bn.running_mean.normal_(0.0, 0.5)
+        vae.bn.running_var.uniform_(0.5, 2.0)
+    return transformer, vae
+
+
+def build_tiny_flux2_pipeline(
+    path: str | os.PathLike[str] | None = None, *, seed: int = 0, torch_dtype: torch.dtype = torch.float32
+) -> Any:
+    """A tiny random ``Flux2Pipeline`` (FLUX.2 [dev]: Mistral 3 text encoder, guidance embedding),
+    saved to ``path`` if given.
+
+    Text encoder: ``Mistral3ForConditionalGeneration`` (2-layer Mistral text model, hidden 16, and a
+    1-layer Pixtral vision tower); the pipeline stacks three hidden layers, so pass
+    ``text_encoder_out_layers=(1, 2, 2)`` (the real default (10, 20, 30) needs 30 layers).
+    Tokenizer: :func:`tiny_mistral_tokenizer`. Transformer and VAE: :func:`_flux2_parts`.
+    64x64 images are 4x4 tokens; the pipeline's default side stays 1024: pass height/width.
+    """
+    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2Pipeline
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    tokenizer = tiny_mistral_tokenizer()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        config = Mistral3Config(
+            text_config={
+                "model_type": "mistral", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
+                "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8, "vocab_size": len(tokenizer),
+                "max_position_embeddings": 512, "pad_token_id": tokenizer.pad_token_id,
+            },
+            vision_config={
+                "model_type": "pixtral", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+                "num_attention_heads": 2, "head_dim": 8, "image_size": 32, "patch_size": 8,
+            },
+            image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"),
+        )
+        text_encoder = Mistral3ForConditionalGeneration(config)
+        transformer, vae = _flux2_parts(guidance_embeds=True, text_hidden=16)
+    pipe = Flux2Pipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**FLUX2_SCHEDULER), vae=vae, text_encoder=text_encoder,
+        tokenizer=tokenizer, transformer=transformer,
+    )
+    return _finish(pipe, path, torch_dtype)
+
+
+def build_tiny_flux2_klein_pipeline(
+    path: str | os.PathLike[str] | None = None, *, is_distilled: bool = False, seed: int = 0,
+    torch_dtype: torch.dtype = torch.float32,
+) -> Any:
+    """A tiny random ``Flux2KleinPipeline`` (FLUX.2 [klein] base: Qwen3 text encoder, true CFG, no
+    guidance embedding), saved to ``path`` if given. ``is_distilled``: the step-distilled variant
+    (guidance ignored). Text encoder: a 2-layer ``Qwen3ForCausalLM`` (hidden 16): pass
+    ``text_encoder_out_layers=(1, 2, 2)``. Transformer and VAE: :func:`_flux2_parts`."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline
+    from transformers import Qwen3ForCausalLM
+
+    tokenizer = tiny_qwen3_tokenizer()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        text_encoder = Qwen3ForCausalLM(_qwen3_config(tokenizer))
+        transformer, vae = _flux2_parts(guidance_embeds=False, text_hidden=16)
+    pipe = Flux2KleinPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**FLUX2_SCHEDULER), vae=vae, text_encoder=text_encoder,
+        tokenizer=tokenizer, transformer=transformer, is_distilled=is_distilled,
+    )
+    return _finish(pipe, path, torch_dtype)
+
+
+def build_tiny_z_image_pipeline(
+    path: str | os.PathLike[str] | None = None, *, shift: float = 3.0, seed: int = 0, torch_dtype: torch.dtype = torch.float32
+) -> Any:
+    """A tiny random ``ZImagePipeline`` (Z-Image / Z-Image-Turbo: the same architecture; Turbo is
+    run without guidance and with fewer steps), saved to ``path`` if given.
+
+    Text encoder: a 2-layer ``Qwen3Model`` (hidden 16; the pipeline reads its second-to-last hidden
+    state), :func:`tiny_qwen3_tokenizer`. Transformer: ``ZImageTransformer2DModel`` (dim 32, 2
+    heads, 2 layers + 1 refiner layer per stream, patch 2, 16 latent channels). VAE: FLUX.1's
+    ``AutoencoderKL`` normalisation. Scheduler: ``FlowMatchEulerDiscreteScheduler(shift=shift)``
+    (Z-Image-Turbo's: a fixed shift 3).
+    """
+    from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+    from transformers import Qwen3Model
+
+    tokenizer = tiny_qwen3_tokenizer()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        text_encoder = Qwen3Model(_qwen3_config(tokenizer))
+        transformer = ZImageTransformer2DModel(
+            all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=32, n_layers=2, n_refiner_layers=1,
+            n_heads=2, n_kv_heads=2, cap_feat_dim=16, axes_dims=[4, 6, 6], axes_lens=[256, 32, 32],
+        )
+        _randomise(transformer)
+        vae = _kl_vae((8, 16, 16, 16), 16, 64, FLUX_VAE_SCALING_FACTOR, FLUX_VAE_SHIFT_FACTOR)
+    pipe = ZImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=shift), vae=vae, text_encoder=text_encoder,
+        tokenizer=tokenizer, transformer=transformer,
+    )
+    return _finish(pipe, path, torch_dtype)
+
 __all__ = [
     "QWEN_IMAGE_TEMPLATE",
+    "build_tiny_flux2_klein_pipeline",
+    "build_tiny_flux2_pipeline",
     "build_tiny_flux_pipeline",
     "build_tiny_qwen_image_pipeline",
     "build_tiny_sd3_pipeline",
     "build_tiny_wan_pipeline",
+    "build_tiny_z_image_pipeline",
+    "tiny_byte_tokenizer",
     "tiny_clip_tokenizer",
+    "tiny_mistral_tokenizer",
+    "tiny_qwen3_tokenizer",
     "tiny_qwen_tokenizer",
     "tiny_t5_tokenizer",
 ]
