@@ -28,6 +28,9 @@ _EXPORTS = {
     "build_tiny_flux_pipeline": _PIPELINES,
     "build_tiny_qwen_image_pipeline": _PIPELINES,
     "build_tiny_sd3_pipeline": _PIPELINES,
+    "build_tiny_wan22_i2v_pipeline": _PIPELINES,
+    "build_tiny_wan22_pipeline": _PIPELINES,
+    "build_tiny_wan22_ti2v_pipeline": _PIPELINES,
     "build_tiny_wan_pipeline": _PIPELINES,
     "build_tiny_z_image_pipeline": _PIPELINES,
 }
