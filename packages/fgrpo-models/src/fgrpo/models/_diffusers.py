@@ -491,6 +491,11 @@ def save_diffusers_lora(
         if isinstance(value, set):  # target_modules is a set after peft normalises it
             metadata[key] = sorted(value)
     os.makedirs(folder, exist_ok=True)
+    if not hasattr(pipeline_class, "save_lora_weights"):
+        # a pipeline without a LoRA loader (HunyuanVideo 1.5 in diffusers 0.42): the same file a
+        # one-transformer loader writes, which ``pipe.transformer.load_lora_adapter(folder,
+        # weight_name=..., prefix="transformer")`` reads
+        from diffusers.loaders.lora_pipeline import CogVideoXLoraLoaderMixin as pipeline_class
     pipeline_class.save_lora_weights(
         os.fspath(folder),
         transformer_lora_layers=state,

@@ -26,6 +26,7 @@ _EXPORTS = {
     "build_tiny_flux2_klein_pipeline": _PIPELINES,
     "build_tiny_flux2_pipeline": _PIPELINES,
     "build_tiny_flux_pipeline": _PIPELINES,
+    "build_tiny_hunyuan_video15_pipeline": _PIPELINES,
     "build_tiny_qwen_image_pipeline": _PIPELINES,
     "build_tiny_sd3_pipeline": _PIPELINES,
     "build_tiny_wan22_i2v_pipeline": _PIPELINES,
