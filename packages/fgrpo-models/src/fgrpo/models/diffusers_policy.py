@@ -36,6 +36,16 @@ import torch
 
 from fgrpo.core.config import param
 from fgrpo.models import _diffusers as dx
+from fgrpo.models.lora import (
+    adapters_disabled,
+    inject_lora,
+    load_trainable_state,
+    lora_file_name,
+    lora_param,
+    read_lora_file,
+    save_diffusers_lora,
+    trainable_state,
+)
 
 NEGATIVE = "negative_"
 
@@ -96,7 +106,7 @@ class DiffusersPolicy:
         None, validator=_resolution, help="output height = width in pixels, or [height, width]; null: the pipeline's default"
     )
     negative_prompt: str = param("", help="the unconditional prompt of classifier-free guidance")
-    lora: dict | None = dx.lora_param(32, ("to_q", "to_k", "to_v", "to_out.0"))
+    lora: dict | None = lora_param(32, ("to_q", "to_k", "to_v", "to_out.0"))
     lora_path: str | None = param(None, help="adapter weights to start from (.safetensors file or folder, fgrpo's or diffusers' format)")
     shift: float | None = param(None, gt=0, help="fixed time shift of sigmas(steps); null: the pipeline scheduler's own (static or by resolution)")
     gradient_checkpointing: bool = param(False, help="recompute transformer blocks in backward to save memory")
@@ -232,7 +242,7 @@ class DiffusersPolicy:
         dx.freeze(*modules)
         for _, transformer in self.trained_transformers():
             if self.lora is not None:
-                dx.inject_lora(transformer, self.lora)
+                inject_lora(transformer, self.lora)
             else:
                 transformer.requires_grad_(True)
             if self.gradient_checkpointing:
@@ -417,7 +427,7 @@ class DiffusersPolicy:
 
         with ExitStack() as stack:
             for _, transformer in self.trained_transformers():
-                stack.enter_context(dx.adapters_disabled(transformer))
+                stack.enter_context(adapters_disabled(transformer))
             yield
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
@@ -426,13 +436,13 @@ class DiffusersPolicy:
         (``transformer.``, ``transformer_2.``)."""
         lora = self.lora is not None
         if self._single_transformer():
-            return dx.trainable_state(self.transformer, lora=lora)
-        return {f"{name}.{k}": v for name, m in self.trained_transformers() for k, v in dx.trainable_state(m, lora=lora).items()}
+            return trainable_state(self.transformer, lora=lora)
+        return {f"{name}.{k}": v for name, m in self.trained_transformers() for k, v in trainable_state(m, lora=lora).items()}
 
     def load_trainable_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         lora = self.lora is not None
         if self._single_transformer():
-            dx.load_trainable_state(self.transformer, state, lora=lora)
+            load_trainable_state(self.transformer, state, lora=lora)
             return
         names = [name for name, _ in self.trained_transformers()]
         unknown = sorted(k for k in state if k.split(".", 1)[0] not in names)
@@ -440,7 +450,7 @@ class DiffusersPolicy:
             raise ValueError(f"trainable state: keys of no trained network {unknown[:3]} (trained: {', '.join(names)})")
         for name, module in self.trained_transformers():
             prefix = name + "."
-            dx.load_trainable_state(module, {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}, lora=lora)
+            load_trainable_state(module, {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}, lora=lora)
 
     def _read_adapter(self, path: str) -> dict[str, torch.Tensor]:
         """``lora_path``'s weights as :meth:`load_trainable_state_dict` takes them: one adapter file
@@ -449,7 +459,7 @@ class DiffusersPolicy:
         import os
 
         if self._single_transformer():
-            return dx.read_lora_file(path)
+            return read_lora_file(path)
         own = os.path.join(path, "trainable.safetensors") if os.path.isdir(path) else path
         if os.path.isfile(own) and own.endswith("trainable.safetensors"):
             from safetensors.torch import load_file
@@ -457,10 +467,10 @@ class DiffusersPolicy:
             return load_file(own)
         state = {}
         for name, _ in self.trained_transformers():
-            file = os.path.join(path, dx.lora_file_name(name))
+            file = os.path.join(path, lora_file_name(name))
             if not os.path.isfile(file):
-                raise FileNotFoundError(f"lora_path {path!r}: no {dx.lora_file_name(name)} for the {name} this recipe trains")
-            state.update({f"{name}.{k}": v for k, v in dx.read_lora_file(file).items()})
+                raise FileNotFoundError(f"lora_path {path!r}: no {lora_file_name(name)} for the {name} this recipe trains")
+            state.update({f"{name}.{k}": v for k, v in read_lora_file(file).items()})
         return state
 
     # --- export ---------------------------------------------------------------------------------
@@ -483,12 +493,12 @@ class DiffusersPolicy:
 
         if self.lora is not None:
             if self._single_transformer():
-                return [dx.save_diffusers_lora(type(self._pipeline), self.transformer, folder, state)]
+                return [save_diffusers_lora(type(self._pipeline), self.transformer, folder, state)]
             written = []
             for name, module in self.trained_transformers():
                 prefix = name + "."
                 part = None if state is None else {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-                written.append(dx.save_diffusers_lora(type(self._pipeline), module, folder, part, weight_name=dx.lora_file_name(name)))
+                written.append(save_diffusers_lora(type(self._pipeline), module, folder, part, weight_name=lora_file_name(name)))
             return written
         if state is not None:
             raise ValueError("export(state=...) takes LoRA weights; a fully fine-tuned transformer exports its own")

@@ -36,14 +36,14 @@ import attrs
 import torch
 
 from fgrpo.core.config import param
-from fgrpo.models import _diffusers as dx
 from fgrpo.models.diffusers_policy import DiffusersPolicy
+from fgrpo.models.lora import JOINT_ATTENTION_LORA_TARGETS, lora_param
 
 #: Flow-Factory's default FLUX.2 targets (models/flux/flux2.py ``default_target_modules``): the
 #: double-stream blocks' attention (both streams) and feed-forwards, and the single-stream blocks'
 #: fused projection (their output projection is ``attn.to_out``, which the list does not name)
 FLUX2_LORA_TARGETS = (
-    *dx.JOINT_ATTENTION_LORA_TARGETS, "ff.linear_in", "ff.linear_out", "ff_context.linear_in", "ff_context.linear_out",
+    *JOINT_ATTENTION_LORA_TARGETS, "ff.linear_in", "ff.linear_out", "ff_context.linear_in", "ff_context.linear_out",
     "attn.to_qkv_mlp_proj",
 )
 
@@ -69,7 +69,7 @@ class Flux2Policy(DiffusersPolicy):
     text_encoder_out_layers: list[int] = param(
         factory=lambda: [10, 20, 30], validator=_layers, help="text-encoder hidden layers stacked into the prompt embedding"
     )
-    lora: dict | None = dx.lora_param(64, FLUX2_LORA_TARGETS)
+    lora: dict | None = lora_param(64, FLUX2_LORA_TARGETS)
 
     @property
     def cfg_scale(self) -> float:

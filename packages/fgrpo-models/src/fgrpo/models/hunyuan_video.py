@@ -31,13 +31,13 @@ import attrs
 import torch
 
 from fgrpo.core.config import param
-from fgrpo.models import _diffusers as dx
 from fgrpo.models.diffusers_policy import DiffusersPolicy
+from fgrpo.models.lora import JOINT_ATTENTION_LORA_TARGETS, lora_param
 from fgrpo.models.wan import _frames
 
 #: attention (both streams) and the feed-forwards of every double-stream block
 HUNYUAN_VIDEO15_LORA_TARGETS = (
-    *dx.JOINT_ATTENTION_LORA_TARGETS, "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2"
+    *JOINT_ATTENTION_LORA_TARGETS, "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2"
 )
 
 
@@ -58,7 +58,7 @@ class HunyuanVideo15Policy(DiffusersPolicy):
     decode_batch_size: int = param(
         1, ge=1, le=1, help="videos per VAE decode call: 1 (diffusers 0.42's HunyuanVideo 1.5 VAE fails on batches of videos: its causal attention mask)"
     )
-    lora: dict | None = dx.lora_param(32, HUNYUAN_VIDEO15_LORA_TARGETS)
+    lora: dict | None = lora_param(32, HUNYUAN_VIDEO15_LORA_TARGETS)
 
     def _check_pipeline(self, pipe: Any) -> None:
         guider = pipe.guider

@@ -31,8 +31,8 @@ import attrs
 import torch
 
 from fgrpo.core.config import param
-from fgrpo.models import _diffusers as dx
 from fgrpo.models.diffusers_policy import DiffusersPolicy
+from fgrpo.models.lora import lora_param
 
 #: Flow-Factory's default Z-Image targets (models/z_image/z_image.py ``default_target_modules``)
 Z_IMAGE_LORA_TARGETS = (
@@ -57,7 +57,7 @@ class ZImagePolicy(DiffusersPolicy):
     cfg_normalization: float = param(0.0, ge=0.0, help="cap the guided prediction's norm at this multiple of the conditional one; 0 = off")
     cfg_truncation: float = param(1.0, ge=0.0, help="no guidance once 1 - sigma exceeds this (1: guidance at every step)")
     max_sequence_length: int = param(512, ge=1, help="prompt tokens after the chat template (longer prompts are cut)")
-    lora: dict | None = dx.lora_param(64, Z_IMAGE_LORA_TARGETS)
+    lora: dict | None = lora_param(64, Z_IMAGE_LORA_TARGETS)
 
     @property
     def cfg_scale(self) -> float:
