@@ -39,7 +39,7 @@ class TestFlux2(DiffusersBackboneConformance):
         for i in range(self.steps):
             x = x + (sigmas[i + 1] - sigmas[i]) * policy.velocity(x, sigmas[i].expand(len(x)), cond)
         check = "euler loop vs pipeline, " + ("guidance" if guided else "no guidance")
-        assert_matches(self.model_name, check, x, self.run_pipeline(policy, policy.pipeline, start).float(), self.pipeline_atol)
+        assert_matches(self.label or self.model_name, check, x, self.run_pipeline(policy, policy.pipeline, start).float(), self.pipeline_atol)
 
     def test_prompt_cache_encodes_each_prompt_once(self, model_keys):
         policy = self.make_policy(model_keys, prompt_cache_size=2)

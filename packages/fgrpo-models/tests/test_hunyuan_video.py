@@ -39,7 +39,7 @@ class TestHunyuanVideo15(DiffusersBackboneConformance):
         for row in range(2):
             latents = self.run_pipeline(policy, policy.pipeline, x[row : row + 1], steps=2)
             pixels = self.run_pipeline(policy, policy.pipeline, x[row : row + 1], output_type="pt", steps=2)
-            assert_matches(self.model_name, "decode vs pipeline", policy.decode(latents), pixels.float(), 1e-5)
+            assert_matches(self.label or self.model_name, "decode vs pipeline", policy.decode(latents), pixels.float(), 1e-5)
 
     def test_defaults_come_from_the_pipeline(self, pretrained_path):
         policy = self.make_policy({"path": pretrained_path, "device": "cpu", "lora": {"rank": 2}, "num_frames": 5, "resolution": 64})
@@ -80,7 +80,7 @@ class TestHunyuanVideo15(DiffusersBackboneConformance):
                          output_type="latent", **self.pipeline_kwargs(policy))[0]
         from fgrpo.models.testing.conformance import assert_matches
 
-        assert_matches(self.model_name, "euler loop vs pipeline, guidance_rescale", x, reference.float(), self.pipeline_atol)
+        assert_matches(self.label or self.model_name, "euler loop vs pipeline, guidance_rescale", x, reference.float(), self.pipeline_atol)
 
 
 def _load_into_transformer(self, pipe, folder, written):

@@ -18,6 +18,7 @@ SEQ = 16
 
 class TestWan(DiffusersBackboneConformance):
     model_name = "wan"
+    label = "wan (2.1 T2V)"
     build_pipeline = staticmethod(build_tiny_wan_pipeline)
     model_params = {"max_sequence_length": SEQ, "resolution": 32, "num_frames": 5, "guidance_scale": 1.0}
     guidance_key = "guidance_scale"
@@ -80,6 +81,7 @@ class TestWan22(DiffusersBackboneConformance):
     timesteps are 1000 (high-noise expert), 751 and 9 (low-noise expert)."""
 
     model_name = "wan"
+    label = "wan (2.2 T2V-A14B)"
     build_pipeline = staticmethod(build_tiny_wan22_pipeline)
     model_params = {"max_sequence_length": SEQ, "resolution": 32, "num_frames": 5, "guidance_scale": 1.0}
     guidance_key = "guidance_scale"
@@ -135,7 +137,7 @@ class TestWan22(DiffusersBackboneConformance):
             prompt=list(self.prompts), negative_prompt=["", ""], latents=start.clone(), num_inference_steps=3, output_type="latent",
             guidance_scale=4.0, guidance_scale_2=2.0, **WAN_KWARGS,
         )[0]
-        assert_matches("wan (2.2 A14B)", "euler loop vs pipeline, guidance_scale_2", x, reference.float(), self.pipeline_atol)
+        assert_matches(self.label, "euler loop vs pipeline, guidance_scale_2", x, reference.float(), self.pipeline_atol)
 
     def test_state_names_the_expert(self, policy, model_keys):
         state = policy.trainable_state_dict()
@@ -177,6 +179,7 @@ class TestWan22TI2V(DiffusersBackboneConformance):
     """Wan 2.2 TI2V-5B text-to-video: one transformer, the 48-channel 16x VAE, per-token timesteps."""
 
     model_name = "wan"
+    label = "wan (2.2 TI2V-5B)"
     build_pipeline = staticmethod(build_tiny_wan22_ti2v_pipeline)
     model_params = {"max_sequence_length": SEQ, "resolution": 64, "num_frames": 5, "guidance_scale": 1.0}
     guidance_key = "guidance_scale"
@@ -195,6 +198,7 @@ class TestWan22ImageToVideo(DiffusersBackboneConformance):
     """Wan 2.2 I2V-A14B's structure: two experts (boundary 0.9), the source image through the VAE."""
 
     model_name = "wan-i2v"
+    label = "wan-i2v (2.2 I2V-A14B)"
     build_pipeline = staticmethod(build_tiny_wan22_i2v_pipeline)
     model_params = {"max_sequence_length": SEQ, "resolution": 32, "num_frames": 5, "guidance_scale": 1.0}
     guidance_key = "guidance_scale"

@@ -42,7 +42,7 @@ class TestZImage(DiffusersBackboneConformance):
             prompt=list(self.prompts), latents=start.clone(), num_inference_steps=steps, output_type="latent",
             guidance_scale=4.0, cfg_normalization=1.0, cfg_truncation=0.2, negative_prompt=["", ""], **self.pipeline_kwargs(policy),
         )[0]
-        assert_matches(self.model_name, "euler loop vs pipeline, cfg_normalization + cfg_truncation", x, reference.float(), self.pipeline_atol)
+        assert_matches(self.label or self.model_name, "euler loop vs pipeline, cfg_normalization + cfg_truncation", x, reference.float(), self.pipeline_atol)
         mixed = torch.stack([sigmas[0], sigmas[-2]])  # a batch with a guided and a truncated row
         both = policy.velocity(start, mixed, cond)
         for row in range(2):

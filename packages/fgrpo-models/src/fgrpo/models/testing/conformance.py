@@ -70,6 +70,8 @@ class DiffusersBackboneConformance(PolicyConformance):
     steps: ClassVar[int] = 3
     #: the trainer iteration runs under bf16 autocast: on-policy all the same
     mixed_precision: ClassVar[str] = "bf16"
+    #: the backbone's name in FGRPO_CONFORMANCE_ERRORS records (default: model_name; e.g. a variant)
+    label: ClassVar[str] = ""
     #: whether ``pipe(...)`` takes ``negative_prompt`` (FLUX.2 [klein]'s is always the empty prompt)
     pipeline_takes_negative_prompt: ClassVar[bool] = True
 
@@ -141,14 +143,14 @@ class DiffusersBackboneConformance(PolicyConformance):
             x = x + (sigmas[i + 1] - sigmas[i]) * policy.velocity(x, sigmas[i].expand(len(x)), cond)
         reference = self.run_pipeline(policy, policy.pipeline, start)
         check = "euler loop vs pipeline, " + ("guidance" if guided else "no guidance")
-        assert_matches(self.model_name, check, x, reference.float(), self.pipeline_atol)
+        assert_matches(self.label or self.model_name, check, x, reference.float(), self.pipeline_atol)
 
     @torch.no_grad()
     def test_decode_is_the_pipelines(self, policy: Any) -> None:
         x = policy.initial_noise(2, torch.Generator().manual_seed(4))
         latents = self.run_pipeline(policy, policy.pipeline, x, steps=2)
         pixels = self.run_pipeline(policy, policy.pipeline, x, output_type="pt", steps=2)
-        assert_matches(self.model_name, "decode vs pipeline", policy.decode(latents), pixels.float(), 1e-5)
+        assert_matches(self.label or self.model_name, "decode vs pipeline", policy.decode(latents), pixels.float(), 1e-5)
 
     @torch.no_grad()
     def test_export_loads_with_diffusers_load_lora_weights(self, policy: Any, model_keys: dict[str, Any], tmp_path: Path) -> None:
@@ -170,7 +172,7 @@ class DiffusersBackboneConformance(PolicyConformance):
         plain = type(policy).pipeline_class().from_pretrained(model_keys["path"])
         self.load_export(plain, str(tmp_path / "lora"), written)
         reloaded = type(policy).from_pipeline(plain, **{**model_keys, "lora": None})
-        assert_matches(self.model_name, "exported LoRA in the plain pipeline", reloaded.velocity(x, sigma, cond), trained, 1e-5)
+        assert_matches(self.label or self.model_name, "exported LoRA in the plain pipeline", reloaded.velocity(x, sigma, cond), trained, 1e-5)
 
         again = self.make_policy(model_keys, lora_path=str(tmp_path / "lora"))
         torch.testing.assert_close(again.velocity(x, sigma, cond), trained, rtol=0, atol=1e-6)
@@ -216,6 +218,30 @@ class DiffusersBackboneConformance(PolicyConformance):
             grads.append([p.grad for p in policy.trainable_parameters()])
         for a, b in zip(*grads):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+    @pytest.mark.slow
+    def test_fgrpo_check_is_exact(self, model_keys: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        """``fgrpo check`` on a recipe of this tiny pipeline, in float32: the first ratio is exactly 1
+        (tolerance 0), through the CLI a user runs."""
+        import yaml
+
+        from fgrpo.core import cli
+
+        data = self.iteration_recipe(model_keys, tmp_path)
+        data["train"] = {**data["train"], "mixed_precision": "no"}
+        recipe = tmp_path / "check.yaml"
+        recipe.write_text(yaml.safe_dump(data))
+        code = cli.main(["check", str(recipe), "--tolerance", "0"])
+        printed = capsys.readouterr().out
+        assert code == 0 and "on-policy check passed" in printed, printed
+        path = os.environ.get(ERRORS_ENV)
+        if path:
+            import json
+            import re
+
+            found = re.search(r"largest \|ratio - 1\| before the first optimizer step: (\S+)", printed)
+            with open(path, "a", encoding="utf-8") as f:
+                f.write(json.dumps({"model": self.label or self.model_name, "check": "fgrpo check |ratio - 1|", "max_abs_error": float(found.group(1)), "atol": 0.0}) + "\n")
 
     def test_full_fine_tuning(self, model_keys: dict[str, Any], tmp_path: Path) -> None:
         policy = self.make_policy(model_keys, lora=None)
