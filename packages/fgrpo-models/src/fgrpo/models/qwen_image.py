@@ -30,9 +30,10 @@ import torch
 from fgrpo.core.config import param
 from fgrpo.models import _diffusers as dx
 from fgrpo.models.diffusers_policy import DiffusersPolicy
+from fgrpo.models.lora import JOINT_ATTENTION_LORA_TARGETS, lora_param
 
 QWEN_IMAGE_LORA_TARGETS = (
-    *dx.JOINT_ATTENTION_LORA_TARGETS, "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2"
+    *JOINT_ATTENTION_LORA_TARGETS, "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2"
 )
 
 
@@ -57,7 +58,7 @@ class QwenImagePolicy(DiffusersPolicy):
         "flow_grpo's diffusers did (it ignored the mask, diffusers#12294): a sample's velocity then depends on "
         "the other prompts of its forward batch",
     )
-    lora: dict | None = dx.lora_param(64, QWEN_IMAGE_LORA_TARGETS)
+    lora: dict | None = lora_param(64, QWEN_IMAGE_LORA_TARGETS)
 
     @property
     def cfg_scale(self) -> float:
