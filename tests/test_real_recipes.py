@@ -14,7 +14,7 @@ import pytest
 from fgrpo.core import cli
 
 RECIPES = [
-    "sd35m-ocr", "sd35m-geneval", "sd35m-pickscore", "flux-pickscore", "qwen-image-ocr", "wan-ocr",
+    "sd35m-ocr", "sd35m-geneval", "sd35m-pickscore", "flux-pickscore", "qwen-image-ocr", "qwen-image-pickscore", "wan-ocr",
     "sd35m-preference-mix", "sd35m-vlm-judge", "sd35m-geneval-remote",
 ]
 

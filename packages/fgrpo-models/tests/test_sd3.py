@@ -32,7 +32,7 @@ class TestSD3(DiffusersBackboneConformance):
         assert policy.resolution == 64 and policy.latent_shape == (16, 8, 8)
         assert policy.lora["target_modules"] == list(SD3_LORA_TARGETS)
         default = check_params(SD3Policy, {"path": "x"})[0]["lora"]
-        assert default == {"rank": 32, "alpha": 64, "target_modules": list(SD3_LORA_TARGETS), "init": "default"}
+        assert default == {"rank": 32, "alpha": 64, "target_modules": list(SD3_LORA_TARGETS), "init": "gaussian"}
         scheduler = policy.pipeline.scheduler
         for steps in (1, 10):
             scheduler.set_timesteps(steps)
@@ -89,7 +89,7 @@ def test_recipe_keys_are_checked():
     out, errors = check_params(SD3Policy, {"path": "x", "lora": {"rank": 0}, "dtype": "bf16"})
     assert not errors and out["lora"] is None and out["device"] == "auto"
     out, errors = check_params(SD3Policy, {"path": "x", "lora": {"rank": 8}})
-    assert out["lora"] == {"rank": 8, "alpha": 16, "target_modules": list(SD3_LORA_TARGETS), "init": "default"}
+    assert out["lora"] == {"rank": 8, "alpha": 16, "target_modules": list(SD3_LORA_TARGETS), "init": "gaussian"}
     _, errors = check_params(
         SD3Policy,
         {"path": "x", "lora": {"rnak": 8}, "dtype": "float64", "device": "gpu", "guidance_scale": 0.5,

@@ -58,7 +58,7 @@ class QwenImagePolicy(DiffusersPolicy):
         "flow_grpo's diffusers did (it ignored the mask, diffusers#12294): a sample's velocity then depends on "
         "the other prompts of its forward batch",
     )
-    lora: dict | None = lora_param(64, QWEN_IMAGE_LORA_TARGETS)
+    lora: dict | None = lora_param(64, QWEN_IMAGE_LORA_TARGETS, init="gaussian")
 
     @property
     def cfg_scale(self) -> float:
