@@ -106,7 +106,7 @@ class HunyuanVideo15Policy(DiffusersPolicy):
         return self._forward(
             hidden_states=torch.cat([x, empty], dim=1).to(dtype),
             image_embeds=image_embeds,
-            timestep=(sigma * self.timestep_scale).to(dtype),
+            timestep=self._timestep(sigma).to(dtype),
             encoder_hidden_states=cond["prompt_embeds"].to(dtype),
             encoder_attention_mask=cond["prompt_embeds_mask"].to(dtype),
             encoder_hidden_states_2=cond["prompt_embeds_2"].to(dtype),

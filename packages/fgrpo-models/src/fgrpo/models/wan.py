@@ -15,7 +15,10 @@ against ``pipe(..., output_type="latent")``):
   the negative prompt, as the pipeline does; TI2V-5B (``expand_timesteps``) takes the timestep
   per token, as its pipeline passes it;
 - the schedule: the scheduler's flow-shifted sigmas. Wan ships a UniPC multistep scheduler;
-  fgrpo integrates the same sigmas one (Euler or stochastic) step at a time.
+  fgrpo integrates the same sigmas one (Euler or stochastic) step at a time, and gives the
+  transformer the scheduler's truncated integer timesteps as the pipeline does;
+- LoRA r 32 / alpha 64 with gaussian init on every attention projection (flow_grpo's Wan);
+  Flow-Factory's Wan 2.2 recipes add the feed-forward (``ffn.net.0.proj``, ``ffn.net.2``).
 
 Wan 2.2 A14B: two experts (the pipeline's ``transformer`` and ``transformer_2``). As the pipeline
 decides, a row whose timestep ``t = 1000 sigma`` is at least ``boundary_ratio x 1000`` is denoised
@@ -55,8 +58,10 @@ from fgrpo.models import _diffusers as dx
 from fgrpo.models.diffusers_policy import NEGATIVE, DiffusersPolicy
 from fgrpo.models.lora import lora_param
 
-#: self- and cross-attention and the feed-forward of every block
-WAN_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2")
+#: self- and cross-attention of every block (attn1, attn2), no feed-forward: flow_grpo's Wan adapter
+#: (scripts/train_wan2_1.py:451-460; add_* exist only in image-to-video blocks). Adding
+#: ffn.net.0.proj and ffn.net.2 adapts 85% more parameters on Wan 2.1 1.3B.
+WAN_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
 #: the recipe's names of Wan 2.2's experts -> the pipeline's attributes
 EXPERTS = {"high_noise": "transformer", "low_noise": "transformer_2"}
 
@@ -101,7 +106,7 @@ class WanPolicy(DiffusersPolicy):
     num_frames: int = param(81, ge=1, validator=_frames, help="frames per video (4k + 1)")
     max_sequence_length: int = param(512, ge=1, help="UMT5 tokens per prompt (zero-padded)")
     decode_batch_size: int = param(1, ge=0, help="videos per VAE decode call; 0: the whole batch at once")
-    lora: dict | None = lora_param(32, WAN_LORA_TARGETS)
+    lora: dict | None = lora_param(32, WAN_LORA_TARGETS, init="gaussian")
 
     _experts_module: WanExperts | None = attrs.field(init=False, default=None, repr=False)
     _active: str = attrs.field(init=False, default="transformer", repr=False)
@@ -121,11 +126,12 @@ class WanPolicy(DiffusersPolicy):
 
     def high_noise(self, sigma: torch.Tensor) -> torch.Tensor:
         """Per row: whether the pipeline runs the high-noise expert (``transformer``) at ``sigma``:
-        its timestep ``sigma * 1000`` is at least ``boundary_ratio * num_train_timesteps``."""
+        the timestep it gives the network there (``sigma * 1000``, or UniPC's truncated integer)
+        is at least ``boundary_ratio * num_train_timesteps``."""
         if not self.is_moe:
             return torch.ones_like(sigma, dtype=torch.bool)
         boundary = self.boundary_ratio * self._pipeline.scheduler.config.num_train_timesteps
-        return sigma.to(torch.float32) * self.timestep_scale >= boundary
+        return self._timestep(sigma.to(torch.float32)) >= boundary
 
     def trained_transformers(self) -> list[tuple[str, torch.nn.Module]]:
         if not self.is_moe:
@@ -141,6 +147,10 @@ class WanPolicy(DiffusersPolicy):
     def modules(self) -> list[torch.nn.Module]:
         second = getattr(self._pipeline, "transformer_2", None)
         return super().modules() + ([second] if isinstance(second, torch.nn.Module) else [])
+
+    def _module_dtypes(self) -> list[tuple[torch.nn.Module, torch.dtype]]:
+        second = getattr(self._pipeline, "transformer_2", None)
+        return super()._module_dtypes() + ([(second, self._torch_dtype)] if isinstance(second, torch.nn.Module) else [])
 
     def _check_pipeline(self, pipe: Any) -> None:
         if getattr(pipe, "transformer", None) is None:
@@ -203,10 +213,10 @@ class WanPolicy(DiffusersPolicy):
         )
         return {"prompt_embeds": embeds}
 
-    def _timestep(self, x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
-        """``sigma * 1000`` per row, or per token (B, frames x h/2 x w/2) for TI2V-5B, as its pipeline
-        passes it."""
-        t = sigma * self.timestep_scale
+    def _token_timesteps(self, x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+        """The timestep per row (:meth:`_timestep`), or per token (B, frames x h/2 x w/2) for
+        TI2V-5B, as its pipeline passes it."""
+        t = self._timestep(sigma)
         if not getattr(self._pipeline.config, "expand_timesteps", False):
             return t
         frames, h, w = x.shape[-3:]
@@ -219,7 +229,7 @@ class WanPolicy(DiffusersPolicy):
         dtype = self.transformer.dtype
         return self._forward(
             hidden_states=self._network_input(x, cond).to(dtype),
-            timestep=self._timestep(x, sigma),
+            timestep=self._token_timesteps(x, sigma),
             encoder_hidden_states=cond["prompt_embeds"].to(dtype),
             return_dict=False,
         )[0].float()
