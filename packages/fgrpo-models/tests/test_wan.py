@@ -248,7 +248,7 @@ class TestWan22TI2V(DiffusersBackboneConformance):
 
     def test_layout(self, policy):
         assert policy.latent_shape == (48, 2, 4, 4) and not policy.is_moe
-        t = policy._timestep(policy.initial_noise(2), torch.tensor([0.5, 0.25]))
+        t = policy._token_timesteps(policy.initial_noise(2), torch.tensor([0.5, 0.25]))
         assert t.shape == (2, 2 * 2 * 2) and torch.all(t[0] == 500) and torch.all(t[1] == 250)
 
 
