@@ -270,6 +270,18 @@ def integer_timesteps(sigma: torch.Tensor, table_sigmas: torch.Tensor, table_tim
     return torch.where(hit.any(dim=1), found, fallback)
 
 
+def video_frames(video: torch.Tensor) -> torch.Tensor:
+    """A video VAE's output (B, 3, T, H, W) in [-1, 1] as fgrpo's videos (B, T, 3, H, W) float32 in
+    [0, 1], as the pipelines' ``postprocess_video(output_type="pt")``."""
+    return (video.float().permute(0, 2, 1, 3, 4) / 2 + 0.5).clamp(0, 1)
+
+
+def video_latent_shape(pipe: Any, channels: int, num_frames: int, height: int, width: int) -> tuple[int, int, int, int]:
+    """(C, (T - 1) / temporal + 1, H / spatial, W / spatial) of a video pipeline's latent."""
+    spatial, temporal = int(pipe.vae_scale_factor_spatial), int(pipe.vae_scale_factor_temporal)
+    return (int(channels), (num_frames - 1) // temporal + 1, height // spatial, width // spatial)
+
+
 def guided(uncond: torch.Tensor, cond: torch.Tensor, scale: float) -> torch.Tensor:
     """Classifier-free guidance: v_u + s (v_c - v_u)."""
     return uncond + scale * (cond - uncond)

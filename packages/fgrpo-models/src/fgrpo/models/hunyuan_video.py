@@ -31,6 +31,7 @@ import attrs
 import torch
 
 from fgrpo.core.config import param
+from fgrpo.models import _diffusers as dx
 from fgrpo.models.diffusers_policy import DiffusersPolicy
 from fgrpo.models.lora import JOINT_ATTENTION_LORA_TARGETS, lora_param
 from fgrpo.models.wan import _frames
@@ -125,17 +126,14 @@ class HunyuanVideo15Policy(DiffusersPolicy):
 
     def _decode(self, latents: torch.Tensor) -> torch.Tensor:
         vae = self._pipeline.vae
-        video = vae.decode(latents.to(vae.dtype) / vae.config.scaling_factor, return_dict=False)[0]
-        return (video.float().permute(0, 2, 1, 3, 4) / 2 + 0.5).clamp(0, 1)
+        return dx.video_frames(vae.decode(latents.to(vae.dtype) / vae.config.scaling_factor, return_dict=False)[0])
 
     @property
     def vae_scale_factor(self) -> int:
         return int(self._pipeline.vae_scale_factor_spatial)
 
     def _latent_shape_for(self, height: int, width: int) -> tuple[int, int, int, int]:
-        scale = self.vae_scale_factor
-        temporal = int(self._pipeline.vae_scale_factor_temporal)
-        return (int(self._pipeline.vae.config.latent_channels), (self.num_frames - 1) // temporal + 1, height // scale, width // scale)
+        return dx.video_latent_shape(self._pipeline, self._pipeline.vae.config.latent_channels, self.num_frames, height, width)
 
     def _default_size(self) -> tuple[int, int]:
         pipe = self._pipeline

@@ -246,17 +246,14 @@ class WanPolicy(DiffusersPolicy):
         vae = self._pipeline.vae
         z = latents.to(vae.dtype)
         mean, inv_std = self._normalisation(z)
-        video = vae.decode(z / inv_std + mean, return_dict=False)[0]  # (B, 3, T, H, W) in [-1, 1]
-        return (video.float().permute(0, 2, 1, 3, 4) / 2 + 0.5).clamp(0, 1)
+        return dx.video_frames(vae.decode(z / inv_std + mean, return_dict=False)[0])
 
     @property
     def vae_scale_factor(self) -> int:
         return int(self._pipeline.vae_scale_factor_spatial)
 
     def _latent_shape_for(self, height: int, width: int) -> tuple[int, int, int, int]:
-        scale = self.vae_scale_factor
-        temporal = int(self._pipeline.vae_scale_factor_temporal)
-        return (int(self._pipeline.vae.config.z_dim), (self.num_frames - 1) // temporal + 1, height // scale, width // scale)
+        return dx.video_latent_shape(self._pipeline, self._pipeline.vae.config.z_dim, self.num_frames, height, width)
 
     def _default_size(self) -> tuple[int, int]:
         return 480, 832  # the pipeline's defaults

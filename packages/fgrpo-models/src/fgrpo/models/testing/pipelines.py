@@ -370,25 +370,32 @@ def build_tiny_wan_pipeline(
     return _finish(pipe, path, torch_dtype)
 
 
+def _two_expert_wan(pipeline_class: Any, in_channels: int, boundary_ratio: float, shift: float, seed: int) -> Any:
+    """A tiny Wan 2.2 A14B-style pipeline: two experts like :func:`build_tiny_wan_pipeline`'s
+    transformer, each with its own weights, switching at ``boundary_ratio``."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        transformer, transformer_2 = _wan_transformer(in_channels), _wan_transformer(in_channels)
+        text_encoder = _t5_encoder(32, umt5=True)
+        vae = _wan_vae()
+    return pipeline_class(
+        tokenizer=_wan_tokenizer(), text_encoder=text_encoder, vae=vae, transformer=transformer, transformer_2=transformer_2,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=shift), boundary_ratio=boundary_ratio,
+    )
+
+
 def build_tiny_wan22_pipeline(
     path: str | os.PathLike[str] | None = None, *, boundary_ratio: float = 0.875, shift: float = 3.0, seed: int = 0,
     torch_dtype: torch.dtype = torch.float32,
 ) -> Any:
     """A tiny random Wan 2.2 T2V-A14B ``WanPipeline``: two experts (``transformer`` for timesteps
-    >= ``boundary_ratio`` x 1000, ``transformer_2`` below; 0.875 as the released T2V-A14B), each
-    like :func:`build_tiny_wan_pipeline`'s transformer with its own weights; saved to ``path``."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
+    >= ``boundary_ratio`` x 1000, ``transformer_2`` below; 0.875 as the released T2V-A14B); saved to
+    ``path`` if given."""
+    from diffusers import WanPipeline
 
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        transformer, transformer_2 = _wan_transformer(), _wan_transformer()
-        text_encoder = _t5_encoder(32, umt5=True)
-        vae = _wan_vae()
-    pipe = WanPipeline(
-        tokenizer=_wan_tokenizer(), text_encoder=text_encoder, vae=vae, transformer=transformer, transformer_2=transformer_2,
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=shift), boundary_ratio=boundary_ratio,
-    )
-    return _finish(pipe, path, torch_dtype)
+    return _finish(_two_expert_wan(WanPipeline, 16, boundary_ratio, shift, seed), path, torch_dtype)
 
 
 def build_tiny_wan22_i2v_pipeline(
@@ -398,18 +405,9 @@ def build_tiny_wan22_i2v_pipeline(
     """A tiny random Wan 2.2 I2V-A14B ``WanImageToVideoPipeline``: two experts with 36 input
     channels (16 latent + 4 first-frame mask + 16 image latents), no CLIP image encoder,
     ``boundary_ratio`` 0.9 as the released I2V-A14B; saved to ``path`` if given."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, WanImageToVideoPipeline
+    from diffusers import WanImageToVideoPipeline
 
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        transformer, transformer_2 = _wan_transformer(36), _wan_transformer(36)
-        text_encoder = _t5_encoder(32, umt5=True)
-        vae = _wan_vae()
-    pipe = WanImageToVideoPipeline(
-        tokenizer=_wan_tokenizer(), text_encoder=text_encoder, vae=vae, transformer=transformer, transformer_2=transformer_2,
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=shift), boundary_ratio=boundary_ratio,
-    )
-    return _finish(pipe, path, torch_dtype)
+    return _finish(_two_expert_wan(WanImageToVideoPipeline, 36, boundary_ratio, shift, seed), path, torch_dtype)
 
 
 def build_tiny_wan22_ti2v_pipeline(
