@@ -10,6 +10,11 @@ given a path, so a test loads it through the same ``from_pretrained`` path users
 - :func:`build_tiny_flux_pipeline` -> ``FluxPipeline`` (CLIP + T5, guidance-distilled transformer)
 - :func:`build_tiny_qwen_image_pipeline` -> ``QwenImagePipeline`` (Qwen2.5-VL text encoder)
 - :func:`build_tiny_wan_pipeline` -> ``WanPipeline`` (UMT5, Wan 2.1 text-to-video transformer)
+- :func:`build_tiny_flux2_pipeline`, :func:`build_tiny_flux2_klein_pipeline` -> FLUX.2 [dev] / [klein]
+- :func:`build_tiny_z_image_pipeline` -> ``ZImagePipeline`` (Qwen3)
+- :func:`build_tiny_wan22_pipeline`, :func:`build_tiny_wan22_i2v_pipeline`,
+  :func:`build_tiny_wan22_ti2v_pipeline` -> Wan 2.2 T2V-A14B (two experts), I2V-A14B, TI2V-5B
+- :func:`build_tiny_hunyuan_video15_pipeline` -> ``HunyuanVideo15Pipeline`` (Qwen2.5-VL + ByT5)
 
 About 1-3 MB each; 64x64 outputs by default (Wan: 5 frames of 32x32).
 diffusers and transformers are imported inside the builders, so importing this module is cheap.
