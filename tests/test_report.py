@@ -174,7 +174,7 @@ def test_one_line_per_evaluation_when_not_a_terminal(shapes_run):
     _, printed = shapes_run
     lines = [line for line in printed.splitlines() if line.startswith("eval at iteration")]
     assert [line.split(" ")[3].split("/")[0] for line in lines] == ["0", "1", "2"]  # the base's too
-    assert all(re.search(r"\(\d+\.\d s\): reward_mean [\d.]+ .*shapes/accuracy [\d.]+", line) for line in lines)
+    assert all(re.search(r"\(\d+\.\d s, (raw weights|EMA weights after \d+ updates?)\): reward_mean [\d.]+ .*shapes/accuracy [\d.]+", line) for line in lines)
 
 
 def test_grid_has_separators_scores_and_what_was_read():

@@ -20,7 +20,7 @@ import torch
 from rich.console import Console
 
 from fgrpo.core import checkpoint as ckpt
-from fgrpo.core import evaluation, phases, report, rundir, sharding, tensors, timing, trackers, visuals
+from fgrpo.core import evaluation, phases, report, rundir, sharding, tensors, timing, trackers, visuals, weights
 from fgrpo.core.config import ConfigError, RecipeError
 from fgrpo.core.data import PromptSchedule
 from fgrpo.core.ema import EMA
@@ -114,7 +114,7 @@ def run_evaluation(run: Run, it: int) -> dict[str, float]:
         metrics = evaluation.evaluate(run, it, run.out_dir)
         if metrics:
             metrics["time_eval_s"] = time.perf_counter() - t0
-        run.display.evaluation_done(it, metrics)
+        run.display.evaluation_done(it, metrics, evaluated_weights(run))
         plugin_manager().hook.fgrpo_evaluation(run=run, iteration=it, metrics=metrics)
     elif run.sharded_weights:
         evaluation.evaluation_samples(run, it)  # the main process's forwards need this process's shards
@@ -122,15 +122,35 @@ def run_evaluation(run: Run, it: int) -> dict[str, float]:
     return metrics
 
 
+def evaluated_weights(run: Run) -> str:
+    """Which weights evaluation used: the EMA's (and how often it moved) or the raw ones."""
+    if run.ema is None:
+        return "raw weights"
+    updates = weights.ema_updates(run.optimizer_steps, run.recipe.train.ema_every)
+    return f"EMA weights after {updates} update{'s' if updates != 1 else ''}"
+
+
 def finish(run: Run) -> None:
     if run.is_main and run.out_dir is not None:
         report.write(run.out_dir)
+        for line in handed_over_warnings(run.out_dir / "checkpoints" / "last"):
+            run.display.warn(line)
     if run.is_main and run.out_dir is not None and run.recipe.log.plots:
         if visuals.have_matplotlib():
             visuals.curves(read_metrics(run.out_dir), run.out_dir / "curves.png")
         else:
             run.display.say('curves.png skipped: matplotlib is not installed (pip install "fgrpo-core[plots]"); report.html has the curves')
     close_run(run)
+
+
+def handed_over_warnings(checkpoint: Path) -> list[str]:
+    """What is wrong with the weights a checkpoint hands over (:mod:`fgrpo.core.weights`): an EMA
+    that never moved or equals the raw weights, an export/ LoRA that changes nothing."""
+    if not (checkpoint / ckpt.STATE).is_file():
+        return []
+    state = ckpt.read_state(checkpoint)
+    lines = weights.ema_warnings(weights.summary_of_checkpoint(state), state["recipe"]["train"].get("ema_every", 1))
+    return lines + weights.lora_warnings(checkpoint / ckpt.EXPORT)
 
 
 def close_run(run: Run) -> None:
@@ -368,6 +388,7 @@ def save_checkpoint(run: Run, done: int) -> None:
         ema = run.ema.state_dict() if run.ema is not None else None
         optimizer = sharding.optimizer_state(run.accelerator, run.optimizer, run.trainable)
         export = export_in_checkpoint(run)
+        ema_summary = weights.ema_summary(run.ema, run.optimizer_steps, run.recipe.train.ema_every) if run.ema is not None else None
     if run.is_main:
         path = ckpt.write(
             run.out_dir / "checkpoints",
@@ -384,6 +405,7 @@ def save_checkpoint(run: Run, done: int) -> None:
                 "recipe": run.recipe.data,
                 "processes": run.accelerator.num_processes,
                 "run_id": run.folder.run_id if run.folder is not None else None,
+                weights.STATE_KEY: ema_summary,
             },
             keep=run.recipe.train.keep_checkpoints,
             export=export,
