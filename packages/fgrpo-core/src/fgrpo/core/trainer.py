@@ -468,10 +468,10 @@ def _share(acc: Any, value: Any) -> Any:
 def open_run(
     recipe: Recipe,
     *,
-    out: str | None,
-    resume: bool,
+    out: str | Path | None = None,
+    resume: bool = False,
     start_over: bool = False,
-    console: Console,
+    console: Console | None = None,
     quiet: bool = False,
     extra_trackers: Sequence[Any] = (),
 ) -> Run:
@@ -479,7 +479,8 @@ def open_run(
     built, the newest complete checkpoint restored when resuming; only then is anything written
     (check first, write after), and its trackers started (``log.trackers`` and
     ``extra_trackers``, accelerate GeneralTracker instances). ``close_run`` (or ``finish``)
-    releases the folder."""
+    releases the folder. ``console``: where the run's lines go (default: the terminal)."""
+    console = Console(highlight=False, soft_wrap=True) if console is None else console
     mode = rundir.RESUME if resume else rundir.START_OVER if start_over else rundir.NEW
     acc = make_accelerator(train=recipe.train, log_with=trackers.log_with(recipe.log.trackers, extra_trackers) or None)
     folder, failure = None, None
