@@ -9,9 +9,10 @@ warning  warnings and errors only
 error    errors only
 ======== ======================================================================================
 
-Below debug the libraries' progress bars are off and their loggers show errors only: a log file
-holds fgrpo's lines, not a tqdm bar per loaded component. Setting ``TRANSFORMERS_VERBOSITY``,
-``DIFFUSERS_VERBOSITY`` or ``HF_HUB_DISABLE_PROGRESS_BARS`` yourself wins.
+Below debug the libraries' progress bars are off and their loggers show errors only (mlflow's
+warnings too): a log file holds fgrpo's lines, not a tqdm bar per loaded component. Setting
+``TRANSFORMERS_VERBOSITY``, ``DIFFUSERS_VERBOSITY``, ``HF_HUB_DISABLE_PROGRESS_BARS`` or
+``MLFLOW_LOGGING_LEVEL`` yourself wins.
 """
 
 from __future__ import annotations
@@ -24,7 +25,12 @@ LEVELS = ("debug", "info", "warning", "error")
 ENV = "FGRPO_LOG_LEVEL"
 DEFAULT = "info"
 #: the libraries quietened below debug: their environment variables (read when they are imported)
-LIBRARY_ENV = {"TRANSFORMERS_VERBOSITY": "error", "DIFFUSERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+LIBRARY_ENV = {
+    "TRANSFORMERS_VERBOSITY": "error",
+    "DIFFUSERS_VERBOSITY": "error",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "MLFLOW_LOGGING_LEVEL": "WARNING",  # "Creating initial MLflow database tables..." in every run's log
+}
 
 _level: str | None = None
 _set_by_us: set[str] = set()
@@ -88,6 +94,8 @@ def quiet_libraries() -> None:
         if f"{module.upper()}_VERBOSITY" not in users:  # else the library follows the user's variable itself
             lib.set_verbosity(logging.ERROR if quiet else logging.WARNING)
         (lib.disable_progress_bar if no_bars else lib.enable_progress_bar)()
+    if "mlflow" in sys.modules and "MLFLOW_LOGGING_LEVEL" not in users:
+        logging.getLogger("mlflow").setLevel(logging.WARNING if quiet else logging.INFO)
     hub = sys.modules.get("huggingface_hub.utils")
     if hub is not None:
         (hub.disable_progress_bars if no_bars else hub.enable_progress_bars)()
