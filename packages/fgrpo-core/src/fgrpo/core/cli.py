@@ -467,7 +467,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     at = next((i for i, word in enumerate(rest) if word in LAUNCHED), None)
     if at is None:
         raise RecipeError([ConfigError("launch", f"got {' '.join(rest) or 'nothing'!r}; expected accelerate launch options, then {' or '.join(LAUNCHED)} with its arguments")])
-    options, command = rest[:at], rest[at:]
+    options, command = _shipped_config(rest[:at]), rest[at:]
     checked = build_parser().parse_args(command)
     if getattr(checked, "log_level", None):
         logs.configure(checked.log_level)
@@ -492,6 +492,20 @@ def cmd_launch(args: argparse.Namespace) -> int:
             err.print(f"error: process {rank} of the launch failed (exit code {first.exitcode})", markup=False)
         return code
     return 0
+
+
+def _shipped_config(options: list[str]) -> list[str]:
+    """accelerate's ``--config_file NAME`` with NAME a shipped config (``ddp``, ``fsdp-lora``, ...)
+    replaced by its path."""
+    from fgrpo.core.shipped import find_accelerate_config
+
+    out = list(options)
+    for i, word in enumerate(out):
+        if word == "--config_file" and i + 1 < len(out):
+            out[i + 1] = find_accelerate_config(out[i + 1])
+        elif word.startswith("--config_file="):
+            out[i] = "--config_file=" + find_accelerate_config(word.split("=", 1)[1])
+    return out
 
 
 def _build_policy(recipe: Any) -> Any:
