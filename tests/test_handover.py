@@ -89,6 +89,9 @@ def test_the_run_warns_that_its_ema_never_moved_and_its_export_is_empty(short_ru
         for i, s in zip((0, ITERATIONS), re.findall(r"\((\d+\.\d s), EMA", log))
     ]
     assert all(not torch.any(b) for b in up_projections(run / "checkpoints" / "last" / "export"))
+    report = (run / "report.html").read_text()  # the report says it too, and which weights were evaluated
+    assert '<p class="warning">warning: the EMA received no update' in report and "is empty: every up-projection" in report
+    assert "evaluated with</th><td>the EMA of the trained weights (decay 0.9, updated every 8 optimizer steps)" in report
 
 
 def test_export_warns_and_no_ema_exports_the_trained_weights(short_run, tmp_path, capsys, umask):

@@ -21,6 +21,7 @@ from typing import Any
 import attrs
 import yaml
 
+from fgrpo.core import weights
 from fgrpo.core.runlog import METRICS, read_metrics
 from fgrpo.core.shipped import DISTRIBUTIONS, version
 
@@ -407,7 +408,7 @@ figcaption{font-weight:600;margin-bottom:4px}
 svg.chart{font:11px sans-serif;display:block}svg .title{font-weight:600}svg .frame{fill:none;stroke:#999}svg .grid{stroke:#eee}
 .legend{font-size:11px;margin:2px 0 0 58px}.legend span{display:inline-block;margin:0 14px 2px 0;white-space:nowrap}
 .legend i{display:inline-block;width:14px;height:3px;vertical-align:middle;margin-right:5px}.legend i.faint{opacity:.35}
-.constant{color:#555;font-size:12px}
+.constant{color:#555;font-size:12px}.warning{background:#fff4e5;border-left:4px solid #f29900;padding:6px 10px;margin:10px 0}
 table{border-collapse:collapse;font-size:12px}td,th{border:1px solid #ddd;padding:3px 6px;text-align:right}
 table.filmstrip td{text-align:center;vertical-align:top;width:84px}table.filmstrip th.prompt{text-align:left;max-width:220px;font-weight:normal}
 img.tile{width:72px;height:auto;image-rendering:pixelated;display:block;margin:auto}
@@ -452,6 +453,8 @@ def render(run_dir: Path) -> str:
     recipe = yaml.safe_load(recipe_text) if recipe_text else {}
     figs = figures(rows, recipe)
     strip, n_images, binary = filmstrip(run_dir)
+    handed_over = weights.checkpoint_warnings(run_dir / "checkpoints" / "last")
+    warnings = "".join(f'<p class="warning">warning: {html.escape(line)}</p>' for line in handed_over)
     done = max((r["iteration"] for r in rows), default=0)
     total = (recipe.get("train") or {}).get("iterations", "?")
 
@@ -494,6 +497,7 @@ def render(run_dir: Path) -> str:
 <table class="meta">{"".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in meta)}</table>
 <div><nav>{nav}</nav><p class="axis-choice">{choice}</p></div>
 </div>
+{warnings}
 <h2 id="curves">Curves</h2>
 {constant}
 <div class="grid">

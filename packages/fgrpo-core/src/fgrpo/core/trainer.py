@@ -133,7 +133,7 @@ def evaluated_weights(run: Run) -> str:
 def finish(run: Run) -> None:
     if run.is_main and run.out_dir is not None:
         report.write(run.out_dir)
-        for line in handed_over_warnings(run.out_dir / "checkpoints" / "last"):
+        for line in weights.checkpoint_warnings(run.out_dir / "checkpoints" / "last"):
             run.display.warn(line)
     if run.is_main and run.out_dir is not None and run.recipe.log.plots:
         if visuals.have_matplotlib():
@@ -141,16 +141,6 @@ def finish(run: Run) -> None:
         else:
             run.display.say('curves.png skipped: matplotlib is not installed (pip install "fgrpo-core[plots]"); report.html has the curves')
     close_run(run)
-
-
-def handed_over_warnings(checkpoint: Path) -> list[str]:
-    """What is wrong with the weights a checkpoint hands over (:mod:`fgrpo.core.weights`): an EMA
-    that never moved or equals the raw weights, an export/ LoRA that changes nothing."""
-    if not (checkpoint / ckpt.STATE).is_file():
-        return []
-    state = ckpt.read_state(checkpoint)
-    lines = weights.ema_warnings(weights.summary_of_checkpoint(state), state["recipe"]["train"].get("ema_every", 1))
-    return lines + weights.lora_warnings(checkpoint / ckpt.EXPORT)
 
 
 def close_run(run: Run) -> None:

@@ -11,8 +11,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
-
 #: state.json's key for :func:`ema_summary`
 STATE_KEY = "ema"
 #: the LoRA weights that are zero at initialisation (peft's lora_B, kohya's lora_up): a LoRA whose
@@ -72,6 +70,7 @@ def summary_of_checkpoint(state: Mapping[str, Any]) -> dict[str, Any] | None:
 def empty_lora_files(folder: Path) -> list[Path]:
     """The LoRA files of an export ``folder`` (``*.safetensors`` with up-projection weights) whose
     every up projection is exactly zero."""
+    import torch
     from safetensors import safe_open
 
     empty = []
@@ -96,3 +95,16 @@ def lora_warnings(folder: Path) -> list[str]:
         "that loads it gives exactly the base model's output"
     ]
 
+
+
+def checkpoint_warnings(checkpoint: Path) -> list[str]:
+    """What is wrong with the weights a checkpoint hands over: an EMA that never moved or equals
+    the raw weights, an ``export/`` LoRA that changes nothing (none for a missing checkpoint)."""
+    import json
+
+    try:
+        state = json.loads((Path(checkpoint) / "state.json").read_text())
+        every = state["recipe"]["train"].get("ema_every", 1)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return []
+    return ema_warnings(summary_of_checkpoint(state), every) + lora_warnings(Path(checkpoint) / "export")
