@@ -137,7 +137,7 @@ class LogConfig:
         validator=lambda _i, _a, value: _trackers().check_init_kwargs(value),
         help="per-tracker options for accelerate's init_trackers, e.g. {wandb: {entity: me, tags: [a]}}"
     )
-    quiet: bool = param(False, help="no progress bars: one line per iteration (CI logs)")
+    quiet: bool = param(False, help="no progress bars and no line per iteration: evaluations, warnings and the end only (as --quiet)")
     sample_grid: bool = param(True, help="write a PNG grid of evaluation samples")
     plots: bool = param(True, help="write a curve PNG (needs matplotlib)")
 
