@@ -129,6 +129,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("validate", help="check a recipe and report every problem")
     _add_recipe_args(p)
+    p.add_argument(
+        "--against-reference",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="ENTRY",
+        help="also compare it, value by value, with the reference it reproduces (recipes/references/parity.yaml; "
+        "ENTRY: the table's entry, default the recipe's file name); exit 1 on a difference the table does not list",
+    )
     p.set_defaults(handler=cmd_validate)
 
     p = sub.add_parser("compose", help="build the recipe's components and train")
@@ -267,7 +276,27 @@ def _load(args: argparse.Namespace):
 def cmd_validate(args: argparse.Namespace) -> int:
     recipe = _load(args)
     out.print(f"{args.recipe}: ok ({len(recipe.rewards)} reward(s), {recipe.train.iterations} iterations)", markup=False)
-    return 0
+    if args.against_reference is None:
+        return 0
+    from fgrpo.core import parity
+    from fgrpo.core.shipped import find_recipe
+
+    table = parity.load_table()
+    name = args.against_reference or Path(find_recipe(args.recipe)).stem
+    if name not in table["recipes"]:
+        entries = ", ".join(sorted(table["recipes"]))
+        raise RecipeError([ConfigError("--against-reference", f"no entry {name!r} in {parity.table_path()}; entries: {entries}")])
+    rows, problems = parity.compare(name, recipe.data, table)
+    out.print(parity.render(name, rows, table), markup=False, highlight=False, soft_wrap=True)
+    for problem in problems:
+        err.print(problem, markup=False, highlight=False)
+    counts = {status: sum(r.status == status for r in rows) for status in (parity.STATUS_SAME, parity.STATUS_DEVIATION)}
+    out.print(
+        f"{name}: {counts[parity.STATUS_SAME]} values as the reference, {counts[parity.STATUS_DEVIATION]} intended "
+        f"deviations, {len(problems)} problem(s)",
+        markup=False,
+    )
+    return 1 if problems else 0
 
 
 def composition_tree(recipe: Any, title: str) -> Tree:

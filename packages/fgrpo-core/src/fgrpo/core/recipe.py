@@ -63,6 +63,16 @@ class TrainConfig:
     ema_warmup: bool = param(
         True, help="flow_grpo's EMA warm-up: decay min((1 + n) / (10 + n), ema_decay) after n optimizer steps"
     )
+    ema_rule: Literal["step", "flow_grpo"] = param(
+        "step",
+        help="step: update after optimizer step n when n % ema_every == 0; flow_grpo: as its ema.step(global_step) "
+        "(train_sd3.py:959), after optimizer step n when (n + 1) % ema_every == 0",
+    )
+    ema_repeats: int = param(
+        1, ge=1,
+        help="updates applied at each of those steps: flow_grpo steps its EMA once per training minibatch, so "
+        "its gradient_accumulation_steps times per optimizer step (minibatch_size / its train.batch_size)",
+    )
     advantage: Literal["reward_sum", "advantage_sum"] = param(
         "reward_sum", help="reward_sum: weight rewards then normalise; advantage_sum: normalise each then weight"
     )

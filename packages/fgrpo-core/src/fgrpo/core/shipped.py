@@ -21,7 +21,7 @@ DISTRIBUTIONS = ("fgrpo-core", "fgrpo-samplers", "fgrpo-rewards", "fgrpo-models"
 #: (a name missing here still gets the per-kind hint below); tests check every entry against the
 #: packages' pyproject.toml.
 COMPONENTS: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
-    **{("kernel", n): ("fgrpo-samplers", ()) for n in ("ode", "sde", "dance", "cps", "dpmpp2m", "dpmpp3m")},
+    **{("kernel", n): ("fgrpo-samplers", ()) for n in ("ode", "sde", "wan-sde", "dance", "cps", "dpmpp2m", "dpmpp3m")},
     **{("sampler", n): ("fgrpo-samplers", ()) for n in ("full", "fast", "mixgrpo")},
     **{("reward", n): ("fgrpo-rewards", ()) for n in (
         "jpeg-compressibility", "jpeg-incompressibility", "target-distance", "shapes", "shapes-gold", "vlm-judge",

@@ -23,13 +23,20 @@ from fgrpo.core.config import param
 
 # --- the ``lora`` recipe key --------------------------------------------------------------------
 
-#: LoRA on both attention streams (image and text) of every joint block, as flow_grpo's SD3 adapter;
-#: FLUX and Qwen-Image add their feed-forward layers.
-JOINT_ATTENTION_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+#: LoRA on both attention streams (image and text) of every joint block, named as flow_grpo names
+#: them (scripts/train_sd3.py:419-428); FLUX and Qwen-Image add their feed-forward layers. peft
+#: matches a target as a whole suffix of a module name at a dot, so "attn.to_q" adapts every block's
+#: attn.to_q and not SD3.5's second (dual) attention attn2, which "to_q" also matches: on SD3.5-M,
+#: blocks 0-12, 52 more linears and 5.1 M more LoRA parameters at r 32 (+27%).
+JOINT_ATTENTION_LORA_TARGETS = (
+    "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj",
+    "attn.to_add_out",
+)
 
 LORA_KEYS = ("rank", "alpha", "target_modules", "init")
-#: ``init`` values: peft's default (A Kaiming, B zero: starts as the base model), "gaussian" (A
-#: normal(1/r), B zero: also starts as the base model), "random" (A and B both random, so the
+#: ``init`` values: peft's default (A Kaiming-uniform, B zero: starts as the base model), "gaussian"
+#: (A normal(0, 1/r), B zero: also starts as the base model; what every flow_grpo script uses, so the
+#: diffusers backbones default to it), "random" (A and B both random, so the
 #: adapter changes the outputs from the start: for tests). Methods that modify the base weights
 #: (PiSSA, OLoRA) are excluded because the reference policy must stay the base model.
 LORA_INITS: dict[str, Any] = {"default": True, "gaussian": "gaussian", "random": False}
@@ -92,10 +99,10 @@ def lora_converter(
     return convert
 
 
-def lora_param(rank: int, target_modules: Sequence[str] | None, *, default: bool = True) -> Any:
-    """The ``lora`` recipe key of a backbone: its default rank (alpha 2 x rank) and targets, or
-    ``default=False`` for full fine-tuning unless the recipe asks for an adapter."""
-    convert = lora_converter(rank, target_modules)
+def lora_param(rank: int, target_modules: Sequence[str] | None, *, default: bool = True, init: str = "default") -> Any:
+    """The ``lora`` recipe key of a backbone: its default rank (alpha 2 x rank), targets and init,
+    or ``default=False`` for full fine-tuning unless the recipe asks for an adapter."""
+    convert = lora_converter(rank, target_modules, init)
     return param(
         factory=(lambda: convert({})) if default else (lambda: None),
         converter=convert,
