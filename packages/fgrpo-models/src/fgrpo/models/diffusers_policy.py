@@ -43,6 +43,7 @@ from fgrpo.models.lora import (
     lora_param,
     read_lora_file,
     save_diffusers_lora,
+    save_peft_adapter,
     trainable_state,
 )
 
@@ -471,14 +472,17 @@ class DiffusersPolicy:
     def export(self, folder: str, state: Mapping[str, torch.Tensor] | None = None) -> list[str]:
         """The trained weights in diffusers' own format: the adapter as the pipeline's
         ``save_lora_weights`` writes it (``pipe.load_lora_weights(folder)`` loads it with its
-        rank and alpha), or with full fine-tuning the transformer's ``save_pretrained`` in
+        rank and alpha) and, in the same folder, as peft's ``save_pretrained`` writes it
+        (``PeftModel.from_pretrained(transformer, folder)``), or with full fine-tuning the transformer's ``save_pretrained`` in
         ``folder/transformer``. ``state``: a LoRA's :meth:`trainable_state_dict` to write instead
         of the transformer's current adapter (a sharded run gathers it first). Returns the files
         written."""
         import os
 
         if self.lora is not None:
-            return [save_diffusers_lora(type(self._pipeline), self.transformer, folder, state)]
+            return [save_diffusers_lora(type(self._pipeline), self.transformer, folder, state)] + save_peft_adapter(
+                self.transformer, folder, state
+            )
         if state is not None:
             raise ValueError("export(state=...) takes LoRA weights; a fully fine-tuned transformer exports its own")
         target = os.path.join(folder, "transformer")
