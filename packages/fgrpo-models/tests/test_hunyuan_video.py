@@ -88,7 +88,7 @@ def _load_into_transformer(self, pipe, folder, written):
     ``load_lora_adapter`` reads the export (diffusers' file layout, rank and alpha in its metadata)."""
     import os
 
-    assert [os.path.basename(f) for f in written] == ["pytorch_lora_weights.safetensors"]
+    assert sorted(os.path.basename(f) for f in written) == ["adapter_config.json", "adapter_model.safetensors", "pytorch_lora_weights.safetensors"]
     assert not hasattr(pipe, "load_lora_weights")
     pipe.transformer.load_lora_adapter(folder, weight_name="pytorch_lora_weights.safetensors", prefix="transformer")
 

@@ -151,7 +151,10 @@ class TestWan22(DiffusersBackboneConformance):
     def load_export(self, pipe, folder, written):
         import os
 
-        assert sorted(os.path.basename(f) for f in written) == ["pytorch_lora_weights.safetensors", "pytorch_lora_weights_transformer_2.safetensors"]
+        assert sorted(os.path.relpath(f, folder) for f in written) == [
+            "adapter_config.json", "adapter_model.safetensors", "pytorch_lora_weights.safetensors",
+            "pytorch_lora_weights_transformer_2.safetensors", "transformer_2/adapter_config.json", "transformer_2/adapter_model.safetensors",
+        ]
         pipe.load_lora_weights(folder)  # the high-noise expert, as for any pipeline
         pipe.load_lora_weights(folder, weight_name="pytorch_lora_weights_transformer_2.safetensors", load_into_transformer_2=True)
 

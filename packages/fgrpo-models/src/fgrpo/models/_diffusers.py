@@ -131,6 +131,9 @@ def load_pipeline(pipeline_class: Any, path: str, torch_dtype: torch.dtype, *, k
         import diffusers
 
         pipeline_class = getattr(diffusers, pipeline_class)
+    from fgrpo.core import logs
+
+    logs.quiet_libraries()  # diffusers' "Loading pipeline components" bars follow fgrpo's log level
     try:
         return pipeline_class.from_pretrained(source.location, **source.kwargs, **from_pretrained_dtype_kwargs(torch_dtype))
     except WeightsUnavailable:

@@ -44,6 +44,7 @@ from fgrpo.models.lora import (
     lora_param,
     read_lora_file,
     save_diffusers_lora,
+    save_peft_adapter,
     trainable_state,
 )
 
@@ -543,22 +544,27 @@ class DiffusersPolicy:
     def export(self, folder: str, state: Mapping[str, torch.Tensor] | None = None) -> list[str]:
         """The trained weights in diffusers' own format: the adapter as the pipeline's
         ``save_lora_weights`` writes it (``pipe.load_lora_weights(folder)`` loads it with its
-        rank and alpha), or with full fine-tuning the transformer's ``save_pretrained`` in
-        ``folder/transformer``. A second trained network (Wan 2.2's low-noise expert) writes
-        ``pytorch_lora_weights_transformer_2.safetensors`` (``pipe.load_lora_weights(folder,
-        weight_name=..., load_into_transformer_2=True)``), or ``folder/transformer_2``. ``state``: a LoRA's :meth:`trainable_state_dict` to write instead
+        rank and alpha) and, in the same folder, as peft's ``save_pretrained`` writes it
+        (``PeftModel.from_pretrained(transformer, folder)``), or with full fine-tuning the transformer's
+        ``save_pretrained`` in ``folder/transformer``. A second trained network (Wan 2.2's low-noise
+        expert) writes ``pytorch_lora_weights_transformer_2.safetensors`` (``pipe.load_lora_weights(folder,
+        weight_name=..., load_into_transformer_2=True)``) and its peft adapter in ``folder/transformer_2``,
+        or ``folder/transformer_2``. ``state``: a LoRA's :meth:`trainable_state_dict` to write instead
         of the transformer's current adapter (a sharded run gathers it first). Returns the files
         written."""
         import os
 
         if self.lora is not None:
             if self._single_transformer():
-                return [save_diffusers_lora(type(self._pipeline), self.transformer, folder, state)]
+                return [save_diffusers_lora(type(self._pipeline), self.transformer, folder, state)] + save_peft_adapter(
+                    self.transformer, folder, state
+                )
             written = []
             for name, module in self.trained_transformers():
                 prefix = name + "."
                 part = None if state is None else {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
                 written.append(save_diffusers_lora(type(self._pipeline), module, folder, part, weight_name=lora_file_name(name)))
+                written += save_peft_adapter(module, folder if name == "transformer" else os.path.join(folder, name), part)
             return written
         if state is not None:
             raise ValueError("export(state=...) takes LoRA weights; a fully fine-tuned transformer exports its own")

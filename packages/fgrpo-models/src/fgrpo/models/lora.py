@@ -292,6 +292,29 @@ def save_diffusers_lora(
     return os.path.join(os.fspath(folder), weight_name)
 
 
+PEFT_CONFIG_FILE = "adapter_config.json"
+PEFT_WEIGHTS_FILE = "adapter_model.safetensors"
+
+
+def save_peft_adapter(
+    model: torch.nn.Module, folder: str | os.PathLike[str], state: Mapping[str, torch.Tensor] | None = None
+) -> list[str]:
+    """Write ``model``'s adapter as peft's ``PeftModel.save_pretrained`` does (``adapter_config.json``
+    and ``adapter_model.safetensors``, keys under ``base_model.model.``), so that
+    ``PeftModel.from_pretrained(transformer, folder)`` loads it. diffusers' ``load_lora_weights``
+    picks ``pytorch_lora_weights.safetensors`` by name, so both formats share one folder.
+    ``state``: adapter weights as :func:`lora_state_dict` gives them. Returns the files written."""
+    from safetensors.torch import save_file
+
+    state = lora_state_dict(model) if state is None else cpu_copies(state)
+    folder = os.fspath(folder)
+    os.makedirs(folder, exist_ok=True)
+    model.peft_config[ADAPTER_NAME].save_pretrained(folder)
+    weights = os.path.join(folder, PEFT_WEIGHTS_FILE)
+    save_file({f"base_model.model.{k}": v.contiguous() for k, v in state.items()}, weights, metadata={"format": "pt"})
+    return [os.path.join(folder, PEFT_CONFIG_FILE), weights]
+
+
 # --- what a policy trains ---------------------------------------------------------------------
 
 

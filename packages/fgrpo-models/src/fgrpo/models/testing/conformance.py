@@ -83,7 +83,8 @@ class DiffusersBackboneConformance(PolicyConformance):
     def load_export(self, pipe: Any, folder: str, written: list[str]) -> None:
         """Load ``policy.export(folder)``'s files into the plain pipeline ``pipe`` as a user would
         (default: ``pipe.load_lora_weights(folder)``; Wan 2.2 loads its second expert's file too)."""
-        assert [os.path.basename(f) for f in written] == ["pytorch_lora_weights.safetensors"]
+        assert sorted(os.path.basename(f) for f in written) == [
+            "adapter_config.json", "adapter_model.safetensors", "pytorch_lora_weights.safetensors"]
         pipe.load_lora_weights(folder)
 
     def guidance_kwargs(self, policy: Any) -> dict[str, Any]:
@@ -154,8 +155,10 @@ class DiffusersBackboneConformance(PolicyConformance):
 
     @torch.no_grad()
     def test_export_loads_with_diffusers_load_lora_weights(self, policy: Any, model_keys: dict[str, Any], tmp_path: Path) -> None:
-        """The exported adapter, loaded by the plain pipeline's ``load_lora_weights``, gives the
-        policy's velocity (keys, rank and alpha all understood), and loads back via ``lora_path``."""
+        """The exported adapter, loaded by the plain pipeline's ``load_lora_weights`` or by peft's
+        ``PeftModel.from_pretrained`` (the same folder), gives the policy's velocity (keys, rank
+        and alpha all understood), and loads back via ``lora_path``."""
+        from peft import PeftModel
         from safetensors import safe_open
 
         x, sigma = self.state(policy)
@@ -163,7 +166,7 @@ class DiffusersBackboneConformance(PolicyConformance):
         with self.perturbed(policy):
             trained = policy.velocity(x, sigma, cond)
             written = policy.export(str(tmp_path / "lora"))
-        for file in written:
+        for file in (f for f in written if os.path.basename(f).startswith("pytorch_lora_weights")):
             with safe_open(file, "pt") as f:
                 keys, metadata = list(f.keys()), f.metadata() or {}
             assert keys and all(k.startswith("transformer.") for k in keys), keys[:3]
@@ -176,6 +179,11 @@ class DiffusersBackboneConformance(PolicyConformance):
 
         again = self.make_policy(model_keys, lora_path=str(tmp_path / "lora"))
         torch.testing.assert_close(again.velocity(x, sigma, cond), trained, rtol=0, atol=1e-6)
+
+        by_peft = type(policy).pipeline_class().from_pretrained(model_keys["path"])
+        PeftModel.from_pretrained(by_peft.transformer, str(tmp_path / "lora"))  # adds the adapter to this transformer
+        through_peft = type(policy).from_pipeline(by_peft, **{**model_keys, "lora": None})
+        assert torch.equal(through_peft.velocity(x, sigma, cond), reloaded.velocity(x, sigma, cond))
 
     def test_prompt_cache_encodes_each_prompt_once(self, model_keys: dict[str, Any]) -> None:
         policy = self.make_policy(model_keys, **{self.guidance_key: self.guidance_value}, prompt_cache_size=3)
