@@ -182,6 +182,8 @@ class DiffusersBackboneConformance(PolicyConformance):
 
         by_peft = type(policy).pipeline_class().from_pretrained(model_keys["path"])
         PeftModel.from_pretrained(by_peft.transformer, str(tmp_path / "lora"))  # adds the adapter to this transformer
+        if (tmp_path / "lora" / "transformer_2" / "adapter_config.json").is_file():  # Wan 2.2's second expert
+            PeftModel.from_pretrained(by_peft.transformer_2, str(tmp_path / "lora" / "transformer_2"))
         through_peft = type(policy).from_pipeline(by_peft, **{**model_keys, "lora": None})
         assert torch.equal(through_peft.velocity(x, sigma, cond), reloaded.velocity(x, sigma, cond))
 
