@@ -45,6 +45,17 @@ def test_each_readme_lists_every_component_and_extra(root, package):
 
 
 @pytest.mark.parametrize("package", PACKAGES)
+def test_the_repository_readme_names_them_too(root, package):
+    """The README's table of the parts: the package's row names every component and extra."""
+    meta = pyproject(root, package)
+    (row,) = [line for line in (root / "README.md").read_text().splitlines() if line.startswith(f"| `{package}` |")]
+    named = set(re.findall(r"`([\w.-]+)`", row))
+    components = {n for group, eps in meta["project"].get("entry-points", {}).items() if group != "fgrpo.plugins" for n in eps}
+    assert sorted(components - named) == []
+    assert sorted(e for e in meta["project"].get("optional-dependencies", {}) if f"[{e}]" not in row) == []
+
+
+@pytest.mark.parametrize("package", PACKAGES)
 def test_install_lines_name_the_local_packages_pip_needs(root, package):
     """Every pip line of a package README installs from a checkout, fgrpo-core named in it
     (pip cannot find a local dependency it was not given)."""

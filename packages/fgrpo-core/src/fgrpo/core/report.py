@@ -438,6 +438,17 @@ def _compact(keys: Sequence[str]) -> list[str]:
             for head, tails in groups.items()]
 
 
+def _own_last_checkpoint(run_dir: Path) -> Path | None:
+    """``RUN/checkpoints/last`` when it names a checkpoint of this run folder (nothing outside the
+    folder is read through it)."""
+    root = run_dir / "checkpoints"
+    try:
+        last = (root / "last").resolve(strict=True)
+    except (OSError, RuntimeError):
+        return None
+    return last if last.parent == root.resolve() and last.is_dir() else None
+
+
 def evaluated_weights(recipe: Mapping[str, Any]) -> str:
     """Which weights the evaluations used, from the recipe (the run's lines say how often the EMA moved)."""
     train = recipe.get("train") or {}
@@ -453,7 +464,7 @@ def render(run_dir: Path) -> str:
     recipe = yaml.safe_load(recipe_text) if recipe_text else {}
     figs = figures(rows, recipe)
     strip, n_images, binary = filmstrip(run_dir)
-    handed_over = weights.checkpoint_warnings(run_dir / "checkpoints" / "last")
+    handed_over = weights.checkpoint_warnings(last) if (last := _own_last_checkpoint(run_dir)) else []
     warnings = "".join(f'<p class="warning">warning: {html.escape(line)}</p>' for line in handed_over)
     done = max((r["iteration"] for r in rows), default=0)
     total = (recipe.get("train") or {}).get("iterations", "?")

@@ -75,6 +75,8 @@ def empty_lora_files(folder: Path) -> list[Path]:
 
     empty = []
     for path in sorted(Path(folder).glob("*.safetensors")):
+        if path.is_symlink() or not path.is_file():  # only what the export wrote, never through a link
+            continue
         try:
             with safe_open(str(path), framework="pt") as fh:
                 ups = [k for k in fh.keys() if any(f".{u}." in f".{k}" for u in UP_PROJECTIONS)]
