@@ -377,7 +377,8 @@ def build_components(recipe: Any) -> dict[str, Any]:
     from fgrpo.core.trainer import check_prompts
 
     built = {section: recipe.build(section) for section in ("model", "sampler", "objective", "prompts")}
-    check_prompts(built["model"], built["prompts"].train_prompts() + built["prompts"].test_prompts(), "prompts")
+    source = built["prompts"]
+    check_prompts(built["model"], source.train_prompts() + source.test_prompts(), "prompts", source.metadata)
     for spec, reward in recipe.build_rewards():
         built[f"reward/{spec.label}"] = reward
     return built
@@ -410,7 +411,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
     from fgrpo.core.trainer import check_prompts, load_checkpoint_weights
 
     try:
-        prompts = [p for p, _ in read_prompt_file(args.prompts)]
+        rows = read_prompt_file(args.prompts)
     except OSError as exc:
         raise RecipeError([ConfigError("--prompts", f"cannot read {args.prompts}: {exc.strerror}")]) from None
     except ValueError as exc:
@@ -424,7 +425,8 @@ def cmd_sample(args: argparse.Namespace) -> int:
     else:
         checkpoint, recipe = None, _load(args)
     policy = _build_policy(recipe)
-    check_prompts(policy, prompts, "--prompts")
+    prompts, metadata = [p for p, _ in rows], dict(rows)
+    check_prompts(policy, prompts, "--prompts", lambda p: metadata.get(p, {}))
     if checkpoint is not None:
         load_checkpoint_weights(policy, checkpoint, recipe.train.ema_decay)
     target = Path(args.out)

@@ -11,7 +11,7 @@ import math
 import os
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -276,9 +276,16 @@ def make_accelerator(cpu: bool | None = None, train: Any = None, **options: Any)
     return acc
 
 
-def check_prompts(policy: Any, prompts: Sequence[str], key: str) -> None:
+def check_prompts(
+    policy: Any, prompts: Sequence[str], key: str, metadata: Callable[[str], Mapping[str, Any]] | None = None
+) -> None:
     """Refuse prompts the policy cannot read, before anything runs: a policy with a closed
-    vocabulary (``shapes-dit``) says why through an optional ``check_prompts(prompts) -> [problem]``."""
+    vocabulary (``shapes-dit``) says why through an optional ``check_prompts(prompts) -> [problem]``.
+    A policy conditioned on more than text (image-to-video) is first given the prompts'
+    ``metadata`` lookup through its optional ``use_prompt_metadata``."""
+    bind = getattr(policy, "use_prompt_metadata", None)
+    if bind is not None:
+        bind(metadata if metadata is not None else (lambda _prompt: {}))
     check = getattr(policy, "check_prompts", None)
     problems = check(list(prompts)) if check is not None else []
     if problems:
@@ -320,7 +327,7 @@ def build_run(
     sampler = recipe.build("sampler")
     objective = recipe.build("objective")
     prompts = recipe.build("prompts")
-    check_prompts(policy, prompts.train_prompts() + prompts.test_prompts(), "prompts")
+    check_prompts(policy, prompts.train_prompts() + prompts.test_prompts(), "prompts", prompts.metadata)
     rewards = recipe.build_rewards()
     trainable = [p for p in policy.trainable_parameters() if p.requires_grad]
     if not trainable:

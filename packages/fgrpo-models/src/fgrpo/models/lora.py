@@ -255,8 +255,17 @@ def read_lora_file(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
 DIFFUSERS_LORA_FILE = "pytorch_lora_weights.safetensors"
 
 
+def lora_file_name(module: str) -> str:
+    """The export's file of the adapter of the pipeline's network ``module`` (``transformer``: the
+    file ``load_lora_weights(folder)`` reads; Wan 2.2's ``transformer_2``: its own file)."""
+    if module == "transformer":
+        return DIFFUSERS_LORA_FILE
+    return DIFFUSERS_LORA_FILE.replace(".safetensors", f"_{module}.safetensors")
+
+
 def save_diffusers_lora(
-    pipeline_class: Any, model: torch.nn.Module, folder: str | os.PathLike[str], state: Mapping[str, torch.Tensor] | None = None
+    pipeline_class: Any, model: torch.nn.Module, folder: str | os.PathLike[str], state: Mapping[str, torch.Tensor] | None = None,
+    *, weight_name: str = DIFFUSERS_LORA_FILE,
 ) -> str:
     """Write ``model``'s adapter as ``pipeline_class.save_lora_weights`` does: keys prefixed with the
     pipeline's transformer name, the adapter's LoraConfig (rank, alpha, targets) in the
@@ -269,13 +278,18 @@ def save_diffusers_lora(
         if isinstance(value, set):  # target_modules is a set after peft normalises it
             metadata[key] = sorted(value)
     os.makedirs(folder, exist_ok=True)
+    if not hasattr(pipeline_class, "save_lora_weights"):
+        # a pipeline without a LoRA loader (HunyuanVideo 1.5 in diffusers 0.42): the same file a
+        # one-transformer loader writes, which ``pipe.transformer.load_lora_adapter(folder,
+        # weight_name=..., prefix="transformer")`` reads
+        from diffusers.loaders.lora_pipeline import CogVideoXLoraLoaderMixin as pipeline_class
     pipeline_class.save_lora_weights(
         os.fspath(folder),
         transformer_lora_layers=state,
         transformer_lora_adapter_metadata=metadata,
-        weight_name=DIFFUSERS_LORA_FILE,
+        weight_name=weight_name,
     )
-    return os.path.join(os.fspath(folder), DIFFUSERS_LORA_FILE)
+    return os.path.join(os.fspath(folder), weight_name)
 
 
 PEFT_CONFIG_FILE = "adapter_config.json"
