@@ -47,6 +47,8 @@ EXPECTED = {
         "train.lr: duplicate key (",
     ],
     "not_utf8.yaml": ["not_utf8.yaml: not UTF-8 text (byte 0xe9 at offset"],
+    # issue 22: a 1e8-wide MLP passed `validate`, then an OOM traceback
+    "model_too_large.yaml": ["model.hidden: got 100000000; allowed: >= 1 and <= 65536"],
 }
 # files whose expected parts all belong to one error line
 ONE_LINE = ("malformed.yaml", "python_tag.yaml", "duplicate_keys.yaml")
