@@ -57,6 +57,107 @@ def check_init_kwargs(value: Mapping[str, Any]) -> None:
         raise ValueError(f"got {dict(value)!r}; expected a mapping of options per tracker (not for {', '.join(bad)})")
 
 
+#: where accelerate's tracker passes the ``log.init_kwargs`` options it does not take itself:
+#: (module, attribute) of the tracker library's own callable
+FORWARDED_TO = {
+    "tensorboard": ("torch.utils.tensorboard", "SummaryWriter"),
+    "wandb": ("wandb", "init"),
+    "comet_ml": ("comet_ml", "start"),
+    "aim": ("aim", "Run"),
+    "clearml": ("clearml", "Task.init"),
+    "dvclive": ("dvclive", "Live"),
+    "swanlab": ("swanlab", "init"),
+    "trackio": ("trackio", "init"),
+}
+_PROJECT = "log.project"
+_FOLDER = "the run folder"
+#: options fgrpo sets itself (or accelerate's tracker sets from log.project), with why
+OWNED: dict[str, dict[str, str]] = {
+    "tensorboard": {"run_name": "TensorBoard writes to RUN/tensorboard", "logging_dir": "TensorBoard writes to RUN/tensorboard",
+                    "log_dir": "TensorBoard writes to RUN/tensorboard",
+                    "purge_step": "a resumed run hides the events past its checkpoint"},
+    "wandb": {"run_name": _PROJECT, "project": _PROJECT},
+    "comet_ml": {"run_name": _PROJECT, "project_name": _PROJECT},
+    "aim": {"run_name": _PROJECT, "logging_dir": _FOLDER, "repo": _FOLDER},
+    "mlflow": {"experiment_name": _PROJECT},
+    "clearml": {"run_name": _PROJECT},
+    "dvclive": {"run_name": _PROJECT, "live": "an object, not a recipe value"},
+    "swanlab": {"run_name": _PROJECT, "project": _PROJECT},
+    "trackio": {"run_name": _PROJECT, "project": _PROJECT},
+}
+
+
+def _named_parameters(fn: Any) -> tuple[set[str], bool] | None:
+    """(keyword names ``fn`` takes, whether it also takes any **kwargs); None when unknown."""
+    import inspect
+
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self"}
+    return named, any(p.kind is p.VAR_KEYWORD for p in params)
+
+
+def tracker_options(name: str) -> set[str] | None:
+    """The options ``log.init_kwargs.<name>`` may hold: the keywords of accelerate's tracker class
+    and, where it passes the rest on, of the library's callable; None when any would do (or the
+    library, not installed, cannot say)."""
+    import importlib
+
+    from accelerate.tracking import LOGGER_TYPE_TO_CLASS
+
+    own = _named_parameters(LOGGER_TYPE_TO_CLASS[name].__init__)
+    if own is None:
+        return None
+    names, forwards = own
+    if forwards:
+        module, attribute = FORWARDED_TO.get(name, ("", ""))
+        try:
+            target: Any = importlib.import_module(module)
+            for part in attribute.split("."):
+                target = getattr(target, part)
+        except (ImportError, AttributeError, ValueError):
+            return None
+        more = _named_parameters(target)
+        if more is None or more[1]:
+            return None
+        names |= more[0]
+    return names - set(OWNED.get(name, {}))
+
+
+def init_kwargs_errors(names: Sequence[str], options: Mapping[str, Mapping[str, Any]], prefix: str) -> list[Any]:
+    """``log.init_kwargs`` checked at `validate`, before anything is written: each tracker known and
+    listed in ``log.trackers``, each option one the tracker itself takes and not one fgrpo sets."""
+    import difflib
+
+    from accelerate.tracking import LOGGER_TYPE_TO_CLASS
+
+    from fgrpo.core.config import ConfigError
+
+    errors = []
+    for tracker, given in options.items():
+        key = f"{prefix}.init_kwargs.{tracker}"
+        if tracker not in LOGGER_TYPE_TO_CLASS:
+            known = sorted(set(PACKAGES) | set(LOGGER_TYPE_TO_CLASS))
+            errors.append(ConfigError(key, f"unknown tracker {tracker!r} (accelerate knows: {', '.join(known)})"))
+            continue
+        if tracker not in names:
+            errors.append(ConfigError(key, f"options for a tracker that log.trackers does not list ({list(names)!r}); "
+                                           "they would be ignored: add it to log.trackers or remove them"))
+            continue
+        allowed = tracker_options(tracker)
+        owned = OWNED.get(tracker, {})
+        for option in given:
+            if option in owned:
+                errors.append(ConfigError(f"{key}.{option}", f"fgrpo sets it ({owned[option]}); remove it"))
+            elif allowed is not None and option not in allowed:
+                close = difflib.get_close_matches(str(option), sorted(allowed), n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                errors.append(ConfigError(f"{key}.{option}", f"unknown option of the {tracker} tracker{hint}; allowed: {', '.join(sorted(allowed))}"))
+    return errors
+
+
 class RunTracker(GeneralTracker):
     """One of accelerate's trackers, built when the run starts rather than with the Accelerator.
 
