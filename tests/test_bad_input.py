@@ -340,3 +340,34 @@ def test_validate_reads_the_prompt_files_compose_would_refuse(folder, message, t
     text_file = ["--set", f"prompts={{name: text-file, train: {path / ('train.jsonl' if folder == 'broken_jsonl' else 'train.txt')}}}"]
     assert cli.main(["validate", RECIPE, *text_file]) == 2
     assert "prompts.train: " in error_lines(capsys)[0]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--max-request-mb", "nan"], "argument --max-request-mb: expected a finite number > 0, got 'nan'"),
+    (["--max-request-mb", "0"], "argument --max-request-mb: expected a finite number > 0, got '0'"),
+    (["--port", "99999"], "argument --port: expected a port number from 0 to 65535, got '99999'"),
+    (["--port", "-5"], "argument --port: expected a port number from 0 to 65535, got '-5'"),
+    (["--read-timeout-s", "inf"], "argument --read-timeout-s: expected a finite number > 0, got 'inf'"),
+    (["--max-connections", "0"], "argument --max-connections: expected an integer >= 1, got '0'"),
+])
+def test_serve_reward_arguments_are_one_line(args, message, capsys):
+    with pytest.raises(SystemExit) as info:  # before: a traceback (nan, a port out of range) at bind
+        cli.main(["serve-reward", "jpeg-compressibility", *args])
+    assert info.value.code == 2
+    assert error_lines(capsys) == [f"error: {message} (see fgrpo serve-reward --help)"]
+
+
+def test_serve_reward_on_a_port_in_use_or_a_host_it_cannot_bind(capsys, monkeypatch):
+    import socket
+
+    monkeypatch.setenv("FGRPO_REWARD_TOKEN", "a-token")  # another host than 127.0.0.1 needs one
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        assert cli.main(["serve-reward", "jpeg-compressibility", "--port", str(port)]) == 2  # before: OSError traceback
+        assert error_lines(capsys) == [f"error: --port: 127.0.0.1:{port} is in use (another server?); choose another port, or 0 for any free one"]
+    assert cli.main(["serve-reward", "jpeg-compressibility", "--host", "no-such-host.invalid"]) == 2
+    lines = error_lines(capsys)
+    assert len(lines) == 1 and lines[0].startswith("error: --host: cannot listen on 'no-such-host.invalid': "), lines
