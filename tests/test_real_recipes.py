@@ -14,7 +14,7 @@ import pytest
 from fgrpo.core import cli
 
 RECIPES = [
-    "sd35m-ocr", "sd35m-geneval", "sd35m-pickscore", "flux-pickscore", "qwen-image-ocr", "wan-ocr",
+    "sd35m-ocr", "sd35m-geneval", "sd35m-pickscore", "flux-pickscore", "qwen-image-ocr", "qwen-image-pickscore", "wan-ocr",
     "sd35m-preference-mix", "sd35m-vlm-judge", "sd35m-geneval-remote",
 ]
 
@@ -57,3 +57,20 @@ def test_every_model_reward_is_named_by_a_shipped_recipe(root):
             named.add(spec if isinstance(spec, str) else spec["name"])
     wanted = {"ocr", "pickscore", "geneval", "clip-score", "aesthetic", "hpsv2", "imagereward", "vlm-judge", "remote"}
     assert wanted <= named, f"no shipped recipe names {sorted(wanted - named)}"
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_run_line_launches_with_the_recipes_mixed_precision(name, root):
+    """fgrpo refuses a recipe whose train.mixed_precision differs from the launcher's: the command in
+    the recipe's header must agree with it (the sd35m recipes ask for flow_grpo's fp16)."""
+    import shlex
+
+    import yaml
+
+    text = (root / "recipes" / f"{name}.yaml").read_text()
+    run = shlex.split(next(line for line in text.splitlines() if line.startswith("# Run: "))[len("# Run: "):])
+    launched = yaml.safe_load((root / run[run.index("--config_file") + 1]).read_text())["mixed_precision"]
+    if "--mixed_precision" in run:
+        launched = run[run.index("--mixed_precision") + 1]
+    wanted = yaml.safe_load(text)["train"].get("mixed_precision", "auto")
+    assert wanted in ("auto", launched), f"{name}: the recipe asks for {wanted}, its Run line launches {launched}"

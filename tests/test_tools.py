@@ -69,3 +69,20 @@ def test_text_probe_compares_opposite_relations(root):
     assert probe.opposites(prompts[3]) == {
         "relation word flipped": "a red square below a blue circle", "objects swapped": "a blue circle above a red square"
     }
+
+
+def test_reference_parity_sizes_lora_counts_on_the_real_configs(root):
+    """The LoRA figures docs/method.md and docs/backbones.md quote (issue 21, item 4), counted on the
+    published SD3.5-M and Wan 2.1 1.3B transformer configs built on the meta device."""
+    pytest.importorskip("diffusers")
+    from diffusers import SD3Transformer2DModel, WanTransformer3DModel
+
+    from fgrpo.models.lora import JOINT_ATTENTION_LORA_TARGETS
+    from fgrpo.models.wan import WAN_LORA_TARGETS
+
+    sizes = _load(root, "reference_parity_sizes")
+    old, new = (sizes.lora_parameters(SD3Transformer2DModel, sizes.SD35_MEDIUM, t) for t in (sizes.OLD_JOINT, JOINT_ATTENTION_LORA_TARGETS))
+    assert (old[0] - new[0], new[0]) == (52, 191) and round((old[1] - new[1]) / 1e6, 2) == 5.11 and round(old[1] / new[1] - 1, 2) == 0.27
+    wan_old = ("to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2")
+    old, new = (sizes.lora_parameters(WanTransformer3DModel, sizes.WAN21_1_3B, t) for t in (wan_old, WAN_LORA_TARGETS))
+    assert new[0] == 240 and round(old[1] / new[1] - 1, 2) == 0.85

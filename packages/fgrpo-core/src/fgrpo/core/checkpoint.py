@@ -37,6 +37,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from fgrpo.core import confine
+from fgrpo.core.confine import file_mode
 from fgrpo.core.registry import ComponentError
 
 TRAINABLE = "trainable.safetensors"
@@ -90,6 +91,17 @@ def _fsync_tree(path: Path) -> None:
 
 def save_tensors(tensors: Mapping[str, torch.Tensor], path: Path) -> None:
     save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path))
+    path.chmod(file_mode())
+
+
+def share_files(folder: Path) -> None:
+    """Give every file under ``folder`` :func:`file_mode`: safetensors (and libraries that write
+    through it: diffusers, peft) create files 0600, which team-mates on a shared cluster cannot
+    read, while everything else a run writes follows the umask."""
+    mode = file_mode()
+    for path in Path(folder).rglob("*"):
+        if path.is_file() and not path.is_symlink() and (path.stat().st_mode & 0o777) != mode:
+            path.chmod(mode)
 
 
 def write(
@@ -126,6 +138,7 @@ def write(
         if export is not None:
             export(str(tmp / EXPORT))
             if (tmp / EXPORT).is_dir():
+                share_files(tmp / EXPORT)
                 _fsync_tree(tmp / EXPORT)
         _fsync_tree(tmp)
         if final.is_symlink() or final.exists():  # not this run's (resume starts past its own)
@@ -336,6 +349,17 @@ def newest(root: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
             return folder, skipped[::-1]
         skipped.append((folder, why))
     return None, skipped[::-1]
+
+
+def last_of(root: Path) -> Path | None:
+    """The checkpoint ``root/last`` names, when it is what fgrpo writes: a link to a sibling
+    ``iter_NNNNNN`` folder (a link elsewhere, or through another link, names nothing)."""
+    link = root / "last"
+    if not link.is_symlink():
+        return None
+    target = os.readlink(link)
+    folder = root / target
+    return folder if ITER_NAME.fullmatch(target) and _is_real_dir(folder) else None
 
 
 def latest(root: Path) -> Path | None:

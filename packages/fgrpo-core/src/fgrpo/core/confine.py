@@ -79,11 +79,22 @@ def links_below(root: Path, *, skip: tuple[str, ...] = ()) -> list[tuple[Path, s
     return found
 
 
+def file_mode() -> int:
+    """The mode ``open()`` gives a new file: 0666 less the umask (0644 under the usual 022)."""
+    try:  # Linux reports the umask without changing it
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def _temporary(path: Path) -> tuple[int, Path]:
     fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.tmp-")  # O_EXCL | O_NOFOLLOW
-    umask = os.umask(0)
-    os.umask(umask)
-    os.fchmod(fd, 0o666 & ~umask)
+    os.fchmod(fd, file_mode())  # mkstemp's 0600, as open() would have made it
     return fd, Path(name)
 
 
@@ -113,6 +124,7 @@ def new_folder(path: Path) -> Iterator[Path]:
     path = Path(path)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
     try:
+        tmp.chmod(file_mode() | (file_mode() & 0o444) >> 2)  # mkdtemp's 0700, as mkdir would have made it
         yield tmp
         os.replace(tmp, path)
     except BaseException:

@@ -20,7 +20,7 @@ import torch
 from rich.console import Console
 
 from fgrpo.core import checkpoint as ckpt
-from fgrpo.core import evaluation, phases, report, rundir, sharding, tensors, timing, trackers, visuals
+from fgrpo.core import evaluation, phases, report, rundir, sharding, tensors, timing, trackers, visuals, weights
 from fgrpo.core.config import ConfigError, RecipeError
 from fgrpo.core.data import PromptSchedule
 from fgrpo.core.ema import EMA
@@ -115,12 +115,20 @@ def run_evaluation(run: Run, it: int) -> dict[str, float]:
         metrics = evaluation.evaluate(run, it, run.out_dir)
         if metrics:
             metrics["time_eval_s"] = time.perf_counter() - t0
-        run.display.evaluation_done(it, metrics)
+        run.display.evaluation_done(it, metrics, evaluated_weights(run))
         plugin_manager().hook.fgrpo_evaluation(run=run, iteration=it, metrics=metrics)
     elif run.sharded_weights:
         evaluation.evaluation_samples(run, it)  # the main process's forwards need this process's shards
     run.accelerator.wait_for_everyone()
     return metrics
+
+
+def evaluated_weights(run: Run) -> str:
+    """Which weights evaluation used: the EMA's (and how often it moved) or the raw ones."""
+    if run.ema is None:
+        return "raw weights"
+    updates = weights.ema_updates(run.optimizer_steps, run.recipe.train.ema_every)
+    return f"EMA weights after {updates} update{'s' if updates != 1 else ''}"
 
 
 def finish(run: Run) -> None:
@@ -129,6 +137,8 @@ def finish(run: Run) -> None:
             report.write(run.out_dir)
         except (RecipeError, ComponentError) as exc:  # the trained run stands; only its page is missing
             run.display.say(f"report.html not written: {str(exc).splitlines()[0]}")
+        for line in weights.checkpoint_warnings(run.out_dir / "checkpoints" / "last"):
+            run.display.warn(line)
     if run.is_main and run.out_dir is not None and run.recipe.log.plots:
         if visuals.have_matplotlib():
             visuals.curves(read_metrics(run.out_dir), run.out_dir / "curves.png")
@@ -372,6 +382,7 @@ def save_checkpoint(run: Run, done: int) -> None:
         ema = run.ema.state_dict() if run.ema is not None else None
         optimizer = sharding.optimizer_state(run.accelerator, run.optimizer, run.trainable)
         export = export_in_checkpoint(run)
+        ema_summary = weights.ema_summary(run.ema, run.optimizer_steps, run.recipe.train.ema_every) if run.ema is not None else None
     if run.is_main:
         path = ckpt.write(
             run.out_dir / "checkpoints",
@@ -388,6 +399,7 @@ def save_checkpoint(run: Run, done: int) -> None:
                 "recipe": run.recipe.data,
                 "processes": run.accelerator.num_processes,
                 "run_id": run.folder.run_id if run.folder is not None else None,
+                weights.STATE_KEY: ema_summary,
             },
             keep=run.recipe.train.keep_checkpoints,
             export=export,
@@ -450,10 +462,10 @@ def _share(acc: Any, value: Any) -> Any:
 def open_run(
     recipe: Recipe,
     *,
-    out: str | None,
-    resume: bool,
+    out: str | Path | None = None,
+    resume: bool = False,
     start_over: bool = False,
-    console: Console,
+    console: Console | None = None,
     quiet: bool = False,
     extra_trackers: Sequence[Any] = (),
 ) -> Run:
@@ -461,7 +473,8 @@ def open_run(
     built, the newest complete checkpoint restored when resuming; only then is anything written
     (check first, write after), and its trackers started (``log.trackers`` and
     ``extra_trackers``, accelerate GeneralTracker instances). ``close_run`` (or ``finish``)
-    releases the folder."""
+    releases the folder. ``console``: where the run's lines go (default: the terminal)."""
+    console = Console(highlight=False, soft_wrap=True) if console is None else console
     mode = rundir.RESUME if resume else rundir.START_OVER if start_over else rundir.NEW
     acc = make_accelerator(train=recipe.train, log_with=trackers.log_with(recipe.log.trackers, extra_trackers) or None)
     folder, failure = None, None

@@ -36,6 +36,16 @@ import torch
 
 from fgrpo.core.config import param
 from fgrpo.models import _diffusers as dx
+from fgrpo.models.lora import (
+    adapters_disabled,
+    inject_lora,
+    load_trainable_state,
+    lora_param,
+    read_lora_file,
+    save_diffusers_lora,
+    save_peft_adapter,
+    trainable_state,
+)
 
 NEGATIVE = "negative_"
 
@@ -54,6 +64,12 @@ def _resolution(_inst: Any, _attribute: Any, value: Any) -> None:
 def _optional_device(inst: Any, attribute: Any, value: Any) -> None:
     if value is not None:
         dx.check_device(inst, attribute, value)
+
+
+def _is_euler(scheduler: Any) -> bool:
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    return isinstance(scheduler, FlowMatchEulerDiscreteScheduler)
 
 
 @attrs.define(eq=False)
@@ -83,7 +99,14 @@ class DiffusersPolicy:
 
     path: str = param(help="hub id or local folder (save_pretrained output) of the diffusers pipeline")
     dtype: str = param(
-        "float32", choices=dx.DTYPE_CHOICES, help="weights dtype of the whole pipeline (LoRA weights stay float32)"
+        "float32", choices=dx.DTYPE_CHOICES,
+        help="weights dtype of the transformer, and of the VAE and text encoders unless vae_dtype/text_encoder_dtype say (LoRA weights stay float32)",
+    )
+    vae_dtype: str | None = param(
+        None, choices=dx.DTYPE_CHOICES, help="weights dtype of the VAE (decoding runs without autocast); null: dtype"
+    )
+    text_encoder_dtype: str | None = param(
+        None, choices=dx.DTYPE_CHOICES, help="weights dtype of the text encoders (they run without autocast); null: dtype"
     )
     device: str | torch.device = param("auto", validator=dx.check_device, help=dx.DEVICE_HELP)
     text_encoder_device: str | None = param(
@@ -93,9 +116,19 @@ class DiffusersPolicy:
         None, validator=_resolution, help="output height = width in pixels, or [height, width]; null: the pipeline's default"
     )
     negative_prompt: str = param("", help="the unconditional prompt of classifier-free guidance")
-    lora: dict | None = dx.lora_param(32, ("to_q", "to_k", "to_v", "to_out.0"))
+    lora: dict | None = lora_param(32, ("to_q", "to_k", "to_v", "to_out.0"))
     lora_path: str | None = param(None, help="adapter weights to start from (.safetensors file or folder, fgrpo's or diffusers' format)")
     shift: float | None = param(None, gt=0, help="fixed time shift of sigmas(steps); null: the pipeline scheduler's own (static or by resolution)")
+    sigma_grid: str = param(
+        "diffusers", choices=dx.SIGMA_GRIDS,
+        help="a multistep flow scheduler's sigmas (Wan 2.1's UniPC): as the installed diffusers spaces them, or as "
+        "diffusers 0.33.1 did (flow_grpo's pin; 0.0025 apart at 20 steps, shift 3); Euler schedulers: the same either way",
+    )
+    integer_timesteps: bool | None = param(
+        None,
+        help="the transformer sees int(sigma * 1000) (scaled as its timestep) instead of sigma * 1000: what a truncating "
+        "scheduler (Wan 2.1's UniPC) and DanceGRPO/MixGRPO's FLUX do; null: as the pipeline's scheduler does",
+    )
     gradient_checkpointing: bool = param(False, help="recompute transformer blocks in backward to save memory")
     prompt_cache_size: int = param(1024, ge=0, help="prompts whose embeddings are kept on device (LRU); 0: no cache")
     decode_batch_size: int = param(0, ge=0, help="samples per VAE decode call; 0: the whole batch at once")
@@ -104,6 +137,10 @@ class DiffusersPolicy:
     _pipeline: Any = attrs.field(default=None, repr=False, alias="pipeline")
     _cache: dx.PromptCache = attrs.field(init=False, repr=False)
     _torch_dtype: torch.dtype = attrs.field(init=False, repr=False)
+    _integer_timesteps: bool = attrs.field(init=False, repr=False)
+    #: sigma (float32) -> the scheduler's integer timestep, from every grid sigmas() made
+    _timestep_table: dict = attrs.field(init=False, factory=dict, repr=False)
+    _timestep_tensors: tuple | None = attrs.field(init=False, default=None, repr=False)
     _latent_shape: tuple[int, ...] = attrs.field(init=False, repr=False)
     _size: tuple[int, int] = attrs.field(init=False, repr=False)
 
@@ -127,16 +164,28 @@ class DiffusersPolicy:
         self, hidden_states: torch.Tensor, sigma: torch.Tensor, as_given: Mapping[str, Any] | None = None, **embeds: torch.Tensor
     ) -> torch.Tensor:
         """The transformer's float32 output: ``hidden_states`` and ``embeds`` cast to its dtype, the
-        timestep ``sigma * timestep_scale``, the ``as_given`` inputs (ids, masks, guidance) as they are."""
+        timestep of ``sigma`` (:meth:`_timestep`), the ``as_given`` inputs (ids, masks, guidance) as they are."""
         transformer = self.transformer
         dtype = transformer.dtype
         return transformer(
             hidden_states=hidden_states.to(dtype),
-            timestep=sigma * self.timestep_scale,
+            timestep=self._timestep(sigma),
             **{name: t.to(dtype) for name, t in embeds.items()},
             **dict(as_given or {}),
             return_dict=False,
         )[0].float()
+
+    def _timestep(self, sigma: torch.Tensor) -> torch.Tensor:
+        """The transformer's timestep input at ``sigma``: sigma * timestep_scale, or with integer
+        timesteps the scheduler's truncated int(sigma * 1000) on the same scale."""
+        if not self._integer_timesteps:
+            return sigma * self.timestep_scale
+        if self._timestep_tensors is None:
+            table = sorted(self._timestep_table.items())
+            self._timestep_tensors = (
+                torch.tensor([k for k, _ in table], dtype=torch.float32), torch.tensor([v for _, v in table], dtype=torch.int64)
+            )
+        return dx.integer_timesteps(sigma, *self._timestep_tensors) * self.timestep_scale / 1000.0
 
     def _to_state(self, out: torch.Tensor) -> torch.Tensor:
         """The transformer's layout -> the state layout (identity unless tokens are packed)."""
@@ -205,20 +254,20 @@ class DiffusersPolicy:
             self._pipeline = dx.load_pipeline(self.pipeline_class_name, self.path, self._torch_dtype)
         pipe = self._pipeline
         self._check_pipeline(pipe)
-        modules = self.modules()
-        if any(m.dtype != self._torch_dtype for m in modules):
-            pipe.to(dtype=self._torch_dtype)  # only when needed: diffusers warns on every cast
+        for module, dtype in self._module_dtypes():
+            if module.dtype != dtype:
+                module.to(dtype=dtype)  # only when needed: diffusers warns on every cast
         pipe.to(self.device)
         for module in self.text_encoders():
             module.to(self.text_device)
         if hasattr(pipe, "set_progress_bar_config"):
             pipe.set_progress_bar_config(disable=True)
-        dx.freeze(*modules)
+        dx.freeze(*self.modules())
         transformer = self.transformer
         if self.lora is not None:
-            dx.inject_lora(transformer, self.lora)
+            inject_lora(transformer, self.lora)
             if self.lora_path is not None:
-                self.load_trainable_state_dict(dx.read_lora_file(self.lora_path))
+                self.load_trainable_state_dict(read_lora_file(self.lora_path))
         else:
             transformer.requires_grad_(True)
         if self.gradient_checkpointing:
@@ -226,6 +275,8 @@ class DiffusersPolicy:
         if self.vae_tiling and hasattr(pipe.vae, "enable_tiling"):
             pipe.vae.enable_tiling()
         self._cache = dx.PromptCache(self.prompt_cache_size)
+        truncating = bool(pipe.scheduler.config.get("use_flow_sigmas")) and not _is_euler(pipe.scheduler)
+        self._integer_timesteps = truncating if self.integer_timesteps is None else bool(self.integer_timesteps)
         if self.resolution is None:
             height, width = self._default_size()
         elif isinstance(self.resolution, int):
@@ -261,6 +312,14 @@ class DiffusersPolicy:
     @property
     def text_device(self) -> torch.device:
         return dx.resolve_device(self.text_encoder_device) if self.text_encoder_device is not None else self.device
+
+    def _module_dtypes(self) -> list[tuple[torch.nn.Module, torch.dtype]]:
+        """(module, weights dtype) of the transformer, VAE and text encoders."""
+        vae = dx.parse_dtype(self.vae_dtype) if self.vae_dtype is not None else self._torch_dtype
+        text = dx.parse_dtype(self.text_encoder_dtype) if self.text_encoder_dtype is not None else self._torch_dtype
+        found = [(getattr(self._pipeline, "transformer", None), self._torch_dtype), (getattr(self._pipeline, "vae", None), vae)]
+        found += [(m, text) for m in self.text_encoders()]
+        return [(m, d) for m, d in found if isinstance(m, torch.nn.Module)]
 
     def text_encoders(self) -> list[torch.nn.Module]:
         found = (getattr(self._pipeline, n, None) for n in self.text_encoder_names)
@@ -313,7 +372,10 @@ class DiffusersPolicy:
         return cond
 
     def _encode_on_device(self, prompts: list[str]) -> dict[str, torch.Tensor]:
-        out = self._encode_uncached(prompts, self.text_device)
+        # in the encoders' own dtype, as the pipeline encodes (flow_grpo too, outside its autocast),
+        # whatever autocast the rollout runs under
+        with torch.autocast(self.text_device.type, enabled=False):
+            out = self._encode_uncached(prompts, self.text_device)
         return {k: v.to(self.device) for k, v in out.items()}
 
     def initial_noise(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -326,14 +388,20 @@ class DiffusersPolicy:
     def sigmas(self, steps: int) -> torch.Tensor:
         """(steps + 1,) float32 on ``device`` from 1 to 0: the sigmas ``pipe(num_inference_steps=steps)``
         integrates over at this resolution (or with the fixed ``shift``)."""
-        return dx.scheduler_sigmas(
+        sigmas, timesteps = dx.scheduler_grid(
             self._pipeline.scheduler,
             steps,
             shift=self.shift,
-            device=self.device,
             image_seq_len=self._image_seq_len(),
             explicit_grid=self.explicit_sigma_grid,
+            sigma_grid=self.sigma_grid,
         )
+        if self._integer_timesteps and timesteps is not None:
+            grid = dict(zip(sigmas[:-1].tolist(), timesteps.tolist()))
+            if any(self._timestep_table.get(k) != v for k, v in grid.items()):
+                self._timestep_table.update(grid)
+                self._timestep_tensors = None
+        return sigmas.to(self.device)
 
     def velocity(self, x: torch.Tensor, sigma: torch.Tensor | float, cond: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """v = eps - x0 at noise level ``sigma`` ((B,) or a scalar), float32, guidance applied (one
@@ -363,9 +431,11 @@ class DiffusersPolicy:
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Outputs as the pipeline makes them with ``output_type="pt"``: images (B, 3, H, W) or
-        videos (B, T, 3, H, W), float32 in [0, 1]; ``decode_batch_size`` samples per VAE call."""
+        videos (B, T, 3, H, W), float32 in [0, 1]; ``decode_batch_size`` samples per VAE call, in
+        the VAE's own dtype (``vae_dtype``) whatever autocast is active."""
         chunk = self.decode_batch_size or latents.shape[0]
-        parts = [self._decode(part.to(self.device)) for part in latents.split(chunk)]
+        with torch.autocast(self.device.type, enabled=False):
+            parts = [self._decode(part.to(self.device)) for part in latents.split(chunk)]
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     def trainable_parameters(self) -> Iterable[torch.nn.Parameter]:
@@ -382,15 +452,15 @@ class DiffusersPolicy:
                 "model.reference(): full fine-tuning (model.lora null or rank 0) keeps no frozen reference; "
                 "use a LoRA adapter (model.lora.rank > 0) or an objective without a KL term (beta 0)"
             )
-        with dx.adapters_disabled(self.transformer):
+        with adapters_disabled(self.transformer):
             yield
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """Detached CPU copies: the LoRA weights (peft names) or the transformer's full state dict."""
-        return dx.trainable_state(self.transformer, lora=self.lora is not None)
+        return trainable_state(self.transformer, lora=self.lora is not None)
 
     def load_trainable_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        dx.load_trainable_state(self.transformer, state, lora=self.lora is not None)
+        load_trainable_state(self.transformer, state, lora=self.lora is not None)
 
     # --- export ---------------------------------------------------------------------------------
 
@@ -402,14 +472,17 @@ class DiffusersPolicy:
     def export(self, folder: str, state: Mapping[str, torch.Tensor] | None = None) -> list[str]:
         """The trained weights in diffusers' own format: the adapter as the pipeline's
         ``save_lora_weights`` writes it (``pipe.load_lora_weights(folder)`` loads it with its
-        rank and alpha), or with full fine-tuning the transformer's ``save_pretrained`` in
+        rank and alpha) and, in the same folder, as peft's ``save_pretrained`` writes it
+        (``PeftModel.from_pretrained(transformer, folder)``), or with full fine-tuning the transformer's ``save_pretrained`` in
         ``folder/transformer``. ``state``: a LoRA's :meth:`trainable_state_dict` to write instead
         of the transformer's current adapter (a sharded run gathers it first). Returns the files
         written."""
         import os
 
         if self.lora is not None:
-            return [dx.save_diffusers_lora(type(self._pipeline), self.transformer, folder, state)]
+            return [save_diffusers_lora(type(self._pipeline), self.transformer, folder, state)] + save_peft_adapter(
+                self.transformer, folder, state
+            )
         if state is not None:
             raise ValueError("export(state=...) takes LoRA weights; a fully fine-tuned transformer exports its own")
         target = os.path.join(folder, "transformer")

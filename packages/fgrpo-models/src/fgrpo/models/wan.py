@@ -13,6 +13,7 @@ against ``pipe(..., output_type="latent")``):
   the negative prompt, as the pipeline does;
 - the schedule: the scheduler's flow-shifted sigmas. Wan 2.1 ships a UniPC multistep
   scheduler; fgrpo integrates the same sigmas one (Euler or stochastic) step at a time;
+- LoRA r 32 / alpha 64 with gaussian init on every attention projection (flow_grpo's Wan);
 - Wan 2.2's two-expert pipelines (``transformer_2``) and per-token timesteps are refused.
 """
 
@@ -25,11 +26,13 @@ import attrs
 import torch
 
 from fgrpo.core.config import param
-from fgrpo.models import _diffusers as dx
 from fgrpo.models.diffusers_policy import DiffusersPolicy
+from fgrpo.models.lora import lora_param
 
-#: self- and cross-attention and the feed-forward of every block
-WAN_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2")
+#: self- and cross-attention of every block (attn1, attn2), no feed-forward: flow_grpo's Wan adapter
+#: (scripts/train_wan2_1.py:451-460; add_* exist only in image-to-video blocks). Adding
+#: ffn.net.0.proj and ffn.net.2 adapts 85% more parameters on Wan 2.1 1.3B.
+WAN_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
 
 
 def _frames(_inst: Any, _attribute: Any, value: Any) -> None:
@@ -49,7 +52,7 @@ class WanPolicy(DiffusersPolicy):
     num_frames: int = param(81, ge=1, validator=_frames, help="frames per video (4k + 1)")
     max_sequence_length: int = param(512, ge=1, help="UMT5 tokens per prompt (zero-padded)")
     decode_batch_size: int = param(1, ge=0, help="videos per VAE decode call; 0: the whole batch at once")
-    lora: dict | None = dx.lora_param(32, WAN_LORA_TARGETS)
+    lora: dict | None = lora_param(32, WAN_LORA_TARGETS, init="gaussian")
 
     @property
     def cfg_scale(self) -> float:

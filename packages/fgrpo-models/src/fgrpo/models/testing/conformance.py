@@ -126,8 +126,10 @@ class DiffusersBackboneConformance(PolicyConformance):
 
     @torch.no_grad()
     def test_export_loads_with_diffusers_load_lora_weights(self, policy: Any, model_keys: dict[str, Any], tmp_path: Path) -> None:
-        """The exported adapter, loaded by the plain pipeline's ``load_lora_weights``, gives the
-        policy's velocity (keys, rank and alpha all understood), and loads back via ``lora_path``."""
+        """The exported adapter, loaded by the plain pipeline's ``load_lora_weights`` or by peft's
+        ``PeftModel.from_pretrained`` (the same folder), gives the policy's velocity (keys, rank
+        and alpha all understood), and loads back via ``lora_path``."""
+        from peft import PeftModel
         from safetensors import safe_open
 
         x, sigma = self.state(policy)
@@ -135,8 +137,9 @@ class DiffusersBackboneConformance(PolicyConformance):
         with self.perturbed(policy):
             trained = policy.velocity(x, sigma, cond)
             written = policy.export(str(tmp_path / "lora"))
-        assert [os.path.basename(f) for f in written] == ["pytorch_lora_weights.safetensors"]
-        with safe_open(written[0], "pt") as f:
+        assert sorted(os.path.basename(f) for f in written) == [
+            "adapter_config.json", "adapter_model.safetensors", "pytorch_lora_weights.safetensors"]
+        with safe_open(next(f for f in written if f.endswith("pytorch_lora_weights.safetensors")), "pt") as f:
             keys, metadata = list(f.keys()), f.metadata() or {}
         assert keys and all(k.startswith("transformer.") for k in keys), keys[:3]
         assert any("lora_adapter_metadata" in k for k in metadata), metadata.keys()
@@ -148,6 +151,11 @@ class DiffusersBackboneConformance(PolicyConformance):
 
         again = self.make_policy(model_keys, lora_path=str(tmp_path / "lora"))
         torch.testing.assert_close(again.velocity(x, sigma, cond), trained, rtol=0, atol=1e-6)
+
+        by_peft = type(policy).pipeline_class().from_pretrained(model_keys["path"])
+        PeftModel.from_pretrained(by_peft.transformer, str(tmp_path / "lora"))  # adds the adapter to this transformer
+        through_peft = type(policy).from_pipeline(by_peft, **{**model_keys, "lora": None})
+        assert torch.equal(through_peft.velocity(x, sigma, cond), reloaded.velocity(x, sigma, cond))
 
     def test_prompt_cache_encodes_each_prompt_once(self, model_keys: dict[str, Any]) -> None:
         policy = self.make_policy(model_keys, **{self.guidance_key: self.guidance_value}, prompt_cache_size=3)
