@@ -118,7 +118,7 @@ def test_report_holds_every_figure_and_image_it_claims(shapes_run):
     # every entry of the navigation leads to something on the page
     assert page.nav and all(href[1:] in page.ids for href in page.nav)
     # the curves the issue asks for, each chart drawing every series it names
-    expected = {"fig-reward", "fig-eval-shapes-accuracy", "fig-gold-eval-shapes-gold-error", "fig-ratio", "fig-time"}
+    expected = {"fig-reward", "fig-eval-shapes-accuracy", "fig-gold-shapes-gold", "fig-gold-shapes-gold-types", "fig-ratio", "fig-time"}
     assert expected <= set(page.figures), sorted(page.figures)
     for anchor, charts in page.figures.items():
         assert f"#{anchor}" in page.nav
@@ -129,8 +129,13 @@ def test_report_holds_every_figure_and_image_it_claims(shapes_run):
     assert reward == {"train reward_mean": ITERATIONS, "eval/reward_mean": len(evaluations)}
     categories = sorted(k.split("/")[-1] for k in rows[0] if k.startswith("eval/shapes/accuracy/"))
     assert categories and set(page.figures["fig-eval-shapes-accuracy"][0]["series"]) == {"all", *categories}
-    proxy, gold = page.figures["fig-gold-eval-shapes-gold-error"]
-    assert list(proxy["series"]) == ["eval/reward/shapes"] and list(gold["series"]) == ["eval/shapes/gold_error"]
+    # the evaluator's gold metric (shapes-gold) beside the optimised proxy, and per category
+    proxy, gold = page.figures["fig-gold-shapes-gold"]
+    assert list(proxy["series"]) == ["eval/reward_mean"] and list(gold["series"]) == ["gold/shapes-gold/gold_error"]
+    assert set(page.figures["fig-gold-shapes-gold-types"][0]["series"]) == set(categories)
+    for row in rows:  # the same numbers as the verifier's detail, per category too
+        assert row["gold/shapes-gold/gold_error"] == row["eval/shapes/gold_error"]
+        assert all(row[f"gold/shapes-gold/gold_error/{c}"] == row[f"eval/shapes/gold_error/{c}"] for c in categories)
     ratio, clip, kl = page.figures["fig-ratio"]
     assert set(ratio["series"]) == {"ratio_mean", "ratio_min", "ratio_max"} and "kl" in kl["series"]
     phases = {k for r in rows for k in r if k.startswith("time_") and k.endswith("_s") and k != "time_iteration_s"}

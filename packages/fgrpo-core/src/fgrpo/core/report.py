@@ -156,7 +156,10 @@ def figures(rows: Sequence[Mapping[str, Any]]) -> list[tuple[str, str, list[str]
         title = f"Held-out {base[len('eval/'):]} per category"
         lines = [series(rows, base, "all")] + [series(rows, f"{base}/{c}", c) for c in categories]
         add(f"fig-{_slug(base)}", title, line_chart(lines, title=base))
+    # a reward's own "gold" detail (runs without an evaluator); an evaluator's gold/... metrics
+    # are drawn by gold_figures instead
     golds = [k for k in keys if k.startswith("eval/") and k.count("/") == 2 and "gold" in k.split("/")[-1]]
+    golds = [] if any(k.startswith("gold/") for k in keys) else golds
     proxies = {f"eval/reward/{g.split('/')[1]}" for g in golds}  # drawn beside their gold metric below
     plain = [k for k in keys if k.startswith("eval/") and k.count("/") == 2 and k not in categorised and k not in golds and k not in proxies]
     if plain:
@@ -167,6 +170,7 @@ def figures(rows: Sequence[Mapping[str, Any]]) -> list[tuple[str, str, list[str]
         add(f"fig-gold-{_slug(gold)}", f"Proxy against gold: {proxy} (optimised) and {gold} (not optimised)",
             line_chart([series(rows, proxy)], title=f"proxy: {proxy}", width=400),
             line_chart([series(rows, gold)], title=f"gold: {gold}", width=400))
+    figs += gold_figures(rows, keys)
     add("fig-ratio", "Importance ratio, clipping and KL",
         line_chart([series(rows, k) for k in ("ratio_mean", "ratio_min", "ratio_max")], title="ratio", width=400),
         line_chart([series(rows, k) for k in ("clipfrac", "clipfrac_above", "clipfrac_below")], title="clip fraction", width=400),
@@ -174,6 +178,81 @@ def figures(rows: Sequence[Mapping[str, Any]]) -> list[tuple[str, str, list[str]
     times = [k for k in keys if k.startswith("time_") and k.endswith("_s") and k != "time_iteration_s"]
     add("fig-time", "Time per phase (seconds)", line_chart([series(rows, k) for k in times], title="seconds per phase"))
     return figs
+
+
+# --- gold metrics (evaluators) -------------------------------------------------------------------
+
+
+def gold_metrics(keys: Sequence[str]) -> dict[str, dict[str, list[str]]]:
+    """``gold/<label>/<metric>[/<category>]`` keys as {label: {metric: [categories]}}."""
+    found: dict[str, dict[str, list[str]]] = {}
+    for key in keys:
+        parts = key.split("/")
+        if parts[0] != "gold" or len(parts) < 3:
+            continue
+        metric = found.setdefault(parts[1], {}).setdefault(parts[2], [])
+        if len(parts) == 4:
+            metric.append(parts[3])
+    return found
+
+
+def gold_figures(rows: Sequence[Mapping[str, Any]], keys: Sequence[str]) -> list[tuple[str, str, list[str]]]:
+    """Per evaluator: the optimised proxy (the held-out reward) beside each gold metric, then each
+    gold metric per category (scenario type) that reports categories."""
+    figs: list[tuple[str, str, list[str]]] = []
+    proxy = "eval/reward_mean"
+    for label, metrics in gold_metrics(keys).items():
+        charts = [line_chart([series(rows, proxy)], title=f"proxy: {proxy}", width=340, height=200)]
+        charts += [line_chart([series(rows, f"gold/{label}/{m}")], title=f"gold: {m}", width=340, height=200) for m in metrics]
+        charts = [c for c in charts if c]
+        if len(charts) > 1:
+            figs.append((f"fig-gold-{_slug(label)}", f"Proxy against gold: {proxy} (optimised) and {label}'s metrics (not optimised)", charts))
+        per_category = [
+            line_chart([series(rows, f"gold/{label}/{m}/{c}", c) for c in categories], title=f"{m} per type", width=400)
+            for m, categories in metrics.items() if categories
+        ]
+        per_category = [c for c in per_category if c]
+        if per_category:
+            figs.append((f"fig-gold-{_slug(label)}-types", f"Gold per scenario type: {label}", per_category))
+    return figs
+
+
+def gold_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """The gold metrics (and the guard's) at every evaluation, then the first metric per category."""
+    evals = [r for r in rows if any(k.startswith("gold/") for k in r)]
+    if not evals:
+        return ""
+    keys = _keys(evals)
+    found = gold_metrics(keys)
+    columns = ["eval/reward_mean"] + [f"gold/{label}/{m}" for label, metrics in found.items() for m in metrics]
+    columns += [k for k in ("guard/streak", "guard/fired") if k in keys]
+    parts = ["<h3>gold metrics</h3>", _table(evals, [c for c in columns if c in keys], strip="gold/")]
+    for label, metrics in found.items():
+        for metric, categories in metrics.items():
+            if categories:
+                base = f"gold/{label}/{metric}"
+                parts.append(f"<h3>{html.escape(base)} per type</h3>")
+                parts.append(_table(evals, [base] + [f"{base}/{c}" for c in categories], strip=f"{base}/"))
+    return "\n".join(parts)
+
+
+def gold_filmstrip(run_dir: Path) -> tuple[str, int]:
+    """The evaluators' pictures (``samples/gold_N/<label>/``), one filmstrip per evaluator."""
+    parts, images = [], 0
+    labels = sorted({p.parent.name for p in (run_dir / "samples").glob("gold_*/*/index.json")})
+    for label in labels:
+        evals = []
+        for index in sorted((run_dir / "samples").glob(f"gold_*/{label}/index.json")):
+            try:
+                tiles = json.loads(index.read_text())
+                iteration = int(index.parent.parent.name.split("_")[1])
+            except (ValueError, json.JSONDecodeError, IndexError):
+                continue
+            evals.append((iteration, [dict(t, path=index.parent / t["file"]) for t in tiles if (index.parent / t["file"]).is_file()]))
+        table, n = _strip_table(evals)
+        parts.append(f"<h3>{html.escape(label)}</h3><div class=\"wide\">{table}</div>")
+        images += n
+    return "\n".join(parts), images
 
 
 def _slug(key: str) -> str:
@@ -231,6 +310,10 @@ def filmstrip(run_dir: Path) -> tuple[str, int]:
     evals = evaluations_with_tiles(run_dir)
     if not evals:
         return "<p>No evaluation images in this run.</p>", 0
+    return _strip_table(evals)
+
+
+def _strip_table(evals: Sequence[tuple[int, list[dict[str, Any]]]]) -> tuple[str, int]:
     n = max(len(tiles) for _, tiles in evals)
     head = "".join(f"<th>iter {it}</th>" for it, _ in evals)
     body, images = [], 0
@@ -290,7 +373,9 @@ def render(run_dir: Path) -> str:
     meta += [(s, component(s)) for s in ("model", "sampler", "reward", "objective", "prompts") if component(s)]
     meta.append(("written", time.strftime("%Y-%m-%d %H:%M:%S") + " by " + ", ".join(f"{d} {version(d)}" for d in DISTRIBUTIONS if version(d))))
     nav = "".join(f'<a href="#{a}">{html.escape(t)}</a>' for a, t, _ in figs)
-    nav += '<a href="#evaluations">evaluations</a><a href="#filmstrip">filmstrip</a><a href="#recipe">recipe</a>'
+    gold = gold_section(run_dir, rows)
+    nav += '<a href="#evaluations">evaluations</a><a href="#filmstrip">filmstrip</a>' + ('<a href="#gold">gold</a>' if gold else "")
+    nav += '<a href="#recipe">recipe</a>'
     fig_html = "\n".join(
         f'<figure id="{a}" class="curves"><figcaption>{html.escape(t)}</figcaption>{"".join(charts)}</figure>' for a, t, charts in figs
     )
@@ -308,10 +393,21 @@ def render(run_dir: Path) -> str:
 <p>The first sample of each evaluation prompt, drawn from the same noise at every evaluation ({n_images} images);
 under each its score and, in grey, what the reward read.</p>
 <div class="wide">{strip}</div>
+{gold}
 <h2 id="recipe">Recipe</h2>
 <details><summary>recipe.resolved.yaml</summary><pre>{html.escape(recipe_text)}</pre></details>
 </body></html>
 """
+
+
+def gold_section(run_dir: Path, rows: Sequence[Mapping[str, Any]]) -> str:
+    """The evaluators' part of the page (empty without one): their table and their filmstrip."""
+    table = gold_table(rows)
+    strip, n = gold_filmstrip(run_dir)
+    if not table and not n:
+        return ""
+    return (f'<h2 id="gold">Gold metrics</h2>\n<p>What the evaluators measured (RL does not optimise it).</p>\n{table}\n'
+            + (f"<p>The evaluators' pictures ({n} images).</p>\n{strip}" if n else ""))
 
 
 def write(run_dir: Path, out: Path | None = None) -> Path:

@@ -31,13 +31,17 @@ COMPONENTS: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
         "clip-score", "pickscore", "aesthetic", "hpsv2", "imagereward")},
     ("reward", "geneval"): ("fgrpo-rewards", ("geneval",)),
     ("prompts", "shapes"): ("fgrpo-rewards", ()),
+    ("evaluator", "shapes-gold"): ("fgrpo-rewards", ()),
     ("model", "vector"): ("fgrpo-models", ()),
     **{("model", n): ("fgrpo-models", ("diffusers",)) for n in ("sd3", "flux", "qwen-image", "wan", "shapes-dit")},
 }
 
 #: the distribution that provides most components of a kind (fgrpo-core provides objectives and
 #: the list/text-file prompt sources itself)
-KIND_PROVIDERS = {"kernel": "fgrpo-samplers", "sampler": "fgrpo-samplers", "reward": "fgrpo-rewards", "model": "fgrpo-models"}
+KIND_PROVIDERS = {
+    "kernel": "fgrpo-samplers", "sampler": "fgrpo-samplers", "reward": "fgrpo-rewards", "model": "fgrpo-models",
+    "evaluator": "fgrpo-rewards",
+}
 
 
 def version(distribution: str) -> str | None:
