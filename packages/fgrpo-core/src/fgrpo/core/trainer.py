@@ -43,6 +43,7 @@ def iteration(run: Run, it: int) -> dict[str, Any]:
     timing.synchronize(run.policy.device)
     t0 = time.perf_counter()
     run.sampler.advance(it)
+    refreshed = phases.refresh_prompts(run, it)
     where = f"the batch of iteration {it}"
     worker = phases.RewardWorker(run, where) if run.recipe.train.reward_worker else None
     traj = phases.rollout(run, it, on_chunk=worker.submit if worker else None)
@@ -64,6 +65,7 @@ def iteration(run: Run, it: int) -> dict[str, Any]:
     return {
         **metrics,
         "lr": run.optimizer.param_groups[0]["lr"],
+        **({"prompts_refreshed": float(refreshed)} if refreshed is not None else {}),
         "trained_steps": traj.num_trained_steps,
         "nfe_rollout": traj.nfe,
         **{f"nfe_rollout/{k}": v for k, v in phases.nfe_by_phase(traj).items()},
@@ -418,6 +420,7 @@ def save_checkpoint(run: Run, done: int) -> None:
                 "processes": run.accelerator.num_processes,
                 "run_id": run.folder.run_id if run.folder is not None else None,
                 **({"guard": run.guard.state_dict()} if run.guard is not None else {}),
+                **({"prompts": run.prompts.state_dict()} if callable(getattr(run.prompts, "state_dict", None)) else {}),
             },
             keep=run.recipe.train.keep_checkpoints,
             export=export,
@@ -462,6 +465,8 @@ def restore(run: Run, folder: Path) -> int:
     run.optimizer_steps = int(state.get("optimizer_steps", 0))  # absent before it was saved: EMA counts restart
     if run.guard is not None and "guard" in state:
         run.guard.load_state_dict(state["guard"])
+    if "prompts" in state and callable(getattr(run.prompts, "load_state_dict", None)):
+        run.prompts.load_state_dict(state["prompts"])
     return int(state["iteration"])
 
 
