@@ -89,7 +89,7 @@ def test_evaluator_metrics_are_gold_per_category_with_pictures_and_drawn_in_the_
     page = (out / "report.html").read_text()
     assert 'id="fig-gold-miss"' in page and 'id="fig-gold-miss-types"' in page and 'href="#gold"' in page
     assert 'data-series="gold/miss/miss"' in page and 'data-series="eval/reward_mean"' in page
-    assert page.count('data-series="left"') == 1 and "(12 images)" in page  # 4 pictures x 3 evaluations
+    assert 'data-series="left"' in page and "(12 images)" in page  # 4 pictures x 3 evaluations
     resolved = (out / "recipe.resolved.yaml").read_text()
     assert "label: miss" in resolved
 

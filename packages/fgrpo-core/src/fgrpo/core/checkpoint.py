@@ -89,6 +89,30 @@ def _fsync_tree(path: Path) -> None:
 
 def save_tensors(tensors: Mapping[str, torch.Tensor], path: Path) -> None:
     save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path))
+    path.chmod(file_mode())
+
+
+def file_mode() -> int:
+    """The mode ``open()`` gives a new file: 0666 less the umask (0644 under the usual 022)."""
+    try:  # Linux reports the umask without changing it
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def share_files(folder: Path) -> None:
+    """Give every file under ``folder`` :func:`file_mode`: safetensors (and libraries that write
+    through it: diffusers, peft) create files 0600, which team-mates on a shared cluster cannot
+    read, while everything else a run writes follows the umask."""
+    mode = file_mode()
+    for path in Path(folder).rglob("*"):
+        if path.is_file() and not path.is_symlink() and (path.stat().st_mode & 0o777) != mode:
+            path.chmod(mode)
 
 
 def write(
@@ -122,6 +146,7 @@ def write(
     if export is not None:
         export(str(tmp / EXPORT))
         if (tmp / EXPORT).is_dir():
+            share_files(tmp / EXPORT)
             _fsync_tree(tmp / EXPORT)
     _fsync_tree(tmp)
     if final.is_symlink() or final.exists():  # not this run's (resume starts past its own)

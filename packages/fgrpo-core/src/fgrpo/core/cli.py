@@ -81,6 +81,35 @@ def _tolerance(text: str) -> float:
     return value
 
 
+def _log_level(text: str) -> str:
+    from fgrpo.core import logs
+
+    try:
+        return logs.check(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"got {text!r}; allowed: {', '.join(logs.LEVELS)}") from None
+
+
+def _add_log_args(p: argparse.ArgumentParser) -> None:
+    """``--log-level`` and ``-v`` on the main parser and on every command (either place works)."""
+    from fgrpo.core import logs
+
+    options = (
+        (("--log-level",), dict(type=_log_level, metavar="LEVEL", help=(
+            f"{', '.join(logs.LEVELS)} (default: ${logs.ENV} or info); debug also shows diffusers' and transformers' own output"))),
+        (("-v", "--verbose"), dict(action="store_const", const="debug", help="--log-level debug")),
+    )
+    for flags, kwargs in options:
+        try:
+            p.add_argument(*flags, dest="log_level", default=argparse.SUPPRESS, **kwargs)
+        except argparse.ArgumentError:  # a plugin's command that has an option of that name keeps its own
+            pass
+
+
+#: the commands ``fgrpo launch`` starts under accelerate
+LAUNCHED = ("compose", "check", "sample")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from fgrpo.core.shipped import versions_text
 
@@ -90,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,  # --version prints one line per distribution
     )
     parser.add_argument("--version", action="version", version=versions_text(), help="the fgrpo distributions' versions")
+    _add_log_args(parser)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("plugins", help="list installed components and where they come from")
@@ -99,6 +129,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("validate", help="check a recipe and report every problem")
     _add_recipe_args(p)
+    p.add_argument(
+        "--against-reference",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="ENTRY",
+        help="also compare it, value by value, with the reference it reproduces (recipes/references/parity.yaml; "
+        "ENTRY: the table's entry, default the recipe's file name); exit 1 on a difference the table does not list",
+    )
     p.set_defaults(handler=cmd_validate)
 
     p = sub.add_parser("compose", help="build the recipe's components and train")
@@ -110,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--start-over", action="store_true", help="train OUT again from iteration 0 when it holds no complete checkpoint"
     )
     p.add_argument("--dry-run", action="store_true", help="build and show the components, do not train")
-    p.add_argument("--quiet", action="store_true", help="one line per iteration, no progress bars")
+    p.add_argument("--quiet", action="store_true", help="no progress bars and no line per iteration (evaluations, warnings and the end are shown)")
     p.set_defaults(handler=cmd_compose)
 
     p = sub.add_parser("report", help="write a run's self-contained HTML report (curves, evaluations, filmstrip)")
@@ -144,9 +183,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-ema", action="store_true", help="the raw trained weights even when the run keeps an EMA")
     p.set_defaults(handler=cmd_export)
 
+    p = sub.add_parser(
+        "launch",
+        help="accelerate launch of a command, its recipe checked first: "
+        "fgrpo launch [ACCELERATE OPTIONS] compose RECIPE ...",
+        description="Check the recipe once, then start the command in every process with accelerate's launcher "
+        "(e.g. fgrpo launch --config_file recipes/accelerate/ddp.yaml compose recipe.yaml). A bad recipe is one "
+        "message and exit code 2, whether found before the processes start or in them.",
+    )
+    p.add_argument("arguments", nargs=argparse.REMAINDER, help=f"accelerate launch options, then one of {', '.join(LAUNCHED)} with its arguments")
+    p.set_defaults(handler=cmd_launch)
+
     from fgrpo.core.hookspecs import register_commands
 
     register_commands(sub)
+    for name, command in sub.choices.items():  # plugins' commands too
+        if name != "launch":
+            _add_log_args(command)
     return parser
 
 
@@ -223,7 +276,27 @@ def _load(args: argparse.Namespace):
 def cmd_validate(args: argparse.Namespace) -> int:
     recipe = _load(args)
     out.print(f"{args.recipe}: ok ({len(recipe.rewards)} reward(s), {recipe.train.iterations} iterations)", markup=False)
-    return 0
+    if args.against_reference is None:
+        return 0
+    from fgrpo.core import parity
+    from fgrpo.core.shipped import find_recipe
+
+    table = parity.load_table()
+    name = args.against_reference or Path(find_recipe(args.recipe)).stem
+    if name not in table["recipes"]:
+        entries = ", ".join(sorted(table["recipes"]))
+        raise RecipeError([ConfigError("--against-reference", f"no entry {name!r} in {parity.table_path()}; entries: {entries}")])
+    rows, problems = parity.compare(name, recipe.data, table)
+    out.print(parity.render(name, rows, table), markup=False, highlight=False, soft_wrap=True)
+    for problem in problems:
+        err.print(problem, markup=False, highlight=False)
+    counts = {status: sum(r.status == status for r in rows) for status in (parity.STATUS_SAME, parity.STATUS_DEVIATION)}
+    out.print(
+        f"{name}: {counts[parity.STATUS_SAME]} values as the reference, {counts[parity.STATUS_DEVIATION]} intended "
+        f"deviations, {len(problems)} problem(s)",
+        markup=False,
+    )
+    return 1 if problems else 0
 
 
 def composition_tree(recipe: Any, title: str) -> Tree:
@@ -308,7 +381,8 @@ def build_components(recipe: Any) -> dict[str, Any]:
     from fgrpo.core.trainer import check_prompts
 
     built = {section: recipe.build(section) for section in ("model", "sampler", "objective", "prompts")}
-    check_prompts(built["model"], built["prompts"].train_prompts() + built["prompts"].test_prompts(), "prompts")
+    source = built["prompts"]
+    check_prompts(built["model"], source.train_prompts() + source.test_prompts(), "prompts", source.metadata)
     for spec, reward in recipe.build_rewards():
         built[f"reward/{spec.label}"] = reward
     for spec, evaluator in recipe.build_evaluators():
@@ -343,7 +417,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
     from fgrpo.core.trainer import check_prompts, load_checkpoint_weights
 
     try:
-        prompts = [p for p, _ in read_prompt_file(args.prompts)]
+        rows = read_prompt_file(args.prompts)
     except OSError as exc:
         raise RecipeError([ConfigError("--prompts", f"cannot read {args.prompts}: {exc.strerror}")]) from None
     except ValueError as exc:
@@ -357,7 +431,8 @@ def cmd_sample(args: argparse.Namespace) -> int:
     else:
         checkpoint, recipe = None, _load(args)
     policy = _build_policy(recipe)
-    check_prompts(policy, prompts, "--prompts")
+    prompts, metadata = [p for p, _ in rows], dict(rows)
+    check_prompts(policy, prompts, "--prompts", lambda p: metadata.get(p, {}))
     if checkpoint is not None:
         load_checkpoint_weights(policy, checkpoint, recipe.train.ema_decay)
     target = Path(args.out)
@@ -377,7 +452,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from fgrpo.core import checkpoint as ckpt
-    from fgrpo.core import rundir
+    from fgrpo.core import rundir, weights
+    from fgrpo.core.checkpoint import share_files
 
     folder = rundir.find_checkpoint(Path(args.checkpoint))
     if not (folder / ckpt.STATE).is_file():
@@ -400,10 +476,73 @@ def cmd_export(args: argparse.Namespace) -> int:
 
         load_checkpoint_weights(policy, folder, 0.0 if args.no_ema else recipe.train.ema_decay)
         written = list(export(str(out_dir)))
+    share_files(out_dir)
     for path in written:
         out.print(f"wrote {path}", markup=False)
-    out.print(f"exported {folder} ({'raw' if args.no_ema or not ema_in_use else 'EMA'} weights) to {out_dir}", markup=False)
+    state = ckpt.read_state(folder)
+    summary = None if args.no_ema or not ema_in_use else weights.summary_of_checkpoint(state)
+    used = "raw weights" if summary is None else f"EMA weights after {summary.get('updates', '?')} update(s)"
+    out.print(f"exported {folder} ({used}) to {out_dir}", markup=False)
+    every = (state["recipe"].get("train") or {}).get("ema_every", 1)
+    for line in weights.ema_warnings(summary, every) + weights.lora_warnings(out_dir):
+        err.print(f"warning: {line}", markup=False)
     return 0
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    """``fgrpo launch [ACCELERATE OPTIONS] COMMAND ...``: the command's recipe is loaded and checked
+    here, once (a bad one is reported once, exit 2, before any process starts); then accelerate's
+    launcher starts ``python -m fgrpo.core.cli COMMAND ...`` in every process, and the exit code
+    is the first failed process's (2 for a recipe error found in the processes), without the
+    launcher's traceback."""
+    import logging
+    import subprocess
+
+    from fgrpo.core import logs
+
+    rest = list(args.arguments)
+    at = next((i for i, word in enumerate(rest) if word in LAUNCHED), None)
+    if at is None:
+        raise RecipeError([ConfigError("launch", f"got {' '.join(rest) or 'nothing'!r}; expected accelerate launch options, then {' or '.join(LAUNCHED)} with its arguments")])
+    options, command = _shipped_config(rest[:at]), rest[at:]
+    checked = build_parser().parse_args(command)
+    if getattr(checked, "log_level", None):
+        logs.configure(checked.log_level)
+    if getattr(checked, "recipe", None) is not None:
+        _load(checked)
+    from accelerate.commands.launch import launch_command, launch_command_parser
+
+    launch_args = launch_command_parser().parse_args([*options, "--module", "fgrpo.core.cli", *command])
+    if logs.current() != "debug":  # the processes print their own errors; the agent's summary repeats them
+        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    try:
+        launch_command(launch_args)
+    except subprocess.CalledProcessError as exc:
+        return exc.returncode if exc.returncode > 0 else 1
+    except Exception as exc:
+        failure = getattr(exc, "get_first_failure", None)
+        if failure is None:
+            raise
+        rank, first = failure()
+        code = first.exitcode if isinstance(first.exitcode, int) and first.exitcode > 0 else 1
+        if code != EXIT_USAGE:
+            err.print(f"error: process {rank} of the launch failed (exit code {first.exitcode})", markup=False)
+        return code
+    return 0
+
+
+def _shipped_config(options: list[str]) -> list[str]:
+    """accelerate's ``--config_file NAME`` with NAME a shipped config (``ddp``, ``fsdp-lora``, ...)
+    replaced by its path."""
+    from fgrpo.core.shipped import find_accelerate_config
+
+    out = list(options)
+    for i, word in enumerate(out):
+        if word == "--config_file" and i + 1 < len(out):
+            out[i + 1] = find_accelerate_config(out[i + 1])
+        elif word.startswith("--config_file="):
+            out[i] = "--config_file=" + find_accelerate_config(word.split("=", 1)[1])
+    return out
 
 
 def _build_policy(recipe: Any) -> Any:
@@ -418,25 +557,51 @@ def _build_policy(recipe: Any) -> Any:
 # --- entry -------------------------------------------------------------------------------------
 
 
-def report(errors: Sequence[Any]) -> None:
-    for error in errors:
-        err.print(f"error: {error}", markup=False)
+def process_rank() -> int:
+    """This process's rank in a launch (accelerate launch and torchrun set RANK), 0 alone."""
+    try:
+        return int(os.environ.get("RANK") or os.environ.get("LOCAL_RANK") or 0)
+    except ValueError:
+        return 0
+
+
+def report_once(lines: Sequence[str]) -> None:
+    """Error lines, from the main process only: every process of a launch reads the same recipe
+    and finds the same errors (at --log-level debug every process prints, each line marked)."""
+    from fgrpo.core import logs
+
+    rank = process_rank()
+    if rank != 0 and logs.current() != "debug":
+        return
+    mark = f"process {rank}: " if rank != 0 else ""
+    for line in lines:
+        err.print(f"{mark}{line}", markup=False)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from fgrpo.core import threads
+    from fgrpo.core import logs, threads
 
     threads.configure()  # before anything imports torch: the OpenMP wait policy is read at load
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        logs.configure()  # FGRPO_LOG_LEVEL, before anything imports diffusers or transformers
+    except ValueError as exc:
+        err.print(f"error: {exc}", markup=False)
+        return EXIT_USAGE
     parser = build_parser()
-    args = parser.parse_args(argv)
+    if argv[:1] == ["launch"] and argv[1:2] not in (["-h"], ["--help"]):
+        args = argparse.Namespace(handler=cmd_launch, arguments=argv[1:])  # accelerate's options are not ours to parse
+    else:
+        args = parser.parse_args(argv)
+    if getattr(args, "log_level", None):
+        logs.configure(args.log_level)
     try:
         return int(args.handler(args) or 0)
     except RecipeError as exc:
-        report(exc.errors)
-        err.print(f"{len(exc.errors)} error(s); nothing was run.", markup=False)
+        report_once([f"error: {e}" for e in exc.errors] + [f"{len(exc.errors)} error(s); nothing was run."])
         return EXIT_USAGE
     except registry.ComponentError as exc:
-        report([exc])
+        report_once([f"error: {exc}"])
         return EXIT_USAGE
     except KeyboardInterrupt:
         err.print("interrupted", markup=False)

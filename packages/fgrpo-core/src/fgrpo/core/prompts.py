@@ -24,8 +24,28 @@ def _existing_file(_instance, attribute, value):
 MAX_PROMPT_FILE_BYTES = 256 << 20
 
 
+#: metadata keys that name a file (a source image of image-to-video, later of editing): a relative
+#: path is resolved against the prompt file's ``images/`` folder if it holds the file (Flow-Factory's
+#: dataset layout), else against the prompt file's own folder
+MEDIA_KEYS = ("image",)
+
+
+def resolve_media(row: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """``row`` with the files its :data:`MEDIA_KEYS` name as absolute paths (missing files are left
+    as given: the policy that reads them says which prompt names which file)."""
+    for key in MEDIA_KEYS:
+        value = row.get(key)
+        if isinstance(value, str) and value and not Path(value).is_absolute():
+            for base in (folder / "images", folder):
+                if (base / value).is_file():
+                    row[key] = str((base / value).resolve())
+                    break
+    return row
+
+
 def read_prompt_file(path: str | Path) -> list[tuple[str, dict[str, Any]]]:
-    """``.txt``: one prompt a line. ``.jsonl``: {"prompt": ..., other keys are metadata}."""
+    """``.txt``: one prompt a line. ``.jsonl``: {"prompt": ..., other keys are metadata; the files
+    named by :data:`MEDIA_KEYS` resolved against the file's folder}."""
     path = Path(path)
     rows: list[tuple[str, dict[str, Any]]] = []
     for number, line in enumerate(read_text_file(path, limit=MAX_PROMPT_FILE_BYTES, what="a prompt file").splitlines(), 1):
@@ -39,7 +59,7 @@ def read_prompt_file(path: str | Path) -> list[tuple[str, dict[str, Any]]]:
                 raise ValueError(f"{path}:{number}: not a JSON object ({exc})") from None
             if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
                 raise ValueError(f"{path}:{number}: expected an object with a 'prompt' string")
-            rows.append((obj.pop("prompt"), obj))
+            rows.append((obj.pop("prompt"), resolve_media(obj, path.parent)))
         else:
             rows.append((line, {}))
     if not rows:

@@ -1,5 +1,5 @@
 """What a run writes as it goes: metrics.jsonl (a line per iteration) and what the terminal shows
-(rich progress bars, or one plain line per iteration in quiet mode). Experiment trackers
+(rich progress bars, or one plain line per iteration in a log file). Experiment trackers
 (TensorBoard, wandb ...) get the same rows through accelerate: see :mod:`fgrpo.core.trackers`."""
 
 from __future__ import annotations
@@ -84,11 +84,13 @@ def summary_line(iteration: int, total: int, row: Mapping[str, Any]) -> str:
     return "  ".join(parts)
 
 
-def evaluation_line(iteration: int, total: int, metrics: Mapping[str, Any]) -> str:
-    """``eval at iteration 25/200 (31.2 s): reward_mean 0.45  shapes/accuracy 0.45 ...``: every
-    overall evaluation metric (per-category ones stay in metrics.jsonl and the report)."""
+def evaluation_line(iteration: int, total: int, metrics: Mapping[str, Any], weights: str | None = None) -> str:
+    """``eval at iteration 25/200 (31.2 s, EMA weights after 3 updates): reward_mean 0.45
+    shapes/accuracy 0.45 ...``: every overall evaluation metric (per-category ones stay in
+    metrics.jsonl and the report)."""
     seconds = metrics.get("time_eval_s")
-    head = f"eval at iteration {iteration}/{total}" + (f" ({seconds:.1f} s)" if isinstance(seconds, (int, float)) else "")
+    notes = ([f"{seconds:.1f} s"] if isinstance(seconds, (int, float)) else []) + ([weights] if weights else [])
+    head = f"eval at iteration {iteration}/{total}" + (f" ({', '.join(notes)})" if notes else "")
     keys = ["eval/reward_mean"] + sorted(k for k in metrics if k.startswith("eval/") and k.count("/") <= 2 and k != "eval/reward_mean")
     parts = [f"{k[len('eval/'):]} {metrics[k]:.4g}" for k in keys if isinstance(metrics.get(k), (int, float))]
     return f"{head}: " + "  ".join(parts)
@@ -96,11 +98,20 @@ def evaluation_line(iteration: int, total: int, metrics: Mapping[str, Any]) -> s
 
 class Display:
     """rich progress bars (iterations, and the rollout, update and evaluation of each) with the
-    time left, or plain lines when quiet or not writing to a terminal (CI logs, nohup)."""
+    time left, or plain lines when not writing to a terminal (CI logs, nohup). ``quiet``: no bars
+    and no line per iteration (evaluations, warnings and the end are still shown); the log level
+    (:mod:`fgrpo.core.logs`) decides the rest: at warning only warnings are shown."""
 
-    def __init__(self, console: Console, *, quiet: bool, total: int, enabled: bool = True):
+    def __init__(self, console: Console, *, quiet: bool, total: int, enabled: bool = True, level: str | None = None):
+        from fgrpo.core import logs
+
         self.console = console
-        self.quiet = quiet or not console.is_terminal
+        self.warnings = Console(stderr=True, quiet=console.quiet, highlight=False, soft_wrap=True)
+        level = logs.current() if level is None else logs.check(level)
+        self.informs = enabled and logs.LEVELS.index(level) <= logs.LEVELS.index("info")
+        self.warns = enabled and logs.LEVELS.index(level) <= logs.LEVELS.index("warning")
+        self.per_iteration = self.informs and not quiet
+        self.quiet = quiet or not console.is_terminal or not self.informs  # no bars
         self.total = total
         self.enabled = enabled
         self.progress: Progress | None = None
@@ -143,20 +154,26 @@ class Display:
             self.progress.remove_task(task)
 
     def iteration_done(self, iteration: int, row: Mapping[str, Any]) -> None:
-        if not self.enabled:
-            return
-        line = summary_line(iteration, self.total, row)
         if self.progress is not None:
             self.progress.advance(self.iterations)
-            self.progress.console.print(line, markup=False, highlight=False)
-        else:
-            self.console.print(line, markup=False, highlight=False)
+        if self.per_iteration:
+            self._print(summary_line(iteration, self.total, row))
 
-    def evaluation_done(self, iteration: int, metrics: Mapping[str, Any]) -> None:
-        """One line per evaluation, the one before training included, bars or not."""
+    def evaluation_done(self, iteration: int, metrics: Mapping[str, Any], weights: str | None = None) -> None:
+        """One line per evaluation, the one before training included, bars or not; ``weights``
+        says which weights were evaluated (the EMA's or the raw ones)."""
         if metrics:
-            self.say(evaluation_line(iteration, self.total, metrics))
+            self.say(evaluation_line(iteration, self.total, metrics, weights))
 
     def say(self, text: str) -> None:
-        if self.enabled:
-            (self.progress.console if self.progress else self.console).print(text, markup=False, highlight=False)
+        """An info line."""
+        if self.informs:
+            self._print(text)
+
+    def warn(self, text: str) -> None:
+        """A warning line (``warning: ...``) on stderr, shown down to ``--log-level warning``."""
+        if self.warns:
+            self.warnings.print(f"warning: {text}", markup=False, highlight=False)
+
+    def _print(self, text: str) -> None:
+        (self.progress.console if self.progress else self.console).print(text, markup=False, highlight=False)

@@ -3,9 +3,12 @@
 The Accelerator gets the trackers in ``log_with`` (see :class:`RunTracker`) and starts them
 with ``init_trackers``, the resolved recipe (flattened to dotted keys) as the run's config;
 every iteration's numeric metrics go through ``Accelerator.log`` and each evaluation's sample
-grid through the trackers' ``log_images``. TensorBoard writes where it always did, ``RUN/tensorboard``. Trackers other than
-TensorBoard are optional: choosing one that is not installed is a recipe error naming the
-``pip install`` that fixes it. Only the main process logs (accelerate's rule).
+grid through the trackers' ``log_images``. TensorBoard writes one run, ``RUN/tensorboard``
+(:class:`OneRunTensorBoard`); mlflow keeps its store in ``RUN/mlflow`` and gets the grids as
+artifacts (:class:`RunFolderMLflow`); wandb writes to ``RUN/wandb``; each names its run after the
+run folder. Trackers other than TensorBoard are optional: choosing one that is not installed is a
+recipe error naming the ``pip install`` that fixes it. Only the main process logs (accelerate's
+rule).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from accelerate.tracking import GeneralTracker
+from accelerate.tracking import GeneralTracker, MLflowTracker, TensorBoardTracker
 
 #: accelerate's tracker names -> the pip package that provides each
 PACKAGES = {
@@ -79,13 +82,15 @@ class RunTracker(GeneralTracker):
         self._setup = (run_dir, project, dict(options))
 
     def start(self) -> None:
-        from accelerate.tracking import LOGGER_TYPE_TO_CLASS, TensorBoardTracker
+        from accelerate.tracking import LOGGER_TYPE_TO_CLASS
 
         if self._setup is None:
             raise RuntimeError(f"tracker {self.name!r} started before its run folder was known")
         run_dir, project, options = self._setup
         if self.name == "tensorboard":
-            self.inner = TensorBoardTracker(TENSORBOARD_FOLDER, str(run_dir), **options)
+            self.inner = OneRunTensorBoard(TENSORBOARD_FOLDER, str(run_dir), **options)
+        elif self.name == "mlflow":
+            self.inner = RunFolderMLflow(project, run_dir, **options)
         else:
             cls = LOGGER_TYPE_TO_CLASS[self.name]
             args = (project, str(run_dir)) if cls.requires_logging_directory else (project,)
@@ -110,6 +115,81 @@ class RunTracker(GeneralTracker):
         self.inner.finish()
 
 
+class OneRunTensorBoard(TensorBoardTracker):
+    """accelerate's TensorBoard tracker writing the run config into the run's own event file:
+    accelerate's ``add_hparams`` starts a second, timestamp-named run for it (and its
+    ``hparams.yml`` a third folder), which TensorBoard lists next to the real one."""
+
+    def store_init_configuration(self, values: dict) -> None:
+        from torch.utils.tensorboard.summary import hparams
+
+        for summary in hparams(dict(values), {}):
+            self.writer.file_writer.add_summary(summary)
+        self.writer.flush()
+
+
+class RunFolderMLflow(MLflowTracker):
+    """accelerate's mlflow tracker, kept to the run folder and given the sample grids.
+
+    - the store: ``RUN/mlflow/mlflow.db`` (artifacts in ``RUN/mlflow/artifacts``) unless
+      ``log.init_kwargs.mlflow.tracking_uri`` or ``MLFLOW_TRACKING_URI`` names another (a team's
+      server); mlflow's own default is ``mlflow.db`` in the working directory;
+    - the run is named after the run folder; a resumed run continues the mlflow run of that name;
+    - ``log_images``, which accelerate's tracker lacks: each image an artifact
+      ``<key>/iteration_NNNNNN.png`` (``eval/samples/iteration_000025.png``) through mlflow's API.
+    """
+
+    STORE = "mlflow"
+
+    def __init__(self, experiment_name: str, run_dir: Path, *, tracking_uri: str | None = None, resume: bool = False, **options: Any):
+        import os
+
+        if tracking_uri is None and not os.environ.get("MLFLOW_TRACKING_URI"):
+            store = Path(run_dir) / self.STORE
+            store.mkdir(parents=True, exist_ok=True)
+            tracking_uri = f"sqlite:///{(store / 'mlflow.db').resolve()}"
+            options.setdefault("logging_dir", str((store / "artifacts").resolve()))
+        options.setdefault("run_name", Path(run_dir).name)
+        super().__init__(experiment_name, **options)
+        self.tracking_uri = tracking_uri
+        self.resume = resume
+
+    def start(self) -> None:
+        import mlflow
+
+        if self.tracking_uri is not None:
+            mlflow.set_tracking_uri(self.tracking_uri)
+        if self.resume and self.run_id is None:
+            self.run_id = self._run_named(mlflow, self.run_name)
+        super().start()
+
+    def store_init_configuration(self, values: dict) -> None:
+        """The config as params; a resumed run adds the keys it lacks (mlflow refuses to change a
+        logged param, and what may change on resume, ``train.iterations`` and ``log.*``, is in
+        metrics.jsonl and recipe.resolved.yaml)."""
+        import mlflow
+
+        logged = mlflow.get_run(self.active_run.info.run_id).data.params if self.run_id is not None else {}
+        super().store_init_configuration({k: v for k, v in values.items() if k not in logged})
+
+    def _run_named(self, mlflow: Any, name: str) -> str | None:
+        experiment = mlflow.get_experiment_by_name(self.experiment_name)
+        if experiment is None:
+            return None
+        found = mlflow.search_runs([experiment.experiment_id], filter_string=f"tags.mlflow.runName = '{name}'",
+                                   order_by=["start_time DESC"], max_results=1, output_format="list")
+        return found[0].info.run_id if found else None
+
+    def log_images(self, values: dict, step: int | None = None, **kwargs: Any) -> None:
+        import mlflow
+
+        for key, batch in values.items():
+            images = list(batch)
+            for k, image in enumerate(images):
+                suffix = f"_{k}" if len(images) > 1 else ""
+                mlflow.log_image(np.asarray(image), artifact_file=f"{key}/iteration_{step or 0:06d}{suffix}.png")
+
+
 def log_with(names: Sequence[str], extra: Sequence[Any] = ()) -> list[Any]:
     """The Accelerator's ``log_with``: a :class:`RunTracker` per name, then ``extra`` (accelerate
     ``GeneralTracker`` instances, used as they are)."""
@@ -125,6 +205,7 @@ def start(accelerator: Any, recipe: Any, out_dir: Path, *, resume_from: int | No
     options: dict[str, dict[str, Any]] = {
         "tensorboard": {"purge_step": resume_from + 1 if resume_from is not None else 0},
         "wandb": {"name": out_dir.name, "dir": str(out_dir)},
+        "mlflow": {"resume": resume_from is not None},
     }
     for name, extra in (cfg.init_kwargs or {}).items():
         options[name] = {**options.get(name, {}), **extra}
