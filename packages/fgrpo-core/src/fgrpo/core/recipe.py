@@ -514,19 +514,34 @@ def cross_section_errors(resolved: Mapping[str, Any]) -> list[ConfigError]:
     return errors
 
 
-def _check_rewards(value: Any) -> tuple[list[RewardSpec], Any, list[ConfigError]]:
-    items = value if isinstance(value, list) else [value]
+def _entries(section: str, value: Any) -> tuple[list[tuple[str, Mapping[str, Any]]], list[ConfigError]]:
+    """A section that holds one component (a name or a mapping) or a list of them: (key, mapping)
+    for each, and an error for each item that is neither."""
     single = not isinstance(value, list)
-    if not items:
-        return [], value, [ConfigError("reward", "expected at least one reward")]
-    specs, resolved, errors = [], [], []
-    for i, item in enumerate(items):
-        key = "reward" if single else f"reward.{i}"
+    entries, errors = [], []
+    for i, item in enumerate([value] if single else value):
+        key = section if single else f"{section}.{i}"
         if isinstance(item, str):
             item = {"name": item}
-        if not isinstance(item, Mapping):
-            errors.append(ConfigError(key, f"expected a reward name or mapping, got {shown(item)}"))
-            continue
+        if isinstance(item, Mapping):
+            entries.append((key, item))
+        else:
+            errors.append(ConfigError(key, f"expected {'an' if section[0] in 'aeiou' else 'a'} {section} name or mapping, got {shown(item)}"))
+    return entries, errors
+
+
+def _duplicate_labels(section: str, resolved: Sequence[Mapping[str, Any]]) -> list[ConfigError]:
+    labels = [r["label"] for r in resolved]
+    return [ConfigError(section, f"two {section}s are labelled {shown(label)}; give each a distinct 'label'")
+            for label in sorted({lb for lb in labels if labels.count(lb) > 1})]
+
+
+def _check_rewards(value: Any) -> tuple[list[RewardSpec], Any, list[ConfigError]]:
+    if value == []:
+        return [], value, [ConfigError("reward", "expected at least one reward")]
+    specs, resolved = [], []
+    entries, errors = _entries("reward", value)
+    for key, item in entries:
         params = {k: v for k, v in item.items() if k not in REWARD_EXTRA_KEYS}
         spec, errs = registry.check_spec("reward", params, key)
         extra, extra_errs = check_params(RewardExtras, {k: item[k] for k in REWARD_EXTRA_KEYS if k in item}, key)
@@ -538,10 +553,7 @@ def _check_rewards(value: Any) -> tuple[list[RewardSpec], Any, list[ConfigError]
         if not errs and not extra_errs:
             params = {k: v for k, v in spec.items() if k != "name"}
             specs.append(RewardSpec(spec["name"], label, float(weight), params, frame_stride=stride, timeout_s=timeout))
-    labels = [r["label"] for r in resolved]
-    for label in sorted({lb for lb in labels if labels.count(lb) > 1}):
-        errors.append(ConfigError("reward", f"two rewards are labelled {shown(label)}; give each a distinct 'label'"))
-    return specs, resolved, errors
+    return specs, resolved, errors + _duplicate_labels("reward", resolved)
 
 
 def _check_evaluators(value: Any) -> tuple[list[EvaluatorSpec], list[dict[str, Any]], list[ConfigError]]:
@@ -549,16 +561,9 @@ def _check_evaluators(value: Any) -> tuple[list[EvaluatorSpec], list[dict[str, A
     keeps its recipe keys plus ``label`` (default its name), unique across the section."""
     if value is None:
         return [], [], [ConfigError("evaluator", "expected an evaluator name, a mapping or a list of them, got an empty section; leave it out for none")]
-    single = not isinstance(value, list)
-    items = [value] if single else value
-    specs, resolved, errors = [], [], []
-    for i, item in enumerate(items):
-        key = "evaluator" if single else f"evaluator.{i}"
-        if isinstance(item, str):
-            item = {"name": item}
-        if not isinstance(item, Mapping):
-            errors.append(ConfigError(key, f"expected an evaluator name or mapping, got {shown(item)}"))
-            continue
+    specs, resolved = [], []
+    entries, errors = _entries("evaluator", value)
+    for key, item in entries:
         label = item.get("label")
         if label is not None and (not isinstance(label, str) or not label or "/" in label):
             errors.append(ConfigError(f"{key}.label", f"got {shown(label)}; allowed: a non-empty string without '/'"))
@@ -570,10 +575,7 @@ def _check_evaluators(value: Any) -> tuple[list[EvaluatorSpec], list[dict[str, A
         resolved.append({**spec, "label": label})
         if not errs:
             specs.append(EvaluatorSpec(spec["name"], label, {k: v for k, v in spec.items() if k != "name"}))
-    labels = [r["label"] for r in resolved]
-    for label in sorted({lb for lb in labels if labels.count(lb) > 1}):
-        errors.append(ConfigError("evaluator", f"two evaluators are labelled {shown(label)}; give each a distinct 'label'"))
-    return specs, resolved, errors
+    return specs, resolved, errors + _duplicate_labels("evaluator", resolved)
 
 
 def _plain(value: Any) -> Any:

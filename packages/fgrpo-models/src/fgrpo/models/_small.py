@@ -1,6 +1,6 @@
 """A small network trained in full or through LoRA, with its reference (the base) at hand.
 
-What the small policies (``trajectory``) share: full fine-tuning keeps a frozen copy of the base
+What the small policies (``vector``, ``trajectory``) share: full fine-tuning keeps a frozen copy of the base
 for ``reference()`` (the network is small); ``lora`` injects peft adapters (B = 0 at the start,
 so the adapted network starts exactly at the base) and ``reference()`` disables them.
 """
@@ -43,6 +43,11 @@ class SmallNet:
                 p.requires_grad_("lora_" in name)
             self._adapters = [m for m in network.modules() if isinstance(m, BaseTunerLayer)]
         self._trainable = {n: p for n, p in network.named_parameters() if p.requires_grad}
+
+    def to(self, device: torch.device) -> None:
+        self.trained.to(device)
+        if self._reference is not None:
+            self._reference.to(device)
 
     def module(self) -> nn.Module:
         """The network ``velocity`` calls now (the frozen base inside :meth:`reference`)."""
