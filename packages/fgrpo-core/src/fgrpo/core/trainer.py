@@ -27,6 +27,7 @@ from fgrpo.core.ema import EMA
 from fgrpo.core.guard import Guard
 from fgrpo.core.hookspecs import plugin_manager
 from fgrpo.core.protocols import Policy
+from fgrpo.core.registry import ComponentError
 from fgrpo.core.recipe import Recipe
 from fgrpo.core.run import Run
 from fgrpo.core.runlog import Display, MetricsLog, read_metrics
@@ -161,7 +162,10 @@ def evaluated_weights(run: Run) -> str:
 
 def finish(run: Run) -> None:
     if run.is_main and run.out_dir is not None:
-        report.write(run.out_dir)
+        try:
+            report.write(run.out_dir)
+        except (RecipeError, ComponentError) as exc:  # the trained run stands; only its page is missing
+            run.display.say(f"report.html not written: {str(exc).splitlines()[0]}")
         for line in weights.checkpoint_warnings(run.out_dir / "checkpoints" / "last"):
             run.display.warn(line)
     if run.is_main and run.out_dir is not None and run.recipe.log.plots:
@@ -545,9 +549,9 @@ def open_run(
                 first = (str(exc).splitlines() or [type(exc).__name__])[0][:300]
                 raise RecipeError([ConfigError("--resume", f"{resume_from} is not a valid checkpoint of this run: {first}")]) from None
         if folder is not None:
+            _start_trackers(acc, recipe, out_dir, resume_from=run.start_iteration if resume_from else None)
             folder.write_recipe(recipe)
             run.log = MetricsLog(out_dir, resume_from=run.start_iteration if resume_from else None)
-            trackers.start(acc, recipe, out_dir, resume_from=run.start_iteration if resume_from else None)
     except BaseException:
         if folder is not None:
             folder.abandon()
@@ -562,6 +566,16 @@ def open_run(
     elif resume:
         run.display.say(f"nothing to resume in {out_dir}: starting from iteration 0")
     return run
+
+
+def _start_trackers(acc: Any, recipe: Recipe, out_dir: Path, resume_from: int | None) -> None:
+    """The trackers, started before the recipe is written: one that fails to start (its options
+    were checked at `validate`; a library can still refuse) is one line, and the run did not begin."""
+    try:
+        trackers.start(acc, recipe, out_dir, resume_from=resume_from)
+    except Exception as exc:  # noqa: BLE001 - any tracker library's own error
+        first = (str(exc).splitlines() or [type(exc).__name__])[0][:300]
+        raise RecipeError([ConfigError("log.trackers", f"a tracker could not start: {type(exc).__name__}: {first}")]) from None
 
 
 # --- the on-policy check -----------------------------------------------------------------------
