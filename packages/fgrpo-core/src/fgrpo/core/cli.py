@@ -329,6 +329,10 @@ def composition_tree(recipe: Any, title: str) -> Tree:
     for spec in recipe.data["reward"]:
         params = {k: v for k, v in spec.items() if k not in REWARD_EXTRA_KEYS}
         _spec_branch(rewards, "reward", f"{spec['label']} (weight {spec['weight']})", params)
+    if recipe.data.get("evaluator"):
+        evaluators = tree.add("evaluator")
+        for spec in recipe.data["evaluator"]:
+            _spec_branch(evaluators, "evaluator", spec["label"], {k: v for k, v in spec.items() if k != "label"})
     for section in ("train", "eval", "log"):
         node = tree.add(section)
         for key, value in recipe.data[section].items():
@@ -401,6 +405,8 @@ def build_components(recipe: Any) -> dict[str, Any]:
     check_prompts(built["model"], source.train_prompts() + source.test_prompts(), "prompts", source.metadata)
     for spec, reward in recipe.build_rewards():
         built[f"reward/{spec.label}"] = reward
+    for spec, evaluator in recipe.build_evaluators():
+        built[f"evaluator/{spec.label}"] = evaluator
     return built
 
 
