@@ -364,10 +364,9 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def accelerate_summary(run: Any) -> str:
-    acc = run.accelerator
-    sharded = (", sharded (FSDP2)" if run.sharded_weights else ", sharded (DeepSpeed ZeRO-2)") if run.sharded else ""
+    acc, kind = run.accelerator, run.parallel.description
     return (
-        f"{acc.num_processes} process(es){sharded}, device {run.policy.device}, "
+        f"{run.parallel.processes} process(es){', ' + kind if kind else ''}, device {run.policy.device}, "
         f"mixed precision {acc.mixed_precision}, "
         f"gradient accumulation {acc.gradient_accumulation_steps}"
     )

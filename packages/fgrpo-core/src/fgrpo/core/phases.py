@@ -18,7 +18,7 @@ from typing import Any
 import attrs
 import torch
 
-from fgrpo.core import sharding, tensors
+from fgrpo.core import tensors
 from fgrpo.core.advantages import combine
 from fgrpo.core.config import shown
 from fgrpo.core.protocols import StepBatch, Trajectory
@@ -331,6 +331,16 @@ class UpdateStats:
     first_ratio_deviation: torch.Tensor | None = None  # max |ratio - 1| before the first optimizer step
     grad_norms: list[torch.Tensor] = attrs.Factory(list)
 
+    def record(self, batch: StepBatch, metrics: dict[str, torch.Tensor], nfe: int) -> None:
+        """One pass's forwards and metrics, kept on device (read once, by :func:`summarize`)."""
+        self.nfe += nfe
+        for key, value in metrics.items():
+            self.metrics[key].append(value.detach())
+        if self.optimizer_steps == 0:
+            dev = (batch.log_prob.detach() - batch.old_log_prob).exp().sub(1).abs().max()
+            first = self.first_ratio_deviation
+            self.first_ratio_deviation = dev if first is None else torch.maximum(first, dev)
+
 
 def pair_batches(traj: Trajectory, samples: torch.Tensor, per_forward: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(sample, step) pairs of the given samples, sample-major, in forward passes of ``per_forward``."""
@@ -397,8 +407,7 @@ def reference(run: Run, traj: Trajectory, samples: torch.Tensor) -> Reference | 
     velocity = torch.zeros_like(traj.means)
     nfe = 0
     passes = pair_batches(traj, samples.to(traj.latents.device), cfg.reference_batch_size or cfg.micro_batch_size) if len(samples) else []
-    # sharded weights: every process makes as many forwards (each one all-gathers the weights)
-    padding = sharding.missing_passes(run.accelerator, len(passes)) if run.sharded_weights else 0
+    padding = run.parallel.missing_forwards(len(passes))
     with policy.reference():
         for rows, cols in passes:
             x, index = traj.latents[rows, cols], traj.step_index[rows, cols]
@@ -414,54 +423,15 @@ def reference(run: Run, traj: Trajectory, samples: torch.Tensor) -> Reference | 
     return Reference(mean=mean, velocity=velocity, nfe=nfe)
 
 
-def sync_gradients(run: Run, params: Sequence[torch.nn.Parameter]) -> None:
-    """Average gradients over processes: one all-reduce of a flat buffer per optimizer step.
-    (A Policy need not be one nn.Module, so DDP's forward hooks are not used.) A sharded run's
-    gradients were averaged by FSDP's reduce-scatter in backward: nothing to do."""
-    if run.accelerator.num_processes == 1 or run.sharded:
-        return
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = run.accelerator.reduce(torch.cat([g.reshape(-1) for g in grads]), reduction="mean")
-    offset = 0
-    for p, g in zip(params, grads):
-        n = g.numel()
-        p.grad = flat[offset : offset + n].view_as(p).clone()
-        offset += n
-
-
 def idle_passes(run: Run, traj: Trajectory, adv: torch.Tensor, count: int) -> None:
     """``count`` forward/backward passes that change no gradient (loss weight 0), on this process's
-    first (sample, step) pair: in a sharded run every process must make as many passes as the
-    busiest one, since each pass all-gathers parameters and reduce-scatters gradients."""
+    first (sample, step) pair: where every backward involves every process, a process makes as
+    many passes as the busiest one (``run.parallel.missing_backwards``)."""
     one = torch.zeros(1, dtype=torch.long, device=traj.latents.device)
     for _ in range(count):
         with run.accelerator.autocast():
             batch, _ = step_batch(run, traj, adv, one, one)
-        sharding.backward(run.accelerator, batch.velocity.float().sum() * 0.0)
-
-
-def optimizer_step(run: Run, params: Sequence[torch.nn.Parameter]) -> torch.Tensor | None:
-    """One optimizer step on the accumulated gradients: averaged over the processes, unscaled
-    (fp16), clipped to ``train.max_grad_norm``; returns the norm before clipping (None without
-    clipping). DeepSpeed does all of it in ``engine.step()``."""
-    cfg, acc = run.recipe.train, run.accelerator
-    engine = sharding.deepspeed_engine(acc)
-    if engine is not None:
-        norm = sharding.deepspeed_step(engine)
-        return norm if cfg.max_grad_norm > 0 else None
-    scaler = getattr(acc, "scaler", None)
-    sync_gradients(run, params)
-    if scaler is not None:
-        scaler.unscale_(run.optimizer)  # after the all-reduce: every process sees the same inf/nan
-    norm = None
-    if cfg.max_grad_norm > 0:
-        norm = sharding.full(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)).detach()
-    if scaler is not None:
-        scaler.step(run.optimizer)
-        scaler.update()
-    else:
-        run.optimizer.step()
-    return norm
+        run.parallel.backward(batch.velocity.float().sum() * 0.0)
 
 
 def informative(run: Run, adv: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -492,66 +462,74 @@ def minibatches(kept: torch.Tensor, most: int, n: int, per_step: int, order: tor
     return chunks + [kept[:0]] * (math.ceil(most / size) - len(chunks))
 
 
-def update(run: Run, traj: Trajectory, adv: torch.Tensor, iteration: int) -> UpdateStats:
-    """``inner_epochs`` passes over the samples in minibatches; an optimizer step every
-    ``gradient_accumulation_steps`` minibatches (accelerate's setting by default, 1), its gradient
-    the mean over all their (sample, step) pairs. Forwards run under the run's mixed precision
-    (accelerate's autocast); with fp16 the loss is scaled (accelerate's GradScaler)."""
+def optimizer_steps(run: Run, traj: Trajectory, kept: torch.Tensor, most: int, iteration: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The update's optimizer steps, each as its forward passes of (sample, step) pairs:
+    ``inner_epochs`` passes over the kept samples in minibatches (shuffled per epoch with
+    ``train.shuffle_minibatches``), ``gradient_accumulation_steps`` minibatches per step
+    (accelerate's setting by default, 1), ``train.micro_batch_size`` pairs per forward."""
     cfg = run.recipe.train
-    acc = run.accelerator
-    stats = UpdateStats()
-    params = run.trainable
     n = traj.batch_size
-    per_step = cfg.minibatch_size or n
-    accumulate = max(1, int(acc.gradient_accumulation_steps))
+    accumulate = max(1, int(run.accelerator.gradient_accumulation_steps))
+    steps = []
+    for epoch in range(cfg.inner_epochs):
+        shuffled = cfg.shuffle_minibatches
+        order = torch.randperm(len(kept), generator=generator(run.recipe.seed, "minibatch", iteration, epoch)) if shuffled else None
+        batches = minibatches(kept, most, n, cfg.minibatch_size or n, order)
+        for first in range(0, len(batches), accumulate):
+            group = [samples.to(traj.latents.device) for samples in batches[first : first + accumulate] if len(samples)]
+            steps.append([pair for samples in group for pair in pair_batches(traj, samples, cfg.micro_batch_size)])
+    return steps
+
+
+def train_pass(
+    run: Run, traj: Trajectory, adv: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, ref: Reference | None, weight: float, stats: UpdateStats
+) -> None:
+    """Forward and backward of the objective on one pass of (sample, step) pairs, its loss weighted
+    by ``weight`` (the pass's share of the optimizer step's pairs)."""
+    with run.accelerator.autocast():
+        batch, nfe = step_batch(run, traj, adv, rows, cols, ref)
+        out = run.objective(batch)
+    loss = out.loss * weight
+    with run.clock.section("model"):
+        run.parallel.backward(loss)
+    stats.record(batch, out.metrics, nfe)
+
+
+def optimizer_step(run: Run, stats: UpdateStats) -> None:
+    """One step on the accumulated gradients (averaged over the processes, unscaled, clipped to
+    ``train.max_grad_norm``: :meth:`~fgrpo.core.launch.Launch.step`), then the EMA's."""
+    cfg = run.recipe.train
+    norm = run.parallel.step(run.optimizer, run.trainable, cfg.max_grad_norm)
+    if norm is not None:
+        stats.grad_norms.append(norm)
+    stats.optimizer_steps += 1
+    run.optimizer_steps += 1
+    if run.ema is not None and run.ema.due(run.optimizer_steps, cfg.ema_every, cfg.ema_rule):
+        for _ in range(cfg.ema_repeats):  # flow_grpo: once per minibatch, the weights unchanged in between
+            run.ema.update(run.ema.warmup_decay(run.optimizer_steps) if cfg.ema_warmup else None)
+
+
+def update(run: Run, traj: Trajectory, adv: torch.Tensor, iteration: int) -> UpdateStats:
+    """GRPO's update: for every optimizer step (:func:`optimizer_steps`), the objective's loss on
+    each of its passes, weighted so that the gradient is the mean over all their (sample, step)
+    pairs, then one step. Forwards run under the run's mixed precision (accelerate's autocast);
+    with fp16 the loss is scaled (accelerate's GradScaler)."""
+    stats = UpdateStats()
     kept, most = informative(run, adv)
     stats.samples = len(kept)
     ref = reference(run, traj, kept)
     stats.reference_nfe = stats.nfe = ref.nfe if ref is not None else 0
-    per_epoch = math.ceil(most / math.ceil(most * per_step / n)) if most else 0
-    total_steps = cfg.inner_epochs * math.ceil(per_epoch / accumulate)
-    with run.display.phase("update", total_steps) as advance:
-        for epoch in range(cfg.inner_epochs):
-            order = (
-                torch.randperm(len(kept), generator=generator(run.recipe.seed, "minibatch", iteration, epoch))
-                if cfg.shuffle_minibatches
-                else None
-            )
-            batches = minibatches(kept, most, n, per_step, order)
-            for first in range(0, len(batches), accumulate):
-                group = batches[first : first + accumulate]
-                run.optimizer.zero_grad(set_to_none=True)
-                total_pairs = sum(len(samples) for samples in group) * traj.num_trained_steps
-                passes = [
-                    pair for samples in group if len(samples)
-                    for pair in pair_batches(traj, samples.to(traj.latents.device), cfg.micro_batch_size)
-                ]
-                # sharded: every process makes as many passes (each backward reduces gradients over them)
-                padding = sharding.missing_passes(acc, len(passes)) if run.sharded else 0
-                for rows, cols in passes:
-                    with acc.autocast():
-                        batch, nfe = step_batch(run, traj, adv, rows, cols, ref)
-                        out = run.objective(batch)
-                    loss = out.loss * (len(rows) / total_pairs)
-                    with run.clock.section("model"):
-                        sharding.backward(acc, loss)
-                    stats.nfe += nfe
-                    for key, value in out.metrics.items():
-                        stats.metrics[key].append(value.detach())
-                    if stats.optimizer_steps == 0:  # on device: read once, by summarize
-                        dev = (batch.log_prob.detach() - batch.old_log_prob).exp().sub(1).abs().max()
-                        first = stats.first_ratio_deviation
-                        stats.first_ratio_deviation = dev if first is None else torch.maximum(first, dev)
-                idle_passes(run, traj, adv, padding)
-                norm = optimizer_step(run, params)
-                if norm is not None:
-                    stats.grad_norms.append(norm)
-                stats.optimizer_steps += 1
-                run.optimizer_steps += 1
-                if run.ema is not None and run.ema.due(run.optimizer_steps, cfg.ema_every, cfg.ema_rule):
-                    for _ in range(cfg.ema_repeats):  # flow_grpo: once per minibatch, the weights unchanged in between
-                        run.ema.update(run.ema.warmup_decay(run.optimizer_steps) if cfg.ema_warmup else None)
-                advance()
+    steps = optimizer_steps(run, traj, kept, most, iteration)
+    with run.display.phase("update", len(steps)) as advance:
+        for passes in steps:
+            run.optimizer.zero_grad(set_to_none=True)
+            idle = run.parallel.missing_backwards(len(passes))  # a collective: before any pass
+            pairs = sum(len(rows) for rows, _ in passes)
+            for rows, cols in passes:
+                train_pass(run, traj, adv, rows, cols, ref, len(rows) / pairs, stats)
+            idle_passes(run, traj, adv, idle)
+            optimizer_step(run, stats)
+            advance()
     return stats
 
 

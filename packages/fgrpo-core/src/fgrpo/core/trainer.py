@@ -6,9 +6,8 @@ compute advantages, update, evaluate, log, checkpoint.
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import math
-import os
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -20,10 +19,10 @@ import torch
 from rich.console import Console
 
 from fgrpo.core import checkpoint as ckpt
-from fgrpo.core import evaluation, phases, report, rundir, sharding, tensors, timing, trackers, visuals, weights
+from fgrpo.core import evaluation, launch, phases, report, rundir, tensors, timing, trackers, visuals, weights
 from fgrpo.core.config import ConfigError, RecipeError
 from fgrpo.core.data import PromptSchedule
-from fgrpo.core.ema import EMA
+from fgrpo.core.ema import EMA, ema_weights
 from fgrpo.core.hookspecs import plugin_manager
 from fgrpo.core.protocols import Policy
 from fgrpo.core.recipe import Recipe
@@ -59,7 +58,7 @@ def iteration(run: Run, it: int) -> dict[str, Any]:
         **phases.summarize(stats),
     }
     t3 = time.perf_counter()
-    n_samples = traj.batch_size * run.accelerator.num_processes
+    n_samples = traj.batch_size * run.parallel.processes
     return {
         **metrics,
         "lr": run.optimizer.param_groups[0]["lr"],
@@ -116,9 +115,9 @@ def run_evaluation(run: Run, it: int) -> dict[str, float]:
             metrics["time_eval_s"] = time.perf_counter() - t0
         run.display.evaluation_done(it, metrics, evaluated_weights(run))
         plugin_manager().hook.fgrpo_evaluation(run=run, iteration=it, metrics=metrics)
-    elif run.sharded_weights:
+    elif run.parallel.sharded_weights:
         evaluation.evaluation_samples(run, it)  # the main process's forwards need this process's shards
-    run.accelerator.wait_for_everyone()
+    run.parallel.wait()
     return metrics
 
 
@@ -181,101 +180,6 @@ def lr_lambda(cfg: Any) -> Any:
     return factor
 
 
-#: how the processes of a run share work: each rolls out its own prompt groups and gradients are
-#: averaged by one all-reduce per optimizer step (``phases.sync_gradients``); FSDP launches shard
-#: the network instead (:mod:`fgrpo.core.sharding`)
-DATA_PARALLEL = ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_MUSA", "MULTI_HPU", "MULTI_SDAA")
-
-
-def accelerate_settings(train: Any = None, env: Any = None) -> tuple[str, int]:
-    """(mixed precision, gradient accumulation steps) of a run: the recipe's ``train`` keys when
-    set, else what ``accelerate launch`` passed on (flags or its config file, as environment
-    variables), else no / 1. A recipe and a launcher that disagree are refused."""
-    env = os.environ if env is None else env
-    launched_precision = env.get("ACCELERATE_MIXED_PRECISION", "").lower() or None
-    launched_steps = env.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS") or None
-    wanted_precision = getattr(train, "mixed_precision", "auto")
-    wanted_steps = getattr(train, "gradient_accumulation_steps", 0)
-    errors = []
-    if wanted_precision == "auto":
-        precision = launched_precision or "no"
-    else:
-        precision = wanted_precision
-        if launched_precision not in (None, "no", precision):
-            errors.append(ConfigError(
-                "train.mixed_precision",
-                f"got {precision!r} but accelerate was launched with mixed precision {launched_precision!r}; "
-                "set one of them (train.mixed_precision: auto follows accelerate)",
-            ))
-    if precision not in ("no", "bf16", "fp16"):
-        errors.append(ConfigError("train.mixed_precision", f"accelerate asks for {precision!r}; allowed: no, bf16, fp16"))
-    try:
-        steps_from_launcher = int(launched_steps) if launched_steps is not None else None
-    except ValueError:
-        steps_from_launcher = None
-        errors.append(ConfigError("train.gradient_accumulation_steps", f"accelerate passed {launched_steps!r}; expected an integer"))
-    if wanted_steps:
-        steps = wanted_steps
-        if steps_from_launcher not in (None, 1, steps):
-            errors.append(ConfigError(
-                "train.gradient_accumulation_steps",
-                f"got {steps} but accelerate was launched with {steps_from_launcher}; set one of them (0 follows accelerate)",
-            ))
-    else:
-        steps = steps_from_launcher or 1
-    if errors:
-        raise RecipeError(errors)
-    return precision, steps
-
-
-def make_accelerator(cpu: bool | None = None, train: Any = None, **options: Any) -> Any:
-    """The run's Accelerator, with the mixed precision and gradient accumulation of
-    :func:`accelerate_settings` (fp16 needs a GPU) and, with several processes,
-    ``train.process_group_timeout_s`` as the longest wait for the others at a collective (a
-    stopped or crashed peer then ends the run with an error, not a silent hang); ``options`` go to
-    its constructor (``log_with``). Data-parallel and FSDP launches run (FSDP also on the CPU, see
-    :mod:`fgrpo.core.sharding`); other kinds are refused."""
-    from datetime import timedelta
-
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState
-
-    if cpu is None:
-        cpu = not torch.cuda.is_available()
-    precision, steps = accelerate_settings(train)
-    if precision == "fp16" and (cpu or not torch.cuda.is_available()):
-        raise RecipeError([ConfigError(
-            "train.mixed_precision",
-            "fp16 mixed precision needs a GPU (accelerate ignores it on the CPU); use bf16 or no",
-        )])
-    if AcceleratorState._shared_state.get("_mixed_precision") not in (None, precision):
-        AcceleratorState._reset_state()  # a new run in the same process (tests, tools): its own precision
-    timeout = getattr(train, "process_group_timeout_s", None)
-    cpu, handlers = sharding.accelerator_options(cpu, timedelta(seconds=timeout) if timeout else None)
-    acc = Accelerator(cpu=cpu, mixed_precision=precision, gradient_accumulation_steps=steps, kwargs_handlers=handlers, **options)
-    kind = sharding.kind(acc)
-    if kind == "MULTI_CPU" and sharding.launched_sharded():
-        sharding.enable_on_cpu(acc)
-        kind = sharding.FSDP
-    if kind not in DATA_PARALLEL and kind not in (sharding.FSDP, sharding.DEEPSPEED):
-        raise RecipeError([ConfigError(
-            "accelerate",
-            f"distributed type {kind} (from the accelerate config or launch flags) is not supported: fgrpo runs data "
-            "parallel (recipes/accelerate/ddp.yaml), sharded with FSDP2 (fsdp-lora.yaml, fsdp-full.yaml) or with "
-            "DeepSpeed ZeRO-2 (deepspeed-zero2.yaml); to fit memory also use LoRA, gradient checkpointing, "
-            "model.text_encoder_device: cpu and bf16 weights",
-        )])
-    if sharding.launched_deepspeed() and kind != sharding.DEEPSPEED:
-        raise RecipeError([ConfigError(
-            "accelerate",
-            f"the launch asks for DeepSpeed but accelerate set up {kind} (a DeepSpeed run needs processes started by "
-            "accelerate launch or torchrun, and the deepspeed package); fgrpo does not run it as something else",
-        )])
-    if kind == sharding.DEEPSPEED:
-        sharding.check_deepspeed(acc)
-    return acc
-
-
 def check_prompts(
     policy: Any, prompts: Sequence[str], key: str, metadata: Callable[[str], Mapping[str, Any]] | None = None
 ) -> None:
@@ -314,10 +218,18 @@ def compile_transformer(policy: Policy, device: torch.device) -> None:
 
 
 def build_run(
-    recipe: Recipe, *, out_dir: Path | None, console: Console, quiet: bool = False, accelerator: Any = None, policy: Policy | None = None
+    recipe: Recipe,
+    *,
+    out_dir: Path | None,
+    console: Console,
+    quiet: bool = False,
+    parallel: launch.Launch | None = None,
+    policy: Policy | None = None,
 ) -> Run:
-    """A run of ``recipe``; ``policy``: an already built model instead of the recipe's (benchmarks)."""
-    acc = accelerator or make_accelerator(train=recipe.train)
+    """A run of ``recipe``; ``parallel``: its launch (default: :func:`fgrpo.core.launch.start`);
+    ``policy``: an already built model instead of the recipe's (benchmarks)."""
+    parallel = parallel or launch.start(train=recipe.train)
+    acc = parallel.accelerator
     # components draw their initial weights (LoRA init, ...) from the global RNG: same on every rank
     torch.manual_seed(derive_seed(recipe.seed, "build"))
     random.seed(derive_seed(recipe.seed, "python"))
@@ -332,20 +244,18 @@ def build_run(
     trainable = [p for p in policy.trainable_parameters() if p.requires_grad]
     if not trainable:
         raise RecipeError([ConfigError("model", "the policy has no trainable parameters")])
-    broadcast_parameters(acc, trainable)
     cfg = recipe.train
     optimizer = torch.optim.AdamW(
         trainable, lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps, weight_decay=cfg.weight_decay
     )
-    if sharding.is_sharded(acc):
-        trainable = sharding.prepare(acc, policy, optimizer, cfg)
+    trainable = parallel.prepare(policy, optimizer, cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-    if cfg.prompts_per_iteration % acc.num_processes:
-        raise RecipeError([ConfigError("train.prompts_per_iteration", f"got {cfg.prompts_per_iteration}; must be a multiple of the {acc.num_processes} processes")])
+    if cfg.prompts_per_iteration % parallel.processes:
+        raise RecipeError([ConfigError("train.prompts_per_iteration", f"got {cfg.prompts_per_iteration}; must be a multiple of the {parallel.processes} processes")])
     schedule = PromptSchedule(
-        prompts.train_prompts(), cfg.prompts_per_iteration, recipe.seed, acc.process_index, acc.num_processes
+        prompts.train_prompts(), cfg.prompts_per_iteration, recipe.seed, acc.process_index, parallel.processes
     )
-    display = Display(console, quiet=quiet or recipe.log.quiet, total=cfg.iterations, enabled=acc.is_main_process)
+    display = Display(console, quiet=quiet or recipe.log.quiet, total=cfg.iterations, enabled=parallel.is_main)
     return Run(
         recipe=recipe,
         policy=policy,
@@ -353,7 +263,7 @@ def build_run(
         objective=objective,
         prompts=prompts,
         rewards=rewards,
-        accelerator=acc,
+        parallel=parallel,
         trainable=trainable,
         optimizer=optimizer,
         scheduler=scheduler,
@@ -364,35 +274,20 @@ def build_run(
     )
 
 
-def broadcast_parameters(acc: Any, params: list[torch.nn.Parameter]) -> None:
-    if acc.num_processes > 1:
-        import torch.distributed as dist
-
-        with torch.no_grad():
-            for p in params:
-                dist.broadcast(p.data, src=0)
-
-
 # --- checkpoints -------------------------------------------------------------------------------
 
 
 def save_checkpoint(run: Run, done: int) -> None:
-    """Write checkpoint ``done`` (the main process writes; in a sharded run every process first
-    takes part in gathering the whole tensors)."""
-    run.accelerator.wait_for_everyone()
-    if run.is_main or run.sharded:
-        trainable = run.policy.trainable_state_dict()
-        ema = run.ema.state_dict() if run.ema is not None else None
-        optimizer = sharding.optimizer_state(run.accelerator, run.optimizer, run.trainable)
-        export = export_in_checkpoint(run)
-        ema_summary = weights.ema_summary(run.ema, run.optimizer_steps, run.recipe.train.ema_every) if run.ema is not None else None
-    if run.is_main:
+    """Write checkpoint ``done``: the main process writes what the processes holding part of the
+    training state gathered (every process in a sharded run, :meth:`~fgrpo.core.launch.Launch.gathered`)."""
+    run.parallel.wait()
+    parts = run.parallel.gathered(lambda: checkpoint_parts(run))
+    if parts is not None:
+        ema_summary = parts.pop("ema_summary")
         path = ckpt.write(
             run.out_dir / "checkpoints",
             done,
-            trainable=trainable,
-            ema=ema,
-            optimizer={"optimizer": optimizer, "scheduler": run.scheduler.state_dict()},
+            **parts,
             rng={0: {"torch": torch.get_rng_state()}},
             state={
                 "iteration": done,
@@ -400,36 +295,31 @@ def save_checkpoint(run: Run, done: int) -> None:
                 "sampler": run.sampler.state_dict(),
                 "optimizer_steps": run.optimizer_steps,
                 "recipe": run.recipe.data,
-                "processes": run.accelerator.num_processes,
+                "processes": run.parallel.processes,
                 "run_id": run.folder.run_id if run.folder is not None else None,
                 weights.STATE_KEY: ema_summary,
             },
             keep=run.recipe.train.keep_checkpoints,
-            export=export,
         )
         plugin_manager().hook.fgrpo_checkpoint_saved(run=run, iteration=done, path=str(path))
-    run.accelerator.wait_for_everyone()
+    run.parallel.wait()
 
 
-def export_in_checkpoint(run: Run) -> Any:
-    """What writes the checkpoint's ``export/`` folder (None when the policy writes none): the
-    policy's own-format export of the weights evaluation uses (the EMA's when the run keeps one).
-    A sharded run gathers those weights first, on every process."""
-    if not getattr(run.policy, "export_in_checkpoints", False):
-        return None
-    if not run.sharded:
-        return lambda folder: export_policy(run, folder)
-    with run.ema.swapped_in() if run.ema is not None else contextlib.nullcontext():
-        weights = run.policy.trainable_state_dict()
-    return lambda folder: run.policy.export(folder, state=weights)
-
-
-def export_policy(run: Run, folder: str) -> list[str]:
-    """The policy's own-format export (what users deploy): with the EMA weights when the run
-    keeps an EMA, as evaluation uses them."""
-    context = run.ema.swapped_in() if run.ema is not None else contextlib.nullcontext()
-    with context:
-        return list(run.policy.export(folder))
+def checkpoint_parts(run: Run) -> dict[str, Any]:
+    """The training state a checkpoint holds, as whole tensors (collective in a sharded run): the
+    trainable weights, the EMA, the optimizer and scheduler, and what writes the ``export/``
+    folder (None when the policy writes none): the policy's own-format export of the weights
+    evaluation uses (the EMA's when the run keeps one)."""
+    trainable = run.policy.trainable_state_dict()
+    ema = run.ema.state_dict() if run.ema is not None else None
+    optimizer = {"optimizer": run.parallel.optimizer_state(run.optimizer, run.trainable), "scheduler": run.scheduler.state_dict()}
+    export = None
+    if getattr(run.policy, "export_in_checkpoints", False):
+        with ema_weights(run.ema):
+            exported = run.policy.trainable_state_dict()
+        export = functools.partial(run.policy.export, state=exported)
+    ema_summary = weights.ema_summary(run.ema, run.optimizer_steps, run.recipe.train.ema_every) if run.ema is not None else None
+    return {"trainable": trainable, "ema": ema, "optimizer": optimizer, "export": export, "ema_summary": ema_summary}
 
 
 def restore(run: Run, folder: Path) -> int:
@@ -440,7 +330,7 @@ def restore(run: Run, folder: Path) -> int:
     if run.ema is not None:
         run.ema.load_state_dict(ckpt.read_tensors(folder / ckpt.EMA, run.policy.device))
     opt = ckpt.read_torch(folder / ckpt.OPTIMIZER)
-    sharding.load_optimizer_state(run.accelerator, run.optimizer, run.trainable, opt["optimizer"])
+    run.parallel.load_optimizer_state(run.optimizer, run.trainable, opt["optimizer"])
     run.scheduler.load_state_dict(opt["scheduler"])
     torch.set_rng_state(ckpt.read_torch(folder / "rng-rank0.pt")["torch"])
     run.sampler.load_state_dict(state["sampler"])
@@ -449,17 +339,6 @@ def restore(run: Run, folder: Path) -> int:
 
 
 # --- opening a run folder ----------------------------------------------------------------------
-
-
-def _share(acc: Any, value: Any) -> Any:
-    """The main process's ``value`` on every process."""
-    if acc.num_processes == 1:
-        return value
-    from accelerate.utils import broadcast_object_list
-
-    box = [value]
-    broadcast_object_list(box, from_process=0)
-    return box[0]
 
 
 def open_run(
@@ -479,21 +358,21 @@ def open_run(
     releases the folder. ``console``: where the run's lines go (default: the terminal)."""
     console = Console(highlight=False, soft_wrap=True) if console is None else console
     mode = rundir.RESUME if resume else rundir.START_OVER if start_over else rundir.NEW
-    acc = make_accelerator(train=recipe.train, log_with=trackers.log_with(recipe.log.trackers, extra_trackers) or None)
+    parallel = launch.start(train=recipe.train, log_with=trackers.log_with(recipe.log.trackers, extra_trackers) or None)
     folder, failure = None, None
-    if acc.is_main_process:
+    if parallel.is_main:
         try:
             folder = rundir.claim(recipe, out, mode)
         except RecipeError as exc:
             failure = exc
-    plan = _share(acc, None if folder is None else (str(folder.path), folder.resume_from and str(folder.resume_from)))
+    plan = parallel.share(None if folder is None else (str(folder.path), folder.resume_from and str(folder.resume_from)))
     if failure is not None:
         raise failure
     if plan is None:
         raise RecipeError([ConfigError("--out", "the main process could not open the run folder")])
     out_dir, resume_from = Path(plan[0]), plan[1] and Path(plan[1])
     try:
-        run = build_run(recipe, out_dir=out_dir, console=console, quiet=quiet, accelerator=acc)
+        run = build_run(recipe, out_dir=out_dir, console=console, quiet=quiet, parallel=parallel)
         run.folder = folder
         if resume_from:
             try:
@@ -506,7 +385,7 @@ def open_run(
         if folder is not None:
             folder.write_recipe(recipe)
             run.log = MetricsLog(out_dir, resume_from=run.start_iteration if resume_from else None)
-            trackers.start(acc, recipe, out_dir, resume_from=run.start_iteration if resume_from else None)
+            trackers.start(parallel.accelerator, recipe, out_dir, resume_from=run.start_iteration if resume_from else None)
     except BaseException:
         if folder is not None:
             folder.abandon()
