@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from fgrpo.core.config import first_line
 from fgrpo.core.registry import ComponentError
 
 TRAINABLE = "trainable.safetensors"
@@ -310,7 +311,7 @@ def read_tensors(path: Path, device: torch.device | str = "cpu") -> dict[str, to
     try:
         return load_file(str(path), device=str(device))
     except Exception as exc:  # safetensors raises its own error type for corrupt data
-        raise _invalid(path, f"does not read back ({str(exc).splitlines()[0][:120]})") from None
+        raise _invalid(path, f"does not read back ({first_line(exc)})") from None
 
 
 def read_torch(path: Path) -> Any:
@@ -321,7 +322,7 @@ def read_torch(path: Path) -> Any:
     except Exception as exc:
         if "Weights only load failed" in str(exc) or isinstance(exc, pickle.UnpicklingError):
             raise _invalid(path, "holds objects other than tensors and numbers (refused to unpickle them)") from None
-        raise _invalid(path, f"does not read back ({str(exc).splitlines()[0][:120]})") from None
+        raise _invalid(path, f"does not read back ({first_line(exc)})") from None
 
 
 def recipe_differences(

@@ -14,7 +14,7 @@ import torch
 from fgrpo.core import tensors, trackers, visuals
 from fgrpo.core.config import ConfigError, RecipeError
 from fgrpo.core.ema import ema_weights
-from fgrpo.core.phases import detail_means, score
+from fgrpo.core.scoring import detail_means, score
 from fgrpo.core.run import Run
 from fgrpo.core.seeding import generator
 

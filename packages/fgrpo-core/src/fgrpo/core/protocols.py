@@ -206,7 +206,7 @@ class Reward(Protocol):
 
     Videos (B, T, 3, H, W) reach a reward as images, frame by frame (every ``frame_stride``-th
     frame, a key of the reward's recipe entry), and a video's score is the mean of its frames'
-    (``fgrpo.core.phases.score_frames``); a reward that scores whole videos itself declares the
+    (``fgrpo.core.scoring.score_frames``); a reward that scores whole videos itself declares the
     class attribute ``accepts_video = True`` and receives the (B, T, 3, H, W) tensor.
     """
 

@@ -14,13 +14,12 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import attrs
 import torch
 from rich.console import Console
 
 from fgrpo.core import checkpoint as ckpt
-from fgrpo.core import evaluation, launch, phases, report, rundir, tensors, timing, trackers, visuals, weights
-from fgrpo.core.config import ConfigError, RecipeError
+from fgrpo.core import evaluation, launch, phases, report, rundir, scoring, timing, trackers, visuals, weights
+from fgrpo.core.config import ConfigError, RecipeError, first_line
 from fgrpo.core.data import PromptSchedule
 from fgrpo.core.ema import EMA, ema_weights
 from fgrpo.core.hookspecs import plugin_manager
@@ -42,11 +41,11 @@ def iteration(run: Run, it: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     run.sampler.advance(it)
     where = f"the batch of iteration {it}"
-    worker = phases.RewardWorker(run, where) if run.recipe.train.reward_worker else None
+    worker = scoring.RewardWorker(run, where) if run.recipe.train.reward_worker else None
     traj = phases.rollout(run, it, on_chunk=worker.submit if worker else None)
     timing.synchronize(run.policy.device)
     t1 = time.perf_counter()
-    scores, details = worker.scores() if worker else phases.decode_and_score(run, traj, where)
+    scores, details = worker.scores() if worker else scoring.decode_and_score(run, traj, where)
     t2 = time.perf_counter()
     adv, adv_stats = phases.advantages(run, traj, scores)
     stats = phases.update(run, traj, adv, it)
@@ -54,7 +53,7 @@ def iteration(run: Run, it: int) -> dict[str, Any]:
     metrics = {
         **adv_stats,
         **{f"reward/{k}": v.mean().item() for k, v in scores.items()},
-        **{f"reward/{k}/{key}": v for k, d in details.items() for key, v in phases.detail_means(d, by_category=False).items()},
+        **{f"reward/{k}/{key}": v for k, d in details.items() for key, v in scoring.detail_means(d, by_category=False).items()},
         **phases.summarize(stats),
     }
     t3 = time.perf_counter()
@@ -359,6 +358,25 @@ def open_run(
     console = Console(highlight=False, soft_wrap=True) if console is None else console
     mode = rundir.RESUME if resume else rundir.START_OVER if start_over else rundir.NEW
     parallel = launch.start(train=recipe.train, log_with=trackers.log_with(recipe.log.trackers, extra_trackers) or None)
+    folder, out_dir, resume_from = claim_folder(parallel, recipe, out, mode)
+    try:
+        run = build_run(recipe, out_dir=out_dir, console=console, quiet=quiet, parallel=parallel)
+        run.folder = folder
+        if resume_from:
+            run.start_iteration = resume_from_checkpoint(run, resume_from)
+        if folder is not None:
+            start_writing(run, folder, resumed=resume_from is not None)
+    except BaseException:
+        if folder is not None:
+            folder.abandon()
+        raise
+    say_where_it_starts(run, folder, resume_from, resume)
+    return run
+
+
+def claim_folder(parallel: launch.Launch, recipe: Recipe, out: str | None, mode: str) -> tuple[rundir.RunFolder | None, Path, Path | None]:
+    """The run folder, claimed by the main process (None on the others), its path and the checkpoint
+    to resume from, on every process."""
     folder, failure = None, None
     if parallel.is_main:
         try:
@@ -370,79 +388,37 @@ def open_run(
         raise failure
     if plan is None:
         raise RecipeError([ConfigError("--out", "the main process could not open the run folder")])
-    out_dir, resume_from = Path(plan[0]), plan[1] and Path(plan[1])
+    return folder, Path(plan[0]), Path(plan[1]) if plan[1] else None
+
+
+def resume_from_checkpoint(run: Run, folder: Path) -> int:
+    """:func:`restore`, a checkpoint that does not fit the run refused as ``--resume``'s error."""
     try:
-        run = build_run(recipe, out_dir=out_dir, console=console, quiet=quiet, parallel=parallel)
-        run.folder = folder
-        if resume_from:
-            try:
-                run.start_iteration = restore(run, resume_from)
-            except ckpt.CheckpointError as exc:
-                raise RecipeError([ConfigError("--resume", str(exc))]) from None
-            except (KeyError, ValueError, TypeError, RuntimeError) as exc:  # files that read but do not fit
-                first = (str(exc).splitlines() or [type(exc).__name__])[0][:300]
-                raise RecipeError([ConfigError("--resume", f"{resume_from} is not a valid checkpoint of this run: {first}")]) from None
-        if folder is not None:
-            folder.write_recipe(recipe)
-            run.log = MetricsLog(out_dir, resume_from=run.start_iteration if resume_from else None)
-            trackers.start(parallel.accelerator, recipe, out_dir, resume_from=run.start_iteration if resume_from else None)
-    except BaseException:
-        if folder is not None:
-            folder.abandon()
-        raise
+        return restore(run, folder)
+    except ckpt.CheckpointError as exc:
+        raise RecipeError([ConfigError("--resume", str(exc))]) from None
+    except (KeyError, ValueError, TypeError, RuntimeError) as exc:  # files that read but do not fit
+        raise RecipeError([ConfigError("--resume", f"{folder} is not a valid checkpoint of this run: {first_line(exc)}")]) from None
+
+
+def start_writing(run: Run, folder: rundir.RunFolder, *, resumed: bool) -> None:
+    """The resolved recipe, the metrics log and the trackers of the claimed folder (main process)."""
+    folder.write_recipe(run.recipe)
+    at = run.start_iteration if resumed else None
+    run.log = MetricsLog(folder.path, resume_from=at)
+    trackers.start(run.accelerator, run.recipe, folder.path, resume_from=at)
+
+
+def say_where_it_starts(run: Run, folder: rundir.RunFolder | None, resume_from: Path | None, resume: bool) -> None:
     if folder is not None:
         for skipped, why in folder.skipped:
             run.display.say(f"{skipped.name} is not complete ({why}): kept, set aside if the run writes its iteration again")
     if resume_from:
-        run.display.say(f"resuming {out_dir} from {resume_from.name} (iteration {run.start_iteration})")
+        run.display.say(f"resuming {run.out_dir} from {resume_from.name} (iteration {run.start_iteration})")
     elif folder is not None and folder.started_over:
-        run.display.say(f"starting {out_dir} over from iteration 0 (--start-over)")
+        run.display.say(f"starting {run.out_dir} over from iteration 0 (--start-over)")
     elif resume:
-        run.display.say(f"nothing to resume in {out_dir}: starting from iteration 0")
-    return run
-
-
-# --- the on-policy check -----------------------------------------------------------------------
-
-
-def first_ratio_check(recipe: Recipe, console: Console) -> tuple[float, Run]:
-    """One iteration, one batch, one gradient step: the largest |ratio - 1| of the stored actions'
-    re-evaluated log-probs before the first optimizer step (0 when rollout and update agree)."""
-    cfg = attrs.evolve(recipe.train, iterations=1, minibatch_size=0, inner_epochs=1, drop_zero_advantage=False)
-    checked = attrs.evolve(recipe, train=cfg, eval=attrs.evolve(recipe.eval, every=0))
-    run = build_run(checked, out_dir=None, console=console, quiet=True)
-    metrics = iteration(run, 0)
-    return metrics["first_ratio_deviation"], run
-
-
-@torch.no_grad()
-def diagnose(run: Run) -> list[str]:
-    """Why re-evaluated log-probs differ from the rollout's: the usual suspects, each tested."""
-    cfg = run.recipe.train
-    found = []
-    if cfg.rollout_precision != "same":
-        dtype = next(iter(run.trainable)).dtype
-        found.append(
-            f"the rollout ran under {cfg.rollout_precision} autocast (train.rollout_precision) while the update "
-            f"runs in {str(dtype).replace('torch.', '')}: different dtypes give different velocities"
-        )
-    run.sampler.advance(0)
-    traj = phases.rollout(run, 0)
-    x, index = traj.latents[:, 0], traj.step_index[:, 0]
-    sigma = traj.sigmas[index]
-    a = run.policy.velocity(x, sigma, traj.cond)
-    b = run.policy.velocity(x, sigma, traj.cond)
-    if not torch.equal(a, b):
-        found.append("the policy is not deterministic: two identical velocity calls differ (dropout? non-deterministic kernels?)")
-    one = run.policy.velocity(x[:1], sigma[:1], tensors.index(traj.cond, slice(0, 1)))
-    if not torch.equal(one, a[:1]):
-        found.append(
-            "batch composition changes the network's output: the update evaluates (sample, step) pairs in "
-            "forward passes of a different size than the rollout (train.micro_batch_size, train.rollout_prompts)"
-        )
-    if not found:
-        found.append("the kernel's log-prob of the stored action disagrees with the rollout: check the sampler's sigmas and step indices")
-    return found
+        run.display.say(f"nothing to resume in {run.out_dir}: starting from iteration 0")
 
 
 # --- a trained policy outside a run ------------------------------------------------------------
@@ -466,5 +442,4 @@ def load_checkpoint_weights(policy: Policy, folder: Path, ema_decay: float) -> N
     except ckpt.CheckpointError as exc:
         raise RecipeError([ConfigError("--checkpoint", str(exc))]) from None
     except (ValueError, RuntimeError, KeyError) as exc:  # shapes or names that do not fit the model
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise RecipeError([ConfigError("--checkpoint", f"{folder} does not fit the model: {first[:300]}")]) from None
+        raise RecipeError([ConfigError("--checkpoint", f"{folder} does not fit the model: {first_line(exc)}")]) from None
