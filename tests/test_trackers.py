@@ -193,3 +193,57 @@ def test_changing_trackers_on_resume_is_allowed(root, tmp_path, change):
     base = ["compose", str(root / "recipes" / "vector.yaml"), "--out", str(tmp_path), "--quiet", "--set", "train.iterations=1"]
     assert cli.main(base) == 0
     assert cli.main(base + ["--resume", "--set", "train.iterations=2", "--set", change]) == 0
+
+
+# --- issue 22: tracker options are checked at `validate` against the tracker's own signature ------
+
+
+def test_bad_tracker_options_on_resume_write_nothing(root, tmp_path, capsys):
+    import hashlib
+
+    recipe = str(root / "recipes" / "vector.yaml")
+    base = ["compose", recipe, "--out", str(tmp_path), "--quiet", "--set", "train.iterations=1", "--set", "eval.every=0"]
+    assert cli.main(base) == 0
+    before = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in tmp_path.rglob("*") if p.is_file() and p.name != ".fgrpo.lock"}
+    # before: a TypeError traceback after recipe.resolved.yaml was rewritten with the bad options
+    assert cli.main(base + ["--resume", "--set", "train.iterations=2", "--set", "log.init_kwargs={tensorboard: {logging_dir: x}}"]) == 2
+    err = capsys.readouterr().err
+    assert "error: log.init_kwargs.tensorboard.logging_dir: fgrpo sets it" in err and "Traceback" not in err
+    after = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in tmp_path.rglob("*") if p.is_file() and p.name != ".fgrpo.lock"}
+    assert after == before
+
+
+def test_good_tracker_options_reach_the_tracker(root, tmp_path, monkeypatch):
+    from torch.utils import tensorboard
+
+    seen = []
+    real = tensorboard.SummaryWriter.__init__
+
+    def spy(self, *args, **kwargs):
+        seen.append(kwargs)
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(tensorboard.SummaryWriter, "__init__", spy)
+    assert cli.main(["compose", str(root / "recipes" / "vector.yaml"), "--out", str(tmp_path / "run"), "--quiet",
+                     "--set", "train.iterations=1", "--set", "eval.every=0",
+                     "--set", "log.init_kwargs={tensorboard: {flush_secs: 7, filename_suffix: .mine}}"]) == 0
+    assert seen[0] == {"purge_step": 0, "flush_secs": 7, "filename_suffix": ".mine"}  # the run's writer
+
+
+def test_options_are_checked_against_the_libraries_own_signature(root, monkeypatch, capsys):
+    fake = types.ModuleType("wandb")
+
+    def init(project=None, name=None, dir=None, mode=None, tags=None, entity=None):
+        raise AssertionError("validate must not start wandb")
+
+    fake.init = init
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.setattr(tracking, "_available_trackers", [*tracking._available_trackers, LoggerType.WANDB])
+    recipe = str(root / "recipes" / "vector.yaml")
+    good = cli.main(["validate", recipe, "--set", "log.trackers=[wandb]", "--set", "log.init_kwargs={wandb: {mode: offline, tags: [a]}}"])
+    assert good == 0
+    bad = cli.main(["validate", recipe, "--set", "log.trackers=[wandb]", "--set", "log.init_kwargs={wandb: {mood: offline, project: p}}"])
+    assert bad == 2
+    err = capsys.readouterr().err
+    assert "log.init_kwargs.wandb.mood: unknown option of the wandb tracker (did you mean 'mode'?); allowed: dir, entity, mode, name, tags" in err
+    assert "log.init_kwargs.wandb.project: fgrpo sets it (log.project); remove it" in err

@@ -7,6 +7,7 @@ with code 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import math
 import os
@@ -24,6 +25,10 @@ from fgrpo.core import report as run_report
 from fgrpo.core.config import ConfigError, RecipeError, first_line, help_lines
 
 EXIT_USAGE = 2
+#: a write that failed for want of room: a full disk, a quota, a file-size limit, a read-only disk
+FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
+
+
 def _console(stderr: bool = False) -> Console:
     console = Console(stderr=stderr, highlight=False, soft_wrap=True)
     if not console.is_terminal and "COLUMNS" not in os.environ:
@@ -58,7 +63,9 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"error: {message} (see {self.prog} --help)\n")
 
 
-def _whole(low: int) -> Any:
+def integer_at_least(low: int) -> Any:
+    """An argparse type: an integer >= ``low``, else one line naming the argument."""
+
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -71,14 +78,26 @@ def _whole(low: int) -> Any:
     return parse
 
 
-def _tolerance(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
-    return value
+def finite_number(low: float, *, strict: bool = False) -> Any:
+    """An argparse type: a finite number >= ``low`` (> ``low`` when ``strict``)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value < low or (strict and value == low):
+            raise argparse.ArgumentTypeError(f"expected a finite number {'>' if strict else '>='} {low:g}, got {text!r}")
+        return value
+
+    return parse
+
+
+def port_number(text: str) -> int:
+    """An argparse type: a TCP port, 0 (any free one) to 65535."""
+    if not text.strip().isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number from 0 to 65535, got {text!r}")
+    return int(text)
 
 
 def _log_level(text: str) -> str:
@@ -159,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("check", help="on-policy check: the first ratio must be exactly 1")
     _add_recipe_args(p)
-    p.add_argument("--tolerance", type=_tolerance, default=1e-6, help="largest |ratio - 1| accepted (default 1e-6)")
+    p.add_argument("--tolerance", type=finite_number(0), default=1e-6, help="largest |ratio - 1| accepted (default 1e-6)")
     p.set_defaults(handler=cmd_check)
 
     p = sub.add_parser("sample", help="write images from the base model or a checkpoint")
@@ -171,10 +190,11 @@ def build_parser() -> argparse.ArgumentParser:
         "checkpoint's own recipe unless RECIPE is given (it must agree on the model)",
     )
     p.add_argument("--prompts", required=True, help="a prompt file (.txt or .jsonl)")
-    p.add_argument("--n", type=_whole(1), default=1, help="samples per prompt")
-    p.add_argument("--seed", type=_whole(0), default=0)
-    p.add_argument("--steps", type=_whole(1), default=None, help="ODE steps (default: eval.steps)")
-    p.add_argument("--out", required=True)
+    p.add_argument("--n", type=integer_at_least(1), default=1, help="samples per prompt")
+    p.add_argument("--seed", type=integer_at_least(0), default=0)
+    p.add_argument("--steps", type=integer_at_least(1), default=None, help="ODE steps (default: eval.steps)")
+    p.add_argument("--out", required=True, help="a new (or empty) folder for the samples and their index.jsonl")
+    p.add_argument("--no-ema", action="store_true", help="the raw trained weights even when the run keeps an EMA")
     p.set_defaults(handler=cmd_sample)
 
     p = sub.add_parser("export", help="a checkpoint's trained weights in the backbone's own format (diffusers LoRA)")
@@ -403,7 +423,8 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
-    from fgrpo.core import rundir
+    from fgrpo.core import checkpoint as ckpt
+    from fgrpo.core import confine, rundir
     from fgrpo.core.evaluation import write_samples
     from fgrpo.core.prompts import read_prompt_file
     from fgrpo.core.shipped import find_recipe
@@ -417,59 +438,56 @@ def cmd_sample(args: argparse.Namespace) -> int:
         raise RecipeError([ConfigError("--prompts", str(exc))]) from None
     if args.checkpoint:
         checkpoint = rundir.find_checkpoint(Path(args.checkpoint))
+        if (checkpoint / ckpt.STATE).is_file():
+            _verify(checkpoint, "--checkpoint", ema=not args.no_ema)  # the check resume makes, before anything is built
         given = find_recipe(args.recipe) if args.recipe is not None else None
         recipe = rundir.recipe_for_checkpoint(checkpoint, given, args.overrides)
     elif args.recipe is None:
         raise RecipeError([ConfigError("recipe", "give a RECIPE to sample its base model, or --checkpoint DIR")])
     else:
         checkpoint, recipe = None, _load(args)
+    target = rundir.output_folder(Path(args.out))
     policy = _build_policy(recipe)
     prompts, metadata = [p for p, _ in rows], dict(rows)
     check_prompts(policy, prompts, "--prompts", lambda p: metadata.get(p, {}))
     if checkpoint is not None:
-        load_checkpoint_weights(policy, checkpoint, recipe.train.ema_decay)
-    target = Path(args.out)
-    try:
-        target.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise RecipeError([ConfigError("--out", f"cannot create {target}: {exc.strerror}")]) from None
-    written = write_samples(policy, prompts, args.n, args.steps or recipe.eval.steps, args.seed, target)
+        load_checkpoint_weights(policy, checkpoint, 0.0 if args.no_ema else recipe.train.ema_decay)
+    with confine.new_folder(target) as folder:
+        written = write_samples(policy, prompts, args.n, args.steps or recipe.eval.steps, args.seed, folder)
     out.print(f"wrote {written} samples to {args.out}", markup=False)
     return 0
 
 
 def cmd_export(args: argparse.Namespace) -> int:
     """Copy the export a checkpoint already holds (LoRA runs write one in diffusers' format), or
-    build the checkpoint's model, load its weights and let the policy export them."""
-    import shutil
-    from pathlib import Path
-
+    build the checkpoint's model, load its weights and let the policy export them. The checkpoint
+    is checked completely first (the check resume makes); the output folder appears whole."""
     from fgrpo.core import checkpoint as ckpt
-    from fgrpo.core import rundir, weights
+    from fgrpo.core import confine, rundir, weights
     from fgrpo.core.checkpoint import share_files
 
     folder = rundir.find_checkpoint(Path(args.checkpoint))
     if not (folder / ckpt.STATE).is_file():
         raise RecipeError([ConfigError("checkpoint", f"{folder} is not a checkpoint folder (no {ckpt.STATE}); expected RUN, RUN/checkpoints/iter_N or RUN/checkpoints/last")])
-    out_dir = Path(args.out)
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise RecipeError([ConfigError("--out", f"{out_dir} exists and is not empty; choose a new folder")])
-    ema_in_use = (folder / ckpt.EMA).is_file()
+    _verify(folder, "checkpoint", ema=not args.no_ema)
+    out_dir = rundir.output_folder(Path(args.out))
+    ema_in_use = ckpt.ema_decay(ckpt.read_state(folder)) > 0  # then the checkpoint's export/ holds the EMA's weights
     ready = folder / ckpt.EXPORT
-    if ready.is_dir() and not (args.no_ema and ema_in_use):  # a checkpoint's export holds its EMA weights
-        shutil.copytree(ready, out_dir, dirs_exist_ok=True)
-        written = sorted(str(p) for p in out_dir.rglob("*") if p.is_file())
-    else:
-        recipe = rundir.recipe_for_checkpoint(folder, None, [])
-        policy = _build_policy(recipe)
-        export = getattr(policy, "export", None)
-        if export is None:
-            raise RecipeError([ConfigError("model", f"{recipe.data['model']['name']!r} has no export(): its weights are in {folder / ckpt.TRAINABLE}")])
-        from fgrpo.core.trainer import load_checkpoint_weights
+    with confine.new_folder(out_dir) as tmp:
+        if ready.is_dir() and not (args.no_ema and ema_in_use):
+            made = _copy_tree(ready, tmp)
+        else:
+            recipe = rundir.recipe_for_checkpoint(folder, None, [])
+            policy = _build_policy(recipe)
+            export = getattr(policy, "export", None)
+            if export is None:
+                raise RecipeError([ConfigError("model", f"{recipe.data['model']['name']!r} has no export(): its weights are in {folder / ckpt.TRAINABLE}")])
+            from fgrpo.core.trainer import load_checkpoint_weights
 
-        load_checkpoint_weights(policy, folder, 0.0 if args.no_ema else recipe.train.ema_decay)
-        written = list(export(str(out_dir)))
-    share_files(out_dir)
+            load_checkpoint_weights(policy, folder, 0.0 if args.no_ema else recipe.train.ema_decay)
+            made = [Path(p) for p in export(str(tmp))]
+        share_files(tmp)
+        written = [str(out_dir / p.relative_to(tmp)) if p.is_relative_to(tmp) else str(p) for p in made]
     for path in written:
         out.print(f"wrote {path}", markup=False)
     state = ckpt.read_state(folder)
@@ -480,6 +498,30 @@ def cmd_export(args: argparse.Namespace) -> int:
     for line in weights.ema_warnings(summary, every) + weights.lora_warnings(out_dir):
         err.print(f"warning: {line}", markup=False)
     return 0
+
+
+def _verify(folder: Path, key: str, *, ema: bool) -> None:
+    from fgrpo.core import checkpoint as ckpt
+
+    try:
+        ckpt.verify(folder, ema=ema)
+    except ckpt.CheckpointError as exc:
+        raise RecipeError([ConfigError(key, str(exc))]) from None
+
+
+def _copy_tree(source: Path, target: Path) -> list[Path]:
+    """The files of ``source`` (checked: no links, regular files only) copied under ``target``."""
+    import shutil
+
+    made = []
+    for path in sorted(source.rglob("*")):
+        dest = target / path.relative_to(source)
+        if path.is_dir():
+            dest.mkdir(exist_ok=True)
+        else:
+            shutil.copyfile(path, dest, follow_symlinks=False)
+            made.append(dest)
+    return made
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
@@ -599,6 +641,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         err.print("interrupted", markup=False)
         return 130
+    except OSError as exc:
+        if exc.errno not in FULL:
+            raise
+        err.print(f"error: cannot write {exc.filename or 'a file'}: {exc.strerror}; what was written before is kept "
+                  "(a run's complete checkpoints: --resume continues from the newest)", markup=False)
+        return EXIT_USAGE
     except RuntimeError as exc:
         lost = _lost_peers(exc)
         if lost is None:

@@ -108,8 +108,36 @@ class TextFilePrompts(_IndexedSplits):
     _meta: dict[str, dict[str, Any]] = attrs.field(init=False, factory=dict)
     _splits: dict[str, list[str]] = attrs.field(init=False, factory=dict)
 
+    @classmethod
+    def check_keys(cls, values: Mapping[str, Any], prefix: str) -> list[ConfigError]:
+        return _unreadable({key: values.get(key) for key in ("train", "test")}, prefix)
+
     def __attrs_post_init__(self) -> None:
         self._splits, self._meta = index_splits({"train": self.train, "test": self.test})
+
+
+def _unreadable(files: Mapping[str, Any], prefix: str, key: str | None = None) -> list[ConfigError]:
+    """The prompt files ``files`` (split -> path) read as building them would: `validate` refuses
+    what `compose` would (a line that is not JSON, an empty file), not only a missing file.
+    ``key``: the recipe key to name (default: the split's own)."""
+
+    def error(split: str, exc: Exception) -> ConfigError:
+        name = key or split
+        return ConfigError(f"{prefix}.{name}" if prefix else name, f"cannot read it: {exc.strerror}" if isinstance(exc, OSError) else str(exc))
+
+    errors = []
+    for split, path in files.items():
+        if path is not None:
+            try:
+                read_prompt_file(path)
+            except (OSError, ValueError) as exc:
+                errors.append(error(split, exc))
+    if not errors:
+        try:
+            index_splits(files)
+        except (OSError, ValueError) as exc:  # a prompt in both splits with different metadata
+            errors.append(error("test", exc))
+    return errors
 
 
 def _existing_folder(_instance, attribute, value):
@@ -153,6 +181,9 @@ class FolderPrompts(_IndexedSplits):
             if split is not None and split_file(values["path"], split) is None:
                 names = " or ".join(p.format(split=split) for p in SPLIT_FILES)
                 errors.append(ConfigError(f"{prefix}.{key}" if prefix else key, f"got {split!r}; {values['path']} has no {names}"))
+        if not errors:
+            files = {key: split_file(values["path"], values[key]) if values.get(key) else None for key in ("train", "test")}
+            errors += _unreadable(files, prefix, key="path")
         return errors
 
     def __attrs_post_init__(self) -> None:

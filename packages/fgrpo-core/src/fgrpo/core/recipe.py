@@ -151,6 +151,11 @@ class LogConfig:
     sample_grid: bool = param(True, help="write a PNG grid of evaluation samples")
     plots: bool = param(True, help="write a curve PNG (needs matplotlib)")
 
+    @classmethod
+    def check_keys(cls, values: Mapping[str, Any], prefix: str) -> list[ConfigError]:
+        # checked against each tracker's own signature here, not when compose starts it
+        return _trackers().init_kwargs_errors(values["trackers"], values["init_kwargs"], prefix)
+
 
 SECTIONS: dict[str, str] = {
     "seed": "integer seed of everything random",

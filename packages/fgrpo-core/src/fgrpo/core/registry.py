@@ -259,7 +259,7 @@ def load(kind: str, name: str) -> Any:
     ep = _entry_points(kind)[name]
     try:
         obj = ep.load()
-    except (Exception, SystemExit) as exc:  # a plugin's bug (even sys.exit()) must not take the others down
+    except BaseException as exc:  # a plugin's bug (even sys.exit() or KeyboardInterrupt) must not take the others down
         raise PluginImportError(
             f"{kind} {name!r} from {info.distribution} failed to import: "
             f"{type(exc).__name__}: {exc}"
@@ -344,6 +344,19 @@ def build(kind: str, cls: type, params: Mapping[str, Any], name: str = "") -> An
         return cls(**checked)
     except (ValueError, OSError, ImportError) as exc:
         raise BuildError(f"{kind} {name or cls.__name__!r} could not be built: {exc}") from exc
+    except (MemoryError, RuntimeError) as exc:
+        if not _out_of_memory(exc):
+            raise
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[-1][:200]
+        raise BuildError(f"{kind} {name or cls.__name__!r} could not be built: out of memory ({first}); "
+                         "make it smaller or use a machine with more memory") from None
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """torch's allocators raise RuntimeError (CPU: "can't allocate memory") or its subclass
+    OutOfMemoryError (CUDA); Python raises MemoryError."""
+    text = str(exc)
+    return isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError" or "can't allocate memory" in text or "out of memory" in text.lower()
 
 
 def resolve(kind: str, spec: Any) -> Any:

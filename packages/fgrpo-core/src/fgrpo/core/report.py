@@ -21,8 +21,10 @@ from typing import Any
 import attrs
 import yaml
 
-from fgrpo.core import weights
-from fgrpo.core.runlog import METRICS, read_metrics
+from fgrpo.core import checkpoint as ckpt
+from fgrpo.core import confine, weights
+from fgrpo.core.config import first_line
+from fgrpo.core.runlog import METRICS, metrics_rows
 from fgrpo.core.shipped import DISTRIBUTIONS, version
 
 REPORT = "report.html"
@@ -320,21 +322,60 @@ def _table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str], strip: str
     return f'<div class="wide"><table class="evals"><thead><tr><th>iteration</th>{head}</tr></thead><tbody>{"".join(body)}</tbody></table></div>'
 
 
-def _data_uri(path: Path) -> str:
+def _data_uri(path: Path, what: str) -> str:
     mime = "image/jpeg" if path.suffix.lower() in (".jpg", ".jpeg") else "image/png"
-    return f"data:{mime};base64,{base64.b64encode(path.read_bytes()).decode('ascii')}"
+    return f"data:{mime};base64,{base64.b64encode(_read(path, what)).decode('ascii')}"
 
 
-def evaluations_with_tiles(run_dir: Path) -> list[tuple[int, list[dict[str, Any]]]]:
-    """(iteration, tiles) for every evaluation that stored filmstrip tiles, in order."""
+MAX_FILE_BYTES = 64 << 20  # a tile, an index or a recipe: far below this
+
+
+def _read(path: Path, what: str) -> bytes:
+    """The bytes of a run folder's own regular file (not a link, a FIFO or a device)."""
+    try:
+        fd = confine.open_regular(path, follow=False)
+    except ValueError as exc:
+        raise confine.Escape(f"{what}: {exc}") from None
+    except OSError as exc:
+        raise confine.Escape(f"{what}: {confine.link_message(path)}" if path.is_symlink() else f"{what}: cannot read {path}: {exc.strerror}") from None
+    with open(fd, "rb") as fh:
+        return fh.read(MAX_FILE_BYTES)
+
+
+def evaluations_with_tiles(run_dir: Path, notes: list[str] | None = None) -> list[tuple[int, list[dict[str, Any]]]]:
+    """(iteration, tiles) for every evaluation that stored filmstrip tiles, in order. Every name
+    is confined to the run folder (:func:`fgrpo.core.confine.inside`); an index damaged the way a
+    kill or a full disk leaves one is left out, and said in ``notes``."""
+    notes = [] if notes is None else notes
+    samples = confine.not_a_link(run_dir / "samples")
     found = []
-    for index in sorted((run_dir / "samples").glob("eval_*/index.json")):
-        try:
-            tiles = json.loads(index.read_text())
-            iteration = int(index.parent.name.split("_")[1])
-        except (ValueError, json.JSONDecodeError, IndexError):
+    folders = sorted(p for p in samples.iterdir() if p.name.startswith("eval_")) if samples.is_dir() else []
+    for folder in folders:
+        iteration = folder.name.split("_", 1)[1]
+        if not iteration.isdigit():
             continue
-        found.append((iteration, [dict(t, path=index.parent / t["file"]) for t in tiles if (index.parent / t["file"]).is_file()]))
+        confine.not_a_link(folder)
+        index = confine.not_a_link(folder / "index.json")
+        if not folder.is_dir() or not index.is_file():
+            continue
+        shown = index.relative_to(run_dir)
+        try:
+            tiles = json.loads(_read(index, str(index)))
+        except ValueError:
+            notes.append(f"{shown} does not read as JSON: left out")
+            continue
+        if not isinstance(tiles, list):
+            notes.append(f"{shown} is not a list of tiles: left out")
+            continue
+        kept = []
+        for k, tile in enumerate(tiles):
+            if not isinstance(tile, dict):
+                notes.append(f"{shown}: tile {k} is not an object: left out")
+                continue
+            path = confine.inside(folder, tile.get("file"), what=f"{index}: tile {k}")
+            if path.is_file():
+                kept.append(dict(tile, path=path, prompt=str(tile.get("prompt", "")), read=str(tile.get("read") or "")))
+        found.append((int(iteration), kept))
     return found
 
 
@@ -357,10 +398,10 @@ def score_style(scores: Sequence[float]) -> Any:
     return style, binary
 
 
-def filmstrip(run_dir: Path) -> tuple[str, int, bool]:
+def filmstrip(run_dir: Path, notes: list[str] | None = None) -> tuple[str, int, bool]:
     """A table: one row per evaluation prompt, one column per evaluation; (html, images, whether
     the scores are pass/fail)."""
-    evals = evaluations_with_tiles(run_dir)
+    evals = evaluations_with_tiles(run_dir, notes)
     if not evals:
         return "<p>No evaluation images in this run.</p>", 0, False
     n = max(len(tiles) for _, tiles in evals)
@@ -381,7 +422,7 @@ def filmstrip(run_dir: Path) -> tuple[str, int, bool]:
             caption = (f'<span class="{classes}"{inline}>{score:.3g}</span>' if _number(score) else "") + (
                 f"<br><span class=read>{html.escape(read)}</span>" if read else "")
             alt = html.escape(f"{prompt} (score {score})", quote=True)
-            cells.append(f'<td><img src="{_data_uri(tile["path"])}" alt="{alt}" title="{html.escape(read, quote=True)}" class="tile">'
+            cells.append(f'<td><img src="{_data_uri(tile["path"], str(tile["path"]))}" alt="{alt}" title="{html.escape(read, quote=True)}" class="tile">'
                          f"<div class=caption>{caption}</div></td>")
             images += 1
         body.append(f'<tr><th class="prompt">{html.escape(prompt)}</th>{"".join(cells)}</tr>')
@@ -439,14 +480,10 @@ def _compact(keys: Sequence[str]) -> list[str]:
 
 
 def _own_last_checkpoint(run_dir: Path) -> Path | None:
-    """``RUN/checkpoints/last`` when it names a checkpoint of this run folder (nothing outside the
-    folder is read through it)."""
-    root = run_dir / "checkpoints"
-    try:
-        last = (root / "last").resolve(strict=True)
-    except (OSError, RuntimeError):
-        return None
-    return last if last.parent == root.resolve() and last.is_dir() else None
+    """``RUN/checkpoints/last`` when it names a complete checkpoint of this run folder (nothing
+    outside the folder, and nothing through a link, is read for its warnings)."""
+    last = ckpt.last_of(run_dir / "checkpoints")
+    return last if last is not None and ckpt.problem(last, ema=False) is None else None
 
 
 def evaluated_weights(recipe: Mapping[str, Any]) -> str:
@@ -457,17 +494,40 @@ def evaluated_weights(recipe: Mapping[str, Any]) -> str:
     return "the raw trained weights (no EMA)"
 
 
+def _recipe(run_dir: Path, notes: list[str]) -> tuple[str, dict[str, Any]]:
+    """The run's recipe.resolved.yaml: its text and, when it reads as a recipe, its data."""
+    path = confine.not_a_link(run_dir / "recipe.resolved.yaml")
+    if not path.is_file():
+        return "", {}
+    text = _read(path, str(path)).decode("utf-8", "replace")
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        notes.append(f"recipe.resolved.yaml does not read as YAML ({first_line(exc, 120)}): its components are not shown")
+        return text, {}
+    if data is not None and not isinstance(data, dict):
+        notes.append(f"recipe.resolved.yaml is not a recipe (a {type(data).__name__}): its components are not shown")
+        return text, {}
+    return text, data or {}
+
+
 def render(run_dir: Path) -> str:
+    """The report's HTML; everything it shows is read first, and a name that leads out of the run
+    folder refuses the whole report (:class:`fgrpo.core.confine.Escape`), before anything is written."""
     run_dir = Path(run_dir)
-    rows = read_metrics(run_dir)
-    recipe_text = (run_dir / "recipe.resolved.yaml").read_text() if (run_dir / "recipe.resolved.yaml").is_file() else ""
-    recipe = yaml.safe_load(recipe_text) if recipe_text else {}
+    notes: list[str] = []
+    rows, skipped = metrics_rows(run_dir)
+    if skipped:
+        notes.append(f"{skipped} line{'s' if skipped > 1 else ''} of metrics.jsonl {'are' if skipped > 1 else 'is'} not "
+                     f"{'metrics rows' if skipped > 1 else 'a metrics row'} (a line cut by a kill or a full disk?): left out")
+    recipe_text, recipe = _recipe(run_dir, notes)
     figs = figures(rows, recipe)
-    strip, n_images, binary = filmstrip(run_dir)
+    strip, n_images, binary = filmstrip(run_dir, notes)
     handed_over = weights.checkpoint_warnings(last) if (last := _own_last_checkpoint(run_dir)) else []
     warnings = "".join(f'<p class="warning">warning: {html.escape(line)}</p>' for line in handed_over)
     done = max((r["iteration"] for r in rows), default=0)
-    total = (recipe.get("train") or {}).get("iterations", "?")
+    train = recipe.get("train")
+    total = train.get("iterations", "?") if isinstance(train, dict) else "?"
 
     def component(section: str) -> str:
         spec = recipe.get(section)
@@ -509,6 +569,7 @@ def render(run_dir: Path) -> str:
 <div><nav>{nav}</nav><p class="axis-choice">{choice}</p></div>
 </div>
 {warnings}
+{"".join(f'<p class="note">{html.escape(n)}</p>' for n in notes)}
 <h2 id="curves">Curves</h2>
 {constant}
 <div class="grid">
@@ -528,15 +589,27 @@ under each its score ({legend}) and, in grey, what the reward read.</p>
 
 
 def write(run_dir: Path, out: Path | None = None) -> Path:
-    """Write the report of ``run_dir`` (default ``RUN/report.html``) atomically; returns its path."""
-    run_dir = Path(run_dir)
-    if not (run_dir / METRICS).is_file():
-        from fgrpo.core.config import ConfigError, RecipeError
+    """Write the report of ``run_dir`` (default ``RUN/report.html``) atomically; returns its path.
+    Refusals (not a run, a name leading out of it, an ``--out`` that cannot be written) are one
+    line each, and leave every file as it was."""
+    from fgrpo.core.config import ConfigError, RecipeError
 
+    run_dir = Path(run_dir)
+    metrics = run_dir / METRICS
+    if not (metrics.is_file() or metrics.is_symlink()):
         raise RecipeError([ConfigError("RUN", f"{run_dir} holds no {METRICS}: not a run folder")])
-    out = Path(out) if out is not None else run_dir / REPORT
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(render(run_dir), encoding="utf-8")
-    tmp.replace(out)
-    return out
+    target = Path(out) if out is not None else run_dir / REPORT
+    try:
+        folder = target.is_dir() and not target.is_symlink()
+    except OSError:  # a name too long: writing it says so below
+        folder = False
+    if folder:
+        raise RecipeError([ConfigError("--out", f"{target} is a folder; give the report's file name (e.g. {target / REPORT})")])
+    page = render(run_dir)
+    try:
+        if not target.parent.exists():
+            target.parent.mkdir(parents=True)
+        confine.write_atomic(target, page)
+    except OSError as exc:
+        raise RecipeError([ConfigError("--out", f"cannot write {target}: {exc.strerror or exc}")]) from None
+    return target

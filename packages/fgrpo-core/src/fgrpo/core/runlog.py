@@ -13,9 +13,16 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from rich.console import Console
+
+from fgrpo.core import confine
+from fgrpo.core.registry import ComponentError
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 METRICS = "metrics.jsonl"
+
+
+class WriteFailed(ComponentError):
+    """A file of the run could not be written (a full disk, a quota): ``str()`` is one line."""
 
 
 def _plain_number(value: Any) -> Any:
@@ -43,33 +50,52 @@ class MetricsLog:
             return
         kept = []
         for line in self.path.read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:  # a line cut by a kill
-                continue
-            if row.get("iteration", math.inf) <= iteration:
+            row = _row(line)  # None: a line cut by a kill or a full disk
+            if row is not None and row["iteration"] <= iteration:
                 kept.append(line)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text("".join(f"{line}\n" for line in kept))
-        os.replace(tmp, self.path)
+        confine.write_atomic(self.path, "".join(f"{line}\n" for line in kept))
 
     def write(self, iteration: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
         row = {"iteration": iteration, **{k: _plain_number(v) for k, v in metrics.items()}}
-        with self.path.open("a") as fh:
-            fh.write(json.dumps(row) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
+        try:
+            with self.path.open("a") as fh:
+                fh.write(json.dumps(row) + "\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+        except OSError as exc:
+            raise WriteFailed(
+                f"cannot append to {self.path} (iteration {iteration}): {exc.strerror}; the checkpoints written "
+                "before it are kept (--resume continues from the newest)"
+            ) from None
         return row
 
     def close(self) -> None:
         pass
 
 
-def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    path = Path(run_dir) / METRICS
+def _row(line: str) -> dict[str, Any] | None:
+    """A metrics row: a JSON object with an integer ``iteration``; None for anything else."""
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    ok = isinstance(row, dict) and isinstance(row.get("iteration"), int) and not isinstance(row["iteration"], bool)
+    return row if ok else None
+
+
+def metrics_rows(run_dir: Path) -> tuple[list[dict[str, Any]], int]:
+    """The rows of ``RUN/metrics.jsonl`` and how many of its lines are not rows (a line cut by a
+    kill or a full disk, or anything else); never read through a link."""
+    path = confine.not_a_link(Path(run_dir) / METRICS)
     if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return [], 0
+    lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    rows = [row for row in map(_row, lines) if row is not None]
+    return rows, len(lines) - len(rows)
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    return metrics_rows(run_dir)[0]
 
 
 SUMMARY_KEYS = ("reward_mean", "ratio_mean", "clipfrac", "kl", "time_iteration_s")

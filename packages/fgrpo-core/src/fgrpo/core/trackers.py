@@ -60,6 +60,118 @@ def check_init_kwargs(value: Mapping[str, Any]) -> None:
         raise ValueError(f"got {dict(value)!r}; expected a mapping of options per tracker (not for {', '.join(bad)})")
 
 
+#: where accelerate's tracker passes the ``log.init_kwargs`` options it does not take itself:
+#: (module, attribute) of the tracker library's own callable
+FORWARDED_TO = {
+    "tensorboard": ("torch.utils.tensorboard", "SummaryWriter"),
+    "wandb": ("wandb", "init"),
+    "comet_ml": ("comet_ml", "start"),
+    "aim": ("aim", "Run"),
+    "clearml": ("clearml", "Task.init"),
+    "dvclive": ("dvclive", "Live"),
+    "swanlab": ("swanlab", "init"),
+    "trackio": ("trackio", "init"),
+}
+_PROJECT = "log.project"
+_FOLDER = "the run folder"
+#: options fgrpo sets itself (or accelerate's tracker sets from log.project), with why
+OWNED: dict[str, dict[str, str]] = {
+    "tensorboard": {"run_name": "TensorBoard writes to RUN/tensorboard", "logging_dir": "TensorBoard writes to RUN/tensorboard",
+                    "log_dir": "TensorBoard writes to RUN/tensorboard",
+                    "purge_step": "a resumed run hides the events past its checkpoint"},
+    "wandb": {"run_name": _PROJECT, "project": _PROJECT},
+    "comet_ml": {"run_name": _PROJECT, "project_name": _PROJECT},
+    "aim": {"run_name": _PROJECT, "logging_dir": _FOLDER, "repo": _FOLDER},
+    "mlflow": {"experiment_name": _PROJECT, "run_dir": _FOLDER, "resume": "a resumed run continues its mlflow run"},
+    "clearml": {"run_name": _PROJECT},
+    "dvclive": {"run_name": _PROJECT, "live": "an object, not a recipe value"},
+    "swanlab": {"run_name": _PROJECT, "project": _PROJECT},
+    "trackio": {"run_name": _PROJECT, "project": _PROJECT},
+}
+
+
+def _named_parameters(fn: Any) -> tuple[set[str], bool] | None:
+    """(keyword names ``fn`` takes, whether it also takes any **kwargs); None when unknown."""
+    import inspect
+
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self"}
+    return named, any(p.kind is p.VAR_KEYWORD for p in params)
+
+
+def _builders(name: str) -> list[Any]:
+    """The callables ``log.init_kwargs.<name>`` reach, outermost first: the tracker class fgrpo
+    builds, then (while one passes ``**kwargs`` on) the next: accelerate's tracker, the library's own
+    callable (``SummaryWriter``, ``wandb.init`` ...); an import that fails ends the chain."""
+    import importlib
+
+    from accelerate.tracking import LOGGER_TYPE_TO_CLASS
+
+    chain: list[Any] = [BUILT.get(name, LOGGER_TYPE_TO_CLASS[name]).__init__]
+    if name in BUILT:
+        chain.append(LOGGER_TYPE_TO_CLASS[name].__init__)
+    module, attribute = FORWARDED_TO.get(name, ("", ""))
+    if module:
+        try:
+            target: Any = importlib.import_module(module)
+            for part in attribute.split("."):
+                target = getattr(target, part)
+            chain.append(target)
+        except (ImportError, AttributeError, ValueError):
+            chain.append(None)
+    return chain
+
+
+def tracker_options(name: str) -> set[str] | None:
+    """The options ``log.init_kwargs.<name>`` may hold: the keywords of every callable they reach
+    (:func:`_builders`) but fgrpo's own; None when any would do (a callable takes ``**kwargs`` and
+    passes them to something that cannot be inspected, or to a library that is not installed)."""
+    names: set[str] = set()
+    for fn in _builders(name):
+        found = _named_parameters(fn) if fn is not None else None
+        if found is None:
+            return None
+        names |= found[0]
+        if not found[1]:
+            return names - set(OWNED.get(name, {}))
+    return None
+
+
+def init_kwargs_errors(names: Sequence[str], options: Mapping[str, Mapping[str, Any]], prefix: str) -> list[Any]:
+    """``log.init_kwargs`` checked at `validate`, before anything is written: each tracker known and
+    listed in ``log.trackers``, each option one the tracker itself takes and not one fgrpo sets."""
+    import difflib
+
+    from accelerate.tracking import LOGGER_TYPE_TO_CLASS
+
+    from fgrpo.core.config import ConfigError
+
+    errors = []
+    for tracker, given in options.items():
+        key = f"{prefix}.init_kwargs.{tracker}"
+        if tracker not in LOGGER_TYPE_TO_CLASS:
+            known = sorted(set(PACKAGES) | set(LOGGER_TYPE_TO_CLASS))
+            errors.append(ConfigError(key, f"unknown tracker {tracker!r} (accelerate knows: {', '.join(known)})"))
+            continue
+        if tracker not in names:
+            errors.append(ConfigError(key, f"options for a tracker that log.trackers does not list ({list(names)!r}); "
+                                           "they would be ignored: add it to log.trackers or remove them"))
+            continue
+        allowed = tracker_options(tracker)
+        owned = OWNED.get(tracker, {})
+        for option in given:
+            if option in owned:
+                errors.append(ConfigError(f"{key}.{option}", f"fgrpo sets it ({owned[option]}); remove it"))
+            elif allowed is not None and option not in allowed:
+                close = difflib.get_close_matches(str(option), sorted(allowed), n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                errors.append(ConfigError(f"{key}.{option}", f"unknown option of the {tracker} tracker{hint}; allowed: {', '.join(sorted(allowed))}"))
+    return errors
+
+
 class RunTracker(GeneralTracker):
     """One of accelerate's trackers, built when the run starts rather than with the Accelerator.
 
@@ -88,9 +200,9 @@ class RunTracker(GeneralTracker):
             raise RuntimeError(f"tracker {self.name!r} started before its run folder was known")
         run_dir, project, options = self._setup
         if self.name == "tensorboard":
-            self.inner = OneRunTensorBoard(TENSORBOARD_FOLDER, str(run_dir), **options)
+            self.inner = BUILT[self.name](TENSORBOARD_FOLDER, str(run_dir), **options)
         elif self.name == "mlflow":
-            self.inner = RunFolderMLflow(project, run_dir, **options)
+            self.inner = BUILT[self.name](project, run_dir, **options)
         else:
             cls = LOGGER_TYPE_TO_CLASS[self.name]
             args = (project, str(run_dir)) if cls.requires_logging_directory else (project,)
@@ -249,3 +361,7 @@ def log_image(accelerator: Any, key: str, image: np.ndarray, step: int) -> None:
             log_images({key: batch}, step=step, dataformats="NHWC")
         else:
             log_images({key: batch}, step=step)
+
+
+#: the tracker classes fgrpo builds where it does not use accelerate's own (see RunTracker.start)
+BUILT: dict[str, Any] = {"tensorboard": OneRunTensorBoard, "mlflow": RunFolderMLflow}

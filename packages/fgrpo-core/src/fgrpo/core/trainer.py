@@ -24,6 +24,7 @@ from fgrpo.core.data import PromptSchedule
 from fgrpo.core.ema import EMA, ema_weights
 from fgrpo.core.hookspecs import plugin_manager
 from fgrpo.core.protocols import Policy
+from fgrpo.core.registry import ComponentError
 from fgrpo.core.recipe import Recipe
 from fgrpo.core.run import Run
 from fgrpo.core.runlog import Display, MetricsLog, read_metrics
@@ -130,7 +131,10 @@ def evaluated_weights(run: Run) -> str:
 
 def finish(run: Run) -> None:
     if run.is_main and run.out_dir is not None:
-        report.write(run.out_dir)
+        try:
+            report.write(run.out_dir)
+        except (RecipeError, ComponentError) as exc:  # the trained run stands; only its page is missing
+            run.display.say(f"report.html not written: {first_line(exc, 300)}")
         for line in weights.checkpoint_warnings(run.out_dir / "checkpoints" / "last"):
             run.display.warn(line)
     if run.is_main and run.out_dir is not None and run.recipe.log.plots:
@@ -402,11 +406,16 @@ def resume_from_checkpoint(run: Run, folder: Path) -> int:
 
 
 def start_writing(run: Run, folder: rundir.RunFolder, *, resumed: bool) -> None:
-    """The resolved recipe, the metrics log and the trackers of the claimed folder (main process)."""
-    folder.write_recipe(run.recipe)
+    """The trackers, the resolved recipe and the metrics log of the claimed folder (main process).
+    The trackers start first: one that fails to start (its options were checked at `validate`; a
+    library can still refuse) is one line, and the run did not begin."""
     at = run.start_iteration if resumed else None
+    try:
+        trackers.start(run.accelerator, run.recipe, folder.path, resume_from=at)
+    except Exception as exc:  # noqa: BLE001 - any tracker library's own error
+        raise RecipeError([ConfigError("log.trackers", f"a tracker could not start: {type(exc).__name__}: {first_line(exc, 300)}")]) from None
+    folder.write_recipe(run.recipe)
     run.log = MetricsLog(folder.path, resume_from=at)
-    trackers.start(run.accelerator, run.recipe, folder.path, resume_from=at)
 
 
 def say_where_it_starts(run: Run, folder: rundir.RunFolder | None, resume_from: Path | None, resume: bool) -> None:
