@@ -23,6 +23,7 @@ import yaml
 
 from fgrpo.core import checkpoint as ckpt
 from fgrpo.core import confine, weights
+from fgrpo.core.config import first_line
 from fgrpo.core.runlog import METRICS, metrics_rows
 from fgrpo.core.shipped import DISTRIBUTIONS, version
 
@@ -582,7 +583,7 @@ def _recipe(run_dir: Path, notes: list[str]) -> tuple[str, dict[str, Any]]:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        notes.append(f"recipe.resolved.yaml does not read as YAML ({str(exc).splitlines()[0][:120]}): its components are not shown")
+        notes.append(f"recipe.resolved.yaml does not read as YAML ({first_line(exc, 120)}): its components are not shown")
         return text, {}
     if data is not None and not isinstance(data, dict):
         notes.append(f"recipe.resolved.yaml is not a recipe (a {type(data).__name__}): its components are not shown")
