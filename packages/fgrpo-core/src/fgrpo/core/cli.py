@@ -333,7 +333,8 @@ def build_components(recipe: Any) -> dict[str, Any]:
     from fgrpo.core.trainer import check_prompts
 
     built = {section: recipe.build(section) for section in ("model", "sampler", "objective", "prompts")}
-    check_prompts(built["model"], built["prompts"].train_prompts() + built["prompts"].test_prompts(), "prompts")
+    source = built["prompts"]
+    check_prompts(built["model"], source.train_prompts() + source.test_prompts(), "prompts", source.metadata)
     for spec, reward in recipe.build_rewards():
         built[f"reward/{spec.label}"] = reward
     return built
@@ -361,16 +362,20 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_sample(args: argparse.Namespace) -> int:
     from fgrpo.core import rundir
     from fgrpo.core.evaluation import write_samples
-    from fgrpo.core.prompts import read_prompt_file
+    from fgrpo.core.prompts import image_errors, read_prompt_file
     from fgrpo.core.shipped import find_recipe
     from fgrpo.core.trainer import check_prompts, load_checkpoint_weights
 
     try:
-        prompts = [p for p, _ in read_prompt_file(args.prompts)]
+        rows = read_prompt_file(args.prompts)
     except OSError as exc:
         raise RecipeError([ConfigError("--prompts", f"cannot read {args.prompts}: {exc.strerror}")]) from None
     except ValueError as exc:
         raise RecipeError([ConfigError("--prompts", str(exc))]) from None
+    prompts, metadata = [p for p, _ in rows], dict(rows)
+    bad_images = image_errors(prompts, "--prompts")
+    if bad_images:
+        raise RecipeError(bad_images)
     if args.checkpoint:
         checkpoint = rundir.find_checkpoint(Path(args.checkpoint))
         given = find_recipe(args.recipe) if args.recipe is not None else None
@@ -380,7 +385,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
     else:
         checkpoint, recipe = None, _load(args)
     policy = _build_policy(recipe)
-    check_prompts(policy, prompts, "--prompts")
+    check_prompts(policy, prompts, "--prompts", lambda p: metadata.get(p, {}))
     if checkpoint is not None:
         load_checkpoint_weights(policy, checkpoint, recipe.train.ema_decay)
     target = Path(args.out)

@@ -90,6 +90,16 @@ class Policy(Protocol):
     ``fgrpo export`` command), and ``export_in_checkpoints`` (true) puts that export into every
     checkpoint.
 
+    Optional, for policies conditioned on images (editing, image-to-video): a prompt is then a
+    :class:`fgrpo.core.media.Prompt`, a ``str`` that carries its source images (``prompt.images``,
+    read with :func:`fgrpo.core.media.load_image`), and ``encode(prompts)`` turns text and images
+    into batch-first tensors of ``cond``. Its identity is (text, images), so whatever is cached,
+    grouped, chunked or resumed by prompt stays valid. The class attribute
+    ``source_image_count = (least, most)`` says how many images a prompt must carry (absent:
+    (0, 0), text only); a mismatch is refused at validation and before the first rollout. A policy
+    that reads more of a prompt's row first receives the prompt source's ``metadata`` through
+    ``use_prompt_metadata(lookup)``; ``check_prompts(prompts)`` says which prompts it cannot take.
+
     Optional, for sharded runs (FSDP launches, :mod:`fgrpo.core.sharding`): ``trainable_module``
     is the ``nn.Module`` that holds every trainable parameter and that ``velocity`` calls (through
     its ``__call__``) for each forward, e.g. the transformer; FSDP shards it in place, so its
@@ -199,6 +209,12 @@ class Reward(Protocol):
     frame, a key of the reward's recipe entry), and a video's score is the mean of its frames'
     (``fgrpo.core.phases.score_frames``); a reward that scores whole videos itself declares the
     class attribute ``accepts_video = True`` and receives the (B, T, 3, H, W) tensor.
+
+    Edits: a reward that compares each output with the images its prompt started from declares
+    ``accepts_sources = True`` and is called with the keyword ``sources``: per sample, a tuple of
+    float32 (3, H, W) tensors in [0, 1] at the outputs' size (empty for a prompt without sources;
+    :func:`fgrpo.core.media.reward_sources`). Prompts are strings; one with sources is a
+    :class:`fgrpo.core.media.Prompt` (``prompt.images`` names them; ``metadata`` is its row).
     """
 
     def __call__(
@@ -242,7 +258,12 @@ class Objective(Protocol):
 
 @runtime_checkable
 class PromptSource(Protocol):
-    """Train and test prompts (with optional per-prompt metadata for the reward)."""
+    """Train and test prompts (with optional per-prompt metadata for the reward). A prompt that
+    starts from source images is a :class:`fgrpo.core.media.Prompt`.
+
+    Optional: the classmethod ``listed_prompts(keys) -> prompts`` lists every prompt from the
+    recipe keys without building the source, so validation can refuse prompts the model cannot
+    take (the built-in sources have it)."""
 
     def train_prompts(self) -> list[str]: ...
 

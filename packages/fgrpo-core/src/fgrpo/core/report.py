@@ -226,6 +226,13 @@ def evaluations_with_tiles(run_dir: Path) -> list[tuple[int, list[dict[str, Any]
     return found
 
 
+def tile_class(tile: Mapping[str, Any]) -> str:
+    """The CSS class of a filmstrip tile: an edit's tile (source -> output, ``sources`` in its
+    index row) is shown wider, in proportion to the images it holds."""
+    sources = tile.get("sources")
+    return f"tile edit{min(int(sources), 3)}" if _number(sources) and sources else "tile"
+
+
 def filmstrip(run_dir: Path) -> tuple[str, int]:
     """A table: one row per evaluation prompt, one column per evaluation; (html, images)."""
     evals = evaluations_with_tiles(run_dir)
@@ -246,7 +253,7 @@ def filmstrip(run_dir: Path) -> tuple[str, int]:
             score = tile.get("score")
             caption = (f"{score:.3g}" if _number(score) else "") + (f"<br><span class=read>{html.escape(read)}</span>" if read else "")
             alt = html.escape(f"{prompt} (score {score})", quote=True)
-            cells.append(f'<td><img src="{_data_uri(tile["path"])}" alt="{alt}" title="{html.escape(read, quote=True)}" class="tile">'
+            cells.append(f'<td><img src="{_data_uri(tile["path"])}" alt="{alt}" title="{html.escape(read, quote=True)}" class="{tile_class(tile)}">'
                          f"<div class=score>{caption}</div></td>")
             images += 1
         body.append(f'<tr><th class="prompt">{html.escape(prompt)}</th>{"".join(cells)}</tr>')
@@ -265,6 +272,7 @@ svg .title{font-weight:600}svg .frame{fill:none;stroke:#999}svg .grid{stroke:#ee
 table{border-collapse:collapse;font-size:12px}td,th{border:1px solid #ddd;padding:3px 6px;text-align:right}
 table.filmstrip td{text-align:center;vertical-align:top;width:84px}table.filmstrip th.prompt{text-align:left;max-width:180px;font-weight:normal}
 img.tile{width:72px;height:auto;image-rendering:pixelated;display:block;margin:auto}
+img.tile.edit1{width:146px}img.tile.edit2{width:220px}img.tile.edit3{width:294px}
 .score{font-size:11px}.read{color:#777;font-size:10px}.meta td,.meta th{text-align:left}
 .wide{overflow-x:auto}pre{background:#f6f6f6;padding:8px;overflow:auto;font-size:12px}
 """

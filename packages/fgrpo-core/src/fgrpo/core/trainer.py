@@ -11,7 +11,7 @@ import math
 import os
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,7 @@ import torch
 from rich.console import Console
 
 from fgrpo.core import checkpoint as ckpt
-from fgrpo.core import evaluation, phases, report, rundir, sharding, tensors, timing, trackers, visuals
+from fgrpo.core import evaluation, media, phases, report, rundir, sharding, tensors, timing, trackers, visuals
 from fgrpo.core.config import ConfigError, RecipeError
 from fgrpo.core.data import PromptSchedule
 from fgrpo.core.ema import EMA
@@ -266,11 +266,22 @@ def make_accelerator(cpu: bool | None = None, train: Any = None, **options: Any)
     return acc
 
 
-def check_prompts(policy: Any, prompts: Sequence[str], key: str) -> None:
-    """Refuse prompts the policy cannot read, before anything runs: a policy with a closed
-    vocabulary (``shapes-dit``) says why through an optional ``check_prompts(prompts) -> [problem]``."""
+def check_prompts(
+    policy: Any, prompts: Sequence[str], key: str, metadata: Callable[[str], Mapping[str, Any]] | None = None
+) -> None:
+    """Refuse prompts the policy cannot read, before anything runs: prompts with a number of
+    source images the policy does not take (``source_image_count``, :mod:`fgrpo.core.media`), and
+    what a policy with a closed vocabulary (``shapes-dit``) says through an optional
+    ``check_prompts(prompts) -> [problem]``. A policy that reads more of a prompt's row than its
+    source images first gets the prompts' ``metadata`` lookup through its optional
+    ``use_prompt_metadata``."""
+    bind = getattr(policy, "use_prompt_metadata", None)
+    if bind is not None:
+        bind(metadata if metadata is not None else (lambda _prompt: {}))
+    problems = media.count_problems(policy, prompts)
     check = getattr(policy, "check_prompts", None)
-    problems = check(list(prompts)) if check is not None else []
+    if not problems and check is not None:
+        problems = check(list(prompts))
     if problems:
         shown = [ConfigError(key, p) for p in problems[:5]]
         more = [ConfigError(key, f"... and {len(problems) - 5} more prompts the model cannot read")] if len(problems) > 5 else []
@@ -310,7 +321,7 @@ def build_run(
     sampler = recipe.build("sampler")
     objective = recipe.build("objective")
     prompts = recipe.build("prompts")
-    check_prompts(policy, prompts.train_prompts() + prompts.test_prompts(), "prompts")
+    check_prompts(policy, prompts.train_prompts() + prompts.test_prompts(), "prompts", prompts.metadata)
     rewards = recipe.build_rewards()
     trainable = [p for p in policy.trainable_parameters() if p.requires_grad]
     if not trainable:

@@ -95,6 +95,12 @@ class DiffusersPolicy:
     #: the transformer sees 2x2 patches of the latent as tokens (FLUX, Qwen-Image): the state stays
     #: the unpacked latent, ``velocity`` packs and unpacks
     packs_2x2: ClassVar[bool] = False
+    #: (least, most) source images per prompt (:mod:`fgrpo.core.media`): (0, 0) text-to-image;
+    #: editing backbones take them from ``prompt.images``
+    source_image_count: ClassVar[tuple[int, int]] = (0, 0)
+    #: ``cond`` keys of non-text conditions (a source image's latents) that both branches of
+    #: classifier-free guidance share: ``_conditions`` makes them, no negative is encoded
+    shared_condition_keys: ClassVar[tuple[str, ...]] = ()
 
     path: str = param(help="hub id or local folder (save_pretrained output) of the diffusers pipeline")
     dtype: str = param(
@@ -153,6 +159,16 @@ class DiffusersPolicy:
     def _encode_uncached(self, prompts: list[str], device: torch.device) -> dict[str, torch.Tensor]:
         """Batch-first text-encoder outputs of these prompts (computed on ``device``)."""
         raise NotImplementedError
+
+    def _conditions(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+        """Batch-first non-text conditions of these prompts (the ``shared_condition_keys``: an
+        editing backbone encodes each prompt's source images); none by default."""
+        return {}
+
+    def _negative_prompts(self, prompts: list[str]) -> list[str]:
+        """The negative prompt of each prompt: one shared row by default (the text alone);
+        Qwen-Image-Edit encodes it with each prompt's source images."""
+        return [self.negative_prompt]
 
     def _predict(self, x: torch.Tensor, sigma: torch.Tensor, cond: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The transformer's float32 output for states ``x`` (B, *latent_shape) at ``sigma`` (B,), in
@@ -365,9 +381,11 @@ class DiffusersPolicy:
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         cond = self._cache.get(prompts, self._encode_on_device)
         if self.cfg:
-            negative = self._cache.get([self.negative_prompt], self._encode_on_device)
+            negatives = self._negative_prompts(prompts)
+            negative = self._cache.get(negatives, self._encode_on_device)
             for key, value in negative.items():
-                cond[NEGATIVE + key] = value.expand(len(prompts), *value.shape[1:])
+                cond[NEGATIVE + key] = value.expand(len(prompts), *value.shape[1:]) if len(negatives) == 1 else value
+        cond.update(self._conditions(prompts))
         return cond
 
     def _encode_on_device(self, prompts: list[str]) -> dict[str, torch.Tensor]:
@@ -412,10 +430,13 @@ class DiffusersPolicy:
         positive = {k: v for k, v in cond.items() if not k.startswith(NEGATIVE)}
         if not self.cfg:
             return self._to_state(self._predict(x, sigma, positive))
-        missing = [k for k in positive if NEGATIVE + k not in cond]
+        shared = set(self.shared_condition_keys)
+        missing = [k for k in positive if NEGATIVE + k not in cond and k not in shared]
         if missing:
             raise ValueError(f"guidance (scale {self.cfg_scale}) needs negative embeddings in cond ({NEGATIVE}{missing[0]}): build it with encode()")
-        both = {k: torch.cat([cond[NEGATIVE + k].to(self.device), v.to(self.device)]) for k, v in positive.items()}
+        both = {
+            k: torch.cat([(v if k in shared else cond[NEGATIVE + k]).to(self.device), v.to(self.device)]) for k, v in positive.items()
+        }
         out = self._predict(torch.cat([x, x]), torch.cat([sigma, sigma]), both)
         uncond, text = out.chunk(2)
         return self._to_state(self._combine(uncond, text))
