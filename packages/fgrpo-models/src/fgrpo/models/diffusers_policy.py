@@ -34,6 +34,7 @@ from typing import Any, ClassVar
 import attrs
 import torch
 
+from fgrpo.core import media
 from fgrpo.core.config import param
 from fgrpo.models import _diffusers as dx
 from fgrpo.models.lora import (
@@ -101,6 +102,9 @@ class DiffusersPolicy:
     #: ``cond`` keys of non-text conditions (a source image's latents) that both branches of
     #: classifier-free guidance share: ``_conditions`` makes them, no negative is encoded
     shared_condition_keys: ClassVar[tuple[str, ...]] = ()
+    #: the text encoder reads the source images too (Qwen-Image-Edit's VL encoder): text
+    #: embeddings are then cached per prompt (text and images), else per text
+    text_sees_images: ClassVar[bool] = False
 
     path: str = param(help="hub id or local folder (save_pretrained output) of the diffusers pipeline")
     dtype: str = param(
@@ -379,7 +383,8 @@ class DiffusersPolicy:
         cached (LRU, ``prompt_cache_size``); with guidance also ``negative_*``: the negative
         prompt's, an expanded view over the batch."""
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-        cond = self._cache.get(prompts, self._encode_on_device)
+        texts = prompts if self.text_sees_images else [media.text_of(p) for p in prompts]
+        cond = self._cache.get(texts, self._encode_on_device)
         if self.cfg:
             negatives = self._negative_prompts(prompts)
             negative = self._cache.get(negatives, self._encode_on_device)

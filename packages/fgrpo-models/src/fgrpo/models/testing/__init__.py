@@ -3,8 +3,8 @@ conformance base every backbone's tests subclass.
 
 - :class:`DiffusersBackboneConformance` (:mod:`fgrpo.models.testing.conformance`), a
   :class:`fgrpo.core.testing.PolicyConformance` with the diffusers-specific checks;
-- ``build_tiny_sd3_pipeline``, ``build_tiny_flux_pipeline``, ``build_tiny_qwen_image_pipeline``,
-  ``build_tiny_wan_pipeline`` (:mod:`fgrpo.models.testing.pipelines`).
+- ``build_tiny_sd3_pipeline``, ``build_tiny_flux_pipeline``, ``build_tiny_flux_kontext_pipeline``,
+  ``build_tiny_qwen_image_pipeline``, ``build_tiny_qwen_image_edit_pipeline``, ``build_tiny_wan_pipeline`` (:mod:`fgrpo.models.testing.pipelines`).
 
 Exports are lazy: importing this package imports neither diffusers nor pytest.
 """
@@ -23,7 +23,9 @@ except ImportError:  # pytest is only needed to run the base
 _PIPELINES = "fgrpo.models.testing.pipelines"
 _EXPORTS = {
     "DiffusersBackboneConformance": "fgrpo.models.testing.conformance",
+    "build_tiny_flux_kontext_pipeline": _PIPELINES,
     "build_tiny_flux_pipeline": _PIPELINES,
+    "build_tiny_qwen_image_edit_pipeline": _PIPELINES,
     "build_tiny_qwen_image_pipeline": _PIPELINES,
     "build_tiny_sd3_pipeline": _PIPELINES,
     "build_tiny_wan_pipeline": _PIPELINES,
