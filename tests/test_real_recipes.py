@@ -15,7 +15,8 @@ from fgrpo.core import cli
 
 RECIPES = [
     "sd35m-ocr", "sd35m-geneval", "sd35m-pickscore", "flux-pickscore", "qwen-image-ocr", "qwen-image-pickscore", "wan-ocr",
-    "sd35m-preference-mix", "sd35m-vlm-judge", "sd35m-geneval-remote",
+    "sd35m-preference-mix", "sd35m-vlm-judge", "sd35m-geneval-remote", "flux-kontext-counting-edit",
+    "qwen-image-edit-counting-edit",
 ]
 
 
@@ -29,6 +30,15 @@ def stand_in_datasets(folder):
     row = {"prompt": "a photo of a cat", "tag": "single_object", "include": [{"class": "cat", "count": 1}], "exclude": []}
     for split in ("train", "test"):
         (folder / "dataset" / "geneval" / f"{split}_metadata.jsonl").write_text(json.dumps(row) + "\n")
+    from PIL import Image  # dataset/counting_edit: GenEval counting instructions with their source images
+
+    (folder / "dataset" / "counting_edit" / "generated_images").mkdir(parents=True)
+    Image.new("RGB", (64, 64), (120, 80, 40)).save(folder / "dataset" / "counting_edit" / "generated_images" / "image_0.jpg")
+    edit = {"tag": "counting", "include": [{"class": "cat", "count": 2}], "exclude": [{"class": "cat", "count": 3}],
+            "t2i_prompt": "a photo of one cat", "prompt": "Change the number of cat in the image to two.",
+            "image": "generated_images/image_0.jpg"}
+    for split in ("train", "test"):
+        (folder / "dataset" / "counting_edit" / f"{split}_metadata.jsonl").write_text(json.dumps(edit) + "\n")
 
 
 @pytest.mark.parametrize("name", RECIPES)

@@ -56,12 +56,34 @@ def source_resolution_param(help_preferred: str) -> Any:
     )
 
 
+SOURCE_RESAMPLES = ("lanczos", "bicubic")
+
+
+def source_resample_param() -> Any:
+    return param(
+        "lanczos", choices=SOURCE_RESAMPLES,
+        help="how sources are resized: lanczos (the pipelines' image processor) or bicubic (PIL's default resize, "
+        "flow_grpo's ref_image.resize before its pipeline)",
+    )
+
+
 class SourceImages:
-    """What the editing backbones share: the source size each prompt's images get, and the check
-    that a run's sources share one size (their latents are batched)."""
+    """What the editing backbones share: the source size each prompt's images get, how they are
+    resized, and the check that a run's sources share one size (their latents are batched)."""
+
+    source_resample: str
 
     def _source_size(self, image: Any) -> tuple[int, int]:
         raise NotImplementedError
+
+    def _resized(self, image: Any, height: int, width: int) -> Any:
+        """The source at (height, width): the pipeline's image processor resize (Lanczos), or PIL's
+        bicubic first (``source_resample: bicubic``; the processor's resize is then a no-op)."""
+        if self.source_resample == "bicubic" and (image.height, image.width) != (height, width):
+            from PIL import Image
+
+            image = image.resize((width, height), Image.BICUBIC)
+        return self._pipeline.image_processor.resize(image, height, width)
 
     def source_sizes(self, prompts: Sequence[str]) -> dict[tuple[int, ...], list[str]]:
         """(height, width) of the resized sources -> the prompts whose sources get it."""
@@ -97,6 +119,7 @@ class FluxKontextPolicy(SourceImages, FluxPolicy):
     shared_condition_keys: ClassVar[tuple[str, ...]] = ("image_latents",)
 
     source_resolution: str | list[int] = source_resolution_param("the Kontext resolution nearest its aspect ratio")
+    source_resample: str = source_resample_param()
     _images: dx.PromptCache = attrs.field(init=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
@@ -136,8 +159,7 @@ class FluxKontextPolicy(SourceImages, FluxPolicy):
                 raise ValueError(f"flux-kontext: prompt {media.where(prompt)} has {len(refs)} source images; it takes exactly 1")
             image = media.load_image(refs[0])
             height, width = self._source_size(image)
-            image = pipe.image_processor.resize(image, height, width)
-            pixels.append(pipe.image_processor.preprocess(image, height, width))
+            pixels.append(pipe.image_processor.preprocess(self._resized(image, height, width), height, width))
         if len({tuple(p.shape) for p in pixels}) > 1:
             raise ValueError(f"flux-kontext: sources of several sizes in one batch ({sorted({tuple(p.shape[-2:]) for p in pixels})})")
         vae = pipe.vae
@@ -171,4 +193,7 @@ class FluxKontextPolicy(SourceImages, FluxPolicy):
         return out[:, : state.shape[1]]
 
 
-__all__ = ["FluxKontextPolicy", "SOURCE_RESOLUTIONS", "SourceImages", "check_source_resolution", "source_resolution_param"]
+__all__ = [
+    "FluxKontextPolicy", "SOURCE_RESAMPLES", "SOURCE_RESOLUTIONS", "SourceImages", "check_source_resolution",
+    "source_resample_param", "source_resolution_param",
+]

@@ -37,7 +37,7 @@ import torch
 from fgrpo.core import media
 from fgrpo.core.config import param
 from fgrpo.models import _diffusers as dx
-from fgrpo.models.flux_kontext import SourceImages, source_resolution_param
+from fgrpo.models.flux_kontext import SourceImages, source_resample_param, source_resolution_param
 from fgrpo.models.qwen_image import QwenImagePolicy
 
 #: the pipelines' source area (``calculate_dimensions(1024 * 1024, ratio)``) and Plus's VL input area
@@ -65,6 +65,7 @@ class QwenImageEditPolicy(SourceImages, QwenImagePolicy):
     text_sees_images = True
 
     source_resolution: str | list[int] = source_resolution_param("1024 x 1024 pixels of its aspect ratio, the pipeline's")
+    source_resample: str = source_resample_param()
     max_sequence_length: int = param(
         1024, ge=1, le=16384,
         help="prompt tokens after the template: the VL encoder's image tokens and the text's (padded to this; longer is an error)",
@@ -91,8 +92,7 @@ class QwenImageEditPolicy(SourceImages, QwenImagePolicy):
 
     def _vl_images(self, prompt: str) -> list[Any]:
         """What the VL encoder sees of a prompt's sources: the source resized as for the VAE."""
-        pipe = self._pipeline
-        return [pipe.image_processor.resize(image, *self._source_size(image)) for image in self._sources(prompt)]
+        return [self._resized(image, *self._source_size(image)) for image in self._sources(prompt)]
 
     def _sources(self, prompt: str) -> list[Any]:
         refs = media.source_images(prompt)
@@ -146,7 +146,7 @@ class QwenImageEditPolicy(SourceImages, QwenImagePolicy):
         for prompt in prompts:
             for k, image in enumerate(self._sources(prompt)):
                 height, width = self._source_size(image)
-                pixels = pipe.image_processor.preprocess(pipe.image_processor.resize(image, height, width), height, width)
+                pixels = pipe.image_processor.preprocess(self._resized(image, height, width), height, width)
                 if k == len(per_slot):
                     per_slot.append([])
                 per_slot[k].append(pixels)
