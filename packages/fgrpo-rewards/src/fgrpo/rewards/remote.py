@@ -8,6 +8,10 @@ anyway) with the prompts and metadata as JSON in the safetensors header; the ans
 ``scores`` and the tensor details, other details as JSON. The standard library's HTTP server and
 client, no other dependency.
 
+Edits: a served reward that compares outputs with their sources (``accepts_sources``: image
+similarity, an edit judge) says so in ``/health``; the client then takes the sources from the
+trainer and sends them with each batch (tensors ``source/i/k`` on the same wire).
+
 The server binds 127.0.0.1 by default. Bound to any other address it refuses to start without a
 shared token (an environment variable, never a command-line argument that ``ps`` shows); with a
 token every request must carry ``Authorization: Bearer <token>``. Requests larger than
@@ -47,32 +51,47 @@ def _is_images(outputs: Any) -> bool:
     return isinstance(outputs, torch.Tensor) and outputs.dim() in (4, 5) and outputs.shape[-3] == 3
 
 
-def encode_request(outputs: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]], wire: str) -> bytes:
+def _on_wire(images: torch.Tensor, wire: str) -> tuple[torch.Tensor, str]:
+    if wire == "uint8" and _is_images(images):
+        # on the outputs' own device (a GPU quantises fast and copies 4x fewer bytes to the host),
+        # in place after the one copy mul makes: the encoding cost is mostly these passes
+        return images.detach().mul(255).round_().clamp_(0, 255).to(torch.uint8), "uint8"
+    wire = "float16" if wire == "float16" else "float32"
+    return images.detach().to(getattr(torch, wire)), wire
+
+
+def encode_request(
+    outputs: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]], wire: str,
+    sources: Sequence[Sequence[torch.Tensor]] | None = None,
+) -> bytes:
+    """The request body; ``sources`` (edits: each sample's source images, (3, H, W) in [0, 1])
+    travel as tensors ``source/i/k`` on the same wire, their counts in the header."""
     from safetensors.torch import save
 
     if not isinstance(outputs, torch.Tensor):
         raise ValueError(f"remote: outputs must be a tensor, got {type(outputs).__name__}")
-    if wire == "uint8" and _is_images(outputs):
-        # on the outputs' own device (a GPU quantises fast and copies 4x fewer bytes to the host),
-        # in place after the one copy mul makes: the encoding cost is mostly these passes
-        tensor = outputs.detach().mul(255).round_().clamp_(0, 255).to(torch.uint8)
-    else:
-        wire = "float16" if wire == "float16" else "float32"
-        tensor = outputs.detach().to(getattr(torch, wire))
+    tensor, used = _on_wire(outputs, wire)
+    tensors = {"outputs": tensor.cpu().contiguous()}
+    for i, row in enumerate(sources or ()):
+        for k, image in enumerate(row):
+            tensors[f"source/{i}/{k}"] = _on_wire(image[None], wire)[0][0].cpu().contiguous()
     try:
-        header = {"prompts": json.dumps(list(prompts)), "metadata": json.dumps([dict(m) for m in metadata]), "wire": wire}
+        header = {"prompts": json.dumps([str(p) for p in prompts]), "metadata": json.dumps([dict(m) for m in metadata]), "wire": used}
     except TypeError as exc:
         raise ValueError(f"remote: prompts and metadata travel as JSON: {exc}") from None
-    return save({"outputs": tensor.cpu().contiguous()}, metadata=header)
+    if sources is not None:
+        header["sources"] = json.dumps([len(row) for row in sources])
+    return save(tensors, metadata=header)
 
 
-def decode_request(body: bytes) -> tuple[torch.Tensor, list[str], list[dict[str, Any]]]:
-    """Raises ValueError on anything that is not a well-formed request."""
+def decode_request(body: bytes) -> tuple[torch.Tensor, list[str], list[dict[str, Any]], list[tuple[torch.Tensor, ...]] | None]:
+    """(outputs, prompts, metadata, sources or None); raises ValueError on anything that is not a
+    well-formed request."""
     from safetensors.torch import load
 
     tensors = load(body)
     header = _header(body)
-    if set(tensors) != {"outputs"} or header is None:
+    if "outputs" not in tensors or header is None or any(k != "outputs" and not k.startswith("source/") for k in tensors):
         raise ValueError("expected a safetensors body with one tensor 'outputs' and prompts/metadata in its header")
     prompts, metadata = json.loads(header.get("prompts", "null")), json.loads(header.get("metadata", "null"))
     outputs = tensors["outputs"]
@@ -81,10 +100,20 @@ def decode_request(body: bytes) -> tuple[torch.Tensor, list[str], list[dict[str,
         raise ValueError(f"expected {n} prompts (strings), got {str(prompts)[:200]}")
     if not (isinstance(metadata, list) and all(isinstance(m, dict) for m in metadata) and len(metadata) == n):
         raise ValueError(f"expected {n} metadata objects, got {str(metadata)[:200]}")
+    scale = 255.0 if header.get("wire") == "uint8" else 1.0
+    sources = None
+    if "sources" in header:
+        counts = json.loads(header["sources"])
+        if not (isinstance(counts, list) and len(counts) == n and all(isinstance(c, int) and c >= 0 for c in counts)):
+            raise ValueError(f"expected {n} source counts, got {str(counts)[:200]}")
+        try:
+            sources = [tuple(tensors[f"source/{i}/{k}"].float() / scale for k in range(c)) for i, c in enumerate(counts)]
+        except KeyError as exc:
+            raise ValueError(f"a source image the header announces is missing: {exc}") from None
     outputs = outputs.float()
-    if header.get("wire") == "uint8":
-        outputs.div_(255)
-    return outputs, prompts, metadata
+    if scale != 1.0:
+        outputs.div_(scale)
+    return outputs, prompts, metadata, sources
 
 
 def _header(body: bytes) -> dict[str, str] | None:
@@ -99,8 +128,8 @@ def encode_result(result: RewardResult) -> bytes:
     tensors = {"scores": torch.as_tensor(result.scores).detach().float().cpu().contiguous()}
     other: dict[str, Any] = {}
     for key, value in result.details.items():
-        if isinstance(value, torch.Tensor):
-            tensors[f"detail/{key}"] = value.detach().cpu().contiguous()
+        if isinstance(value, torch.Tensor):  # a copy: a detail may be the scores tensor itself
+            tensors[f"detail/{key}"] = value.detach().cpu().clone().contiguous()
         else:
             other[key] = value if isinstance(value, (list, tuple, str, int, float, bool, type(None))) else str(value)
     return save(tensors, metadata={"details": json.dumps(other, default=str)})
@@ -147,6 +176,11 @@ class RemoteReward:
         if self.serves is not None and served != self.serves:
             raise ServiceError(f"reward.serves: {self.url} serves {served!r}, not {self.serves!r}")
 
+    @property
+    def accepts_sources(self) -> bool:
+        """Whether the served reward compares outputs with their source images (it then gets them)."""
+        return bool(self._served.get("accepts_sources"))
+
     def _headers(self) -> dict[str, str]:
         headers = {"Content-Type": "application/octet-stream"}
         token = token_from_env(self.token_env)
@@ -154,12 +188,15 @@ class RemoteReward:
             headers["Authorization"] = f"Bearer {token}"
         return headers
 
-    def __call__(self, outputs: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> RewardResult:
+    def __call__(
+        self, outputs: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]], sources: Sequence[Any] | None = None
+    ) -> RewardResult:
         metas = list(metadata) if metadata else [{} for _ in prompts]
         parts = []
         for start in range(0, len(prompts), self.batch_size):
             stop = start + self.batch_size
-            body = encode_request(outputs[start:stop], prompts[start:stop], metas[start:stop], self.wire)
+            part = None if sources is None else sources[start:stop]
+            body = encode_request(outputs[start:stop], prompts[start:stop], metas[start:stop], self.wire, part)
             raw = post(self.url.rstrip("/") + "/score", body, headers=self._headers(), timeout=self.timeout,
                        retries=self.retries, backoff=self.backoff, what=f"remote reward {self._served.get('reward')}")
             try:
@@ -222,7 +259,8 @@ class RewardHandler(BaseHTTPRequestHandler):
             return
         if self.path != "/health":
             return self._json(404, {"error": f"unknown path {self.path}; POST /score, GET /health"})
-        self._json(200, {"reward": self.server.name, "params": self.server.params})
+        accepts = bool(getattr(self.server.reward, "accepts_sources", False))
+        self._json(200, {"reward": self.server.name, "params": self.server.params, "accepts_sources": accepts})
 
     def do_POST(self) -> None:
         if not self._authorised():
@@ -237,12 +275,15 @@ class RewardHandler(BaseHTTPRequestHandler):
             return self._json(413, {"error": f"request of {int(length)} bytes; the limit is {self.server.max_bytes} (--max-request-mb)"})
         body = self.rfile.read(int(length))
         try:
-            outputs, prompts, metadata = decode_request(body)
+            outputs, prompts, metadata, sources = decode_request(body)
         except Exception as exc:
             return self._json(400, {"error": f"bad request: {exc}"})
+        extra = {}
+        if getattr(self.server.reward, "accepts_sources", False):
+            extra["sources"] = sources if sources is not None else [()] * len(prompts)
         try:
             with self.server.lock:
-                result = self.server.reward(outputs, prompts, metadata)
+                result = self.server.reward(outputs, prompts, metadata, **extra)
             payload = encode_result(result)
         except Exception as exc:  # the reward's own error, sent to the trainer that asked
             log.warning("reward %s failed: %s", self.server.name, exc)
