@@ -1,4 +1,4 @@
-"""The real-scale recipes (SD3.5-M, FLUX.1-dev, Qwen-Image, Wan 2.1) validate: every component
+"""The real-scale recipes (SD3.5-M, FLUX.1-dev, FLUX.2, Qwen-Image, Z-Image, Wan 2.1/2.2, HunyuanVideo 1.5) validate: every component
 exists, every key is known and in range. They are not run here (no GPU, no weights).
 
 The datasets they read (flow_grpo's dataset/ocr, dataset/geneval, dataset/pickscore) are not
@@ -15,13 +15,15 @@ from fgrpo.core import cli
 
 RECIPES = [
     "sd35m-ocr", "sd35m-geneval", "sd35m-pickscore", "flux-pickscore", "qwen-image-ocr", "qwen-image-pickscore", "wan-ocr",
-    "sd35m-preference-mix", "sd35m-vlm-judge", "sd35m-geneval-remote", "flux-kontext-counting-edit",
-    "qwen-image-edit-counting-edit",
+    "sd35m-preference-mix", "sd35m-vlm-judge", "sd35m-geneval-remote",
+    "flux2-t2i", "flux2-klein-pickscore", "z-image-pickscore", "z-image-turbo-pickscore", "wan22-t2v-pickscore",
+    "wan22-i2v-pickscore", "hunyuan-video-1.5-pickscore", "flux-kontext-counting-edit", "qwen-image-edit-counting-edit",
 ]
 
 
 def stand_in_datasets(folder):
-    """flow_grpo's layout: text prompts for OCR and PickScore, GenEval's metadata JSONL."""
+    """flow_grpo's layout: text prompts for OCR and PickScore, GenEval's metadata JSONL; Flow-Factory's
+    t2is (JSONL prompts) and sharegpt4o_image_mini (JSONL rows naming an image in images/)."""
     for task in ("ocr", "pickscore"):
         (folder / "dataset" / task).mkdir(parents=True)
         for split in ("train", "test"):
@@ -30,7 +32,7 @@ def stand_in_datasets(folder):
     row = {"prompt": "a photo of a cat", "tag": "single_object", "include": [{"class": "cat", "count": 1}], "exclude": []}
     for split in ("train", "test"):
         (folder / "dataset" / "geneval" / f"{split}_metadata.jsonl").write_text(json.dumps(row) + "\n")
-    from PIL import Image  # dataset/counting_edit: GenEval counting instructions with their source images
+    from PIL import Image  # the source images of the editing and image-to-video datasets
 
     (folder / "dataset" / "counting_edit" / "generated_images").mkdir(parents=True)
     Image.new("RGB", (64, 64), (120, 80, 40)).save(folder / "dataset" / "counting_edit" / "generated_images" / "image_0.jpg")
@@ -39,6 +41,13 @@ def stand_in_datasets(folder):
             "image": "generated_images/image_0.jpg"}
     for split in ("train", "test"):
         (folder / "dataset" / "counting_edit" / f"{split}_metadata.jsonl").write_text(json.dumps(edit) + "\n")
+    (folder / "dataset" / "t2is").mkdir(parents=True)
+    (folder / "dataset" / "sharegpt4o_image_mini" / "images").mkdir(parents=True)
+    for split in ("train", "test"):
+        (folder / "dataset" / "t2is" / f"{split}.jsonl").write_text(json.dumps({"prompt": "a cat on a mat"}) + "\n")
+        edit = {"prompt": "the same room in watercolour", "image": "v2v_0.png"}
+        (folder / "dataset" / "sharegpt4o_image_mini" / f"{split}.jsonl").write_text(json.dumps(edit) + "\n")
+    Image.new("RGB", (64, 64), (40, 80, 120)).save(folder / "dataset" / "sharegpt4o_image_mini" / "images" / "v2v_0.png")
 
 
 @pytest.mark.parametrize("name", RECIPES)

@@ -189,6 +189,29 @@ def test_validation_refuses_text_to_image_models_given_sources(tmp_path, monkeyp
     assert recipe_mod.validate(data)[1] == []  # editing prompts for the editing model
 
 
+def test_sources_false_reads_an_editing_dataset_as_text(tmp_path):
+    """A text-to-image recipe on a dataset whose rows also name images (Flow-Factory's
+    sharegpt4o_image_mini for FLUX.2 klein): ``sources: false`` keeps ``image`` as metadata."""
+    root = editing_folder(tmp_path / "data")
+    data = {
+        "model": {"name": "shapes-dit", "random_init": True},
+        "sampler": {"name": "full", "steps": 2},
+        "reward": {"name": "jpeg-compressibility"},
+        "objective": {"name": "grpo"},
+        "prompts": {"name": "folder", "path": str(root), "sources": False},
+    }
+    [twice] = recipe_mod.validate(data)[1]  # rows 1 and 2: one instruction, two images, now one prompt
+    assert "appears twice with different metadata" in str(twice)
+    write_jsonl(root / "train_metadata.jsonl", ROWS[1:])
+    assert recipe_mod.validate(data)[1] == []
+    source = registry.create("prompts", "folder", path=str(root), sources=False)
+    prompts = source.train_prompts()
+    assert prompts == [ROWS[1]["prompt"], ROWS[2]["prompt"]] and not any(isinstance(p, Prompt) for p in prompts)
+    assert source.metadata(prompts[1])["image"] == str((root / ROWS[2]["image"]).resolve())
+    as_file = registry.create("prompts", "text-file", train=str(root / "test_metadata.jsonl"), sources=False)
+    assert as_file.train_prompts() == [ROWS[2]["prompt"]]
+
+
 def test_the_trainer_checks_prompts_of_any_source():
     from fgrpo.core.trainer import check_prompts
 

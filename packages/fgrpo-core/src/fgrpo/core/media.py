@@ -113,7 +113,7 @@ def count_problems(policy_or_class: Any, prompts: Sequence[str], name: str | Non
         if most == 0:
             problems.append(
                 f"{where(prompt)} has {n} source image{'s' * (n != 1)}, but the model {model} generates from text only; "
-                "use an editing model (flux-kontext, qwen-image-edit) or prompts without 'image'"
+                "use an editing model (flux-kontext, qwen-image-edit) or prompts without 'image' (a folder or file source: sources: false keeps it as metadata)"
             )
         elif n == 0:
             problems.append(

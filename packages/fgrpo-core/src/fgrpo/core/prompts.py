@@ -28,6 +28,8 @@ def _existing_file(_instance, attribute, value):
 
 MAX_PROMPT_FILE_BYTES = 256 << 20
 
+SOURCES_HELP = "rows' 'image' are the prompts' source images (editing, image-to-video); false: prompts are text only, 'image' stays metadata"
+
 
 #: metadata keys that name files (the source images of editing and image-to-video): a relative path
 #: is resolved against the prompt file's ``images/`` folder if it holds the file (Flow-Factory's
@@ -72,10 +74,12 @@ def _media_of(row: Mapping[str, Any]) -> list[str] | str | None:
     return paths
 
 
-def read_prompt_file(path: str | Path) -> list[tuple[str, dict[str, Any]]]:
+def read_prompt_file(path: str | Path, sources: bool = True) -> list[tuple[str, dict[str, Any]]]:
     """``.txt``: one prompt a line. ``.jsonl``: {"prompt": ..., other keys are metadata}; a row
     with ``image`` gives a :class:`~fgrpo.core.media.Prompt` with those source images (paths
-    resolved against the file's folder, see :func:`resolve_media`) and its ``file:line``."""
+    resolved against the file's folder, see :func:`resolve_media`) and its ``file:line``;
+    ``sources=False``: the prompt is its text only and ``image`` stays metadata (a text-to-image
+    recipe on a dataset that also lists images)."""
     path = Path(path)
     rows: list[tuple[str, dict[str, Any]]] = []
     for number, line in enumerate(read_text_file(path, limit=MAX_PROMPT_FILE_BYTES, what="a prompt file").splitlines(), 1):
@@ -94,7 +98,7 @@ def read_prompt_file(path: str | Path) -> list[tuple[str, dict[str, Any]]]:
             if isinstance(given, str):
                 raise ValueError(f"{path}:{number}: {given}")
             meta = resolve_media(obj, path.parent)
-            if given:
+            if given and sources:
                 images = _media_of(meta)
                 rows.append((media.Prompt(text, images, origin=f"{path}:{number}"), meta))
             else:
@@ -123,13 +127,13 @@ def image_errors(prompts: Sequence[str], key: str) -> list[ConfigError]:
     return errors
 
 
-def index_splits(files: Mapping[str, str | Path | None]) -> tuple[dict[str, list[str]], dict[str, dict[str, Any]]]:
+def index_splits(files: Mapping[str, str | Path | None], sources: bool = True) -> tuple[dict[str, list[str]], dict[str, dict[str, Any]]]:
     """Prompts per split and the metadata of every prompt (a prompt listed twice with different
     metadata is an error: ``metadata(prompt)`` could not tell them apart)."""
     splits: dict[str, list[str]] = {}
     meta: dict[str, dict[str, Any]] = {}
     for split, path in files.items():
-        rows = read_prompt_file(path) if path else []
+        rows = read_prompt_file(path, sources) if path else []
         splits[split] = [p for p, _ in rows]
         for prompt, data in rows:
             if prompt in meta and meta[prompt] != data:
@@ -155,30 +159,37 @@ class _IndexedSplits:
         return self._meta.get(prompt, {})
 
 
-def check_split_files(files: Mapping[str, Path | None], prefix: str) -> list[ConfigError]:
-    """Validation of split files before a run is built: each file reads (a malformed line is one
-    error naming it) and every source image its rows name can be used (:func:`image_errors`); the
-    errors of all files at once, keyed by the split (``prompts.train`` ...)."""
+def check_split_files(files: Mapping[str, Path | None], prefix: str, key: str | None = None, sources: bool = True) -> list[ConfigError]:
+    """The split files read as building the source would, before a run is built: `validate`
+    refuses what `compose` would (a line that is not JSON, an empty file, a prompt in both splits
+    with different metadata; named by ``key``, default the split's own), and every source image
+    the rows name is checked (:func:`image_errors`, named by the split); all errors at once."""
+
+    def error(split: str, exc: Exception) -> ConfigError:
+        name = key or split
+        return ConfigError(f"{prefix}.{name}" if prefix else name, f"cannot read it: {exc.strerror}" if isinstance(exc, OSError) else str(exc))
+
     errors: list[ConfigError] = []
     for split, path in files.items():
         if path is None:
             continue
-        key = f"{prefix}.{split}" if prefix else split
         try:
-            rows = read_prompt_file(path)
-        except OSError as exc:
-            errors.append(ConfigError(key, f"cannot read {path}: {exc.strerror}"))
+            rows = read_prompt_file(path, sources)
+        except (OSError, ValueError) as exc:
+            errors.append(error(split, exc))
             continue
-        except ValueError as exc:
-            errors.append(ConfigError(key, str(exc)))
-            continue
-        errors.extend(image_errors([p for p, _ in rows], key))
+        errors.extend(image_errors([p for p, _ in rows], f"{prefix}.{split}" if prefix else split))
+    if not errors:
+        try:
+            index_splits(files, sources)
+        except (OSError, ValueError) as exc:  # a prompt in both splits with different metadata
+            errors.append(error("test", exc))
     return errors
 
 
-def listed_prompts(files: Mapping[str, Path | None]) -> list[str]:
+def listed_prompts(files: Mapping[str, Path | None], sources: bool = True) -> list[str]:
     """Every prompt of the split files (train, then test), for checks at validation."""
-    return [p for path in files.values() if path is not None for p, _ in read_prompt_file(path)]
+    return [p for path in files.values() if path is not None for p, _ in read_prompt_file(path, sources)]
 
 
 @attrs.define
@@ -187,6 +198,7 @@ class TextFilePrompts(_IndexedSplits):
 
     train: str = param(validator=_existing_file, help="training prompts: .txt (a line each) or .jsonl")
     test: str | None = param(None, validator=_existing_file, help="held-out prompts for evaluation")
+    sources: bool = param(True, help=SOURCES_HELP)
     _meta: dict[str, dict[str, Any]] = attrs.field(init=False, factory=dict)
     _splits: dict[str, list[str]] = attrs.field(init=False, factory=dict)
 
@@ -196,14 +208,14 @@ class TextFilePrompts(_IndexedSplits):
 
     @classmethod
     def check_keys(cls, values: Mapping[str, Any], prefix: str) -> list[ConfigError]:
-        return check_split_files(cls.split_files(values), prefix)
+        return check_split_files(cls.split_files(values), prefix, sources=values.get("sources", True))
 
     @classmethod
     def listed_prompts(cls, values: Mapping[str, Any]) -> list[str]:
-        return listed_prompts(cls.split_files(values))
+        return listed_prompts(cls.split_files(values), values.get("sources", True))
 
     def __attrs_post_init__(self) -> None:
-        self._splits, self._meta = index_splits({"train": self.train, "test": self.test})
+        self._splits, self._meta = index_splits({"train": self.train, "test": self.test}, self.sources)
 
 
 def _existing_folder(_instance, attribute, value):
@@ -242,6 +254,7 @@ class FolderPrompts(_IndexedSplits):
     path: str = param(validator=_existing_folder, help="dataset folder (flow_grpo layout: dataset/geneval, dataset/ocr, ...)")
     train: str = param("train", help="training split: reads <train>_metadata.jsonl, <train>.jsonl or <train>.txt")
     test: str | None = param("test", help="held-out split for evaluation; null = none")
+    sources: bool = param(True, help=SOURCES_HELP)
     _meta: dict[str, dict[str, Any]] = attrs.field(init=False, factory=dict)
     _splits: dict[str, list[str]] = attrs.field(init=False, factory=dict)
 
@@ -253,7 +266,7 @@ class FolderPrompts(_IndexedSplits):
             if split is not None and split_file(values["path"], split) is None:
                 names = " or ".join(p.format(split=split) for p in SPLIT_FILES)
                 errors.append(ConfigError(f"{prefix}.{key}" if prefix else key, f"got {split!r}; {values['path']} has no {names}"))
-        return errors or check_split_files(cls.split_files(values), prefix)
+        return errors or check_split_files(cls.split_files(values), prefix, key="path", sources=values.get("sources", True))
 
     @staticmethod
     def split_files(values: Mapping[str, Any]) -> dict[str, Path | None]:
@@ -261,10 +274,11 @@ class FolderPrompts(_IndexedSplits):
 
     @classmethod
     def listed_prompts(cls, values: Mapping[str, Any]) -> list[str]:
-        return listed_prompts(cls.split_files(values))
+        return listed_prompts(cls.split_files(values), values.get("sources", True))
 
     def __attrs_post_init__(self) -> None:
-        self._splits, self._meta = index_splits(self.split_files({"path": self.path, "train": self.train, "test": self.test}))
+        files = self.split_files({"path": self.path, "train": self.train, "test": self.test})
+        self._splits, self._meta = index_splits(files, self.sources)
 
 
 def _not_empty(_instance: Any, _attribute: Any, value: list[str]) -> None:

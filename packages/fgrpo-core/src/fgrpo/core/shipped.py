@@ -77,6 +77,22 @@ def recipes_folder() -> Path:
     return Path(str(resources.files("fgrpo.core") / "recipes"))
 
 
+def accelerate_configs() -> dict[str, Path]:
+    """The shipped accelerate configs (``recipes/accelerate/*.yaml``) by name: ``ddp``, ``cpu``, ..."""
+    folder = recipes_folder() / "accelerate"
+    return {p.stem: p for p in sorted(folder.glob("*.yaml"))} if folder.is_dir() else {}
+
+
+def find_accelerate_config(arg: str) -> str:
+    """``arg`` itself when it is a file (or a path), else the shipped accelerate config of that name
+    (``ddp`` or ``ddp.yaml``), so that an installed fgrpo finds them without the repository."""
+    path = Path(arg)
+    if path.exists() or len(path.parts) != 1:
+        return arg
+    found = accelerate_configs().get(path.stem if path.suffix == ".yaml" else arg)
+    return str(found) if found is not None else arg
+
+
 def recipe_names() -> list[str]:
     folder = recipes_folder()
     return sorted(p.stem for p in folder.glob("*.yaml")) if folder.is_dir() else []

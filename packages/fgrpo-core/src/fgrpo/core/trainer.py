@@ -20,12 +20,13 @@ import torch
 from rich.console import Console
 
 from fgrpo.core import checkpoint as ckpt
-from fgrpo.core import evaluation, media, phases, report, rundir, sharding, tensors, timing, trackers, visuals
+from fgrpo.core import evaluation, media, phases, report, rundir, sharding, tensors, timing, trackers, visuals, weights
 from fgrpo.core.config import ConfigError, RecipeError
 from fgrpo.core.data import PromptSchedule
 from fgrpo.core.ema import EMA
 from fgrpo.core.hookspecs import plugin_manager
 from fgrpo.core.protocols import Policy
+from fgrpo.core.registry import ComponentError
 from fgrpo.core.recipe import Recipe
 from fgrpo.core.run import Run
 from fgrpo.core.runlog import Display, MetricsLog, read_metrics
@@ -114,7 +115,7 @@ def run_evaluation(run: Run, it: int) -> dict[str, float]:
         metrics = evaluation.evaluate(run, it, run.out_dir)
         if metrics:
             metrics["time_eval_s"] = time.perf_counter() - t0
-        run.display.evaluation_done(it, metrics)
+        run.display.evaluation_done(it, metrics, evaluated_weights(run))
         plugin_manager().hook.fgrpo_evaluation(run=run, iteration=it, metrics=metrics)
     elif run.sharded_weights:
         evaluation.evaluation_samples(run, it)  # the main process's forwards need this process's shards
@@ -122,9 +123,22 @@ def run_evaluation(run: Run, it: int) -> dict[str, float]:
     return metrics
 
 
+def evaluated_weights(run: Run) -> str:
+    """Which weights evaluation used: the EMA's (and how often it moved) or the raw ones."""
+    if run.ema is None:
+        return "raw weights"
+    updates = weights.ema_updates(run.optimizer_steps, run.recipe.train.ema_every)
+    return f"EMA weights after {updates} update{'s' if updates != 1 else ''}"
+
+
 def finish(run: Run) -> None:
     if run.is_main and run.out_dir is not None:
-        report.write(run.out_dir)
+        try:
+            report.write(run.out_dir)
+        except (RecipeError, ComponentError) as exc:  # the trained run stands; only its page is missing
+            run.display.say(f"report.html not written: {str(exc).splitlines()[0]}")
+        for line in weights.checkpoint_warnings(run.out_dir / "checkpoints" / "last"):
+            run.display.warn(line)
     if run.is_main and run.out_dir is not None and run.recipe.log.plots:
         if visuals.have_matplotlib():
             visuals.curves(read_metrics(run.out_dir), run.out_dir / "curves.png")
@@ -379,6 +393,7 @@ def save_checkpoint(run: Run, done: int) -> None:
         ema = run.ema.state_dict() if run.ema is not None else None
         optimizer = sharding.optimizer_state(run.accelerator, run.optimizer, run.trainable)
         export = export_in_checkpoint(run)
+        ema_summary = weights.ema_summary(run.ema, run.optimizer_steps, run.recipe.train.ema_every) if run.ema is not None else None
     if run.is_main:
         path = ckpt.write(
             run.out_dir / "checkpoints",
@@ -395,6 +410,7 @@ def save_checkpoint(run: Run, done: int) -> None:
                 "recipe": run.recipe.data,
                 "processes": run.accelerator.num_processes,
                 "run_id": run.folder.run_id if run.folder is not None else None,
+                weights.STATE_KEY: ema_summary,
             },
             keep=run.recipe.train.keep_checkpoints,
             export=export,
@@ -457,10 +473,10 @@ def _share(acc: Any, value: Any) -> Any:
 def open_run(
     recipe: Recipe,
     *,
-    out: str | None,
-    resume: bool,
+    out: str | Path | None = None,
+    resume: bool = False,
     start_over: bool = False,
-    console: Console,
+    console: Console | None = None,
     quiet: bool = False,
     extra_trackers: Sequence[Any] = (),
 ) -> Run:
@@ -468,7 +484,8 @@ def open_run(
     built, the newest complete checkpoint restored when resuming; only then is anything written
     (check first, write after), and its trackers started (``log.trackers`` and
     ``extra_trackers``, accelerate GeneralTracker instances). ``close_run`` (or ``finish``)
-    releases the folder."""
+    releases the folder. ``console``: where the run's lines go (default: the terminal)."""
+    console = Console(highlight=False, soft_wrap=True) if console is None else console
     mode = rundir.RESUME if resume else rundir.START_OVER if start_over else rundir.NEW
     acc = make_accelerator(train=recipe.train, log_with=trackers.log_with(recipe.log.trackers, extra_trackers) or None)
     folder, failure = None, None
@@ -495,9 +512,9 @@ def open_run(
                 first = (str(exc).splitlines() or [type(exc).__name__])[0][:300]
                 raise RecipeError([ConfigError("--resume", f"{resume_from} is not a valid checkpoint of this run: {first}")]) from None
         if folder is not None:
+            _start_trackers(acc, recipe, out_dir, resume_from=run.start_iteration if resume_from else None)
             folder.write_recipe(recipe)
             run.log = MetricsLog(out_dir, resume_from=run.start_iteration if resume_from else None)
-            trackers.start(acc, recipe, out_dir, resume_from=run.start_iteration if resume_from else None)
     except BaseException:
         if folder is not None:
             folder.abandon()
@@ -512,6 +529,16 @@ def open_run(
     elif resume:
         run.display.say(f"nothing to resume in {out_dir}: starting from iteration 0")
     return run
+
+
+def _start_trackers(acc: Any, recipe: Recipe, out_dir: Path, resume_from: int | None) -> None:
+    """The trackers, started before the recipe is written: one that fails to start (its options
+    were checked at `validate`; a library can still refuse) is one line, and the run did not begin."""
+    try:
+        trackers.start(acc, recipe, out_dir, resume_from=resume_from)
+    except Exception as exc:  # noqa: BLE001 - any tracker library's own error
+        first = (str(exc).splitlines() or [type(exc).__name__])[0][:300]
+        raise RecipeError([ConfigError("log.trackers", f"a tracker could not start: {type(exc).__name__}: {first}")]) from None
 
 
 # --- the on-policy check -----------------------------------------------------------------------

@@ -131,6 +131,9 @@ def load_pipeline(pipeline_class: Any, path: str, torch_dtype: torch.dtype, *, k
         import diffusers
 
         pipeline_class = getattr(diffusers, pipeline_class)
+    from fgrpo.core import logs
+
+    logs.quiet_libraries()  # diffusers' "Loading pipeline components" bars follow fgrpo's log level
     try:
         return pipeline_class.from_pretrained(source.location, **source.kwargs, **from_pretrained_dtype_kwargs(torch_dtype))
     except WeightsUnavailable:
@@ -163,7 +166,7 @@ SIGMA_GRIDS = ("diffusers", "diffusers-0.33")
 
 def scheduler_grid(
     scheduler: Any, steps: int, *, shift: float | None, image_seq_len: int | None = None, explicit_grid: bool = False,
-    sigma_grid: str = "diffusers",
+    sigma_grid: str = "diffusers", mu: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(sigmas, timesteps) of ``pipe(num_inference_steps=steps)``, from a copy of the pipeline's
     scheduler: the sigmas (steps + 1 values, 1 -> 0, float32 on the CPU), and the integer
@@ -178,6 +181,8 @@ def scheduler_grid(
     - ``sigma_grid`` (:data:`SIGMA_GRIDS`): a multistep flow scheduler's grid as the installed
       diffusers makes it or as diffusers 0.33.1 did. Kernels integrate these sigmas one step at a
       time whatever the scheduler's own (multistep) update.
+    - ``mu``: the dynamic shift the pipeline computes itself (FLUX.2's depends on the number of
+      steps too), instead of the scheduler config's line in ``image_seq_len``.
     """
     if steps < 1:
         raise ValueError(f"steps: got {steps}; must be >= 1")
@@ -202,9 +207,9 @@ def scheduler_grid(
     if shift is not None and (config.get("use_dynamic_shifting") or shift != float(config.get(shift_key, 1.0))):
         overrides = {shift_key: float(shift), "use_dynamic_shifting": False}
     elif config.get("use_dynamic_shifting"):
-        if image_seq_len is None:
+        if mu is None and image_seq_len is None:
             raise ValueError("this scheduler shifts by resolution: scheduler_grid needs image_seq_len")
-        kwargs["mu"] = dynamic_shift_mu(config, image_seq_len)
+        kwargs["mu"] = dynamic_shift_mu(config, image_seq_len) if mu is None else float(mu)
     config.update(overrides)
     if shift_key == "flow_shift" and sigma_grid == "diffusers-0.33":
         if config.get("use_dynamic_shifting") or config.get("shift_terminal"):
@@ -245,11 +250,11 @@ def _unipc_flow_grid_0_33(config: Mapping[str, Any], steps: int) -> tuple[Any, A
 
 def scheduler_sigmas(
     scheduler: Any, steps: int, *, shift: float | None, device: torch.device, image_seq_len: int | None = None,
-    explicit_grid: bool = False, sigma_grid: str = "diffusers",
+    explicit_grid: bool = False, sigma_grid: str = "diffusers", mu: float | None = None,
 ) -> torch.Tensor:
     """The sigmas of :func:`scheduler_grid`, float32 on ``device``."""
     sigmas, _ = scheduler_grid(
-        scheduler, steps, shift=shift, image_seq_len=image_seq_len, explicit_grid=explicit_grid, sigma_grid=sigma_grid
+        scheduler, steps, shift=shift, image_seq_len=image_seq_len, explicit_grid=explicit_grid, sigma_grid=sigma_grid, mu=mu
     )
     return sigmas.to(device)
 
@@ -266,6 +271,18 @@ def integer_timesteps(sigma: torch.Tensor, table_sigmas: torch.Tensor, table_tim
     hit = sigma.float()[:, None] == table_sigmas.to(sigma.device)[None, :]
     found = (hit * table_timesteps.to(sigma.device, torch.float32)[None, :]).sum(dim=1)
     return torch.where(hit.any(dim=1), found, fallback)
+
+
+def video_frames(video: torch.Tensor) -> torch.Tensor:
+    """A video VAE's output (B, 3, T, H, W) in [-1, 1] as fgrpo's videos (B, T, 3, H, W) float32 in
+    [0, 1], as the pipelines' ``postprocess_video(output_type="pt")``."""
+    return (video.float().permute(0, 2, 1, 3, 4) / 2 + 0.5).clamp(0, 1)
+
+
+def video_latent_shape(pipe: Any, channels: int, num_frames: int, height: int, width: int) -> tuple[int, int, int, int]:
+    """(C, (T - 1) / temporal + 1, H / spatial, W / spatial) of a video pipeline's latent."""
+    spatial, temporal = int(pipe.vae_scale_factor_spatial), int(pipe.vae_scale_factor_temporal)
+    return (int(channels), (num_frames - 1) // temporal + 1, height // spatial, width // spatial)
 
 
 def guided(uncond: torch.Tensor, cond: torch.Tensor, scale: float) -> torch.Tensor:

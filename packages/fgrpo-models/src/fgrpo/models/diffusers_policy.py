@@ -41,9 +41,11 @@ from fgrpo.models.lora import (
     adapters_disabled,
     inject_lora,
     load_trainable_state,
+    lora_file_name,
     lora_param,
     read_lora_file,
     save_diffusers_lora,
+    save_peft_adapter,
     trainable_state,
 )
 
@@ -184,15 +186,18 @@ class DiffusersPolicy:
     ) -> torch.Tensor:
         """The transformer's float32 output: ``hidden_states`` and ``embeds`` cast to its dtype, the
         timestep of ``sigma`` (:meth:`_timestep`), the ``as_given`` inputs (ids, masks, guidance) as they are."""
-        transformer = self.transformer
-        dtype = transformer.dtype
-        return transformer(
+        dtype = self.transformer.dtype
+        return self._forward(
             hidden_states=hidden_states.to(dtype),
             timestep=self._timestep(sigma),
             **{name: t.to(dtype) for name, t in embeds.items()},
             **dict(as_given or {}),
             return_dict=False,
         )[0].float()
+
+    def _forward(self, **inputs: Any) -> Any:
+        """One call of the network (Wan 2.2 routes it to the expert of the noise level)."""
+        return self.transformer(**inputs)
 
     def _timestep(self, sigma: torch.Tensor) -> torch.Tensor:
         """The transformer's timestep input at ``sigma``: sigma * timestep_scale, or with integer
@@ -249,6 +254,11 @@ class DiffusersPolicy:
         h, w = self._latent_shape[-2:]
         return (h // patch) * (w // patch)
 
+    def _shift_mu(self, steps: int) -> float | None:
+        """The dynamic time shift the pipeline passes to its scheduler for ``steps`` steps; None: the
+        scheduler config's line in the number of image tokens (FLUX.1, Qwen-Image, Z-Image)."""
+        return None
+
     def _check_pipeline(self, pipe: Any) -> None:
         """Refuse pipelines this backbone cannot drive (a subclass may add checks)."""
 
@@ -282,15 +292,15 @@ class DiffusersPolicy:
         if hasattr(pipe, "set_progress_bar_config"):
             pipe.set_progress_bar_config(disable=True)
         dx.freeze(*self.modules())
-        transformer = self.transformer
-        if self.lora is not None:
-            inject_lora(transformer, self.lora)
-            if self.lora_path is not None:
-                self.load_trainable_state_dict(read_lora_file(self.lora_path))
-        else:
-            transformer.requires_grad_(True)
-        if self.gradient_checkpointing:
-            transformer.enable_gradient_checkpointing()
+        for _, transformer in self.trained_transformers():
+            if self.lora is not None:
+                inject_lora(transformer, self.lora)
+            else:
+                transformer.requires_grad_(True)
+            if self.gradient_checkpointing:
+                transformer.enable_gradient_checkpointing()
+        if self.lora is not None and self.lora_path is not None:
+            self.load_trainable_state_dict(self._read_adapter(self.lora_path))
         if self.vae_tiling and hasattr(pipe.vae, "enable_tiling"):
             pipe.vae.enable_tiling()
         self._cache = dx.PromptCache(self.prompt_cache_size)
@@ -321,6 +331,15 @@ class DiffusersPolicy:
     @property
     def transformer(self) -> torch.nn.Module:
         return self._pipeline.transformer
+
+    def trained_transformers(self) -> list[tuple[str, torch.nn.Module]]:
+        """(pipeline attribute, module) of every network that trains: the transformer (Wan 2.2 A14B:
+        the experts its recipe trains)."""
+        return [("transformer", self.transformer)]
+
+    def _single_transformer(self) -> bool:
+        """State keys and exports keep the plain one-transformer layout (no module prefix)."""
+        return [name for name, _ in self.trained_transformers()] == ["transformer"]
 
     @property
     def trainable_module(self) -> torch.nn.Module:
@@ -417,6 +436,7 @@ class DiffusersPolicy:
             image_seq_len=self._image_seq_len(),
             explicit_grid=self.explicit_sigma_grid,
             sigma_grid=self.sigma_grid,
+            mu=self._shift_mu(steps),
         )
         if self._integer_timesteps and timesteps is not None:
             grid = dict(zip(sigmas[:-1].tolist(), timesteps.tolist()))
@@ -465,9 +485,10 @@ class DiffusersPolicy:
 
     def trainable_parameters(self) -> Iterable[torch.nn.Parameter]:
         """The LoRA weights (float32), or every transformer weight with full fine-tuning."""
+        modules = [m for _, m in self.trained_transformers()]
         if self.lora is None:
-            return list(self.transformer.parameters())
-        return [p for p in self.transformer.parameters() if p.requires_grad]
+            return [p for m in modules for p in m.parameters()]
+        return [p for m in modules for p in m.parameters() if p.requires_grad]
 
     @contextmanager
     def reference(self) -> Iterator[None]:
@@ -477,15 +498,55 @@ class DiffusersPolicy:
                 "model.reference(): full fine-tuning (model.lora null or rank 0) keeps no frozen reference; "
                 "use a LoRA adapter (model.lora.rank > 0) or an objective without a KL term (beta 0)"
             )
-        with adapters_disabled(self.transformer):
+        from contextlib import ExitStack
+
+        with ExitStack() as stack:
+            for _, transformer in self.trained_transformers():
+                stack.enter_context(adapters_disabled(transformer))
             yield
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
-        """Detached CPU copies: the LoRA weights (peft names) or the transformer's full state dict."""
-        return trainable_state(self.transformer, lora=self.lora is not None)
+        """Detached CPU copies: the LoRA weights (peft names) or the transformer's full state dict;
+        with several trained networks each key starts with its pipeline attribute
+        (``transformer.``, ``transformer_2.``)."""
+        lora = self.lora is not None
+        if self._single_transformer():
+            return trainable_state(self.transformer, lora=lora)
+        return {f"{name}.{k}": v for name, m in self.trained_transformers() for k, v in trainable_state(m, lora=lora).items()}
 
     def load_trainable_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        load_trainable_state(self.transformer, state, lora=self.lora is not None)
+        lora = self.lora is not None
+        if self._single_transformer():
+            load_trainable_state(self.transformer, state, lora=lora)
+            return
+        names = [name for name, _ in self.trained_transformers()]
+        unknown = sorted(k for k in state if k.split(".", 1)[0] not in names)
+        if unknown:
+            raise ValueError(f"trainable state: keys of no trained network {unknown[:3]} (trained: {', '.join(names)})")
+        for name, module in self.trained_transformers():
+            prefix = name + "."
+            load_trainable_state(module, {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}, lora=lora)
+
+    def _read_adapter(self, path: str) -> dict[str, torch.Tensor]:
+        """``lora_path``'s weights as :meth:`load_trainable_state_dict` takes them: one adapter file
+        (fgrpo's, peft's or diffusers'), or with several trained networks a folder of
+        :meth:`export`'s files (or fgrpo's own prefixed ``trainable.safetensors``)."""
+        import os
+
+        if self._single_transformer():
+            return read_lora_file(path)
+        own = os.path.join(path, "trainable.safetensors") if os.path.isdir(path) else path
+        if os.path.isfile(own) and own.endswith("trainable.safetensors"):
+            from safetensors.torch import load_file
+
+            return load_file(own)
+        state = {}
+        for name, _ in self.trained_transformers():
+            file = os.path.join(path, lora_file_name(name))
+            if not os.path.isfile(file):
+                raise FileNotFoundError(f"lora_path {path!r}: no {lora_file_name(name)} for the {name} this recipe trains")
+            state.update({f"{name}.{k}": v for k, v in read_lora_file(file).items()})
+        return state
 
     # --- export ---------------------------------------------------------------------------------
 
@@ -497,19 +558,36 @@ class DiffusersPolicy:
     def export(self, folder: str, state: Mapping[str, torch.Tensor] | None = None) -> list[str]:
         """The trained weights in diffusers' own format: the adapter as the pipeline's
         ``save_lora_weights`` writes it (``pipe.load_lora_weights(folder)`` loads it with its
-        rank and alpha), or with full fine-tuning the transformer's ``save_pretrained`` in
-        ``folder/transformer``. ``state``: a LoRA's :meth:`trainable_state_dict` to write instead
+        rank and alpha) and, in the same folder, as peft's ``save_pretrained`` writes it
+        (``PeftModel.from_pretrained(transformer, folder)``), or with full fine-tuning the transformer's
+        ``save_pretrained`` in ``folder/transformer``. A second trained network (Wan 2.2's low-noise
+        expert) writes ``pytorch_lora_weights_transformer_2.safetensors`` (``pipe.load_lora_weights(folder,
+        weight_name=..., load_into_transformer_2=True)``) and its peft adapter in ``folder/transformer_2``,
+        or ``folder/transformer_2``. ``state``: a LoRA's :meth:`trainable_state_dict` to write instead
         of the transformer's current adapter (a sharded run gathers it first). Returns the files
         written."""
         import os
 
         if self.lora is not None:
-            return [save_diffusers_lora(type(self._pipeline), self.transformer, folder, state)]
+            if self._single_transformer():
+                return [save_diffusers_lora(type(self._pipeline), self.transformer, folder, state)] + save_peft_adapter(
+                    self.transformer, folder, state
+                )
+            written = []
+            for name, module in self.trained_transformers():
+                prefix = name + "."
+                part = None if state is None else {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+                written.append(save_diffusers_lora(type(self._pipeline), module, folder, part, weight_name=lora_file_name(name)))
+                written += save_peft_adapter(module, folder if name == "transformer" else os.path.join(folder, name), part)
+            return written
         if state is not None:
             raise ValueError("export(state=...) takes LoRA weights; a fully fine-tuned transformer exports its own")
-        target = os.path.join(folder, "transformer")
-        self.transformer.save_pretrained(target)
-        return sorted(os.path.join(target, f) for f in os.listdir(target))
+        written = []
+        for name, module in self.trained_transformers():
+            target = os.path.join(folder, name)
+            module.save_pretrained(target)
+            written += sorted(os.path.join(target, f) for f in os.listdir(target))
+        return written
 
 
 __all__ = ["DiffusersPolicy", "NEGATIVE"]
