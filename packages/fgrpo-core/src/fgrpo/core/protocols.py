@@ -7,7 +7,7 @@ through the methods named here.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol, runtime_checkable
 
@@ -258,7 +258,3 @@ class PromptSource(Protocol):
     def test_prompts(self) -> list[str]: ...
 
     def metadata(self, prompt: str) -> Mapping[str, Any]: ...
-
-
-def iter_protocols() -> Iterator[type]:
-    yield from (Kernel, Policy, Sampler, Reward, Objective, PromptSource)
