@@ -19,6 +19,10 @@ class Processes:
 
     accelerator: Any
 
+    @staticmethod
+    def check(accelerator: Any) -> None:
+        """What of the launcher's settings this kind refuses before the run is built (nothing here)."""
+
     @property
     def processes(self) -> int:
         return self.accelerator.num_processes

@@ -48,10 +48,6 @@ class FSDP2(Processes):
     sharded_weights: ClassVar[bool] = True
     description: ClassVar[str] = "sharded (FSDP2)"
 
-    @staticmethod
-    def check(accelerator: Any) -> None:
-        """Nothing of the launcher's settings to refuse before the run is built."""
-
     def prepare(self, policy: Any, optimizer: torch.optim.Optimizer, train: Any) -> list[torch.nn.Parameter]:
         broadcast_parameters(self.accelerator, trainable_of(optimizer))
         return shard_policy(self.accelerator, policy, optimizer)

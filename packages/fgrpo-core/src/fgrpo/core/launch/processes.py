@@ -26,10 +26,6 @@ class DataParallel(Processes):
     sharded_weights: ClassVar[bool] = False
     description: ClassVar[str] = ""
 
-    @staticmethod
-    def check(accelerator: Any) -> None:
-        """Nothing of the launcher's settings to refuse before the run is built."""
-
     def prepare(self, policy: Any, optimizer: torch.optim.Optimizer, train: Any) -> list[torch.nn.Parameter]:
         params = trainable_of(optimizer)
         broadcast_parameters(self.accelerator, params)
