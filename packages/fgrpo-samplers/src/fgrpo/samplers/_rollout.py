@@ -63,7 +63,11 @@ class Plan:
     which are also indices into ``sigmas``: trained steps always belong to the main schedule,
     which the program follows up to its last trained step), ``share_noise`` and ``final`` ('x0'
     returns the last step's predicted clean sample x - sigma v instead of the state after the
-    last step, 'sample'; 'ode' too: the last step was made deterministic).
+    last step, 'sample'; 'ode' too: the last step was made deterministic). With ``kl_steps: all``
+    also ``policy_weight`` (B, S): the policy loss's weight of each recorded step (0: the step is
+    there for the KL term only), and ``kl_kernel``, as whose step a recorded deterministic step is
+    booked at its state (its mean, std and the log-prob of the deterministic action), so the
+    update treats it as any other.
     """
 
     steps: list[Step]
@@ -74,6 +78,8 @@ class Plan:
     trained: torch.Tensor | None = None
     share_noise: bool = False
     final: str = "sample"
+    kl_kernel: Kernel | None = None
+    policy_weight: torch.Tensor | None = None
 
     def check(self, batch: int) -> None:
         """Refuse a plan :func:`run` cannot run for ``batch`` samples (a sampler bug)."""
@@ -125,6 +131,9 @@ class Record:
             stds=torch.empty((batch, n_trained), dtype=torch.float32, device=device),
             filled=torch.zeros((batch, n_trained), dtype=torch.bool),
         )
+
+    def records(self, position: int) -> bool:
+        return bool((self.slot[:, position] >= 0).any())
 
     def step(self, position: int, x: torch.Tensor, out: Any) -> None:
         """Keep the state before and the outcome of program step ``position`` where it is trained."""
@@ -193,10 +202,21 @@ def run(
             out = step.kernel.step(velocity, x, step.sigmas, step.index, noise=noise)
             if plan.final == "x0" and position == len(plan.steps) - 1:
                 x0 = x - sigma.reshape(-1, *([1] * (x.dim() - 1))) * velocity.to(torch.float32)
+            if not step.kernel.stochastic and record.records(position):
+                out = booked(plan, position, velocity, x, out)
             record.step(position, x, out)
             x = out.prev_sample.to(torch.float32)
     record.check()
     return trajectory(prompts, group, plan, cond_b, record, x0 if plan.final == "x0" else x, nfe, epc)
+
+
+def booked(plan: Plan, position: int, velocity: torch.Tensor, x: torch.Tensor, out: Any) -> Any:
+    """A recorded deterministic step (``kl_steps: all``) as ``plan.kl_kernel``'s step to the same
+    next state."""
+    if plan.kl_kernel is None:
+        raise RuntimeError(f"step {position} is deterministic and recorded without a kernel to book it (a sampler bug)")
+    step = plan.steps[position]
+    return plan.kl_kernel.step(velocity, x, step.sigmas, step.index, prev_sample=out.prev_sample)
 
 
 def trajectory(
@@ -229,4 +249,5 @@ def trajectory(
         final=final,
         nfe=total,
         info=info,
+        policy_weight=None if plan.policy_weight is None else torch.as_tensor(plan.policy_weight, dtype=torch.float32).to(device),
     )

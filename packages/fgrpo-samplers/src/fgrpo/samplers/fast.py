@@ -30,7 +30,7 @@ import torch
 
 from fgrpo.core.config import ConfigError, param
 from fgrpo.core.registry import component
-from fgrpo.samplers.base import EULER, GroupSampler, Plan, Step, final_param, key, randint, schedule_param
+from fgrpo.samplers.base import EULER, GroupSampler, Plan, Step, final_param, key, kl_steps_param, randint, schedule_param
 
 
 @attrs.define
@@ -53,6 +53,7 @@ class FastSampler(GroupSampler):
     share_prefix: bool = param(
         True, help="with share_noise: compute the ODE prefix once per prompt, not once per sample"
     )
+    kl_steps: str = kl_steps_param()
     schedule: dict | None = schedule_param()
     final: str | None = final_param()
     kernel: Any = component("kernel", default="sde", help="the stochastic kernel of the window")
