@@ -37,6 +37,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from fgrpo.core import confine
+from fgrpo.core.config import first_line
 from fgrpo.core.confine import file_mode
 from fgrpo.core.registry import ComponentError
 
@@ -395,7 +396,7 @@ def read_tensors(path: Path, device: torch.device | str = "cpu") -> dict[str, to
     try:
         return load_file(str(path), device=str(device))
     except Exception as exc:  # safetensors raises its own error type for corrupt data
-        raise _invalid(path, f"does not read back ({str(exc).splitlines()[0][:120]})") from None
+        raise _invalid(path, f"does not read back ({first_line(exc)})") from None
 
 
 def read_torch(path: Path) -> Any:
@@ -406,7 +407,7 @@ def read_torch(path: Path) -> Any:
     except Exception as exc:
         if "Weights only load failed" in str(exc) or isinstance(exc, pickle.UnpicklingError):
             raise _invalid(path, "holds objects other than tensors and numbers (refused to unpickle them)") from None
-        raise _invalid(path, f"does not read back ({str(exc).splitlines()[0][:120]})") from None
+        raise _invalid(path, f"does not read back ({first_line(exc)})") from None
 
 
 def recipe_differences(

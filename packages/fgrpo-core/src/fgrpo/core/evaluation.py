@@ -13,7 +13,8 @@ import torch
 
 from fgrpo.core import tensors, trackers, visuals
 from fgrpo.core.config import ConfigError, RecipeError
-from fgrpo.core.phases import detail_means, score
+from fgrpo.core.ema import ema_weights
+from fgrpo.core.scoring import detail_means, score
 from fgrpo.core.run import Run
 from fgrpo.core.seeding import generator
 
@@ -94,8 +95,8 @@ def evaluate(run: Run, iteration: int, out_dir: Path | None) -> dict[str, float]
 
 
 def evaluation_samples(run: Run, iteration: int) -> tuple[Any, list[str]] | None:
-    """The outputs :func:`evaluate` scores and their prompts (None without test prompts). The
-    other processes of a sharded run call this too: each forward needs every process."""
+    """The outputs :func:`evaluate` scores and their prompts (None without test prompts). Where
+    every forward involves every process (sharded weights) the other processes call this too."""
     cfg = run.recipe.eval
     prompts = run.prompts.test_prompts()
     if cfg.max_prompts:
@@ -104,9 +105,8 @@ def evaluation_samples(run: Run, iteration: int) -> tuple[Any, list[str]] | None
         return None
     per_call = max(1, cfg.batch_size // cfg.samples_per_prompt)
     outputs, all_prompts = [], []
-    context = run.ema.swapped_in() if run.ema is not None else contextlib.nullcontext()
     sigmas = evaluation_sigmas(run)
-    with context, guidance(run.policy, cfg.guidance_scale), run.accelerator.autocast(), run.display.phase(
+    with ema_weights(run.ema), guidance(run.policy, cfg.guidance_scale), run.accelerator.autocast(), run.display.phase(
         f"evaluation at {iteration}", total=len(prompts)
     ) as advance:
         for start in range(0, len(prompts), per_call):

@@ -86,9 +86,10 @@ class Policy(Protocol):
     ``cond`` (Qwen-Image pads prompt embeddings to ``max_sequence_length`` and trims each
     forward to its longest prompt), so batches from different calls can be concatenated.
 
-    Optional: ``export(folder)`` writes the trained weights in the backbone's own format (the
-    ``fgrpo export`` command), and ``export_in_checkpoints`` (true) puts that export into every
-    checkpoint.
+    Optional: ``export(folder, state=None)`` writes the trained weights in the backbone's own
+    format (the ``fgrpo export`` command), and ``export_in_checkpoints`` (true) puts that export
+    into every checkpoint: the trainer then passes ``state``, a ``trainable_state_dict()`` of the
+    weights evaluation uses, to write instead of reading the module.
 
     Optional, for policies conditioned on more than the text (image-to-video now; image editing
     extends it): ``use_prompt_metadata(lookup)`` receives the prompt source's ``metadata``
@@ -98,12 +99,12 @@ class Policy(Protocol):
     cached, grouped, chunked or resumed by prompt stays valid; ``check_prompts(prompts)`` says
     which prompts lack what the policy needs.
 
-    Optional, for sharded runs (FSDP launches, :mod:`fgrpo.core.sharding`): ``trainable_module``
-    is the ``nn.Module`` that holds every trainable parameter and that ``velocity`` calls (through
-    its ``__call__``) for each forward, e.g. the transformer; FSDP shards it in place, so its
-    parameters become DTensor shards. ``trainable_state_dict`` then returns whole tensors (every
-    process calls it), ``load_trainable_state_dict`` takes whole tensors, and ``export(folder,
-    state=...)`` writes the given ``trainable_state_dict()`` instead of reading the module.
+    Optional, for sharded runs (FSDP and DeepSpeed launches, :mod:`fgrpo.core.launch`):
+    ``trainable_module`` is the ``nn.Module`` that holds every trainable parameter and that
+    ``velocity`` calls (through its ``__call__``) for each forward, e.g. the transformer; FSDP
+    shards it in place, so its parameters become DTensor shards. ``trainable_state_dict`` then
+    returns whole tensors (every process calls it) and ``load_trainable_state_dict`` takes whole
+    tensors.
     """
 
     device: torch.device
@@ -205,7 +206,7 @@ class Reward(Protocol):
 
     Videos (B, T, 3, H, W) reach a reward as images, frame by frame (every ``frame_stride``-th
     frame, a key of the reward's recipe entry), and a video's score is the mean of its frames'
-    (``fgrpo.core.phases.score_frames``); a reward that scores whole videos itself declares the
+    (``fgrpo.core.scoring.score_frames``); a reward that scores whole videos itself declares the
     class attribute ``accepts_video = True`` and receives the (B, T, 3, H, W) tensor.
     """
 

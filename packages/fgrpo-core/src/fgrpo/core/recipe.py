@@ -16,7 +16,7 @@ import attrs
 import yaml
 
 from fgrpo.core import registry
-from fgrpo.core.config import ConfigError, RecipeError, check_params, param, read_text_file, shown
+from fgrpo.core.config import ConfigError, RecipeError, check_params, first_line, param, read_text_file, shown
 
 # --- the trainer's own sections ----------------------------------------------------------------
 
@@ -179,7 +179,7 @@ class RewardSpec:
     label: str
     weight: float
     params: dict[str, Any]
-    frame_stride: int = 1  # videos: score every k-th frame as an image (fgrpo.core.phases.score)
+    frame_stride: int = 1  # videos: score every k-th frame as an image (fgrpo.core.scoring.score)
     timeout_s: float | None = None
 
 
@@ -227,7 +227,7 @@ class Recipe:
 def _yaml_error(source: str, exc: yaml.YAMLError) -> ConfigError:
     mark = getattr(exc, "problem_mark", None)
     where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark else source
-    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    problem = getattr(exc, "problem", None) or first_line(exc)
     if isinstance(exc, yaml.constructor.ConstructorError) and "tag" in str(problem):
         tag = problem.split("tag", 1)[1].strip().strip("'")
         return ConfigError(
