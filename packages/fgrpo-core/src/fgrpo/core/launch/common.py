@@ -3,7 +3,8 @@ DeepSpeed), and the collectives of a run with several processes."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import attrs
@@ -39,6 +40,15 @@ class Processes:
 
     def wait(self) -> None:
         self.accelerator.wait_for_everyone()
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.zero_grad(set_to_none=True)
+
+    @contextmanager
+    def whole_weights(self, params: Sequence[torch.nn.Parameter], modify: bool = False) -> Iterator[None]:
+        """Nothing to gather: every kind but ZeRO-3 keeps each weight whole or as a DTensor shard
+        that state dicts gather themselves (:mod:`.shards`)."""
+        yield
 
 
 def scaled_backward(accelerator: Any, loss: torch.Tensor) -> None:
