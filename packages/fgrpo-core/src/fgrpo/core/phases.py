@@ -26,6 +26,18 @@ from fgrpo.core.timing import TimedPolicy
 # --- rollout -----------------------------------------------------------------------------------
 
 
+@torch.no_grad()
+def refresh_prompts(run: Run, iteration: int) -> bool | None:
+    """A prompt source whose scenes depend on the policy (an optional ``refresh(policy, iteration,
+    seed) -> bool``: e.g. starting states from the policy's own closed loop) updates them before
+    the iteration's rollout; None when it has no such method. Its state travels in checkpoints
+    (optional ``state_dict`` / ``load_state_dict``)."""
+    refresh = getattr(run.prompts, "refresh", None)
+    if refresh is None:
+        return None
+    return bool(refresh(run.policy, iteration, run.recipe.seed))
+
+
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
     if precision == "same":
         return contextlib.nullcontext()
@@ -39,6 +51,8 @@ def cat_trajectories(parts: Sequence[Trajectory]) -> Trajectory:
     first = parts[0]
     fields = ("group_index", "step_index", "latents", "next_latents", "log_probs", "means", "stds", "final")
     joined = {name: torch.cat([getattr(p, name) for p in parts]) for name in fields}
+    if first.policy_weight is not None:
+        joined["policy_weight"] = torch.cat([p.policy_weight for p in parts])
     return Trajectory(
         prompts=[p for part in parts for p in part.prompts],
         cond=tensors.cat([p.cond for p in parts]),
@@ -162,16 +176,19 @@ def step_batch(
     ref_mean = ref_velocity = None
     if ref is not None:
         ref_mean, ref_velocity = ref.mean[rows, cols], ref.velocity[rows, cols]
+    # a kernel with correlated noise whitens the means, so that ||mu - mu'||^2 / (2 std^2) in the
+    # objectives (KL, GRPO-Guard's ratio norm) is the exact Mahalanobis form of its Gaussian
+    white = getattr(kernel, "whiten", None) or (lambda t: t)
     batch = StepBatch(
         log_prob=new.log_prob,
         old_log_prob=traj.log_probs[rows, cols],
-        advantages=adv[rows],
-        mean=new.mean,
-        old_mean=traj.means[rows, cols],
+        advantages=adv[rows] if traj.policy_weight is None else adv[rows] * traj.policy_weight[rows, cols],
+        mean=white(new.mean),
+        old_mean=white(traj.means[rows, cols]),
         std=traj.stds[rows, cols],
         dt=sigmas[index + 1] - sigmas[index],
         velocity=v,
-        ref_mean=ref_mean,
+        ref_mean=None if ref_mean is None else white(ref_mean),
         ref_velocity=ref_velocity,
     )
     return batch, nfe

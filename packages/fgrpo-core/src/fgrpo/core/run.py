@@ -7,16 +7,17 @@ takes it, so a reader can follow ``run.sampler.rollout`` to :class:`~fgrpo.core.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
 
 from fgrpo.core.data import PromptSchedule
 from fgrpo.core.ema import EMA
+from fgrpo.core.guard import Guard
 from fgrpo.core.launch import Launch
 from fgrpo.core.protocols import Objective, Policy, PromptSource, Reward, Sampler
-from fgrpo.core.recipe import Recipe, RewardSpec
+from fgrpo.core.recipe import EvaluatorSpec, Recipe, RewardSpec
 from fgrpo.core.rundir import RunFolder
 from fgrpo.core.runlog import Display, MetricsLog
 from fgrpo.core.timing import Clock
@@ -46,6 +47,9 @@ class Run:
     start_iteration: int = 0  # iterations already done (after a resume)
     optimizer_steps: int = 0  # over the whole run (checkpointed): the EMA counts these
     clock: Clock = attrs.Factory(lambda self: Clock(self.policy.device), takes_self=True)  # time accounting
+    evaluators: list[tuple[EvaluatorSpec, Any]] = attrs.Factory(list)  # gold metrics (fgrpo.core.protocols.Evaluator)
+    guard: Guard | None = None  # eval.guard: the proxy rises while a gold metric falls
+    saved_at: int | None = None  # the iteration of the checkpoint written last (one per iteration)
 
     @property
     def accelerator(self) -> Accelerator:

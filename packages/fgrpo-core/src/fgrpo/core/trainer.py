@@ -18,10 +18,11 @@ import torch
 from rich.console import Console
 
 from fgrpo.core import checkpoint as ckpt
-from fgrpo.core import evaluation, launch, phases, report, rundir, scoring, timing, trackers, visuals, weights
+from fgrpo.core import evaluation, launch, media, phases, report, rundir, scoring, timing, trackers, visuals, weights
 from fgrpo.core.config import ConfigError, RecipeError, first_line
 from fgrpo.core.data import PromptSchedule
 from fgrpo.core.ema import EMA, ema_weights
+from fgrpo.core.guard import Guard
 from fgrpo.core.hookspecs import plugin_manager
 from fgrpo.core.protocols import Policy
 from fgrpo.core.registry import ComponentError
@@ -41,6 +42,7 @@ def iteration(run: Run, it: int) -> dict[str, Any]:
     timing.synchronize(run.policy.device)
     t0 = time.perf_counter()
     run.sampler.advance(it)
+    refreshed = phases.refresh_prompts(run, it)
     where = f"the batch of iteration {it}"
     worker = scoring.RewardWorker(run, where) if run.recipe.train.reward_worker else None
     traj = phases.rollout(run, it, on_chunk=worker.submit if worker else None)
@@ -62,6 +64,7 @@ def iteration(run: Run, it: int) -> dict[str, Any]:
     return {
         **metrics,
         "lr": run.optimizer.param_groups[0]["lr"],
+        **({"prompts_refreshed": float(refreshed)} if refreshed is not None else {}),
         "trained_steps": traj.num_trained_steps,
         "nfe_rollout": traj.nfe,
         **{f"nfe_rollout/{k}": v for k, v in phases.nfe_by_phase(traj).items()},
@@ -79,22 +82,48 @@ def train(run: Run) -> dict[str, Any]:
     total = cfg.iterations
     row: dict[str, Any] = {}
     if run.start_iteration == 0 and run.recipe.eval.every and run.recipe.eval.at_start:
-        row = record(run, 0, run_evaluation(run, 0))
+        base = run_evaluation(run, 0)
+        watch(run, 0, base)  # the base is the shipped model: no checkpoint of it, whatever the guard says
+        row = record(run, 0, base)
     run.display.start_at(run.start_iteration)
     governor = ThreadGovernor()
     for it in range(run.start_iteration, total):
         metrics = iteration(run, it)
         metrics["threads"] = governor.step() or torch.get_num_threads()
         done = it + 1
-        if run.recipe.eval.every and (done % run.recipe.eval.every == 0 or done == total):
+        evaluated = bool(run.recipe.eval.every) and (done % run.recipe.eval.every == 0 or done == total)
+        if evaluated:
             metrics.update(run_evaluation(run, done))
+        stop, best = watch(run, done, metrics) if evaluated else (False, False)
         row = record(run, done, metrics)
         hooks.fgrpo_iteration_end(run=run, iteration=done, metrics=row)
         run.display.iteration_done(done, row)
-        if run.out_dir is not None and (done == total or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0)):
+        if run.out_dir is not None and (stop or best or done == total or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0)):
             save_checkpoint(run, done)
+            if best and run.is_main:
+                ckpt.point_best(run.out_dir / "checkpoints", ckpt.folder_name(done))
+        if stop:
+            break
     finish(run)
     return row
+
+
+def watch(run: Run, done: int, metrics: dict[str, Any]) -> tuple[bool, bool]:
+    """The over-optimisation guard (``eval.guard``) on this iteration's evaluation: its
+    ``guard/...`` metrics join the row. Returns (stop now, keep this iteration as the best: with
+    action stop the loop then writes a checkpoint that ``checkpoints/best`` names), decided by
+    the main process (which evaluates) and shared with the others."""
+    guard = run.guard
+    if guard is None:
+        return False, False
+    stop = best = False
+    if run.is_main and guard.config.metric in metrics:
+        metrics.update(guard.observe(done, metrics))
+        best = bool(metrics["guard/new_best"]) and guard.config.action == "stop"
+        if metrics["guard/fired"]:
+            run.display.say(guard.message(done))
+            stop = guard.config.action == "stop"
+    return run.parallel.share((stop, best))
 
 
 def record(run: Run, step: int, metrics: dict[str, Any]) -> dict[str, Any]:
@@ -134,7 +163,7 @@ def finish(run: Run) -> None:
         try:
             report.write(run.out_dir)
         except (RecipeError, ComponentError) as exc:  # the trained run stands; only its page is missing
-            run.display.say(f"report.html not written: {first_line(exc)}")
+            run.display.say(f"report.html not written: {first_line(exc, 300)}")
         for line in weights.checkpoint_warnings(run.out_dir / "checkpoints" / "last"):
             run.display.warn(line)
     if run.is_main and run.out_dir is not None and run.recipe.log.plots:
@@ -186,15 +215,19 @@ def lr_lambda(cfg: Any) -> Any:
 def check_prompts(
     policy: Any, prompts: Sequence[str], key: str, metadata: Callable[[str], Mapping[str, Any]] | None = None
 ) -> None:
-    """Refuse prompts the policy cannot read, before anything runs: a policy with a closed
-    vocabulary (``shapes-dit``) says why through an optional ``check_prompts(prompts) -> [problem]``.
-    A policy conditioned on more than text (image-to-video) is first given the prompts'
-    ``metadata`` lookup through its optional ``use_prompt_metadata``."""
+    """Refuse prompts the policy cannot read, before anything runs: prompts with a number of
+    source images the policy does not take (``source_image_count``, :mod:`fgrpo.core.media`), and
+    what a policy with a closed vocabulary (``shapes-dit``) says through an optional
+    ``check_prompts(prompts) -> [problem]``. A policy that reads more of a prompt's row than its
+    source images first gets the prompts' ``metadata`` lookup through its optional
+    ``use_prompt_metadata``."""
     bind = getattr(policy, "use_prompt_metadata", None)
     if bind is not None:
         bind(metadata if metadata is not None else (lambda _prompt: {}))
+    problems = media.count_problems(policy, prompts)
     check = getattr(policy, "check_prompts", None)
-    problems = check(list(prompts)) if check is not None else []
+    if not problems and check is not None:
+        problems = check(list(prompts))
     if problems:
         shown = [ConfigError(key, p) for p in problems[:5]]
         more = [ConfigError(key, f"... and {len(problems) - 5} more prompts the model cannot read")] if len(problems) > 5 else []
@@ -244,6 +277,7 @@ def build_run(
     prompts = recipe.build("prompts")
     check_prompts(policy, prompts.train_prompts() + prompts.test_prompts(), "prompts", prompts.metadata)
     rewards = recipe.build_rewards()
+    evaluators = recipe.build_evaluators()
     trainable = [p for p in policy.trainable_parameters() if p.requires_grad]
     if not trainable:
         raise RecipeError([ConfigError("model", "the policy has no trainable parameters")])
@@ -274,6 +308,8 @@ def build_run(
         schedule=schedule,
         display=display,
         out_dir=out_dir,
+        evaluators=evaluators,
+        guard=Guard.from_recipe(recipe.eval.guard, dict((s.label, e) for s, e in evaluators)) if recipe.eval.guard else None,
     )
 
 
@@ -282,7 +318,11 @@ def build_run(
 
 def save_checkpoint(run: Run, done: int) -> None:
     """Write checkpoint ``done``: the main process writes what the processes holding part of the
-    training state gathered (every process in a sharded run, :meth:`~fgrpo.core.launch.Launch.gathered`)."""
+    training state gathered (every process in a sharded run, :meth:`~fgrpo.core.launch.Launch.gathered`).
+    Once per iteration: the guard may have written it already."""
+    if run.saved_at == done:
+        return
+    run.saved_at = done
     run.parallel.wait()
     parts = run.parallel.gathered(lambda: checkpoint_parts(run))
     if parts is not None:
@@ -301,6 +341,8 @@ def save_checkpoint(run: Run, done: int) -> None:
                 "processes": run.parallel.processes,
                 "run_id": run.folder.run_id if run.folder is not None else None,
                 weights.STATE_KEY: ema_summary,
+                **({"guard": run.guard.state_dict()} if run.guard is not None else {}),
+                **({"prompts": run.prompts.state_dict()} if callable(getattr(run.prompts, "state_dict", None)) else {}),
             },
             keep=run.recipe.train.keep_checkpoints,
         )
@@ -340,6 +382,10 @@ def restore(run: Run, folder: Path) -> int:
     torch.set_rng_state(ckpt.read_torch(folder / "rng-rank0.pt")["torch"])
     run.sampler.load_state_dict(state["sampler"])
     run.optimizer_steps = int(state.get("optimizer_steps", 0))  # absent before it was saved: EMA counts restart
+    if run.guard is not None and "guard" in state:
+        run.guard.load_state_dict(state["guard"])
+    if "prompts" in state and callable(getattr(run.prompts, "load_state_dict", None)):
+        run.prompts.load_state_dict(state["prompts"])
     return int(state["iteration"])
 
 
@@ -408,20 +454,16 @@ def resume_from_checkpoint(run: Run, folder: Path) -> int:
 
 
 def start_writing(run: Run, folder: rundir.RunFolder, *, resumed: bool) -> None:
-    """The trackers, the resolved recipe and the metrics log of the claimed folder (main process)."""
+    """The trackers, the resolved recipe and the metrics log of the claimed folder (main process).
+    The trackers start first: one that fails to start (its options were checked at `validate`; a
+    library can still refuse) is one line, and the run did not begin."""
     at = run.start_iteration if resumed else None
-    start_trackers(run, folder.path, resume_from=at)
+    try:
+        trackers.start(run.accelerator, run.recipe, folder.path, resume_from=at)
+    except Exception as exc:  # noqa: BLE001 - any tracker library's own error
+        raise RecipeError([ConfigError("log.trackers", f"a tracker could not start: {type(exc).__name__}: {first_line(exc, 300)}")]) from None
     folder.write_recipe(run.recipe)
     run.log = MetricsLog(folder.path, resume_from=at)
-
-
-def start_trackers(run: Run, out_dir: Path, resume_from: int | None) -> None:
-    """The trackers, started before the recipe is written: one that fails to start (its options
-    were checked at `validate`; a library can still refuse) is one line, and the run did not begin."""
-    try:
-        trackers.start(run.accelerator, run.recipe, out_dir, resume_from=resume_from)
-    except Exception as exc:  # noqa: BLE001 - any tracker library's own error
-        raise RecipeError([ConfigError("log.trackers", f"a tracker could not start: {type(exc).__name__}: {first_line(exc)}")]) from None
 
 
 def say_where_it_starts(run: Run, folder: rundir.RunFolder | None, resume_from: Path | None, resume: bool) -> None:

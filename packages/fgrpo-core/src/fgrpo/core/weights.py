@@ -44,7 +44,8 @@ def ema_warnings(summary: Mapping[str, Any] | None, every: int) -> list[str]:
         return [
             f"the EMA received no update in {steps} optimizer step(s) (train.ema_every: {every}): its weights are the "
             "initial ones, so evaluation, the checkpoints' export/ and `fgrpo export` show the base model; "
-            f"`fgrpo export --no-ema` writes the trained weights (or set train.ema_every <= {steps})"
+            "`fgrpo export --no-ema` writes the trained weights and `fgrpo sample --no-ema` draws from them "
+            f"(or set train.ema_every <= {steps})"
         ]
     if steps > 0 and summary.get("max_abs_difference") == 0.0:
         return [
