@@ -1,6 +1,7 @@
 """Launch kinds: everything that differs between one process, data parallel, FSDP2 and DeepSpeed
-ZeRO-2/ZeRO-3 (with or without CPU offloading), behind one object per run (``run.parallel``, a :class:`Launch`) that the update, the
-checkpoints and evaluation call, so that none of them branches on the kind.
+ZeRO-2/ZeRO-3 (with or without CPU offloading), behind one object per run (``run.parallel``, a
+:class:`Launch`) that the update, the checkpoints and evaluation call, so that none of them
+branches on the kind.
 
 - :mod:`.protocol`: what every kind does (backward, the optimizer step, padding passes, gathering
   and loading state for checkpoints, the main process, sharing a value);

@@ -46,8 +46,8 @@ def launch_class(name: str, accelerator: Any = None) -> type:
         "accelerate",
         f"distributed type {name} (from the accelerate config or launch flags) is not supported: fgrpo runs data "
         "parallel (recipes/accelerate/ddp.yaml), sharded with FSDP2 (fsdp-lora.yaml, fsdp-full.yaml) or with "
-        "DeepSpeed ZeRO-2 or ZeRO-3 (deepspeed-zero2.yaml, deepspeed-zero3.yaml, their -offload variants); to fit memory also use LoRA, gradient checkpointing, "
-        "model.text_encoder_device: cpu and bf16 weights",
+        "DeepSpeed ZeRO-2 or ZeRO-3 (deepspeed-zero2.yaml, deepspeed-zero3.yaml, their -offload variants); to fit "
+        "memory also use LoRA, gradient checkpointing, model.text_encoder_device: cpu and bf16 weights",
     )])
 
 
