@@ -3,7 +3,8 @@ DeepSpeed), and the collectives of a run with several processes."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import attrs
@@ -52,6 +53,15 @@ class Processes:
         self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], state: Mapping[str, Any]
     ) -> None:
         load_whole_optimizer_state(optimizer, params, state)
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.zero_grad(set_to_none=True)
+
+    @contextmanager
+    def whole_weights(self, params: Sequence[torch.nn.Parameter], modify: bool = False) -> Iterator[None]:
+        """Nothing to gather: every kind but ZeRO-3 keeps each weight whole or as a DTensor shard
+        that state dicts gather themselves (:mod:`.shards`)."""
+        yield
 
 
 def scaled_backward(accelerator: Any, loss: torch.Tensor) -> None:
