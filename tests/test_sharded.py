@@ -197,6 +197,7 @@ def launch(config: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
     ("fsdp-lora.yaml", "FSDP2"), ("deepspeed-zero2.yaml", "DeepSpeed ZeRO-2"),
     # DeepSpeed's default persistence threshold keeps the tiny network's weights whole between forwards
     ("deepspeed-zero3.yaml", "DeepSpeed ZeRO-3"),
+    ("deepspeed-zero3-offload.yaml", "DeepSpeed ZeRO-3, optimizer offloaded to cpu, param offloaded to cpu"),
 ])
 def test_shipped_config_launches_bf16_on_policy_and_resumes_exactly(config, shown, tiny_sd3, tmp_path):
     """`accelerate launch --config_file recipes/accelerate/CONFIG` (bf16) on a machine without GPUs:

@@ -104,9 +104,10 @@ class Policy(Protocol):
     Optional, for sharded runs (FSDP and DeepSpeed launches, :mod:`fgrpo.core.launch`):
     ``trainable_module`` is the ``nn.Module`` that holds every trainable parameter and that
     ``velocity`` calls (through its ``__call__``) for each forward, e.g. the transformer; FSDP
-    shards it in place, so its parameters become DTensor shards. ``trainable_state_dict`` then
-    returns whole tensors (every process calls it) and ``load_trainable_state_dict`` takes whole
-    tensors.
+    shards it in place, so its parameters become DTensor shards; DeepSpeed ZeRO-3 partitions its
+    weights in place and the trainer calls the two state-dict methods with them gathered whole.
+    ``trainable_state_dict`` then returns whole tensors (every process calls it) and
+    ``load_trainable_state_dict`` takes whole tensors.
     """
 
     device: torch.device
