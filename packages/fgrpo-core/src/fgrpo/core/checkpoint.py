@@ -5,6 +5,7 @@ Layout of ``checkpoints/iter_NNNNNN/``::
 
     trainable.safetensors   the policy's trainable weights (LoRA or full)
     ema.safetensors         their EMA, when enabled
+    old.safetensors         the objective's old policy (a lagged copy of them), when it keeps one
     optimizer.pt            optimizer and LR-schedule state (tensors and numbers only)
     rng-rankR.pt            each process's torch RNG states
     state.json              iteration, sampler state, data position, the resolved recipe, run id
@@ -39,6 +40,7 @@ from fgrpo.core.registry import ComponentError
 
 TRAINABLE = "trainable.safetensors"
 EMA = "ema.safetensors"
+OLD = "old.safetensors"
 OPTIMIZER = "optimizer.pt"
 STATE = "state.json"
 EXPORT = "export"
@@ -97,6 +99,7 @@ def write(
     trainable: Mapping[str, torch.Tensor],
     ema: Mapping[str, torch.Tensor] | None,
     optimizer: Mapping[str, Any],
+    old: Mapping[str, torch.Tensor] | None = None,
     rng: Mapping[int, Any],
     state: Mapping[str, Any],
     keep: int,
@@ -114,6 +117,8 @@ def write(
     save_tensors(trainable, tmp / TRAINABLE)
     if ema is not None:
         save_tensors(ema, tmp / EMA)
+    if old is not None:
+        save_tensors(old, tmp / OLD)
     torch.save(dict(optimizer), tmp / OPTIMIZER)
     for rank, states in rng.items():
         torch.save(states, tmp / f"rng-rank{rank}.pt")
@@ -223,8 +228,9 @@ def problem(folder: Path) -> str | None:
     if not isinstance(state, dict) or not isinstance(state.get("iteration"), int) or not isinstance(state.get("recipe"), dict):
         return f"{STATE} lacks the iteration or the recipe"
     files = [_safetensors_problem(folder / TRAINABLE), _torch_file_problem(folder / OPTIMIZER), _torch_file_problem(folder / "rng-rank0.pt")]
-    if (folder / EMA).exists():
-        files.append(_safetensors_problem(folder / EMA))
+    for optional in (EMA, OLD):
+        if (folder / optional).exists():
+            files.append(_safetensors_problem(folder / optional))
     return next((p for p in files if p is not None), None)
 
 

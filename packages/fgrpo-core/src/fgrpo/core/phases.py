@@ -68,7 +68,7 @@ def rollout(run: Run, iteration: int, on_chunk: Callable[[Trajectory], None] | N
     chunk = cfg.rollout_prompts or len(local)
     parts = []
     policy = TimedPolicy(run.policy, run.clock)
-    with run.display.phase("rollout", len(local)) as advance:
+    with run.display.phase("rollout", len(local)) as advance, sampling_policy(run):
         for start in range(0, len(local), chunk):
             slots, prompts = zip(*local[start : start + chunk])
             g = generator(run.recipe.seed, "rollout", iteration, slots[0], device=run.policy.device)
@@ -81,6 +81,14 @@ def rollout(run: Run, iteration: int, on_chunk: Callable[[Trajectory], None] | N
                 on_chunk(traj)
             advance(len(slots))
     return cat_trajectories(parts)
+
+
+def sampling_policy(run: Run) -> contextlib.AbstractContextManager:
+    """The weights rollouts come from: the objective's old policy when it samples from it
+    (DiffusionNFT), else the current ones."""
+    if run.old is not None and getattr(run.objective, "samples_from_old", False):
+        return run.old.swapped_in()
+    return contextlib.nullcontext()
 
 
 def nfe_by_phase(traj: Trajectory) -> dict[str, int]:
@@ -171,15 +179,28 @@ def call_reward(spec: Any, call: Callable[[], Any], prompts: list[str], where: s
         ) from exc
 
 
-def score(rewards: Sequence[tuple[Any, Any]], outputs: Any, prompts: Sequence[str], metadata: Sequence[Any], *, where: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def score(
+    rewards: Sequence[tuple[Any, Any]],
+    outputs: Any,
+    prompts: Sequence[str],
+    metadata: Sequence[Any],
+    *,
+    where: str,
+    groups: torch.Tensor | None = None,
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Every reward on the batch; a malformed result stops the run before an update uses it.
     Videos reach a reward frame by frame (every ``frame_stride``-th frame of the reward's spec)
-    unless the reward declares ``accepts_video = True``."""
+    unless the reward declares ``accepts_video = True``. A group-aware reward (``groupwise =
+    True``) also receives ``groups``, each sample's prompt group (the batch holds whole groups)."""
     scores: dict[str, torch.Tensor] = {}
     details: dict[str, Any] = {}
     prompts = list(prompts)
     for spec, reward in rewards:
-        if is_video_batch(outputs) and not getattr(reward, "accepts_video", False):
+        if getattr(reward, "groupwise", False):
+            if groups is None:
+                raise RewardError(f"reward {spec.label!r} judges whole prompt groups, and {where} gave none")
+            call = functools.partial(reward, outputs, prompts, list(metadata), groups=groups)
+        elif is_video_batch(outputs) and not getattr(reward, "accepts_video", False):
             stride = getattr(spec, "frame_stride", 1)
             call = functools.partial(score_frames, reward, outputs, prompts, metadata, stride)
         else:
@@ -261,7 +282,7 @@ def decode_and_score(run: Run, traj: Trajectory, where: str) -> tuple[dict[str, 
         outputs = decode(run, traj)
     metadata = [run.prompts.metadata(p) for p in traj.prompts]
     with run.clock.phase("reward"):
-        return score(run.rewards, outputs, traj.prompts, metadata, where=where)
+        return score(run.rewards, outputs, traj.prompts, metadata, where=where, groups=traj.group_index.cpu())
 
 
 class RewardWorker:
@@ -328,6 +349,7 @@ class UpdateStats:
     samples: int = 0  # samples the update trained on (after the zero-advantage filter)
     nfe: int = 0  # the update's forwards, the reference pass included
     reference_nfe: int = 0  # the reference pass alone
+    old_nfe: int = 0  # the old policy's pass alone (forward-process objectives)
     first_ratio_deviation: torch.Tensor | None = None  # max |ratio - 1| before the first optimizer step
     grad_norms: list[torch.Tensor] = attrs.Factory(list)
 
@@ -492,26 +514,76 @@ def minibatches(kept: torch.Tensor, most: int, n: int, per_step: int, order: tor
     return chunks + [kept[:0]] * (math.ceil(most / size) - len(chunks))
 
 
+class Transitions:
+    """The stored (x_t, x_t') pairs of a rollout's trained steps (grpo, grpo-guard): the items of
+    the update are its samples, each with its S trained steps; the reference pass (KL) is made
+    once per iteration. :class:`fgrpo.core.forward.ForwardPoints` is the other kind."""
+
+    def __init__(self, run: Run, traj: Trajectory, adv: torch.Tensor):
+        self.run, self.traj, self.adv = run, traj, adv
+        self.advantages = adv
+        self.items = traj.batch_size
+        self.units = traj.num_trained_steps
+        self.ref: Reference | None = None
+        self.ref_nfe = self.old_nfe = 0
+
+    def prepare(self, kept: torch.Tensor, epoch: int) -> None:
+        if epoch == 0:  # the reference does not change during the update, whatever the epochs
+            self.ref = reference(self.run, self.traj, kept)
+            self.ref_nfe = self.ref.nfe if self.ref is not None else 0
+        else:
+            self.ref_nfe = 0
+
+    def per_forward(self, micro_batch_size: int) -> int:
+        return micro_batch_size
+
+    def passes(self, items: torch.Tensor, per_forward: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return pair_batches(self.traj, items.to(self.traj.latents.device), per_forward) if len(items) else []
+
+    def batch(self, rows: torch.Tensor, cols: torch.Tensor) -> tuple[StepBatch, int]:
+        return step_batch(self.run, self.traj, self.adv, rows, cols, self.ref)
+
+    def deviation(self, batch: StepBatch) -> torch.Tensor:
+        return (batch.log_prob.detach() - batch.old_log_prob).exp().sub(1).abs().max()
+
+    def idle(self, count: int) -> None:
+        idle_passes(self.run, self.traj, self.adv, count)
+
+
+def training_points(run: Run, traj: Trajectory, adv: torch.Tensor, iteration: int) -> Any:
+    """What the objective trains on (``Objective.trains_on``): stored transitions, or forward-process points."""
+    if getattr(run.objective, "trains_on", "transitions") == "forward":
+        from fgrpo.core.forward import ForwardPoints
+
+        return ForwardPoints(run, traj, adv, iteration)
+    return Transitions(run, traj, adv)
+
+
 def update(run: Run, traj: Trajectory, adv: torch.Tensor, iteration: int) -> UpdateStats:
-    """``inner_epochs`` passes over the samples in minibatches; an optimizer step every
-    ``gradient_accumulation_steps`` minibatches (accelerate's setting by default, 1), its gradient
-    the mean over all their (sample, step) pairs. Forwards run under the run's mixed precision
+    """``inner_epochs`` passes over the items (samples, or an objective's pairs) in minibatches;
+    an optimizer step every ``gradient_accumulation_steps`` minibatches (accelerate's setting by
+    default, 1), its gradient the mean over all their (item, unit) pairs, a unit being a trained
+    step (transitions) or a forward-process point. Forwards run under the run's mixed precision
     (accelerate's autocast); with fp16 the loss is scaled (accelerate's GradScaler)."""
     cfg = run.recipe.train
     acc = run.accelerator
     stats = UpdateStats()
     params = run.trainable
+    points = training_points(run, traj, adv, iteration)
     n = traj.batch_size
     per_step = cfg.minibatch_size or n
     accumulate = max(1, int(acc.gradient_accumulation_steps))
-    kept, most = informative(run, adv)
+    kept, most = informative(run, points.advantages)
     stats.samples = len(kept)
-    ref = reference(run, traj, kept)
-    stats.reference_nfe = stats.nfe = ref.nfe if ref is not None else 0
     per_epoch = math.ceil(most / math.ceil(most * per_step / n)) if most else 0
     total_steps = cfg.inner_epochs * math.ceil(per_epoch / accumulate)
+    per_forward = points.per_forward(cfg.micro_batch_size)
     with run.display.phase("update", total_steps) as advance:
         for epoch in range(cfg.inner_epochs):
+            points.prepare(kept, epoch)
+            stats.reference_nfe += points.ref_nfe
+            stats.old_nfe += points.old_nfe
+            stats.nfe += points.ref_nfe + points.old_nfe
             order = (
                 torch.randperm(len(kept), generator=generator(run.recipe.seed, "minibatch", iteration, epoch))
                 if cfg.shuffle_minibatches
@@ -521,28 +593,26 @@ def update(run: Run, traj: Trajectory, adv: torch.Tensor, iteration: int) -> Upd
             for first in range(0, len(batches), accumulate):
                 group = batches[first : first + accumulate]
                 run.optimizer.zero_grad(set_to_none=True)
-                total_pairs = sum(len(samples) for samples in group) * traj.num_trained_steps
-                passes = [
-                    pair for samples in group if len(samples)
-                    for pair in pair_batches(traj, samples.to(traj.latents.device), cfg.micro_batch_size)
-                ]
+                passes = [pair for items in group for pair in points.passes(items, per_forward)]
+                total_units = sum(len(rows) for rows, _ in passes)
                 # sharded: every process makes as many passes (each backward reduces gradients over them)
                 padding = sharding.missing_passes(acc, len(passes)) if run.sharded else 0
                 for rows, cols in passes:
                     with acc.autocast():
-                        batch, nfe = step_batch(run, traj, adv, rows, cols, ref)
+                        batch, nfe = points.batch(rows, cols)
                         out = run.objective(batch)
-                    loss = out.loss * (len(rows) / total_pairs)
+                    loss = out.loss * (len(rows) / total_units)
                     with run.clock.section("model"):
                         sharding.backward(acc, loss)
                     stats.nfe += nfe
                     for key, value in out.metrics.items():
                         stats.metrics[key].append(value.detach())
                     if stats.optimizer_steps == 0:  # on device: read once, by summarize
-                        dev = (batch.log_prob.detach() - batch.old_log_prob).exp().sub(1).abs().max()
-                        first = stats.first_ratio_deviation
-                        stats.first_ratio_deviation = dev if first is None else torch.maximum(first, dev)
-                idle_passes(run, traj, adv, padding)
+                        dev = points.deviation(batch)
+                        first_dev = stats.first_ratio_deviation
+                        if dev is not None:
+                            stats.first_ratio_deviation = dev if first_dev is None else torch.maximum(first_dev, dev)
+                points.idle(padding)
                 norm = optimizer_step(run, params)
                 if norm is not None:
                     stats.grad_norms.append(norm)
@@ -552,6 +622,13 @@ def update(run: Run, traj: Trajectory, adv: torch.Tensor, iteration: int) -> Upd
                     run.ema.update(run.ema.warmup_decay(run.optimizer_steps) if cfg.ema_warmup else None)
                 advance()
     return stats
+
+
+def move_old_policy(run: Run) -> None:
+    """After an iteration's update: the objective's old policy <- d old + (1 - d) current, with d
+    its decay after the run's optimizer steps so far (``Objective.old_decay``)."""
+    if run.old is not None:
+        run.old.update(run.objective.old_decay(run.optimizer_steps))
 
 
 def summarize(stats: UpdateStats) -> dict[str, float]:
@@ -572,4 +649,5 @@ def summarize(stats: UpdateStats) -> dict[str, float]:
     out["optimizer_steps"] = stats.optimizer_steps
     out["trained_samples"] = stats.samples
     out["nfe_reference"] = stats.reference_nfe
+    out["nfe_old"] = stats.old_nfe
     return out

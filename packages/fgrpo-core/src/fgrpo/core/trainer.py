@@ -51,6 +51,7 @@ def iteration(run: Run, it: int) -> dict[str, Any]:
     t2 = time.perf_counter()
     adv, adv_stats = phases.advantages(run, traj, scores)
     stats = phases.update(run, traj, adv, it)
+    phases.move_old_policy(run)
     run.scheduler.step()
     metrics = {
         **adv_stats,
@@ -344,7 +345,16 @@ def build_run(
         schedule=schedule,
         display=display,
         out_dir=out_dir,
+        old=old_policy(objective, trainable),
     )
+
+
+def old_policy(objective: Any, trainable: list[torch.nn.Parameter]) -> EMA | None:
+    """The objective's old policy (``needs_old``): a copy of the trainable weights, moved toward
+    them after every iteration by ``objective.old_decay`` (the same arithmetic as an EMA). For a
+    LoRA policy it is a second set of adapter weights, swapped in for its forwards; under full
+    fine-tuning a copy of the weights."""
+    return EMA(trainable, 0.0) if getattr(objective, "needs_old", False) else None
 
 
 def broadcast_parameters(acc: Any, params: list[torch.nn.Parameter]) -> None:
@@ -366,6 +376,7 @@ def save_checkpoint(run: Run, done: int) -> None:
     if run.is_main or run.sharded:
         trainable = run.policy.trainable_state_dict()
         ema = run.ema.state_dict() if run.ema is not None else None
+        old = run.old.state_dict() if run.old is not None else None
         optimizer = sharding.optimizer_state(run.accelerator, run.optimizer, run.trainable)
         export = export_in_checkpoint(run)
     if run.is_main:
@@ -374,6 +385,7 @@ def save_checkpoint(run: Run, done: int) -> None:
             done,
             trainable=trainable,
             ema=ema,
+            old=old,
             optimizer={"optimizer": optimizer, "scheduler": run.scheduler.state_dict()},
             rng={0: {"torch": torch.get_rng_state()}},
             state={
@@ -420,6 +432,8 @@ def restore(run: Run, folder: Path) -> int:
     run.policy.load_trainable_state_dict(ckpt.read_tensors(folder / ckpt.TRAINABLE, run.policy.device))
     if run.ema is not None:
         run.ema.load_state_dict(ckpt.read_tensors(folder / ckpt.EMA, run.policy.device))
+    if run.old is not None:
+        run.old.load_state_dict(ckpt.read_tensors(folder / ckpt.OLD, run.policy.device))
     opt = ckpt.read_torch(folder / ckpt.OPTIMIZER)
     sharding.load_optimizer_state(run.accelerator, run.optimizer, run.trainable, opt["optimizer"])
     run.scheduler.load_state_dict(opt["scheduler"])
@@ -512,6 +526,7 @@ def first_ratio_check(recipe: Recipe, console: Console) -> tuple[float, Run]:
     cfg = attrs.evolve(recipe.train, iterations=1, minibatch_size=0, inner_epochs=1, drop_zero_advantage=False)
     checked = attrs.evolve(recipe, train=cfg, eval=attrs.evolve(recipe.eval, every=0))
     run = build_run(checked, out_dir=None, console=console, quiet=True)
+    run.checking = True
     metrics = iteration(run, 0)
     return metrics["first_ratio_deviation"], run
 

@@ -123,7 +123,8 @@ def run(
 
     ``trained`` is a (B, S) long tensor of program positions (which are also indices into
     ``sigmas``: trained steps always belong to the main schedule, which the program follows up to
-    its last trained step). ``prefix`` steps are computed once per prompt (needs ``share_noise``;
+    its last trained step); S = 0 for a deterministic program, whose trajectory then holds only the
+    final samples and their conditioning (the forward-process objectives' rollouts). ``prefix`` steps are computed once per prompt (needs ``share_noise``;
     they must be deterministic and untrained). ``phases`` lists the NFE keys always reported
     (with 0 when a phase is empty this time), so the metrics keep the same keys every iteration.
     ``final``: 'x0' returns the last step's predicted clean sample x - sigma v instead of the state
@@ -137,8 +138,10 @@ def run(
     n_prompts, group = len(prompts), int(group_size)
     batch = n_prompts * group
     trained = torch.as_tensor(trained, dtype=torch.long)
-    if trained.dim() != 2 or trained.shape[0] != batch or trained.shape[1] < 1:
-        raise ValueError(f"trained steps must be (B={batch}, S>=1), got {tuple(trained.shape)}")
+    if trained.dim() != 2 or trained.shape[0] != batch:
+        raise ValueError(f"trained steps must be (B={batch}, S), got {tuple(trained.shape)}")
+    if trained.shape[1] == 0 and any(step.kernel.stochastic for step in program):
+        raise ValueError("a rollout with stochastic steps trains at least one of them")
     if prefix and not share_noise:
         raise ValueError("a shared prefix needs a shared initial noise")
     for position in range(prefix):

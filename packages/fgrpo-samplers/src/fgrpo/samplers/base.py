@@ -184,6 +184,10 @@ class GroupSampler:
     schedule: Mapping[str, Any] | None
     final: str | None
 
+    #: the rollout records trained stochastic transitions (the ``ode`` sampler records none: its
+    #: finished samples serve the objectives that train on the forward process)
+    transitions: ClassVar[bool] = True
+
     #: what ``rollout`` says when the kernel has std 0 at every step it would train
     nothing_to_train: ClassVar[str] = "the kernel has std 0 at every step of {sigmas}: nothing to train"
 

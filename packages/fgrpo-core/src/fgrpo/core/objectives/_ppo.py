@@ -8,7 +8,7 @@ averaging (GRPO-Guard divides each sample's loss by its own -dt).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -128,6 +128,7 @@ class ClippedObjective:
     :meth:`surrogate`."""
 
     __slots__ = ()
+    trains_on: ClassVar[str] = "transitions"
     clip_range: float
     adv_clip: float
     beta: float
