@@ -16,6 +16,8 @@ from fgrpo.core import cli
 RECIPES = [
     "sd35m-ocr", "sd35m-geneval", "sd35m-pickscore", "flux-pickscore", "qwen-image-ocr", "wan-ocr",
     "sd35m-preference-mix", "sd35m-vlm-judge", "sd35m-geneval-remote",
+    "sd35m-nft-geneval", "sd35m-nft-ocr", "sd35m-nft-pickscore", "sd35m-nft-multi-reward",
+    "sd35m-awm-geneval", "sd35m-awm-ocr", "sd35m-awm-pickscore", "sd35m-pref-grpo",
 ]
 
 
