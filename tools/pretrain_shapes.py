@@ -64,10 +64,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fgrpo.models.shapes_dit import (
+from fgrpo.models.shapes_dit import ShapesDiT
+from fgrpo.models.shapes_network import (
     PREDICTIONS,
     Architecture,
-    ShapesDiT,
     ShapesNetwork,
     count_parameters,
     flow_loss,

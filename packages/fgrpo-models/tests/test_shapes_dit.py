@@ -14,9 +14,9 @@ from fgrpo.core import registry
 from fgrpo.core.config import check_params
 from fgrpo.core.protocols import Policy
 from fgrpo.core.testing import PolicyConformance
-from fgrpo.models.shapes_dit import (
+from fgrpo.models.shapes_dit import ShapesDiT
+from fgrpo.models.shapes_network import (
     Architecture,
-    ShapesDiT,
     ShapesNetwork,
     default_vocabulary,
     default_weights_path,

@@ -36,6 +36,15 @@ import torch
 
 from fgrpo.core.config import param
 from fgrpo.models import _diffusers as dx
+from fgrpo.models.lora import (
+    adapters_disabled,
+    inject_lora,
+    load_trainable_state,
+    lora_param,
+    read_lora_file,
+    save_diffusers_lora,
+    trainable_state,
+)
 
 NEGATIVE = "negative_"
 
@@ -93,7 +102,7 @@ class DiffusersPolicy:
         None, validator=_resolution, help="output height = width in pixels, or [height, width]; null: the pipeline's default"
     )
     negative_prompt: str = param("", help="the unconditional prompt of classifier-free guidance")
-    lora: dict | None = dx.lora_param(32, ("to_q", "to_k", "to_v", "to_out.0"))
+    lora: dict | None = lora_param(32, ("to_q", "to_k", "to_v", "to_out.0"))
     lora_path: str | None = param(None, help="adapter weights to start from (.safetensors file or folder, fgrpo's or diffusers' format)")
     shift: float | None = param(None, gt=0, help="fixed time shift of sigmas(steps); null: the pipeline scheduler's own (static or by resolution)")
     gradient_checkpointing: bool = param(False, help="recompute transformer blocks in backward to save memory")
@@ -216,9 +225,9 @@ class DiffusersPolicy:
         dx.freeze(*modules)
         transformer = self.transformer
         if self.lora is not None:
-            dx.inject_lora(transformer, self.lora)
+            inject_lora(transformer, self.lora)
             if self.lora_path is not None:
-                self.load_trainable_state_dict(dx.read_lora_file(self.lora_path))
+                self.load_trainable_state_dict(read_lora_file(self.lora_path))
         else:
             transformer.requires_grad_(True)
         if self.gradient_checkpointing:
@@ -382,15 +391,15 @@ class DiffusersPolicy:
                 "model.reference(): full fine-tuning (model.lora null or rank 0) keeps no frozen reference; "
                 "use a LoRA adapter (model.lora.rank > 0) or an objective without a KL term (beta 0)"
             )
-        with dx.adapters_disabled(self.transformer):
+        with adapters_disabled(self.transformer):
             yield
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """Detached CPU copies: the LoRA weights (peft names) or the transformer's full state dict."""
-        return dx.trainable_state(self.transformer, lora=self.lora is not None)
+        return trainable_state(self.transformer, lora=self.lora is not None)
 
     def load_trainable_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        dx.load_trainable_state(self.transformer, state, lora=self.lora is not None)
+        load_trainable_state(self.transformer, state, lora=self.lora is not None)
 
     # --- export ---------------------------------------------------------------------------------
 
@@ -409,7 +418,7 @@ class DiffusersPolicy:
         import os
 
         if self.lora is not None:
-            return [dx.save_diffusers_lora(type(self._pipeline), self.transformer, folder, state)]
+            return [save_diffusers_lora(type(self._pipeline), self.transformer, folder, state)]
         if state is not None:
             raise ValueError("export(state=...) takes LoRA weights; a fully fine-tuned transformer exports its own")
         target = os.path.join(folder, "transformer")

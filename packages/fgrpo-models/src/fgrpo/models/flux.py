@@ -28,9 +28,10 @@ import torch
 from fgrpo.core.config import param
 from fgrpo.models import _diffusers as dx
 from fgrpo.models.diffusers_policy import DiffusersPolicy
+from fgrpo.models.lora import JOINT_ATTENTION_LORA_TARGETS, lora_param
 
 FLUX_LORA_TARGETS = (
-    *dx.JOINT_ATTENTION_LORA_TARGETS, "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2"
+    *JOINT_ATTENTION_LORA_TARGETS, "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2"
 )
 
 
@@ -51,7 +52,7 @@ class FluxPolicy(DiffusersPolicy):
         1.0, ge=1.0, help="true classifier-free guidance with negative_prompt; 1 = off, > 1: NFE 2 per call"
     )
     max_sequence_length: int = param(512, ge=1, le=512, help="T5 tokens per prompt")
-    lora: dict | None = dx.lora_param(64, FLUX_LORA_TARGETS)
+    lora: dict | None = lora_param(64, FLUX_LORA_TARGETS)
 
     _ids: dict = attrs.field(init=False, factory=dict, repr=False)
 

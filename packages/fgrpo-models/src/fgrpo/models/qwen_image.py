@@ -29,9 +29,10 @@ import torch
 from fgrpo.core.config import param
 from fgrpo.models import _diffusers as dx
 from fgrpo.models.diffusers_policy import DiffusersPolicy
+from fgrpo.models.lora import JOINT_ATTENTION_LORA_TARGETS, lora_param
 
 QWEN_IMAGE_LORA_TARGETS = (
-    *dx.JOINT_ATTENTION_LORA_TARGETS, "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2"
+    *JOINT_ATTENTION_LORA_TARGETS, "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2"
 )
 
 
@@ -50,7 +51,7 @@ class QwenImagePolicy(DiffusersPolicy):
     )
     negative_prompt: str = param(" ", help="the unconditional prompt of classifier-free guidance")
     max_sequence_length: int = param(512, ge=1, le=1024, help="prompt tokens after the template (longer prompts are cut)")
-    lora: dict | None = dx.lora_param(64, QWEN_IMAGE_LORA_TARGETS)
+    lora: dict | None = lora_param(64, QWEN_IMAGE_LORA_TARGETS)
 
     @property
     def cfg_scale(self) -> float:

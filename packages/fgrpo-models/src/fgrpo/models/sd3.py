@@ -19,12 +19,12 @@ import attrs
 import torch
 
 from fgrpo.core.config import param
-from fgrpo.models import _diffusers as dx
 from fgrpo.models.diffusers_policy import DiffusersPolicy
+from fgrpo.models.lora import JOINT_ATTENTION_LORA_TARGETS, lora_param
 
 #: LoRA on both attention streams of every joint block (image: to_*; text: add_*/to_add_out),
 #: as flow_grpo does for SD3.5 (r 32, alpha 64).
-SD3_LORA_TARGETS = dx.JOINT_ATTENTION_LORA_TARGETS
+SD3_LORA_TARGETS = JOINT_ATTENTION_LORA_TARGETS
 
 
 @attrs.define(eq=False)
@@ -39,7 +39,7 @@ class SD3Policy(DiffusersPolicy):
         1.0, ge=1.0, help="classifier-free guidance scale; 1 = off, > 1 doubles the forward (NFE 2 per call)"
     )
     max_sequence_length: int = param(256, ge=1, le=512, help="T5 tokens per prompt")
-    lora: dict | None = dx.lora_param(32, SD3_LORA_TARGETS)
+    lora: dict | None = lora_param(32, SD3_LORA_TARGETS)
 
     @property
     def cfg_scale(self) -> float:

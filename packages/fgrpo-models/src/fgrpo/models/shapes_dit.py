@@ -1,25 +1,11 @@
-"""``shapes-dit``: a small pixel-space flow model for the shapes world, shipped pretrained.
+"""``shapes-dit``: the policy over the shapes world's small pixel-space flow model, shipped
+pretrained (the network, its conventions and its weights files: :mod:`fgrpo.models.shapes_network`).
 
-The network is diffusers' ``SD3Transformer2DModel`` over 24x24 RGB pixels (patch size 8: one
-token per cell of the shapes world's 3x3 grid, 9 image tokens) conditioned by a word-level text
-encoder of its own: the shapes grammar has a tiny closed vocabulary, so every word is one token
-(``nn.Embedding`` + a learned position embedding + ``text_layers`` small pre-norm transformer
-layers). The encoder's output sequence is ``encoder_hidden_states`` (width ``text_width`` =
-``joint_attention_dim``); the pooled vector (``pooled_projection_dim``) is a projection of the
-leading start token's output and of the mean over the prompt's tokens.
-
-Conventions: latents are pixels in [-1, 1], shape (B, 3, 24, 24); the transformer predicts the
-clean image x0 (``prediction: x0`` in the architecture: with 8x8x3 = 192 values per token a
-velocity output would have to carry each patch's full noise through the network, which left
-every pixel visibly noisy) and ``velocity`` returns v = (x - x0_hat) / sigma = eps - x0 in
-float32 (x_sigma = (1 - sigma) x0 + sigma eps); ``decode`` maps x/2 + 1/2 clamped to [0, 1];
-``sigmas(steps)`` is linear in t with the SD3 time shift ``shift``.
-
-Weights: a safetensors file whose tensors are ``text.*`` (the text encoder) and ``transformer.*``
-(the SD3 transformer) and whose metadata holds the architecture and the vocabulary, so a recipe
-names no architecture (architecture keys given in a recipe must agree with the file). The
-default file ships in the wheel (``fgrpo/models/weights/shapes-base.safetensors``, made by
-``tools/pretrain_shapes.py``).
+Build it from a recipe (``path``, default: the shipped weights); the weights file's metadata holds
+the architecture and the vocabulary, so a recipe names no architecture (architecture keys given
+in a recipe must agree with the file). ``velocity`` returns v = eps - x0 in float32; ``decode``
+maps x/2 + 1/2 clamped to [0, 1]; ``sigmas(steps)`` is linear in t with the SD3 time shift
+``shift``.
 
 Fine-tuning: the text encoder is always frozen (its output is stored with each rollout, so it
 could not be trained by the update anyway). ``lora`` (default null = full fine-tuning of the
@@ -34,10 +20,8 @@ diffusers, peft and safetensors are imported lazily: listing plugins never impor
 from __future__ import annotations
 
 import copy
-import json
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import attrs
@@ -47,272 +31,28 @@ from torch import nn
 from fgrpo.core import flow, seeding
 from fgrpo.core.config import param
 from fgrpo.models import _diffusers as dx
-
-#: The shipped base weights (package data of fgrpo-models).
-WEIGHTS_RESOURCE = "weights/shapes-base.safetensors"
-
-PAD, START = "<pad>", "<start>"
-SPECIALS = (PAD, START)
+from fgrpo.models.lora import (
+    JOINT_ATTENTION_LORA_TARGETS,
+    adapters_disabled,
+    inject_lora,
+    load_trainable_state,
+    lora_param,
+    trainable_state,
+)
+from fgrpo.models.shapes_network import (
+    Architecture,
+    ShapesNetwork,
+    default_vocabulary,
+    default_weights_path,
+    load_network,
+    to_velocity,
+)
 
 #: LoRA on both attention streams of every joint block, as for sd3.
-SHAPES_LORA_TARGETS = dx.JOINT_ATTENTION_LORA_TARGETS
-
-PREDICTIONS = ("x0", "velocity")
-#: sigma is clamped to this in velocity = (x - x0_hat) / sigma (samplers never evaluate sigma = 0).
-SIGMA_FLOOR = 1e-3
+SHAPES_LORA_TARGETS = JOINT_ATTENTION_LORA_TARGETS
 
 #: Recipe keys that describe the architecture (null = the weights file's value).
 ARCH_KEYS = ("hidden", "layers", "heads", "text_width", "text_layers", "max_words")
-
-
-def vocabulary_of(prompts: Iterable[str]) -> tuple[str, ...]:
-    """The token list of a closed prompt set: the special tokens, then every word, sorted."""
-    words = sorted({w for p in prompts for w in tokenize_words(p)})
-    return SPECIALS + tuple(words)
-
-
-def tokenize_words(prompt: str) -> list[str]:
-    """Lower case, final full stop dropped, split on white space ("" -> [])."""
-    return str(prompt).lower().strip().rstrip(".").split()
-
-
-# --- the architecture ---------------------------------------------------------------------------
-
-
-@attrs.frozen
-class Architecture:
-    """Everything needed to build the network; stored as JSON in the weights file's metadata."""
-
-    vocab: tuple[str, ...] = attrs.field(converter=tuple)
-    hidden: int = 192
-    layers: int = 4
-    heads: int = 3
-    text_width: int = 128
-    text_layers: int = 1
-    text_heads: int = 2
-    max_words: int = 10
-    size: int = 24
-    patch: int = 8
-    channels: int = 3
-    qk_norm: str | None = "rms_norm"
-    #: what the transformer outputs: "x0" (the clean pixels; velocity = (x - x0_hat) / sigma) or
-    #: "velocity" (v directly). x0 lies on a tiny set per cell while v carries the full 192-dim
-    #: noise of each 8x8x3 patch through a 192-wide network (as in JiT, "Back to Basics: Let
-    #: Denoising Generative Models Denoise"). Measured with this architecture: v-prediction still
-    #: had a median pixel error of 17/255 and 0.4% verifier-readable cells after 1200 steps;
-    #: x0-prediction had 98% readable cells after 300 steps and 100% from 900 on.
-    prediction: str = "x0"
-
-    def __attrs_post_init__(self) -> None:
-        if self.prediction not in PREDICTIONS:
-            raise ValueError(f"prediction {self.prediction!r}; allowed: {', '.join(PREDICTIONS)}")
-        if self.hidden % self.heads:
-            raise ValueError(f"hidden {self.hidden} must be a multiple of heads {self.heads}")
-        if self.text_width % self.text_heads:
-            raise ValueError(f"text_width {self.text_width} must be a multiple of text_heads {self.text_heads}")
-        if self.size % self.patch:
-            raise ValueError(f"size {self.size} must be a multiple of patch {self.patch}")
-        if tuple(self.vocab[: len(SPECIALS)]) != SPECIALS:
-            raise ValueError(f"the vocabulary must start with {SPECIALS}")
-
-    @property
-    def tokens(self) -> int:
-        """Text sequence length: the start token and ``max_words`` words."""
-        return self.max_words + 1
-
-    def to_json(self) -> str:
-        return json.dumps({**attrs.asdict(self), "vocab": list(self.vocab)}, sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> Architecture:
-        return cls(**json.loads(text))
-
-
-class TextBlock(nn.Module):
-    """Pre-norm self-attention + GELU MLP over the word tokens (padding masked as keys)."""
-
-    def __init__(self, width: int, heads: int):
-        super().__init__()
-        self.heads = heads
-        self.norm1 = nn.LayerNorm(width)
-        self.qkv = nn.Linear(width, 3 * width)
-        self.proj = nn.Linear(width, width)
-        self.norm2 = nn.LayerNorm(width)
-        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
-
-    def forward(self, h: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-        b, n, w = h.shape
-        q, k, v = self.qkv(self.norm1(h)).reshape(b, n, 3, self.heads, w // self.heads).permute(2, 0, 3, 1, 4)
-        mask = keep[:, None, None, :]  # (B, 1, 1, N) True = attend
-        a = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        h = h + self.proj(a.transpose(1, 2).reshape(b, n, w))
-        return h + self.mlp(self.norm2(h))
-
-
-class TextEncoder(nn.Module):
-    """Word ids (B, tokens) -> (encoder_hidden_states (B, tokens, width), pooled (B, width))."""
-
-    def __init__(self, arch: Architecture):
-        super().__init__()
-        w = arch.text_width
-        self.embed = nn.Embedding(len(arch.vocab), w)
-        self.position = nn.Parameter(torch.zeros(1, arch.tokens, w))
-        self.blocks = nn.ModuleList(TextBlock(w, arch.text_heads) for _ in range(arch.text_layers))
-        self.norm = nn.LayerNorm(w)
-        self.pool = nn.Linear(2 * w, w)
-        nn.init.normal_(self.embed.weight, std=0.02)
-        nn.init.normal_(self.position, std=0.02)
-
-    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        keep = ids != 0  # the start token is never padding: no row is fully masked
-        h = self.embed(ids) + self.position[:, : ids.shape[1]]
-        for block in self.blocks:
-            h = block(h, keep)
-        h = self.norm(h)
-        k = keep.to(h.dtype)[..., None]
-        mean = (h * k).sum(1) / k.sum(1)
-        pooled = self.pool(torch.cat([h[:, 0], mean], dim=-1))
-        return h, pooled
-
-
-class ShapesNetwork(nn.Module):
-    """The whole model: ``text`` (:class:`TextEncoder`) + ``transformer`` (SD3Transformer2DModel)."""
-
-    def __init__(self, arch: Architecture):
-        super().__init__()
-        from diffusers import SD3Transformer2DModel
-
-        self.arch = arch
-        self.word_ids = {w: i for i, w in enumerate(arch.vocab)}
-        self.text = TextEncoder(arch)
-        self.transformer = SD3Transformer2DModel(
-            sample_size=arch.size,
-            patch_size=arch.patch,
-            in_channels=arch.channels,
-            out_channels=arch.channels,
-            num_layers=arch.layers,
-            attention_head_dim=arch.hidden // arch.heads,
-            num_attention_heads=arch.heads,
-            joint_attention_dim=arch.text_width,
-            caption_projection_dim=arch.hidden,
-            pooled_projection_dim=arch.text_width,
-            pos_embed_max_size=arch.size // arch.patch,
-            qk_norm=arch.qk_norm,
-        )
-
-    def token_ids(self, prompts: Sequence[str], device: torch.device | str = "cpu") -> torch.Tensor:
-        """(B, tokens) long: the start token, the words, then padding. Unknown words and prompts
-        longer than ``max_words`` raise ``ValueError``."""
-        start = self.word_ids[START]
-        rows = []
-        for prompt in prompts:
-            words = tokenize_words(prompt)
-            unknown = [w for w in words if w not in self.word_ids or w in SPECIALS]
-            if unknown:
-                known = ", ".join(self.arch.vocab[len(SPECIALS):])
-                raise ValueError(f"prompt {prompt!r}: word(s) {unknown} not in the shapes-dit vocabulary ({known})")
-            if len(words) > self.arch.max_words:
-                raise ValueError(f"prompt {prompt!r} has {len(words)} words; this model reads at most {self.arch.max_words}")
-            ids = [start] + [self.word_ids[w] for w in words]
-            rows.append(ids + [0] * (self.arch.tokens - len(ids)))
-        return torch.tensor(rows, dtype=torch.long, device=device)
-
-    def encode(self, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
-        device = self.text.embed.weight.device
-        embeds, pooled = self.text(self.token_ids(prompts, device))
-        return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
-
-    def forward(self, x: torch.Tensor, sigma: torch.Tensor, embeds: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
-        """The transformer's raw output for pixels ``x`` (B, 3, 24, 24) at noise level ``sigma``
-        (B,): the clean image x0 (``arch.prediction == "x0"``) or the velocity."""
-        return self.transformer(
-            hidden_states=x,
-            timestep=sigma * 1000.0,
-            encoder_hidden_states=embeds,
-            pooled_projections=pooled,
-            return_dict=False,
-        )[0]
-
-
-def to_velocity(output: torch.Tensor, x: torch.Tensor, sigma: torch.Tensor, prediction: str) -> torch.Tensor:
-    """The float32 velocity eps - x0 from the transformer's ``output`` at state ``x``, level ``sigma`` (B,)."""
-    output = output.float()
-    if prediction == "velocity":
-        return output
-    s = sigma.float().clamp_min(SIGMA_FLOOR).reshape(-1, *([1] * (x.ndim - 1)))
-    return (x.float() - output) / s
-
-
-def flow_loss(
-    output: torch.Tensor, x0: torch.Tensor, eps: torch.Tensor, sigma: torch.Tensor, prediction: str, floor: float = 0.05
-) -> torch.Tensor:
-    """The pretraining loss: velocity MSE against eps - x0 for the transformer's ``output`` at
-    x_sigma = (1 - sigma) x0 + sigma eps. With x0-prediction (JiT's "v-loss") the velocity implied
-    by the prediction, sigma floored at ``floor``, i.e. ||x0_hat - x0||^2 / max(sigma, floor)^2:
-    low noise levels weigh more, which is where the exact palette colours and glyph edges are set."""
-    if prediction == "velocity":
-        return (output - (eps - x0)).pow(2).mean()
-    s = sigma.clamp_min(floor).reshape(-1, *([1] * (x0.ndim - 1)))
-    return ((output - x0) / s).pow(2).mean()
-
-
-def count_parameters(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
-
-
-# --- weights files ------------------------------------------------------------------------------
-
-
-def default_weights_path() -> str:
-    """The shipped base weights, as a file path (package data of fgrpo-models)."""
-    from importlib.resources import files
-
-    return str(files("fgrpo.models").joinpath(WEIGHTS_RESOURCE))
-
-
-def save_network(
-    network: ShapesNetwork, path: str | Path, dtype: torch.dtype = torch.float16, extra: Mapping[str, str] | None = None
-) -> None:
-    """Write ``network`` as safetensors (floating tensors cast to ``dtype``) with its architecture
-    (and ``extra`` strings, e.g. how it was trained) in the metadata."""
-    from safetensors.torch import save_file
-
-    state = {
-        k: (v.detach().to("cpu", dtype) if v.is_floating_point() else v.detach().cpu()).contiguous()
-        for k, v in network.state_dict().items()
-    }
-    metadata = {"format": "pt", "fgrpo_model": "shapes-dit", "architecture": network.arch.to_json(), **(extra or {})}
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(path), metadata=metadata)
-
-
-def read_metadata(path: str | Path) -> dict[str, str]:
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        return dict(f.metadata() or {})
-
-
-def load_network(path: str | Path) -> ShapesNetwork:
-    """Build the network the file describes and load its weights (as float32)."""
-    from safetensors.torch import load_file
-
-    file = Path(path).expanduser()
-    if not file.is_file():
-        raise FileNotFoundError(f"model.path: no such file {str(file)!r} (a shapes-dit safetensors file)")
-    meta = read_metadata(file)
-    if "architecture" not in meta:
-        raise ValueError(f"model.path: {str(file)!r} has no 'architecture' metadata: not a shapes-dit weights file")
-    network = ShapesNetwork(Architecture.from_json(meta["architecture"]))
-    state = {k: v.float() if v.is_floating_point() else v for k, v in load_file(str(file)).items()}
-    expected = network.state_dict()
-    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-    if missing or unexpected:
-        raise ValueError(
-            f"model.path: {str(file)!r} does not fit its own architecture: missing {missing[:3]}, unexpected {unexpected[:3]}"
-        )
-    network.load_state_dict(state, strict=True)
-    return network
 
 
 # --- the policy ---------------------------------------------------------------------------------
@@ -349,7 +89,7 @@ class ShapesDiT:
     text_layers: int | None = _arch_key("text encoder transformer layers", _optional_count)
     max_words: int | None = _arch_key("longest prompt in words")
     random_init: bool = param(False, help="ignore path: a randomly initialised network of this architecture (tests)")
-    lora: dict | None = dx.lora_param(16, SHAPES_LORA_TARGETS, default=False)
+    lora: dict | None = lora_param(16, SHAPES_LORA_TARGETS, default=False)
     reference_copy: bool = param(
         True, help="with full fine-tuning keep a frozen copy of the base transformer for reference() (KL)"
     )
@@ -390,7 +130,7 @@ class ShapesDiT:
         dx.freeze(net)
         transformer = net.transformer
         if self.lora is not None:
-            dx.inject_lora(transformer, self.lora)
+            inject_lora(transformer, self.lora)
         else:
             if self.reference_copy:
                 self._reference = copy.deepcopy(transformer)
@@ -517,7 +257,7 @@ class ShapesDiT:
     def reference(self) -> Iterator[None]:
         """The frozen base model: LoRA disabled, or the frozen copy with full fine-tuning."""
         if self.lora is not None:
-            with dx.adapters_disabled(self.transformer):
+            with adapters_disabled(self.transformer):
                 yield
             return
         if self._reference is None:
@@ -534,35 +274,14 @@ class ShapesDiT:
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """Detached CPU copies: the LoRA weights (peft names) or the transformer's full state dict."""
-        return dx.trainable_state(self.transformer, lora=self.lora is not None)
+        return trainable_state(self.transformer, lora=self.lora is not None)
 
     def load_trainable_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        dx.load_trainable_state(self.transformer, state, lora=self.lora is not None)
-
-
-def default_vocabulary() -> tuple[str, ...]:
-    """The shapes grammar's words (for ``random_init``): numbers, colours, shapes and their
-    plurals, "and" and the relation words. The pretraining tool builds the same list from the
-    grammar itself (:func:`vocabulary_of` over every prompt)."""
-    words = ["a", "two", "three", "four", "and", "to", "the", "left", "right", "of", "above", "below"]
-    words += ["red", "green", "blue", "yellow"]
-    for shape in ("square", "circle", "triangle"):
-        words += [shape, shape + "s"]
-    return SPECIALS + tuple(sorted(words))
+        load_trainable_state(self.transformer, state, lora=self.lora is not None)
 
 
 __all__ = [
     "ARCH_KEYS",
-    "Architecture",
     "SHAPES_LORA_TARGETS",
     "ShapesDiT",
-    "ShapesNetwork",
-    "TextEncoder",
-    "count_parameters",
-    "default_vocabulary",
-    "default_weights_path",
-    "load_network",
-    "read_metadata",
-    "save_network",
-    "vocabulary_of",
 ]

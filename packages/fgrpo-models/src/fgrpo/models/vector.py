@@ -27,7 +27,7 @@ from torch import nn
 from fgrpo.core import flow, seeding
 from fgrpo.core.config import param
 from fgrpo.core.vectors import condition_vector
-from fgrpo.models._diffusers import lora_config, lora_param
+from fgrpo.models.lora import lora_config, lora_param
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

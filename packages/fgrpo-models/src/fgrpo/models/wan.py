@@ -25,8 +25,8 @@ import attrs
 import torch
 
 from fgrpo.core.config import param
-from fgrpo.models import _diffusers as dx
 from fgrpo.models.diffusers_policy import DiffusersPolicy
+from fgrpo.models.lora import lora_param
 
 #: self- and cross-attention and the feed-forward of every block
 WAN_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2")
@@ -49,7 +49,7 @@ class WanPolicy(DiffusersPolicy):
     num_frames: int = param(81, ge=1, validator=_frames, help="frames per video (4k + 1)")
     max_sequence_length: int = param(512, ge=1, help="UMT5 tokens per prompt (zero-padded)")
     decode_batch_size: int = param(1, ge=0, help="videos per VAE decode call; 0: the whole batch at once")
-    lora: dict | None = dx.lora_param(32, WAN_LORA_TARGETS)
+    lora: dict | None = lora_param(32, WAN_LORA_TARGETS)
 
     @property
     def cfg_scale(self) -> float:
