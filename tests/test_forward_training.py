@@ -14,7 +14,6 @@ import sys
 import time
 from pathlib import Path
 
-import attrs
 import pytest
 import torch
 from rich.console import Console

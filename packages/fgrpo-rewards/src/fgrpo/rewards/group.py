@@ -33,10 +33,12 @@ from fgrpo.core.protocols import RewardResult
 from fgrpo.core.registry import component
 
 
-def members_of(groups: torch.Tensor) -> list[list[int]]:
-    """The sample indices of each group, groups in order of first appearance."""
+def members_of(groups: torch.Tensor | None, n: int) -> list[list[int]]:
+    """The sample indices of each group, groups in order of first appearance (no groups: one)."""
+    if groups is None:
+        return [list(range(n))]
     order: dict[int, list[int]] = {}
-    for i, g in enumerate(groups.tolist()):
+    for i, g in enumerate(torch.as_tensor(groups).cpu().tolist()):
         order.setdefault(int(g), []).append(i)
     return list(order.values())
 
@@ -69,8 +71,7 @@ class Pairwise:
         self, outputs: Any, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]], groups: torch.Tensor | None = None
     ) -> RewardResult:
         n = len(prompts)
-        groups = torch.zeros(n, dtype=torch.long) if groups is None else torch.as_tensor(groups).cpu()
-        members = members_of(groups)
+        members = members_of(groups, n)
         wins, counts, ties, calls = torch.zeros(n), torch.zeros(n), torch.zeros(n), torch.zeros(n)
         extra: dict[str, Any] = {}
         comparing = bool(getattr(self.judge, "compares", False))
@@ -120,20 +121,15 @@ class Rank:
         self, outputs: Any, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]], groups: torch.Tensor | None = None
     ) -> RewardResult:
         n = len(prompts)
-        groups = torch.zeros(n, dtype=torch.long) if groups is None else torch.as_tensor(groups).cpu()
         result = self.reward(outputs, list(prompts), list(metadata))
         scores = torch.as_tensor(result.scores, dtype=torch.float64).cpu()
-        rank, calls = torch.zeros(n), torch.zeros(n)
-        for group in members_of(groups):
+        rank, size = torch.zeros(n), torch.zeros(n)
+        for group in members_of(groups, n):
             s = scores[group]
             order = s.argsort(stable=True).argsort(stable=True).double()
             if self.ties == "average":
                 order = torch.stack([order[s == value].mean() for value in s])
             rank[group] = order.float()
-            calls[group] = float(len(group))
-        sizes = torch.zeros(n)
-        for group in members_of(groups):
-            sizes[group] = float(len(group))
-        reward = rank / sizes
-        details = {**pointwise_details(getattr(result, "details", {}) or {}, n), "rank": rank, "judge_calls": calls}
-        return RewardResult(scores=reward, details=details)
+            size[group] = float(len(group))
+        details = {**pointwise_details(getattr(result, "details", {}) or {}, n), "rank": rank, "judge_calls": size.clone()}
+        return RewardResult(scores=rank / size, details=details)

@@ -235,16 +235,21 @@ class GroupSampler:
         plan = self.program(sigmas, generator)
         final = resolve_final(self.final, self.kernel)
         steps = with_final(plan.steps, final)
-        candidates = trainable(self.kernel, sigmas, stochastic_steps(steps, self.kernel))
-        if not candidates:
-            raise ValueError(self.nothing_to_train.format(sigmas=sigmas.tolist(), **plan.info))
+        batch = len(prompts) * group_size
+        if self.transitions:
+            candidates = trainable(self.kernel, sigmas, stochastic_steps(steps, self.kernel))
+            if not candidates:
+                raise ValueError(self.nothing_to_train.format(sigmas=sigmas.tolist(), **plan.info))
+            trained = self.trained_steps(candidates, batch, generator)
+        else:  # the final samples and their conditioning only
+            trained = torch.zeros((batch, 0), dtype=torch.long)
         return _rollout.run(
             policy,
             prompts,
             group_size,
             program=steps,
             sigmas=sigmas,
-            trained=self.trained_steps(candidates, len(prompts) * group_size, generator),
+            trained=trained,
             share_noise=self.share_noise,
             prefix=plan.prefix,
             generator=generator,

@@ -11,7 +11,7 @@ train on stochastic transitions, is refused when it is validated.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import attrs
@@ -19,9 +19,7 @@ import torch
 
 from fgrpo.core import registry
 from fgrpo.core.config import ConfigError, param
-from fgrpo.core.protocols import Policy, Trajectory
 from fgrpo.core.registry import component
-from fgrpo.samplers import _rollout
 from fgrpo.samplers.base import GroupSampler, Plan, Step, key, schedule_param
 
 
@@ -35,7 +33,7 @@ class ODESampler(GroupSampler):
     schedule: dict | None = schedule_param()
     kernel: Any = component("kernel", default="ode", help="the deterministic solver: ode (Euler), dpmpp2m, dpmpp3m")
 
-    final: ClassVar[None] = None
+    final: ClassVar[str] = "sample"  # the state after the last step (a deterministic step: x0 at sigma' = 0)
     #: the rollout records no stochastic transitions (objectives that need them refuse this sampler)
     transitions: ClassVar[bool] = False
 
@@ -62,26 +60,3 @@ class ODESampler(GroupSampler):
 
     def program(self, sigmas: torch.Tensor, generator: torch.Generator | None) -> Plan:
         return Plan([Step(self.kernel, sigmas, i, "ode") for i in range(self.steps)], phases=("ode",))
-
-    def rollout(
-        self,
-        policy: Policy,
-        prompts: Sequence[str],
-        group_size: int,
-        *,
-        generator: torch.Generator | None = None,
-    ) -> Trajectory:
-        sigmas = self.sigmas(policy, self.steps)
-        plan = self.program(sigmas, generator)
-        return _rollout.run(
-            policy,
-            prompts,
-            group_size,
-            program=plan.steps,
-            sigmas=sigmas,
-            trained=torch.zeros((len(prompts) * group_size, 0), dtype=torch.long),
-            share_noise=self.share_noise,
-            generator=generator,
-            phases=plan.phases,
-            info=plan.info,
-        )

@@ -28,7 +28,7 @@ derivative: d loss / d v = w'(t, m) x d/dv [Â m] with w' = 1 (Uniform), t, t²,
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Literal
 
 import attrs
 import torch
@@ -38,7 +38,6 @@ from fgrpo.core.objectives._forward import (
     ForwardObjective,
     dims_mean,
     discrete_indices,
-    fraction_count,
     linear_decay,
     normal_icdf,
     shift,
