@@ -369,3 +369,32 @@ def test_two_processes_draw_the_same_points_as_one(root, tmp_path, name):
     assert all(b["identical"]) and a["rewards"][0] == b["rewards"][0]
     assert b["rewards"] == pytest.approx(a["rewards"], abs=1e-4)
     assert torch.allclose(torch.tensor(a["weights"]), torch.tensor(b["weights"]), atol=1e-5)
+
+
+# --- the comparison tool -----------------------------------------------------------------------
+
+
+def test_objectives_bench_prints_the_tables_and_the_target_line(root, capsys, tmp_path):
+    import importlib.util
+
+    path = root / "tools" / "bench" / "objectives.py"
+    sys.path.insert(0, str(path.parent))
+    try:
+        spec = importlib.util.spec_from_file_location("objectives_bench", path)
+        bench = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(bench)
+    finally:
+        sys.path.remove(str(path.parent))
+    tiny = "train.iterations=2; train.prompts_per_iteration=1; train.group_size=2; train.minibatch_size=0; eval.max_prompts=2; eval.samples_per_prompt=1; eval.steps=4"
+    out = tmp_path / "runs.json"
+    args = ["--only", "grpo,nft", "--every", "0.001", "--json", str(out),
+            "--variant", f"grpo: recipes/shapes.yaml; {tiny}", "--variant", f"nft: recipes/shapes-nft.yaml; {tiny}"]
+    assert bench.main(args) == 0
+    text = capsys.readouterr().out
+    assert "at equal cpu time" in text and "at equal NFE" in text and "main job: recipes/shapes.yaml, 2 iterations" in text
+    runs = json.loads(out.read_text())
+    assert [r["name"] for r in runs] == ["grpo", "nft"]
+    assert [p["iteration"] for p in runs[0]["points"]] == [0, 1, 2]
+    assert all(0 <= p["accuracy"] <= 1 and p["gold_error"] >= 0 for r in runs for p in r["points"])
+    assert bench.main(["--table", str(out)]) == 0  # the table again from the saved runs
+    assert "first evaluation at or above" in capsys.readouterr().out
