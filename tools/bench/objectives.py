@@ -152,9 +152,10 @@ def report(runs: list[dict], every: float) -> list[str]:
         cells = [r["name"]]
         for m in marks:
             p = last_at_or_before(r["points"], "seconds", m)
-            cells.append("-" if p is None or (r["points"][-1]["seconds"] < m - every) else f"{p['accuracy']:.3f} / {p['gold_error']:.4f}")
+            done = " *" if r["points"][-1]["seconds"] < m - every else ""  # its iterations ended earlier
+            cells.append("-" if p is None else f"{p['accuracy']:.3f} / {p['gold_error']:.4f}{done}")
         body.append(cells)
-    lines += ["", f"held-out strict accuracy / gold error at equal {clock} time (the last evaluation at or before each mark)", _bench.table(header, body)]
+    lines += ["", f"held-out strict accuracy / gold error at equal {clock} time (the last evaluation at or before each mark; * = the run had ended)", _bench.table(header, body)]
     nfe_marks = [total_nfe * k / 10 for k in range(1, 11)]
     header = ["recipe"] + [f"{m / 1e3:.0f}k" for m in nfe_marks]
     body = []

@@ -41,10 +41,12 @@ class TrainConfig:
     inner_epochs: int = param(1, ge=1, help="passes over each iteration's samples")
     minibatch_size: int = param(0, ge=0, help="samples per optimizer step; 0 = the whole batch (on-policy)")
     micro_batch_size: int = param(
-        0, ge=0, help="(sample, step) pairs per forward pass (all trained steps of a sample batched); 0 = the whole minibatch"
+        0, ge=0, help="(sample, step) pairs per forward pass (all trained steps of a sample batched; forward-process objectives: "
+        "(sample, point) pairs, a DPO pair's two rows counting as two); 0 = the whole minibatch"
     )
     reference_batch_size: int = param(
-        0, ge=0, help="(sample, step) pairs per forward of the KL's reference pass (once per iteration, no gradient); 0 = micro_batch_size"
+        0, ge=0, help="(sample, step) pairs per forward of the passes without gradient (the KL's reference, once per "
+        "iteration; forward-process objectives: the old policy's and the reference's, once per epoch); 0 = micro_batch_size"
     )
     reward_worker: bool = param(
         False, help="decode and score each rollout chunk (train.rollout_prompts) in a worker thread while the next chunk rolls out"
