@@ -16,3 +16,38 @@ def run_fgrpo(*args: str, env: dict | None = None, cwd: Path | None = None, time
     return subprocess.run(
         [str(exe), *args], capture_output=True, text=True, env=full_env, cwd=cwd or ROOT, timeout=timeout
     )
+
+
+class OpenAudit:
+    """Every path this process opens or lists under ``forbidden`` (resolved, so a path through a
+    link that leads there counts), recorded while armed: Python's audit hooks see ``open``,
+    ``os.open``, ``os.listdir`` and ``os.scandir``, whoever calls them. One hook per process."""
+
+    forbidden: str | None = None
+    hits: list[tuple[str, str]] = []
+    log: str | None = None  # also append each hit to this file at once (a process killed later keeps its record)
+    _installed = False
+
+    @classmethod
+    def install(cls) -> None:
+        if not cls._installed:
+            sys.addaudithook(cls._hook)
+            cls._installed = True
+
+    @classmethod
+    def _hook(cls, event: str, args: tuple) -> None:
+        root = cls.forbidden
+        if root is None or event not in ("open", "os.listdir", "os.scandir") or not args:
+            return
+        target = args[0]
+        if not isinstance(target, (str, bytes, os.PathLike)):
+            return
+        try:
+            path = os.path.realpath(os.fsdecode(target))
+        except (TypeError, ValueError, OSError):
+            return
+        if path == root or path.startswith(root + os.sep):
+            cls.hits.append((event, path))
+            if cls.log is not None:
+                with open(cls.log, "a") as fh:
+                    fh.write(f"{os.getpid()} {event} {path}\n")

@@ -100,7 +100,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.mark.parametrize("name", ["ddp.yaml", "cpu.yaml", "fsdp-lora.yaml", "fsdp-full.yaml", "deepspeed-zero2.yaml"])
+@pytest.mark.parametrize("name", ["ddp.yaml", "cpu.yaml", "multi-node.yaml", "fsdp-lora.yaml", "fsdp-full.yaml", "deepspeed-zero2.yaml"])
 def test_shipped_accelerate_configs_are_valid(name):
     """Each config reads with accelerate's own loader, is a kind fgrpo runs (data parallel, FSDP2
     sharding one unit per transformer block, DeepSpeed ZeRO-2 without offloading) and is
@@ -122,12 +122,14 @@ def test_shipped_accelerate_configs_are_valid(name):
         assert "gradient_clipping" not in config.deepspeed_config  # fgrpo passes train.max_grad_norm
     else:
         assert kind == "MULTI_GPU"  # data parallel
+        if name == "multi-node.yaml":
+            assert config.num_machines == 2 and config.rdzv_backend == "static" and "SLURM" in (CONFIGS / name).read_text()
     assert config.num_processes >= 2 and config.mixed_precision in ("no", "bf16")
     text = (CONFIGS / name).read_text()
     assert f"accelerate launch --config_file recipes/accelerate/{name}" in text
     assert f"`{name}`" in (CONFIGS / "README.md").read_text()
     assert sorted(p.name for p in CONFIGS.glob("*.yaml")) == [
-        "cpu.yaml", "ddp.yaml", "deepspeed-zero2.yaml", "fsdp-full.yaml", "fsdp-lora.yaml",
+        "cpu.yaml", "ddp.yaml", "deepspeed-zero2.yaml", "fsdp-full.yaml", "fsdp-lora.yaml", "multi-node.yaml",
     ]
 
 

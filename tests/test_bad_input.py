@@ -5,6 +5,7 @@ traceback, and writes nothing (issue 9; the recipe files are in tests/bad_recipe
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import threading
 from pathlib import Path
@@ -62,7 +63,7 @@ def test_sample_out_that_is_a_file(tmp_path, capsys):
     prompts.write_text("target 1 1\n")
     out.write_text("x")
     assert cli.main(["sample", RECIPE, "--prompts", str(prompts), "--out", str(out)]) == 2
-    assert error_lines(capsys) == [f"error: --out: cannot create {out}: File exists"]
+    assert error_lines(capsys) == [f"error: --out: {out} is a file; expected a new or empty folder"]
 
 
 def test_a_prompt_outside_the_models_vocabulary(root, tmp_path, capsys):
@@ -221,3 +222,152 @@ def test_state_that_reads_but_does_not_fit(run, capsys):
     assert cli.main(["compose", RECIPE, "--out", str(run), *FAST, "--set", "train.iterations=2", "--resume"]) == 2
     lines = error_lines(capsys)
     assert len(lines) == 1 and "is not a valid checkpoint of this run" in lines[0], lines
+
+
+# --- issue 22: the Low items, each one line and exit 2 where a traceback or a hang was ------------
+
+
+FULL_DISK = """
+import resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, as on a full disk
+resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[1]), int(sys.argv[1])))
+from fgrpo.core.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize("limit, sets, where", [
+    # optimizer.pt is the first file past 40 kB: torch.save's "unexpected pos" RuntimeError before
+    (40_000, ["train.iterations=2", "train.checkpoint_every=1"], "cannot write the checkpoint of iteration 1 ("),
+    # metrics.jsonl grows past 6 kB before the first checkpoint: an OSError traceback before
+    (6_000, ["train.iterations=12", "train.checkpoint_every=0"], "cannot append to "),
+])
+def test_a_full_disk_is_one_line_and_loses_nothing(limit, sets, where, tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    args = ["compose", RECIPE, "--out", str(out), *FAST, *(a for s in sets for a in ("--set", s))]
+    done = subprocess.run([sys.executable, "-c", FULL_DISK, str(limit), *args], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    lines = [ln for ln in done.stderr.splitlines() if ln.startswith("error: ")]
+    assert len(lines) == 1 and where in lines[0] and "File too large" in lines[0], done.stderr
+    assert not list((out / "checkpoints").glob(".tmp-*")) if (out / "checkpoints").exists() else True
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.endswith("}")]
+    assert rows and [r["iteration"] for r in rows] == list(range(1, len(rows) + 1))
+
+
+def test_a_component_that_cannot_get_its_memory_is_one_line(monkeypatch):
+    class Huge:
+        def __init__(self):
+            torch.empty(1 << 61, dtype=torch.uint8)  # fails at once, touches nothing
+
+    monkeypatch.setitem(registry._loaded, ("model", "huge"), Huge)
+    with pytest.raises(registry.BuildError) as info:  # before: torch's RuntimeError traceback
+        registry.create("model", "huge")
+    message = str(info.value)
+    assert message.startswith("model 'huge' could not be built: out of memory (") and "\n" not in message
+
+
+@pytest.mark.parametrize("raised", ["KeyboardInterrupt", "BaseException('odd')", "GeneratorExit"])
+def test_a_plugin_raising_a_base_exception_at_import_leaves_every_command(raised, tmp_path, monkeypatch, capsys):
+    import sys
+
+    from fgrpo.core import hookspecs
+
+    (tmp_path / "rude_plugin.py").write_text(f"raise {raised}\n")
+    info = tmp_path / "rude-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: rude\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[fgrpo.plugins]\nrude = rude_plugin\n[fgrpo.rewards]\nrude = rude_plugin:Rude\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(hookspecs, "_manager", None)
+    monkeypatch.setattr(hookspecs, "_failures", [])
+    monkeypatch.delitem(sys.modules, "rude_plugin", raising=False)
+    with pytest.raises(SystemExit) as version:  # before: the exception killed every command, --version too
+        cli.main(["--version"])
+    assert version.value.code == 0 and "fgrpo-core" in capsys.readouterr().out
+    assert cli.main(["plugins"]) == 0
+    name = raised.split("(")[0]
+    assert f"hook plugin rude: import error ({name}" in capsys.readouterr().out
+    assert cli.main(["validate", RECIPE, "--set", "reward={name: rude}"]) == 2
+    lines = error_lines(capsys)
+    assert len(lines) == 1 and f"reward 'rude' from rude failed to import: {name}" in lines[0], lines
+
+
+@pytest.mark.parametrize("what", ["recipe", "prompts"])
+def test_a_fifo_is_refused_not_waited_on(what, tmp_path, capsys):
+    fifo = tmp_path / ("recipe.yaml" if what == "recipe" else "prompts.txt")
+    os.mkfifo(fifo)
+    done = threading.Event()
+    codes = []
+
+    def call():  # before: open() blocked forever waiting for a writer
+        if what == "recipe":
+            codes.append(cli.main(["validate", str(fifo)]))
+        else:
+            codes.append(cli.main(["sample", RECIPE, "--prompts", str(fifo), "--out", str(tmp_path / "o")]))
+        done.set()
+
+    worker = threading.Thread(target=call, daemon=True)
+    worker.start()
+    if not done.wait(20):
+        with open(fifo, "w"):  # let the blocked reader go
+            pass
+        worker.join(5)
+        pytest.fail("waited on the FIFO")
+    assert codes == [2]
+    lines = error_lines(capsys)
+    assert len(lines) == 1 and f"{fifo}: is a FIFO, not a regular file" in lines[0], lines
+
+
+BAD_PROMPTS = Path(__file__).parent / "bad_prompts"
+
+
+@pytest.mark.parametrize("folder, message", [
+    ("broken_jsonl", "prompts.path: {path}/train.jsonl:2: not a JSON object ("),
+    ("empty", "prompts.path: {path}/train.txt: no prompts"),
+])
+def test_validate_reads_the_prompt_files_compose_would_refuse(folder, message, tmp_path, capsys):
+    path = BAD_PROMPTS / folder
+    sets = ["--set", f"prompts={{name: folder, path: {path}, test: null}}"]
+    assert cli.main(["validate", RECIPE, *sets]) == 2  # before: "ok", then compose refused
+    assert cli.main(["compose", RECIPE, *sets, "--out", str(tmp_path / "run"), *FAST]) == 2
+    lines = error_lines(capsys)
+    assert len(lines) == 2 and all(message.format(path=path) in line for line in lines), lines
+    assert not (tmp_path / "run").exists()
+    text_file = ["--set", f"prompts={{name: text-file, train: {path / ('train.jsonl' if folder == 'broken_jsonl' else 'train.txt')}}}"]
+    assert cli.main(["validate", RECIPE, *text_file]) == 2
+    assert "prompts.train: " in error_lines(capsys)[0]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--max-request-mb", "nan"], "argument --max-request-mb: expected a finite number > 0, got 'nan'"),
+    (["--max-request-mb", "0"], "argument --max-request-mb: expected a finite number > 0, got '0'"),
+    (["--port", "99999"], "argument --port: expected a port number from 0 to 65535, got '99999'"),
+    (["--port", "-5"], "argument --port: expected a port number from 0 to 65535, got '-5'"),
+    (["--read-timeout-s", "inf"], "argument --read-timeout-s: expected a finite number > 0, got 'inf'"),
+    (["--max-connections", "0"], "argument --max-connections: expected an integer >= 1, got '0'"),
+])
+def test_serve_reward_arguments_are_one_line(args, message, capsys):
+    with pytest.raises(SystemExit) as info:  # before: a traceback (nan, a port out of range) at bind
+        cli.main(["serve-reward", "jpeg-compressibility", *args])
+    assert info.value.code == 2
+    assert error_lines(capsys) == [f"error: {message} (see fgrpo serve-reward --help)"]
+
+
+def test_serve_reward_on_a_port_in_use_or_a_host_it_cannot_bind(capsys, monkeypatch):
+    import socket
+
+    monkeypatch.setenv("FGRPO_REWARD_TOKEN", "a-token")  # another host than 127.0.0.1 needs one
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        assert cli.main(["serve-reward", "jpeg-compressibility", "--port", str(port)]) == 2  # before: OSError traceback
+        assert error_lines(capsys) == [f"error: --port: 127.0.0.1:{port} is in use (another server?); choose another port, or 0 for any free one"]
+    assert cli.main(["serve-reward", "jpeg-compressibility", "--host", "no-such-host.invalid"]) == 2
+    lines = error_lines(capsys)
+    assert len(lines) == 1 and lines[0].startswith("error: --host: cannot listen on 'no-such-host.invalid': "), lines

@@ -128,7 +128,7 @@ def test_an_unreachable_hub_is_one_message_without_retries(tmp_path):
 def test_a_missing_local_folder_is_reported_as_such(tmp_path):
     from fgrpo.core import registry
 
-    for name in ("sd3", "flux", "qwen-image", "wan"):
+    for name in ("sd3", "flux", "flux2", "flux2-klein", "qwen-image", "z-image", "wan", "wan-i2v", "hunyuan-video-1.5"):
         with pytest.raises(registry.BuildError, match=f"model.path: the local folder {str(tmp_path / 'nowhere')!r} does not exist"):
             registry.create("model", name, path=str(tmp_path / "nowhere"), device="cpu")
 

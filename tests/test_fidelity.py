@@ -151,6 +151,63 @@ def test_ema_updates_at_global_steps_with_flow_grpo_warmup(root):
     assert run.optimizer_steps == 7
 
 
+def flow_grpo_ema(weights, accumulation, every, decay):
+    """flow_grpo's EMA (flow_grpo/ema.py, stepped at train_sd3.py:959-960): ema.step(params,
+    global_step) after every training minibatch; global_step counts optimizer steps, one per
+    ``accumulation`` minibatches; ``weights[g]`` are the weights after g optimizer steps. It runs up
+    to the minibatch before the next optimizer step (the last step's later updates included)."""
+    ema = weights[0].clone()
+    global_step = 0
+    for minibatch in range(accumulation * len(weights) - 1):
+        if (minibatch + 1) % accumulation == 0:
+            global_step += 1  # accelerate's sync_gradients: the optimizer steps
+        one_minus_decay = 1 - min((1 + global_step) / (10 + global_step), decay)
+        if (global_step + 1) % every == 0:
+            ema = ema + one_minus_decay * (weights[global_step] - ema)
+    return ema
+
+
+@pytest.mark.parametrize("accumulation, every", [(8, 8), (2, 8), (1, 8), (3, 1)])
+def test_ema_flow_grpo_rule_is_its_per_minibatch_count(accumulation, every):
+    """train.ema_rule: flow_grpo with ema_repeats = its minibatches per optimizer step gives flow_grpo's
+    average; the default rule (once, every ema_every-th step) does not."""
+    from fgrpo.core.ema import EMA
+
+    weights = list(torch.randn(33, 5, generator=torch.Generator().manual_seed(0)).double())
+    param = torch.nn.Parameter(weights[0].clone())
+    ema = EMA([param], 0.9)
+    plain = EMA([param], 0.9)
+    for n in range(1, len(weights)):
+        param.data.copy_(weights[n])
+        if ema.due(n, every, "flow_grpo"):
+            for _ in range(accumulation):
+                ema.update(ema.warmup_decay(n))
+        if plain.due(n, every):
+            plain.update(plain.warmup_decay(n))
+    expected = flow_grpo_ema(weights, accumulation, every, 0.9)
+    torch.testing.assert_close(ema.shadow[0], expected, rtol=0, atol=1e-12)
+    assert (plain.shadow[0] - expected).abs().max() > 1e-3
+
+
+def test_ema_flow_grpo_rule_in_a_run(root):
+    # one optimizer step per iteration: flow_grpo's rule moves after global steps 2 and 5 (ema_every 3),
+    # twice each (ema_repeats 2): shadow <- w + d^2 (shadow - w)
+    recipe = vector_recipe(
+        root, "train.minibatch_size=0", "train.ema_decay=0.9", "train.ema_every=3", "train.ema_rule=flow_grpo", "train.ema_repeats=2"
+    )
+    run = build_run(recipe, out_dir=None, console=QUIET, quiet=True)
+    moved = []
+    for it in range(6):
+        shadow = [s.clone() for s in run.ema.shadow]
+        iteration(run, it)
+        moved.append(any(not torch.equal(a, b) for a, b in zip(shadow, run.ema.shadow)))
+        if moved[-1]:
+            d = min((1 + run.optimizer_steps) / (10 + run.optimizer_steps), 0.9)
+            for old, new, p in zip(shadow, run.ema.shadow, run.trainable):
+                torch.testing.assert_close(new, p.detach() + d * d * (old - p.detach()))
+    assert moved == [False, True, False, False, True, False]
+
+
 def test_ema_and_its_count_survive_a_resume(root, tmp_path):
     from safetensors.torch import load_file
 

@@ -50,7 +50,7 @@ def test_shipped_recipes_are_the_repository_recipes(root):
     """fgrpo/core/recipes links to recipes/: one set of files, built into wheels as package data."""
     assert shipped.recipes_folder().resolve() == (root / "recipes").resolve()
     assert shipped.recipe_names() == sorted(p.stem for p in (root / "recipes").glob("*.yaml"))
-    assert "fgrpo.core" in pyproject(root, "fgrpo-core")["tool"]["setuptools"]["package-data"]
+    assert "fgrpo.core.recipes" in pyproject(root, "fgrpo-core")["tool"]["setuptools"]["package-data"]
 
 
 def test_builtin_recipe_by_name_from_anywhere(tmp_path, monkeypatch, capsys):

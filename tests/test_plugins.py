@@ -83,7 +83,7 @@ def test_plugins_json_lists_builtins_example_and_broken(third_party):
     assert result.returncode == 0, result.stderr
     rows = {(r["kind"], r["name"]): r for r in json.loads(result.stdout)["components"]}
     builtins = {
-        ("kernel", n) for n in ("ode", "sde", "dance", "cps", "dpmpp2m", "dpmpp3m")
+        ("kernel", n) for n in ("ode", "sde", "wan-sde", "dance", "cps", "dpmpp2m", "dpmpp3m")
     } | {("sampler", n) for n in ("full", "fast", "mixgrpo")} | {
         ("objective", "grpo"), ("objective", "grpo-guard"), ("model", "vector"), ("prompts", "list")
     }

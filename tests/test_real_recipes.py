@@ -1,4 +1,4 @@
-"""The real-scale recipes (SD3.5-M, FLUX.1-dev, Qwen-Image, Wan 2.1) validate: every component
+"""The real-scale recipes (SD3.5-M, FLUX.1-dev, FLUX.2, Qwen-Image, Z-Image, Wan 2.1/2.2, HunyuanVideo 1.5) validate: every component
 exists, every key is known and in range. They are not run here (no GPU, no weights).
 
 The datasets they read (flow_grpo's dataset/ocr, dataset/geneval, dataset/pickscore) are not
@@ -14,15 +14,18 @@ import pytest
 from fgrpo.core import cli
 
 RECIPES = [
-    "sd35m-ocr", "sd35m-geneval", "sd35m-pickscore", "flux-pickscore", "qwen-image-ocr", "wan-ocr",
+    "sd35m-ocr", "sd35m-geneval", "sd35m-pickscore", "flux-pickscore", "qwen-image-ocr", "qwen-image-pickscore", "wan-ocr",
     "sd35m-preference-mix", "sd35m-vlm-judge", "sd35m-geneval-remote",
+    "flux2-t2i", "flux2-klein-pickscore", "z-image-pickscore", "z-image-turbo-pickscore", "wan22-t2v-pickscore",
+    "wan22-i2v-pickscore", "hunyuan-video-1.5-pickscore",
     "sd35m-nft-geneval", "sd35m-nft-ocr", "sd35m-nft-pickscore", "sd35m-nft-multi-reward",
     "sd35m-awm-geneval", "sd35m-awm-ocr", "sd35m-awm-pickscore", "sd35m-pref-grpo",
 ]
 
 
 def stand_in_datasets(folder):
-    """flow_grpo's layout: text prompts for OCR and PickScore, GenEval's metadata JSONL."""
+    """flow_grpo's layout: text prompts for OCR and PickScore, GenEval's metadata JSONL; Flow-Factory's
+    t2is (JSONL prompts) and sharegpt4o_image_mini (JSONL rows naming an image in images/)."""
     for task in ("ocr", "pickscore"):
         (folder / "dataset" / task).mkdir(parents=True)
         for split in ("train", "test"):
@@ -31,6 +34,12 @@ def stand_in_datasets(folder):
     row = {"prompt": "a photo of a cat", "tag": "single_object", "include": [{"class": "cat", "count": 1}], "exclude": []}
     for split in ("train", "test"):
         (folder / "dataset" / "geneval" / f"{split}_metadata.jsonl").write_text(json.dumps(row) + "\n")
+    (folder / "dataset" / "t2is").mkdir(parents=True)
+    (folder / "dataset" / "sharegpt4o_image_mini" / "images").mkdir(parents=True)
+    for split in ("train", "test"):
+        (folder / "dataset" / "t2is" / f"{split}.jsonl").write_text(json.dumps({"prompt": "a cat on a mat"}) + "\n")
+        edit = {"prompt": "the same room in watercolour", "image": "v2v_0.png"}
+        (folder / "dataset" / "sharegpt4o_image_mini" / f"{split}.jsonl").write_text(json.dumps(edit) + "\n")
 
 
 @pytest.mark.parametrize("name", RECIPES)
@@ -59,3 +68,20 @@ def test_every_model_reward_is_named_by_a_shipped_recipe(root):
             named.add(spec if isinstance(spec, str) else spec["name"])
     wanted = {"ocr", "pickscore", "geneval", "clip-score", "aesthetic", "hpsv2", "imagereward", "vlm-judge", "remote"}
     assert wanted <= named, f"no shipped recipe names {sorted(wanted - named)}"
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_run_line_launches_with_the_recipes_mixed_precision(name, root):
+    """fgrpo refuses a recipe whose train.mixed_precision differs from the launcher's: the command in
+    the recipe's header must agree with it (the sd35m recipes ask for flow_grpo's fp16)."""
+    import shlex
+
+    import yaml
+
+    text = (root / "recipes" / f"{name}.yaml").read_text()
+    run = shlex.split(next(line for line in text.splitlines() if line.startswith("# Run: "))[len("# Run: "):])
+    launched = yaml.safe_load((root / run[run.index("--config_file") + 1]).read_text())["mixed_precision"]
+    if "--mixed_precision" in run:
+        launched = run[run.index("--mixed_precision") + 1]
+    wanted = yaml.safe_load(text)["train"].get("mixed_precision", "auto")
+    assert wanted in ("auto", launched), f"{name}: the recipe asks for {wanted}, its Run line launches {launched}"

@@ -47,6 +47,20 @@ EXPECTED = {
         "train.lr: duplicate key (",
     ],
     "not_utf8.yaml": ["not_utf8.yaml: not UTF-8 text (byte 0xe9 at offset"],
+    # issue 22: tracker options passed `validate`, then `compose` died with a TypeError traceback
+    # after writing recipe.resolved.yaml; a 1e8-wide MLP passed it, then an OOM traceback
+    "tracker_unknown_option.yaml": [
+        "log.init_kwargs.tensorboard.flush_sec: unknown option of the tensorboard tracker (did you mean 'flush_secs'?); allowed: comment, filename_suffix, flush_secs, max_queue",
+        "log.init_kwargs.neptune: unknown tracker 'neptune' (accelerate knows: ",
+    ],
+    "tracker_owned_option.yaml": [
+        "log.init_kwargs.tensorboard.logging_dir: fgrpo sets it (TensorBoard writes to RUN/tensorboard); remove it",
+        "log.init_kwargs.tensorboard.purge_step: fgrpo sets it (a resumed run hides the events past its checkpoint); remove it",
+    ],
+    "tracker_not_listed.yaml": [
+        "log.init_kwargs.tensorboard: options for a tracker that log.trackers does not list ([]); they would be ignored: add it to log.trackers or remove them",
+    ],
+    "model_too_large.yaml": ["model.hidden: got 100000000; allowed: >= 1 and <= 65536"],
 }
 # files whose expected parts all belong to one error line
 ONE_LINE = ("malformed.yaml", "python_tag.yaml", "duplicate_keys.yaml")

@@ -39,7 +39,8 @@ def shapes_run(root, tmp_path_factory):
 
 
 class Page(HTMLParser):
-    """The report's structure: ids, links, figures with their charts, images, external refs."""
+    """The report's structure: ids, links, figures with their charts (series per x axis, the
+    faint ones, the legend), images, external refs, the filmstrip's score classes."""
 
     def __init__(self):
         super().__init__()
@@ -49,51 +50,99 @@ class Page(HTMLParser):
         self.images: list[dict] = []
         self.tags: list[str] = []
         self.refs: list[str] = []
+        self.radios: list[dict] = []
+        self.classes: list[tuple[str, str]] = []  # (tag, class) of every element
+        self.in_grid: list[str] = []  # the figures inside the curves' grid
+        self.constant = ""
         self._figure: str | None = None
         self._svg: dict | None = None
-        self._in_nav = self._in_strip = False
+        self._axis: str | None = None
+        self._legend: dict | None = None
+        self._in_nav = self._in_strip = self._in_constant = False
+        self._grid_depth = 0
         self._filmstrip_rows: list[list[dict]] = []
         self._row: list[dict] | None = None
+        self.scores: list[str] = []
 
     def handle_starttag(self, tag, attrs):
         a = dict(attrs)
         self.tags.append(tag)
+        self.classes.append((tag, a.get("class") or ""))
         if "id" in a:
             self.ids.add(a["id"])
         for key in ("src", "href"):
             if key in a:
                 self.refs.append(a[key])
-        if tag == "nav":
+        if tag == "div" and (self._grid_depth or a.get("class") == "grid"):
+            self._grid_depth += 1
+        if tag == "input":
+            self.radios.append(a)
+        elif tag == "nav":
             self._in_nav = True
         elif tag == "a" and self._in_nav:
             self.nav.append(a["href"])
         elif tag == "figure":
             self._figure = a["id"]
             self.figures[a["id"]] = []
+            if self._grid_depth:
+                self.in_grid.append(a["id"])
         elif tag == "svg" and self._figure is not None:
-            self._svg = {"label": a.get("aria-label"), "series": {}}
+            self._svg = {"label": a.get("aria-label"), "series": {}, "axes": {}, "faint": set(), "legend": [], "texts": []}
             self.figures[self._figure].append(self._svg)
+        elif tag == "g" and self._svg is not None:
+            self._axis = a["class"].removeprefix("x-")
+            self._svg["axes"][self._axis] = {}
         elif tag == "polyline" and self._svg is not None:
-            self._svg["series"][a["data-series"]] = len(a["points"].split())
+            n = len(a["points"].split())
+            self._svg["axes"][self._axis][a["data-series"]] = n
+            if self._axis == "iteration":
+                self._svg["series"][a["data-series"]] = n
+            if a.get("stroke-opacity"):
+                self._svg["faint"].add(a["data-series"])
+        elif tag == "div" and a.get("class") == "legend" and self._figure is not None:
+            self._legend = self.figures[self._figure][-1]
+        elif tag == "p" and a.get("class") == "constant":
+            self._in_constant = True
         elif tag == "table" and a.get("class") == "filmstrip":
             self._in_strip = True
         elif tag == "tr" and self._in_strip:
             self._row = []
             self._filmstrip_rows.append(self._row)
+        elif tag == "span" and self._in_strip and "score" in (a.get("class") or ""):
+            self.scores.append(a["class"])
         elif tag == "img":
             self.images.append(a)
             if self._row is not None:
                 self._row.append(a)
 
+    def handle_data(self, data):
+        if self._legend is not None and data.strip():
+            self._legend["legend"].append(data.strip())
+        if self._svg is not None and data.strip():
+            self._svg["texts"].append(data.strip())
+        if self._in_constant:
+            self.constant += data
+
     def handle_endtag(self, tag):
+        if tag == "div" and self._grid_depth:
+            self._grid_depth -= 1
         if tag == "nav":
             self._in_nav = False
         elif tag == "figure":
             self._figure = None
         elif tag == "svg":
             self._svg = None
+        elif tag == "g":
+            self._axis = None
+        elif tag == "div" and self._legend is not None:
+            self._legend = None
+        elif tag == "p":
+            self._in_constant = False
         elif tag == "table":
             self._in_strip, self._row = False, None
+
+    def drawn(self) -> set[str]:
+        return {name for charts in self.figures.values() for chart in charts for name in chart["series"]}
 
 
 def parse(path: Path) -> Page:
@@ -118,25 +167,29 @@ def test_report_holds_every_figure_and_image_it_claims(shapes_run):
     # every entry of the navigation leads to something on the page
     assert page.nav and all(href[1:] in page.ids for href in page.nav)
     # the curves the issue asks for, each chart drawing every series it names
-    expected = {"fig-reward", "fig-eval-shapes-accuracy", "fig-gold-eval-shapes-gold-error", "fig-ratio", "fig-time"}
+    expected = {"fig-reward", "fig-gold-eval-shapes-gold-error", "fig-time"}
     assert expected <= set(page.figures), sorted(page.figures)
+    # accuracy per category: a chart, or (it did not move in 2 iterations) one entry of the constants
+    assert "fig-eval-shapes-accuracy" in page.figures or "eval/shapes/accuracy (and its " in page.constant
+    assert page.in_grid == list(page.figures)  # every figure in the page-wide grid
     for anchor, charts in page.figures.items():
         assert f"#{anchor}" in page.nav
         assert charts and all(chart["series"] for chart in charts), anchor
     evaluations = [r["iteration"] for r in rows if "eval/reward_mean" in r]
     assert evaluations == [0, 1, 2]
-    reward = page.figures["fig-reward"][0]["series"]
-    assert reward == {"train reward_mean": ITERATIONS, "eval/reward_mean": len(evaluations)}
-    categories = sorted(k.split("/")[-1] for k in rows[0] if k.startswith("eval/shapes/accuracy/"))
-    assert categories and set(page.figures["fig-eval-shapes-accuracy"][0]["series"]) == {"all", *categories}
-    proxy, gold = page.figures["fig-gold-eval-shapes-gold-error"]
-    assert list(proxy["series"]) == ["eval/reward/shapes"] and list(gold["series"]) == ["eval/shapes/gold_error"]
-    ratio, clip, kl = page.figures["fig-ratio"]
-    assert set(ratio["series"]) == {"ratio_mean", "ratio_min", "ratio_max"} and "kl" in kl["series"]
-    phases = {k for r in rows for k in r if k.startswith("time_") and k.endswith("_s") and k != "time_iteration_s"}
-    assert {"time_rollout_s", "time_reward_s", "time_train_s", "time_eval_s"} <= phases
-    assert set(page.figures["fig-time"][0]["series"]) == phases
-    # the filmstrip: every stored tile of every evaluation, as a decodable embedded image
+    # every metric the issue names is either drawn or named in the one line of constants
+    drawn, constant = page.drawn(), page.constant
+    for key in ["eval/reward_mean", "eval/reward/shapes", "eval/shapes/gold_error", "ratio_mean", "clipfrac", "kl",
+                "time_rollout_s", "time_eval_s"]:
+        assert key in drawn or re.search(rf"(: |, |; ){re.escape(key)}( \(and its \d+ categor(y|ies)\))?(, | = )", constant), key
+    train = page.figures["fig-reward"][0]
+    assert train["label"] == "train reward" and train["series"]["reward_mean, each iteration"] == ITERATIONS
+    assert train["faint"] == {"reward_mean, each iteration"}
+    phases = {k for r in rows for k in r if k.startswith("time_") and k.endswith("_s") and k not in ("time_iteration_s", "time_eval_s")}
+    per_iteration, per_evaluation = page.figures["fig-time"]
+    assert set(per_iteration["series"]) <= phases and "time_eval_s" not in per_iteration["series"]
+    assert per_evaluation["series"] == {"time_eval_s": len(evaluations)}
+    # the filmstrip: every stored tile of every evaluation, as a decodable embedded image, its score coloured
     tiles = {it: json.loads((out / "samples" / f"eval_{it:06d}" / "index.json").read_text()) for it in evaluations}
     assert all(len(t) == PROMPTS for t in tiles.values())
     strip = [row for row in page._filmstrip_rows if row]
@@ -147,9 +200,98 @@ def test_report_holds_every_figure_and_image_it_claims(shapes_run):
             data = base64.b64decode(img["src"].split(",", 1)[1])
             assert data == (out / "samples" / f"eval_{it:06d}" / tiles[it][i]["file"]).read_bytes()
             assert Image.open(io.BytesIO(data)).size == (24, 24)
+    verdicts = [("pass" if t["score"] == 1 else "fail") for it in evaluations for t in tiles[it]]
+    assert sorted(page.scores) == sorted(f"score {v}" for v in verdicts)  # strict scores: pass/fail
     text = (out / "report.html").read_text()
-    assert f"({PROMPTS * len(evaluations)} images)" in text
+    assert f"({PROMPTS * len(evaluations)} images)" in text and "green: passed (score 1), red: failed (score 0)" in text
     assert text.count('<tr><th>') - text.count('class="prompt"') >= len(evaluations)  # the evaluation table
+    assert "evaluated with</th><td>the raw trained weights (no EMA)" in text
+
+
+def test_every_chart_offers_three_x_axes_and_a_legend_outside_the_plot(shapes_run):
+    """iteration, training time and samples: each chart draws its series on each (one shown at a
+    time, chosen by radio buttons and CSS, no script); the legend is HTML under the plot, so its
+    swatches never overlap the numbers."""
+    out, _ = shapes_run
+    page = parse(out / "report.html")
+    radios = [r for r in page.radios if r.get("type") == "radio"]
+    assert [r["id"] for r in radios] == ["x-iteration", "x-time", "x-samples"] and "checked" in radios[0]
+    assert {r["name"] for r in radios} == {"x-axis"}
+    text = (out / "report.html").read_text()
+    assert "#x-time:checked~.page .x-time{display:inline}" in text and ".x-time{display:none}" in text
+    for label in ("iteration", "training time (min)", "samples trained on"):
+        assert f">{label}</label>" in text
+    charts = [chart for charts in page.figures.values() for chart in charts]
+    for chart in charts:
+        assert set(chart["axes"]) == {"iteration", "time", "samples"}
+        assert all(series == chart["series"] for series in chart["axes"].values()), chart["label"]
+        assert not any(" = " in t for t in chart["texts"])  # no legend inside the plot
+        assert len(chart["legend"]) == len(chart["series"])
+    assert ("div", "grid") in page.classes and ("div", "top") in page.classes
+
+
+def synthetic_rows(n=60, every=10):
+    rows = []
+    for it in range(n + 1):
+        row = {"iteration": it}
+        if it:
+            row.update({"reward_mean": 0.3 + 0.004 * it + (0.2 if it % 2 else -0.2), "time_iteration_s": 1.5,
+                        "time_rollout_s": 1.0 + 0.01 * (it % 3), "time_train_s": 0.4 + 0.01 * (it % 2), "kl": 0.0,
+                        "ratio_mean": 1.0 + 1e-3 * it})
+        if it % every == 0:
+            row.update({"eval/reward_mean": 0.4 + 0.002 * it, "eval/shapes/clean": 1.0, "eval/shapes/accuracy": 0.4 + 0.002 * it,
+                        "time_eval_s": 39.0 + it / 10})
+        rows.append(row)
+    return rows
+
+
+def test_train_reward_is_smoothed_with_the_raw_points_faint_and_eval_on_its_own():
+    from fgrpo.core import report
+
+    rows = synthetic_rows()
+    figs = report.figures(rows, {"train": {"group_size": 8, "prompts_per_iteration": 8}})
+    anchor, _, (train, held_out) = figs.items[0]
+    assert anchor == "fig-reward" and 'aria-label="train reward"' in train and 'aria-label="held-out reward"' in held_out
+    page = Page()
+    page.feed(f'<figure id="f">{train}{held_out}</figure>')
+    train_chart, held_chart = page.figures["f"]
+    window = report.smoothing_window(60)
+    assert window == 5
+    assert train_chart["series"] == {"reward_mean, each iteration": 60, f"reward_mean, mean of {window} iterations": 60}
+    assert train_chart["faint"] == {"reward_mean, each iteration"} and held_chart["series"] == {"eval/reward_mean": 7}
+    raw = report.series(rows, "reward_mean")
+    smooth = report.smoothed(raw, window, "s")
+    ys = [y for _, y in raw.points]
+    assert smooth.points[10][1] == pytest.approx(sum(ys[8:13]) / 5)  # centred: no lag
+    assert smooth.points[0][1] == pytest.approx(sum(ys[:3]) / 3)
+    assert max(abs(a[1] - b) for a, b in zip(smooth.points[5:-5], [0.3 + 0.004 * x for x, _ in raw.points[5:-5]])) < 0.05
+
+
+def test_constant_metrics_are_one_line_and_eval_time_has_its_own_chart():
+    from fgrpo.core import report
+
+    figs = report.figures(synthetic_rows())
+    page = Page()
+    page.feed("".join(f'<figure id="{a}">{"".join(c)}</figure>' for a, _, c in figs.items))
+    assert figs.constant == {"eval/shapes/clean": 1.0, "kl": 0.0}  # a metric without categories: its own entry
+    assert "eval/shapes/clean" not in page.drawn() and "kl" not in page.drawn() and "ratio_mean" in page.drawn()
+    per_iteration, per_evaluation = page.figures["fig-time"]
+    assert set(per_iteration["series"]) == {"time_rollout_s", "time_train_s"} and set(per_evaluation["series"]) == {"time_eval_s"}
+    axes = report.x_axes(synthetic_rows(), {"train": {"group_size": 8, "prompts_per_iteration": 8}})
+    assert axes["samples"][10] == 640 and axes["iteration"][10] == 10
+    assert axes["time"][0] == 0 and axes["time"][10] == pytest.approx((10 * 1.5 + 39) / 60)  # the eval at 0 came before
+    assert axes["time"][11] == pytest.approx((11 * 1.5 + 39 + 40) / 60)
+
+
+def test_filmstrip_scores_are_coloured():
+    from fgrpo.core.report import score_style
+
+    style, binary = score_style([0.0, 1.0, 1.0])
+    assert binary and style(1.0) == ("score pass", "") and style(0.0) == ("score fail", "")
+    style, binary = score_style([0.2, 0.5, 0.8])
+    assert not binary
+    (low, low_css), (high, high_css) = style(0.2), style(0.8)
+    assert low == high == "score graded" and "hsl(0," in low_css and "hsl(120," in high_css
 
 
 def test_filmstrip_keeps_prompts_and_noise_fixed_across_evaluations(shapes_run):
@@ -174,7 +316,7 @@ def test_one_line_per_evaluation_when_not_a_terminal(shapes_run):
     _, printed = shapes_run
     lines = [line for line in printed.splitlines() if line.startswith("eval at iteration")]
     assert [line.split(" ")[3].split("/")[0] for line in lines] == ["0", "1", "2"]  # the base's too
-    assert all(re.search(r"\(\d+\.\d s\): reward_mean [\d.]+ .*shapes/accuracy [\d.]+", line) for line in lines)
+    assert all(re.search(r"\(\d+\.\d s, (raw weights|EMA weights after \d+ updates?)\): reward_mean [\d.]+ .*shapes/accuracy [\d.]+", line) for line in lines)
 
 
 def test_grid_has_separators_scores_and_what_was_read():

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -469,3 +470,280 @@ def test_random_sequences_never_lose_a_checkpoint_nor_mix_metrics(tmp_path, refe
 @pytest.mark.parametrize("seed", range(8))
 def test_random_sequences_long(tmp_path, reference, seed):
     run_sequence(1000 + seed, 12, tmp_path / "run", reference)
+
+
+# --- the property, extended (issue 22): report, export and sample join the sequences, on folders
+# that are damaged (a truncated file), partial (a cut metrics line, a missing file) or hold links
+# planted to lead out of them. Nothing outside the run folder is read (every open of the commands
+# is audited) or written, and every refusal is one line with exit code 2.
+
+from _helpers import OpenAudit  # noqa: E402
+
+SHORT_SEED = 1  # its plant: an index naming a file outside the run
+
+AUDITED = Path(__file__).parent / "audited_fgrpo.py"
+HOSTILE_REFUSALS = REFUSALS + ("is a link;", "is a folder where fgrpo keeps its link", "is not a valid checkpoint",
+                               "which is not a file of", "points to", "has no export()", "no complete checkpoint",
+                               "holds no state.json", "is not a checkpoint folder")
+
+
+class Hostile:
+    """One folder under test, the area outside it that it must never touch, and what the test
+    planted (so that the user's repair, removing the plants, can be played at the end)."""
+
+    def __init__(self, root: Path, reference: dict, rng: random.Random):
+        self.folder, self.outside, self.work = root / "run", root / "outside", root / "work"
+        self.reference, self.rng = reference, rng
+        self.outside.mkdir(parents=True)
+        self.work.mkdir()
+        (self.outside / "secret.txt").write_bytes(b"SECRET-22 outside the run\n")
+        self.log = root / "forbidden.log"
+        self.prompts = self.work / "prompts.txt"
+        self.prompts.write_text("target 1 1\n")
+        self.seen: dict[str, str] = {}
+        self.plants: list[Callable[[], None]] = []  # each undoes one plant
+        self.count = 0
+
+    # --- running the commands ---
+
+    def spawn(self, flag: str) -> subprocess.Popen:
+        env = {**os.environ, "FGRPO_FORBIDDEN": str(self.outside), "FGRPO_FORBIDDEN_LOG": str(self.log)}
+        args = [sys.executable, str(AUDITED), "compose", RECIPE, *SEQUENCE_SETS, "--out", str(self.folder), *([flag] if flag else [])]
+        return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+
+    def in_process(self, args: list[str], capsys) -> tuple[int, str]:
+        capsys.readouterr()
+        OpenAudit.install()
+        OpenAudit.forbidden = str(self.outside.resolve())
+        try:
+            code = cli.main(args)
+        finally:
+            OpenAudit.forbidden = None
+        return code, capsys.readouterr().err
+
+    def target(self) -> str:
+        """What export/sample are pointed at: the run, its `last`, or one of its checkpoints."""
+        ckpts = sorted((self.folder / "checkpoints").glob("iter_*")) if (self.folder / "checkpoints").is_dir() else []
+        choices = [self.folder, self.folder / "checkpoints" / "last", *ckpts[-2:]]
+        return str(self.rng.choice(choices))
+
+    def new_out(self, what: str) -> Path:
+        self.count += 1
+        return self.work / f"{what}-{self.count}"
+
+    # --- what the test does to the folder ---
+
+    def complete(self) -> list[Path]:
+        return [p for p in _complete(self.folder / "checkpoints") if not any(q.is_symlink() for q in p.rglob("*"))]
+
+    def damage(self) -> str:
+        ckpts = self.complete()
+        if not ckpts:
+            return "damage (nothing to damage)"
+        victim = self.rng.choice(ckpts)
+        self.seen.pop(victim.name, None)  # no longer the checkpoint the test saw
+        how = self.rng.choice(["truncate", "state", "export", "missing"])
+        if how == "truncate":
+            path = victim / self.rng.choice(["trainable.safetensors", "optimizer.pt", "rng-rank0.pt"])
+            path.write_bytes(path.read_bytes()[: self.rng.randint(0, 60)])
+        elif how == "state":
+            (victim / "state.json").write_text('{"iteration": ')
+        elif how == "export":  # an export cut short, as by a full disk
+            (victim / "export").mkdir(exist_ok=True)
+            (victim / "export" / "pytorch_lora_weights.safetensors").write_bytes(b"\x40" + b"\0" * 49)
+        else:
+            (victim / "rng-rank0.pt").unlink()
+        return f"damage {victim.name} ({how})"
+
+    def give_export(self) -> str:
+        """A whole export/ folder in a complete checkpoint (the way a LoRA backbone writes one)."""
+        ckpts = self.complete()
+        if not ckpts:
+            return "export folder (none)"
+        victim = self.rng.choice(ckpts)
+        (victim / "export").mkdir(exist_ok=True)
+        from safetensors.torch import save_file
+
+        save_file({"w": torch.ones(3)}, str(victim / "export" / "pytorch_lora_weights.safetensors"))
+        return f"export folder in {victim.name}"
+
+    def cut_metrics(self) -> str:
+        path = self.folder / "metrics.jsonl"
+        if not path.is_file() or path.is_symlink() or path.stat().st_size < 10:
+            return "cut metrics (none)"
+        rows = _rows(self.folder)
+        written = [int(p.name[5:]) for p in (self.folder / "checkpoints").glob("iter_*") if p.name[5:].isdigit()] if (self.folder / "checkpoints").is_dir() else []
+        if not rows or rows[-1]["iteration"] <= max(written, default=0):
+            return "cut metrics (its last line is behind a checkpoint: a full disk would have stopped the run first)"
+        data = path.read_bytes()
+        path.write_bytes(data[: len(data) - self.rng.randint(3, 40)])  # a last line cut by a full disk
+        return "cut metrics"
+
+    def plant(self) -> str:
+        how = self.rng.choice(["tile", "escape", "weights", "last", "metrics", "last-folder", "export-link"])
+        secret = self.outside / "secret.txt"
+        if how in ("tile", "escape"):
+            folder = self.folder / "samples" / f"eval_{self.rng.randint(0, 99):06d}"
+            folder.mkdir(parents=True, exist_ok=True)
+            name = "00.png" if how == "tile" else f"../../../{self.outside.name}/secret.txt"
+            if how == "tile" and not (folder / "00.png").is_symlink():
+                (folder / "00.png").symlink_to(secret)
+            (folder / "index.json").write_text(json.dumps([{"prompt": "p", "file": name, "score": 1.0}]))
+            self.plants.append(lambda: shutil.rmtree(self.folder / "samples", ignore_errors=True))
+        elif how in ("weights", "export-link"):
+            ckpts = self.complete()
+            if not ckpts:
+                return "plant (nothing to plant in)"
+            victim = self.rng.choice(ckpts)
+            self.seen.pop(victim.name, None)
+            if how == "weights":  # the weights replaced by a link to a copy outside
+                copy = self.outside / f"{victim.name}-{self.count}.safetensors"
+                self.count += 1
+                shutil.copy(victim / "trainable.safetensors", copy)
+                (victim / "trainable.safetensors").unlink()
+                (victim / "trainable.safetensors").symlink_to(copy)
+            else:
+                (victim / "export").mkdir(exist_ok=True)
+                if not (victim / "export" / "outside").is_symlink():
+                    (victim / "export" / "outside").symlink_to(self.outside)
+            how = f"{how} in {victim.name}"
+        elif how == "last":
+            ckpts = self.complete()
+            last = self.folder / "checkpoints" / "last"
+            if not ckpts or not (last.is_symlink() or not last.exists()):
+                return "plant last (none)"
+            copy = self.outside / f"checkpoint-{self.count}"
+            self.count += 1
+            shutil.copytree(ckpts[-1], copy, symlinks=True)
+            last.unlink(missing_ok=True)
+            last.symlink_to(copy)
+        elif how == "metrics":
+            path = self.folder / "metrics.jsonl"
+            if not path.is_file() or path.is_symlink():
+                return "plant metrics (none)"
+            copy = self.outside / f"metrics-{self.count}.jsonl"
+            self.count += 1
+            shutil.move(path, copy)
+            path.symlink_to(copy)
+
+            def restore(path=path, copy=copy):
+                path.unlink()
+                shutil.copy(copy, path)
+
+            self.plants.append(restore)
+        else:
+            last = self.folder / "checkpoints" / "last"
+            if not (self.folder / "checkpoints").is_dir() or last.is_dir() and not last.is_symlink():
+                return "plant last folder (none)"
+            last.unlink(missing_ok=True)
+            last.mkdir()
+            self.plants.append(lambda last=last: shutil.rmtree(last))
+        return f"plant {how}"
+
+    def repair(self) -> None:
+        """What the user does after reading the refusals: take the plants out."""
+        while self.plants:
+            self.plants.pop()()
+
+    # --- checks ---
+
+    def check(self, outcomes: list[tuple[int, str]], around: dict[str, str]) -> None:
+        for code, err in outcomes:
+            assert "Traceback" not in err, err
+            assert code in (0, 2, -signal.SIGKILL), (code, err)
+            if code == 2:
+                lines = [ln for ln in err.splitlines() if ln.startswith("error: ")]
+                assert len(lines) == 1, err  # every refusal one line
+                assert any(reason in lines[0] for reason in HOSTILE_REFUSALS), err
+        assert snapshot(self.outside) == around, "something outside the run folder was written"
+        assert OpenAudit.hits == [], OpenAudit.hits  # nothing outside it read, in this process
+        assert not self.log.exists(), self.log.read_text()  # nor by the compose processes
+        for name, fingerprint in self.seen.items():  # a complete checkpoint the test did not touch stays
+            assert _fingerprint(self.folder / "checkpoints" / name) == fingerprint, name
+        for checkpoint in self.complete():
+            self.seen.setdefault(checkpoint.name, _fingerprint(checkpoint))
+            weights = load_file(str(checkpoint / "trainable.safetensors"))
+            expected = self.reference["weights"][checkpoint.name]
+            assert all(torch.equal(weights[k], expected[k]) for k in expected), checkpoint.name
+        if not (self.folder / "metrics.jsonl").is_symlink():
+            rows = _rows(self.folder)
+            assert rows == self.reference["rows"][: len(rows)]
+
+
+OPERATIONS = ["start", "resume", "kill", "concurrent", "report", "export", "sample", "damage", "cut", "plant", "plant",
+              "export-folder"]
+
+
+def run_hostile_sequence(seed: int, length: int, root: Path, reference: dict, capsys, ops: list[str] | None = None) -> list[str]:
+    """``length`` operations drawn from OPERATIONS with ``seed`` (or ``ops`` in order; their
+    details still drawn), each followed by the checks of :meth:`Hostile.check`."""
+    rng = random.Random(seed)
+    h = Hostile(root, reference, rng)
+    done = []
+    for step in range(length):
+        op = ops[step] if ops else rng.choice(OPERATIONS)
+        around = snapshot(h.outside)
+        outcomes: list[tuple[int, str]] = []
+        if op == "kill":
+            proc = h.spawn(rng.choice(["", "--resume"]))
+            time.sleep(rng.uniform(0.2, 4.0))
+            proc.send_signal(signal.SIGKILL)
+            outcomes = [_settle(proc)]
+        elif op == "concurrent":
+            procs = [h.spawn(rng.choice(["", "--resume"])) for _ in range(2)]
+            outcomes = [_settle(p) for p in procs]
+        elif op in ("start", "resume"):
+            outcomes = [_settle(h.spawn("" if op == "start" else "--resume"))]
+        elif op == "report":
+            if (h.folder / "metrics.jsonl").exists() or (h.folder / "metrics.jsonl").is_symlink():
+                code, err = h.in_process(["report", str(h.folder)], capsys)
+                outcomes = [(code, err)]
+                if code == 0:
+                    assert b"SECRET-22" not in (h.folder / "report.html").read_bytes()
+            op = "report" if outcomes else "report (no run yet)"
+        elif op in ("export", "sample"):
+            out, target = h.new_out(op), h.target()
+            args = (["export", target, "--out", str(out)] if op == "export" else
+                    ["sample", "--checkpoint", target, "--prompts", str(h.prompts), "--steps", "2", "--out", str(out)])
+            code, err = h.in_process(args + (["--no-ema"] if rng.random() < 0.3 else []), capsys)
+            outcomes = [(code, err)]
+            assert out.is_dir() == (code == 0), (code, err)  # whole, or not there at all
+            if code == 0 and op == "export":
+                assert [p.name for p in out.iterdir()] == ["pytorch_lora_weights.safetensors"]
+            op = f"{op} {Path(target).relative_to(h.folder.parent)} -> {code}"
+        elif op == "damage":
+            op = h.damage()
+        elif op == "cut":
+            op = h.cut_metrics()
+        elif op == "plant":
+            op = h.plant()
+        else:
+            op = h.give_export()
+        if not outcomes:  # the test's own change (a plant may copy something outside on purpose)
+            around = snapshot(h.outside)
+        done.append(op)
+        h.check(outcomes, around)
+    # the user takes the plants out; the run can then be finished, and reads as one uninterrupted run
+    h.repair()
+    around = snapshot(h.outside)
+    code, err = _settle(h.spawn("--resume"))
+    if code == 2 and "no complete checkpoint" in err:
+        code, err = _settle(h.spawn("--start-over"))
+    assert code == 0, (done, err)
+    h.check([], around)
+    assert _rows(h.folder) == reference["rows"], done
+    return done
+
+
+def test_hostile_sequences_leak_nothing_and_refuse_in_one_line(tmp_path, reference, capsys):
+    # the default run affords one short sequence in a fixed order (its details drawn from the
+    # seed): a run, a link planted to lead out of it, then report, export and sample on it; the
+    # slow variant below draws long sequences of every operation
+    done = run_hostile_sequence(SHORT_SEED, 5, tmp_path, reference, capsys, ops=["start", "plant", "report", "export", "sample"])
+    assert done == ["start", "plant escape", "report", "export run -> 2", "sample run/checkpoints/iter_000024 -> 0"], done
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(8))
+def test_hostile_sequences_long(tmp_path, reference, capsys, seed):
+    run_hostile_sequence(2200 + seed, 14, tmp_path, reference, capsys)

@@ -69,3 +69,64 @@ def test_text_probe_compares_opposite_relations(root):
     assert probe.opposites(prompts[3]) == {
         "relation word flipped": "a red square below a blue circle", "objects swapped": "a blue circle above a red square"
     }
+
+
+def test_reference_parity_sizes_lora_counts_on_the_real_configs(root):
+    """The LoRA figures docs/method.md and docs/backbones.md quote (issue 21, item 4), counted on the
+    published SD3.5-M and Wan 2.1 1.3B transformer configs built on the meta device."""
+    pytest.importorskip("diffusers")
+    from diffusers import SD3Transformer2DModel, WanTransformer3DModel
+
+    from fgrpo.models.lora import JOINT_ATTENTION_LORA_TARGETS
+    from fgrpo.models.wan import WAN_LORA_TARGETS
+
+    sizes = _load(root, "reference_parity_sizes")
+    old, new = (sizes.lora_parameters(SD3Transformer2DModel, sizes.SD35_MEDIUM, t) for t in (sizes.OLD_JOINT, JOINT_ATTENTION_LORA_TARGETS))
+    assert (old[0] - new[0], new[0]) == (52, 191) and round((old[1] - new[1]) / 1e6, 2) == 5.11 and round(old[1] / new[1] - 1, 2) == 0.27
+    wan_old = ("to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2")
+    old, new = (sizes.lora_parameters(WanTransformer3DModel, sizes.WAN21_1_3B, t) for t in (wan_old, WAN_LORA_TARGETS))
+    assert new[0] == 240 and round(old[1] / new[1] - 1, 2) == 0.85
+
+
+def test_memory_estimate_counts_the_pipelines_own_sizes(root, tmp_path, capsys, monkeypatch):
+    """tools/memory.py on a tiny Wan 2.2 MoE pipeline (both experts with LoRA): parameters counted
+    from the configs on the meta device equal the built modules', the LoRA size equals peft's, and
+    the launch kinds split what they split."""
+    pytest.importorskip("diffusers")
+    import json
+
+    import yaml
+
+    from fgrpo.core import registry
+    from fgrpo.models.testing import build_tiny_wan22_pipeline
+
+    memory = _load(root, "memory")
+    pipe = build_tiny_wan22_pipeline(tmp_path / "tiny")
+    recipe = {
+        "model": {"name": "wan", "path": str(tmp_path / "tiny"), "resolution": 32, "num_frames": 5, "lora": {"rank": 4},
+                  "max_sequence_length": 16, "guidance_scale": 4.0},
+        "sampler": {"name": "fast", "steps": 4, "window": 2},
+        "train": {"prompts_per_iteration": 4, "group_size": 4, "micro_batch_size": 2, "ema_decay": 0.9},
+    }
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
+    capsys.readouterr()
+    assert memory.main([str(tmp_path / "r.yaml"), "--gpus", "2", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    sizes = result["sizes"]
+    assert sizes["exact"] and sizes["transformers"] == [sum(p.numel() for p in m.parameters()) for m in (pipe.transformer, pipe.transformer_2)]
+    assert sizes["text"] == sum(p.numel() for p in pipe.text_encoder.parameters())
+    policy = registry.create("model", "wan", **{k: v for k, v in recipe["model"].items() if k != "name"}, device="cpu")
+    assert sum(sizes["lora"]) == sum(p.numel() for p in policy.trainable_parameters())  # peft's adapter on both experts
+    assert result["tokens"] == [2 * 2 * 2, 16]
+    kinds = result["kinds"]
+    assert kinds["fsdp"]["weights"] < kinds["ddp"]["weights"] and kinds["deepspeed-zero2"]["weights"] == kinds["ddp"]["weights"]
+    assert kinds["deepspeed-zero2"]["grads+adamw"] == kinds["ddp"]["grads+adamw"] / 2
+    assert kinds["zero2-offload"]["grads+adamw"] == kinds["deepspeed-zero2"]["grads+adamw"] / 3
+    assert result["activations"]["checkpointing"] < result["activations"]["none"]
+    assert memory.main([str(tmp_path / "r.yaml"), "--gpus", "0"]) == 2
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # nothing cached: the published sizes
+    assert memory.main([str(root / "recipes" / "wan22-t2v-pickscore.yaml"), "--gpus", "8"]) == 0
+    printed = capsys.readouterr().out
+    assert "| fsdp |" in printed and "published, approximate" in printed and "14.30B + 14.30B" in printed

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -58,8 +59,11 @@ class FakeTracker(GeneralTracker):
         self.finished = True
 
 
-def test_a_tracker_receives_config_scalars_and_sample_grids(root, tmp_path):
-    recipe = recipe_mod.load(root / "recipes" / "shapes.yaml", SMALL_SHAPES)
+def test_a_tracker_receives_config_scalars_and_sample_grids(root, tmp_path, monkeypatch):
+    mlflow = pytest.importorskip("mlflow")
+    monkeypatch.chdir(tmp_path)  # mlflow's own default store is ./mlflow.db
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    recipe = recipe_mod.load(root / "recipes" / "shapes.yaml", [*SMALL_SHAPES, "log.trackers=[tensorboard, mlflow]"])
     fake = FakeTracker()
     out = tmp_path / "run"
     run = open_run(recipe, out=str(out), resume=False, console=QUIET, quiet=True, extra_trackers=[fake])
@@ -91,7 +95,42 @@ def test_a_tracker_receives_config_scalars_and_sample_grids(root, tmp_path):
     events = EventAccumulator(str(out / "tensorboard"), size_guidance={"images": 0}).Reload()
     assert [e.step for e in events.Scalars("reward_mean")] == [1, 2]
     assert [e.step for e in events.Images("eval/samples")] == [0, 2]
-    assert list((out / "tensorboard").glob("*/hparams.yml"))
+    assert [p.name for p in (out / "tensorboard").iterdir() if p.is_dir()] == []  # one run, not three
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    content = events.PluginTagToContent("hparams")["_hparams_/session_start_info"]
+    hparams = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info.hparams
+    assert hparams["model.name"].string_value == "shapes-dit" and hparams["train.iterations"].number_value == 2
+
+    # mlflow: its store in the run folder, the run named after it, the config, the metrics and the grids
+    assert not (tmp_path / "mlflow.db").exists() and (out / "mlflow" / "mlflow.db").is_file()
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{out / 'mlflow' / 'mlflow.db'}")
+    (experiment,) = [e for e in client.search_experiments() if e.name == "my-project"]
+    (logged,) = client.search_runs([experiment.experiment_id])
+    assert logged.info.run_name == "run" and logged.data.params["model.name"] == "shapes-dit"
+    assert len(logged.data.params) == len(config)
+    assert [m.step for m in client.get_metric_history(logged.info.run_id, "reward_mean")] == [1, 2]
+    assert [a.path for a in client.list_artifacts(logged.info.run_id, "eval/samples")] == [
+        "eval/samples/iteration_000000.png", "eval/samples/iteration_000002.png"]
+    stored = Path(client.download_artifacts(logged.info.run_id, "eval/samples/iteration_000002.png", str(tmp_path)))
+    assert np.array_equal(np.asarray(Image.open(stored).convert("RGB")), grid[0])
+    assert str(out / "mlflow" / "artifacts") in experiment.artifact_location
+
+
+def test_mlflow_resumes_its_run_and_takes_another_store(root, tmp_path, monkeypatch):
+    mlflow = pytest.importorskip("mlflow")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    team = f"sqlite:///{tmp_path / 'team.db'}"
+    base = ["compose", str(root / "recipes" / "vector.yaml"), "--out", str(tmp_path / "run"), "--quiet", "--set", "log.trackers=[mlflow]",
+            "--set", f"log.init_kwargs={{mlflow: {{tracking_uri: '{team}', tags: {{team: vision}}}}}}", "--set", "eval.every=0"]
+    assert cli.main([*base, "--set", "train.iterations=1"]) == 0
+    assert cli.main([*base, "--set", "train.iterations=2", "--resume"]) == 0
+    assert not (tmp_path / "run" / "mlflow").exists() and not (tmp_path / "mlflow.db").exists()
+    client = mlflow.MlflowClient(tracking_uri=team)
+    (logged,) = client.search_runs([client.get_experiment_by_name("fgrpo").experiment_id])
+    assert logged.info.run_name == "run" and logged.data.tags["team"] == "vision"
+    assert [m.step for m in client.get_metric_history(logged.info.run_id, "reward_mean")] == [1, 2]
 
 
 def test_no_trackers_writes_no_events(root, tmp_path):
@@ -154,3 +193,57 @@ def test_changing_trackers_on_resume_is_allowed(root, tmp_path, change):
     base = ["compose", str(root / "recipes" / "vector.yaml"), "--out", str(tmp_path), "--quiet", "--set", "train.iterations=1"]
     assert cli.main(base) == 0
     assert cli.main(base + ["--resume", "--set", "train.iterations=2", "--set", change]) == 0
+
+
+# --- issue 22: tracker options are checked at `validate` against the tracker's own signature ------
+
+
+def test_bad_tracker_options_on_resume_write_nothing(root, tmp_path, capsys):
+    import hashlib
+
+    recipe = str(root / "recipes" / "vector.yaml")
+    base = ["compose", recipe, "--out", str(tmp_path), "--quiet", "--set", "train.iterations=1", "--set", "eval.every=0"]
+    assert cli.main(base) == 0
+    before = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in tmp_path.rglob("*") if p.is_file() and p.name != ".fgrpo.lock"}
+    # before: a TypeError traceback after recipe.resolved.yaml was rewritten with the bad options
+    assert cli.main(base + ["--resume", "--set", "train.iterations=2", "--set", "log.init_kwargs={tensorboard: {logging_dir: x}}"]) == 2
+    err = capsys.readouterr().err
+    assert "error: log.init_kwargs.tensorboard.logging_dir: fgrpo sets it" in err and "Traceback" not in err
+    after = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in tmp_path.rglob("*") if p.is_file() and p.name != ".fgrpo.lock"}
+    assert after == before
+
+
+def test_good_tracker_options_reach_the_tracker(root, tmp_path, monkeypatch):
+    from torch.utils import tensorboard
+
+    seen = []
+    real = tensorboard.SummaryWriter.__init__
+
+    def spy(self, *args, **kwargs):
+        seen.append(kwargs)
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(tensorboard.SummaryWriter, "__init__", spy)
+    assert cli.main(["compose", str(root / "recipes" / "vector.yaml"), "--out", str(tmp_path / "run"), "--quiet",
+                     "--set", "train.iterations=1", "--set", "eval.every=0",
+                     "--set", "log.init_kwargs={tensorboard: {flush_secs: 7, filename_suffix: .mine}}"]) == 0
+    assert seen[0] == {"purge_step": 0, "flush_secs": 7, "filename_suffix": ".mine"}  # the run's writer
+
+
+def test_options_are_checked_against_the_libraries_own_signature(root, monkeypatch, capsys):
+    fake = types.ModuleType("wandb")
+
+    def init(project=None, name=None, dir=None, mode=None, tags=None, entity=None):
+        raise AssertionError("validate must not start wandb")
+
+    fake.init = init
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.setattr(tracking, "_available_trackers", [*tracking._available_trackers, LoggerType.WANDB])
+    recipe = str(root / "recipes" / "vector.yaml")
+    good = cli.main(["validate", recipe, "--set", "log.trackers=[wandb]", "--set", "log.init_kwargs={wandb: {mode: offline, tags: [a]}}"])
+    assert good == 0
+    bad = cli.main(["validate", recipe, "--set", "log.trackers=[wandb]", "--set", "log.init_kwargs={wandb: {mood: offline, project: p}}"])
+    assert bad == 2
+    err = capsys.readouterr().err
+    assert "log.init_kwargs.wandb.mood: unknown option of the wandb tracker (did you mean 'mode'?); allowed: dir, entity, mode, name, tags" in err
+    assert "log.init_kwargs.wandb.project: fgrpo sets it (log.project); remove it" in err

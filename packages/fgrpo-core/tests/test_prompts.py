@@ -63,7 +63,7 @@ def test_folder_errors_are_reported_at_validation(tmp_path):
 
 def test_same_prompt_with_two_metadata_is_an_error(tmp_path):
     write_jsonl(tmp_path / "train.jsonl", [{"prompt": "p", "tag": "a"}, {"prompt": "p", "tag": "b"}])
-    with pytest.raises(registry.ComponentError, match="appears twice with different metadata"):
+    with pytest.raises(RecipeError, match="prompts.path: .*appears twice with different metadata"):  # found by `validate` too
         registry.create("prompts", "folder", path=str(tmp_path), test=None)
     write_jsonl(tmp_path / "train.jsonl", [{"prompt": "p", "tag": "a"}, {"prompt": "p", "tag": "a"}])
     assert registry.create("prompts", "folder", path=str(tmp_path), test=None).train_prompts() == ["p", "p"]

@@ -55,3 +55,30 @@ def test_packing_is_the_pipelines():
     packed = FluxPipeline._pack_latents(x, 2, 16, 8, 6)
     assert torch.equal(dx.pack_2x2(x), packed)
     assert torch.equal(dx.unpack_2x2(packed, 8, 6), x)
+
+
+@torch.no_grad()
+def test_dancegrpo_and_mixgrpo_flux_schedule_and_timesteps():
+    """DanceGRPO and MixGRPO drive FLUX over sd3_time_shift(3, linspace(1, 0, N + 1)) and give the
+    transformer int(sigma * 1000) / 1000 (DanceGRPO train_grpo_flux.py:230-238, 311-313; MixGRPO
+    sampling_utils.py:64-71): model.shift 3 and integer_timesteps true. By default the flux
+    backbone shifts by resolution (flow_grpo's and the pipeline's mu) and passes sigma itself."""
+    from fgrpo.models.flux import FluxPolicy
+
+    policy = FluxPolicy.from_pipeline(
+        build_tiny_flux_pipeline(), device="cpu", resolution=64, max_sequence_length=SEQ, shift=3.0, integer_timesteps=True
+    )
+    sigma_schedule = torch.linspace(1, 0, 17)
+    sigma_schedule = (3.0 * sigma_schedule) / (1 + 2.0 * sigma_schedule)
+    sigmas = policy.sigmas(16)
+    torch.testing.assert_close(sigmas, sigma_schedule, rtol=0, atol=1e-7)
+    seen = []
+    policy.transformer.register_forward_pre_hook(lambda _m, _a, kw: seen.append(kw["timestep"].clone()), with_kwargs=True)
+    cond = policy.encode(["a cat"])
+    x = policy.initial_noise(1, torch.Generator().manual_seed(0))
+    for i in range(16):
+        policy.velocity(x, sigmas[i].expand(1), cond)
+    expected = torch.tensor([int(s * 1000) for s in sigma_schedule[:16]]) / 1000
+    torch.testing.assert_close(torch.cat(seen), expected.float(), rtol=0, atol=0)
+    default = FluxPolicy.from_pipeline(build_tiny_flux_pipeline(), device="cpu", resolution=64, max_sequence_length=SEQ)
+    assert not default._integer_timesteps and not torch.allclose(default.sigmas(16), sigmas)

@@ -33,3 +33,28 @@ class TestQwenImage(DiffusersBackboneConformance):
         assert lengths[0] > lengths[1] and torch.all(cond["prompt_embeds"][1, int(lengths[1]):] == 0)
         embeds, pipe_mask = policy.pipeline.encode_prompt([self.prompts[1]], device=policy.device, max_sequence_length=SEQ)
         torch.testing.assert_close(cond["prompt_embeds"][1:, : embeds.shape[1]], embeds, rtol=0, atol=1e-5)
+
+
+@torch.no_grad()
+def test_text_padding_mask_keeps_a_samples_velocity_independent_of_its_batch():
+    """Kept from flow_grpo on purpose (its diffusers ignored the mask it passed, diffusers#12294):
+    unmasked, the padding a short prompt gets from a longer one in the same forward batch changes
+    its velocity, so a rollout and an update that batch prompts differently disagree (the first
+    ratio is no longer 1). ``text_padding_mask: false`` reproduces flow_grpo."""
+    from fgrpo.models.qwen_image import QwenImagePolicy
+
+    def velocities(policy):
+        short, long = "hi", "a red circle to the left of a cat"
+        x = policy.initial_noise(2, torch.Generator().manual_seed(0))
+        sigma = torch.full((2,), 0.6)
+        together = policy.velocity(x, sigma, policy.encode([short, long]))[0]
+        alone = policy.velocity(x[:1], sigma[:1], policy.encode([short]))[0]
+        return together, alone
+
+    keys = {"device": "cpu", "max_sequence_length": SEQ, "resolution": 64, "true_cfg_scale": 1.0}
+    masked = QwenImagePolicy.from_pipeline(build_tiny_qwen_image_pipeline(), **keys)
+    together, alone = velocities(masked)
+    torch.testing.assert_close(together, alone, rtol=0, atol=1e-5)
+    unmasked = QwenImagePolicy.from_pipeline(build_tiny_qwen_image_pipeline(), text_padding_mask=False, **keys)
+    together, alone = velocities(unmasked)
+    assert (together - alone).abs().max() > 1e-3

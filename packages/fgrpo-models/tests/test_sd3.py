@@ -32,7 +32,7 @@ class TestSD3(DiffusersBackboneConformance):
         assert policy.resolution == 64 and policy.latent_shape == (16, 8, 8)
         assert policy.lora["target_modules"] == list(SD3_LORA_TARGETS)
         default = check_params(SD3Policy, {"path": "x"})[0]["lora"]
-        assert default == {"rank": 32, "alpha": 64, "target_modules": list(SD3_LORA_TARGETS), "init": "default"}
+        assert default == {"rank": 32, "alpha": 64, "target_modules": list(SD3_LORA_TARGETS), "init": "gaussian"}
         scheduler = policy.pipeline.scheduler
         for steps in (1, 10):
             scheduler.set_timesteps(steps)
@@ -65,11 +65,31 @@ def test_from_pipeline_and_resolution():
         SD3Policy.from_pipeline(build_tiny_sd3_pipeline(), device="cpu", resolution=40)
 
 
+@torch.no_grad()
+def test_vae_and_text_encoders_keep_their_own_dtype_and_run_without_autocast():
+    """flow_grpo's precision (train_sd3.py:409-415, config/base.py:24): the transformer in float32
+    under fp16 autocast, the VAE in float32, the text encoders in the autocast dtype; here three
+    keys, and an autocast around decoding or encoding changes nothing (the pipeline runs neither
+    under one)."""
+    keys = {"device": "cpu", "max_sequence_length": SEQ, "lora": None}
+    policy = SD3Policy.from_pipeline(build_tiny_sd3_pipeline(), dtype="float32", vae_dtype="float32", text_encoder_dtype="bfloat16", **keys)
+    assert policy.transformer.dtype == torch.float32 and policy.pipeline.vae.dtype == torch.float32
+    assert [m.dtype for m in policy.text_encoders()] == [torch.bfloat16] * 3
+    x = policy.initial_noise(2, torch.Generator().manual_seed(0))
+    plain, cond = policy.decode(x), policy.encode(["a cat"])
+    policy.prompt_cache.clear()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(policy.decode(x), plain)
+        assert all(torch.equal(v, cond[k]) for k, v in policy.encode(["a cat"]).items())
+    whole = SD3Policy.from_pipeline(build_tiny_sd3_pipeline(), dtype="bfloat16", **keys)  # dtype alone: everything bf16
+    assert whole.pipeline.vae.dtype == torch.bfloat16 and (whole.decode(x) - plain).abs().max() > 1e-3
+
+
 def test_recipe_keys_are_checked():
     out, errors = check_params(SD3Policy, {"path": "x", "lora": {"rank": 0}, "dtype": "bf16"})
     assert not errors and out["lora"] is None and out["device"] == "auto"
     out, errors = check_params(SD3Policy, {"path": "x", "lora": {"rank": 8}})
-    assert out["lora"] == {"rank": 8, "alpha": 16, "target_modules": list(SD3_LORA_TARGETS), "init": "default"}
+    assert out["lora"] == {"rank": 8, "alpha": 16, "target_modules": list(SD3_LORA_TARGETS), "init": "gaussian"}
     _, errors = check_params(
         SD3Policy,
         {"path": "x", "lora": {"rnak": 8}, "dtype": "float64", "device": "gpu", "guidance_scale": 0.5,

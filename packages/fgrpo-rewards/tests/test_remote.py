@@ -17,7 +17,8 @@ import torch
 from fgrpo.core import registry
 from fgrpo.core.testing import RewardConformance
 from fgrpo.rewards.http import ServiceError
-from fgrpo.rewards.remote import decode_request, encode_request, make_server
+from fgrpo.rewards.remote import decode_request, encode_request
+from fgrpo.rewards.serving import make_server
 
 TOKEN = "s3cret-token"
 

@@ -34,8 +34,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from fgrpo.core import confine
+from fgrpo.core.confine import file_mode
 from fgrpo.core.registry import ComponentError
 
 TRAINABLE = "trainable.safetensors"
@@ -90,6 +93,17 @@ def _fsync_tree(path: Path) -> None:
 
 def save_tensors(tensors: Mapping[str, torch.Tensor], path: Path) -> None:
     save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path))
+    path.chmod(file_mode())
+
+
+def share_files(folder: Path) -> None:
+    """Give every file under ``folder`` :func:`file_mode`: safetensors (and libraries that write
+    through it: diffusers, peft) create files 0600, which team-mates on a shared cluster cannot
+    read, while everything else a run writes follows the umask."""
+    mode = file_mode()
+    for path in Path(folder).rglob("*"):
+        if path.is_file() and not path.is_symlink() and (path.stat().st_mode & 0o777) != mode:
+            path.chmod(mode)
 
 
 def write(
@@ -108,33 +122,73 @@ def write(
     """Write checkpoint ``iteration`` under ``root`` (checkpoints/) and point ``last`` at it; then
     prune the older checkpoints of the same run (``state["run_id"]``) down to ``keep``. ``export(folder)`` writes extra files into ``export/`` before the
     folder becomes visible."""
-    root.mkdir(parents=True, exist_ok=True)
     final = root / folder_name(iteration)
     tmp = root / f".tmp-{folder_name(iteration)}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    save_tensors(trainable, tmp / TRAINABLE)
-    if ema is not None:
-        save_tensors(ema, tmp / EMA)
-    if old is not None:
-        save_tensors(old, tmp / OLD)
-    torch.save(dict(optimizer), tmp / OPTIMIZER)
-    for rank, states in rng.items():
-        torch.save(states, tmp / f"rng-rank{rank}.pt")
-    (tmp / STATE).write_text(json.dumps(dict(state), indent=1, sort_keys=True))
-    if export is not None:
-        export(str(tmp / EXPORT))
-        if (tmp / EXPORT).is_dir():
-            _fsync_tree(tmp / EXPORT)
-    _fsync_tree(tmp)
-    if final.is_symlink() or final.exists():  # not this run's (resume starts past its own)
-        set_aside(final)
-    os.replace(tmp, final)
-    _point_last(root, final.name)
-    _fsync_dir(root)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.is_symlink():
+            tmp.unlink()
+        elif tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        save_tensors(trainable, tmp / TRAINABLE)
+        if ema is not None:
+            save_tensors(ema, tmp / EMA)
+        if old is not None:
+            save_tensors(old, tmp / OLD)
+        _save_torch(dict(optimizer), tmp / OPTIMIZER)
+        for rank, states in rng.items():
+            _save_torch(states, tmp / f"rng-rank{rank}.pt")
+        (tmp / STATE).write_text(json.dumps(dict(state), indent=1, sort_keys=True))
+        if export is not None:
+            export(str(tmp / EXPORT))
+            if (tmp / EXPORT).is_dir():
+                share_files(tmp / EXPORT)
+                _fsync_tree(tmp / EXPORT)
+        _fsync_tree(tmp)
+        if final.is_symlink() or final.exists():  # not this run's (resume starts past its own)
+            set_aside(final)
+        os.replace(tmp, final)
+        _point_last(root, final.name)
+        _fsync_dir(root)
+    except (OSError, RuntimeError, SafetensorError) as exc:  # a full disk, a quota, a file-size limit
+        shutil.rmtree(tmp, ignore_errors=True)
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+        raise CheckpointError(
+            f"cannot write the checkpoint of iteration {iteration} ({root}): {reason}; the checkpoints written "
+            "before it are kept (--resume continues from the newest)"
+        ) from None
     prune(root, keep, state.get("run_id"))
     return final
+
+
+class _Recording:
+    """A file whose write errors are kept: torch.save reports a failed write as "unexpected pos"
+    (a RuntimeError), which hides the reason (a full disk, a file-size limit)."""
+
+    def __init__(self, fh: Any):
+        self.fh, self.error = fh, None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self.fh.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def flush(self) -> None:
+        self.fh.flush()
+
+
+def _save_torch(obj: Any, path: Path) -> None:
+    with path.open("wb") as fh:
+        recording = _Recording(fh)
+        try:
+            torch.save(obj, recording)
+        except RuntimeError:
+            if recording.error is not None:
+                raise recording.error from None
+            raise
 
 
 def set_aside(path: Path) -> Path:
@@ -187,23 +241,24 @@ def _run_id(folder: Path) -> str | None:
 # --- which folders are complete checkpoints ----------------------------------------------------
 
 
-def _safetensors_problem(path: Path) -> str | None:
+def _safetensors_problem(path: Path, name: str | None = None) -> str | None:
     """Why ``path`` is not a whole safetensors file: its header must parse and its data must end
-    exactly at the end of the file (a truncated copy does not)."""
+    exactly at the end of the file (a truncated copy does not). ``name``: how to call it."""
+    name = name or path.name
     try:
         size = path.stat().st_size
         with path.open("rb") as fh:
             n = int.from_bytes(fh.read(8), "little")
             if size < 8 or n <= 0 or 8 + n > size:
-                return f"{path.name} is truncated"
+                return f"{name} is truncated"
             header = json.loads(fh.read(n))
         end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
     except FileNotFoundError:
-        return f"{path.name} is missing"
+        return f"{name} is missing"
     except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError):
-        return f"{path.name} is not a safetensors file"
+        return f"{name} is not a safetensors file"
     if 8 + n + end != size:
-        return f"{path.name} is truncated" if 8 + n + end > size else f"{path.name} has trailing bytes"
+        return f"{name} is truncated" if 8 + n + end > size else f"{name} has trailing bytes"
     return None
 
 
@@ -215,10 +270,17 @@ def _torch_file_problem(path: Path) -> str | None:
     return None
 
 
-def problem(folder: Path) -> str | None:
-    """Why ``folder`` is not a complete checkpoint; None when every file it needs reads back."""
+def problem(folder: Path, *, ema: bool = True) -> str | None:
+    """Why ``folder`` is not a complete checkpoint; None when every file it holds reads back
+    (``export/`` included) and none is a link or anything but a regular file. ``ema``: a checkpoint
+    of a run that keeps an EMA must hold its EMA file (``fgrpo export/sample --no-ema`` do not ask).
+    Resume, ``fgrpo export`` and ``fgrpo sample`` all use this one check."""
     if not folder.is_dir():
         return "not a folder"
+    odd = confine.links_below(folder)
+    if odd:
+        path, why = odd[0]
+        return f"{path.relative_to(folder)} {why}" + (" (its files are read where they are, never through links)" if why == "is a link" else "")
     try:
         state = json.loads((folder / STATE).read_text())
     except FileNotFoundError:
@@ -228,10 +290,48 @@ def problem(folder: Path) -> str | None:
     if not isinstance(state, dict) or not isinstance(state.get("iteration"), int) or not isinstance(state.get("recipe"), dict):
         return f"{STATE} lacks the iteration or the recipe"
     files = [_safetensors_problem(folder / TRAINABLE), _torch_file_problem(folder / OPTIMIZER), _torch_file_problem(folder / "rng-rank0.pt")]
-    for optional in (EMA, OLD):
-        if (folder / optional).exists():
-            files.append(_safetensors_problem(folder / optional))
+    decay = ema_decay(state)
+    if (folder / EMA).exists():
+        files.append(_safetensors_problem(folder / EMA))
+    elif ema and decay > 0:
+        files.append(f"{EMA} is missing, and its run keeps an EMA (train.ema_decay {decay:g})")
+    if (folder / OLD).exists():
+        files.append(_safetensors_problem(folder / OLD))
+    files += _export_problems(folder / EXPORT)
     return next((p for p in files if p is not None), None)
+
+
+def ema_decay(state: Mapping[str, Any]) -> float:
+    train = state.get("recipe", {}).get("train")
+    decay = train.get("ema_decay", 0.0) if isinstance(train, Mapping) else 0.0
+    return float(decay) if isinstance(decay, (int, float)) and not isinstance(decay, bool) else 0.0
+
+
+def _export_problems(export: Path) -> list[str | None]:
+    """The safetensors and JSON files of ``export/`` must read back (a file cut by a full disk or a
+    copy does not)."""
+    if not export.is_dir():
+        return []
+    found: list[str | None] = []
+    for path in sorted(p for p in export.rglob("*") if p.is_file()):
+        name = str(path.relative_to(export.parent))
+        if path.suffix == ".safetensors":
+            found.append(_safetensors_problem(path, name))
+        elif path.suffix == ".json":
+            try:
+                json.loads(path.read_text())
+            except (OSError, ValueError):
+                found.append(f"{name} is not valid JSON")
+    return found
+
+
+def verify(folder: Path, *, ema: bool = True) -> None:
+    """:class:`CheckpointError` (one line) unless :func:`problem` finds ``folder`` complete: what
+    ``fgrpo export`` and ``fgrpo sample`` check before copying or sampling anything."""
+    why = problem(folder, ema=ema)
+    if why is not None:
+        hint = "; pass --no-ema for the raw trained weights" if why.startswith(f"{EMA} is missing") else ""
+        raise CheckpointError(f"{folder} is not a valid checkpoint: {why}{hint}")
 
 
 def complete(root: Path) -> list[Path]:
@@ -256,6 +356,17 @@ def newest(root: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
             return folder, skipped[::-1]
         skipped.append((folder, why))
     return None, skipped[::-1]
+
+
+def last_of(root: Path) -> Path | None:
+    """The checkpoint ``root/last`` names, when it is what fgrpo writes: a link to a sibling
+    ``iter_NNNNNN`` folder (a link elsewhere, or through another link, names nothing)."""
+    link = root / "last"
+    if not link.is_symlink():
+        return None
+    target = os.readlink(link)
+    folder = root / target
+    return folder if ITER_NAME.fullmatch(target) and _is_real_dir(folder) else None
 
 
 def latest(root: Path) -> Path | None:

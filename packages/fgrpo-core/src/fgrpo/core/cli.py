@@ -7,6 +7,7 @@ with code 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import math
 import os
@@ -24,6 +25,10 @@ from fgrpo.core import report as run_report
 from fgrpo.core.config import ConfigError, RecipeError, help_lines
 
 EXIT_USAGE = 2
+#: a write that failed for want of room: a full disk, a quota, a file-size limit, a read-only disk
+FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
+
+
 def _console(stderr: bool = False) -> Console:
     console = Console(stderr=stderr, highlight=False, soft_wrap=True)
     if not console.is_terminal and "COLUMNS" not in os.environ:
@@ -58,7 +63,9 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"error: {message} (see {self.prog} --help)\n")
 
 
-def _whole(low: int) -> Any:
+def integer_at_least(low: int) -> Any:
+    """An argparse type: an integer >= ``low``, else one line naming the argument."""
+
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -71,14 +78,55 @@ def _whole(low: int) -> Any:
     return parse
 
 
-def _tolerance(text: str) -> float:
+def finite_number(low: float, *, strict: bool = False) -> Any:
+    """An argparse type: a finite number >= ``low`` (> ``low`` when ``strict``)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value < low or (strict and value == low):
+            raise argparse.ArgumentTypeError(f"expected a finite number {'>' if strict else '>='} {low:g}, got {text!r}")
+        return value
+
+    return parse
+
+
+def port_number(text: str) -> int:
+    """An argparse type: a TCP port, 0 (any free one) to 65535."""
+    if not text.strip().isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number from 0 to 65535, got {text!r}")
+    return int(text)
+
+
+def _log_level(text: str) -> str:
+    from fgrpo.core import logs
+
     try:
-        value = float(text)
+        return logs.check(text)
     except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
-    return value
+        raise argparse.ArgumentTypeError(f"got {text!r}; allowed: {', '.join(logs.LEVELS)}") from None
+
+
+def _add_log_args(p: argparse.ArgumentParser) -> None:
+    """``--log-level`` and ``-v`` on the main parser and on every command (either place works)."""
+    from fgrpo.core import logs
+
+    options = (
+        (("--log-level",), dict(type=_log_level, metavar="LEVEL", help=(
+            f"{', '.join(logs.LEVELS)} (default: ${logs.ENV} or info); debug also shows diffusers' and transformers' own output"))),
+        (("-v", "--verbose"), dict(action="store_const", const="debug", help="--log-level debug")),
+    )
+    for flags, kwargs in options:
+        try:
+            p.add_argument(*flags, dest="log_level", default=argparse.SUPPRESS, **kwargs)
+        except argparse.ArgumentError:  # a plugin's command that has an option of that name keeps its own
+            pass
+
+
+#: the commands ``fgrpo launch`` starts under accelerate
+LAUNCHED = ("compose", "check", "sample")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,  # --version prints one line per distribution
     )
     parser.add_argument("--version", action="version", version=versions_text(), help="the fgrpo distributions' versions")
+    _add_log_args(parser)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("plugins", help="list installed components and where they come from")
@@ -99,6 +148,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("validate", help="check a recipe and report every problem")
     _add_recipe_args(p)
+    p.add_argument(
+        "--against-reference",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="ENTRY",
+        help="also compare it, value by value, with the reference it reproduces (recipes/references/parity.yaml; "
+        "ENTRY: the table's entry, default the recipe's file name); exit 1 on a difference the table does not list",
+    )
     p.set_defaults(handler=cmd_validate)
 
     p = sub.add_parser("compose", help="build the recipe's components and train")
@@ -110,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--start-over", action="store_true", help="train OUT again from iteration 0 when it holds no complete checkpoint"
     )
     p.add_argument("--dry-run", action="store_true", help="build and show the components, do not train")
-    p.add_argument("--quiet", action="store_true", help="one line per iteration, no progress bars")
+    p.add_argument("--quiet", action="store_true", help="no progress bars and no line per iteration (evaluations, warnings and the end are shown)")
     p.set_defaults(handler=cmd_compose)
 
     p = sub.add_parser("report", help="write a run's self-contained HTML report (curves, evaluations, filmstrip)")
@@ -120,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("check", help="on-policy check: the first ratio must be exactly 1")
     _add_recipe_args(p)
-    p.add_argument("--tolerance", type=_tolerance, default=1e-6, help="largest |ratio - 1| accepted (default 1e-6)")
+    p.add_argument("--tolerance", type=finite_number(0), default=1e-6, help="largest |ratio - 1| accepted (default 1e-6)")
     p.set_defaults(handler=cmd_check)
 
     p = sub.add_parser("sample", help="write images from the base model or a checkpoint")
@@ -132,10 +190,11 @@ def build_parser() -> argparse.ArgumentParser:
         "checkpoint's own recipe unless RECIPE is given (it must agree on the model)",
     )
     p.add_argument("--prompts", required=True, help="a prompt file (.txt or .jsonl)")
-    p.add_argument("--n", type=_whole(1), default=1, help="samples per prompt")
-    p.add_argument("--seed", type=_whole(0), default=0)
-    p.add_argument("--steps", type=_whole(1), default=None, help="ODE steps (default: eval.steps)")
-    p.add_argument("--out", required=True)
+    p.add_argument("--n", type=integer_at_least(1), default=1, help="samples per prompt")
+    p.add_argument("--seed", type=integer_at_least(0), default=0)
+    p.add_argument("--steps", type=integer_at_least(1), default=None, help="ODE steps (default: eval.steps)")
+    p.add_argument("--out", required=True, help="a new (or empty) folder for the samples and their index.jsonl")
+    p.add_argument("--no-ema", action="store_true", help="the raw trained weights even when the run keeps an EMA")
     p.set_defaults(handler=cmd_sample)
 
     p = sub.add_parser("export", help="a checkpoint's trained weights in the backbone's own format (diffusers LoRA)")
@@ -144,9 +203,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-ema", action="store_true", help="the raw trained weights even when the run keeps an EMA")
     p.set_defaults(handler=cmd_export)
 
+    p = sub.add_parser(
+        "launch",
+        help="accelerate launch of a command, its recipe checked first: "
+        "fgrpo launch [ACCELERATE OPTIONS] compose RECIPE ...",
+        description="Check the recipe once, then start the command in every process with accelerate's launcher "
+        "(e.g. fgrpo launch --config_file recipes/accelerate/ddp.yaml compose recipe.yaml). A bad recipe is one "
+        "message and exit code 2, whether found before the processes start or in them.",
+    )
+    p.add_argument("arguments", nargs=argparse.REMAINDER, help=f"accelerate launch options, then one of {', '.join(LAUNCHED)} with its arguments")
+    p.set_defaults(handler=cmd_launch)
+
     from fgrpo.core.hookspecs import register_commands
 
     register_commands(sub)
+    for name, command in sub.choices.items():  # plugins' commands too
+        if name != "launch":
+            _add_log_args(command)
     return parser
 
 
@@ -223,7 +296,27 @@ def _load(args: argparse.Namespace):
 def cmd_validate(args: argparse.Namespace) -> int:
     recipe = _load(args)
     out.print(f"{args.recipe}: ok ({len(recipe.rewards)} reward(s), {recipe.train.iterations} iterations)", markup=False)
-    return 0
+    if args.against_reference is None:
+        return 0
+    from fgrpo.core import parity
+    from fgrpo.core.shipped import find_recipe
+
+    table = parity.load_table()
+    name = args.against_reference or Path(find_recipe(args.recipe)).stem
+    if name not in table["recipes"]:
+        entries = ", ".join(sorted(table["recipes"]))
+        raise RecipeError([ConfigError("--against-reference", f"no entry {name!r} in {parity.table_path()}; entries: {entries}")])
+    rows, problems = parity.compare(name, recipe.data, table)
+    out.print(parity.render(name, rows, table), markup=False, highlight=False, soft_wrap=True)
+    for problem in problems:
+        err.print(problem, markup=False, highlight=False)
+    counts = {status: sum(r.status == status for r in rows) for status in (parity.STATUS_SAME, parity.STATUS_DEVIATION)}
+    out.print(
+        f"{name}: {counts[parity.STATUS_SAME]} values as the reference, {counts[parity.STATUS_DEVIATION]} intended "
+        f"deviations, {len(problems)} problem(s)",
+        markup=False,
+    )
+    return 1 if problems else 0
 
 
 def composition_tree(recipe: Any, title: str) -> Tree:
@@ -304,7 +397,8 @@ def build_components(recipe: Any) -> dict[str, Any]:
     from fgrpo.core.trainer import check_prompts
 
     built = {section: recipe.build(section) for section in ("model", "sampler", "objective", "prompts")}
-    check_prompts(built["model"], built["prompts"].train_prompts() + built["prompts"].test_prompts(), "prompts")
+    source = built["prompts"]
+    check_prompts(built["model"], source.train_prompts() + source.test_prompts(), "prompts", source.metadata)
     for spec, reward in recipe.build_rewards():
         built[f"reward/{spec.label}"] = reward
     return built
@@ -330,74 +424,161 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
-    from fgrpo.core import rundir
+    from fgrpo.core import checkpoint as ckpt
+    from fgrpo.core import confine, rundir
     from fgrpo.core.evaluation import write_samples
     from fgrpo.core.prompts import read_prompt_file
     from fgrpo.core.shipped import find_recipe
     from fgrpo.core.trainer import check_prompts, load_checkpoint_weights
 
     try:
-        prompts = [p for p, _ in read_prompt_file(args.prompts)]
+        rows = read_prompt_file(args.prompts)
     except OSError as exc:
         raise RecipeError([ConfigError("--prompts", f"cannot read {args.prompts}: {exc.strerror}")]) from None
     except ValueError as exc:
         raise RecipeError([ConfigError("--prompts", str(exc))]) from None
     if args.checkpoint:
         checkpoint = rundir.find_checkpoint(Path(args.checkpoint))
+        if (checkpoint / ckpt.STATE).is_file():
+            _verify(checkpoint, "--checkpoint", ema=not args.no_ema)  # the check resume makes, before anything is built
         given = find_recipe(args.recipe) if args.recipe is not None else None
         recipe = rundir.recipe_for_checkpoint(checkpoint, given, args.overrides)
     elif args.recipe is None:
         raise RecipeError([ConfigError("recipe", "give a RECIPE to sample its base model, or --checkpoint DIR")])
     else:
         checkpoint, recipe = None, _load(args)
+    target = rundir.output_folder(Path(args.out))
     policy = _build_policy(recipe)
-    check_prompts(policy, prompts, "--prompts")
+    prompts, metadata = [p for p, _ in rows], dict(rows)
+    check_prompts(policy, prompts, "--prompts", lambda p: metadata.get(p, {}))
     if checkpoint is not None:
-        load_checkpoint_weights(policy, checkpoint, recipe.train.ema_decay)
-    target = Path(args.out)
-    try:
-        target.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise RecipeError([ConfigError("--out", f"cannot create {target}: {exc.strerror}")]) from None
-    written = write_samples(policy, prompts, args.n, args.steps or recipe.eval.steps, args.seed, target)
+        load_checkpoint_weights(policy, checkpoint, 0.0 if args.no_ema else recipe.train.ema_decay)
+    with confine.new_folder(target) as folder:
+        written = write_samples(policy, prompts, args.n, args.steps or recipe.eval.steps, args.seed, folder)
     out.print(f"wrote {written} samples to {args.out}", markup=False)
     return 0
 
 
 def cmd_export(args: argparse.Namespace) -> int:
     """Copy the export a checkpoint already holds (LoRA runs write one in diffusers' format), or
-    build the checkpoint's model, load its weights and let the policy export them."""
-    import shutil
-    from pathlib import Path
-
+    build the checkpoint's model, load its weights and let the policy export them. The checkpoint
+    is checked completely first (the check resume makes); the output folder appears whole."""
     from fgrpo.core import checkpoint as ckpt
-    from fgrpo.core import rundir
+    from fgrpo.core import confine, rundir, weights
+    from fgrpo.core.checkpoint import share_files
 
     folder = rundir.find_checkpoint(Path(args.checkpoint))
     if not (folder / ckpt.STATE).is_file():
         raise RecipeError([ConfigError("checkpoint", f"{folder} is not a checkpoint folder (no {ckpt.STATE}); expected RUN, RUN/checkpoints/iter_N or RUN/checkpoints/last")])
-    out_dir = Path(args.out)
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise RecipeError([ConfigError("--out", f"{out_dir} exists and is not empty; choose a new folder")])
-    ema_in_use = (folder / ckpt.EMA).is_file()
+    _verify(folder, "checkpoint", ema=not args.no_ema)
+    out_dir = rundir.output_folder(Path(args.out))
+    ema_in_use = ckpt.ema_decay(ckpt.read_state(folder)) > 0  # then the checkpoint's export/ holds the EMA's weights
     ready = folder / ckpt.EXPORT
-    if ready.is_dir() and not (args.no_ema and ema_in_use):  # a checkpoint's export holds its EMA weights
-        shutil.copytree(ready, out_dir, dirs_exist_ok=True)
-        written = sorted(str(p) for p in out_dir.rglob("*") if p.is_file())
-    else:
-        recipe = rundir.recipe_for_checkpoint(folder, None, [])
-        policy = _build_policy(recipe)
-        export = getattr(policy, "export", None)
-        if export is None:
-            raise RecipeError([ConfigError("model", f"{recipe.data['model']['name']!r} has no export(): its weights are in {folder / ckpt.TRAINABLE}")])
-        from fgrpo.core.trainer import load_checkpoint_weights
+    with confine.new_folder(out_dir) as tmp:
+        if ready.is_dir() and not (args.no_ema and ema_in_use):
+            made = _copy_tree(ready, tmp)
+        else:
+            recipe = rundir.recipe_for_checkpoint(folder, None, [])
+            policy = _build_policy(recipe)
+            export = getattr(policy, "export", None)
+            if export is None:
+                raise RecipeError([ConfigError("model", f"{recipe.data['model']['name']!r} has no export(): its weights are in {folder / ckpt.TRAINABLE}")])
+            from fgrpo.core.trainer import load_checkpoint_weights
 
-        load_checkpoint_weights(policy, folder, 0.0 if args.no_ema else recipe.train.ema_decay)
-        written = list(export(str(out_dir)))
+            load_checkpoint_weights(policy, folder, 0.0 if args.no_ema else recipe.train.ema_decay)
+            made = [Path(p) for p in export(str(tmp))]
+        share_files(tmp)
+        written = [str(out_dir / p.relative_to(tmp)) if p.is_relative_to(tmp) else str(p) for p in made]
     for path in written:
         out.print(f"wrote {path}", markup=False)
-    out.print(f"exported {folder} ({'raw' if args.no_ema or not ema_in_use else 'EMA'} weights) to {out_dir}", markup=False)
+    state = ckpt.read_state(folder)
+    summary = None if args.no_ema or not ema_in_use else weights.summary_of_checkpoint(state)
+    used = "raw weights" if summary is None else f"EMA weights after {summary.get('updates', '?')} update(s)"
+    out.print(f"exported {folder} ({used}) to {out_dir}", markup=False)
+    every = (state["recipe"].get("train") or {}).get("ema_every", 1)
+    for line in weights.ema_warnings(summary, every) + weights.lora_warnings(out_dir):
+        err.print(f"warning: {line}", markup=False)
     return 0
+
+
+def _verify(folder: Path, key: str, *, ema: bool) -> None:
+    from fgrpo.core import checkpoint as ckpt
+
+    try:
+        ckpt.verify(folder, ema=ema)
+    except ckpt.CheckpointError as exc:
+        raise RecipeError([ConfigError(key, str(exc))]) from None
+
+
+def _copy_tree(source: Path, target: Path) -> list[Path]:
+    """The files of ``source`` (checked: no links, regular files only) copied under ``target``."""
+    import shutil
+
+    made = []
+    for path in sorted(source.rglob("*")):
+        dest = target / path.relative_to(source)
+        if path.is_dir():
+            dest.mkdir(exist_ok=True)
+        else:
+            shutil.copyfile(path, dest, follow_symlinks=False)
+            made.append(dest)
+    return made
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    """``fgrpo launch [ACCELERATE OPTIONS] COMMAND ...``: the command's recipe is loaded and checked
+    here, once (a bad one is reported once, exit 2, before any process starts); then accelerate's
+    launcher starts ``python -m fgrpo.core.cli COMMAND ...`` in every process, and the exit code
+    is the first failed process's (2 for a recipe error found in the processes), without the
+    launcher's traceback."""
+    import logging
+    import subprocess
+
+    from fgrpo.core import logs
+
+    rest = list(args.arguments)
+    at = next((i for i, word in enumerate(rest) if word in LAUNCHED), None)
+    if at is None:
+        raise RecipeError([ConfigError("launch", f"got {' '.join(rest) or 'nothing'!r}; expected accelerate launch options, then {' or '.join(LAUNCHED)} with its arguments")])
+    options, command = _shipped_config(rest[:at]), rest[at:]
+    checked = build_parser().parse_args(command)
+    if getattr(checked, "log_level", None):
+        logs.configure(checked.log_level)
+    if getattr(checked, "recipe", None) is not None:
+        _load(checked)
+    from accelerate.commands.launch import launch_command, launch_command_parser
+
+    launch_args = launch_command_parser().parse_args([*options, "--module", "fgrpo.core.cli", *command])
+    if logs.current() != "debug":  # the processes print their own errors; the agent's summary repeats them
+        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    try:
+        launch_command(launch_args)
+    except subprocess.CalledProcessError as exc:
+        return exc.returncode if exc.returncode > 0 else 1
+    except Exception as exc:
+        failure = getattr(exc, "get_first_failure", None)
+        if failure is None:
+            raise
+        rank, first = failure()
+        code = first.exitcode if isinstance(first.exitcode, int) and first.exitcode > 0 else 1
+        if code != EXIT_USAGE:
+            err.print(f"error: process {rank} of the launch failed (exit code {first.exitcode})", markup=False)
+        return code
+    return 0
+
+
+def _shipped_config(options: list[str]) -> list[str]:
+    """accelerate's ``--config_file NAME`` with NAME a shipped config (``ddp``, ``fsdp-lora``, ...)
+    replaced by its path."""
+    from fgrpo.core.shipped import find_accelerate_config
+
+    out = list(options)
+    for i, word in enumerate(out):
+        if word == "--config_file" and i + 1 < len(out):
+            out[i + 1] = find_accelerate_config(out[i + 1])
+        elif word.startswith("--config_file="):
+            out[i] = "--config_file=" + find_accelerate_config(word.split("=", 1)[1])
+    return out
 
 
 def _build_policy(recipe: Any) -> Any:
@@ -412,29 +593,61 @@ def _build_policy(recipe: Any) -> Any:
 # --- entry -------------------------------------------------------------------------------------
 
 
-def report(errors: Sequence[Any]) -> None:
-    for error in errors:
-        err.print(f"error: {error}", markup=False)
+def process_rank() -> int:
+    """This process's rank in a launch (accelerate launch and torchrun set RANK), 0 alone."""
+    try:
+        return int(os.environ.get("RANK") or os.environ.get("LOCAL_RANK") or 0)
+    except ValueError:
+        return 0
+
+
+def report_once(lines: Sequence[str]) -> None:
+    """Error lines, from the main process only: every process of a launch reads the same recipe
+    and finds the same errors (at --log-level debug every process prints, each line marked)."""
+    from fgrpo.core import logs
+
+    rank = process_rank()
+    if rank != 0 and logs.current() != "debug":
+        return
+    mark = f"process {rank}: " if rank != 0 else ""
+    for line in lines:
+        err.print(f"{mark}{line}", markup=False)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from fgrpo.core import threads
+    from fgrpo.core import logs, threads
 
     threads.configure()  # before anything imports torch: the OpenMP wait policy is read at load
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        logs.configure()  # FGRPO_LOG_LEVEL, before anything imports diffusers or transformers
+    except ValueError as exc:
+        err.print(f"error: {exc}", markup=False)
+        return EXIT_USAGE
     parser = build_parser()
-    args = parser.parse_args(argv)
+    if argv[:1] == ["launch"] and argv[1:2] not in (["-h"], ["--help"]):
+        args = argparse.Namespace(handler=cmd_launch, arguments=argv[1:])  # accelerate's options are not ours to parse
+    else:
+        args = parser.parse_args(argv)
+    if getattr(args, "log_level", None):
+        logs.configure(args.log_level)
     try:
         return int(args.handler(args) or 0)
     except RecipeError as exc:
-        report(exc.errors)
-        err.print(f"{len(exc.errors)} error(s); nothing was run.", markup=False)
+        report_once([f"error: {e}" for e in exc.errors] + [f"{len(exc.errors)} error(s); nothing was run."])
         return EXIT_USAGE
     except registry.ComponentError as exc:
-        report([exc])
+        report_once([f"error: {exc}"])
         return EXIT_USAGE
     except KeyboardInterrupt:
         err.print("interrupted", markup=False)
         return 130
+    except OSError as exc:
+        if exc.errno not in FULL:
+            raise
+        err.print(f"error: cannot write {exc.filename or 'a file'}: {exc.strerror}; what was written before is kept "
+                  "(a run's complete checkpoints: --resume continues from the newest)", markup=False)
+        return EXIT_USAGE
     except RuntimeError as exc:
         lost = _lost_peers(exc)
         if lost is None:

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import difflib
 import math
+import os
 import reprlib
+import stat
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -66,12 +68,29 @@ class RecipeError(Exception):
         super().__init__("\n".join(str(e) for e in self.errors))
 
 
+def open_regular(path: str | os.PathLike, *, follow: bool = True, devices: bool = False) -> int:
+    """A read-only descriptor of ``path`` once it is known to be a regular file (or, with
+    ``devices``, a character device such as /dev/zero). It is opened without blocking, so a FIFO
+    is refused instead of waited on; ``follow=False`` refuses a link as well. Raises OSError, or
+    ValueError with one line saying what ``path`` is."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
+    fd = os.open(path, flags)
+    mode = os.fstat(fd).st_mode
+    if stat.S_ISREG(mode) or (devices and stat.S_ISCHR(mode)):
+        os.set_blocking(fd, True)
+        return fd
+    os.close(fd)
+    kind = "a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device"
+    raise ValueError(f"{path}: is {kind}, not a regular file")
+
+
 def read_text_file(path: str | Path, *, limit: int, what: str) -> str:
     """The text of the UTF-8 file ``path``, read in chunks up to ``limit`` bytes; ValueError with
-    one line when it is larger, holds NUL bytes (``/dev/zero``, a binary file) or is not UTF-8."""
+    one line when it is larger, holds NUL bytes (``/dev/zero``, a binary file), is not UTF-8 or is
+    not a file at all (a FIFO, a folder)."""
     path = Path(path)
     chunks, size = [], 0
-    with path.open("rb") as fh:
+    with open(open_regular(path, devices=True), "rb") as fh:  # a FIFO would block until a writer came
         while chunk := fh.read(1 << 20):
             if b"\0" in chunk:
                 raise ValueError(f"{path}: holds NUL bytes; {what} is a text file")

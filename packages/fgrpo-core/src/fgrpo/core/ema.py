@@ -24,6 +24,13 @@ class EMA:
         average follows the weights closely early in a run instead of the initial weights."""
         return min((1 + steps) / (10 + steps), self.decay)
 
+    @staticmethod
+    def due(optimizer_steps: int, every: int, rule: str = "step") -> bool:
+        """Whether the average moves after the ``optimizer_steps``-th optimizer step: every
+        ``every``-th (rule ``step``), or one step earlier as flow_grpo's ``(global_step + 1) %
+        update_step_interval == 0`` (rule ``flow_grpo``)."""
+        return (optimizer_steps + (rule == "flow_grpo")) % every == 0
+
     @torch.no_grad()
     def update(self, decay: float | None = None) -> None:
         """shadow <- decay * shadow + (1 - decay) * weights (``decay`` defaults to the EMA's)."""

@@ -68,7 +68,7 @@ def plugin_manager() -> pluggy.PluginManager:
             dist = ep.dist.metadata["Name"] if ep.dist is not None else "?"
             try:
                 pm.register(ep.load(), name=ep.name)
-            except (Exception, SystemExit) as exc:  # one broken plugin (even sys.exit()) must not silence the others
+            except BaseException as exc:  # one broken plugin (even sys.exit() or KeyboardInterrupt) must not silence the others
                 _failures.append(PluginFailure(ep.name, dist, f"{type(exc).__name__}: {exc}"))
         _manager = pm
     return _manager
@@ -86,7 +86,7 @@ def register_commands(subparsers: Any) -> None:
     for impl in pm.hook.fgrpo_register_commands.get_hookimpls():
         try:
             impl.function(subparsers=subparsers)
-        except (Exception, SystemExit) as exc:
+        except BaseException as exc:
             failure = PluginFailure(pm.get_name(impl.plugin) or "?", "?", f"fgrpo_register_commands: {type(exc).__name__}: {exc}")
             if failure not in _failures:
                 _failures.append(failure)

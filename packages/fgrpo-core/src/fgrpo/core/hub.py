@@ -82,7 +82,7 @@ def _probe(repo_id: str) -> str | None:
     except ImportError:  # pragma: no cover
         return None
     try:
-        model_info(repo_id, timeout=PROBE_TIMEOUT_S)
+        _within(PROBE_TIMEOUT_S, model_info, repo_id, timeout=PROBE_TIMEOUT_S)
     except GatedRepoError:
         return None  # it exists; the download itself says how to accept the licence
     except RepositoryNotFoundError:
@@ -90,6 +90,31 @@ def _probe(repo_id: str) -> str | None:
     except Exception as exc:  # connection refused, DNS failure, timeout, proxy errors ...
         return f"the hub cannot be reached ({type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else 'no detail'})"
     return None
+
+
+def _within(seconds: float, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``, or TimeoutError after ``seconds`` in all: huggingface_hub's own
+    ``timeout`` bounds each socket operation, so a server trickling bytes could hold it longer.
+    (A call that overruns goes on in a daemon thread; its answer is dropped.)"""
+    import threading
+
+    box: list[Any] = []
+
+    def call() -> None:
+        try:
+            box.append((True, fn(*args, **kwargs)))
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            box.append((False, exc))
+
+    worker = threading.Thread(target=call, name="fgrpo-hub-probe", daemon=True)
+    worker.start()
+    worker.join(seconds)
+    if not box:
+        raise TimeoutError(f"no answer within {seconds:g} s")
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value
 
 
 def unavailable_message(key: str, value: str, why: str) -> str:

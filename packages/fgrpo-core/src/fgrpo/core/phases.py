@@ -618,8 +618,9 @@ def update(run: Run, traj: Trajectory, adv: torch.Tensor, iteration: int) -> Upd
                     stats.grad_norms.append(norm)
                 stats.optimizer_steps += 1
                 run.optimizer_steps += 1
-                if run.ema is not None and run.optimizer_steps % cfg.ema_every == 0:
-                    run.ema.update(run.ema.warmup_decay(run.optimizer_steps) if cfg.ema_warmup else None)
+                if run.ema is not None and run.ema.due(run.optimizer_steps, cfg.ema_every, cfg.ema_rule):
+                    for _ in range(cfg.ema_repeats):  # flow_grpo: once per minibatch, the weights unchanged in between
+                        run.ema.update(run.ema.warmup_decay(run.optimizer_steps) if cfg.ema_warmup else None)
                 advance()
     return stats
 

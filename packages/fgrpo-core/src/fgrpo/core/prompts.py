@@ -24,8 +24,28 @@ def _existing_file(_instance, attribute, value):
 MAX_PROMPT_FILE_BYTES = 256 << 20
 
 
+#: metadata keys that name a file (a source image of image-to-video, later of editing): a relative
+#: path is resolved against the prompt file's ``images/`` folder if it holds the file (Flow-Factory's
+#: dataset layout), else against the prompt file's own folder
+MEDIA_KEYS = ("image",)
+
+
+def resolve_media(row: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """``row`` with the files its :data:`MEDIA_KEYS` name as absolute paths (missing files are left
+    as given: the policy that reads them says which prompt names which file)."""
+    for key in MEDIA_KEYS:
+        value = row.get(key)
+        if isinstance(value, str) and value and not Path(value).is_absolute():
+            for base in (folder / "images", folder):
+                if (base / value).is_file():
+                    row[key] = str((base / value).resolve())
+                    break
+    return row
+
+
 def read_prompt_file(path: str | Path) -> list[tuple[str, dict[str, Any]]]:
-    """``.txt``: one prompt a line. ``.jsonl``: {"prompt": ..., other keys are metadata}."""
+    """``.txt``: one prompt a line. ``.jsonl``: {"prompt": ..., other keys are metadata; the files
+    named by :data:`MEDIA_KEYS` resolved against the file's folder}."""
     path = Path(path)
     rows: list[tuple[str, dict[str, Any]]] = []
     for number, line in enumerate(read_text_file(path, limit=MAX_PROMPT_FILE_BYTES, what="a prompt file").splitlines(), 1):
@@ -39,7 +59,7 @@ def read_prompt_file(path: str | Path) -> list[tuple[str, dict[str, Any]]]:
                 raise ValueError(f"{path}:{number}: not a JSON object ({exc})") from None
             if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
                 raise ValueError(f"{path}:{number}: expected an object with a 'prompt' string")
-            rows.append((obj.pop("prompt"), obj))
+            rows.append((obj.pop("prompt"), resolve_media(obj, path.parent)))
         else:
             rows.append((line, {}))
     if not rows:
@@ -88,8 +108,36 @@ class TextFilePrompts(_IndexedSplits):
     _meta: dict[str, dict[str, Any]] = attrs.field(init=False, factory=dict)
     _splits: dict[str, list[str]] = attrs.field(init=False, factory=dict)
 
+    @classmethod
+    def check_keys(cls, values: Mapping[str, Any], prefix: str) -> list[ConfigError]:
+        return _unreadable({key: values.get(key) for key in ("train", "test")}, prefix)
+
     def __attrs_post_init__(self) -> None:
         self._splits, self._meta = index_splits({"train": self.train, "test": self.test})
+
+
+def _unreadable(files: Mapping[str, Any], prefix: str, key: str | None = None) -> list[ConfigError]:
+    """The prompt files ``files`` (split -> path) read as building them would: `validate` refuses
+    what `compose` would (a line that is not JSON, an empty file), not only a missing file.
+    ``key``: the recipe key to name (default: the split's own)."""
+
+    def error(split: str, exc: Exception) -> ConfigError:
+        name = key or split
+        return ConfigError(f"{prefix}.{name}" if prefix else name, f"cannot read it: {exc.strerror}" if isinstance(exc, OSError) else str(exc))
+
+    errors = []
+    for split, path in files.items():
+        if path is not None:
+            try:
+                read_prompt_file(path)
+            except (OSError, ValueError) as exc:
+                errors.append(error(split, exc))
+    if not errors:
+        try:
+            index_splits(files)
+        except (OSError, ValueError) as exc:  # a prompt in both splits with different metadata
+            errors.append(error("test", exc))
+    return errors
 
 
 def _existing_folder(_instance, attribute, value):
@@ -133,6 +181,9 @@ class FolderPrompts(_IndexedSplits):
             if split is not None and split_file(values["path"], split) is None:
                 names = " or ".join(p.format(split=split) for p in SPLIT_FILES)
                 errors.append(ConfigError(f"{prefix}.{key}" if prefix else key, f"got {split!r}; {values['path']} has no {names}"))
+        if not errors:
+            files = {key: split_file(values["path"], values[key]) if values.get(key) else None for key in ("train", "test")}
+            errors += _unreadable(files, prefix, key="path")
         return errors
 
     def __attrs_post_init__(self) -> None:

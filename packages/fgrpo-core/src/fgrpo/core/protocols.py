@@ -90,6 +90,14 @@ class Policy(Protocol):
     ``fgrpo export`` command), and ``export_in_checkpoints`` (true) puts that export into every
     checkpoint.
 
+    Optional, for policies conditioned on more than the text (image-to-video now; image editing
+    extends it): ``use_prompt_metadata(lookup)`` receives the prompt source's ``metadata``
+    (prompt -> its metadata row, whose file keys such as ``image`` the source resolved to paths)
+    before anything runs, and ``encode(prompts)`` reads each prompt's conditions through it into
+    batch-first tensors of ``cond``. A prompt maps to exactly one metadata row, so whatever is
+    cached, grouped, chunked or resumed by prompt stays valid; ``check_prompts(prompts)`` says
+    which prompts lack what the policy needs.
+
     Optional, for sharded runs (FSDP launches, :mod:`fgrpo.core.sharding`): ``trainable_module``
     is the ``nn.Module`` that holds every trainable parameter and that ``velocity`` calls (through
     its ``__call__``) for each forward, e.g. the transformer; FSDP shards it in place, so its

@@ -65,6 +65,16 @@ class TrainConfig:
     ema_warmup: bool = param(
         True, help="flow_grpo's EMA warm-up: decay min((1 + n) / (10 + n), ema_decay) after n optimizer steps"
     )
+    ema_rule: Literal["step", "flow_grpo"] = param(
+        "step",
+        help="step: update after optimizer step n when n % ema_every == 0; flow_grpo: as its ema.step(global_step) "
+        "(train_sd3.py:959), after optimizer step n when (n + 1) % ema_every == 0",
+    )
+    ema_repeats: int = param(
+        1, ge=1,
+        help="updates applied at each of those steps: flow_grpo steps its EMA once per training minibatch, so "
+        "its gradient_accumulation_steps times per optimizer step (minibatch_size / its train.batch_size)",
+    )
     advantage: Literal["reward_sum", "advantage_sum"] = param(
         "reward_sum", help="reward_sum: weight rewards then normalise; advantage_sum: normalise each then weight"
     )
@@ -139,9 +149,14 @@ class LogConfig:
         validator=lambda _i, _a, value: _trackers().check_init_kwargs(value),
         help="per-tracker options for accelerate's init_trackers, e.g. {wandb: {entity: me, tags: [a]}}"
     )
-    quiet: bool = param(False, help="no progress bars: one line per iteration (CI logs)")
+    quiet: bool = param(False, help="no progress bars and no line per iteration: evaluations, warnings and the end only (as --quiet)")
     sample_grid: bool = param(True, help="write a PNG grid of evaluation samples")
     plots: bool = param(True, help="write a curve PNG (needs matplotlib)")
+
+    @classmethod
+    def check_keys(cls, values: Mapping[str, Any], prefix: str) -> list[ConfigError]:
+        # checked against each tracker's own signature here, not when compose starts it
+        return _trackers().init_kwargs_errors(values["trackers"], values["init_kwargs"], prefix)
 
 
 SECTIONS: dict[str, str] = {
@@ -386,11 +401,20 @@ def from_text(text: str, overrides: Sequence[str] = (), source: str = "recipe") 
     data, duplicates = load_yaml(text, source)
     if data is None:
         data = {}
-    if not isinstance(data, dict):
-        raise RecipeError([ConfigError(source, f"a recipe is a mapping of sections, got {type(data).__name__}")])
-    data, errors = apply_overrides(data, overrides)
+    return from_dict(data, overrides, source, _errors=duplicates)
+
+
+def from_dict(
+    data: Mapping[str, Any], overrides: Sequence[str] = (), source: str = "python", *, _errors: Sequence[ConfigError] = ()
+) -> Recipe:
+    """A recipe from a Python mapping (what a recipe file holds), with ``--set``-style
+    ``overrides`` (``["train.lr=3e-4"]``); raises :class:`RecipeError` with every problem. The
+    mapping is not changed."""
+    if not isinstance(data, Mapping):
+        raise RecipeError([*_errors, ConfigError(source, f"a recipe is a mapping of sections, got {type(data).__name__}")])
+    data, errors = apply_overrides(copy.deepcopy(dict(data)), overrides)
     recipe, more = validate(data, source)
-    errors = duplicates + errors + more
+    errors = [*_errors, *errors, *more]
     if errors:
         raise RecipeError(errors)
     assert recipe is not None

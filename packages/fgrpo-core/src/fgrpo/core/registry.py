@@ -1,14 +1,17 @@
-"""Components found through entry points, one group per kind.
+"""Components found through entry points, one group per kind, or registered by a script.
 
 Built-ins register exactly like third-party packages: ``[project.entry-points."fgrpo.rewards"]``
 in a pyproject.toml. Listing names reads package metadata only; a component's module is imported
-when it is first loaded, so one broken plugin never breaks the others.
+when it is first loaded, so one broken plugin never breaks the others. A component defined in a
+script or a notebook is registered with :func:`register` and is then found, listed, checked and
+built exactly like an entry point's (docs/python-api.md).
 """
 
 from __future__ import annotations
 
 import difflib
 import importlib.metadata as md
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -74,8 +77,72 @@ def _check_kind(kind: str) -> str:
     return GROUPS[kind]
 
 
-def _registrations(kind: str) -> dict[str, list[md.EntryPoint]]:
-    """Every entry point of ``kind`` by name: more than one when distributions collide."""
+@attrs.frozen
+class _Registered:
+    """A component registered by :func:`register`: it answers what the registry asks of an entry
+    point (name, value, extras, dist, load)."""
+
+    name: str
+    obj: Any
+    extras: tuple[str, ...] = ()
+    dist: None = None
+
+    @property
+    def value(self) -> str:
+        return f"{getattr(self.obj, '__module__', '?')}:{getattr(self.obj, '__qualname__', type(self.obj).__name__)}"
+
+    @property
+    def source(self) -> str:
+        return f"registered in {getattr(self.obj, '__module__', None) or '?'}"
+
+    def load(self) -> Any:
+        return self.obj
+
+
+#: kind -> name -> component registered by :func:`register` (this process only)
+_registered: dict[str, dict[str, _Registered]] = {}
+#: what a component name may be: what an entry point's name may be, without spaces or "="
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def register(kind: str, name: str, obj: Any = None) -> Any:
+    """Make ``obj`` (a component class or factory defined in a script or a notebook) the ``kind``
+    component ``name``: recipes name it, ``validate`` checks its keys, ``build`` builds it and
+    ``fgrpo plugins`` lists it, exactly as an entry point's. Returns ``obj``; without ``obj`` it is a
+    class decorator (``@register("reward", "redness")``).
+
+    Refused with a :class:`ComponentError` (one line): an unknown kind, a name an entry point
+    could not have, something that is not callable, or a name an installed distribution already
+    registers (a recipe could not say which it means). Registering the same name again replaces
+    the earlier registration (a notebook cell run twice); :func:`unregister` takes it back.
+    """
+    if obj is None:
+        return lambda target: register(kind, name, target)
+    _check_kind(kind)
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise ComponentError(
+            f"register({kind!r}, {name!r}): a component name is letters, digits, '.', '_' and '-', starting with a letter or digit"
+        )
+    if not callable(obj):
+        raise ComponentError(f"register({kind!r}, {name!r}): expected a component class or factory, got {type(obj).__name__}")
+    installed = sorted({_distribution(ep) for ep in _entry_point_registrations(kind).get(name, [])})
+    if installed:
+        raise AmbiguousComponent(
+            f"{kind} {name!r} is already registered by {' and '.join(installed)}; register yours under another name"
+        )
+    _registered.setdefault(kind, {})[name] = _Registered(name, obj)
+    _loaded.pop((kind, name), None)
+    return obj
+
+
+def unregister(kind: str, name: str) -> None:
+    """Take back :func:`register` (a name that was never registered is left alone)."""
+    _check_kind(kind)
+    _registered.get(kind, {}).pop(name, None)
+    _loaded.pop((kind, name), None)
+
+
+def _entry_point_registrations(kind: str) -> dict[str, list[md.EntryPoint]]:
     group = _check_kind(kind)
     found: dict[str, list[md.EntryPoint]] = {}
     for ep in md.entry_points(group=group):
@@ -83,11 +150,22 @@ def _registrations(kind: str) -> dict[str, list[md.EntryPoint]]:
     return found
 
 
-def _entry_points(kind: str) -> dict[str, md.EntryPoint]:
+def _registrations(kind: str) -> dict[str, list[Any]]:
+    """Every registration of ``kind`` by name (entry points, then :func:`register`'s): more than
+    one when distributions collide."""
+    found: dict[str, list[Any]] = _entry_point_registrations(kind)
+    for name, item in _registered.get(kind, {}).items():
+        found.setdefault(name, []).append(item)
+    return found
+
+
+def _entry_points(kind: str) -> dict[str, Any]:
     return {name: eps[0] for name, eps in _registrations(kind).items()}
 
 
-def _distribution(ep: md.EntryPoint) -> str:
+def _distribution(ep: Any) -> str:
+    if isinstance(ep, _Registered):
+        return ep.source
     return ep.dist.metadata["Name"] if ep.dist is not None else "?"
 
 
@@ -103,14 +181,14 @@ def names(kind: str) -> list[str]:
     return sorted(_entry_points(kind))
 
 
-def _as_entry(kind: str, ep: md.EntryPoint) -> Entry:
+def _as_entry(kind: str, ep: Any) -> Entry:
     dist = ep.dist
     return Entry(
         kind=kind,
         name=ep.name,
         target=ep.value.split("[")[0].strip(),
         distribution=_distribution(ep),
-        version=dist.version if dist is not None else "?",
+        version=dist.version if dist is not None else "" if isinstance(ep, _Registered) else "?",
         extras=tuple(ep.extras),
     )
 
@@ -181,7 +259,7 @@ def load(kind: str, name: str) -> Any:
     ep = _entry_points(kind)[name]
     try:
         obj = ep.load()
-    except (Exception, SystemExit) as exc:  # a plugin's bug (even sys.exit()) must not take the others down
+    except BaseException as exc:  # a plugin's bug (even sys.exit() or KeyboardInterrupt) must not take the others down
         raise PluginImportError(
             f"{kind} {name!r} from {info.distribution} failed to import: "
             f"{type(exc).__name__}: {exc}"
@@ -266,6 +344,19 @@ def build(kind: str, cls: type, params: Mapping[str, Any], name: str = "") -> An
         return cls(**checked)
     except (ValueError, OSError, ImportError) as exc:
         raise BuildError(f"{kind} {name or cls.__name__!r} could not be built: {exc}") from exc
+    except (MemoryError, RuntimeError) as exc:
+        if not _out_of_memory(exc):
+            raise
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[-1][:200]
+        raise BuildError(f"{kind} {name or cls.__name__!r} could not be built: out of memory ({first}); "
+                         "make it smaller or use a machine with more memory") from None
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """torch's allocators raise RuntimeError (CPU: "can't allocate memory") or its subclass
+    OutOfMemoryError (CUDA); Python raises MemoryError."""
+    text = str(exc)
+    return isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError" or "can't allocate memory" in text or "out of memory" in text.lower()
 
 
 def resolve(kind: str, spec: Any) -> Any:

@@ -18,22 +18,78 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import attrs
 import yaml
 
-from fgrpo.core.runlog import METRICS, read_metrics
+from fgrpo.core import checkpoint as ckpt
+from fgrpo.core import confine, weights
+from fgrpo.core.runlog import METRICS, metrics_rows
 from fgrpo.core.shipped import DISTRIBUTIONS, version
 
 REPORT = "report.html"
 COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
-Series = tuple[str, list[tuple[float, float]]]
+#: the x axes a reader chooses between (radio buttons and CSS, no script): id, axis title
+AXES = (("iteration", "iteration"), ("time", "training time (min)"), ("samples", "samples trained on"))
+
+
+@attrs.frozen
+class Series:
+    """One line of a chart: (iteration, value) points; ``faint``: drawn light behind the others
+    (the raw points under a smoothed line), its last value not repeated in the legend."""
+
+    label: str
+    points: list[tuple[float, float]]
+    faint: bool = False
+    color: int | None = None
+    key: str = ""  # the metric, where the label is short ("all" in a per-category chart)
 
 
 def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def series(rows: Sequence[Mapping[str, Any]], key: str, label: str | None = None) -> Series:
-    return label or key, [(r["iteration"], float(r[key])) for r in rows if _number(r.get(key))]
+def series(rows: Sequence[Mapping[str, Any]], key: str, label: str | None = None, **style: Any) -> Series:
+    return Series(label or key, [(r["iteration"], float(r[key])) for r in rows if _number(r.get(key))], key=key, **style)
+
+
+def smoothing_window(n: int) -> int:
+    """A centred moving average over about a fifteenth of the run (odd, 1 for short runs)."""
+    w = max(1, round(n / 15))
+    return w if w % 2 else w + 1
+
+
+def smoothed(line: Series, window: int, label: str) -> Series:
+    ys = [y for _, y in line.points]
+    half = window // 2
+    out = []
+    for i, (x, _) in enumerate(line.points):
+        part = ys[max(0, i - half) : i + half + 1]
+        out.append((x, sum(part) / len(part)))
+    return Series(label, out, color=line.color, key=line.key)
+
+
+def is_constant(line: Series) -> bool:
+    """Two points or more, all the same value: a chart would show a flat line."""
+    ys = [y for _, y in line.points]
+    return len(ys) >= 2 and max(ys) - min(ys) <= 1e-12 * max(1.0, abs(ys[0]))
+
+
+def x_axes(rows: Sequence[Mapping[str, Any]], recipe: Mapping[str, Any]) -> dict[str, dict[float, float]]:
+    """iteration -> x on each axis of :data:`AXES`: the iteration, the training time at its end
+    (minutes: the iterations' and earlier evaluations' time, from metrics.jsonl) and the samples
+    trained on (group_size x prompts_per_iteration per iteration)."""
+    train = recipe.get("train") or {}
+    per_iteration = (train.get("group_size") or 0) * (train.get("prompts_per_iteration") or 0)
+    time, elapsed = {}, 0.0
+    for row in sorted(rows, key=lambda r: r["iteration"]):
+        it = row["iteration"]
+        if _number(row.get("time_iteration_s")):
+            elapsed += row["time_iteration_s"]
+        time[it] = elapsed / 60
+        if _number(row.get("time_eval_s")):
+            elapsed += row["time_eval_s"]  # after this row's point: it evaluated the weights at its end
+    its = {r["iteration"] for r in rows}
+    return {"iteration": {i: float(i) for i in its}, "time": time, "samples": {i: float(i * per_iteration) for i in its}}
 
 
 # --- SVG line charts ---------------------------------------------------------------------------
@@ -63,30 +119,31 @@ def _tick_label(v: float, step: float, size: float) -> str:
     return _fmt(round(v / step) * step)
 
 
-def line_chart(lines: Sequence[Series], *, title: str, width: int = 520, height: int = 230) -> str:
-    """An inline SVG chart of one or more series (x = iteration); ``""`` when nothing to draw."""
-    lines = [(label, pts) for label, pts in lines if pts]
+def _color(line: Series, i: int) -> str:
+    return COLORS[(line.color if line.color is not None else i) % len(COLORS)]
+
+
+def line_chart(lines: Sequence[Series], *, title: str, axes: Mapping[str, Mapping[float, float]] | None = None,
+               width: int = 560, height: int = 240) -> str:
+    """One chart of one or more series: an inline SVG (one group of lines per x axis of
+    :data:`AXES`, the chosen one shown, each over the whole run) and an HTML legend under it,
+    each series with its last value; ``""`` when nothing to draw."""
+    lines = [line for line in lines if line.points]
     if not lines:
         return ""
-    xs = [x for _, pts in lines for x, _ in pts]
-    ys = [y for _, pts in lines for _, y in pts]
-    x0, x1 = min(xs), max(xs)
+    axes = axes or {"iteration": {x: x for line in lines for x, _ in line.points}}
+    ys = [y for line in lines for _, y in line.points]
     y0, y1 = min(ys), max(ys)
-    if x1 == x0:
-        x0, x1 = x0 - 1, x1 + 1
     pad = (y1 - y0) * 0.05 or max(abs(y0) * 0.05, 1e-3)
     y0, y1 = y0 - pad, y1 + pad
-    left, right, top, bottom = 58, 10, 24 + 14 * ((len(lines) + 2) // 3), 30
+    left, right, top, bottom = 58, 12, 22, 32
     pw, ph = width - left - right, height - top - bottom
-
-    def px(x: float) -> float:
-        return left + (x - x0) / (x1 - x0) * pw
 
     def py(y: float) -> float:
         return top + (1 - (y - y0) / (y1 - y0)) * ph
 
     out = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
+        f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" width="100%" '
         f'role="img" aria-label="{html.escape(title)}" class="chart">',
         f'<text x="{left}" y="14" class="title">{html.escape(title)}</text>',
         f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" class="frame"/>',
@@ -96,21 +153,43 @@ def line_chart(lines: Sequence[Series], *, title: str, width: int = 520, height:
         label = _tick_label(t, yticks[1] - yticks[0], max(map(abs, yticks))) if len(yticks) > 1 else _fmt(t)
         out.append(f'<line x1="{left}" x2="{left + pw}" y1="{py(t):.1f}" y2="{py(t):.1f}" class="grid"/>')
         out.append(f'<text x="{left - 4}" y="{py(t) + 4:.1f}" text-anchor="end">{label}</text>')
-    for t in _ticks(x0, x1):
-        if float(t).is_integer():
-            out.append(f'<text x="{px(t):.1f}" y="{top + ph + 14}" text-anchor="middle">{int(t)}</text>')
-    out.append(f'<text x="{left + pw / 2}" y="{height - 3}" text-anchor="middle">iteration</text>')
-    for i, (label, pts) in enumerate(lines):
-        color = COLORS[i % len(COLORS)]
-        coords = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in pts)
-        out.append(f'<polyline points="{coords}" fill="none" stroke="{color}" stroke-width="1.5" data-series="{html.escape(label)}"/>')
-        if len(pts) <= 40:
-            out += [f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="2.2" fill="{color}"/>' for x, y in pts]
-        lx, ly = left + (i % 3) * (pw / 3), 30 + 14 * (i // 3)
-        out.append(f'<line x1="{lx:.1f}" x2="{lx + 14:.1f}" y1="{ly - 4}" y2="{ly - 4}" stroke="{color}" stroke-width="2"/>')
-        out.append(f'<text x="{lx + 18:.1f}" y="{ly}">{html.escape(label)} = {_fmt(pts[-1][1])}</text>')
+    for axis, axis_title in AXES:
+        at = axes.get(axis)
+        if not at:
+            continue
+        if not any(x in at for line in lines for x, _ in line.points):
+            continue
+        x0, x1 = min(at.values()), max(at.values())  # the whole run: the charts of a page line up
+        if x1 == x0:
+            x0, x1 = x0 - 1, x1 + 1
+
+        def px(x: float) -> float:
+            return left + (x - x0) / (x1 - x0) * pw
+
+        out.append(f'<g class="x-{axis}">')
+        xticks = _ticks(x0, x1)
+        for t in xticks:
+            label = _tick_label(t, xticks[1] - xticks[0], max(map(abs, xticks))) if len(xticks) > 1 else _fmt(t)
+            if axis == "time" or float(t).is_integer():
+                out.append(f'<text x="{px(t):.1f}" y="{top + ph + 14}" text-anchor="middle">{label if axis == "time" else int(t)}</text>')
+        out.append(f'<text x="{left + pw / 2}" y="{height - 3}" text-anchor="middle">{axis_title}</text>')
+        for i, line in enumerate(lines):
+            pts = [(at[x], y) for x, y in line.points if x in at]
+            color = _color(line, i)
+            coords = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in pts)
+            style = ' stroke-opacity="0.3" stroke-width="1"' if line.faint else ' stroke-width="1.6"'
+            out.append(f'<polyline points="{coords}" fill="none" stroke="{color}"{style} data-series="{html.escape(line.label)}"/>')
+            if line.faint or len(pts) <= 40:
+                radius, opacity = (1.6, ' fill-opacity="0.3"') if line.faint else (2.2, "")
+                out += [f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="{radius}" fill="{color}"{opacity}/>' for x, y in pts]
+        out.append("</g>")
     out.append("</svg>")
-    return "\n".join(out)
+    legend = []
+    for i, line in enumerate(lines):
+        value = "" if line.faint else f" = {_fmt(line.points[-1][1])}"
+        swatch = f'<i style="background:{_color(line, i)}"{" class=faint" if line.faint else ""}></i>'
+        legend.append(f"<span>{swatch}{html.escape(line.label)}{value}</span>")
+    return f'<div class="chart">{"".join(out)}<div class="legend">{"".join(legend)}</div></div>'
 
 
 # --- what the metrics hold ---------------------------------------------------------------------
@@ -137,42 +216,76 @@ def _categorised(keys: Sequence[str]) -> dict[str, list[str]]:
     return out
 
 
-def figures(rows: Sequence[Mapping[str, Any]]) -> list[tuple[str, str, list[str]]]:
-    """(anchor, title, [svg ...]) of every chart the metrics allow, in reading order."""
-    keys = _keys(rows)
-    figs: list[tuple[str, str, list[str]]] = []
+@attrs.define
+class Figures:
+    """The figures of the curves section, and the series left out of them for being constant."""
 
-    def add(anchor: str, title: str, *charts: str) -> None:
+    axes: Mapping[str, Mapping[float, float]]
+    items: list[tuple[str, str, list[str]]] = attrs.Factory(list)  # (anchor, title, [chart html ...])
+    constant: dict[str, float] = attrs.Factory(dict)  # what stayed the same: metric (or chart) -> value
+
+    def chart(self, lines: Sequence[Series], *, title: str, width: int = 560, height: int = 240, categories: bool = False) -> str:
+        """A chart of the series that vary; the constant ones are noted once, not drawn
+        (``categories``: a metric and its per-category series, noted as one entry when all agree)."""
+        lines = [line for line in lines if line.points]
+        flat = [line for line in lines if is_constant(line) and not line.faint]
+        drawn = [line for line in lines if line not in flat]
+        if categories and len(flat) > 1 and not drawn and len({line.points[0][1] for line in flat}) == 1:
+            n = len(flat) - 1
+            self.constant[f"{flat[0].key} (and its {n} categor{'y' if n == 1 else 'ies'})"] = flat[0].points[0][1]
+        else:
+            for line in flat:
+                self.constant.setdefault(line.key or line.label, line.points[0][1])
+        if all(line.faint for line in drawn):
+            return ""
+        return line_chart(drawn, title=title, axes=self.axes, width=width, height=height)
+
+    def add(self, anchor: str, title: str, *charts: str) -> None:
         charts = tuple(c for c in charts if c)
         if charts:
-            figs.append((anchor, title, list(charts)))
+            self.items.append((anchor, title, list(charts)))
+
+
+def figures(rows: Sequence[Mapping[str, Any]], recipe: Mapping[str, Any] | None = None) -> Figures:
+    """Every chart the metrics allow, in reading order, on the x axes of :func:`x_axes`."""
+    keys = _keys(rows)
+    figs = Figures(x_axes(rows, recipe or {}))
+    chart = figs.chart
 
     train_rewards = [k for k in keys if k.startswith("reward/") and k.count("/") == 1]  # not reward/LABEL/DETAIL
-    add("fig-reward", "Reward: training batches and held-out evaluation",
-        line_chart([series(rows, "reward_mean", "train reward_mean"), series(rows, "eval/reward_mean")]
-                   + ([series(rows, k) for k in train_rewards] if len(train_rewards) > 1 else []), title="reward"))
+    raw = series(rows, "reward_mean", "reward_mean, each iteration", faint=True, color=0)
+    window = smoothing_window(len(raw.points))
+    train = [raw, smoothed(raw, window, f"reward_mean, mean of {window} iterations" if window > 1 else "reward_mean")]
+    if len(train_rewards) > 1:
+        train += [smoothed(series(rows, k, color=i + 1), window, k) for i, k in enumerate(train_rewards)]
+    held_out = [series(rows, "eval/reward_mean")] + (
+        [series(rows, f"eval/{k}", color=i + 1) for i, k in enumerate(train_rewards)] if len(train_rewards) > 1 else [])
+    figs.add("fig-reward", "Reward: training batches (smoothed; each iteration faint) and held-out evaluation",
+             chart(train, title="train reward"), chart(held_out, title="held-out reward"))
     categorised = _categorised(keys)
     for base, categories in categorised.items():
         title = f"Held-out {base[len('eval/'):]} per category"
         lines = [series(rows, base, "all")] + [series(rows, f"{base}/{c}", c) for c in categories]
-        add(f"fig-{_slug(base)}", title, line_chart(lines, title=base))
+        figs.add(f"fig-{_slug(base)}", title, chart(lines, title=base, categories=True))
     golds = [k for k in keys if k.startswith("eval/") and k.count("/") == 2 and "gold" in k.split("/")[-1]]
     proxies = {f"eval/reward/{g.split('/')[1]}" for g in golds}  # drawn beside their gold metric below
     plain = [k for k in keys if k.startswith("eval/") and k.count("/") == 2 and k not in categorised and k not in golds and k not in proxies]
     if plain:
-        add("fig-eval", "Held-out metrics", *[line_chart([series(rows, k)], title=k, width=340, height=200) for k in plain])
+        figs.add("fig-eval", "Held-out metrics", *[chart([series(rows, k)], title=k, width=360, height=210) for k in plain])
     for gold in golds:
         label = gold.split("/")[1]
         proxy = f"eval/reward/{label}" if f"eval/reward/{label}" in keys else "eval/reward_mean"
-        add(f"fig-gold-{_slug(gold)}", f"Proxy against gold: {proxy} (optimised) and {gold} (not optimised)",
-            line_chart([series(rows, proxy)], title=f"proxy: {proxy}", width=400),
-            line_chart([series(rows, gold)], title=f"gold: {gold}", width=400))
-    add("fig-ratio", "Importance ratio, clipping and KL",
-        line_chart([series(rows, k) for k in ("ratio_mean", "ratio_min", "ratio_max")], title="ratio", width=400),
-        line_chart([series(rows, k) for k in ("clipfrac", "clipfrac_above", "clipfrac_below")], title="clip fraction", width=400),
-        line_chart([series(rows, k) for k in ("kl", "approx_kl")], title="KL", width=400))
-    times = [k for k in keys if k.startswith("time_") and k.endswith("_s") and k != "time_iteration_s"]
-    add("fig-time", "Time per phase (seconds)", line_chart([series(rows, k) for k in times], title="seconds per phase"))
+        figs.add(f"fig-gold-{_slug(gold)}", f"Proxy against gold: {proxy} (optimised) and {gold} (not optimised)",
+                 chart([series(rows, proxy)], title=f"proxy: {proxy}"),
+                 chart([series(rows, gold, color=1)], title=f"gold: {gold}"))
+    figs.add("fig-ratio", "Importance ratio, clipping and KL",
+             chart([series(rows, k) for k in ("ratio_mean", "ratio_min", "ratio_max")], title="ratio", width=420),
+             chart([series(rows, k) for k in ("clipfrac", "clipfrac_above", "clipfrac_below")], title="clip fraction", width=420),
+             chart([series(rows, k) for k in ("kl", "approx_kl")], title="KL", width=420))
+    phases = [k for k in keys if k.startswith("time_") and k.endswith("_s") and k not in ("time_iteration_s", "time_eval_s")]
+    figs.add("fig-time", "Time per iteration by phase, and per evaluation (seconds)",
+             chart([series(rows, k) for k in phases], title="seconds per iteration, by phase"),
+             chart([series(rows, "time_eval_s", color=len(phases))], title="seconds per evaluation"))
     return figs
 
 
@@ -192,11 +305,11 @@ def evaluation_table(rows: Sequence[Mapping[str, Any]]) -> str:
         ["time_eval_s"] if "time_eval_s" in keys else [])
     categorised = _categorised(keys)
     main = next((b for b in categorised if b.endswith("accuracy")), next(iter(categorised), None))
-    parts = [_table(evals, columns)]
+    parts = [f"<div>{_table(evals, columns)}</div>"]
     if main is not None:
-        parts.append(f"<h3>{html.escape(main)} per category</h3>")
-        parts.append(_table(evals, [f"{main}/{c}" for c in categorised[main]], strip=f"{main}/"))
-    return "\n".join(parts)
+        per_category = _table(evals, [f"{main}/{c}" for c in categorised[main]], strip=f"{main}/")
+        parts.append(f"<div><h3>{html.escape(main)} per category</h3>{per_category}</div>")
+    return f'<div class="side">{"".join(parts)}</div>'
 
 
 def _table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str], strip: str = "eval/") -> str:
@@ -208,31 +321,91 @@ def _table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str], strip: str
     return f'<div class="wide"><table class="evals"><thead><tr><th>iteration</th>{head}</tr></thead><tbody>{"".join(body)}</tbody></table></div>'
 
 
-def _data_uri(path: Path) -> str:
+def _data_uri(path: Path, what: str) -> str:
     mime = "image/jpeg" if path.suffix.lower() in (".jpg", ".jpeg") else "image/png"
-    return f"data:{mime};base64,{base64.b64encode(path.read_bytes()).decode('ascii')}"
+    return f"data:{mime};base64,{base64.b64encode(_read(path, what)).decode('ascii')}"
 
 
-def evaluations_with_tiles(run_dir: Path) -> list[tuple[int, list[dict[str, Any]]]]:
-    """(iteration, tiles) for every evaluation that stored filmstrip tiles, in order."""
+MAX_FILE_BYTES = 64 << 20  # a tile, an index or a recipe: far below this
+
+
+def _read(path: Path, what: str) -> bytes:
+    """The bytes of a run folder's own regular file (not a link, a FIFO or a device)."""
+    try:
+        fd = confine.open_regular(path, follow=False)
+    except ValueError as exc:
+        raise confine.Escape(f"{what}: {exc}") from None
+    except OSError as exc:
+        raise confine.Escape(f"{what}: {confine.link_message(path)}" if path.is_symlink() else f"{what}: cannot read {path}: {exc.strerror}") from None
+    with open(fd, "rb") as fh:
+        return fh.read(MAX_FILE_BYTES)
+
+
+def evaluations_with_tiles(run_dir: Path, notes: list[str] | None = None) -> list[tuple[int, list[dict[str, Any]]]]:
+    """(iteration, tiles) for every evaluation that stored filmstrip tiles, in order. Every name
+    is confined to the run folder (:func:`fgrpo.core.confine.inside`); an index damaged the way a
+    kill or a full disk leaves one is left out, and said in ``notes``."""
+    notes = [] if notes is None else notes
+    samples = confine.not_a_link(run_dir / "samples")
     found = []
-    for index in sorted((run_dir / "samples").glob("eval_*/index.json")):
-        try:
-            tiles = json.loads(index.read_text())
-            iteration = int(index.parent.name.split("_")[1])
-        except (ValueError, json.JSONDecodeError, IndexError):
+    folders = sorted(p for p in samples.iterdir() if p.name.startswith("eval_")) if samples.is_dir() else []
+    for folder in folders:
+        iteration = folder.name.split("_", 1)[1]
+        if not iteration.isdigit():
             continue
-        found.append((iteration, [dict(t, path=index.parent / t["file"]) for t in tiles if (index.parent / t["file"]).is_file()]))
+        confine.not_a_link(folder)
+        index = confine.not_a_link(folder / "index.json")
+        if not folder.is_dir() or not index.is_file():
+            continue
+        shown = index.relative_to(run_dir)
+        try:
+            tiles = json.loads(_read(index, str(index)))
+        except ValueError:
+            notes.append(f"{shown} does not read as JSON: left out")
+            continue
+        if not isinstance(tiles, list):
+            notes.append(f"{shown} is not a list of tiles: left out")
+            continue
+        kept = []
+        for k, tile in enumerate(tiles):
+            if not isinstance(tile, dict):
+                notes.append(f"{shown}: tile {k} is not an object: left out")
+                continue
+            path = confine.inside(folder, tile.get("file"), what=f"{index}: tile {k}")
+            if path.is_file():
+                kept.append(dict(tile, path=path, prompt=str(tile.get("prompt", "")), read=str(tile.get("read") or "")))
+        found.append((int(iteration), kept))
     return found
 
 
-def filmstrip(run_dir: Path) -> tuple[str, int]:
-    """A table: one row per evaluation prompt, one column per evaluation; (html, images)."""
-    evals = evaluations_with_tiles(run_dir)
+def score_style(scores: Sequence[float]) -> Any:
+    """How a filmstrip score is coloured: pass (green) / fail (red) when every score is 0 or 1
+    (a verifier's strict verdict), else from red (the strip's lowest) to green (its highest)."""
+    finite = [s for s in scores if _number(s)]
+    binary = bool(finite) and all(s in (0, 1) for s in finite)
+    lo, hi = (min(finite), max(finite)) if finite else (0.0, 1.0)
+
+    def style(score: Any) -> tuple[str, str]:
+        if not _number(score):
+            return "score", ""
+        if binary:
+            return ("score pass" if score == 1 else "score fail"), ""
+        t = (score - lo) / (hi - lo) if hi > lo else 1.0
+        hue = round(120 * t)  # 0 red, 60 amber, 120 green
+        return "score graded", f' style="background:hsl({hue},70%,88%);color:hsl({hue},80%,24%)"'
+
+    return style, binary
+
+
+def filmstrip(run_dir: Path, notes: list[str] | None = None) -> tuple[str, int, bool]:
+    """A table: one row per evaluation prompt, one column per evaluation; (html, images, whether
+    the scores are pass/fail)."""
+    evals = evaluations_with_tiles(run_dir, notes)
     if not evals:
-        return "<p>No evaluation images in this run.</p>", 0
+        return "<p>No evaluation images in this run.</p>", 0, False
     n = max(len(tiles) for _, tiles in evals)
-    head = "".join(f"<th>iter {it}</th>" for it, _ in evals)
+    style, binary = score_style([t.get("score") for _, tiles in evals for t in tiles])
+    head = f'<thead><tr><th>prompt</th>{"".join(f"<th>iter {it}</th>" for it, _ in evals)}</tr></thead>'
     body, images = [], 0
     for i in range(n):
         prompt = next((tiles[i]["prompt"] for _, tiles in evals if i < len(tiles)), "")
@@ -244,41 +417,116 @@ def filmstrip(run_dir: Path) -> tuple[str, int]:
             tile = tiles[i]
             read = tile.get("read") or ""
             score = tile.get("score")
-            caption = (f"{score:.3g}" if _number(score) else "") + (f"<br><span class=read>{html.escape(read)}</span>" if read else "")
+            classes, inline = style(score)
+            caption = (f'<span class="{classes}"{inline}>{score:.3g}</span>' if _number(score) else "") + (
+                f"<br><span class=read>{html.escape(read)}</span>" if read else "")
             alt = html.escape(f"{prompt} (score {score})", quote=True)
-            cells.append(f'<td><img src="{_data_uri(tile["path"])}" alt="{alt}" title="{html.escape(read, quote=True)}" class="tile">'
-                         f"<div class=score>{caption}</div></td>")
+            cells.append(f'<td><img src="{_data_uri(tile["path"], str(tile["path"]))}" alt="{alt}" title="{html.escape(read, quote=True)}" class="tile">'
+                         f"<div class=caption>{caption}</div></td>")
             images += 1
         body.append(f'<tr><th class="prompt">{html.escape(prompt)}</th>{"".join(cells)}</tr>')
-    table = f'<table class="filmstrip"><thead><tr><th>prompt</th>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>'
-    return table, images
+    # a few evaluations make a narrow table: the prompts then go to two tables side by side
+    halves = 2 if len(evals) <= 6 and len(body) > 8 else 1
+    size = -(-len(body) // halves)
+    tables = [f'<table class="filmstrip">{head}<tbody>{"".join(body[i : i + size])}</tbody></table>' for i in range(0, len(body), size)]
+    return f'<div class="side">{"".join(tables)}</div>', images, binary
 
 
 # --- the page ----------------------------------------------------------------------------------
 
 STYLE = """
-body{font:14px/1.4 system-ui,sans-serif;margin:24px;color:#222;max-width:1400px}
-h1{font-size:22px}h2{font-size:18px;margin-top:32px;border-bottom:1px solid #ddd}h3{font-size:15px}
-nav a{margin-right:12px}figure{display:inline-block;margin:8px 16px 8px 0;vertical-align:top}
-figcaption{font-weight:600;margin-bottom:4px}svg.chart{font:11px sans-serif;margin-right:8px}
-svg .title{font-weight:600}svg .frame{fill:none;stroke:#999}svg .grid{stroke:#eee}
+body{font:14px/1.4 system-ui,sans-serif;margin:0;color:#222}
+.page{max-width:1400px;margin:0 auto;padding:16px 24px}
+h1{font-size:22px;margin:8px 0}h2{font-size:18px;margin-top:28px;border-bottom:1px solid #ddd}h3{font-size:15px}
+nav a{margin-right:12px}
+.top{display:grid;grid-template-columns:repeat(auto-fit,minmax(560px,1fr));gap:8px 32px;align-items:start}
+.side{display:flex;flex-wrap:wrap;gap:8px 32px;align-items:flex-start}.side>*{max-width:100%;overflow-x:auto}
+.grid{display:grid;grid-template-columns:repeat(auto-fit,minmax(560px,1fr));gap:20px 28px}
+figure{margin:0;min-width:0}figure.span{grid-column:1/-1}
+figcaption{font-weight:600;margin-bottom:4px}
+.charts{display:grid;grid-template-columns:repeat(auto-fit,minmax(300px,1fr));gap:8px 16px}
+svg.chart{font:11px sans-serif;display:block}svg .title{font-weight:600}svg .frame{fill:none;stroke:#999}svg .grid{stroke:#eee}
+.legend{font-size:11px;margin:2px 0 0 58px}.legend span{display:inline-block;margin:0 14px 2px 0;white-space:nowrap}
+.legend i{display:inline-block;width:14px;height:3px;vertical-align:middle;margin-right:5px}.legend i.faint{opacity:.35}
+.constant{color:#555;font-size:12px}.warning{background:#fff4e5;border-left:4px solid #f29900;padding:6px 10px;margin:10px 0}
 table{border-collapse:collapse;font-size:12px}td,th{border:1px solid #ddd;padding:3px 6px;text-align:right}
-table.filmstrip td{text-align:center;vertical-align:top;width:84px}table.filmstrip th.prompt{text-align:left;max-width:180px;font-weight:normal}
+table.filmstrip td{text-align:center;vertical-align:top;width:84px}table.filmstrip th.prompt{text-align:left;max-width:220px;font-weight:normal}
 img.tile{width:72px;height:auto;image-rendering:pixelated;display:block;margin:auto}
-.score{font-size:11px}.read{color:#777;font-size:10px}.meta td,.meta th{text-align:left}
+.caption{font-size:11px;margin-top:2px}.score{display:inline-block;padding:0 5px;border-radius:3px;font-weight:600}
+.pass{background:#e6f4ea;color:#137333}.fail{background:#fce8e6;color:#c5221f}
+.read{color:#777;font-size:10px}.meta td,.meta th{text-align:left}
 .wide{overflow-x:auto}pre{background:#f6f6f6;padding:8px;overflow:auto;font-size:12px}
-"""
+input.axis{position:absolute;opacity:0;pointer-events:none}
+.axis-choice label{border:1px solid #bbb;border-radius:4px;padding:1px 8px;margin-left:4px;cursor:pointer;font-size:12px}
+""" + "".join(
+    # the chosen x axis: its groups shown, its button pressed; iteration by default
+    f".x-{a}{{display:{'inline' if a == 'iteration' else 'none'}}}"
+    f"#x-{a}:checked~.page .x-{a}{{display:inline}}"
+    + "".join(f"#x-{a}:checked~.page .x-{b}{{display:none}}" for b, _ in AXES if b != a)
+    + f"#x-{a}:checked~.page label[for=x-{a}]{{background:#333;color:#fff;border-color:#333}}"
+    for a, _ in AXES
+)
+
+
+def _compact(keys: Sequence[str]) -> list[str]:
+    """``eval/x/clean/a``, ``eval/x/clean/b`` -> ``eval/x/clean/{a, b}`` (categories of one metric)."""
+    groups: dict[str, list[str]] = {}
+    for key in keys:
+        head, _, tail = key.rpartition("/")
+        groups.setdefault(head if key.count("/") == 3 else key, []).append(tail if key.count("/") == 3 else "")
+    return [f"{head}/{{{', '.join(tails)}}}" if len(tails) > 1 else (f"{head}/{tails[0]}" if tails[0] else head)
+            for head, tails in groups.items()]
+
+
+def _own_last_checkpoint(run_dir: Path) -> Path | None:
+    """``RUN/checkpoints/last`` when it names a complete checkpoint of this run folder (nothing
+    outside the folder, and nothing through a link, is read for its warnings)."""
+    last = ckpt.last_of(run_dir / "checkpoints")
+    return last if last is not None and ckpt.problem(last, ema=False) is None else None
+
+
+def evaluated_weights(recipe: Mapping[str, Any]) -> str:
+    """Which weights the evaluations used, from the recipe (the run's lines say how often the EMA moved)."""
+    train = recipe.get("train") or {}
+    if train.get("ema_decay"):
+        return f"the EMA of the trained weights (decay {train['ema_decay']}, updated every {train.get('ema_every', 1)} optimizer steps)"
+    return "the raw trained weights (no EMA)"
+
+
+def _recipe(run_dir: Path, notes: list[str]) -> tuple[str, dict[str, Any]]:
+    """The run's recipe.resolved.yaml: its text and, when it reads as a recipe, its data."""
+    path = confine.not_a_link(run_dir / "recipe.resolved.yaml")
+    if not path.is_file():
+        return "", {}
+    text = _read(path, str(path)).decode("utf-8", "replace")
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        notes.append(f"recipe.resolved.yaml does not read as YAML ({str(exc).splitlines()[0][:120]}): its components are not shown")
+        return text, {}
+    if data is not None and not isinstance(data, dict):
+        notes.append(f"recipe.resolved.yaml is not a recipe (a {type(data).__name__}): its components are not shown")
+        return text, {}
+    return text, data or {}
 
 
 def render(run_dir: Path) -> str:
+    """The report's HTML; everything it shows is read first, and a name that leads out of the run
+    folder refuses the whole report (:class:`fgrpo.core.confine.Escape`), before anything is written."""
     run_dir = Path(run_dir)
-    rows = read_metrics(run_dir)
-    recipe_text = (run_dir / "recipe.resolved.yaml").read_text() if (run_dir / "recipe.resolved.yaml").is_file() else ""
-    recipe = yaml.safe_load(recipe_text) if recipe_text else {}
-    figs = figures(rows)
-    strip, n_images = filmstrip(run_dir)
+    notes: list[str] = []
+    rows, skipped = metrics_rows(run_dir)
+    if skipped:
+        notes.append(f"{skipped} line{'s' if skipped > 1 else ''} of metrics.jsonl {'are' if skipped > 1 else 'is'} not "
+                     f"{'metrics rows' if skipped > 1 else 'a metrics row'} (a line cut by a kill or a full disk?): left out")
+    recipe_text, recipe = _recipe(run_dir, notes)
+    figs = figures(rows, recipe)
+    strip, n_images, binary = filmstrip(run_dir, notes)
+    handed_over = weights.checkpoint_warnings(last) if (last := _own_last_checkpoint(run_dir)) else []
+    warnings = "".join(f'<p class="warning">warning: {html.escape(line)}</p>' for line in handed_over)
     done = max((r["iteration"] for r in rows), default=0)
-    total = (recipe.get("train") or {}).get("iterations", "?")
+    train = recipe.get("train")
+    total = train.get("iterations", "?") if isinstance(train, dict) else "?"
 
     def component(section: str) -> str:
         spec = recipe.get(section)
@@ -288,42 +536,79 @@ def render(run_dir: Path) -> str:
 
     meta = [("run folder", str(run_dir.resolve())), ("iterations", f"{done} of {total}")]
     meta += [(s, component(s)) for s in ("model", "sampler", "reward", "objective", "prompts") if component(s)]
+    meta.append(("evaluated with", evaluated_weights(recipe)))
     meta.append(("written", time.strftime("%Y-%m-%d %H:%M:%S") + " by " + ", ".join(f"{d} {version(d)}" for d in DISTRIBUTIONS if version(d))))
-    nav = "".join(f'<a href="#{a}">{html.escape(t)}</a>' for a, t, _ in figs)
+    nav = "".join(f'<a href="#{a}">{html.escape(t.split(":")[0])}</a>' for a, t, _ in figs.items)
     nav += '<a href="#evaluations">evaluations</a><a href="#filmstrip">filmstrip</a><a href="#recipe">recipe</a>'
+    radios = "".join(f'<input type="radio" name="x-axis" id="x-{a}" class="axis"{" checked" if a == "iteration" else ""}>' for a, _ in AXES)
+    choice = "x axis:" + "".join(f'<label for="x-{a}">{html.escape(t)}</label>' for a, t in AXES)
     fig_html = "\n".join(
-        f'<figure id="{a}" class="curves"><figcaption>{html.escape(t)}</figcaption>{"".join(charts)}</figure>' for a, t, charts in figs
+        f'<figure id="{a}" class="curves{" span" if len(charts) > 1 else ""}"><figcaption>{html.escape(t)}</figcaption>'
+        f'<div class="charts">{"".join(charts)}</div></figure>'
+        for a, t, charts in figs.items
     )
+    by_value: dict[float, list[str]] = {}
+    for key, value in figs.constant.items():
+        by_value.setdefault(value, []).append(key)
+    by_value = {value: _compact(keys) for value, keys in by_value.items()}
+    constant = (
+        '<p class="constant" id="constant">Constant over the run, not drawn: '
+        + "; ".join(f"{', '.join(html.escape(k) for k in keys)} = {_fmt(value)}" for value, keys in by_value.items()) + "</p>"
+    ) if figs.constant else ""
+    legend = ("green: passed (score 1), red: failed (score 0)" if binary else
+              "coloured from red (the lowest score shown) to green (the highest)")
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>fgrpo report: {html.escape(run_dir.name)}</title>
 <style>{STYLE}</style></head><body>
+{radios}
+<div class="page">
 <h1>fgrpo run report: {html.escape(run_dir.name)}</h1>
+<div class="top">
 <table class="meta">{"".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in meta)}</table>
-<nav>{nav}</nav>
+<div><nav>{nav}</nav><p class="axis-choice">{choice}</p></div>
+</div>
+{warnings}
+{"".join(f'<p class="note">{html.escape(n)}</p>' for n in notes)}
 <h2 id="curves">Curves</h2>
+{constant}
+<div class="grid">
 {fig_html or "<p>No metrics yet.</p>"}
+</div>
 <h2 id="evaluations">Evaluations</h2>
 {evaluation_table(rows)}
 <h2 id="filmstrip">Filmstrip</h2>
 <p>The first sample of each evaluation prompt, drawn from the same noise at every evaluation ({n_images} images);
-under each its score and, in grey, what the reward read.</p>
+under each its score ({legend}) and, in grey, what the reward read.</p>
 <div class="wide">{strip}</div>
 <h2 id="recipe">Recipe</h2>
 <details><summary>recipe.resolved.yaml</summary><pre>{html.escape(recipe_text)}</pre></details>
+</div>
 </body></html>
 """
 
 
 def write(run_dir: Path, out: Path | None = None) -> Path:
-    """Write the report of ``run_dir`` (default ``RUN/report.html``) atomically; returns its path."""
-    run_dir = Path(run_dir)
-    if not (run_dir / METRICS).is_file():
-        from fgrpo.core.config import ConfigError, RecipeError
+    """Write the report of ``run_dir`` (default ``RUN/report.html``) atomically; returns its path.
+    Refusals (not a run, a name leading out of it, an ``--out`` that cannot be written) are one
+    line each, and leave every file as it was."""
+    from fgrpo.core.config import ConfigError, RecipeError
 
+    run_dir = Path(run_dir)
+    metrics = run_dir / METRICS
+    if not (metrics.is_file() or metrics.is_symlink()):
         raise RecipeError([ConfigError("RUN", f"{run_dir} holds no {METRICS}: not a run folder")])
-    out = Path(out) if out is not None else run_dir / REPORT
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(render(run_dir), encoding="utf-8")
-    tmp.replace(out)
-    return out
+    target = Path(out) if out is not None else run_dir / REPORT
+    try:
+        folder = target.is_dir() and not target.is_symlink()
+    except OSError:  # a name too long: writing it says so below
+        folder = False
+    if folder:
+        raise RecipeError([ConfigError("--out", f"{target} is a folder; give the report's file name (e.g. {target / REPORT})")])
+    page = render(run_dir)
+    try:
+        if not target.parent.exists():
+            target.parent.mkdir(parents=True)
+        confine.write_atomic(target, page)
+    except OSError as exc:
+        raise RecipeError([ConfigError("--out", f"cannot write {target}: {exc.strerror or exc}")]) from None
+    return target

@@ -28,6 +28,7 @@ from pathlib import Path
 import attrs
 
 from fgrpo.core import checkpoint as ckpt
+from fgrpo.core import confine
 from fgrpo.core import recipe as recipe_mod
 from fgrpo.core.config import ConfigError, RecipeError
 from fgrpo.core.recipe import Recipe
@@ -62,7 +63,7 @@ class FolderLock:
 
     def acquire(self) -> None:
         for _ in range(5):
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -118,9 +119,7 @@ class RunFolder:
     started_over: bool = False
 
     def write_recipe(self, recipe: Recipe) -> None:
-        tmp = self.path / f".{RECIPE_FILE}.tmp"
-        tmp.write_text(recipe.to_yaml())
-        os.replace(tmp, self.path / RECIPE_FILE)
+        confine.write_atomic(self.path / RECIPE_FILE, recipe.to_yaml())
 
     def release(self) -> None:
         self.lock.release()
@@ -149,6 +148,7 @@ def claim(recipe: Recipe, out: str | Path | None, mode: str = NEW) -> RunFolder:
     folder = Path(out)
     created = _make(folder)
     _holds_run(folder)  # refuses a folder that is not a run's before the lock file is made in it
+    _writes_inside(folder, "--out" if mode == NEW else f"--{mode}")
     lock = FolderLock(folder)
     try:
         lock.acquire()
@@ -166,9 +166,9 @@ def claim(recipe: Recipe, out: str | Path | None, mode: str = NEW) -> RunFolder:
 
 
 def _make(folder: Path) -> bool:
-    if folder.exists() and not folder.is_dir():
-        raise _refuse("--out", f"{folder} is a file, not a folder")
     try:
+        if folder.exists() and not folder.is_dir():
+            raise _refuse("--out", f"{folder} is a file, not a folder")
         folder.mkdir(parents=True)
         return True
     except FileExistsError:
@@ -179,9 +179,29 @@ def _make(folder: Path) -> bool:
         raise _refuse("--out", f"cannot create {folder}: {exc.strerror}") from None
 
 
+def _writes_inside(folder: Path, key: str) -> None:
+    """Refuse a run folder whose run would write outside it: a link among the names a run writes
+    (checkpoints, metrics.jsonl ..., the lock file) or under samples/ and tensorboard/; and a real
+    ``checkpoints/last``, where the run keeps its link to the newest checkpoint (else found only at
+    the first checkpoint write, hours into the run). Nothing is written before."""
+    for name in sorted(RUN_FILES | {LOCK}):
+        if (folder / name).is_symlink():
+            raise _refuse(key, confine.link_message(folder / name))
+    for name in ("samples", "tensorboard"):
+        if (folder / name).is_dir():
+            for path, why in confine.links_below(folder / name):
+                raise _refuse(key, confine.link_message(path) if why == "is a link" else f"{path} {why}; a run writes only plain files")
+    last = folder / "checkpoints" / "last"
+    if last.exists() and not last.is_symlink():
+        kind = "folder" if last.is_dir() else "file"
+        raise _refuse(key, f"{last} is a {kind} where fgrpo keeps its link to the newest checkpoint; move it away (nothing was written)")
+
+
 def default_folder(recipe: Recipe) -> Path:
-    """runs/<recipe>/<date-time>: the base name of a new default folder."""
-    return Path("runs") / Path(recipe.source).stem / time.strftime("%Y%m%d-%H%M%S")
+    """runs/<recipe>/<date-time>: the base name of a new default folder (a recipe named ``...yaml``
+    or ``..yaml`` stays under runs/: its name is not a path)."""
+    stem = "".join(c if c.isalnum() or c in "-_." else "_" for c in Path(recipe.source).stem).strip(".")
+    return Path("runs") / (stem or "recipe") / time.strftime("%Y%m%d-%H%M%S")
 
 
 def _claim_default(recipe: Recipe) -> RunFolder:
@@ -261,7 +281,10 @@ def resolved(saved: dict) -> dict:
 
 
 def find_checkpoint(path: Path) -> Path:
-    """A checkpoint folder, or the newest complete one of a run folder (or of its checkpoints/)."""
+    """A checkpoint folder, or the newest complete one of a run folder (or of its checkpoints/).
+    A run's ``last`` is followed only to a checkpoint folder next to it (what fgrpo writes)."""
+    if path.is_symlink() and path.name == "last":
+        return _follow_last(path)
     if (path / ckpt.STATE).exists() or not path.is_dir():
         return path
     for root in (path / "checkpoints", path):
@@ -269,6 +292,34 @@ def find_checkpoint(path: Path) -> Path:
         if newest is not None:
             return newest
     raise _refuse("--checkpoint", f"{path} holds no {ckpt.STATE}: not a checkpoint folder, nor a run folder with a complete checkpoint")
+
+
+def _follow_last(link: Path) -> Path:
+    folder = ckpt.last_of(link.parent)
+    if folder is None:
+        raise _refuse("--checkpoint", f"{link} points to {os.readlink(link)}, which is not a checkpoint of {link.parent} "
+                                      "(fgrpo's last names a checkpoint folder next to it)")
+    return folder
+
+
+def output_folder(path: Path, key: str = "--out") -> Path:
+    """Where ``fgrpo export`` or ``fgrpo sample`` may write: absent or an empty folder, and not
+    inside a checkpoint or a run's checkpoints/ (what is written there is taken for the run's)."""
+    try:
+        resolved = path.resolve()
+        for folder in (resolved, *resolved.parents):
+            if (folder / ckpt.STATE).is_file():
+                raise _refuse(key, f"{path} is inside the checkpoint {folder}; choose a folder outside it")
+            if folder.name == "checkpoints" and any((folder.parent / name).exists() for name in (METRICS, RECIPE_FILE)):
+                raise _refuse(key, f"{path} is inside the checkpoints of the run {folder.parent}; choose a folder outside it")
+        if path.exists() and not path.is_dir():
+            raise _refuse(key, f"{path} is a file; expected a new or empty folder")
+        if path.is_dir() and any(path.iterdir()):
+            raise _refuse(key, f"{path} exists and is not empty; choose a new folder")
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise _refuse(key, f"cannot create {path}: {exc.strerror}") from None
+    return path
 
 
 def recipe_for_checkpoint(checkpoint: Path, recipe_path: str | None, overrides: Sequence[str]) -> Recipe:

@@ -1,5 +1,5 @@
 """What a run writes as it goes: metrics.jsonl (a line per iteration) and what the terminal shows
-(rich progress bars, or one plain line per iteration in quiet mode). Experiment trackers
+(rich progress bars, or one plain line per iteration in a log file). Experiment trackers
 (TensorBoard, wandb ...) get the same rows through accelerate: see :mod:`fgrpo.core.trackers`."""
 
 from __future__ import annotations
@@ -13,9 +13,16 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from rich.console import Console
+
+from fgrpo.core import confine
+from fgrpo.core.registry import ComponentError
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 METRICS = "metrics.jsonl"
+
+
+class WriteFailed(ComponentError):
+    """A file of the run could not be written (a full disk, a quota): ``str()`` is one line."""
 
 
 def _plain_number(value: Any) -> Any:
@@ -43,33 +50,52 @@ class MetricsLog:
             return
         kept = []
         for line in self.path.read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:  # a line cut by a kill
-                continue
-            if row.get("iteration", math.inf) <= iteration:
+            row = _row(line)  # None: a line cut by a kill or a full disk
+            if row is not None and row["iteration"] <= iteration:
                 kept.append(line)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text("".join(f"{line}\n" for line in kept))
-        os.replace(tmp, self.path)
+        confine.write_atomic(self.path, "".join(f"{line}\n" for line in kept))
 
     def write(self, iteration: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
         row = {"iteration": iteration, **{k: _plain_number(v) for k, v in metrics.items()}}
-        with self.path.open("a") as fh:
-            fh.write(json.dumps(row) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
+        try:
+            with self.path.open("a") as fh:
+                fh.write(json.dumps(row) + "\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+        except OSError as exc:
+            raise WriteFailed(
+                f"cannot append to {self.path} (iteration {iteration}): {exc.strerror}; the checkpoints written "
+                "before it are kept (--resume continues from the newest)"
+            ) from None
         return row
 
     def close(self) -> None:
         pass
 
 
-def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    path = Path(run_dir) / METRICS
+def _row(line: str) -> dict[str, Any] | None:
+    """A metrics row: a JSON object with an integer ``iteration``; None for anything else."""
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    ok = isinstance(row, dict) and isinstance(row.get("iteration"), int) and not isinstance(row["iteration"], bool)
+    return row if ok else None
+
+
+def metrics_rows(run_dir: Path) -> tuple[list[dict[str, Any]], int]:
+    """The rows of ``RUN/metrics.jsonl`` and how many of its lines are not rows (a line cut by a
+    kill or a full disk, or anything else); never read through a link."""
+    path = confine.not_a_link(Path(run_dir) / METRICS)
     if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return [], 0
+    lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    rows = [row for row in map(_row, lines) if row is not None]
+    return rows, len(lines) - len(rows)
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    return metrics_rows(run_dir)[0]
 
 
 SUMMARY_KEYS = ("reward_mean", "ratio_mean", "clipfrac", "kl", "time_iteration_s")
@@ -84,11 +110,13 @@ def summary_line(iteration: int, total: int, row: Mapping[str, Any]) -> str:
     return "  ".join(parts)
 
 
-def evaluation_line(iteration: int, total: int, metrics: Mapping[str, Any]) -> str:
-    """``eval at iteration 25/200 (31.2 s): reward_mean 0.45  shapes/accuracy 0.45 ...``: every
-    overall evaluation metric (per-category ones stay in metrics.jsonl and the report)."""
+def evaluation_line(iteration: int, total: int, metrics: Mapping[str, Any], weights: str | None = None) -> str:
+    """``eval at iteration 25/200 (31.2 s, EMA weights after 3 updates): reward_mean 0.45
+    shapes/accuracy 0.45 ...``: every overall evaluation metric (per-category ones stay in
+    metrics.jsonl and the report)."""
     seconds = metrics.get("time_eval_s")
-    head = f"eval at iteration {iteration}/{total}" + (f" ({seconds:.1f} s)" if isinstance(seconds, (int, float)) else "")
+    notes = ([f"{seconds:.1f} s"] if isinstance(seconds, (int, float)) else []) + ([weights] if weights else [])
+    head = f"eval at iteration {iteration}/{total}" + (f" ({', '.join(notes)})" if notes else "")
     keys = ["eval/reward_mean"] + sorted(k for k in metrics if k.startswith("eval/") and k.count("/") <= 2 and k != "eval/reward_mean")
     parts = [f"{k[len('eval/'):]} {metrics[k]:.4g}" for k in keys if isinstance(metrics.get(k), (int, float))]
     return f"{head}: " + "  ".join(parts)
@@ -96,11 +124,20 @@ def evaluation_line(iteration: int, total: int, metrics: Mapping[str, Any]) -> s
 
 class Display:
     """rich progress bars (iterations, and the rollout, update and evaluation of each) with the
-    time left, or plain lines when quiet or not writing to a terminal (CI logs, nohup)."""
+    time left, or plain lines when not writing to a terminal (CI logs, nohup). ``quiet``: no bars
+    and no line per iteration (evaluations, warnings and the end are still shown); the log level
+    (:mod:`fgrpo.core.logs`) decides the rest: at warning only warnings are shown."""
 
-    def __init__(self, console: Console, *, quiet: bool, total: int, enabled: bool = True):
+    def __init__(self, console: Console, *, quiet: bool, total: int, enabled: bool = True, level: str | None = None):
+        from fgrpo.core import logs
+
         self.console = console
-        self.quiet = quiet or not console.is_terminal
+        self.warnings = Console(stderr=True, quiet=console.quiet, highlight=False, soft_wrap=True)
+        level = logs.current() if level is None else logs.check(level)
+        self.informs = enabled and logs.LEVELS.index(level) <= logs.LEVELS.index("info")
+        self.warns = enabled and logs.LEVELS.index(level) <= logs.LEVELS.index("warning")
+        self.per_iteration = self.informs and not quiet
+        self.quiet = quiet or not console.is_terminal or not self.informs  # no bars
         self.total = total
         self.enabled = enabled
         self.progress: Progress | None = None
@@ -143,20 +180,26 @@ class Display:
             self.progress.remove_task(task)
 
     def iteration_done(self, iteration: int, row: Mapping[str, Any]) -> None:
-        if not self.enabled:
-            return
-        line = summary_line(iteration, self.total, row)
         if self.progress is not None:
             self.progress.advance(self.iterations)
-            self.progress.console.print(line, markup=False, highlight=False)
-        else:
-            self.console.print(line, markup=False, highlight=False)
+        if self.per_iteration:
+            self._print(summary_line(iteration, self.total, row))
 
-    def evaluation_done(self, iteration: int, metrics: Mapping[str, Any]) -> None:
-        """One line per evaluation, the one before training included, bars or not."""
+    def evaluation_done(self, iteration: int, metrics: Mapping[str, Any], weights: str | None = None) -> None:
+        """One line per evaluation, the one before training included, bars or not; ``weights``
+        says which weights were evaluated (the EMA's or the raw ones)."""
         if metrics:
-            self.say(evaluation_line(iteration, self.total, metrics))
+            self.say(evaluation_line(iteration, self.total, metrics, weights))
 
     def say(self, text: str) -> None:
-        if self.enabled:
-            (self.progress.console if self.progress else self.console).print(text, markup=False, highlight=False)
+        """An info line."""
+        if self.informs:
+            self._print(text)
+
+    def warn(self, text: str) -> None:
+        """A warning line (``warning: ...``) on stderr, shown down to ``--log-level warning``."""
+        if self.warns:
+            self.warnings.print(f"warning: {text}", markup=False, highlight=False)
+
+    def _print(self, text: str) -> None:
+        (self.progress.console if self.progress else self.console).print(text, markup=False, highlight=False)

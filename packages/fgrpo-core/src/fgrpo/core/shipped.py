@@ -21,7 +21,7 @@ DISTRIBUTIONS = ("fgrpo-core", "fgrpo-samplers", "fgrpo-rewards", "fgrpo-models"
 #: (a name missing here still gets the per-kind hint below); tests check every entry against the
 #: packages' pyproject.toml.
 COMPONENTS: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
-    **{("kernel", n): ("fgrpo-samplers", ()) for n in ("ode", "sde", "dance", "cps", "dpmpp2m", "dpmpp3m")},
+    **{("kernel", n): ("fgrpo-samplers", ()) for n in ("ode", "sde", "wan-sde", "dance", "cps", "dpmpp2m", "dpmpp3m")},
     **{("sampler", n): ("fgrpo-samplers", ()) for n in ("full", "fast", "mixgrpo", "ode")},
     **{("reward", n): ("fgrpo-rewards", ()) for n in (
         "jpeg-compressibility", "jpeg-incompressibility", "target-distance", "shapes", "shapes-gold", "vlm-judge",
@@ -75,6 +75,22 @@ def missing_provider_hint(kind: str, name: str) -> str | None:
 
 def recipes_folder() -> Path:
     return Path(str(resources.files("fgrpo.core") / "recipes"))
+
+
+def accelerate_configs() -> dict[str, Path]:
+    """The shipped accelerate configs (``recipes/accelerate/*.yaml``) by name: ``ddp``, ``cpu``, ..."""
+    folder = recipes_folder() / "accelerate"
+    return {p.stem: p for p in sorted(folder.glob("*.yaml"))} if folder.is_dir() else {}
+
+
+def find_accelerate_config(arg: str) -> str:
+    """``arg`` itself when it is a file (or a path), else the shipped accelerate config of that name
+    (``ddp`` or ``ddp.yaml``), so that an installed fgrpo finds them without the repository."""
+    path = Path(arg)
+    if path.exists() or len(path.parts) != 1:
+        return arg
+    found = accelerate_configs().get(path.stem if path.suffix == ".yaml" else arg)
+    return str(found) if found is not None else arg
 
 
 def recipe_names() -> list[str]:

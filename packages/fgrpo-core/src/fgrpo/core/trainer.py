@@ -11,7 +11,7 @@ import math
 import os
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +20,13 @@ import torch
 from rich.console import Console
 
 from fgrpo.core import checkpoint as ckpt
-from fgrpo.core import evaluation, phases, report, rundir, sharding, tensors, timing, trackers, visuals
+from fgrpo.core import evaluation, phases, report, rundir, sharding, tensors, timing, trackers, visuals, weights
 from fgrpo.core.config import ConfigError, RecipeError
 from fgrpo.core.data import PromptSchedule
 from fgrpo.core.ema import EMA
 from fgrpo.core.hookspecs import plugin_manager
 from fgrpo.core.protocols import Policy
+from fgrpo.core.registry import ComponentError
 from fgrpo.core.recipe import Recipe
 from fgrpo.core.run import Run
 from fgrpo.core.runlog import Display, MetricsLog, read_metrics
@@ -115,7 +116,7 @@ def run_evaluation(run: Run, it: int) -> dict[str, float]:
         metrics = evaluation.evaluate(run, it, run.out_dir)
         if metrics:
             metrics["time_eval_s"] = time.perf_counter() - t0
-        run.display.evaluation_done(it, metrics)
+        run.display.evaluation_done(it, metrics, evaluated_weights(run))
         plugin_manager().hook.fgrpo_evaluation(run=run, iteration=it, metrics=metrics)
     elif run.sharded_weights:
         evaluation.evaluation_samples(run, it)  # the main process's forwards need this process's shards
@@ -123,9 +124,22 @@ def run_evaluation(run: Run, it: int) -> dict[str, float]:
     return metrics
 
 
+def evaluated_weights(run: Run) -> str:
+    """Which weights evaluation used: the EMA's (and how often it moved) or the raw ones."""
+    if run.ema is None:
+        return "raw weights"
+    updates = weights.ema_updates(run.optimizer_steps, run.recipe.train.ema_every)
+    return f"EMA weights after {updates} update{'s' if updates != 1 else ''}"
+
+
 def finish(run: Run) -> None:
     if run.is_main and run.out_dir is not None:
-        report.write(run.out_dir)
+        try:
+            report.write(run.out_dir)
+        except (RecipeError, ComponentError) as exc:  # the trained run stands; only its page is missing
+            run.display.say(f"report.html not written: {str(exc).splitlines()[0]}")
+        for line in weights.checkpoint_warnings(run.out_dir / "checkpoints" / "last"):
+            run.display.warn(line)
     if run.is_main and run.out_dir is not None and run.recipe.log.plots:
         if visuals.have_matplotlib():
             visuals.curves(read_metrics(run.out_dir), run.out_dir / "curves.png")
@@ -267,9 +281,16 @@ def make_accelerator(cpu: bool | None = None, train: Any = None, **options: Any)
     return acc
 
 
-def check_prompts(policy: Any, prompts: Sequence[str], key: str) -> None:
+def check_prompts(
+    policy: Any, prompts: Sequence[str], key: str, metadata: Callable[[str], Mapping[str, Any]] | None = None
+) -> None:
     """Refuse prompts the policy cannot read, before anything runs: a policy with a closed
-    vocabulary (``shapes-dit``) says why through an optional ``check_prompts(prompts) -> [problem]``."""
+    vocabulary (``shapes-dit``) says why through an optional ``check_prompts(prompts) -> [problem]``.
+    A policy conditioned on more than text (image-to-video) is first given the prompts'
+    ``metadata`` lookup through its optional ``use_prompt_metadata``."""
+    bind = getattr(policy, "use_prompt_metadata", None)
+    if bind is not None:
+        bind(metadata if metadata is not None else (lambda _prompt: {}))
     check = getattr(policy, "check_prompts", None)
     problems = check(list(prompts)) if check is not None else []
     if problems:
@@ -311,7 +332,7 @@ def build_run(
     sampler = recipe.build("sampler")
     objective = recipe.build("objective")
     prompts = recipe.build("prompts")
-    check_prompts(policy, prompts.train_prompts() + prompts.test_prompts(), "prompts")
+    check_prompts(policy, prompts.train_prompts() + prompts.test_prompts(), "prompts", prompts.metadata)
     rewards = recipe.build_rewards()
     trainable = [p for p in policy.trainable_parameters() if p.requires_grad]
     if not trainable:
@@ -379,6 +400,7 @@ def save_checkpoint(run: Run, done: int) -> None:
         old = run.old.state_dict() if run.old is not None else None
         optimizer = sharding.optimizer_state(run.accelerator, run.optimizer, run.trainable)
         export = export_in_checkpoint(run)
+        ema_summary = weights.ema_summary(run.ema, run.optimizer_steps, run.recipe.train.ema_every) if run.ema is not None else None
     if run.is_main:
         path = ckpt.write(
             run.out_dir / "checkpoints",
@@ -396,6 +418,7 @@ def save_checkpoint(run: Run, done: int) -> None:
                 "recipe": run.recipe.data,
                 "processes": run.accelerator.num_processes,
                 "run_id": run.folder.run_id if run.folder is not None else None,
+                weights.STATE_KEY: ema_summary,
             },
             keep=run.recipe.train.keep_checkpoints,
             export=export,
@@ -460,10 +483,10 @@ def _share(acc: Any, value: Any) -> Any:
 def open_run(
     recipe: Recipe,
     *,
-    out: str | None,
-    resume: bool,
+    out: str | Path | None = None,
+    resume: bool = False,
     start_over: bool = False,
-    console: Console,
+    console: Console | None = None,
     quiet: bool = False,
     extra_trackers: Sequence[Any] = (),
 ) -> Run:
@@ -471,7 +494,8 @@ def open_run(
     built, the newest complete checkpoint restored when resuming; only then is anything written
     (check first, write after), and its trackers started (``log.trackers`` and
     ``extra_trackers``, accelerate GeneralTracker instances). ``close_run`` (or ``finish``)
-    releases the folder."""
+    releases the folder. ``console``: where the run's lines go (default: the terminal)."""
+    console = Console(highlight=False, soft_wrap=True) if console is None else console
     mode = rundir.RESUME if resume else rundir.START_OVER if start_over else rundir.NEW
     acc = make_accelerator(train=recipe.train, log_with=trackers.log_with(recipe.log.trackers, extra_trackers) or None)
     folder, failure = None, None
@@ -498,9 +522,9 @@ def open_run(
                 first = (str(exc).splitlines() or [type(exc).__name__])[0][:300]
                 raise RecipeError([ConfigError("--resume", f"{resume_from} is not a valid checkpoint of this run: {first}")]) from None
         if folder is not None:
+            _start_trackers(acc, recipe, out_dir, resume_from=run.start_iteration if resume_from else None)
             folder.write_recipe(recipe)
             run.log = MetricsLog(out_dir, resume_from=run.start_iteration if resume_from else None)
-            trackers.start(acc, recipe, out_dir, resume_from=run.start_iteration if resume_from else None)
     except BaseException:
         if folder is not None:
             folder.abandon()
@@ -515,6 +539,16 @@ def open_run(
     elif resume:
         run.display.say(f"nothing to resume in {out_dir}: starting from iteration 0")
     return run
+
+
+def _start_trackers(acc: Any, recipe: Recipe, out_dir: Path, resume_from: int | None) -> None:
+    """The trackers, started before the recipe is written: one that fails to start (its options
+    were checked at `validate`; a library can still refuse) is one line, and the run did not begin."""
+    try:
+        trackers.start(acc, recipe, out_dir, resume_from=resume_from)
+    except Exception as exc:  # noqa: BLE001 - any tracker library's own error
+        first = (str(exc).splitlines() or [type(exc).__name__])[0][:300]
+        raise RecipeError([ConfigError("log.trackers", f"a tracker could not start: {type(exc).__name__}: {first}")]) from None
 
 
 # --- the on-policy check -----------------------------------------------------------------------

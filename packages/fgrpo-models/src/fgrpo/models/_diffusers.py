@@ -3,8 +3,9 @@
 - dtype and device parsing for the ``dtype``/``device`` recipe keys;
 - loading a pipeline from a hub id or a local folder, failing fast when the weights are absent
   (:func:`load_pipeline`, over :func:`fgrpo.core.hub.pretrained_source`);
-- the schedule: the pipeline scheduler's own sigmas with an optional fixed time shift
-  (:func:`scheduler_sigmas`), and the resolution-dependent shift ``mu`` (:func:`dynamic_shift_mu`);
+- the schedule: the pipeline scheduler's own sigmas with an optional fixed time shift and, for a
+  truncating scheduler, its integer timesteps (:func:`scheduler_grid`, :func:`integer_timesteps`),
+  and the resolution-dependent shift ``mu`` (:func:`dynamic_shift_mu`);
 - guidance: :func:`guided` (classifier-free guidance), 2x2 latent packing (:func:`pack_2x2`);
 - :class:`PromptCache`, a bounded per-prompt cache of frozen text-encoder outputs.
 
@@ -130,6 +131,9 @@ def load_pipeline(pipeline_class: Any, path: str, torch_dtype: torch.dtype, *, k
         import diffusers
 
         pipeline_class = getattr(diffusers, pipeline_class)
+    from fgrpo.core import logs
+
+    logs.quiet_libraries()  # diffusers' "Loading pipeline components" bars follow fgrpo's log level
     try:
         return pipeline_class.from_pretrained(source.location, **source.kwargs, **from_pretrained_dtype_kwargs(torch_dtype))
     except WeightsUnavailable:
@@ -154,37 +158,45 @@ def dynamic_shift_mu(config: Mapping[str, Any], image_seq_len: int) -> float:
     return image_seq_len * m + base_shift - m * base_len
 
 
-def scheduler_sigmas(
-    scheduler: Any, steps: int, *, shift: float | None, device: torch.device, image_seq_len: int | None = None,
-    explicit_grid: bool = False,
-) -> torch.Tensor:
-    """The sigmas (steps + 1 values, 1 -> 0, float32 on ``device``) that ``pipe(num_inference_steps=
-    steps)`` integrates over, from a copy of the pipeline's scheduler.
+#: ``sigma_grid`` values: the sigmas of a multistep flow scheduler (Wan 2.1's UniPC) as the installed
+#: diffusers spaces them, or as diffusers 0.33.1 did (flow_grpo's pin): 1 - linspace(1, 1/T, N + 1)
+#: reversed, against linspace(1, 1/T, N + 1) now. Euler flow schedulers space them alike in both.
+SIGMA_GRIDS = ("diffusers", "diffusers-0.33")
 
-    - ``shift`` None keeps the scheduler's own shifting (a fixed ``shift``, or the dynamic one with
-      ``mu`` from ``image_seq_len``); a number is a fixed time shift s*t/(1+(s-1)*t) that replaces
-      dynamic shifting.
+
+def scheduler_grid(
+    scheduler: Any, steps: int, *, shift: float | None, image_seq_len: int | None = None, explicit_grid: bool = False,
+    sigma_grid: str = "diffusers", mu: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(sigmas, timesteps) of ``pipe(num_inference_steps=steps)``, from a copy of the pipeline's
+    scheduler: the sigmas (steps + 1 values, 1 -> 0, float32 on the CPU), and the integer
+    timesteps (steps,) int64 the scheduler hands the network when it truncates them (multistep
+    flow schedulers: UniPC, DPM-Solver), else None (Euler: sigma * num_train_timesteps as floats).
+
+    - ``shift`` None keeps the scheduler's own shifting (a fixed ``shift``/``flow_shift``, or the
+      dynamic one with ``mu`` from ``image_seq_len``); a number is a fixed time shift
+      s*t/(1+(s-1)*t) that replaces dynamic shifting.
     - ``explicit_grid``: the pipeline passes ``sigmas=linspace(1, 1/steps, steps)`` (FLUX,
       Qwen-Image) instead of letting the scheduler space the timesteps (SD3, Wan).
-    - A multistep scheduler with flow sigmas (Wan 2.1's UniPC, ``flow_shift``) becomes the Euler
-      scheduler over the same shifted sigmas: kernels integrate one step at a time.
+    - ``sigma_grid`` (:data:`SIGMA_GRIDS`): a multistep flow scheduler's grid as the installed
+      diffusers makes it or as diffusers 0.33.1 did. Kernels integrate these sigmas one step at a
+      time whatever the scheduler's own (multistep) update.
+    - ``mu``: the dynamic shift the pipeline computes itself (FLUX.2's depends on the number of
+      steps too), instead of the scheduler config's line in ``image_seq_len``.
     """
     if steps < 1:
         raise ValueError(f"steps: got {steps}; must be >= 1")
+    if sigma_grid not in SIGMA_GRIDS:
+        raise ValueError(f"sigma_grid: got {sigma_grid!r}; allowed: {', '.join(map(repr, SIGMA_GRIDS))}")
     import numpy as np
     from diffusers import FlowMatchEulerDiscreteScheduler
 
     config = dict(scheduler.config)
-    grid = np.linspace(1.0, 1 / steps, steps) if explicit_grid else None
+    timesteps = None
     if isinstance(scheduler, FlowMatchEulerDiscreteScheduler):
-        cls = type(scheduler)
+        shift_key, grid = "shift", (np.linspace(1.0, 1 / steps, steps) if explicit_grid else None)
     elif config.get("use_flow_sigmas"):
-        # UniPC / DPM-Solver over flow sigmas (Wan 2.1): their grid, linspace(1, 1/T, steps + 1)
-        # without its last point, shifted by flow_shift; stepped one Euler step at a time here
-        cls = FlowMatchEulerDiscreteScheduler
-        train_steps = config.get("num_train_timesteps", 1000)
-        config = {"num_train_timesteps": train_steps, "shift": config.get("flow_shift", 1.0), "use_dynamic_shifting": False}
-        grid = np.linspace(1.0, 1 / train_steps, steps + 1)[:-1]
+        shift_key, grid = "flow_shift", None
     else:
         raise ValueError(
             f"{type(scheduler).__name__} is not a flow-matching scheduler (FlowMatchEulerDiscreteScheduler, or one "
@@ -192,24 +204,85 @@ def scheduler_sigmas(
         )
     overrides: dict[str, Any] = {}
     kwargs: dict[str, Any] = {}
-    if shift is not None and (config.get("use_dynamic_shifting") or shift != float(config.get("shift", 1.0))):
-        overrides = {"shift": float(shift), "use_dynamic_shifting": False}
+    if shift is not None and (config.get("use_dynamic_shifting") or shift != float(config.get(shift_key, 1.0))):
+        overrides = {shift_key: float(shift), "use_dynamic_shifting": False}
     elif config.get("use_dynamic_shifting"):
-        if image_seq_len is None:
-            raise ValueError("this scheduler shifts by resolution: scheduler_sigmas needs image_seq_len")
-        kwargs["mu"] = dynamic_shift_mu(config, image_seq_len)
-    if grid is not None:
-        kwargs["sigmas"] = grid
-    copy = cls.from_config({**config, **overrides})
-    with np.errstate(divide="ignore", invalid="ignore"):
-        copy.set_timesteps(None if grid is not None else steps, device="cpu", **kwargs)
-    sigmas = copy.sigmas.to(dtype=torch.float32)
-    if not torch.isfinite(sigmas).all():
+        if mu is None and image_seq_len is None:
+            raise ValueError("this scheduler shifts by resolution: scheduler_grid needs image_seq_len")
+        kwargs["mu"] = dynamic_shift_mu(config, image_seq_len) if mu is None else float(mu)
+    config.update(overrides)
+    if shift_key == "flow_shift" and sigma_grid == "diffusers-0.33":
+        if config.get("use_dynamic_shifting") or config.get("shift_terminal"):
+            raise ValueError("sigma_grid 'diffusers-0.33': that grid has no dynamic shifting or terminal stretch; set model.shift")
+        sigmas_np, ints = _unipc_flow_grid_0_33(config, steps)
+        sigmas, timesteps = torch.from_numpy(sigmas_np), torch.from_numpy(ints)
+    else:
+        if grid is not None:
+            kwargs["sigmas"] = grid
+        copy = type(scheduler).from_config(config)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            copy.set_timesteps(None if grid is not None else steps, device="cpu", **kwargs)
+        sigmas = copy.sigmas
+        if shift_key == "flow_shift":
+            timesteps = copy.timesteps.to(torch.int64)
+    sigmas = sigmas.to(dtype=torch.float32)
+    if sigmas.shape[0] != steps + 1 or not torch.isfinite(sigmas).all():
         raise ValueError(
-            f"steps: the pipeline scheduler's schedule for {steps} step(s) is not finite ({sigmas.tolist()}); "
-            "use more steps (a terminal-stretched schedule needs at least 2)"
+            f"steps: the pipeline scheduler's schedule for {steps} step(s) is not {steps + 1} finite sigmas "
+            f"({sigmas.tolist()}); use more steps (a terminal-stretched schedule needs at least 2)"
         )
+    return sigmas, timesteps
+
+
+def _unipc_flow_grid_0_33(config: Mapping[str, Any], steps: int) -> tuple[Any, Any]:
+    """UniPCMultistepScheduler.set_timesteps with use_flow_sigmas in diffusers 0.33.1 (float32
+    sigmas with the final one, int64 timesteps)."""
+    import numpy as np
+
+    train = config.get("num_train_timesteps", 1000)
+    shift = float(config.get("flow_shift", 1.0))
+    sigmas = 1.0 - np.linspace(1, 1 / train, steps + 1)
+    sigmas = np.flip(shift * sigmas / (1 + (shift - 1) * sigmas))[:-1].copy()
+    timesteps = (sigmas * train).astype(np.int64)
+    last = sigmas[-1] if config.get("final_sigmas_type", "zero") == "sigma_min" else 0.0
+    return np.concatenate([sigmas, [last]]).astype(np.float32), timesteps
+
+
+def scheduler_sigmas(
+    scheduler: Any, steps: int, *, shift: float | None, device: torch.device, image_seq_len: int | None = None,
+    explicit_grid: bool = False, sigma_grid: str = "diffusers", mu: float | None = None,
+) -> torch.Tensor:
+    """The sigmas of :func:`scheduler_grid`, float32 on ``device``."""
+    sigmas, _ = scheduler_grid(
+        scheduler, steps, shift=shift, image_seq_len=image_seq_len, explicit_grid=explicit_grid, sigma_grid=sigma_grid, mu=mu
+    )
     return sigmas.to(device)
+
+
+def integer_timesteps(sigma: torch.Tensor, table_sigmas: torch.Tensor, table_timesteps: torch.Tensor) -> torch.Tensor:
+    """The integer timesteps (float32, on sigma's device) a truncating scheduler gives the network at
+    ``sigma``: the scheduler's own for a sigma of a grid it made (``table_*``, from
+    :func:`scheduler_grid`: it truncates the float64 value, which floor(float32 * 1000) does not
+    always reproduce), else int(sigma * 1000) in float32 (DanceGRPO's and MixGRPO's rule). No host
+    sync."""
+    fallback = torch.floor(sigma.float() * 1000.0)
+    if table_sigmas.numel() == 0:
+        return fallback
+    hit = sigma.float()[:, None] == table_sigmas.to(sigma.device)[None, :]
+    found = (hit * table_timesteps.to(sigma.device, torch.float32)[None, :]).sum(dim=1)
+    return torch.where(hit.any(dim=1), found, fallback)
+
+
+def video_frames(video: torch.Tensor) -> torch.Tensor:
+    """A video VAE's output (B, 3, T, H, W) in [-1, 1] as fgrpo's videos (B, T, 3, H, W) float32 in
+    [0, 1], as the pipelines' ``postprocess_video(output_type="pt")``."""
+    return (video.float().permute(0, 2, 1, 3, 4) / 2 + 0.5).clamp(0, 1)
+
+
+def video_latent_shape(pipe: Any, channels: int, num_frames: int, height: int, width: int) -> tuple[int, int, int, int]:
+    """(C, (T - 1) / temporal + 1, H / spatial, W / spatial) of a video pipeline's latent."""
+    spatial, temporal = int(pipe.vae_scale_factor_spatial), int(pipe.vae_scale_factor_temporal)
+    return (int(channels), (num_frames - 1) // temporal + 1, height // spatial, width // spatial)
 
 
 def guided(uncond: torch.Tensor, cond: torch.Tensor, scale: float) -> torch.Tensor:

@@ -40,9 +40,11 @@ from fgrpo.models.lora import (
     adapters_disabled,
     inject_lora,
     load_trainable_state,
+    lora_file_name,
     lora_param,
     read_lora_file,
     save_diffusers_lora,
+    save_peft_adapter,
     trainable_state,
 )
 
@@ -63,6 +65,12 @@ def _resolution(_inst: Any, _attribute: Any, value: Any) -> None:
 def _optional_device(inst: Any, attribute: Any, value: Any) -> None:
     if value is not None:
         dx.check_device(inst, attribute, value)
+
+
+def _is_euler(scheduler: Any) -> bool:
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    return isinstance(scheduler, FlowMatchEulerDiscreteScheduler)
 
 
 @attrs.define(eq=False)
@@ -89,10 +97,20 @@ class DiffusersPolicy:
     #: the transformer sees 2x2 patches of the latent as tokens (FLUX, Qwen-Image): the state stays
     #: the unpacked latent, ``velocity`` packs and unpacks
     packs_2x2: ClassVar[bool] = False
+    #: ``cond`` keys of non-text conditions (a source image's latents) that both branches of
+    #: classifier-free guidance share: ``_conditions`` makes them, no negative is encoded
+    shared_condition_keys: ClassVar[tuple[str, ...]] = ()
 
     path: str = param(help="hub id or local folder (save_pretrained output) of the diffusers pipeline")
     dtype: str = param(
-        "float32", choices=dx.DTYPE_CHOICES, help="weights dtype of the whole pipeline (LoRA weights stay float32)"
+        "float32", choices=dx.DTYPE_CHOICES,
+        help="weights dtype of the transformer, and of the VAE and text encoders unless vae_dtype/text_encoder_dtype say (LoRA weights stay float32)",
+    )
+    vae_dtype: str | None = param(
+        None, choices=dx.DTYPE_CHOICES, help="weights dtype of the VAE (decoding runs without autocast); null: dtype"
+    )
+    text_encoder_dtype: str | None = param(
+        None, choices=dx.DTYPE_CHOICES, help="weights dtype of the text encoders (they run without autocast); null: dtype"
     )
     device: str | torch.device = param("auto", validator=dx.check_device, help=dx.DEVICE_HELP)
     text_encoder_device: str | None = param(
@@ -105,6 +123,16 @@ class DiffusersPolicy:
     lora: dict | None = lora_param(32, ("to_q", "to_k", "to_v", "to_out.0"))
     lora_path: str | None = param(None, help="adapter weights to start from (.safetensors file or folder, fgrpo's or diffusers' format)")
     shift: float | None = param(None, gt=0, help="fixed time shift of sigmas(steps); null: the pipeline scheduler's own (static or by resolution)")
+    sigma_grid: str = param(
+        "diffusers", choices=dx.SIGMA_GRIDS,
+        help="a multistep flow scheduler's sigmas (Wan 2.1's UniPC): as the installed diffusers spaces them, or as "
+        "diffusers 0.33.1 did (flow_grpo's pin; 0.0025 apart at 20 steps, shift 3); Euler schedulers: the same either way",
+    )
+    integer_timesteps: bool | None = param(
+        None,
+        help="the transformer sees int(sigma * 1000) (scaled as its timestep) instead of sigma * 1000: what a truncating "
+        "scheduler (Wan 2.1's UniPC) and DanceGRPO/MixGRPO's FLUX do; null: as the pipeline's scheduler does",
+    )
     gradient_checkpointing: bool = param(False, help="recompute transformer blocks in backward to save memory")
     prompt_cache_size: int = param(1024, ge=0, help="prompts whose embeddings are kept on device (LRU); 0: no cache")
     decode_batch_size: int = param(0, ge=0, help="samples per VAE decode call; 0: the whole batch at once")
@@ -113,6 +141,10 @@ class DiffusersPolicy:
     _pipeline: Any = attrs.field(default=None, repr=False, alias="pipeline")
     _cache: dx.PromptCache = attrs.field(init=False, repr=False)
     _torch_dtype: torch.dtype = attrs.field(init=False, repr=False)
+    _integer_timesteps: bool = attrs.field(init=False, repr=False)
+    #: sigma (float32) -> the scheduler's integer timestep, from every grid sigmas() made
+    _timestep_table: dict = attrs.field(init=False, factory=dict, repr=False)
+    _timestep_tensors: tuple | None = attrs.field(init=False, default=None, repr=False)
     _latent_shape: tuple[int, ...] = attrs.field(init=False, repr=False)
     _size: tuple[int, int] = attrs.field(init=False, repr=False)
 
@@ -127,6 +159,11 @@ class DiffusersPolicy:
         """Batch-first text-encoder outputs of these prompts (computed on ``device``)."""
         raise NotImplementedError
 
+    def _conditions(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+        """Batch-first non-text conditions of these prompts (the ``shared_condition_keys``; an
+        image-to-video backbone encodes each prompt's source image); none by default."""
+        return {}
+
     def _predict(self, x: torch.Tensor, sigma: torch.Tensor, cond: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The transformer's float32 output for states ``x`` (B, *latent_shape) at ``sigma`` (B,), in
         the transformer's own layout (packed tokens for FLUX/Qwen-Image)."""
@@ -136,16 +173,31 @@ class DiffusersPolicy:
         self, hidden_states: torch.Tensor, sigma: torch.Tensor, as_given: Mapping[str, Any] | None = None, **embeds: torch.Tensor
     ) -> torch.Tensor:
         """The transformer's float32 output: ``hidden_states`` and ``embeds`` cast to its dtype, the
-        timestep ``sigma * timestep_scale``, the ``as_given`` inputs (ids, masks, guidance) as they are."""
-        transformer = self.transformer
-        dtype = transformer.dtype
-        return transformer(
+        timestep of ``sigma`` (:meth:`_timestep`), the ``as_given`` inputs (ids, masks, guidance) as they are."""
+        dtype = self.transformer.dtype
+        return self._forward(
             hidden_states=hidden_states.to(dtype),
-            timestep=sigma * self.timestep_scale,
+            timestep=self._timestep(sigma),
             **{name: t.to(dtype) for name, t in embeds.items()},
             **dict(as_given or {}),
             return_dict=False,
         )[0].float()
+
+    def _forward(self, **inputs: Any) -> Any:
+        """One call of the network (Wan 2.2 routes it to the expert of the noise level)."""
+        return self.transformer(**inputs)
+
+    def _timestep(self, sigma: torch.Tensor) -> torch.Tensor:
+        """The transformer's timestep input at ``sigma``: sigma * timestep_scale, or with integer
+        timesteps the scheduler's truncated int(sigma * 1000) on the same scale."""
+        if not self._integer_timesteps:
+            return sigma * self.timestep_scale
+        if self._timestep_tensors is None:
+            table = sorted(self._timestep_table.items())
+            self._timestep_tensors = (
+                torch.tensor([k for k, _ in table], dtype=torch.float32), torch.tensor([v for _, v in table], dtype=torch.int64)
+            )
+        return dx.integer_timesteps(sigma, *self._timestep_tensors) * self.timestep_scale / 1000.0
 
     def _to_state(self, out: torch.Tensor) -> torch.Tensor:
         """The transformer's layout -> the state layout (identity unless tokens are packed)."""
@@ -190,6 +242,11 @@ class DiffusersPolicy:
         h, w = self._latent_shape[-2:]
         return (h // patch) * (w // patch)
 
+    def _shift_mu(self, steps: int) -> float | None:
+        """The dynamic time shift the pipeline passes to its scheduler for ``steps`` steps; None: the
+        scheduler config's line in the number of image tokens (FLUX.1, Qwen-Image, Z-Image)."""
+        return None
+
     def _check_pipeline(self, pipe: Any) -> None:
         """Refuse pipelines this backbone cannot drive (a subclass may add checks)."""
 
@@ -214,27 +271,29 @@ class DiffusersPolicy:
             self._pipeline = dx.load_pipeline(self.pipeline_class_name, self.path, self._torch_dtype)
         pipe = self._pipeline
         self._check_pipeline(pipe)
-        modules = self.modules()
-        if any(m.dtype != self._torch_dtype for m in modules):
-            pipe.to(dtype=self._torch_dtype)  # only when needed: diffusers warns on every cast
+        for module, dtype in self._module_dtypes():
+            if module.dtype != dtype:
+                module.to(dtype=dtype)  # only when needed: diffusers warns on every cast
         pipe.to(self.device)
         for module in self.text_encoders():
             module.to(self.text_device)
         if hasattr(pipe, "set_progress_bar_config"):
             pipe.set_progress_bar_config(disable=True)
-        dx.freeze(*modules)
-        transformer = self.transformer
-        if self.lora is not None:
-            inject_lora(transformer, self.lora)
-            if self.lora_path is not None:
-                self.load_trainable_state_dict(read_lora_file(self.lora_path))
-        else:
-            transformer.requires_grad_(True)
-        if self.gradient_checkpointing:
-            transformer.enable_gradient_checkpointing()
+        dx.freeze(*self.modules())
+        for _, transformer in self.trained_transformers():
+            if self.lora is not None:
+                inject_lora(transformer, self.lora)
+            else:
+                transformer.requires_grad_(True)
+            if self.gradient_checkpointing:
+                transformer.enable_gradient_checkpointing()
+        if self.lora is not None and self.lora_path is not None:
+            self.load_trainable_state_dict(self._read_adapter(self.lora_path))
         if self.vae_tiling and hasattr(pipe.vae, "enable_tiling"):
             pipe.vae.enable_tiling()
         self._cache = dx.PromptCache(self.prompt_cache_size)
+        truncating = bool(pipe.scheduler.config.get("use_flow_sigmas")) and not _is_euler(pipe.scheduler)
+        self._integer_timesteps = truncating if self.integer_timesteps is None else bool(self.integer_timesteps)
         if self.resolution is None:
             height, width = self._default_size()
         elif isinstance(self.resolution, int):
@@ -261,6 +320,15 @@ class DiffusersPolicy:
     def transformer(self) -> torch.nn.Module:
         return self._pipeline.transformer
 
+    def trained_transformers(self) -> list[tuple[str, torch.nn.Module]]:
+        """(pipeline attribute, module) of every network that trains: the transformer (Wan 2.2 A14B:
+        the experts its recipe trains)."""
+        return [("transformer", self.transformer)]
+
+    def _single_transformer(self) -> bool:
+        """State keys and exports keep the plain one-transformer layout (no module prefix)."""
+        return [name for name, _ in self.trained_transformers()] == ["transformer"]
+
     @property
     def trainable_module(self) -> torch.nn.Module:
         """What a sharded (FSDP) run splits over the processes: the transformer, one FSDP unit per
@@ -270,6 +338,14 @@ class DiffusersPolicy:
     @property
     def text_device(self) -> torch.device:
         return dx.resolve_device(self.text_encoder_device) if self.text_encoder_device is not None else self.device
+
+    def _module_dtypes(self) -> list[tuple[torch.nn.Module, torch.dtype]]:
+        """(module, weights dtype) of the transformer, VAE and text encoders."""
+        vae = dx.parse_dtype(self.vae_dtype) if self.vae_dtype is not None else self._torch_dtype
+        text = dx.parse_dtype(self.text_encoder_dtype) if self.text_encoder_dtype is not None else self._torch_dtype
+        found = [(getattr(self._pipeline, "transformer", None), self._torch_dtype), (getattr(self._pipeline, "vae", None), vae)]
+        found += [(m, text) for m in self.text_encoders()]
+        return [(m, d) for m, d in found if isinstance(m, torch.nn.Module)]
 
     def text_encoders(self) -> list[torch.nn.Module]:
         found = (getattr(self._pipeline, n, None) for n in self.text_encoder_names)
@@ -319,10 +395,14 @@ class DiffusersPolicy:
             negative = self._cache.get([self.negative_prompt], self._encode_on_device)
             for key, value in negative.items():
                 cond[NEGATIVE + key] = value.expand(len(prompts), *value.shape[1:])
+        cond.update(self._conditions(prompts))
         return cond
 
     def _encode_on_device(self, prompts: list[str]) -> dict[str, torch.Tensor]:
-        out = self._encode_uncached(prompts, self.text_device)
+        # in the encoders' own dtype, as the pipeline encodes (flow_grpo too, outside its autocast),
+        # whatever autocast the rollout runs under
+        with torch.autocast(self.text_device.type, enabled=False):
+            out = self._encode_uncached(prompts, self.text_device)
         return {k: v.to(self.device) for k, v in out.items()}
 
     def initial_noise(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -335,14 +415,21 @@ class DiffusersPolicy:
     def sigmas(self, steps: int) -> torch.Tensor:
         """(steps + 1,) float32 on ``device`` from 1 to 0: the sigmas ``pipe(num_inference_steps=steps)``
         integrates over at this resolution (or with the fixed ``shift``)."""
-        return dx.scheduler_sigmas(
+        sigmas, timesteps = dx.scheduler_grid(
             self._pipeline.scheduler,
             steps,
             shift=self.shift,
-            device=self.device,
             image_seq_len=self._image_seq_len(),
             explicit_grid=self.explicit_sigma_grid,
+            sigma_grid=self.sigma_grid,
+            mu=self._shift_mu(steps),
         )
+        if self._integer_timesteps and timesteps is not None:
+            grid = dict(zip(sigmas[:-1].tolist(), timesteps.tolist()))
+            if any(self._timestep_table.get(k) != v for k, v in grid.items()):
+                self._timestep_table.update(grid)
+                self._timestep_tensors = None
+        return sigmas.to(self.device)
 
     def velocity(self, x: torch.Tensor, sigma: torch.Tensor | float, cond: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """v = eps - x0 at noise level ``sigma`` ((B,) or a scalar), float32, guidance applied (one
@@ -354,10 +441,13 @@ class DiffusersPolicy:
         positive = {k: v for k, v in cond.items() if not k.startswith(NEGATIVE)}
         if not self.cfg:
             return self._to_state(self._predict(x, sigma, positive))
-        missing = [k for k in positive if NEGATIVE + k not in cond]
+        shared = set(self.shared_condition_keys)
+        missing = [k for k in positive if NEGATIVE + k not in cond and k not in shared]
         if missing:
             raise ValueError(f"guidance (scale {self.cfg_scale}) needs negative embeddings in cond ({NEGATIVE}{missing[0]}): build it with encode()")
-        both = {k: torch.cat([cond[NEGATIVE + k].to(self.device), v.to(self.device)]) for k, v in positive.items()}
+        both = {
+            k: torch.cat([(v if k in shared else cond[NEGATIVE + k]).to(self.device), v.to(self.device)]) for k, v in positive.items()
+        }
         out = self._predict(torch.cat([x, x]), torch.cat([sigma, sigma]), both)
         uncond, text = out.chunk(2)
         return self._to_state(self._combine(uncond, text))
@@ -372,16 +462,19 @@ class DiffusersPolicy:
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Outputs as the pipeline makes them with ``output_type="pt"``: images (B, 3, H, W) or
-        videos (B, T, 3, H, W), float32 in [0, 1]; ``decode_batch_size`` samples per VAE call."""
+        videos (B, T, 3, H, W), float32 in [0, 1]; ``decode_batch_size`` samples per VAE call, in
+        the VAE's own dtype (``vae_dtype``) whatever autocast is active."""
         chunk = self.decode_batch_size or latents.shape[0]
-        parts = [self._decode(part.to(self.device)) for part in latents.split(chunk)]
+        with torch.autocast(self.device.type, enabled=False):
+            parts = [self._decode(part.to(self.device)) for part in latents.split(chunk)]
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     def trainable_parameters(self) -> Iterable[torch.nn.Parameter]:
         """The LoRA weights (float32), or every transformer weight with full fine-tuning."""
+        modules = [m for _, m in self.trained_transformers()]
         if self.lora is None:
-            return list(self.transformer.parameters())
-        return [p for p in self.transformer.parameters() if p.requires_grad]
+            return [p for m in modules for p in m.parameters()]
+        return [p for m in modules for p in m.parameters() if p.requires_grad]
 
     @contextmanager
     def reference(self) -> Iterator[None]:
@@ -391,15 +484,55 @@ class DiffusersPolicy:
                 "model.reference(): full fine-tuning (model.lora null or rank 0) keeps no frozen reference; "
                 "use a LoRA adapter (model.lora.rank > 0) or an objective without a KL term (beta 0)"
             )
-        with adapters_disabled(self.transformer):
+        from contextlib import ExitStack
+
+        with ExitStack() as stack:
+            for _, transformer in self.trained_transformers():
+                stack.enter_context(adapters_disabled(transformer))
             yield
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
-        """Detached CPU copies: the LoRA weights (peft names) or the transformer's full state dict."""
-        return trainable_state(self.transformer, lora=self.lora is not None)
+        """Detached CPU copies: the LoRA weights (peft names) or the transformer's full state dict;
+        with several trained networks each key starts with its pipeline attribute
+        (``transformer.``, ``transformer_2.``)."""
+        lora = self.lora is not None
+        if self._single_transformer():
+            return trainable_state(self.transformer, lora=lora)
+        return {f"{name}.{k}": v for name, m in self.trained_transformers() for k, v in trainable_state(m, lora=lora).items()}
 
     def load_trainable_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        load_trainable_state(self.transformer, state, lora=self.lora is not None)
+        lora = self.lora is not None
+        if self._single_transformer():
+            load_trainable_state(self.transformer, state, lora=lora)
+            return
+        names = [name for name, _ in self.trained_transformers()]
+        unknown = sorted(k for k in state if k.split(".", 1)[0] not in names)
+        if unknown:
+            raise ValueError(f"trainable state: keys of no trained network {unknown[:3]} (trained: {', '.join(names)})")
+        for name, module in self.trained_transformers():
+            prefix = name + "."
+            load_trainable_state(module, {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}, lora=lora)
+
+    def _read_adapter(self, path: str) -> dict[str, torch.Tensor]:
+        """``lora_path``'s weights as :meth:`load_trainable_state_dict` takes them: one adapter file
+        (fgrpo's, peft's or diffusers'), or with several trained networks a folder of
+        :meth:`export`'s files (or fgrpo's own prefixed ``trainable.safetensors``)."""
+        import os
+
+        if self._single_transformer():
+            return read_lora_file(path)
+        own = os.path.join(path, "trainable.safetensors") if os.path.isdir(path) else path
+        if os.path.isfile(own) and own.endswith("trainable.safetensors"):
+            from safetensors.torch import load_file
+
+            return load_file(own)
+        state = {}
+        for name, _ in self.trained_transformers():
+            file = os.path.join(path, lora_file_name(name))
+            if not os.path.isfile(file):
+                raise FileNotFoundError(f"lora_path {path!r}: no {lora_file_name(name)} for the {name} this recipe trains")
+            state.update({f"{name}.{k}": v for k, v in read_lora_file(file).items()})
+        return state
 
     # --- export ---------------------------------------------------------------------------------
 
@@ -411,19 +544,36 @@ class DiffusersPolicy:
     def export(self, folder: str, state: Mapping[str, torch.Tensor] | None = None) -> list[str]:
         """The trained weights in diffusers' own format: the adapter as the pipeline's
         ``save_lora_weights`` writes it (``pipe.load_lora_weights(folder)`` loads it with its
-        rank and alpha), or with full fine-tuning the transformer's ``save_pretrained`` in
-        ``folder/transformer``. ``state``: a LoRA's :meth:`trainable_state_dict` to write instead
+        rank and alpha) and, in the same folder, as peft's ``save_pretrained`` writes it
+        (``PeftModel.from_pretrained(transformer, folder)``), or with full fine-tuning the transformer's
+        ``save_pretrained`` in ``folder/transformer``. A second trained network (Wan 2.2's low-noise
+        expert) writes ``pytorch_lora_weights_transformer_2.safetensors`` (``pipe.load_lora_weights(folder,
+        weight_name=..., load_into_transformer_2=True)``) and its peft adapter in ``folder/transformer_2``,
+        or ``folder/transformer_2``. ``state``: a LoRA's :meth:`trainable_state_dict` to write instead
         of the transformer's current adapter (a sharded run gathers it first). Returns the files
         written."""
         import os
 
         if self.lora is not None:
-            return [save_diffusers_lora(type(self._pipeline), self.transformer, folder, state)]
+            if self._single_transformer():
+                return [save_diffusers_lora(type(self._pipeline), self.transformer, folder, state)] + save_peft_adapter(
+                    self.transformer, folder, state
+                )
+            written = []
+            for name, module in self.trained_transformers():
+                prefix = name + "."
+                part = None if state is None else {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+                written.append(save_diffusers_lora(type(self._pipeline), module, folder, part, weight_name=lora_file_name(name)))
+                written += save_peft_adapter(module, folder if name == "transformer" else os.path.join(folder, name), part)
+            return written
         if state is not None:
             raise ValueError("export(state=...) takes LoRA weights; a fully fine-tuned transformer exports its own")
-        target = os.path.join(folder, "transformer")
-        self.transformer.save_pretrained(target)
-        return sorted(os.path.join(target, f) for f in os.listdir(target))
+        written = []
+        for name, module in self.trained_transformers():
+            target = os.path.join(folder, name)
+            module.save_pretrained(target)
+            written += sorted(os.path.join(target, f) for f in os.listdir(target))
+        return written
 
 
 __all__ = ["DiffusersPolicy", "NEGATIVE"]

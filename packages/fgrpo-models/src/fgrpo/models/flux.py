@@ -15,7 +15,7 @@ against ``pipe(..., output_type="latent")``):
 - ``timestep = sigma`` (the pipeline divides its 0-1000 timesteps by 1000);
 - the schedule: ``linspace(1, 1/steps, steps)`` shifted by ``mu``, which grows with the number of
   image tokens (the resolution-dependent time shift), unless ``shift`` fixes it;
-- LoRA r 64 / alpha 128 on attention and both feed-forward streams (flow_grpo's FLUX).
+- LoRA r 64 / alpha 128 with gaussian init on attention and both feed-forward streams (flow_grpo's FLUX).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class FluxPolicy(DiffusersPolicy):
         1.0, ge=1.0, help="true classifier-free guidance with negative_prompt; 1 = off, > 1: NFE 2 per call"
     )
     max_sequence_length: int = param(512, ge=1, le=512, help="T5 tokens per prompt")
-    lora: dict | None = lora_param(64, FLUX_LORA_TARGETS)
+    lora: dict | None = lora_param(64, FLUX_LORA_TARGETS, init="gaussian")
 
     _ids: dict = attrs.field(init=False, factory=dict, repr=False)
 

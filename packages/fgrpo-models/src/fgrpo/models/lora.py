@@ -23,13 +23,20 @@ from fgrpo.core.config import param
 
 # --- the ``lora`` recipe key --------------------------------------------------------------------
 
-#: LoRA on both attention streams (image and text) of every joint block, as flow_grpo's SD3 adapter;
-#: FLUX and Qwen-Image add their feed-forward layers.
-JOINT_ATTENTION_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+#: LoRA on both attention streams (image and text) of every joint block, named as flow_grpo names
+#: them (scripts/train_sd3.py:419-428); FLUX and Qwen-Image add their feed-forward layers. peft
+#: matches a target as a whole suffix of a module name at a dot, so "attn.to_q" adapts every block's
+#: attn.to_q and not SD3.5's second (dual) attention attn2, which "to_q" also matches: on SD3.5-M,
+#: blocks 0-12, 52 more linears and 5.1 M more LoRA parameters at r 32 (+27%).
+JOINT_ATTENTION_LORA_TARGETS = (
+    "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj",
+    "attn.to_add_out",
+)
 
 LORA_KEYS = ("rank", "alpha", "target_modules", "init")
-#: ``init`` values: peft's default (A Kaiming, B zero: starts as the base model), "gaussian" (A
-#: normal(1/r), B zero: also starts as the base model), "random" (A and B both random, so the
+#: ``init`` values: peft's default (A Kaiming-uniform, B zero: starts as the base model), "gaussian"
+#: (A normal(0, 1/r), B zero: also starts as the base model; what every flow_grpo script uses, so the
+#: diffusers backbones default to it), "random" (A and B both random, so the
 #: adapter changes the outputs from the start: for tests). Methods that modify the base weights
 #: (PiSSA, OLoRA) are excluded because the reference policy must stay the base model.
 LORA_INITS: dict[str, Any] = {"default": True, "gaussian": "gaussian", "random": False}
@@ -92,10 +99,10 @@ def lora_converter(
     return convert
 
 
-def lora_param(rank: int, target_modules: Sequence[str] | None, *, default: bool = True) -> Any:
-    """The ``lora`` recipe key of a backbone: its default rank (alpha 2 x rank) and targets, or
-    ``default=False`` for full fine-tuning unless the recipe asks for an adapter."""
-    convert = lora_converter(rank, target_modules)
+def lora_param(rank: int, target_modules: Sequence[str] | None, *, default: bool = True, init: str = "default") -> Any:
+    """The ``lora`` recipe key of a backbone: its default rank (alpha 2 x rank), targets and init,
+    or ``default=False`` for full fine-tuning unless the recipe asks for an adapter."""
+    convert = lora_converter(rank, target_modules, init)
     return param(
         factory=(lambda: convert({})) if default else (lambda: None),
         converter=convert,
@@ -248,8 +255,17 @@ def read_lora_file(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
 DIFFUSERS_LORA_FILE = "pytorch_lora_weights.safetensors"
 
 
+def lora_file_name(module: str) -> str:
+    """The export's file of the adapter of the pipeline's network ``module`` (``transformer``: the
+    file ``load_lora_weights(folder)`` reads; Wan 2.2's ``transformer_2``: its own file)."""
+    if module == "transformer":
+        return DIFFUSERS_LORA_FILE
+    return DIFFUSERS_LORA_FILE.replace(".safetensors", f"_{module}.safetensors")
+
+
 def save_diffusers_lora(
-    pipeline_class: Any, model: torch.nn.Module, folder: str | os.PathLike[str], state: Mapping[str, torch.Tensor] | None = None
+    pipeline_class: Any, model: torch.nn.Module, folder: str | os.PathLike[str], state: Mapping[str, torch.Tensor] | None = None,
+    *, weight_name: str = DIFFUSERS_LORA_FILE,
 ) -> str:
     """Write ``model``'s adapter as ``pipeline_class.save_lora_weights`` does: keys prefixed with the
     pipeline's transformer name, the adapter's LoraConfig (rank, alpha, targets) in the
@@ -262,13 +278,41 @@ def save_diffusers_lora(
         if isinstance(value, set):  # target_modules is a set after peft normalises it
             metadata[key] = sorted(value)
     os.makedirs(folder, exist_ok=True)
+    if not hasattr(pipeline_class, "save_lora_weights"):
+        # a pipeline without a LoRA loader (HunyuanVideo 1.5 in diffusers 0.42): the same file a
+        # one-transformer loader writes, which ``pipe.transformer.load_lora_adapter(folder,
+        # weight_name=..., prefix="transformer")`` reads
+        from diffusers.loaders.lora_pipeline import CogVideoXLoraLoaderMixin as pipeline_class
     pipeline_class.save_lora_weights(
         os.fspath(folder),
         transformer_lora_layers=state,
         transformer_lora_adapter_metadata=metadata,
-        weight_name=DIFFUSERS_LORA_FILE,
+        weight_name=weight_name,
     )
-    return os.path.join(os.fspath(folder), DIFFUSERS_LORA_FILE)
+    return os.path.join(os.fspath(folder), weight_name)
+
+
+PEFT_CONFIG_FILE = "adapter_config.json"
+PEFT_WEIGHTS_FILE = "adapter_model.safetensors"
+
+
+def save_peft_adapter(
+    model: torch.nn.Module, folder: str | os.PathLike[str], state: Mapping[str, torch.Tensor] | None = None
+) -> list[str]:
+    """Write ``model``'s adapter as peft's ``PeftModel.save_pretrained`` does (``adapter_config.json``
+    and ``adapter_model.safetensors``, keys under ``base_model.model.``), so that
+    ``PeftModel.from_pretrained(transformer, folder)`` loads it. diffusers' ``load_lora_weights``
+    picks ``pytorch_lora_weights.safetensors`` by name, so both formats share one folder.
+    ``state``: adapter weights as :func:`lora_state_dict` gives them. Returns the files written."""
+    from safetensors.torch import save_file
+
+    state = lora_state_dict(model) if state is None else cpu_copies(state)
+    folder = os.fspath(folder)
+    os.makedirs(folder, exist_ok=True)
+    model.peft_config[ADAPTER_NAME].save_pretrained(folder)
+    weights = os.path.join(folder, PEFT_WEIGHTS_FILE)
+    save_file({f"base_model.model.{k}": v.contiguous() for k, v in state.items()}, weights, metadata={"format": "pt"})
+    return [os.path.join(folder, PEFT_CONFIG_FILE), weights]
 
 
 # --- what a policy trains ---------------------------------------------------------------------

@@ -7,7 +7,8 @@ against ``pipe(..., output_type="latent")``):
   ``prompt_template_encode_start_idx`` tokens are dropped, as the pipeline does. ``cond`` holds
   ``prompt_embeds`` padded to ``max_sequence_length`` tokens and ``prompt_embeds_mask`` (1 for
   real tokens), so every prompt has the same width; ``velocity`` trims both to the longest
-  prompt of its batch (the pipeline's padding) and drops an all-ones mask, as the pipeline does;
+  prompt of its batch (the pipeline's padding) and drops an all-ones mask, as the pipeline does
+  (``text_padding_mask: false`` never masks: flow_grpo's diffusers ignored the mask);
 - true classifier-free guidance (``true_cfg_scale``, 4 by default) with the negative prompt
   (" " by default), then the pipeline's rescale of the guided prediction to the norm of the
   conditional one (per token);
@@ -51,7 +52,13 @@ class QwenImagePolicy(DiffusersPolicy):
     )
     negative_prompt: str = param(" ", help="the unconditional prompt of classifier-free guidance")
     max_sequence_length: int = param(512, ge=1, le=1024, help="prompt tokens after the template (longer prompts are cut)")
-    lora: dict | None = lora_param(64, QWEN_IMAGE_LORA_TARGETS)
+    text_padding_mask: bool = param(
+        True,
+        help="mask the padding of shorter prompts in joint attention (diffusers >= 0.36); false: attend to it, as "
+        "flow_grpo's diffusers did (it ignored the mask, diffusers#12294): a sample's velocity then depends on "
+        "the other prompts of its forward batch",
+    )
+    lora: dict | None = lora_param(64, QWEN_IMAGE_LORA_TARGETS, init="gaussian")
 
     @property
     def cfg_scale(self) -> float:
@@ -72,7 +79,8 @@ class QwenImagePolicy(DiffusersPolicy):
         longest = int(mask.sum(dim=1).max())
         embeds, mask = cond["prompt_embeds"][:, :longest], mask[:, :longest]
         h, w = self._latent_shape[-2:]
-        as_given = {"encoder_hidden_states_mask": None if bool(mask.all()) else mask, "img_shapes": [[(1, h // 2, w // 2)]] * x.shape[0]}
+        masked = self.text_padding_mask and not bool(mask.all())
+        as_given = {"encoder_hidden_states_mask": mask if masked else None, "img_shapes": [[(1, h // 2, w // 2)]] * x.shape[0]}
         return self._transformer_output(dx.pack_2x2(x), sigma, as_given, encoder_hidden_states=embeds)
 
     def _combine(self, uncond: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,8 @@ against ``pipe(..., output_type="latent")``):
 - the transformer is called with ``timestep = sigma * 1000``; classifier-free guidance
   (``guidance_scale > 1``) with the negative prompt (empty by default), as the pipeline does;
 - latents (B, 16, H/8, W/8) are the VAE's normalised ``(z - shift_factor) * scaling_factor``;
-- LoRA on both attention streams of every joint block, r 32 / alpha 64 (flow_grpo's SD3.5).
+- LoRA on both attention streams of every joint block (not SD3.5's attn2), r 32 / alpha 64, gaussian
+  init (flow_grpo's SD3.5).
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from fgrpo.core.config import param
 from fgrpo.models.diffusers_policy import DiffusersPolicy
 from fgrpo.models.lora import JOINT_ATTENTION_LORA_TARGETS, lora_param
 
-#: LoRA on both attention streams of every joint block (image: to_*; text: add_*/to_add_out),
-#: as flow_grpo does for SD3.5 (r 32, alpha 64).
+#: LoRA on both attention streams of every joint block (image: attn.to_*; text: attn.add_*/to_add_out),
+#: not SD3.5's dual attention attn2, as flow_grpo does for SD3.5 (r 32, alpha 64, gaussian init).
 SD3_LORA_TARGETS = JOINT_ATTENTION_LORA_TARGETS
 
 
@@ -39,7 +40,7 @@ class SD3Policy(DiffusersPolicy):
         1.0, ge=1.0, help="classifier-free guidance scale; 1 = off, > 1 doubles the forward (NFE 2 per call)"
     )
     max_sequence_length: int = param(256, ge=1, le=512, help="T5 tokens per prompt")
-    lora: dict | None = lora_param(32, SD3_LORA_TARGETS)
+    lora: dict | None = lora_param(32, SD3_LORA_TARGETS, init="gaussian")
 
     @property
     def cfg_scale(self) -> float:

@@ -112,7 +112,7 @@ class VectorPolicy:
         None, ge=0, help="size of the prompt conditioning: the target, then a hashed code of the "
         "text; none = dim; 0 = unconditional"
     )
-    hidden: int = param(64, ge=1, help="width of the MLP")
+    hidden: int = param(64, ge=1, le=1 << 16, help="width of the MLP")
     layers: int = param(3, ge=1, help="number of Linear layers")
     time_dim: int = param(16, ge=2, validator=_even, help="size of the sinusoidal embedding of sigma")
     shift: float = param(3.0, gt=0, help="time shift s of the default schedule: s*t/(1+(s-1)*t)")

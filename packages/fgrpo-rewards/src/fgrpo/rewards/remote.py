@@ -1,30 +1,21 @@
-"""``remote``: score with a reward that runs in another process or on another machine, and the
-server side, ``fgrpo serve-reward NAME``, which serves any registered reward over HTTP.
+"""``remote``: score with a reward that runs in another process or on another machine, served by
+``fgrpo serve-reward NAME`` (:mod:`fgrpo.rewards.serving`), which serves any registered reward
+over HTTP.
 
 One GPU box can host a big reward model (a VLM judge, GenEval's detector) for many trainers. The
 wire format is safetensors both ways, so nothing is unpickled: a request holds the ``outputs``
 tensor (uint8 images by default: 4x fewer bytes than float32, and what image rewards convert to
 anyway) with the prompts and metadata as JSON in the safetensors header; the answer holds
-``scores`` and the tensor details, other details as JSON. The standard library's HTTP server and
-client, no other dependency.
-
-The server binds 127.0.0.1 by default. Bound to any other address it refuses to start without a
-shared token (an environment variable, never a command-line argument that ``ps`` shows); with a
-token every request must carry ``Authorization: Bearer <token>``. Requests larger than
-``--max-request-mb`` are refused before they are read. Reward calls are serialised (one model,
-one device); HTTP parsing runs in threads.
+``scores`` and the tensor details, other details as JSON. The token (``Authorization: Bearer``)
+comes from an environment variable, never from a recipe. The standard library's HTTP client
+(:mod:`fgrpo.rewards.http`: a total deadline per request, answers size-capped).
 """
 
 from __future__ import annotations
 
-import hmac
-import ipaddress
 import json
 import logging
-import sys
-import threading
 from collections.abc import Mapping, Sequence
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import attrs
@@ -131,14 +122,15 @@ class RemoteReward:
     token_env: str | None = param(TOKEN_ENV, help="environment variable holding the shared token; unset = no token")
     wire: str = param("uint8", choices=WIRES, help="how images travel (uint8 = as saved images; float32 = exact)")
     batch_size: int = param(64, ge=1, help="samples per request")
-    timeout: float = param(300.0, gt=0, help="seconds to wait for one batch's scores")
+    timeout: float = param(300.0, gt=0, help="seconds one request may take in all (connect, send the batch, read its scores)")
+    max_answer_mb: float = param(256.0, gt=0, help="a larger answer is refused unread")
     retries: int = param(3, ge=0, help="retries of a request that failed to arrive (no connection, timeout, HTTP 429/5xx)")
     backoff: float = param(1.0, ge=0, help="seconds before the first retry; doubled for each next one")
     _served: dict = attrs.field(init=False, factory=dict, repr=False)
 
     def __attrs_post_init__(self) -> None:
         raw = post(self.url.rstrip("/") + "/health", None, headers=self._headers(), timeout=min(self.timeout, 30.0),
-                   retries=self.retries, backoff=self.backoff, what="remote reward")
+                   retries=self.retries, backoff=self.backoff, what="remote reward", limit=1 << 20)
         try:
             self._served = json.loads(raw)
             served = self._served["reward"]
@@ -161,7 +153,8 @@ class RemoteReward:
             stop = start + self.batch_size
             body = encode_request(outputs[start:stop], prompts[start:stop], metas[start:stop], self.wire)
             raw = post(self.url.rstrip("/") + "/score", body, headers=self._headers(), timeout=self.timeout,
-                       retries=self.retries, backoff=self.backoff, what=f"remote reward {self._served.get('reward')}")
+                       retries=self.retries, backoff=self.backoff, what=f"remote reward {self._served.get('reward')}",
+                       limit=int(self.max_answer_mb * 2**20))
             try:
                 parts.append(decode_result(raw))
             except Exception as exc:
@@ -177,123 +170,3 @@ def _concat(parts: list[RewardResult]) -> RewardResult:
         values = [p.details[key] for p in parts]
         details[key] = torch.cat(values) if isinstance(values[0], torch.Tensor) else [v for chunk in values for v in chunk]
     return RewardResult(scores=torch.cat([p.scores for p in parts]), details=details)
-
-
-# --- the server --------------------------------------------------------------------------------
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-class RewardServer(ThreadingHTTPServer):
-    daemon_threads = True
-
-    def __init__(self, address: tuple[str, int], reward: Any, name: str, params: Mapping[str, Any], token: str | None, max_bytes: int):
-        super().__init__(address, RewardHandler)
-        self.reward, self.name, self.params = reward, name, dict(params)
-        self.token, self.max_bytes = token, max_bytes
-        self.lock = threading.Lock()
-
-
-class RewardHandler(BaseHTTPRequestHandler):
-    server: RewardServer
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, format: str, *args: Any) -> None:
-        log.info("%s %s", self.address_string(), format % args)
-
-    def _authorised(self) -> bool:
-        if self.server.token is None:
-            return True
-        given = self.headers.get("Authorization", "")
-        if hmac.compare_digest(given.encode(), f"Bearer {self.server.token}".encode()):
-            return True
-        self._json(401, {"error": "missing or wrong token (Authorization: Bearer ...)"})
-        return False
-
-    def do_GET(self) -> None:
-        if not self._authorised():
-            return
-        if self.path != "/health":
-            return self._json(404, {"error": f"unknown path {self.path}; POST /score, GET /health"})
-        self._json(200, {"reward": self.server.name, "params": self.server.params})
-
-    def do_POST(self) -> None:
-        if not self._authorised():
-            return
-        if self.path != "/score":
-            return self._json(404, {"error": f"unknown path {self.path}; POST /score, GET /health"})
-        length = self.headers.get("Content-Length")
-        if length is None or not length.isdigit():
-            return self._json(411, {"error": "a Content-Length is required"})
-        if int(length) > self.server.max_bytes:
-            self.close_connection = True
-            return self._json(413, {"error": f"request of {int(length)} bytes; the limit is {self.server.max_bytes} (--max-request-mb)"})
-        body = self.rfile.read(int(length))
-        try:
-            outputs, prompts, metadata = decode_request(body)
-        except Exception as exc:
-            return self._json(400, {"error": f"bad request: {exc}"})
-        try:
-            with self.server.lock:
-                result = self.server.reward(outputs, prompts, metadata)
-            payload = encode_result(result)
-        except Exception as exc:  # the reward's own error, sent to the trainer that asked
-            log.warning("reward %s failed: %s", self.server.name, exc)
-            return self._json(500, {"error": f"reward {self.server.name!r} failed: {type(exc).__name__}: {exc}"})
-        self._send(200, payload, "application/octet-stream")
-
-    def _json(self, status: int, data: Any) -> None:
-        self._send(status, json.dumps(data).encode(), "application/json")
-
-    def _send(self, status: int, payload: bytes, kind: str) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", kind)
-        self.send_header("Content-Length", str(len(payload)))
-        self.end_headers()
-        self.wfile.write(payload)
-
-
-def make_server(name: str, params: Mapping[str, Any], host: str, port: int, token: str | None, max_bytes: int) -> RewardServer:
-    from fgrpo.core import registry
-    from fgrpo.core.config import ConfigError, RecipeError
-
-    if token is None and not is_loopback(host):
-        raise RecipeError([ConfigError("--host", f"got {host!r}, reachable from other machines; set a shared token in ${TOKEN_ENV} (or --token-env NAME) first")])
-    reward = registry.create("reward", name, **params)
-    return RewardServer((host, port), reward, name, params, token, max_bytes)
-
-
-def serve(args: Any) -> int:
-    """``fgrpo serve-reward``: build the reward once, then answer until interrupted."""
-    import yaml
-
-    from fgrpo.core.config import ConfigError, RecipeError
-
-    params, errors = {}, []
-    for item in args.overrides:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            errors.append(ConfigError("--set", f"got {item!r}; expected KEY=VALUE"))
-            continue
-        params[key] = yaml.safe_load(value)
-    if errors:
-        raise RecipeError(errors)
-    token = token_from_env(args.token_env)
-    server = make_server(args.name, params, args.host, args.port, token, int(args.max_request_mb * 2**20))
-    host, port = server.server_address[:2]
-    guard = "token required" if token else "no token: this machine only"
-    print(f"serving reward {args.name!r} on http://{host}:{port} ({guard})", flush=True)
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        print("stopped", file=sys.stderr)
-    finally:
-        server.server_close()
-    return 0

@@ -6,7 +6,8 @@ prompt template; the answer is parsed into a number (``parse: number``) or a yes
 (``parse: yes-no``: the probability of "yes" from the first token's logprobs when the server gives
 them, else 1/0 from the text), or, as the judge of a ``pairwise`` reward, compares two images
 (``parse: pairwise``: Pref-GRPO's "Image 1 is better" / "Image 2 is better" inside <answer>). Requests run ``concurrency`` at a time, each with a timeout and
-retries with exponential backoff. An answer that cannot be parsed is an error, unless
+retries with exponential backoff (``timeout`` bounds each request as a whole), and answers
+larger than ``max_answer_mb`` are refused unread. An answer that cannot be parsed is an error, unless
 ``fallback`` is set: then that value is used, a warning is logged, and the sample's
 ``fallback`` detail is 1 (its mean is logged every iteration as ``reward/LABEL/fallback`` and by evaluation). The standard library only.
 """
@@ -126,7 +127,8 @@ class VLMJudge:
     max_tokens: int = param(256, ge=1, help="longest answer asked for")
     temperature: float = param(0.0, ge=0, help="sampling temperature of the judge")
     concurrency: int = param(8, ge=1, help="requests in flight at once")
-    timeout: float = param(60.0, gt=0, help="seconds to wait for one answer")
+    timeout: float = param(60.0, gt=0, help="seconds one request may take in all (connect, send, the whole answer)")
+    max_answer_mb: float = param(8.0, gt=0, help="a larger answer is refused unread (a chat completion is kilobytes)")
     retries: int = param(3, ge=0, help="retries of a request that failed to arrive (no connection, timeout, HTTP 429/5xx)")
     backoff: float = param(1.0, ge=0, help="seconds before the first retry; doubled for each next one")
     answer_pattern: str = param(r"<answer>(.*?)</answer>", help="parse: pairwise — where the verdict is; its first group is searched for first_better / second_better")
@@ -181,6 +183,7 @@ class VLMJudge:
         raw = post(
             self.url.rstrip("/") + "/chat/completions", self.request(image, prompt), headers=headers,
             timeout=self.timeout, retries=self.retries, backoff=self.backoff, what=f"vlm-judge {self.model}",
+            limit=int(self.max_answer_mb * 2**20),
         )
         try:
             choice = json.loads(raw)["choices"][0]

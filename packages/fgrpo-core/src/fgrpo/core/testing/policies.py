@@ -238,34 +238,49 @@ class PolicyConformance:
                 for p in params:
                     p.grad = None
 
-    def test_one_trainer_iteration(self, model_keys: dict[str, Any], tmp_path: Path) -> None:
-        """Build from a recipe through the registry, roll out, score, update, checkpoint: the first
-        ratio is exactly 1 (on-policy) and the trainable weights move."""
-        from rich.console import Console
+    def prompt_source(self, tmp_path: Path) -> dict[str, Any]:
+        """The prompts spec of the trainer iteration (a backbone whose prompts carry metadata, such
+        as a source image, writes a dataset folder under ``tmp_path``)."""
+        return {"name": "list", "train": list(self.prompts)}
 
-        from fgrpo.core import checkpoint as ckpt
-        from fgrpo.core import recipe as recipe_mod
-        from fgrpo.core.trainer import open_run, train
-
-        if self.reward is None:
-            pytest.fail(f"{type(self).__name__} sets no reward for the trainer iteration")
+    def iteration_recipe(self, model_keys: Mapping[str, Any], tmp_path: Path, **sections: Any) -> dict[str, Any]:
+        """The recipe of one small trainer iteration; ``sections`` replace whole sections."""
         data = {
             "seed": 0,
             "model": {"name": self.model_name, **model_keys},
             "sampler": self.sampler,
             "reward": self.reward,
             "objective": {"name": "grpo", "clip_range": 1e-3, "beta": 0.01 if self.has_reference else 0.0},
-            "prompts": {"name": "list", "train": list(self.prompts)},
+            "prompts": self.prompt_source(tmp_path),
             "train": {"iterations": 1, "group_size": 2, "prompts_per_iteration": 2, "lr": 1e-2, "drop_zero_advantage": False,
                       "mixed_precision": self.mixed_precision},
             "eval": {"every": 0},
             "log": {"trackers": [], "plots": False, "quiet": True, "sample_grid": False},
         }
-        recipe, errors = recipe_mod.validate(data, "conformance")
+        return {**data, **sections}
+
+    def run_iteration(self, data: Mapping[str, Any], out: Path) -> tuple[Any, dict[str, Any], dict[str, torch.Tensor]]:
+        """Validate ``data``, open a run in ``out`` and train it: (run, its last metrics row, the
+        trainable state before training)."""
+        from rich.console import Console
+
+        from fgrpo.core import recipe as recipe_mod
+        from fgrpo.core.trainer import open_run, train
+
+        recipe, errors = recipe_mod.validate(dict(data), "conformance")
         assert not errors, [str(e) for e in errors]
-        run = open_run(recipe, out=str(tmp_path / "run"), resume=False, console=Console(quiet=True), quiet=True)
+        run = open_run(recipe, out=str(out), resume=False, console=Console(quiet=True), quiet=True)
         before = {k: v.clone() for k, v in run.policy.trainable_state_dict().items()}
-        row = train(run)
+        return run, train(run), before
+
+    def test_one_trainer_iteration(self, model_keys: dict[str, Any], tmp_path: Path) -> None:
+        """Build from a recipe through the registry, roll out, score, update, checkpoint: the first
+        ratio is exactly 1 (on-policy) and the trainable weights move."""
+        from fgrpo.core import checkpoint as ckpt
+
+        if self.reward is None:
+            pytest.fail(f"{type(self).__name__} sets no reward for the trainer iteration")
+        run, row, before = self.run_iteration(self.iteration_recipe(model_keys, tmp_path), tmp_path / "run")
         assert row["first_ratio_deviation"] <= 1e-6, f"first ratio off by {row['first_ratio_deviation']}"
         for key in ("reward_mean", "policy_loss", "kl", "nfe_rollout", "nfe_train"):
             assert key in row and math.isfinite(row[key]), (key, row.get(key))

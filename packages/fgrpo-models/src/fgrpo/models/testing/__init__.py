@@ -3,8 +3,11 @@ conformance base every backbone's tests subclass.
 
 - :class:`DiffusersBackboneConformance` (:mod:`fgrpo.models.testing.conformance`), a
   :class:`fgrpo.core.testing.PolicyConformance` with the diffusers-specific checks;
-- ``build_tiny_sd3_pipeline``, ``build_tiny_flux_pipeline``, ``build_tiny_qwen_image_pipeline``,
-  ``build_tiny_wan_pipeline`` (:mod:`fgrpo.models.testing.pipelines`).
+- ``build_tiny_sd3_pipeline``, ``build_tiny_flux_pipeline``, ``build_tiny_flux2_pipeline``,
+  ``build_tiny_flux2_klein_pipeline``, ``build_tiny_qwen_image_pipeline``, ``build_tiny_z_image_pipeline``,
+  ``build_tiny_wan_pipeline``, ``build_tiny_wan22_pipeline``, ``build_tiny_wan22_i2v_pipeline``,
+  ``build_tiny_wan22_ti2v_pipeline``, ``build_tiny_hunyuan_video15_pipeline``
+  (:mod:`fgrpo.models.testing.pipelines`).
 
 Exports are lazy: importing this package imports neither diffusers nor pytest.
 """
@@ -23,10 +26,17 @@ except ImportError:  # pytest is only needed to run the base
 _PIPELINES = "fgrpo.models.testing.pipelines"
 _EXPORTS = {
     "DiffusersBackboneConformance": "fgrpo.models.testing.conformance",
+    "build_tiny_flux2_klein_pipeline": _PIPELINES,
+    "build_tiny_flux2_pipeline": _PIPELINES,
     "build_tiny_flux_pipeline": _PIPELINES,
+    "build_tiny_hunyuan_video15_pipeline": _PIPELINES,
     "build_tiny_qwen_image_pipeline": _PIPELINES,
     "build_tiny_sd3_pipeline": _PIPELINES,
+    "build_tiny_wan22_i2v_pipeline": _PIPELINES,
+    "build_tiny_wan22_pipeline": _PIPELINES,
+    "build_tiny_wan22_ti2v_pipeline": _PIPELINES,
     "build_tiny_wan_pipeline": _PIPELINES,
+    "build_tiny_z_image_pipeline": _PIPELINES,
 }
 
 __all__ = sorted(_EXPORTS)

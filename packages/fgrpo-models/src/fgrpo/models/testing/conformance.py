@@ -35,6 +35,23 @@ import torch
 from fgrpo.core.testing.policies import PolicyConformance
 
 
+#: set to a file path: every pipeline comparison appends its largest error there as a JSON line
+#: ({"model", "check", "max_abs_error", "atol"}), which ``tools/conformance_errors.py`` tabulates
+ERRORS_ENV = "FGRPO_CONFORMANCE_ERRORS"
+
+
+def assert_matches(model: str, check: str, actual: torch.Tensor, expected: torch.Tensor, atol: float) -> None:
+    """``assert_close(actual, expected, rtol=0, atol=atol)``, recording the largest error (ERRORS_ENV)."""
+    path = os.environ.get(ERRORS_ENV)
+    if path:
+        import json
+
+        error = float((actual.float() - expected.float()).abs().max())
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"model": model, "check": check, "max_abs_error": error, "atol": atol}) + "\n")
+    torch.testing.assert_close(actual, expected, rtol=0, atol=atol)
+
+
 class DiffusersBackboneConformance(PolicyConformance):
     """Subclass, set ``model_name``, ``build_pipeline``, ``model_params``, ``guidance_key``,
     ``reward`` and implement ``pipeline_kwargs``."""
@@ -53,11 +70,22 @@ class DiffusersBackboneConformance(PolicyConformance):
     steps: ClassVar[int] = 3
     #: the trainer iteration runs under bf16 autocast: on-policy all the same
     mixed_precision: ClassVar[str] = "bf16"
+    #: the backbone's name in FGRPO_CONFORMANCE_ERRORS records (default: model_name; e.g. a variant)
+    label: ClassVar[str] = ""
+    #: whether ``pipe(...)`` takes ``negative_prompt`` (FLUX.2 [klein]'s is always the empty prompt)
+    pipeline_takes_negative_prompt: ClassVar[bool] = True
 
     def pipeline_kwargs(self, policy: Any) -> dict[str, Any]:
         """Keyword arguments that make ``pipe(...)`` generate what ``policy`` does (size, frames,
         sequence length)."""
         raise NotImplementedError
+
+    def load_export(self, pipe: Any, folder: str, written: list[str]) -> None:
+        """Load ``policy.export(folder)``'s files into the plain pipeline ``pipe`` as a user would
+        (default: ``pipe.load_lora_weights(folder)``; Wan 2.2 loads its second expert's file too)."""
+        assert sorted(os.path.basename(f) for f in written) == [
+            "adapter_config.json", "adapter_model.safetensors", "pytorch_lora_weights.safetensors"]
+        pipe.load_lora_weights(folder)
 
     def guidance_kwargs(self, policy: Any) -> dict[str, Any]:
         """The pipeline's guidance arguments for ``policy``'s settings (default: the same key)."""
@@ -83,7 +111,7 @@ class DiffusersBackboneConformance(PolicyConformance):
 
     def run_pipeline(self, policy: Any, pipe: Any, x: torch.Tensor, *, output_type: str = "latent", steps: int | None = None) -> Any:
         kwargs = {**self.pipeline_kwargs(policy), **self.guidance_kwargs(policy)}
-        if policy.cfg:
+        if policy.cfg and self.pipeline_takes_negative_prompt:
             kwargs["negative_prompt"] = [policy.negative_prompt] * len(x)
         out = pipe(
             prompt=[self.prompts[i % len(self.prompts)] for i in range(len(x))],
@@ -115,19 +143,22 @@ class DiffusersBackboneConformance(PolicyConformance):
         for i in range(self.steps):
             x = x + (sigmas[i + 1] - sigmas[i]) * policy.velocity(x, sigmas[i].expand(len(x)), cond)
         reference = self.run_pipeline(policy, policy.pipeline, start)
-        torch.testing.assert_close(x, reference.float(), rtol=0, atol=self.pipeline_atol)
+        check = "euler loop vs pipeline, " + ("guidance" if guided else "no guidance")
+        assert_matches(self.label or self.model_name, check, x, reference.float(), self.pipeline_atol)
 
     @torch.no_grad()
     def test_decode_is_the_pipelines(self, policy: Any) -> None:
         x = policy.initial_noise(2, torch.Generator().manual_seed(4))
         latents = self.run_pipeline(policy, policy.pipeline, x, steps=2)
         pixels = self.run_pipeline(policy, policy.pipeline, x, output_type="pt", steps=2)
-        torch.testing.assert_close(policy.decode(latents), pixels.float(), rtol=0, atol=1e-5)
+        assert_matches(self.label or self.model_name, "decode vs pipeline", policy.decode(latents), pixels.float(), 1e-5)
 
     @torch.no_grad()
     def test_export_loads_with_diffusers_load_lora_weights(self, policy: Any, model_keys: dict[str, Any], tmp_path: Path) -> None:
-        """The exported adapter, loaded by the plain pipeline's ``load_lora_weights``, gives the
-        policy's velocity (keys, rank and alpha all understood), and loads back via ``lora_path``."""
+        """The exported adapter, loaded by the plain pipeline's ``load_lora_weights`` or by peft's
+        ``PeftModel.from_pretrained`` (the same folder), gives the policy's velocity (keys, rank
+        and alpha all understood), and loads back via ``lora_path``."""
+        from peft import PeftModel
         from safetensors import safe_open
 
         x, sigma = self.state(policy)
@@ -135,19 +166,26 @@ class DiffusersBackboneConformance(PolicyConformance):
         with self.perturbed(policy):
             trained = policy.velocity(x, sigma, cond)
             written = policy.export(str(tmp_path / "lora"))
-        assert [os.path.basename(f) for f in written] == ["pytorch_lora_weights.safetensors"]
-        with safe_open(written[0], "pt") as f:
-            keys, metadata = list(f.keys()), f.metadata() or {}
-        assert keys and all(k.startswith("transformer.") for k in keys), keys[:3]
-        assert any("lora_adapter_metadata" in k for k in metadata), metadata.keys()
+        for file in (f for f in written if os.path.basename(f).startswith("pytorch_lora_weights")):
+            with safe_open(file, "pt") as f:
+                keys, metadata = list(f.keys()), f.metadata() or {}
+            assert keys and all(k.startswith("transformer.") for k in keys), keys[:3]
+            assert any("lora_adapter_metadata" in k for k in metadata), metadata.keys()
 
         plain = type(policy).pipeline_class().from_pretrained(model_keys["path"])
-        plain.load_lora_weights(str(tmp_path / "lora"))
+        self.load_export(plain, str(tmp_path / "lora"), written)
         reloaded = type(policy).from_pipeline(plain, **{**model_keys, "lora": None})
-        torch.testing.assert_close(reloaded.velocity(x, sigma, cond), trained, rtol=0, atol=1e-5)
+        assert_matches(self.label or self.model_name, "exported LoRA in the plain pipeline", reloaded.velocity(x, sigma, cond), trained, 1e-5)
 
         again = self.make_policy(model_keys, lora_path=str(tmp_path / "lora"))
         torch.testing.assert_close(again.velocity(x, sigma, cond), trained, rtol=0, atol=1e-6)
+
+        by_peft = type(policy).pipeline_class().from_pretrained(model_keys["path"])
+        PeftModel.from_pretrained(by_peft.transformer, str(tmp_path / "lora"))  # adds the adapter to this transformer
+        if (tmp_path / "lora" / "transformer_2" / "adapter_config.json").is_file():  # Wan 2.2's second expert
+            PeftModel.from_pretrained(by_peft.transformer_2, str(tmp_path / "lora" / "transformer_2"))
+        through_peft = type(policy).from_pipeline(by_peft, **{**model_keys, "lora": None})
+        assert torch.equal(through_peft.velocity(x, sigma, cond), reloaded.velocity(x, sigma, cond))
 
     def test_prompt_cache_encodes_each_prompt_once(self, model_keys: dict[str, Any]) -> None:
         policy = self.make_policy(model_keys, **{self.guidance_key: self.guidance_value}, prompt_cache_size=3)
@@ -190,6 +228,29 @@ class DiffusersBackboneConformance(PolicyConformance):
             grads.append([p.grad for p in policy.trainable_parameters()])
         for a, b in zip(*grads):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+    @pytest.mark.slow
+    def test_fgrpo_check_is_exact(self, model_keys: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        """``fgrpo check`` on a recipe of this tiny pipeline, in float32: the first ratio is exactly 1
+        (tolerance 0), through the CLI a user runs."""
+        import json
+
+        from fgrpo.core import cli
+
+        data = self.iteration_recipe(model_keys, tmp_path)
+        data["train"] = {**data["train"], "mixed_precision": "no"}
+        recipe = tmp_path / "check.yaml"
+        recipe.write_text(json.dumps(data))  # JSON is YAML
+        code = cli.main(["check", str(recipe), "--tolerance", "0"])
+        printed = capsys.readouterr().out
+        assert code == 0 and "on-policy check passed" in printed, printed
+        path = os.environ.get(ERRORS_ENV)
+        if path:
+            import re
+
+            found = re.search(r"largest \|ratio - 1\| before the first optimizer step: (\S+)", printed)
+            with open(path, "a", encoding="utf-8") as f:
+                f.write(json.dumps({"model": self.label or self.model_name, "check": "fgrpo check |ratio - 1|", "max_abs_error": float(found.group(1)), "atol": 0.0}) + "\n")
 
     def test_full_fine_tuning(self, model_keys: dict[str, Any], tmp_path: Path) -> None:
         policy = self.make_policy(model_keys, lora=None)

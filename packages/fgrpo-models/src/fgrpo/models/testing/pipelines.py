@@ -10,6 +10,11 @@ given a path, so a test loads it through the same ``from_pretrained`` path users
 - :func:`build_tiny_flux_pipeline` -> ``FluxPipeline`` (CLIP + T5, guidance-distilled transformer)
 - :func:`build_tiny_qwen_image_pipeline` -> ``QwenImagePipeline`` (Qwen2.5-VL text encoder)
 - :func:`build_tiny_wan_pipeline` -> ``WanPipeline`` (UMT5, Wan 2.1 text-to-video transformer)
+- :func:`build_tiny_flux2_pipeline`, :func:`build_tiny_flux2_klein_pipeline` -> FLUX.2 [dev] / [klein]
+- :func:`build_tiny_z_image_pipeline` -> ``ZImagePipeline`` (Qwen3)
+- :func:`build_tiny_wan22_pipeline`, :func:`build_tiny_wan22_i2v_pipeline`,
+  :func:`build_tiny_wan22_ti2v_pipeline` -> Wan 2.2 T2V-A14B (two experts), I2V-A14B, TI2V-5B
+- :func:`build_tiny_hunyuan_video15_pipeline` -> ``HunyuanVideo15Pipeline`` (Qwen2.5-VL + ByT5)
 
 About 1-3 MB each; 64x64 outputs by default (Wan: 5 frames of 32x32).
 diffusers and transformers are imported inside the builders, so importing this module is cheap.
@@ -17,6 +22,7 @@ diffusers and transformers are imported inside the builders, so importing this m
 
 from __future__ import annotations
 
+import inspect
 import os
 import string
 import tempfile
@@ -308,6 +314,43 @@ def build_tiny_qwen_image_pipeline(
     return _finish(pipe, path, torch_dtype)
 
 
+def _wan_transformer(in_channels: int = 16, out_channels: int = 16) -> Any:
+    """A tiny random ``WanTransformer3DModel``: patch (1, 2, 2), 2 heads x 12, 2 layers, text_dim 32."""
+    from diffusers import WanTransformer3DModel
+
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=in_channels, out_channels=out_channels,
+        text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32,
+    )
+    _randomise(transformer)
+    return transformer
+
+
+def _wan_tokenizer() -> Any:
+    from transformers import AutoTokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tiny_t5_tokenizer().save_pretrained(tmp)
+        return AutoTokenizer.from_pretrained(tmp)
+
+
+#: Wan 2.2's VAE (TI2V-5B): 48 latent channels, 16x spatial compression (a 2x2 patchify around
+#: the 8x network), residual blocks; per-channel statistics drawn for the tiny one
+WAN22_VAE = {"z_dim": 48, "is_residual": True, "patch_size": 2, "scale_factor_spatial": 16, "in_channels": 12, "out_channels": 12}
+
+
+def _wan_vae(z_dim: int = 16, **overrides: Any) -> Any:
+    from diffusers import AutoencoderKLWan
+
+    extra: dict[str, Any] = dict(overrides)
+    if z_dim != 16:
+        g = torch.Generator().manual_seed(z_dim)
+        extra["latents_mean"] = (torch.randn(z_dim, generator=g) * 0.5).tolist()
+        extra["latents_std"] = (torch.rand(z_dim, generator=g) + 0.5).tolist()
+    return AutoencoderKLWan(base_dim=8, z_dim=z_dim, dim_mult=[1, 1, 1, 1], num_res_blocks=1, **extra)
+
+
 def build_tiny_wan_pipeline(
     path: str | os.PathLike[str] | None = None, *, shift: float = 3.0, seed: int = 0, torch_dtype: torch.dtype = torch.float32
 ) -> Any:
@@ -318,37 +361,361 @@ def build_tiny_wan_pipeline(
     compression), ``FlowMatchEulerDiscreteScheduler(shift=shift)`` (the released Wan 2.1 uses
     UniPC with the same ``flow_shift``; the Euler scheduler lets tests compare step by step).
     """
-    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        transformer = WanTransformer3DModel(
-            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16, out_channels=16,
-            text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True,
-            qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
-        )
-        _randomise(transformer)
+        transformer = _wan_transformer()
         text_encoder = _t5_encoder(32, umt5=True)
-        vae = AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1)
-    with tempfile.TemporaryDirectory() as tmp:
-        from transformers import AutoTokenizer
-
-        tiny_t5_tokenizer().save_pretrained(tmp)
-        tokenizer = AutoTokenizer.from_pretrained(tmp)
+        vae = _wan_vae()
     pipe = WanPipeline(
-        tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
+        tokenizer=_wan_tokenizer(), text_encoder=text_encoder, vae=vae, transformer=transformer,
         scheduler=FlowMatchEulerDiscreteScheduler(shift=shift),
     )
     return _finish(pipe, path, torch_dtype)
 
 
+def _two_expert_wan(pipeline_class: Any, in_channels: int, boundary_ratio: float, shift: float, seed: int) -> Any:
+    """A tiny Wan 2.2 A14B-style pipeline: two experts like :func:`build_tiny_wan_pipeline`'s
+    transformer, each with its own weights, switching at ``boundary_ratio``."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        transformer, transformer_2 = _wan_transformer(in_channels), _wan_transformer(in_channels)
+        text_encoder = _t5_encoder(32, umt5=True)
+        vae = _wan_vae()
+    return pipeline_class(
+        tokenizer=_wan_tokenizer(), text_encoder=text_encoder, vae=vae, transformer=transformer, transformer_2=transformer_2,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=shift), boundary_ratio=boundary_ratio,
+    )
+
+
+def build_tiny_wan22_pipeline(
+    path: str | os.PathLike[str] | None = None, *, boundary_ratio: float = 0.875, shift: float = 3.0, seed: int = 0,
+    torch_dtype: torch.dtype = torch.float32,
+) -> Any:
+    """A tiny random Wan 2.2 T2V-A14B ``WanPipeline``: two experts (``transformer`` for timesteps
+    >= ``boundary_ratio`` x 1000, ``transformer_2`` below; 0.875 as the released T2V-A14B); saved to
+    ``path`` if given."""
+    from diffusers import WanPipeline
+
+    return _finish(_two_expert_wan(WanPipeline, 16, boundary_ratio, shift, seed), path, torch_dtype)
+
+
+def build_tiny_wan22_i2v_pipeline(
+    path: str | os.PathLike[str] | None = None, *, boundary_ratio: float = 0.9, shift: float = 3.0, seed: int = 0,
+    torch_dtype: torch.dtype = torch.float32,
+) -> Any:
+    """A tiny random Wan 2.2 I2V-A14B ``WanImageToVideoPipeline``: two experts with 36 input
+    channels (16 latent + 4 first-frame mask + 16 image latents), no CLIP image encoder,
+    ``boundary_ratio`` 0.9 as the released I2V-A14B; saved to ``path`` if given."""
+    from diffusers import WanImageToVideoPipeline
+
+    return _finish(_two_expert_wan(WanImageToVideoPipeline, 36, boundary_ratio, shift, seed), path, torch_dtype)
+
+
+def build_tiny_wan22_ti2v_pipeline(
+    path: str | os.PathLike[str] | None = None, *, shift: float = 5.0, seed: int = 0, torch_dtype: torch.dtype = torch.float32
+) -> Any:
+    """A tiny random Wan 2.2 TI2V-5B ``WanPipeline`` (text-to-video): one transformer with 48
+    channels, the Wan 2.2 VAE (:data:`WAN22_VAE`, 16x spatial), timesteps per token
+    (``expand_timesteps``); saved to ``path`` if given. 32x32 videos are 2x2 latents: pass 64."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        transformer = _wan_transformer(48, 48)
+        text_encoder = _t5_encoder(32, umt5=True)
+        vae = _wan_vae(**WAN22_VAE)
+    pipe = WanPipeline(
+        tokenizer=_wan_tokenizer(), text_encoder=text_encoder, vae=vae, transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=shift), expand_timesteps=True,
+    )
+    return _finish(pipe, path, torch_dtype)
+
+
+
+# --- chat-template tokenizers of the current text encoders (Mistral 3, Qwen3) -----------------
+
+#: Mistral's chat format as FLUX.2's processor renders the pipeline's messages (content parts of
+#: type "text" joined; a system message in [SYSTEM_PROMPT], a user turn in [INST])
+MISTRAL_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['content'] is string %}{% set text = m['content'] %}{% else %}"
+    "{% set text = m['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('') %}{% endif %}"
+    "{% if m['role'] == 'system' %}[SYSTEM_PROMPT]{{ text }}[/SYSTEM_PROMPT]{% elif m['role'] == 'user' %}[INST]{{ text }}[/INST]"
+    "{% else %}{{ text }}{{ eos_token }}{% endif %}{% endfor %}"
+)
+#: Qwen3's chat format for the turns the pipelines render (a user message and the generation
+#: prompt; ``enable_thinking=False`` adds the empty think block, as Qwen3's own template does)
+QWEN3_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and enable_thinking is false %}"
+    "<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+def tiny_byte_tokenizer(specials: Sequence[str], chat_template: str | None = None, **named: str) -> Any:
+    """A byte-level BPE ``PreTrainedTokenizerFast`` without merges (every byte a token) plus
+    ``specials``, with ``chat_template``; ``named`` maps bos/eos/pad/unk_token to specials."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(_bytes_to_unicode().values())}
+    for special in specials:
+        vocab[special] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    backend.decoder = decoders.ByteLevel()
+    others = [s for s in specials if s not in set(named.values())]
+    return PreTrainedTokenizerFast(tokenizer_object=backend, additional_special_tokens=others, chat_template=chat_template, **named)
+
+
+def tiny_mistral_tokenizer() -> Any:
+    """Mistral's special tokens and chat format (FLUX.2 [dev] uses a Pixtral processor, whose
+    ``apply_chat_template`` the pipeline calls; a tokenizer takes the same call)."""
+    specials = ["<unk>", "<s>", "</s>", "<pad>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[IMG]", "[IMG_BREAK]", "[IMG_END]"]
+    return tiny_byte_tokenizer(specials, MISTRAL_CHAT_TEMPLATE, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+
+
+def tiny_qwen3_tokenizer() -> Any:
+    """Qwen3's special tokens and chat format (FLUX.2 [klein], Z-Image)."""
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+    return tiny_byte_tokenizer(specials, QWEN3_CHAT_TEMPLATE, pad_token="<|endoftext|>", eos_token="<|im_end|>")
+
+
+def _qwen3_config(tokenizer: Any, layers: int = 2) -> Any:
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=8, vocab_size=len(tokenizer), max_position_embeddings=512, pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+#: FLUX.2's scheduler: the exponential time shift, by an ``mu`` the pipeline computes itself
+FLUX2_SCHEDULER = {
+    "base_image_seq_len": 256, "base_shift": 0.5, "max_image_seq_len": 4096, "max_shift": 1.15,
+    "num_train_timesteps": 1000, "shift": 3.0, "time_shift_type": "exponential", "use_dynamic_shifting": True,
+}
+
+
+def _flux2_parts(guidance_embeds: bool, text_hidden: int, layers_stacked: int = 3) -> tuple[Any, Any]:
+    """A tiny ``Flux2Transformer2DModel`` (1 double + 1 single block, 2 heads x 16, rope (4, 4, 4, 4),
+    128 input channels = 4 x 32 VAE channels) and ``AutoencoderKLFlux2`` (scale 8, 32 channels,
+    random batch-norm statistics so that decoding exercises them)."""
+    from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
+
+    transformer = Flux2Transformer2DModel(
+        patch_size=1, in_channels=128, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=layers_stacked * text_hidden, timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4),
+        guidance_embeds=guidance_embeds,
+    )
+    _randomise(transformer)
+    vae = AutoencoderKLFlux2(block_out_channels=(8, 16, 16, 16), layers_per_block=1, latent_channels=32, norm_num_groups=8, sample_size=64)
+    with torch.no_grad():
+        vae.bn.running_mean.normal_(0.0, 0.5)
+        vae.bn.running_var.uniform_(0.5, 2.0)
+    return transformer, vae
+
+
+def build_tiny_flux2_pipeline(
+    path: str | os.PathLike[str] | None = None, *, seed: int = 0, torch_dtype: torch.dtype = torch.float32
+) -> Any:
+    """A tiny random ``Flux2Pipeline`` (FLUX.2 [dev]: Mistral 3 text encoder, guidance embedding),
+    saved to ``path`` if given.
+
+    Text encoder: ``Mistral3ForConditionalGeneration`` (2-layer Mistral text model, hidden 16, and a
+    1-layer Pixtral vision tower); the pipeline stacks three hidden layers, so pass
+    ``text_encoder_out_layers=(1, 2, 2)`` (the real default (10, 20, 30) needs 30 layers).
+    Tokenizer: :func:`tiny_mistral_tokenizer`. Transformer and VAE: :func:`_flux2_parts`.
+    64x64 images are 4x4 tokens; the pipeline's default side stays 1024: pass height/width.
+    """
+    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2Pipeline
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    tokenizer = tiny_mistral_tokenizer()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        config = Mistral3Config(
+            text_config={
+                "model_type": "mistral", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
+                "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8, "vocab_size": len(tokenizer),
+                "max_position_embeddings": 512, "pad_token_id": tokenizer.pad_token_id,
+            },
+            vision_config={
+                "model_type": "pixtral", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+                "num_attention_heads": 2, "head_dim": 8, "image_size": 32, "patch_size": 8,
+            },
+            image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"),
+        )
+        text_encoder = Mistral3ForConditionalGeneration(config)
+        transformer, vae = _flux2_parts(guidance_embeds=True, text_hidden=16)
+    pipe = Flux2Pipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**FLUX2_SCHEDULER), vae=vae, text_encoder=text_encoder,
+        tokenizer=tokenizer, transformer=transformer,
+    )
+    return _finish(pipe, path, torch_dtype)
+
+
+def build_tiny_flux2_klein_pipeline(
+    path: str | os.PathLike[str] | None = None, *, is_distilled: bool = False, seed: int = 0,
+    torch_dtype: torch.dtype = torch.float32,
+) -> Any:
+    """A tiny random ``Flux2KleinPipeline`` (FLUX.2 [klein] base: Qwen3 text encoder, true CFG, no
+    guidance embedding), saved to ``path`` if given. ``is_distilled``: the step-distilled variant
+    (guidance ignored). Text encoder: a 2-layer ``Qwen3ForCausalLM`` (hidden 16): pass
+    ``text_encoder_out_layers=(1, 2, 2)``. Transformer and VAE: :func:`_flux2_parts`."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline
+    from transformers import Qwen3ForCausalLM
+
+    tokenizer = tiny_qwen3_tokenizer()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        text_encoder = Qwen3ForCausalLM(_qwen3_config(tokenizer))
+        transformer, vae = _flux2_parts(guidance_embeds=False, text_hidden=16)
+    pipe = Flux2KleinPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**FLUX2_SCHEDULER), vae=vae, text_encoder=text_encoder,
+        tokenizer=tokenizer, transformer=transformer, is_distilled=is_distilled,
+    )
+    return _finish(pipe, path, torch_dtype)
+
+
+def build_tiny_z_image_pipeline(
+    path: str | os.PathLike[str] | None = None, *, shift: float = 3.0, seed: int = 0, torch_dtype: torch.dtype = torch.float32
+) -> Any:
+    """A tiny random ``ZImagePipeline`` (Z-Image / Z-Image-Turbo: the same architecture; Turbo is
+    run without guidance and with fewer steps), saved to ``path`` if given.
+
+    Text encoder: a 2-layer ``Qwen3Model`` (hidden 16; the pipeline reads its second-to-last hidden
+    state), :func:`tiny_qwen3_tokenizer`. Transformer: ``ZImageTransformer2DModel`` (dim 32, 2
+    heads, 2 layers + 1 refiner layer per stream, patch 2, 16 latent channels). VAE: FLUX.1's
+    ``AutoencoderKL`` normalisation. Scheduler: ``FlowMatchEulerDiscreteScheduler(shift=shift)``
+    (Z-Image-Turbo's: a fixed shift 3).
+    """
+    from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+    from transformers import Qwen3Model
+
+    tokenizer = tiny_qwen3_tokenizer()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        text_encoder = Qwen3Model(_qwen3_config(tokenizer))
+        transformer = ZImageTransformer2DModel(
+            all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=32, n_layers=2, n_refiner_layers=1,
+            n_heads=2, n_kv_heads=2, cap_feat_dim=16, axes_dims=[4, 6, 6], axes_lens=[256, 32, 32],
+        )
+        _randomise(transformer)
+        vae = _kl_vae((8, 16, 16, 16), 16, 64, FLUX_VAE_SCALING_FACTOR, FLUX_VAE_SHIFT_FACTOR)
+    pipe = ZImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=shift), vae=vae, text_encoder=text_encoder,
+        tokenizer=tokenizer, transformer=transformer,
+    )
+    return _finish(pipe, path, torch_dtype)
+
+
+#: Qwen2.5-VL's chat format for the turns HunyuanVideo 1.5 renders (system, user, generation prompt)
+QWEN_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tiny_hunyuan_video15_tokenizer(system_message: str, template_tokens: int = 108) -> Any:
+    """A byte-level Qwen-style tokenizer whose rendering of HunyuanVideo 1.5's chat template puts
+    exactly ``template_tokens`` tokens before the prompt, as the real tokenizer does (the pipeline
+    crops its fixed ``prompt_template_encode_start_idx`` = 108): the system message is cut into
+    added tokens so that ``<|im_start|>system\n`` + message + ``<|im_end|>\n<|im_start|>user\n``
+    comes to that count."""
+    def build(pieces: int) -> Any:
+        cuts = [len(system_message) * i // pieces for i in range(pieces + 1)]
+        tokenizer = tiny_byte_tokenizer(["<|endoftext|>", "<|im_start|>", "<|im_end|>"], QWEN_CHAT_TEMPLATE, pad_token="<|endoftext|>", eos_token="<|im_end|>")
+        tokenizer.add_tokens([system_message[a:b] for a, b in zip(cuts, cuts[1:])])
+        return tokenizer
+
+    def prefix(tokenizer: Any) -> int:  # tokens before the prompt "~"
+        messages = [{"role": "system", "content": system_message}, {"role": "user", "content": "~"}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+        return list(ids).index(tokenizer.convert_tokens_to_ids("~"))
+
+    pieces = template_tokens - (1 + len("system\n") + 1 + 1 + 1 + len("user\n"))
+    for tried in sorted(range(pieces - 30, pieces + 1), key=lambda n: abs(n - pieces)):
+        tokenizer = build(tried)  # a piece may also match inside the template's other words: measure
+        if prefix(tokenizer) == template_tokens:
+            return tokenizer
+    raise ValueError(f"could not cut the system message so that the template is {template_tokens} tokens")
+    return tokenizer
+
+
+def build_tiny_hunyuan_video15_pipeline(
+    path: str | os.PathLike[str] | None = None, *, guidance_scale: float = 6.0, shift: float = 5.0, seed: int = 0,
+    torch_dtype: torch.dtype = torch.float32,
+) -> Any:
+    """A tiny random ``HunyuanVideo15Pipeline`` (text-to-video), saved to ``path`` if given.
+
+    Text encoders: a 3-layer ``Qwen2_5_VLTextModel`` (hidden 16, mrope) behind
+    :func:`tiny_hunyuan_video15_tokenizer` (the template's 108 tokens cropped as with the real
+    one), and a 1-layer ByT5 ``T5EncoderModel`` for quoted glyph text. Transformer:
+    ``HunyuanVideo15Transformer3DModel`` (1 block + 1 refiner layer, 2 heads x 16, 65 input
+    channels = 32 latent + 32 condition + 1 mask). VAE: ``AutoencoderKLHunyuanVideo15`` (32
+    channels, 16x spatial and 4x temporal compression). Guider: ``ClassifierFreeGuidance``.
+    The pipeline's text widths (``tokenizer_max_length`` 1000, ByT5's 256) are pipeline
+    attributes: the backbone's ``max_sequence_length``/``glyph_sequence_length`` set them.
+    """
+    from diffusers import (
+        AutoencoderKLHunyuanVideo15,
+        ClassifierFreeGuidance,
+        FlowMatchEulerDiscreteScheduler,
+        HunyuanVideo15Pipeline,
+        HunyuanVideo15Transformer3DModel,
+    )
+    from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, T5Config, T5EncoderModel
+
+    # the pipeline's own system message and crop (instance attributes its encoder's defaults repeat)
+    defaults = inspect.signature(HunyuanVideo15Pipeline._get_mllm_prompt_embeds).parameters
+    byt5 = ByT5Tokenizer()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        transformer = HunyuanVideo15Transformer3DModel(
+            in_channels=65, out_channels=32, num_attention_heads=2, attention_head_dim=16, num_layers=1, num_refiner_layers=1,
+            text_embed_dim=16, text_embed_2_dim=16, image_embed_dim=16, rope_axes_dim=(4, 6, 6), target_size=64, task_type="t2v",
+        )
+        _randomise(transformer)
+        vae = AutoencoderKLHunyuanVideo15(latent_channels=32, block_out_channels=(8, 16, 32, 32, 32), layers_per_block=1)
+        text_encoder_2 = T5EncoderModel(T5Config(
+            vocab_size=len(byt5), d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=4, relative_attention_num_buckets=8,
+            pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+        ))
+        tokenizer = tiny_hunyuan_video15_tokenizer(defaults["system_message"].default, defaults["crop_start"].default)
+        text_encoder = Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(
+            hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,
+            max_position_embeddings=2048, rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2], "rope_type": "default"},
+            vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
+        ))
+    pipe = HunyuanVideo15Pipeline(
+        text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer, vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=shift), text_encoder_2=text_encoder_2, tokenizer_2=byt5,
+        guider=ClassifierFreeGuidance(guidance_scale=guidance_scale),
+    )
+    return _finish(pipe, path, torch_dtype)
+
 __all__ = [
     "QWEN_IMAGE_TEMPLATE",
+    "build_tiny_flux2_klein_pipeline",
+    "build_tiny_flux2_pipeline",
     "build_tiny_flux_pipeline",
+    "build_tiny_hunyuan_video15_pipeline",
     "build_tiny_qwen_image_pipeline",
     "build_tiny_sd3_pipeline",
+    "build_tiny_wan22_i2v_pipeline",
+    "build_tiny_wan22_pipeline",
+    "build_tiny_wan22_ti2v_pipeline",
     "build_tiny_wan_pipeline",
+    "build_tiny_z_image_pipeline",
+    "tiny_byte_tokenizer",
     "tiny_clip_tokenizer",
+    "tiny_hunyuan_video15_tokenizer",
+    "tiny_mistral_tokenizer",
+    "tiny_qwen3_tokenizer",
     "tiny_qwen_tokenizer",
     "tiny_t5_tokenizer",
 ]

@@ -1,7 +1,7 @@
 """Transition kernels: one step sigmas[index] -> sigmas[index + 1] of a flow-matching sampler.
 
 Each kernel satisfies :class:`fgrpo.core.protocols.Kernel` and is registered under the entry point
-group ``fgrpo.kernels``: ``ode``, ``sde`` (Flow-GRPO), ``dance`` (DanceGRPO), ``cps``
+group ``fgrpo.kernels``: ``ode``, ``sde`` (Flow-GRPO), ``wan-sde`` (flow_grpo's Wan 2.1 noise), ``dance`` (DanceGRPO), ``cps``
 (coefficients-preserving), ``dpmpp2m`` and ``dpmpp3m`` (DPM-Solver++(2M) and (3M), deterministic,
 keep a one- or two-step history: call ``reset()`` before each run). All arithmetic is float32.
 
@@ -18,5 +18,6 @@ from fgrpo.samplers.kernels.dpmpp2m import DPMpp2MKernel
 from fgrpo.samplers.kernels.dpmpp3m import DPMpp3MKernel
 from fgrpo.samplers.kernels.ode import ODEKernel
 from fgrpo.samplers.kernels.sde import SDEKernel
+from fgrpo.samplers.kernels.wan_sde import WanSDEKernel
 
-__all__ = ["CPSKernel", "DPMpp2MKernel", "DPMpp3MKernel", "DanceKernel", "ODEKernel", "SDEKernel"]
+__all__ = ["CPSKernel", "DPMpp2MKernel", "DPMpp3MKernel", "DanceKernel", "ODEKernel", "SDEKernel", "WanSDEKernel"]
