@@ -398,3 +398,8 @@ def test_objectives_bench_prints_the_tables_and_the_target_line(root, capsys, tm
     assert all(0 <= p["accuracy"] <= 1 and p["gold_error"] >= 0 for r in runs for p in r["points"])
     assert bench.main(["--table", str(out)]) == 0  # the table again from the saved runs
     assert "first evaluation at or above" in capsys.readouterr().out
+    # a main job cut after 1 of its 2 iterations: T is twice its time, the accuracy the one given
+    cut = [{**runs[0], "points": runs[0]["points"][:2]}, runs[1]]
+    seconds = cut[0]["points"][1]["seconds"]
+    lines = bench.report(cut, 0.001, target_accuracy=0.75)
+    assert any(f"T = {2 * seconds:.0f} cpu s (extrapolated from 1 of its 2 iterations); accuracy to reach 0.750" in line for line in lines)
