@@ -97,11 +97,11 @@ def first_step(root, objective: str, *overrides: str):
         seen.update(traj=traj, adv=adv)
         return update(run_, traj, adv, it)
 
-    def capture_step(run_, params):
+    def capture_step(run_, stats):
         if "grads" not in seen:
-            seen["grads"] = [p.grad.detach().clone() for p in params]
-            seen["weights"] = [p.detach().clone() for p in params]
-        return step(run_, params)
+            seen["grads"] = [p.grad.detach().clone() for p in run_.trainable]
+            seen["weights"] = [p.detach().clone() for p in run_.trainable]
+        return step(run_, stats)
 
     phases.update, phases.optimizer_step = capture_update, capture_step
     try:

@@ -90,7 +90,7 @@ def test_rank_by_hand_with_both_tie_rules():
 
 
 def test_a_group_aware_reward_needs_the_groups():
-    from fgrpo.core.phases import RewardError, score
+    from fgrpo.core.scoring import RewardError, score
     from fgrpo.core.recipe import RewardSpec
 
     spec = RewardSpec("pairwise", "pairwise", 1.0, {})

@@ -19,12 +19,12 @@ gives it for stored transitions; the loop itself is the same for both.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator
 
 import torch
 
-from fgrpo.core import sharding, tensors
+from fgrpo.core import tensors
+from fgrpo.core.ema import ema_weights
 from fgrpo.core.protocols import ForwardBatch, Trajectory
 from fgrpo.core.run import Run
 from fgrpo.core.seeding import generator, randn
@@ -82,7 +82,7 @@ class ForwardPoints:
         self.old = self.ref = None
         self.old_nfe = self.ref_nfe = 0
         if needs_old(run):
-            with run.old.swapped_in() if run.old is not None else contextlib.nullcontext():
+            with ema_weights(run.old):
                 self.old, self.old_nfe = self.predict(kept)
         if run.objective.needs_reference:
             with run.policy.reference():
@@ -133,6 +133,7 @@ class ForwardPoints:
         out = torch.zeros((self.items, r, self.units, *traj.final.shape[1:]), device=traj.final.device)
         cfg = run.recipe.train
         passes = list(self.passes(kept, self.per_forward(cfg.reference_batch_size or cfg.micro_batch_size)))
+        padding = run.parallel.missing_forwards(len(passes))  # a collective: before any pass
         nfe = 0
         for items, points in passes:
             samples, pts, its = self.rows(items, points)
@@ -142,7 +143,6 @@ class ForwardPoints:
             place = torch.arange(r).repeat_interleave(len(items))
             out[its.to(out.device), place.to(out.device), pts.to(out.device)] = v.float()
             nfe += len(samples) * policy.evaluations_per_call
-        padding = sharding.missing_passes(run.accelerator, len(passes)) if run.sharded_weights else 0
         for _ in range(padding):
             self.idle_forward(policy)
         return out, nfe
@@ -200,12 +200,12 @@ class ForwardPoints:
         return ((batch.velocity.detach() - old).abs().max() / (old.abs().mean() + 1e-12)).float()
 
     def idle(self, count: int) -> None:
-        """``count`` forward/backward passes that change no gradient (sharded runs)."""
+        """``count`` forward/backward passes that change no gradient (``run.parallel.missing_backwards``)."""
         policy = TimedPolicy(self.run.policy, self.run.clock)
         for _ in range(count):
             with self.run.accelerator.autocast():
                 v = self.idle_forward(policy)
-            sharding.backward(self.run.accelerator, v.float().sum() * 0.0)
+            self.run.parallel.backward(v.float().sum() * 0.0)
 
     def idle_forward(self, policy) -> torch.Tensor:
         traj = self.traj
