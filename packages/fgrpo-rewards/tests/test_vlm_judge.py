@@ -38,12 +38,12 @@ class JudgeHandler(BaseHTTPRequestHandler):
         if self.headers.get("Authorization") != f"Bearer {KEY}":
             return self.reply(401, {"error": {"message": "invalid api key"}})
         content = body["messages"][0]["content"]
-        if len(content) == 3:  # a comparison: the brighter image is better; "tie" answers neither
+        if "Image 1 is better" in content[-1]["text"]:  # a comparison: the brighter image is better; "tie" answers neither
             first, second = (brightness(c["image_url"]["url"]) for c in content[:2])
-            if "「tie」" in content[2]["text"]:
+            if "「tie」" in content[-1]["text"]:
                 return self.answer("<think>equal</think><answer>They are equally good</answer>")
             return self.answer(f"<think>...</think><answer>Image {1 if first > second else 2} is better</answer>")
-        caption = content[1]["text"].rsplit("Caption: ", 1)[-1]
+        caption = content[-1]["text"].rsplit("Caption: ", 1)[-1].rsplit("Instruction: ", 1)[-1]
         caption = caption.removeprefix("Does this image show: ").removesuffix("? Answer yes or no.")
         if caption.startswith("good"):
             return self.answer(f"Sharp and faithful. Final Score: {caption.split()[1]}")
@@ -226,3 +226,32 @@ def test_pairwise_judge_compares_two_images_for_win_rates(judge, judge_server):
     assert tied.scores.tolist() == [0.5, 0.5, 0.5] and tied.details["ties"].tolist() == [2, 2, 2]
     with pytest.raises(ValueError, match="judge of a pairwise reward"):
         judge(parse="pairwise")(levels, ["a caption"] * 3, [{}] * 3)
+
+
+def test_edits_send_the_source_then_the_output_with_the_edit_template(judge, judge_server):
+    from fgrpo.core import media, scoring
+    from fgrpo.core.media import Prompt
+    from fgrpo.core.testing import SyntheticImage
+
+    judge_server.requests.clear()
+    reward = judge()
+    assert reward.accepts_sources
+    prompts = [Prompt("good 3", images=(SyntheticImage(1, 24, 24),)), "good 5"]  # an edit, and a plain prompt
+    outputs = images(2)
+
+    class Spec:
+        label, weight, frame_stride = "judge", 1.0, 1
+
+    scores, _ = scoring.score([(Spec(), reward)], outputs, prompts, [{}, {}], where="test")
+    torch.testing.assert_close(scores["judge"], torch.tensor([0.6, 1.0]))
+    bodies = sorted((r[2] for r in judge_server.requests), key=lambda b: len(b["messages"][0]["content"]))
+    plain, edit = (b["messages"][0]["content"] for b in bodies)
+    assert [c["type"] for c in plain] == ["image_url", "text"] and plain[-1]["text"].startswith("You are shown an image generated")
+    assert [c["type"] for c in edit] == ["image_url", "image_url", "text"]
+    assert edit[-1]["text"].startswith("You are shown two images: the first is the original")
+    assert edit[-1]["text"].endswith("Instruction: good 3")
+    source = Image.open(io.BytesIO(base64.b64decode(edit[0]["image_url"]["url"].split(",", 1)[1])))
+    expected = media.to_tensor(SyntheticImage(1, 24, 24).to_pil(), (16, 16))  # sent at image_size 16
+    assert torch.allclose(media.to_tensor(source), expected, atol=2 / 255)
+    with pytest.raises(registry.ComponentError, match=r"reward.edit_template: cannot fill"):
+        judge(edit_template="{instruction}")

@@ -432,7 +432,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
     from fgrpo.core import checkpoint as ckpt
     from fgrpo.core import confine, rundir
     from fgrpo.core.evaluation import write_samples
-    from fgrpo.core.prompts import read_prompt_file
+    from fgrpo.core.prompts import image_errors, read_prompt_file
     from fgrpo.core.shipped import find_recipe
     from fgrpo.core.trainer import check_prompts, load_checkpoint_weights
 
@@ -442,6 +442,10 @@ def cmd_sample(args: argparse.Namespace) -> int:
         raise RecipeError([ConfigError("--prompts", f"cannot read {args.prompts}: {exc.strerror}")]) from None
     except ValueError as exc:
         raise RecipeError([ConfigError("--prompts", str(exc))]) from None
+    prompts, metadata = [p for p, _ in rows], dict(rows)
+    bad_images = image_errors(prompts, "--prompts")
+    if bad_images:
+        raise RecipeError(bad_images)
     if args.checkpoint:
         checkpoint = rundir.find_checkpoint(Path(args.checkpoint))
         if (checkpoint / ckpt.STATE).is_file():
@@ -454,7 +458,6 @@ def cmd_sample(args: argparse.Namespace) -> int:
         checkpoint, recipe = None, _load(args)
     target = rundir.output_folder(Path(args.out))
     policy = _build_policy(recipe)
-    prompts, metadata = [p for p, _ in rows], dict(rows)
     check_prompts(policy, prompts, "--prompts", lambda p: metadata.get(p, {}))
     if checkpoint is not None:
         load_checkpoint_weights(policy, checkpoint, 0.0 if args.no_ema else recipe.train.ema_decay)

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fgrpo.core import tensors, trackers, visuals
+from fgrpo.core import media, tensors, trackers, visuals
 from fgrpo.core.config import ConfigError, RecipeError, first_line, shown
 from fgrpo.core.ema import ema_weights
 from fgrpo.core.protocols import EvalContext, EvaluatorResult
@@ -208,14 +208,24 @@ def write_eval_samples(
     pick = list(range(0, len(prompts), run.recipe.eval.samples_per_prompt))[:32]
     reads = [d["read"] for d in details.values() if isinstance(d, dict) and _per_sample_strings(d.get("read"), len(prompts))]
     rows = [
-        {"prompt": prompts[i], "sample": 0, "score": round(total[i].item(), 4), "read": "; ".join(r[i] for r in reads)}
+        {"prompt": prompts[i], "sample": 0, "score": round(total[i].item(), 4), "read": "; ".join(r[i] for r in reads),
+         **({"sources": len(media.source_images(prompts[i]))} if media.source_images(prompts[i]) else {})}
         for i in pick
     ]
     notes = [f"score {row['score']:.3g}" + (f" · read: {row['read']}" if row["read"] else "") for row in rows]
     name = f"eval_{iteration:06d}"
-    grid = visuals.sample_grid(outputs[pick], [row["prompt"] for row in rows], out_dir / "samples" / f"{name}.png", notes=notes)
-    visuals.write_tiles(outputs[pick], rows, out_dir / "samples" / name)
+    shown_images = sources_then_outputs(outputs[pick], [prompts[i] for i in pick])
+    grid = visuals.sample_grid(shown_images, [row["prompt"] for row in rows], out_dir / "samples" / f"{name}.png", notes=notes)
+    visuals.write_tiles(shown_images, rows, out_dir / "samples" / name)
     trackers.log_image(run.accelerator, "eval/samples", np.asarray(grid), iteration)
+
+
+def sources_then_outputs(images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
+    """What a grid or filmstrip tile shows: the output alone, or for prompts with source images
+    (edits) source -> output side by side (:func:`fgrpo.core.media.side_by_side`)."""
+    if not any(media.source_images(p) for p in prompts):
+        return images
+    return media.side_by_side(media.reward_sources(prompts, images), images)
 
 
 def _per_sample_strings(value: Any, n: int) -> bool:

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from fgrpo.core import media
 from fgrpo.core.config import first_line, shown
 from fgrpo.core.protocols import Trajectory
 from fgrpo.core.registry import ComponentError
@@ -38,15 +39,22 @@ def is_video_batch(outputs: Any) -> bool:
     return isinstance(outputs, torch.Tensor) and outputs.dim() == 5 and outputs.shape[2] == 3
 
 
-def score_frames(reward: Any, videos: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Any], stride: int) -> Any:
+def score_frames(
+    reward: Any, videos: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Any], stride: int, **sources: Any
+) -> Any:
     """An image reward on videos (B, T, 3, H, W): frames 0, stride, 2 stride, ... of every video
-    scored as images with their video's prompt and metadata; a video's score is the mean over its
-    frames, numeric details are averaged per video, other details listed per video."""
+    scored as images with their video's prompt, metadata (and ``sources``, when the reward takes
+    them); a video's score is the mean over its frames, numeric details are averaged per video,
+    other details listed per video."""
     from fgrpo.core.protocols import RewardResult
 
     frames = videos[:, ::stride]
     b, t = frames.shape[:2]
-    result = reward(frames.reshape(b * t, *frames.shape[2:]), [p for p in prompts for _ in range(t)], [m for m in metadata for _ in range(t)])
+    per_frame = {k: [s for s in v for _ in range(t)] for k, v in sources.items()}
+    result = reward(
+        frames.reshape(b * t, *frames.shape[2:]), [p for p in prompts for _ in range(t)], [m for m in metadata for _ in range(t)],
+        **per_frame,
+    )
     scores = torch.as_tensor(result.scores).detach()
     if scores.shape != (b * t,):
         return result  # malformed: reported by score() with the shape it has
@@ -115,21 +123,28 @@ def score(
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Every reward on the batch; a malformed result stops the run before an update uses it.
     Videos reach a reward frame by frame (every ``frame_stride``-th frame of the reward's spec)
-    unless the reward declares ``accepts_video = True``. A group-aware reward (``groupwise =
-    True``) also receives ``groups``, each sample's prompt group (the batch holds whole groups)."""
+    unless the reward declares ``accepts_video = True``. A reward that declares
+    ``accepts_sources = True`` also gets ``sources=``: each sample's source images
+    (:func:`fgrpo.core.media.reward_sources`). A group-aware reward (``groupwise = True``) also
+    receives ``groups``, each sample's prompt group (the batch holds whole groups)."""
     scores: dict[str, torch.Tensor] = {}
     details: dict[str, Any] = {}
     prompts = list(prompts)
+    sources: list[Any] | None = None
     for spec, reward in rewards:
+        extra = {}
+        if getattr(reward, "accepts_sources", False):  # loaded once for every reward that takes them
+            sources = media.reward_sources(prompts, outputs) if sources is None else sources
+            extra["sources"] = sources
         if getattr(reward, "groupwise", False):
             if groups is None:
                 raise RewardError(f"reward {spec.label!r} judges whole prompt groups, and {where} gave none")
-            call = functools.partial(reward, outputs, prompts, list(metadata), groups=groups)
+            call = functools.partial(reward, outputs, prompts, list(metadata), groups=groups, **extra)
         elif is_video_batch(outputs) and not getattr(reward, "accepts_video", False):
             stride = getattr(spec, "frame_stride", 1)
-            call = functools.partial(score_frames, reward, outputs, prompts, metadata, stride)
+            call = functools.partial(score_frames, reward, outputs, prompts, metadata, stride, **extra)
         else:
-            call = functools.partial(reward, outputs, prompts, list(metadata))
+            call = functools.partial(reward, outputs, prompts, list(metadata), **extra)
         result = call_reward(spec, call, prompts, where)
         if not hasattr(result, "scores"):
             raise RewardError(

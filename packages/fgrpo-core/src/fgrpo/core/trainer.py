@@ -18,7 +18,7 @@ import torch
 from rich.console import Console
 
 from fgrpo.core import checkpoint as ckpt
-from fgrpo.core import evaluation, launch, phases, report, rundir, scoring, timing, trackers, visuals, weights
+from fgrpo.core import evaluation, launch, media, phases, report, rundir, scoring, timing, trackers, visuals, weights
 from fgrpo.core.config import ConfigError, RecipeError, first_line
 from fgrpo.core.data import PromptSchedule
 from fgrpo.core.ema import EMA, ema_weights
@@ -216,15 +216,19 @@ def lr_lambda(cfg: Any) -> Any:
 def check_prompts(
     policy: Any, prompts: Sequence[str], key: str, metadata: Callable[[str], Mapping[str, Any]] | None = None
 ) -> None:
-    """Refuse prompts the policy cannot read, before anything runs: a policy with a closed
-    vocabulary (``shapes-dit``) says why through an optional ``check_prompts(prompts) -> [problem]``.
-    A policy conditioned on more than text (image-to-video) is first given the prompts'
-    ``metadata`` lookup through its optional ``use_prompt_metadata``."""
+    """Refuse prompts the policy cannot read, before anything runs: prompts with a number of
+    source images the policy does not take (``source_image_count``, :mod:`fgrpo.core.media`), and
+    what a policy with a closed vocabulary (``shapes-dit``) says through an optional
+    ``check_prompts(prompts) -> [problem]``. A policy that reads more of a prompt's row than its
+    source images first gets the prompts' ``metadata`` lookup through its optional
+    ``use_prompt_metadata``."""
     bind = getattr(policy, "use_prompt_metadata", None)
     if bind is not None:
         bind(metadata if metadata is not None else (lambda _prompt: {}))
+    problems = media.count_problems(policy, prompts)
     check = getattr(policy, "check_prompts", None)
-    problems = check(list(prompts)) if check is not None else []
+    if not problems and check is not None:
+        problems = check(list(prompts))
     if problems:
         shown = [ConfigError(key, p) for p in problems[:5]]
         more = [ConfigError(key, f"... and {len(problems) - 5} more prompts the model cannot read")] if len(problems) > 5 else []

@@ -54,6 +54,17 @@ PAIRWISE_TEMPLATE = (
     "</think>. After </think>, output the final judgment strictly inside <answer> and </answer> tags, containing "
     "only one of:\n- Image 1 is better\n- Image 2 is better"
 )
+#: edits (the source image first, then the edited one): instruction following and preservation
+EDIT_TEMPLATE = (
+    "You are shown two images: the first is the original, the second is the result of editing it with the "
+    "instruction below. Judge (1) how well the edit carries out the instruction, and (2) how well everything the "
+    "instruction does not ask to change is preserved: objects, layout, identity, colours and style. Reply with a "
+    "short justification, then a score from 1 (poor) to 5 (excellent) written as 'Final Score: N'.\nInstruction: {prompt}"
+)
+EDIT_YES_NO_TEMPLATE = (
+    "The first image is the original, the second the result of editing it. Was the edit '{prompt}' carried out, "
+    "with everything else left as it was? Answer yes or no."
+)
 
 
 class Unparsable(ValueError):
@@ -113,12 +124,22 @@ def data_url(image: Any, fmt: str, size: int) -> str:
 @attrs.define
 class VLMJudge:
     """score = the judge's parsed answer / divisor (number), or P(yes) (yes-no). Details:
-    ``answer`` (the raw text), ``fallback`` (1 where the fallback value was used)."""
+    ``answer`` (the raw text), ``fallback`` (1 where the fallback value was used).
+
+    Edits: a prompt with source images (an editing backbone's) is judged on its sources and the
+    output, sent in that order, with ``edit_template`` (instruction following and preservation);
+    the reward takes them as ``sources`` (``accepts_sources``)."""
+
+    accepts_sources = True
 
     model: str = param(help="the model name the server serves (e.g. UnifiedReward-7b-v1.5, Qwen/Qwen2.5-VL-7B-Instruct)")
     url: str = param("http://127.0.0.1:8000/v1", help="base URL of the OpenAI-compatible API (…/v1)")
     api_key_env: str | None = param("OPENAI_API_KEY", help="environment variable holding the API key; unset = no key")
     template: str | None = param(None, help="the question; {prompt} is the caption; none = a 1-5 judge (number), a yes/no question or Pref-GRPO's comparison (pairwise)")
+    edit_template: str | None = param(
+        None, help="the question for edits (sources, then output); {prompt} is the instruction; none = a 1-5 judge of "
+        "instruction following and preservation (number) or a yes/no question",
+    )
     parse: str = param("number", choices=("number", "yes-no", "pairwise"), help="how the answer becomes a score; pairwise: the judge compares two images (the judge of a pairwise reward)")
     pattern: str = param(r"Final Score:\s*([-+]?\d+(?:\.\d+)?)", help="parse: number — a regex whose first group is the score")
     divisor: float = param(5.0, gt=0, help="parse: number — the number is divided by this (flow_grpo's UnifiedReward: 5)")
@@ -145,27 +166,37 @@ class VLMJudge:
             except re.error as exc:
                 raise ValueError(f"reward.{checked[0]}: {checked[1]!r} is not a regular expression: {exc}") from exc
         self.question("a caption")  # a template that cannot be filled fails when the reward is built
+        self.question("an instruction", edit=True)
 
     @property
     def compares(self) -> bool:
         """Whether this judge compares two images (``compare``) rather than scoring one."""
         return self.parse == "pairwise"
 
-    def question(self, prompt: str) -> str:
-        default = {"number": DEFAULT_TEMPLATE, "yes-no": YES_NO_TEMPLATE, "pairwise": PAIRWISE_TEMPLATE}[self.parse]
-        template = self.template or default
+    def question(self, prompt: str, edit: bool = False) -> str:
+        if edit:
+            key, template = "edit_template", self.edit_template or (EDIT_TEMPLATE if self.parse == "number" else EDIT_YES_NO_TEMPLATE)
+        else:
+            default = {"number": DEFAULT_TEMPLATE, "yes-no": YES_NO_TEMPLATE, "pairwise": PAIRWISE_TEMPLATE}[self.parse]
+            key, template = "template", self.template or default
         try:
             return template.format(prompt=prompt)
         except (KeyError, IndexError, ValueError) as exc:
-            raise ValueError(f"reward.template: cannot fill {template!r} (only {{prompt}} is known; double other braces): {exc}") from exc
+            raise ValueError(f"reward.{key}: cannot fill {template!r} (only {{prompt}} is known; double other braces): {exc}") from exc
 
-    def request(self, images: Any, prompt: str) -> bytes:
-        """The chat request for one image (or, comparing, a pair of images: first, then second)."""
-        images = images if isinstance(images, tuple) else (images,)
-        content = [{"type": "image_url", "image_url": {"url": data_url(image, self.image_format, self.image_size)}} for image in images]
+    def request(self, images: Any, prompt: str, sources: Sequence[Any] = ()) -> bytes:
+        """The chat request for one image (comparing: a pair, first then second), after the
+        images an edit started from."""
+        pictures = [*sources, *(images if isinstance(images, tuple) else (images,))]
         body = {
             "model": self.model,
-            "messages": [{"role": "user", "content": [*content, {"type": "text", "text": self.question(prompt)}]}],
+            "messages": [{
+                "role": "user",
+                "content": [
+                    *[{"type": "image_url", "image_url": {"url": data_url(p, self.image_format, self.image_size)}} for p in pictures],
+                    {"type": "text", "text": self.question(prompt, edit=bool(sources))},
+                ],
+            }],
             "temperature": self.temperature,
             "max_tokens": self.max_tokens,
         }
@@ -173,15 +204,16 @@ class VLMJudge:
             body.update(logprobs=True, top_logprobs=5)
         return json.dumps(body).encode()
 
-    def ask(self, image: Any, prompt: str) -> tuple[float | None, str]:
-        """(score, answer text); score None when the answer holds none. Comparing, ``image`` is a
-        pair and the score 1 when the first is better, 0 when the second."""
+    def ask(self, image: Any, prompt: str, sources: Sequence[Any] = ()) -> tuple[float | None, str]:
+        """(score, answer text); score None when the answer holds none. ``sources``: the images an
+        edit started from (uint8 arrays), sent before the output. Comparing, ``image`` is a pair
+        and the score 1 when the first is better, 0 when the second."""
         headers = {"Content-Type": "application/json"}
         key = token_from_env(self.api_key_env)
         if key:
             headers["Authorization"] = f"Bearer {key}"
         raw = post(
-            self.url.rstrip("/") + "/chat/completions", self.request(image, prompt), headers=headers,
+            self.url.rstrip("/") + "/chat/completions", self.request(image, prompt, sources), headers=headers,
             timeout=self.timeout, retries=self.retries, backoff=self.backoff, what=f"vlm-judge {self.model}",
             limit=int(self.max_answer_mb * 2**20),
         )
@@ -201,13 +233,16 @@ class VLMJudge:
         except Unparsable:
             return None, text
 
-    def __call__(self, outputs: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> RewardResult:
+    def __call__(
+        self, outputs: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]], *, sources: Sequence[Any] | None = None
+    ) -> RewardResult:
         if self.parse == "pairwise":
             raise ValueError("vlm-judge with parse: pairwise compares two images: make it the judge of a pairwise reward")
         images = to_uint8(outputs)
         if len(images) != len(prompts):
             raise ValueError(f"vlm-judge got {len(images)} images for {len(prompts)} prompts")
-        return self._answers(list(images), prompts)
+        given = [[to_uint8(s[None])[0] for s in row] for row in sources] if sources is not None else [[] for _ in prompts]
+        return self._answers(list(images), prompts, given)
 
     def compare(self, first: torch.Tensor, second: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> RewardResult:
         """Each (first[i], second[i]) pair judged once: score 1 when the first image is better, 0
@@ -215,11 +250,11 @@ class VLMJudge:
         if self.parse != "pairwise":
             raise ValueError(f"vlm-judge compares two images only with parse: pairwise (got parse: {self.parse})")
         a, b = to_uint8(first), to_uint8(second)
-        return self._answers(list(zip(a, b)), prompts)
+        return self._answers(list(zip(a, b)), prompts, [[] for _ in prompts])
 
-    def _answers(self, images: list[Any], prompts: Sequence[str]) -> RewardResult:
+    def _answers(self, images: list[Any], prompts: Sequence[str], given: list[list[Any]]) -> RewardResult:
         with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
-            answers = list(pool.map(self.ask, images, prompts))
+            answers = list(pool.map(self.ask, images, prompts, given))
         bad = [i for i, (score, _) in enumerate(answers) if score is None]
         if bad and self.fallback is None:
             i = bad[0]

@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
-from fgrpo.core import registry
+from fgrpo.core import media, registry
 from fgrpo.core.protocols import Reward, RewardResult
 
 
@@ -115,10 +115,12 @@ class RewardConformance:
         return torch.tensor([ids.setdefault(p, len(ids)) for p in prompts], dtype=torch.long)
 
     def score(self, reward: Any, outputs: Any, prompts: list[str], metadata: list) -> RewardResult:
+        """The reward on a batch, as the trainer calls it (with ``sources=`` when it accepts them,
+        ``groups=`` when it judges whole groups)."""
+        extra = {"sources": media.reward_sources(prompts, outputs)} if getattr(reward, "accepts_sources", False) else {}
         if getattr(reward, "groupwise", False):
-            result = reward(outputs, prompts, metadata, groups=self.groups_of(prompts))
-        else:
-            result = reward(outputs, prompts, metadata)
+            extra["groups"] = self.groups_of(prompts)
+        result = reward(outputs, prompts, metadata, **extra)
         assert isinstance(result, RewardResult), (
             f"{self.reward_name} returned {type(result).__name__}, expected fgrpo.core.protocols.RewardResult"
         )
