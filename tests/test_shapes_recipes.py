@@ -10,7 +10,10 @@ import pytest
 from fgrpo.core import cli
 from fgrpo.core.runlog import read_metrics
 
-SHAPES = ["shapes.yaml", "shapes-fast.yaml", "shapes-mixgrpo.yaml", "shapes-guard.yaml"]
+SHAPES = [
+    "shapes.yaml", "shapes-fast.yaml", "shapes-mixgrpo.yaml", "shapes-guard.yaml",
+    "shapes-nft.yaml", "shapes-awm.yaml", "shapes-dpo.yaml", "shapes-pairwise.yaml",
+]
 
 
 @pytest.mark.parametrize("name", SHAPES)

@@ -42,10 +42,12 @@ class TrainConfig:
     inner_epochs: int = param(1, ge=1, help="passes over each iteration's samples")
     minibatch_size: int = param(0, ge=0, help="samples per optimizer step; 0 = the whole batch (on-policy)")
     micro_batch_size: int = param(
-        0, ge=0, help="(sample, step) pairs per forward pass (all trained steps of a sample batched); 0 = the whole minibatch"
+        0, ge=0, help="(sample, step) pairs per forward pass (all trained steps of a sample batched; forward-process objectives: "
+        "(sample, point) pairs, a DPO pair's two rows counting as two); 0 = the whole minibatch"
     )
     reference_batch_size: int = param(
-        0, ge=0, help="(sample, step) pairs per forward of the KL's reference pass (once per iteration, no gradient); 0 = micro_batch_size"
+        0, ge=0, help="(sample, step) pairs per forward of the passes without gradient (the KL's reference, once per "
+        "iteration; forward-process objectives: the old policy's and the reference's, once per epoch); 0 = micro_batch_size"
     )
     reward_worker: bool = param(
         False, help="decode and score each rollout chunk (train.rollout_prompts) in a worker thread while the next chunk rolls out"
@@ -514,7 +516,7 @@ def cross_section_errors(resolved: Mapping[str, Any]) -> list[ConfigError]:
         if isinstance(spec, Mapping) and isinstance(spec.get("name"), str):
             classes.append(registry.load(section, spec["name"]))
     classes.extend(OWN_SECTIONS.values())
-    errors: list[ConfigError] = []
+    errors: list[ConfigError] = training_kind_errors(resolved)
     for cls in classes:
         check = getattr(cls, "check_recipe", None)
         if check is not None:
@@ -543,6 +545,36 @@ def source_image_errors(resolved: Mapping[str, Any], shown_at_most: int = 5) -> 
     if len(problems) > shown_at_most:
         errors.append(ConfigError("prompts", f"... and {len(problems) - shown_at_most} more prompts the model cannot take"))
     return errors
+
+
+def training_kind_errors(resolved: Mapping[str, Any]) -> list[ConfigError]:
+    """An objective trains on what the sampler's rollouts hold: stochastic transitions (grpo,
+    grpo-guard: the full, fast and mixgrpo samplers) or finished samples that it re-noises itself
+    (nft, awm, dpo: the deterministic ``ode`` sampler). A pair that cannot train is refused,
+    naming both keys."""
+    objective, sampler = resolved.get("objective"), resolved.get("sampler")
+    if not (isinstance(objective, Mapping) and isinstance(sampler, Mapping)):
+        return []
+    kind = getattr(registry.load("objective", objective["name"]), "trains_on", "transitions")
+    records = getattr(registry.load("sampler", sampler["name"]), "transitions", True)
+    kernel = sampler.get("kernel")
+    kernel_name = kernel.get("name") if isinstance(kernel, Mapping) else kernel
+    if kind == "forward" and records:
+        return [ConfigError(
+            "objective.name",
+            f"got {objective['name']!r}, which trains on forward-process points (its rollouts' finished samples, "
+            f"re-noised), with sampler.name {sampler['name']!r}, whose stochastic steps (sampler.kernel "
+            f"{shown(kernel_name)}) it cannot train on; use the deterministic sampler, e.g. sampler: {{name: ode, "
+            "kernel: dpmpp2m}, or an objective that trains on stochastic transitions (grpo, grpo-guard)",
+        )]
+    if kind == "transitions" and not records:
+        return [ConfigError(
+            "sampler.name",
+            f"got {sampler['name']!r}, whose rollouts record no stochastic transitions, with objective.name "
+            f"{objective['name']!r}, which trains on them; use the full, fast or mixgrpo sampler with a stochastic "
+            "kernel (sde, dance, cps), or an objective that trains on the forward process (nft, awm, dpo)",
+        )]
+    return []
 
 
 def _entries(section: str, value: Any) -> tuple[list[tuple[str, Mapping[str, Any]]], list[ConfigError]]:

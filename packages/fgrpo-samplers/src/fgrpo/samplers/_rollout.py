@@ -84,8 +84,10 @@ class Plan:
     def check(self, batch: int) -> None:
         """Refuse a plan :func:`run` cannot run for ``batch`` samples (a sampler bug)."""
         trained = self.trained
-        if trained is None or trained.dim() != 2 or trained.shape[0] != batch or trained.shape[1] < 1:
-            raise ValueError(f"trained steps must be (B={batch}, S>=1), got {None if trained is None else tuple(trained.shape)}")
+        if trained is None or trained.dim() != 2 or trained.shape[0] != batch:
+            raise ValueError(f"trained steps must be (B={batch}, S), got {None if trained is None else tuple(trained.shape)}")
+        if trained.shape[1] == 0 and any(step.kernel.stochastic for step in self.steps):
+            raise ValueError("a rollout with stochastic steps trains at least one of them")
         if self.prefix and not self.share_noise:
             raise ValueError("a shared prefix needs a shared initial noise")
         for position in range(self.prefix):
@@ -165,7 +167,9 @@ class Record:
 def run(
     policy: Policy, prompts: Sequence[str], group_size: int, plan: Plan, generator: torch.Generator | None = None
 ) -> Trajectory:
-    """Run ``plan`` for ``group_size`` samples of each prompt and record its trained steps."""
+    """Run ``plan`` for ``group_size`` samples of each prompt and record its trained steps (none for
+    a deterministic plan: its trajectory then holds only the final samples and their conditioning,
+    what the forward-process objectives train on)."""
     prompts = list(prompts)
     if not prompts:
         raise ValueError("rollout needs at least one prompt")

@@ -231,6 +231,10 @@ class GroupSampler:
     schedule: Mapping[str, Any] | None
     final: str | None
 
+    #: the rollout records trained stochastic transitions (the ``ode`` sampler records none: its
+    #: finished samples serve the objectives that train on the forward process)
+    transitions: ClassVar[bool] = True
+
     #: what ``rollout`` says when the kernel has std 0 at every step it would train
     nothing_to_train: ClassVar[str] = "the kernel has std 0 at every step of {sigmas}: nothing to train"
 
@@ -274,14 +278,16 @@ class GroupSampler:
         plan = self.program(sigmas, generator)
         final = resolve_final(self.final, self.kernel)
         steps = with_final(plan.steps, final)
-        stds = self.kernel_stds(sigmas)
-        candidates = [p for p in stochastic_steps(steps, self.kernel) if stds[p] > 0]
-        if not candidates:
-            raise ValueError(self.nothing_to_train.format(sigmas=sigmas.tolist(), **plan.info))
-        trained = self.trained_steps(candidates, len(prompts) * group_size, generator)
-        weight = None
-        if getattr(self, "kl_steps", "trained") == "all":
-            trained, weight = kl_everywhere(trained, steps, stds, plan.prefix)
+        batch = len(prompts) * group_size
+        trained, weight = torch.zeros((batch, 0), dtype=torch.long), None  # the final samples and their conditioning only
+        if self.transitions:
+            stds = self.kernel_stds(sigmas)
+            candidates = [p for p in stochastic_steps(steps, self.kernel) if stds[p] > 0]
+            if not candidates:
+                raise ValueError(self.nothing_to_train.format(sigmas=sigmas.tolist(), **plan.info))
+            trained = self.trained_steps(candidates, batch, generator)
+            if getattr(self, "kl_steps", "trained") == "all":
+                trained, weight = kl_everywhere(trained, steps, stds, plan.prefix)
         plan = attrs.evolve(
             plan, steps=steps, sigmas=sigmas, trained=trained, share_noise=self.share_noise, final=final,
             kl_kernel=self.kernel if weight is not None else None, policy_weight=weight,

@@ -8,7 +8,7 @@ averaging (GRPO-Guard divides each sample's loss by its own -dt).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import attrs
 import torch
@@ -129,6 +129,7 @@ class ClippedObjective:
     raw log-ratio, the KL term and the metrics. A subclass (an attrs class) adds its
     ``clip_range`` key (its own default) and writes :meth:`surrogate`."""
 
+    trains_on: ClassVar[str] = "transitions"
     adv_clip: float = adv_clip_param()
     beta: float = beta_param()
     kl: KlForm = kl_param()
