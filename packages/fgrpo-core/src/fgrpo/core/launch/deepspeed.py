@@ -31,6 +31,7 @@ accelerators a DeepSpeed launch runs on DeepSpeed's CPU accelerator over gloo
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, ClassVar, TypeVar
@@ -150,11 +151,11 @@ def load_models_whole() -> None:
     says, and transformers then builds every model it loads inside ``deepspeed.zero.Init``
     (partitioned): the frozen text encoders would be split outside any engine that gathers them
     for a forward. The policy loads whole; ZeRO-3 partitions the trained network at prepare."""
-    try:
-        from transformers.integrations import unset_hf_deepspeed_config
-    except ImportError:  # no transformers: nothing loads through it
-        return
-    unset_hf_deepspeed_config()
+    # accelerate imports transformers' deepspeed integration when it sets that config: when the
+    # module is not loaded there is nothing to unset (and fgrpo-core does not depend on transformers)
+    integration = sys.modules.get("transformers.integrations.deepspeed")
+    if integration is not None:
+        integration.unset_hf_deepspeed_config()
 
 
 def stage_class(accelerator: Any) -> type:
