@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fgrpo.core import registry
-from fgrpo.core.phases import detail_means
+from fgrpo.core.scoring import detail_means
 from fgrpo.core.testing import RewardConformance
 from fgrpo.rewards.geneval import (
     Detection,

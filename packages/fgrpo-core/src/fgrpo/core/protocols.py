@@ -7,7 +7,7 @@ through the methods named here.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol, runtime_checkable
 
@@ -86,9 +86,10 @@ class Policy(Protocol):
     ``cond`` (Qwen-Image pads prompt embeddings to ``max_sequence_length`` and trims each
     forward to its longest prompt), so batches from different calls can be concatenated.
 
-    Optional: ``export(folder)`` writes the trained weights in the backbone's own format (the
-    ``fgrpo export`` command), and ``export_in_checkpoints`` (true) puts that export into every
-    checkpoint.
+    Optional: ``export(folder, state=None)`` writes the trained weights in the backbone's own
+    format (the ``fgrpo export`` command), and ``export_in_checkpoints`` (true) puts that export
+    into every checkpoint: the trainer then passes ``state``, a ``trainable_state_dict()`` of the
+    weights evaluation uses, to write instead of reading the module.
 
     Optional, for policies conditioned on images (editing, image-to-video): a prompt is then a
     :class:`fgrpo.core.media.Prompt`, a ``str`` that carries its source images (``prompt.images``,
@@ -100,12 +101,12 @@ class Policy(Protocol):
     that reads more of a prompt's row first receives the prompt source's ``metadata`` through
     ``use_prompt_metadata(lookup)``; ``check_prompts(prompts)`` says which prompts it cannot take.
 
-    Optional, for sharded runs (FSDP launches, :mod:`fgrpo.core.sharding`): ``trainable_module``
-    is the ``nn.Module`` that holds every trainable parameter and that ``velocity`` calls (through
-    its ``__call__``) for each forward, e.g. the transformer; FSDP shards it in place, so its
-    parameters become DTensor shards. ``trainable_state_dict`` then returns whole tensors (every
-    process calls it), ``load_trainable_state_dict`` takes whole tensors, and ``export(folder,
-    state=...)`` writes the given ``trainable_state_dict()`` instead of reading the module.
+    Optional, for sharded runs (FSDP and DeepSpeed launches, :mod:`fgrpo.core.launch`):
+    ``trainable_module`` is the ``nn.Module`` that holds every trainable parameter and that
+    ``velocity`` calls (through its ``__call__``) for each forward, e.g. the transformer; FSDP
+    shards it in place, so its parameters become DTensor shards. ``trainable_state_dict`` then
+    returns whole tensors (every process calls it) and ``load_trainable_state_dict`` takes whole
+    tensors.
     """
 
     device: torch.device
@@ -153,6 +154,7 @@ class Trajectory:
     outputs: Any = None  # decoded outputs, filled by the trainer (images (B, 3, H, W) in [0, 1])
     nfe: int = 0  # network evaluations spent on this rollout (CFG doubling included)
     info: dict[str, Any] = attrs.Factory(dict)
+    policy_weight: torch.Tensor | None = None  # (B, S) the policy loss's weight per step; 0: KL only (kl_steps: all); None: 1
 
     @property
     def batch_size(self) -> int:
@@ -207,7 +209,7 @@ class Reward(Protocol):
 
     Videos (B, T, 3, H, W) reach a reward as images, frame by frame (every ``frame_stride``-th
     frame, a key of the reward's recipe entry), and a video's score is the mean of its frames'
-    (``fgrpo.core.phases.score_frames``); a reward that scores whole videos itself declares the
+    (``fgrpo.core.scoring.score_frames``); a reward that scores whole videos itself declares the
     class attribute ``accepts_video = True`` and receives the (B, T, 3, H, W) tensor.
 
     Edits: a reward that compares each output with the images its prompt started from declares
@@ -272,5 +274,68 @@ class PromptSource(Protocol):
     def metadata(self, prompt: str) -> Mapping[str, Any]: ...
 
 
+@attrs.frozen
+class EvalContext:
+    """What an evaluator gets at an evaluation (``fgrpo.core.evaluation``).
+
+    - ``policy``: the policy as evaluation uses it (its EMA weights swapped in when the run keeps
+      one), under no_grad; an evaluator may call it as often as it likes (roll out, replan).
+    - ``prompts``: the held-out prompts (``eval.max_prompts`` applied), ``metadata(prompt)`` the
+      prompt source's metadata of each.
+    - ``generate(prompts, per_prompt, generator)``: the evaluation's deterministic sampler (Euler
+      steps of the flow ODE on the sampler's schedule with ``eval.steps`` steps): the decoded
+      outputs, ``per_prompt`` per prompt, prompt-major.
+    - ``samples`` / ``sample_prompts``: what the evaluation already generated and scored with the
+      rewards (``eval.samples_per_prompt`` per prompt, the same noise at every evaluation), for
+      evaluators that judge those very samples.
+    - ``seed`` / ``iteration``: an evaluator that draws anything seeds it from these (the same
+      draws at every evaluation: ``fgrpo.core.seeding.generator(seed, ...)``).
+    """
+
+    policy: Any
+    prompts: list[str]
+    metadata: Callable[[str], Mapping[str, Any]]
+    generate: Callable[..., Any]
+    samples: Any
+    sample_prompts: list[str]
+    seed: int
+    iteration: int
+    device: Any = None
+
+
+@attrs.define
+class Picture:
+    """One picture an evaluator shows in the report (a filmstrip row per ``prompt``): float
+    (3, H, W) in [0, 1], a score and a caption line (``read``)."""
+
+    prompt: str
+    image: torch.Tensor
+    score: float | None = None
+    read: str = ""
+
+
+@attrs.define
+class EvaluatorResult:
+    """``metrics``: scalars logged as ``gold/<label>/<key>``; a key ``name/category`` is the
+    metric per category (a scenario type), drawn per category by the report. ``pictures``: shown
+    in the report's gold filmstrip."""
+
+    metrics: dict[str, float]
+    pictures: list[Picture] = attrs.Factory(list)
+
+
+@runtime_checkable
+class Evaluator(Protocol):
+    """A gold metric: run at evaluation with the policy on held-out prompts; RL never optimises
+    it (it may roll out, replan, simulate, read the evaluation's samples). Its metrics are logged
+    as ``gold/<label>/...``, drawn against the proxy reward in the report, and watched by the
+    over-optimisation guard (``eval.guard``).
+
+    Optional class attribute ``directions``: ``{metric: "higher" | "lower"}``, which way is
+    better for each metric (the guard and the report read it; default higher)."""
+
+    def __call__(self, context: EvalContext) -> EvaluatorResult: ...
+
+
 def iter_protocols() -> Iterator[type]:
-    yield from (Kernel, Policy, Sampler, Reward, Objective, PromptSource)
+    yield from (Kernel, Policy, Sampler, Reward, Objective, PromptSource, Evaluator)

@@ -6,7 +6,7 @@ against ``pipe(..., output_type="latent")``):
 
 - outputs are videos: ``decode`` returns frame stacks (B, T, 3, H, W) in [0, 1]
   (``num_frames`` = 4k + 1); rewards receive them (an image reward scores every k-th frame
-  through the reward's ``frame_stride`` key, see fgrpo.core.phases.score);
+  through the reward's ``frame_stride`` key, see fgrpo.core.scoring.score);
 - the state is the video latent (B, C, (T - 1)/4 + 1, H/s, W/s), normalised per channel by
   the VAE's ``latents_mean``/``latents_std`` (Wan 2.1 and A14B: 16 channels at H/8; TI2V-5B's
   VAE: 48 channels at H/16);
