@@ -291,7 +291,7 @@ def problem(folder: Path, *, ema: bool = True) -> str | None:
     except FileNotFoundError:
         return f"{STATE} is missing"
     except (OSError, ValueError) as exc:
-        return f"{STATE} is not valid JSON ({str(exc)[:80]})"
+        return f"{STATE} is not valid JSON ({first_line(exc, 80)})"
     if not isinstance(state, dict) or not isinstance(state.get("iteration"), int) or not isinstance(state.get("recipe"), dict):
         return f"{STATE} lacks the iteration or the recipe"
     files = [_safetensors_problem(folder / TRAINABLE), _torch_file_problem(folder / OPTIMIZER), _torch_file_problem(folder / "rng-rank0.pt")]
@@ -392,7 +392,7 @@ def read_state(folder: Path) -> dict[str, Any]:
     except OSError as exc:
         raise _invalid(path, f"cannot be read ({exc.strerror})") from None
     except ValueError as exc:
-        raise _invalid(path, f"is not valid JSON ({str(exc)[:80]})") from None
+        raise _invalid(path, f"is not valid JSON ({first_line(exc, 80)})") from None
     if not isinstance(state, dict) or not isinstance(state.get("iteration"), int) or not isinstance(state.get("recipe"), dict):
         raise _invalid(path, "lacks the iteration or the recipe")
     return state

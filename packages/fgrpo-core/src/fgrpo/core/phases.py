@@ -333,7 +333,7 @@ def update(run: Run, traj: Trajectory, adv: torch.Tensor, iteration: int) -> Upd
     steps = optimizer_steps(run, traj, kept, most, iteration)
     with run.display.phase("update", len(steps)) as advance:
         for passes in steps:
-            run.optimizer.zero_grad(set_to_none=True)
+            run.parallel.zero_grad(run.optimizer)
             idle = run.parallel.missing_backwards(len(passes))  # a collective: before any pass
             pairs = sum(len(rows) for rows, _ in passes)
             for rows, cols in passes:

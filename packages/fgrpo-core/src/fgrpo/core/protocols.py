@@ -7,7 +7,7 @@ through the methods named here.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol, runtime_checkable
 
@@ -335,7 +335,3 @@ class Evaluator(Protocol):
     better for each metric (the guard and the report read it; default higher)."""
 
     def __call__(self, context: EvalContext) -> EvaluatorResult: ...
-
-
-def iter_protocols() -> Iterator[type]:
-    yield from (Kernel, Policy, Sampler, Reward, Objective, PromptSource, Evaluator)

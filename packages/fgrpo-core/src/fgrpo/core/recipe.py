@@ -182,18 +182,24 @@ SECTIONS: dict[str, str] = {
 }
 REQUIRED = ("model", "sampler", "reward", "objective", "prompts")
 OWN_SECTIONS = {"train": TrainConfig, "eval": EvalConfig, "log": LogConfig}
-REWARD_EXTRA_KEYS = ("weight", "label", "frame_stride", "timeout_s")
 EVALUATOR_EXTRA_KEYS = ("label",)
 
 
 @attrs.frozen
 class RewardSpec:
+    """One reward of a recipe: its registered ``name`` and its own ``params``, and the keys of its
+    entry that are the trainer's (declared here, checked as any component's keys are)."""
+
     name: str
-    label: str
-    weight: float
-    params: dict[str, Any]
-    frame_stride: int = 1  # videos: score every k-th frame as an image (fgrpo.core.scoring.score)
-    timeout_s: float | None = None
+    label: str | None = param(None, help="name of this reward in metrics (default: its name)")
+    weight: float = param(1.0, ge=-1e6, le=1e6, help="weight of this reward in the sum")
+    params: dict[str, Any] = attrs.field(factory=dict)
+    frame_stride: int = param(1, ge=1, help="videos: score every k-th frame as an image (fgrpo.core.scoring.score)")
+    timeout_s: float | None = param(None, gt=0, help="seconds a call may take before the run ends with an error; null = no limit")
+
+
+#: the keys of a reward entry that are the trainer's, not the reward's
+REWARD_EXTRA_KEYS = tuple(f.name for f in attrs.fields(RewardSpec) if f.name not in ("name", "params"))
 
 
 @attrs.frozen
@@ -201,16 +207,6 @@ class EvaluatorSpec:
     name: str
     label: str  # its metrics are logged as gold/<label>/<key>
     params: dict[str, Any]
-
-
-@attrs.define
-class RewardExtras:
-    """The keys of a reward entry that are the trainer's, not the reward's."""
-
-    weight: float = param(1.0, ge=-1e6, le=1e6, help="weight of this reward in the sum")
-    label: str | None = param(None, help="name of this reward in metrics (default: its name)")
-    frame_stride: int = param(1, ge=1, help="videos: score every k-th frame as an image")
-    timeout_s: float | None = param(None, gt=0, help="seconds a call may take before the run ends with an error; null = no limit")
 
 
 @attrs.frozen
@@ -225,15 +221,21 @@ class Recipe:
     rewards: tuple[RewardSpec, ...]
     source: str = ""
     evaluators: tuple[EvaluatorSpec, ...] = ()
+    #: the component sections as checked (coerced, defaults filled in), before ``data`` made them plain
+    checked: dict[str, dict[str, Any]] = attrs.field(factory=dict, repr=False)
 
     def spec(self, section: str) -> dict[str, Any]:
         return copy.deepcopy(self.data[section])
 
     def build(self, section: str) -> Any:
-        """Build the component of ``section`` (model, sampler, objective, prompts)."""
-        spec = self.spec(section)
+        """Build the component of ``section`` (model, sampler, objective, prompts) from its keys as
+        they were checked when the recipe was validated (not checked again)."""
+        if section not in self.checked:
+            spec = self.spec(section)
+            return registry.create(section, spec.pop("name"), **spec)
+        spec = copy.deepcopy(self.checked[section])
         name = spec.pop("name")
-        return registry.create(section, name, **spec)
+        return registry.construct(section, registry.load(section, name), spec, name)
 
     def build_rewards(self) -> list[tuple[RewardSpec, Any]]:
         return [(r, registry.create("reward", r.name, **copy.deepcopy(r.params))) for r in self.rewards]
@@ -498,6 +500,7 @@ def validate(data: Mapping[str, Any], source: str = "recipe") -> tuple[Recipe | 
         rewards=tuple(rewards),
         source=source,
         evaluators=tuple(evaluators),
+        checked={section: resolved[section] for section in ("model", "sampler", "objective", "prompts")},
     )
     return recipe, []
 
@@ -572,7 +575,7 @@ def _check_rewards(value: Any) -> tuple[list[RewardSpec], Any, list[ConfigError]
     for key, item in entries:
         params = {k: v for k, v in item.items() if k not in REWARD_EXTRA_KEYS}
         spec, errs = registry.check_spec("reward", params, key)
-        extra, extra_errs = check_params(RewardExtras, {k: item[k] for k in REWARD_EXTRA_KEYS if k in item}, key)
+        extra, extra_errs = _trainer_keys(item, key)
         errors += errs + extra_errs
         # (a key that failed its check is absent from ``extra``)
         weight, stride, timeout = extra.get("weight", 1.0), extra.get("frame_stride", 1), extra.get("timeout_s")
@@ -604,6 +607,14 @@ def _check_evaluators(value: Any) -> tuple[list[EvaluatorSpec], list[dict[str, A
         if not errs:
             specs.append(EvaluatorSpec(spec["name"], label, {k: v for k, v in spec.items() if k != "name"}))
     return specs, resolved, errors + _duplicate_labels("evaluator", resolved)
+
+
+def _trainer_keys(item: Mapping[str, Any], key: str) -> tuple[dict[str, Any], list[ConfigError]]:
+    """The trainer's keys of a reward entry (:data:`REWARD_EXTRA_KEYS`), checked against
+    :class:`RewardSpec`'s declarations (a key that fails its check is left out)."""
+    given = {k: item[k] for k in REWARD_EXTRA_KEYS if k in item}
+    checked, errors = check_params(RewardSpec, {"name": "", "params": {}, **given}, key)
+    return {k: v for k, v in checked.items() if k in REWARD_EXTRA_KEYS}, errors
 
 
 def _plain(value: Any) -> Any:

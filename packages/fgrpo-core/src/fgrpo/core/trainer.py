@@ -364,12 +364,13 @@ def checkpoint_parts(run: Run) -> dict[str, Any]:
     trainable weights, the EMA, the optimizer and scheduler, and what writes the ``export/``
     folder (None when the policy writes none): the policy's own-format export of the weights
     evaluation uses (the EMA's when the run keeps one)."""
-    trainable = run.policy.trainable_state_dict()
+    with run.parallel.whole_weights(run.trainable):
+        trainable = run.policy.trainable_state_dict()
     ema = run.ema.state_dict() if run.ema is not None else None
     optimizer = {"optimizer": run.parallel.optimizer_state(run.optimizer, run.trainable), "scheduler": run.scheduler.state_dict()}
     export = None
     if getattr(run.policy, "export_in_checkpoints", False):
-        with ema_weights(run.ema):
+        with ema_weights(run.ema), run.parallel.whole_weights(run.trainable):
             exported = run.policy.trainable_state_dict()
         export = functools.partial(run.policy.export, state=exported)
     ema_summary = weights.ema_summary(run.ema, run.optimizer_steps, run.recipe.train.ema_every) if run.ema is not None else None
@@ -380,7 +381,8 @@ def restore(run: Run, folder: Path) -> int:
     """Load checkpoint ``folder`` into the run (its recipe was checked when the folder was
     claimed); returns the iterations it had done."""
     state = ckpt.read_state(folder)
-    run.policy.load_trainable_state_dict(ckpt.read_tensors(folder / ckpt.TRAINABLE, run.policy.device))
+    with run.parallel.whole_weights(run.trainable, modify=True):
+        run.policy.load_trainable_state_dict(ckpt.read_tensors(folder / ckpt.TRAINABLE, run.policy.device))
     if run.ema is not None:
         run.ema.load_state_dict(ckpt.read_tensors(folder / ckpt.EMA, run.policy.device))
     opt = ckpt.read_torch(folder / ckpt.OPTIMIZER)

@@ -25,6 +25,7 @@ diffusers and safetensors are imported lazily: listing plugins never imports the
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -372,16 +373,13 @@ def edit_vocabulary() -> tuple[str, ...]:
     return SPECIALS + tuple(sorted(set(words)))
 
 
+@functools.cache
 def default_vocabulary() -> tuple[str, ...]:
-    """The shapes grammar's words (for ``random_init``): numbers, colours, shapes and their
-    plurals, "and" and the relation words. The pretraining tool builds the same list from the
-    grammar itself (:func:`vocabulary_of` over every prompt)."""
-    words = ["a", "two", "three", "four", "and", "to", "the", "left", "right", "of", "above", "below"]
-    words += ["red", "green", "blue", "yellow"]
-    for shape in ("square", "circle", "triangle"):
-        words += [shape, shape + "s"]
-    return SPECIALS + tuple(sorted(words))
-
+    """The shapes grammar's words (for ``random_init``), as the shipped base reads them: its weights
+    file's vocabulary, which ``tools/pretrain_shapes.py`` builds from the grammar itself
+    (:func:`vocabulary_of` over every prompt of :mod:`fgrpo.rewards.shapes`), so the words are
+    written in one place."""
+    return Architecture.from_json(read_metadata(default_weights_path())["architecture"]).vocab
 
 
 __all__ = [
