@@ -37,6 +37,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from fgrpo.core import confine
+from fgrpo.core.config import first_line
 from fgrpo.core.confine import file_mode
 from fgrpo.core.registry import ComponentError
 
@@ -149,7 +150,7 @@ def write(
         _fsync_dir(root)
     except (OSError, RuntimeError, SafetensorError) as exc:  # a full disk, a quota, a file-size limit
         shutil.rmtree(tmp, ignore_errors=True)
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else first_line(exc, 200)
         raise CheckpointError(
             f"cannot write the checkpoint of iteration {iteration} ({root}): {reason}; the checkpoints written "
             "before it are kept (--resume continues from the newest)"
@@ -412,7 +413,7 @@ def read_tensors(path: Path, device: torch.device | str = "cpu") -> dict[str, to
     try:
         return load_file(str(path), device=str(device))
     except Exception as exc:  # safetensors raises its own error type for corrupt data
-        raise _invalid(path, f"does not read back ({str(exc).splitlines()[0][:120]})") from None
+        raise _invalid(path, f"does not read back ({first_line(exc)})") from None
 
 
 def read_torch(path: Path) -> Any:
@@ -423,7 +424,7 @@ def read_torch(path: Path) -> Any:
     except Exception as exc:
         if "Weights only load failed" in str(exc) or isinstance(exc, pickle.UnpicklingError):
             raise _invalid(path, "holds objects other than tensors and numbers (refused to unpickle them)") from None
-        raise _invalid(path, f"does not read back ({str(exc).splitlines()[0][:120]})") from None
+        raise _invalid(path, f"does not read back ({first_line(exc)})") from None
 
 
 def recipe_differences(

@@ -11,11 +11,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from fgrpo.core import tensors, trackers, visuals
-from fgrpo.core.config import ConfigError, RecipeError, shown
-from fgrpo.core.phases import detail_means, score
+from fgrpo.core import media, tensors, trackers, visuals
+from fgrpo.core.config import ConfigError, RecipeError, first_line, shown
+from fgrpo.core.ema import ema_weights
 from fgrpo.core.protocols import EvalContext, EvaluatorResult
 from fgrpo.core.registry import ComponentError
+from fgrpo.core.scoring import detail_means, score
 from fgrpo.core.run import Run
 from fgrpo.core.seeding import generator
 
@@ -133,8 +134,7 @@ def gold_metrics(run: Run, iteration: int, out_dir: Path | None, samples: Any, s
             return generate(run.policy, list(chunk), per_prompt, cfg.steps, g, sigmas=sigmas)
 
     metrics: dict[str, float] = {}
-    context = run.ema.swapped_in() if run.ema is not None else contextlib.nullcontext()
-    with context, guidance(run.policy, cfg.guidance_scale), torch.no_grad():
+    with ema_weights(run.ema), guidance(run.policy, cfg.guidance_scale), torch.no_grad():
         for spec, evaluator in evaluators:
             ctx = EvalContext(
                 policy=run.policy, prompts=list(prompts), metadata=run.prompts.metadata, generate=sample,
@@ -157,8 +157,7 @@ def _call_evaluator(spec: Any, evaluator: Any, ctx: EvalContext, iteration: int)
     except ComponentError:
         raise
     except Exception as exc:
-        first = (str(exc).splitlines() or [""])[0][:200]
-        raise EvaluatorError(f"{where} raised {type(exc).__name__}: {first}") from exc
+        raise EvaluatorError(f"{where} raised {type(exc).__name__}: {first_line(exc)}") from exc
     metrics = getattr(result, "metrics", None)
     if not isinstance(metrics, Mapping):
         raise EvaluatorError(f"{where} returned {shown(result)}; expected an EvaluatorResult(metrics={{name: number}})")
@@ -175,8 +174,8 @@ def write_gold_pictures(pictures: Sequence[Any], folder: Path) -> None:
 
 
 def evaluation_samples(run: Run, iteration: int) -> tuple[Any, list[str]] | None:
-    """The outputs :func:`evaluate` scores and their prompts (None without test prompts). The
-    other processes of a sharded run call this too: each forward needs every process."""
+    """The outputs :func:`evaluate` scores and their prompts (None without test prompts). Where
+    every forward involves every process (sharded weights) the other processes call this too."""
     cfg = run.recipe.eval
     prompts = run.prompts.test_prompts()
     if cfg.max_prompts:
@@ -185,9 +184,8 @@ def evaluation_samples(run: Run, iteration: int) -> tuple[Any, list[str]] | None
         return None
     per_call = max(1, cfg.batch_size // cfg.samples_per_prompt)
     outputs, all_prompts = [], []
-    context = run.ema.swapped_in() if run.ema is not None else contextlib.nullcontext()
     sigmas = evaluation_sigmas(run)
-    with context, guidance(run.policy, cfg.guidance_scale), run.accelerator.autocast(), run.display.phase(
+    with ema_weights(run.ema), guidance(run.policy, cfg.guidance_scale), run.accelerator.autocast(), run.display.phase(
         f"evaluation at {iteration}", total=len(prompts)
     ) as advance:
         for start in range(0, len(prompts), per_call):
@@ -209,14 +207,24 @@ def write_eval_samples(
     pick = list(range(0, len(prompts), run.recipe.eval.samples_per_prompt))[:32]
     reads = [d["read"] for d in details.values() if isinstance(d, dict) and _per_sample_strings(d.get("read"), len(prompts))]
     rows = [
-        {"prompt": prompts[i], "sample": 0, "score": round(total[i].item(), 4), "read": "; ".join(r[i] for r in reads)}
+        {"prompt": prompts[i], "sample": 0, "score": round(total[i].item(), 4), "read": "; ".join(r[i] for r in reads),
+         **({"sources": len(media.source_images(prompts[i]))} if media.source_images(prompts[i]) else {})}
         for i in pick
     ]
     notes = [f"score {row['score']:.3g}" + (f" · read: {row['read']}" if row["read"] else "") for row in rows]
     name = f"eval_{iteration:06d}"
-    grid = visuals.sample_grid(outputs[pick], [row["prompt"] for row in rows], out_dir / "samples" / f"{name}.png", notes=notes)
-    visuals.write_tiles(outputs[pick], rows, out_dir / "samples" / name)
+    shown_images = sources_then_outputs(outputs[pick], [prompts[i] for i in pick])
+    grid = visuals.sample_grid(shown_images, [row["prompt"] for row in rows], out_dir / "samples" / f"{name}.png", notes=notes)
+    visuals.write_tiles(shown_images, rows, out_dir / "samples" / name)
     trackers.log_image(run.accelerator, "eval/samples", np.asarray(grid), iteration)
+
+
+def sources_then_outputs(images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
+    """What a grid or filmstrip tile shows: the output alone, or for prompts with source images
+    (edits) source -> output side by side (:func:`fgrpo.core.media.side_by_side`)."""
+    if not any(media.source_images(p) for p in prompts):
+        return images
+    return media.side_by_side(media.reward_sources(prompts, images), images)
 
 
 def _per_sample_strings(value: Any, n: int) -> bool:

@@ -86,24 +86,27 @@ class Policy(Protocol):
     ``cond`` (Qwen-Image pads prompt embeddings to ``max_sequence_length`` and trims each
     forward to its longest prompt), so batches from different calls can be concatenated.
 
-    Optional: ``export(folder)`` writes the trained weights in the backbone's own format (the
-    ``fgrpo export`` command), and ``export_in_checkpoints`` (true) puts that export into every
-    checkpoint.
+    Optional: ``export(folder, state=None)`` writes the trained weights in the backbone's own
+    format (the ``fgrpo export`` command), and ``export_in_checkpoints`` (true) puts that export
+    into every checkpoint: the trainer then passes ``state``, a ``trainable_state_dict()`` of the
+    weights evaluation uses, to write instead of reading the module.
 
-    Optional, for policies conditioned on more than the text (image-to-video now; image editing
-    extends it): ``use_prompt_metadata(lookup)`` receives the prompt source's ``metadata``
-    (prompt -> its metadata row, whose file keys such as ``image`` the source resolved to paths)
-    before anything runs, and ``encode(prompts)`` reads each prompt's conditions through it into
-    batch-first tensors of ``cond``. A prompt maps to exactly one metadata row, so whatever is
-    cached, grouped, chunked or resumed by prompt stays valid; ``check_prompts(prompts)`` says
-    which prompts lack what the policy needs.
+    Optional, for policies conditioned on images (editing, image-to-video): a prompt is then a
+    :class:`fgrpo.core.media.Prompt`, a ``str`` that carries its source images (``prompt.images``,
+    read with :func:`fgrpo.core.media.load_image`), and ``encode(prompts)`` turns text and images
+    into batch-first tensors of ``cond``. Its identity is (text, images), so whatever is cached,
+    grouped, chunked or resumed by prompt stays valid. The class attribute
+    ``source_image_count = (least, most)`` says how many images a prompt must carry (absent:
+    (0, 0), text only); a mismatch is refused at validation and before the first rollout. A policy
+    that reads more of a prompt's row first receives the prompt source's ``metadata`` through
+    ``use_prompt_metadata(lookup)``; ``check_prompts(prompts)`` says which prompts it cannot take.
 
-    Optional, for sharded runs (FSDP launches, :mod:`fgrpo.core.sharding`): ``trainable_module``
-    is the ``nn.Module`` that holds every trainable parameter and that ``velocity`` calls (through
-    its ``__call__``) for each forward, e.g. the transformer; FSDP shards it in place, so its
-    parameters become DTensor shards. ``trainable_state_dict`` then returns whole tensors (every
-    process calls it), ``load_trainable_state_dict`` takes whole tensors, and ``export(folder,
-    state=...)`` writes the given ``trainable_state_dict()`` instead of reading the module.
+    Optional, for sharded runs (FSDP and DeepSpeed launches, :mod:`fgrpo.core.launch`):
+    ``trainable_module`` is the ``nn.Module`` that holds every trainable parameter and that
+    ``velocity`` calls (through its ``__call__``) for each forward, e.g. the transformer; FSDP
+    shards it in place, so its parameters become DTensor shards. ``trainable_state_dict`` then
+    returns whole tensors (every process calls it) and ``load_trainable_state_dict`` takes whole
+    tensors.
     """
 
     device: torch.device
@@ -206,8 +209,14 @@ class Reward(Protocol):
 
     Videos (B, T, 3, H, W) reach a reward as images, frame by frame (every ``frame_stride``-th
     frame, a key of the reward's recipe entry), and a video's score is the mean of its frames'
-    (``fgrpo.core.phases.score_frames``); a reward that scores whole videos itself declares the
+    (``fgrpo.core.scoring.score_frames``); a reward that scores whole videos itself declares the
     class attribute ``accepts_video = True`` and receives the (B, T, 3, H, W) tensor.
+
+    Edits: a reward that compares each output with the images its prompt started from declares
+    ``accepts_sources = True`` and is called with the keyword ``sources``: per sample, a tuple of
+    float32 (3, H, W) tensors in [0, 1] at the outputs' size (empty for a prompt without sources;
+    :func:`fgrpo.core.media.reward_sources`). Prompts are strings; one with sources is a
+    :class:`fgrpo.core.media.Prompt` (``prompt.images`` names them; ``metadata`` is its row).
     """
 
     def __call__(
@@ -251,7 +260,12 @@ class Objective(Protocol):
 
 @runtime_checkable
 class PromptSource(Protocol):
-    """Train and test prompts (with optional per-prompt metadata for the reward)."""
+    """Train and test prompts (with optional per-prompt metadata for the reward). A prompt that
+    starts from source images is a :class:`fgrpo.core.media.Prompt`.
+
+    Optional: the classmethod ``listed_prompts(keys) -> prompts`` lists every prompt from the
+    recipe keys without building the source, so validation can refuse prompts the model cannot
+    take (the built-in sources have it)."""
 
     def train_prompts(self) -> list[str]: ...
 

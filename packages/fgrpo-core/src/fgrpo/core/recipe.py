@@ -15,8 +15,8 @@ from typing import Any, Literal
 import attrs
 import yaml
 
-from fgrpo.core import registry
-from fgrpo.core.config import ConfigError, RecipeError, check_params, param, read_text_file, shown
+from fgrpo.core import media, registry
+from fgrpo.core.config import ConfigError, RecipeError, check_params, first_line, param, read_text_file, shown
 from fgrpo.core.guard import check_guard, guard_recipe_errors
 
 # --- the trainer's own sections ----------------------------------------------------------------
@@ -192,7 +192,7 @@ class RewardSpec:
     label: str
     weight: float
     params: dict[str, Any]
-    frame_stride: int = 1  # videos: score every k-th frame as an image (fgrpo.core.phases.score)
+    frame_stride: int = 1  # videos: score every k-th frame as an image (fgrpo.core.scoring.score)
     timeout_s: float | None = None
 
 
@@ -251,7 +251,7 @@ class Recipe:
 def _yaml_error(source: str, exc: yaml.YAMLError) -> ConfigError:
     mark = getattr(exc, "problem_mark", None)
     where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark else source
-    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    problem = getattr(exc, "problem", None) or first_line(exc)
     if isinstance(exc, yaml.constructor.ConstructorError) and "tag" in str(problem):
         tag = problem.split("tag", 1)[1].strip().strip("'")
         return ConfigError(
@@ -516,6 +516,29 @@ def cross_section_errors(resolved: Mapping[str, Any]) -> list[ConfigError]:
         check = getattr(cls, "check_recipe", None)
         if check is not None:
             errors.extend(check(resolved))
+    return errors + source_image_errors(resolved)
+
+
+def source_image_errors(resolved: Mapping[str, Any], shown_at_most: int = 5) -> list[ConfigError]:
+    """A text-to-image model given prompts with source images, or an editing model given prompts
+    without (the model class's ``source_image_count``), refused at validation when the prompt
+    source can list its prompts without being built (``listed_prompts``: the built-in sources);
+    the trainer checks any other source the same way before the first rollout."""
+    model, prompts = resolved.get("model"), resolved.get("prompts")
+    if not (isinstance(model, Mapping) and isinstance(prompts, Mapping)):
+        return []
+    model_cls, source_cls = registry.load("model", model["name"]), registry.load("prompts", prompts["name"])
+    lister = getattr(source_cls, "listed_prompts", None)
+    if lister is None:
+        return []
+    try:
+        listed = lister({k: v for k, v in prompts.items() if k != "name"})
+    except (OSError, ValueError):  # reported by the source's own checks, or when it is built
+        return []
+    problems = media.count_problems(model_cls, listed, name=model["name"])
+    errors = [ConfigError("prompts", p) for p in problems[:shown_at_most]]
+    if len(problems) > shown_at_most:
+        errors.append(ConfigError("prompts", f"... and {len(problems) - shown_at_most} more prompts the model cannot take"))
     return errors
 
 

@@ -23,6 +23,7 @@ import yaml
 
 from fgrpo.core import checkpoint as ckpt
 from fgrpo.core import confine, weights
+from fgrpo.core.config import first_line
 from fgrpo.core.runlog import METRICS, metrics_rows
 from fgrpo.core.shipped import DISTRIBUTIONS, version
 
@@ -452,6 +453,13 @@ def evaluations_with_tiles(run_dir: Path, notes: list[str] | None = None) -> lis
     return found
 
 
+def tile_class(tile: Mapping[str, Any]) -> str:
+    """The CSS class of a filmstrip tile: an edit's tile (source -> output, ``sources`` in its
+    index row) is shown wider, in proportion to the images it holds."""
+    sources = tile.get("sources")
+    return f"tile edit{min(int(sources), 3)}" if _number(sources) and sources else "tile"
+
+
 def score_style(scores: Sequence[float]) -> Any:
     """How a filmstrip score is coloured: pass (green) / fail (red) when every score is 0 or 1
     (a verifier's strict verdict), else from red (the strip's lowest) to green (its highest)."""
@@ -501,7 +509,7 @@ def strip_table(evals: Sequence[tuple[int, list[dict[str, Any]]]]) -> tuple[str,
             caption = (f'<span class="{classes}"{inline}>{score:.3g}</span>' if _number(score) else "") + (
                 f"<br><span class=read>{html.escape(read)}</span>" if read else "")
             alt = html.escape(f"{prompt} (score {score})", quote=True)
-            cells.append(f'<td><img src="{_data_uri(tile["path"], str(tile["path"]))}" alt="{alt}" title="{html.escape(read, quote=True)}" class="tile">'
+            cells.append(f'<td><img src="{_data_uri(tile["path"], str(tile["path"]))}" alt="{alt}" title="{html.escape(read, quote=True)}" class="{tile_class(tile)}">'
                          f"<div class=caption>{caption}</div></td>")
             images += 1
         body.append(f'<tr><th class="prompt">{html.escape(prompt)}</th>{"".join(cells)}</tr>')
@@ -532,6 +540,7 @@ svg.chart{font:11px sans-serif;display:block}svg .title{font-weight:600}svg .fra
 table{border-collapse:collapse;font-size:12px}td,th{border:1px solid #ddd;padding:3px 6px;text-align:right}
 table.filmstrip td{text-align:center;vertical-align:top;width:84px}table.filmstrip th.prompt{text-align:left;max-width:220px;font-weight:normal}
 img.tile{width:72px;height:auto;image-rendering:pixelated;display:block;margin:auto}
+img.tile.edit1{width:146px}img.tile.edit2{width:220px}img.tile.edit3{width:294px}
 .caption{font-size:11px;margin-top:2px}.score{display:inline-block;padding:0 5px;border-radius:3px;font-weight:600}
 .pass{background:#e6f4ea;color:#137333}.fail{background:#fce8e6;color:#c5221f}
 .read{color:#777;font-size:10px}.meta td,.meta th{text-align:left}
@@ -575,7 +584,7 @@ def _recipe(run_dir: Path, notes: list[str]) -> tuple[str, dict[str, Any]]:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        notes.append(f"recipe.resolved.yaml does not read as YAML ({str(exc).splitlines()[0][:120]}): its components are not shown")
+        notes.append(f"recipe.resolved.yaml does not read as YAML ({first_line(exc, 120)}): its components are not shown")
         return text, {}
     if data is not None and not isinstance(data, dict):
         notes.append(f"recipe.resolved.yaml is not a recipe (a {type(data).__name__}): its components are not shown")

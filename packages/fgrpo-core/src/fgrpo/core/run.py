@@ -15,6 +15,7 @@ import torch
 from fgrpo.core.data import PromptSchedule
 from fgrpo.core.ema import EMA
 from fgrpo.core.guard import Guard
+from fgrpo.core.launch import Launch
 from fgrpo.core.protocols import Objective, Policy, PromptSource, Reward, Sampler
 from fgrpo.core.recipe import EvaluatorSpec, Recipe, RewardSpec
 from fgrpo.core.rundir import RunFolder
@@ -33,7 +34,7 @@ class Run:
     objective: Objective
     prompts: PromptSource
     rewards: list[tuple[RewardSpec, Reward]]
-    accelerator: Accelerator
+    parallel: Launch  # the launch kind: backward, optimizer step, padding, checkpoint state (fgrpo.core.launch)
     trainable: list[torch.nn.Parameter]
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
@@ -51,20 +52,10 @@ class Run:
     saved_at: int | None = None  # the iteration of the checkpoint written last (one per iteration)
 
     @property
+    def accelerator(self) -> Accelerator:
+        """accelerate's Accelerator: autocast, gather, trackers (what every launch kind does alike)."""
+        return self.parallel.accelerator
+
+    @property
     def is_main(self) -> bool:
-        return self.accelerator.is_main_process
-
-    @property
-    def sharded(self) -> bool:
-        """The training state is split over the processes (FSDP or DeepSpeed ZeRO-2,
-        :mod:`fgrpo.core.sharding`): every backward and every checkpoint involves every process."""
-        from fgrpo.core.sharding import is_sharded
-
-        return is_sharded(self.accelerator)
-
-    @property
-    def sharded_weights(self) -> bool:
-        """The weights themselves are split (FSDP): every forward involves every process."""
-        from fgrpo.core.sharding import shards_weights
-
-        return shards_weights(self.accelerator)
+        return self.parallel.is_main

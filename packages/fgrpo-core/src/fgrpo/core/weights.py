@@ -26,7 +26,7 @@ def ema_updates(optimizer_steps: int, every: int) -> int:
 def ema_summary(ema: Any, optimizer_steps: int, every: int) -> dict[str, Any]:
     """What a checkpoint records about its EMA: its updates and its largest difference to the raw
     weights. In a sharded run every process must call this (whole tensors are gathered)."""
-    from fgrpo.core.sharding import full
+    from fgrpo.core.launch.shards import full
 
     difference = 0.0
     for shadow, param in zip(ema.shadow, ema.params):

@@ -22,7 +22,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 import torch
@@ -40,12 +40,14 @@ from fgrpo.models.lora import (
     trainable_state,
 )
 from fgrpo.models.shapes_network import (
+    WEIGHTS_RESOURCE,
     Architecture,
     ShapesNetwork,
     default_vocabulary,
     default_weights_path,
     load_network,
     to_velocity,
+    transformer_output,
 )
 
 #: LoRA on both attention streams of every joint block, as for sd3.
@@ -103,6 +105,13 @@ class ShapesDiT:
     _reference_depth: int = attrs.field(init=False, default=0, repr=False)
     _cache: dx.PromptCache = attrs.field(init=False, repr=False)
 
+    #: the shipped weights a recipe gets without ``path`` (package data of fgrpo-models)
+    weights_resource: ClassVar[str] = WEIGHTS_RESOURCE
+
+    def _random_architecture(self, given: dict[str, Any]) -> Architecture:
+        """``random_init``'s architecture: the recipe's keys over :class:`Architecture`'s defaults."""
+        return Architecture(vocab=default_vocabulary(), **given)
+
     @classmethod
     def from_network(cls, network: ShapesNetwork, **keys: Any) -> ShapesDiT:
         """Wrap an existing :class:`ShapesNetwork` (taken over: moved, frozen, adapted in place)."""
@@ -119,10 +128,10 @@ class ShapesDiT:
                     given["heads"] = max(1, given["hidden"] // 64)
                 if "text_width" in given:
                     given["text_heads"] = max(1, given["text_width"] // 64)
-                self._network = ShapesNetwork(Architecture(vocab=default_vocabulary(), **given))
+                self._network = ShapesNetwork(self._random_architecture(given))
             else:
                 if self.path is None:
-                    self.path = default_weights_path()
+                    self.path = default_weights_path(self.weights_resource)
                 self._network = load_network(self.path)
         self._check_architecture()
         net = self._network
@@ -232,13 +241,13 @@ class ShapesDiT:
             sigma = torch.cat([sigma, sigma])
             embeds = torch.cat([cond["negative_prompt_embeds"], embeds])
             pooled = torch.cat([cond["negative_pooled_prompt_embeds"], pooled])
-        out = transformer(
-            hidden_states=x.to(dtype),
-            timestep=sigma * 1000.0,
-            encoder_hidden_states=embeds.to(self.device, dtype),
-            pooled_projections=pooled.to(self.device, dtype),
-            return_dict=False,
-        )[0]
+        source = cond.get("source")
+        if source is not None:
+            source = torch.cat([source, source]) if self.cfg else source  # both guidance branches see it
+            source = source.to(self.device, dtype)
+        out = transformer_output(
+            transformer, self.architecture, x.to(dtype), sigma, embeds.to(self.device, dtype), pooled.to(self.device, dtype), source
+        )
         out = to_velocity(out, x, sigma, self.architecture.prediction)
         if self.cfg:
             uncond, text = out.chunk(2)
