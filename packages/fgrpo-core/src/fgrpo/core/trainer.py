@@ -52,6 +52,7 @@ def iteration(run: Run, it: int) -> dict[str, Any]:
     t2 = time.perf_counter()
     adv, adv_stats = phases.advantages(run, traj, scores)
     stats = phases.update(run, traj, adv, it)
+    phases.move_old_policy(run)
     run.scheduler.step()
     metrics = {
         **adv_stats,
@@ -81,10 +82,12 @@ def train(run: Run) -> dict[str, Any]:
     cfg, hooks = run.recipe.train, plugin_manager().hook
     total = cfg.iterations
     row: dict[str, Any] = {}
-    if run.start_iteration == 0 and run.recipe.eval.every and run.recipe.eval.at_start:
+    if run.saved_at is None and run.recipe.eval.every and run.recipe.eval.at_start:  # not resumed (from iteration 0 either)
         base = run_evaluation(run, 0)
-        watch(run, 0, base)  # the base is the shipped model: no checkpoint of it, whatever the guard says
+        _, best = watch(run, 0, base)
         row = record(run, 0, base)
+        if best and run.out_dir is not None:  # a guard that stops keeps the base too: the gold may only fall
+            keep_best(run, 0)
     run.display.start_at(run.start_iteration)
     governor = ThreadGovernor()
     for it in range(run.start_iteration, total):
@@ -100,12 +103,19 @@ def train(run: Run) -> dict[str, Any]:
         run.display.iteration_done(done, row)
         if run.out_dir is not None and (stop or best or done == total or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0)):
             save_checkpoint(run, done)
-            if best and run.is_main:
-                ckpt.point_best(run.out_dir / "checkpoints", ckpt.folder_name(done))
+            if best:
+                keep_best(run, done)
         if stop:
             break
     finish(run)
     return row
+
+
+def keep_best(run: Run, done: int) -> None:
+    """Checkpoint ``done`` (written if not yet) becomes ``checkpoints/best``."""
+    save_checkpoint(run, done)
+    if run.is_main:
+        ckpt.point_best(run.out_dir / "checkpoints", ckpt.folder_name(done))
 
 
 def watch(run: Run, done: int, metrics: dict[str, Any]) -> tuple[bool, bool]:
@@ -311,7 +321,16 @@ def build_run(
         out_dir=out_dir,
         evaluators=evaluators,
         guard=Guard.from_recipe(recipe.eval.guard, dict((s.label, e) for s, e in evaluators)) if recipe.eval.guard else None,
+        old=old_policy(objective, trainable),
     )
+
+
+def old_policy(objective: Any, trainable: list[torch.nn.Parameter]) -> EMA | None:
+    """The objective's old policy (``needs_old``): a copy of the trainable weights, moved toward
+    them after every iteration by ``objective.old_decay`` (the same arithmetic as an EMA). For a
+    LoRA policy it is a second set of adapter weights, swapped in for its forwards; under full
+    fine-tuning a copy of the weights."""
+    return EMA(trainable, 0.0) if getattr(objective, "needs_old", False) else None
 
 
 # --- checkpoints -------------------------------------------------------------------------------
@@ -356,25 +375,30 @@ def checkpoint_parts(run: Run) -> dict[str, Any]:
     trainable weights, the EMA, the optimizer and scheduler, and what writes the ``export/``
     folder (None when the policy writes none): the policy's own-format export of the weights
     evaluation uses (the EMA's when the run keeps one)."""
-    trainable = run.policy.trainable_state_dict()
+    with run.parallel.whole_weights(run.trainable):
+        trainable = run.policy.trainable_state_dict()
     ema = run.ema.state_dict() if run.ema is not None else None
+    old = run.old.state_dict() if run.old is not None else None
     optimizer = {"optimizer": run.parallel.optimizer_state(run.optimizer, run.trainable), "scheduler": run.scheduler.state_dict()}
     export = None
     if getattr(run.policy, "export_in_checkpoints", False):
-        with ema_weights(run.ema):
+        with ema_weights(run.ema), run.parallel.whole_weights(run.trainable):
             exported = run.policy.trainable_state_dict()
         export = functools.partial(run.policy.export, state=exported)
     ema_summary = weights.ema_summary(run.ema, run.optimizer_steps, run.recipe.train.ema_every) if run.ema is not None else None
-    return {"trainable": trainable, "ema": ema, "optimizer": optimizer, "export": export, "ema_summary": ema_summary}
+    return {"trainable": trainable, "ema": ema, "old": old, "optimizer": optimizer, "export": export, "ema_summary": ema_summary}
 
 
 def restore(run: Run, folder: Path) -> int:
     """Load checkpoint ``folder`` into the run (its recipe was checked when the folder was
     claimed); returns the iterations it had done."""
     state = ckpt.read_state(folder)
-    run.policy.load_trainable_state_dict(ckpt.read_tensors(folder / ckpt.TRAINABLE, run.policy.device))
+    with run.parallel.whole_weights(run.trainable, modify=True):
+        run.policy.load_trainable_state_dict(ckpt.read_tensors(folder / ckpt.TRAINABLE, run.policy.device))
     if run.ema is not None:
         run.ema.load_state_dict(ckpt.read_tensors(folder / ckpt.EMA, run.policy.device))
+    if run.old is not None:
+        run.old.load_state_dict(ckpt.read_tensors(folder / ckpt.OLD, run.policy.device))
     opt = ckpt.read_torch(folder / ckpt.OPTIMIZER)
     run.parallel.load_optimizer_state(run.optimizer, run.trainable, opt["optimizer"])
     run.scheduler.load_state_dict(opt["scheduler"])
@@ -414,7 +438,7 @@ def open_run(
         run = build_run(recipe, out_dir=out_dir, console=console, quiet=quiet, parallel=parallel)
         run.folder = folder
         if resume_from:
-            run.start_iteration = resume_from_checkpoint(run, resume_from)
+            run.start_iteration = run.saved_at = resume_from_checkpoint(run, resume_from)
         if folder is not None:
             start_writing(run, folder, resumed=resume_from is not None)
     except BaseException:

@@ -30,7 +30,7 @@ def ema_summary(ema: Any, optimizer_steps: int, every: int) -> dict[str, Any]:
 
     difference = 0.0
     for shadow, param in zip(ema.shadow, ema.params):
-        d = (full(shadow).float() - full(param.detach()).float()).abs().max().item() if shadow.numel() else 0.0
+        d = (full(shadow, like=param).float() - full(param).detach().float()).abs().max().item() if shadow.numel() else 0.0
         difference = max(difference, d)
     return {"updates": ema_updates(optimizer_steps, every), "optimizer_steps": optimizer_steps, "max_abs_difference": difference}
 
