@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from _helpers import ROOT
+from _helpers import ROOT, OpenAudit
 from fgrpo.core import cli
 
 BAD_RUNS = Path(__file__).parent / "bad_runs"
@@ -352,6 +352,22 @@ def test_last_pointing_out_of_the_run_is_not_followed(small_run, tmp_path, capsy
     assert len(lines) == 2 and all(f"{last} points to {other / 'checkpoints' / 'iter_000001'}, which is not a checkpoint of" in ln for ln in lines), lines
     # a run folder given as --checkpoint finds its own newest checkpoint, whatever `last` says
     assert cli.main(["sample", "--checkpoint", str(small_run), "--prompts", str(prompts), "--out", str(tmp_path / "s")]) == 0
+
+
+def test_a_finished_run_resumed_reads_nothing_through_a_planted_last(small_run, tmp_path, capsys, monkeypatch):
+    # a resume with nothing left to train ends with the warnings about the weights it hands over:
+    # before, they were read from whatever checkpoints/last pointed to (its state.json outside the run)
+    away = Path(shutil.copytree(small_run / "checkpoints" / "iter_000001", tmp_path / "away"))
+    last = small_run / "checkpoints" / "last"
+    last.unlink()
+    last.symlink_to(away)
+    OpenAudit.install()
+    monkeypatch.setattr(OpenAudit, "hits", [])
+    monkeypatch.setattr(OpenAudit, "forbidden", str(away.resolve()))
+    assert cli.main(["compose", RECIPE, "--out", str(small_run), *FAST, "--resume", "--set", "train.iterations=1"]) == 0
+    monkeypatch.setattr(OpenAudit, "forbidden", None)
+    assert OpenAudit.hits == []
+    assert error_lines(capsys) == []
 
 
 def test_a_recipe_named_dots_writes_its_run_under_runs(tmp_path, monkeypatch):

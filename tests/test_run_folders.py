@@ -24,6 +24,7 @@ from rich.console import Console
 from safetensors.torch import load_file
 
 from _helpers import ROOT, run_fgrpo
+from fgrpo.core import checkpoint as ckpt
 from fgrpo.core import cli, rundir, trainer
 from fgrpo.core import recipe as recipe_mod
 from fgrpo.core.config import RecipeError
@@ -373,7 +374,8 @@ def _rows(folder: Path) -> list[dict]:
 
 
 def _complete(root: Path) -> list[Path]:
-    """The checkpoints under ``root`` that load (judged here, not by the code under test)."""
+    """The checkpoints under ``root`` every file of which loads (judged here, not by the code under
+    test): each file the hostile sequences can damage (the rng file and export/ too) is read."""
     found = []
     for path in sorted(root.glob("iter_*")) if root.is_dir() else []:
         if path.is_symlink() or not path.name[5:].isdigit():
@@ -382,6 +384,9 @@ def _complete(root: Path) -> list[Path]:
             json.loads((path / "state.json").read_text())
             load_file(str(path / "trainable.safetensors"))
             torch.load(path / "optimizer.pt", weights_only=True)
+            torch.load(path / "rng-rank0.pt", weights_only=True)
+            for exported in (path / "export").glob("*.safetensors"):
+                load_file(str(exported))
         except Exception:
             continue
         found.append(path)
@@ -741,6 +746,36 @@ def test_hostile_sequences_leak_nothing_and_refuse_in_one_line(tmp_path, referen
     # slow variant below draws long sequences of every operation
     done = run_hostile_sequence(SHORT_SEED, 5, tmp_path, reference, capsys, ops=["start", "plant", "report", "export", "sample"])
     assert done == ["start", "plant escape", "report", "export run -> 2", "sample run/checkpoints/iter_000024 -> 0"], done
+
+
+def test_the_judge_of_complete_sees_every_damage_the_sequences_do(tmp_path):
+    # the test's own judge must find each checkpoint it damaged incomplete, as resume does; before,
+    # it missed the rng file and export/, so a checkpoint it had damaged counted as untouched, and
+    # resume's rewrite of it (setting the damaged one aside) failed the test (seed 2204)
+    base = tmp_path / "base"
+    assert cli.main(["compose", RECIPE, *FAST, "--set", "train.iterations=1", "--set", "train.checkpoint_every=1",
+                     "--out", str(base)]) == 0
+    kinds = set()
+    for seed in range(24):
+        h = Hostile(tmp_path / f"seed{seed}", {}, random.Random(seed))
+        shutil.copytree(base, h.folder, symlinks=True)
+        assert [p.name for p in h.complete()] == ["iter_000001"]
+        kinds.add(h.damage())
+        assert h.complete() == [], kinds
+        assert ckpt.problem(h.folder / "checkpoints" / "iter_000001") is not None
+    assert len(kinds) == 4, kinds  # truncate (one of 3 files), state, export, missing
+
+
+@pytest.mark.slow
+def test_a_checkpoint_the_sequence_damaged_is_set_aside_and_written_anew(tmp_path, reference, capsys):
+    # seed 11 deletes the newest checkpoint's rng file: resume goes on from the one before, sets
+    # the damaged one aside and writes it again, bit-exact (before, the test's own judge missed the
+    # rng file, took the damaged checkpoint for an untouched one and failed on its rewrite: seed 2204)
+    done = run_hostile_sequence(11, 2, tmp_path, reference, capsys, ops=["start", "damage"])
+    assert done == ["start", "damage iter_000024 (missing)"], done
+    ckpts = tmp_path / "run" / "checkpoints"
+    assert not (ckpts / "iter_000024.set-aside-1" / "rng-rank0.pt").exists()
+    assert (ckpts / "iter_000024" / "rng-rank0.pt").is_file()
 
 
 @pytest.mark.slow

@@ -379,6 +379,14 @@ def last_of(root: Path) -> Path | None:
     return folder if ITER_NAME.fullmatch(target) and _is_real_dir(folder) else None
 
 
+def last_complete(root: Path) -> Path | None:
+    """The checkpoint ``root/last`` names (:func:`last_of`) when it is complete (:func:`problem`,
+    its EMA file not asked for): what the run hands over, read for its weight warnings by the
+    report and at the end of ``compose``. Nothing outside the run, nor through a link, is read."""
+    last = last_of(root)
+    return last if last is not None and problem(last, ema=False) is None else None
+
+
 def latest(root: Path) -> Path | None:
     return newest(root)[0]
 

@@ -567,13 +567,6 @@ def _compact(keys: Sequence[str]) -> list[str]:
             for head, tails in groups.items()]
 
 
-def _own_last_checkpoint(run_dir: Path) -> Path | None:
-    """``RUN/checkpoints/last`` when it names a complete checkpoint of this run folder (nothing
-    outside the folder, and nothing through a link, is read for its warnings)."""
-    last = ckpt.last_of(run_dir / "checkpoints")
-    return last if last is not None and ckpt.problem(last, ema=False) is None else None
-
-
 def evaluated_weights(recipe: Mapping[str, Any]) -> str:
     """Which weights the evaluations used, from the recipe (the run's lines say how often the EMA moved)."""
     train = recipe.get("train") or {}
@@ -611,7 +604,7 @@ def render(run_dir: Path) -> str:
     recipe_text, recipe = _recipe(run_dir, notes)
     figs = figures(rows, recipe)
     strip, n_images, binary = filmstrip(run_dir, notes)
-    handed_over = weights.checkpoint_warnings(last) if (last := _own_last_checkpoint(run_dir)) else []
+    handed_over = weights.checkpoint_warnings(last) if (last := ckpt.last_complete(run_dir / "checkpoints")) else []
     warnings = "".join(f'<p class="warning">warning: {html.escape(line)}</p>' for line in handed_over)
     done = max((r["iteration"] for r in rows), default=0)
     train = recipe.get("train")

@@ -174,7 +174,8 @@ def finish(run: Run) -> None:
             report.write(run.out_dir)
         except (RecipeError, ComponentError) as exc:  # the trained run stands; only its page is missing
             run.display.say(f"report.html not written: {first_line(exc, 300)}")
-        for line in weights.checkpoint_warnings(run.out_dir / "checkpoints" / "last"):
+        last = ckpt.last_complete(run.out_dir / "checkpoints")  # never read through a link planted as last
+        for line in weights.checkpoint_warnings(last) if last is not None else []:
             run.display.warn(line)
     if run.is_main and run.out_dir is not None and run.recipe.log.plots:
         if visuals.have_matplotlib():
