@@ -162,7 +162,8 @@ class _Recording:
     (a RuntimeError), which hides the reason (a full disk, a file-size limit)."""
 
     def __init__(self, fh: Any):
-        self.fh, self.error = fh, None
+        self.fh = fh
+        self.error: OSError | None = None
 
     def write(self, data: Any) -> int:
         try:
@@ -179,7 +180,8 @@ def _save_torch(obj: Any, path: Path) -> None:
     with path.open("wb") as fh:
         recording = _Recording(fh)
         try:
-            torch.save(obj, recording)
+            # torch.save only writes to and flushes a file object: _Recording is one, not an IO subclass
+            torch.save(obj, recording)  # type: ignore[arg-type]
         except RuntimeError:
             if recording.error is not None:
                 raise recording.error from None
@@ -327,12 +329,17 @@ def verify(folder: Path, *, ema: bool = True) -> None:
         raise CheckpointError(f"{folder} is not a valid checkpoint: {why}{hint}")
 
 
+def _numbered(root: Path) -> list[Path]:
+    """The real folders named ``iter_NNNNNN`` under ``root``, oldest first."""
+    found = [(n, p) for p in root.iterdir() if (n := iteration_of(p)) is not None and _is_real_dir(p)]
+    return [p for _, p in sorted(found, key=lambda pair: pair[0])]
+
+
 def complete(root: Path) -> list[Path]:
     """The complete checkpoints under ``root``, oldest first: real folders named ``iter_NNNNNN``."""
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if iteration_of(p) is not None and _is_real_dir(p)]
-    return [p for p in sorted(found, key=iteration_of) if problem(p) is None]
+    return [p for p in _numbered(root) if problem(p) is None]
 
 
 def newest(root: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
@@ -341,7 +348,7 @@ def newest(root: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
     each with why."""
     if not root.is_dir():
         return None, []
-    found = sorted((p for p in root.iterdir() if iteration_of(p) is not None and _is_real_dir(p)), key=iteration_of)
+    found = _numbered(root)
     skipped: list[tuple[Path, str]] = []
     for folder in reversed(found):
         why = problem(folder)

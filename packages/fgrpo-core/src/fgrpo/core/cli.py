@@ -231,7 +231,7 @@ def plugin_rows(with_keys: bool = False) -> list[dict[str, Any]]:
     for kind in registry.GROUPS:
         for entry in registry.entries(kind):
             state, detail = registry.status(entry)
-            row = {
+            row: dict[str, Any] = {
                 "kind": kind,
                 "name": entry.name,
                 "target": entry.target,
@@ -362,6 +362,7 @@ def cmd_compose(args: argparse.Namespace) -> int:
 
     run = open_run(recipe, out=args.out, resume=args.resume, start_over=args.start_over, console=out, quiet=args.quiet)
     folder = run.out_dir
+    assert folder is not None  # compose always trains into a run folder
     try:
         run.display.say(f"training {recipe.source} -> {folder} ({accelerate_summary(run)})")
         with run.display:

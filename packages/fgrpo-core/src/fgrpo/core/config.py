@@ -268,6 +268,16 @@ def _field_types(cls: type) -> dict[str, Any]:
         return {}
 
 
+#: the class of attrs.Factory(...) defaults (attrs' stubs present Factory as a function returning the
+#: default's type, so that field defaults type-check)
+_FACTORY: Any = type(attrs.Factory(list))
+
+
+def default_value(default: Any) -> Any:
+    """A field's default as a value: a factory default's product, else the default itself."""
+    return default.factory() if isinstance(default, _FACTORY) else default
+
+
 def public_fields(cls: type) -> list[attrs.Attribute]:
     return [f for f in attrs.fields(cls) if f.init and not f.name.startswith("_")]
 
@@ -301,8 +311,7 @@ def check_params(cls: type, params: Mapping[str, Any], prefix: str = "") -> tupl
             if field.default is attrs.NOTHING:
                 errors.append(ConfigError(key(name), "missing required key"))
             else:
-                default = field.default
-                out[name] = default.factory() if isinstance(default, attrs.Factory) else default
+                out[name] = default_value(field.default)
                 if field.metadata.get("fgrpo_kind") and isinstance(out[name], (str, Mapping)):
                     out[name], errs = field.metadata["fgrpo_check"](field.metadata["fgrpo_kind"], out[name], key(name))
                     errors.extend(errs)
@@ -317,7 +326,8 @@ def check_params(cls: type, params: Mapping[str, Any], prefix: str = "") -> tupl
             if name in hints:
                 value = coerce(value, hints[name])
             if field.converter is not None:
-                value = field.converter(value)
+                # param() takes plain one-argument converters; attrs' stubs type this as its Converter class
+                value = field.converter(value)  # type: ignore[operator]
             validators = field.validator
             for validator in getattr(validators, "_validators", None) or (
                 [validators] if validators else []
@@ -345,12 +355,6 @@ def help_lines(cls: type) -> list[tuple[str, str, str]]:
     """(key, default, help) for every recipe key of ``cls``: used by ``fgrpo plugins --keys``."""
     rows = []
     for field in public_fields(cls):
-        default = field.default
-        if default is attrs.NOTHING:
-            shown = "required"
-        elif isinstance(default, attrs.Factory):
-            shown = repr(default.factory())
-        else:
-            shown = repr(default)
+        shown = "required" if field.default is attrs.NOTHING else repr(default_value(field.default))
         rows.append((field.name, shown, field.metadata.get("fgrpo_help", "")))
     return rows

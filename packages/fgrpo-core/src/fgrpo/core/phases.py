@@ -35,11 +35,11 @@ class RewardError(ComponentError):
 # --- rollout -----------------------------------------------------------------------------------
 
 
-def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
+def autocast(device: torch.device | str, precision: str) -> contextlib.AbstractContextManager:
     if precision == "same":
         return contextlib.nullcontext()
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[precision]
-    return torch.autocast(device_type=device.type, dtype=dtype)
+    return torch.autocast(device_type=torch.device(device).type, dtype=dtype)
 
 
 def cat_trajectories(parts: Sequence[Trajectory]) -> Trajectory:
@@ -247,10 +247,12 @@ def cat_details(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
     joined: dict[str, Any] = {}
     for key in parts[0] if parts else ():
         values = [part.get(key) for part in parts]
-        if all(isinstance(v, torch.Tensor) and v.dim() for v in values):
-            joined[key] = torch.cat([v.reshape(len(v), -1).squeeze(1) for v in values])
-        elif all(isinstance(v, (list, tuple)) for v in values):
-            joined[key] = [item for v in values for item in v]
+        tensors = [v for v in values if isinstance(v, torch.Tensor) and v.dim()]
+        sequences = [v for v in values if isinstance(v, (list, tuple))]
+        if len(tensors) == len(values):
+            joined[key] = torch.cat([v.reshape(len(v), -1).squeeze(1) for v in tensors])
+        elif len(sequences) == len(values):
+            joined[key] = [item for v in sequences for item in v]
     return joined
 
 
@@ -437,6 +439,7 @@ def idle_passes(run: Run, traj: Trajectory, adv: torch.Tensor, count: int) -> No
     for _ in range(count):
         with run.accelerator.autocast():
             batch, _ = step_batch(run, traj, adv, one, one)
+        assert batch.velocity is not None  # step_batch always computes it
         sharding.backward(run.accelerator, batch.velocity.float().sum() * 0.0)
 
 
@@ -540,8 +543,8 @@ def update(run: Run, traj: Trajectory, adv: torch.Tensor, iteration: int) -> Upd
                         stats.metrics[key].append(value.detach())
                     if stats.optimizer_steps == 0:  # on device: read once, by summarize
                         dev = (batch.log_prob.detach() - batch.old_log_prob).exp().sub(1).abs().max()
-                        first = stats.first_ratio_deviation
-                        stats.first_ratio_deviation = dev if first is None else torch.maximum(first, dev)
+                        worst = stats.first_ratio_deviation
+                        stats.first_ratio_deviation = dev if worst is None else torch.maximum(worst, dev)
                 idle_passes(run, traj, adv, padding)
                 norm = optimizer_step(run, params)
                 if norm is not None:

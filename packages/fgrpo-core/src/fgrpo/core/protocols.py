@@ -48,7 +48,10 @@ class Kernel(Protocol):
     choice) and ``brownian`` (the step's std is g sqrt(-dt), so flow_grpo's KL form applies).
     """
 
-    stochastic: bool
+    # Read-only members are properties here, so a class attribute, an attrs field or a property
+    # all satisfy them (a bare annotation would ask for a settable instance variable).
+    @property
+    def stochastic(self) -> bool: ...
 
     def step(
         self,
@@ -106,8 +109,13 @@ class Policy(Protocol):
     state=...)`` writes the given ``trainable_state_dict()`` instead of reading the module.
     """
 
-    device: torch.device
-    evaluations_per_call: int
+    # a recipe key typed as the recipe gives it ('cpu', 'auto', ...); built-ins resolve it to a
+    # torch.device when they are built
+    @property
+    def device(self) -> torch.device | str: ...
+
+    @property
+    def evaluations_per_call(self) -> int: ...
 
     def encode(self, prompts: Sequence[str]) -> Cond: ...
 
@@ -126,6 +134,13 @@ class Policy(Protocol):
     def trainable_state_dict(self) -> dict[str, torch.Tensor]: ...
 
     def load_trainable_state_dict(self, state: Mapping[str, torch.Tensor]) -> None: ...
+
+
+class Exporting(Protocol):
+    """A policy's optional ``export`` (see :class:`Policy`): the trained weights, or the given
+    ``trainable_state_dict()``, written in the backbone's own format into ``folder``; the files written."""
+
+    def export(self, folder: str, state: Mapping[str, torch.Tensor] | None = None) -> Iterable[str]: ...
 
 
 @attrs.define
@@ -169,7 +184,8 @@ class Sampler(Protocol):
     ``steps`` steps; evaluation integrates on it (else on ``policy.sigmas(steps)``).
     """
 
-    kernel: Kernel
+    @property
+    def kernel(self) -> Kernel: ...
 
     def rollout(
         self,
@@ -243,7 +259,8 @@ class StepBatch:
 
 @runtime_checkable
 class Objective(Protocol):
-    needs_reference: bool
+    @property
+    def needs_reference(self) -> bool: ...
 
     def __call__(self, batch: StepBatch) -> ObjectiveOutput: ...
 

@@ -378,7 +378,7 @@ def evaluations_with_tiles(run_dir: Path, notes: list[str] | None = None) -> lis
     return found
 
 
-def score_style(scores: Sequence[float]) -> Any:
+def score_style(scores: Sequence[Any]) -> Any:
     """How a filmstrip score is coloured: pass (green) / fail (red) when every score is 0 or 1
     (a verifier's strict verdict), else from red (the strip's lowest) to green (its highest)."""
     finite = [s for s in scores if _number(s)]

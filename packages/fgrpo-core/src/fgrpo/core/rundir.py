@@ -322,7 +322,7 @@ def output_folder(path: Path, key: str = "--out") -> Path:
     return path
 
 
-def recipe_for_checkpoint(checkpoint: Path, recipe_path: str | None, overrides: Sequence[str]) -> Recipe:
+def recipe_for_checkpoint(checkpoint: Path, recipe_path: str | Path | None, overrides: Sequence[str]) -> Recipe:
     """The recipe to sample ``checkpoint`` with: its own resolved recipe (with ``overrides``), or
     the one given, which must agree with it on every key that decides the policy."""
     try:
@@ -335,6 +335,7 @@ def recipe_for_checkpoint(checkpoint: Path, recipe_path: str | None, overrides: 
         recipe, more = recipe_mod.validate(data, source=str(checkpoint / ckpt.STATE))
         if errors or more:
             raise RecipeError(errors + more)
+        assert recipe is not None  # validate returns a recipe when it finds no error
     else:
         recipe = recipe_mod.load(recipe_path, overrides)
     conflicts = ckpt.recipe_differences(saved, recipe.data, only=POLICY_KEYS, ignore=RUNTIME_KEYS)

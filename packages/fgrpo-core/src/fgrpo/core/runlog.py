@@ -158,7 +158,7 @@ class Display:
             self.iterations = self.progress.add_task("iterations", total=self.total)
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, *exc: Any) -> None:
         if self.progress is not None:
             self.progress.__exit__(*exc)
 

@@ -64,9 +64,9 @@ def missing_provider_hint(kind: str, name: str) -> str | None:
         if version(dist) is None:
             return f"it comes with {dist}, which is not installed: {install_line(dist, extras)}"
         return None
-    dist = KIND_PROVIDERS.get(kind)
-    if dist is not None and version(dist) is None:
-        return f"the built-in {kind}s come with {dist}, which is not installed: {install_line(dist)}"
+    provider = KIND_PROVIDERS.get(kind)
+    if provider is not None and version(provider) is None:
+        return f"the built-in {kind}s come with {provider}, which is not installed: {install_line(provider)}"
     return None
 
 

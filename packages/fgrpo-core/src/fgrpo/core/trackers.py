@@ -13,7 +13,7 @@ rule).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -252,6 +252,7 @@ class RunFolderMLflow(MLflowTracker):
     """
 
     STORE = "mlflow"
+    run_id: str | None  # accelerate's MLflowTracker attribute: the run to continue (None: a new run)
 
     def __init__(self, experiment_name: str, run_dir: Path, *, tracking_uri: str | None = None, resume: bool = False, **options: Any):
         import os
@@ -331,6 +332,7 @@ def start(accelerator: Any, recipe: Any, out_dir: Path, *, resume_from: int | No
 def flat_config(data: Any, prefix: str = "") -> dict[str, Any]:
     """Nested recipe data as ``{"sampler.kernel.eta": 0.7, "reward.0.name": "shapes", ...}``:
     scalars only, which every tracker (TensorBoard's hparams too) accepts; None as "null"."""
+    items: Iterable[tuple[Any, Any]]
     if isinstance(data, Mapping):
         items = data.items()
     elif isinstance(data, (list, tuple)):

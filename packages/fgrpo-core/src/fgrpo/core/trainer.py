@@ -13,7 +13,7 @@ import random
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import torch
@@ -25,7 +25,7 @@ from fgrpo.core.config import ConfigError, RecipeError
 from fgrpo.core.data import PromptSchedule
 from fgrpo.core.ema import EMA
 from fgrpo.core.hookspecs import plugin_manager
-from fgrpo.core.protocols import Policy
+from fgrpo.core.protocols import Exporting, Policy
 from fgrpo.core.registry import ComponentError
 from fgrpo.core.recipe import Recipe
 from fgrpo.core.run import Run
@@ -303,7 +303,8 @@ def compile_transformer(policy: Policy, device: torch.device) -> None:
     policy keeps calling the same module. Refused before any work when it cannot succeed: a model
     without a transformer module, or a CPU without the C++ compiler inductor builds its kernels with
     (otherwise the run would fail minutes later, at the first forward, deep inside torch)."""
-    if not isinstance(getattr(policy, "transformer", None), torch.nn.Module):
+    transformer = getattr(policy, "transformer", None)
+    if not isinstance(transformer, torch.nn.Module):
         raise RecipeError([ConfigError("train.compile", f"the model {type(policy).__name__} has no transformer module to compile")])
     if device.type == "cpu":
         from torch._inductor import cpp_builder, exc
@@ -314,7 +315,7 @@ def compile_transformer(policy: Policy, device: torch.device) -> None:
             raise RecipeError(
                 [ConfigError("train.compile", "true needs a C++ compiler on the CPU (inductor builds its kernels with g++, or $CXX) and none was found; allowed: false, or install one")]
             ) from None
-    policy.transformer.compile()
+    transformer.compile()
 
 
 def build_run(
@@ -338,8 +339,9 @@ def build_run(
         raise RecipeError([ConfigError("model", "the policy has no trainable parameters")])
     broadcast_parameters(acc, trainable)
     cfg = recipe.train
+    beta1, beta2 = cfg.adam_betas
     optimizer = torch.optim.AdamW(
-        trainable, lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps, weight_decay=cfg.weight_decay
+        trainable, lr=cfg.lr, betas=(beta1, beta2), eps=cfg.adam_eps, weight_decay=cfg.weight_decay
     )
     if sharding.is_sharded(acc):
         trainable = sharding.prepare(acc, policy, optimizer, cfg)
@@ -383,6 +385,7 @@ def broadcast_parameters(acc: Any, params: list[torch.nn.Parameter]) -> None:
 def save_checkpoint(run: Run, done: int) -> None:
     """Write checkpoint ``done`` (the main process writes; in a sharded run every process first
     takes part in gathering the whole tensors)."""
+    assert run.out_dir is not None  # a run that checkpoints has its run folder
     run.accelerator.wait_for_everyone()
     if run.is_main or run.sharded:
         trainable = run.policy.trainable_state_dict()
@@ -425,7 +428,8 @@ def export_in_checkpoint(run: Run) -> Any:
         return lambda folder: export_policy(run, folder)
     with run.ema.swapped_in() if run.ema is not None else contextlib.nullcontext():
         weights = run.policy.trainable_state_dict()
-    return lambda folder: run.policy.export(folder, state=weights)
+    exporting = cast(Exporting, run.policy)  # export_in_checkpoints: it has export()
+    return lambda folder: exporting.export(folder, state=weights)
 
 
 def export_policy(run: Run, folder: str) -> list[str]:
@@ -433,7 +437,8 @@ def export_policy(run: Run, folder: str) -> list[str]:
     keeps an EMA, as evaluation uses them."""
     context = run.ema.swapped_in() if run.ema is not None else contextlib.nullcontext()
     with context:
-        return list(run.policy.export(folder))
+        # export_in_checkpoint, its caller, checked export_in_checkpoints: the policy has export()
+        return list(cast(Exporting, run.policy).export(folder))
 
 
 def restore(run: Run, folder: Path) -> int:

@@ -69,7 +69,7 @@ def grid_image(
     for i, pic in enumerate(pics):
         x, y = (i % columns) * tile_w, (i // columns) * tile_h
         draw.rectangle((x, y + cell, x + cell - 1, y + cell + text_h - 1), fill="white")
-        grid.paste(Image.fromarray(pic).resize((cell, cell), Image.NEAREST), (x, y))
+        grid.paste(Image.fromarray(pic).resize((cell, cell), Image.Resampling.NEAREST), (x, y))
         for k, line in enumerate(texts[i]):
             draw.text((x + 2, y + cell + 1 + k * LINE_HEIGHT), line, fill="black", font=font)
         for k, line in enumerate(extra[i], start=len(texts[i])):
@@ -99,7 +99,7 @@ def write_tiles(images: torch.Tensor, rows: Sequence[dict[str, Any]], folder: Pa
     for i, (pic, row) in enumerate(zip(to_uint8(images), rows)):
         image = Image.fromarray(pic)
         if max(image.size) > THUMBNAIL:
-            image.thumbnail((THUMBNAIL, THUMBNAIL), Image.LANCZOS)
+            image.thumbnail((THUMBNAIL, THUMBNAIL), Image.Resampling.LANCZOS)
             name = f"{i:03d}.jpg"
             image.save(folder / name, quality=85)
         else:

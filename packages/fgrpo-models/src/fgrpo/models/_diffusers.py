@@ -207,9 +207,11 @@ def scheduler_grid(
     if shift is not None and (config.get("use_dynamic_shifting") or shift != float(config.get(shift_key, 1.0))):
         overrides = {shift_key: float(shift), "use_dynamic_shifting": False}
     elif config.get("use_dynamic_shifting"):
-        if mu is None and image_seq_len is None:
-            raise ValueError("this scheduler shifts by resolution: scheduler_grid needs image_seq_len")
-        kwargs["mu"] = dynamic_shift_mu(config, image_seq_len) if mu is None else float(mu)
+        if mu is None:
+            if image_seq_len is None:
+                raise ValueError("this scheduler shifts by resolution: scheduler_grid needs image_seq_len")
+            mu = dynamic_shift_mu(config, image_seq_len)
+        kwargs["mu"] = float(mu)
     config.update(overrides)
     if shift_key == "flow_shift" and sigma_grid == "diffusers-0.33":
         if config.get("use_dynamic_shifting") or config.get("shift_terminal"):

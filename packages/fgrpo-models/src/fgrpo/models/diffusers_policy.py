@@ -29,7 +29,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 import torch
@@ -47,6 +47,9 @@ from fgrpo.models.lora import (
     save_peft_adapter,
     trainable_state,
 )
+
+if TYPE_CHECKING:  # from its own module: mypy reads diffusers' top-level names as its dummy objects
+    from diffusers.models.modeling_utils import ModelMixin
 
 NEGATIVE = "negative_"
 
@@ -317,10 +320,10 @@ class DiffusersPolicy:
         return self._pipeline
 
     @property
-    def transformer(self) -> torch.nn.Module:
+    def transformer(self) -> ModelMixin:
         return self._pipeline.transformer
 
-    def trained_transformers(self) -> list[tuple[str, torch.nn.Module]]:
+    def trained_transformers(self) -> list[tuple[str, ModelMixin]]:
         """(pipeline attribute, module) of every network that trains: the transformer (Wan 2.2 A14B:
         the experts its recipe trains)."""
         return [("transformer", self.transformer)]
@@ -337,7 +340,7 @@ class DiffusersPolicy:
 
     @property
     def text_device(self) -> torch.device:
-        return dx.resolve_device(self.text_encoder_device) if self.text_encoder_device is not None else self.device
+        return dx.resolve_device(self.text_encoder_device if self.text_encoder_device is not None else self.device)
 
     def _module_dtypes(self) -> list[tuple[torch.nn.Module, torch.dtype]]:
         """(module, weights dtype) of the transformer, VAE and text encoders."""
@@ -465,7 +468,7 @@ class DiffusersPolicy:
         videos (B, T, 3, H, W), float32 in [0, 1]; ``decode_batch_size`` samples per VAE call, in
         the VAE's own dtype (``vae_dtype``) whatever autocast is active."""
         chunk = self.decode_batch_size or latents.shape[0]
-        with torch.autocast(self.device.type, enabled=False):
+        with torch.autocast(torch.device(self.device).type, enabled=False):
             parts = [self._decode(part.to(self.device)) for part in latents.split(chunk)]
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 

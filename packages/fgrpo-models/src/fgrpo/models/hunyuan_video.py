@@ -82,6 +82,7 @@ class HunyuanVideo15Policy(DiffusersPolicy):
 
     @property
     def cfg_scale(self) -> float:
+        assert self.guidance_scale is not None  # resolved from the guider by __attrs_post_init__
         return float(self.guidance_scale)
 
     @property
@@ -120,6 +121,7 @@ class HunyuanVideo15Policy(DiffusersPolicy):
 
         base = cond if self._original_formulation else uncond
         guided = base + self.cfg_scale * (cond - uncond)
+        assert self.guidance_rescale is not None  # resolved from the guider by __attrs_post_init__
         if self.guidance_rescale > 0.0:
             guided = rescale_noise_cfg(guided, cond, self.guidance_rescale)
         return guided
@@ -138,7 +140,8 @@ class HunyuanVideo15Policy(DiffusersPolicy):
     def _default_size(self) -> tuple[int, int]:
         pipe = self._pipeline
         ratio = pipe.default_aspect_ratio
-        return tuple(int(v) for v in pipe.video_processor.calculate_default_height_width(ratio[1], ratio[0], pipe.target_size))
+        height, width = pipe.video_processor.calculate_default_height_width(ratio[1], ratio[0], pipe.target_size)
+        return int(height), int(width)
 
     def _size_multiple(self) -> int:
         return self.vae_scale_factor * int(self.transformer.config.patch_size)

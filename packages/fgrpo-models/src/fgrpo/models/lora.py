@@ -14,9 +14,12 @@ import os
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:  # from its own module: mypy reads diffusers' top-level names as its dummy objects
+    from diffusers.models.modeling_utils import ModelMixin
 
 from fgrpo.core.config import param
 
@@ -122,7 +125,7 @@ def lora_config(spec: Mapping[str, Any]) -> Any:
     )
 
 
-def inject_lora(model: torch.nn.Module, spec: Mapping[str, Any], *, trainable_dtype: torch.dtype | None = torch.float32) -> None:
+def inject_lora(model: ModelMixin, spec: Mapping[str, Any], *, trainable_dtype: torch.dtype | None = torch.float32) -> None:
     """Freeze ``model`` and add a peft LoRA adapter (named ``"default"``) from a normalised spec.
 
     Only the adapter's weights are trainable afterwards. With ``trainable_dtype`` (float32 by
@@ -154,7 +157,7 @@ def adapters_enabled(model: torch.nn.Module) -> bool:
 
 
 @contextmanager
-def adapters_disabled(model: torch.nn.Module) -> Iterator[None]:
+def adapters_disabled(model: ModelMixin) -> Iterator[None]:
     """Run ``model`` as its base model: LoRA adapters off inside, back on (exactly) afterwards.
 
     Uses diffusers' ``disable_adapters()``/``enable_adapters()`` (peft's ``disable_adapter()``
@@ -264,7 +267,7 @@ def lora_file_name(module: str) -> str:
 
 
 def save_diffusers_lora(
-    pipeline_class: Any, model: torch.nn.Module, folder: str | os.PathLike[str], state: Mapping[str, torch.Tensor] | None = None,
+    pipeline_class: Any, model: ModelMixin, folder: str | os.PathLike[str], state: Mapping[str, torch.Tensor] | None = None,
     *, weight_name: str = DIFFUSERS_LORA_FILE,
 ) -> str:
     """Write ``model``'s adapter as ``pipeline_class.save_lora_weights`` does: keys prefixed with the
@@ -297,7 +300,7 @@ PEFT_WEIGHTS_FILE = "adapter_model.safetensors"
 
 
 def save_peft_adapter(
-    model: torch.nn.Module, folder: str | os.PathLike[str], state: Mapping[str, torch.Tensor] | None = None
+    model: ModelMixin, folder: str | os.PathLike[str], state: Mapping[str, torch.Tensor] | None = None
 ) -> list[str]:
     """Write ``model``'s adapter as peft's ``PeftModel.save_pretrained`` does (``adapter_config.json``
     and ``adapter_model.safetensors``, keys under ``base_model.model.``), so that

@@ -59,11 +59,15 @@ def tokenize_words(prompt: str) -> list[str]:
 # --- the architecture ---------------------------------------------------------------------------
 
 
+def _words(words: Iterable[str]) -> tuple[str, ...]:
+    return tuple(words)
+
+
 @attrs.frozen
 class Architecture:
     """Everything needed to build the network; stored as JSON in the weights file's metadata."""
 
-    vocab: tuple[str, ...] = attrs.field(converter=tuple)
+    vocab: tuple[str, ...] = attrs.field(converter=_words)
     hidden: int = 192
     layers: int = 4
     heads: int = 3
@@ -160,7 +164,8 @@ class ShapesNetwork(nn.Module):
 
     def __init__(self, arch: Architecture):
         super().__init__()
-        from diffusers import SD3Transformer2DModel
+        # from its own module: mypy reads diffusers' top-level names as its dummy objects
+        from diffusers.models.transformers.transformer_sd3 import SD3Transformer2DModel
 
         self.arch = arch
         self.word_ids = {w: i for i, w in enumerate(arch.vocab)}

@@ -71,7 +71,9 @@ class VelocityMLP(nn.Module):
         self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:]))
 
     def forward(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
-        dtype = self.layers[0].weight.dtype
+        weight = self.layers[0].weight
+        assert isinstance(weight, torch.Tensor)  # a Linear (or peft's LoRA Linear, whose weight is its base's)
+        dtype = weight.dtype
         h = torch.cat([x, cond, time_embedding(sigma, self.time_dim)], dim=1).to(dtype)
         for layer in self.layers[:-1]:
             h = nn.functional.silu(layer(h))
@@ -172,6 +174,7 @@ class VectorPolicy:
                 "model.lora needs peft: pip install \"fgrpo-models[diffusers]\" "
                 "(or pip install peft)"
             ) from exc
+        assert self.lora is not None  # called only with a LoRA spec
         spec = dict(self.lora)
         if spec["target_modules"] is None:  # every Linear layer
             spec["target_modules"] = [f"layers.{i}" for i in range(len(net.layers))]
@@ -189,6 +192,7 @@ class VectorPolicy:
 
     def encode(self, prompts: Sequence[str]) -> torch.Tensor:
         """(B, cond_dim) float32: each prompt's target followed by a hashed code of its text."""
+        assert self.cond_dim is not None  # resolved by __attrs_post_init__
         if not prompts:
             return torch.zeros(0, self.cond_dim, device=self.device)
         rows = [condition_vector(p, self.dim, self.cond_dim) for p in prompts]

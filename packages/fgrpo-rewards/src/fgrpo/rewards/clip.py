@@ -113,7 +113,8 @@ def load_clip(path: str, processor_path: str | None, dtype: str, device: str | N
             processor = CLIPProcessor.from_pretrained(processor_from.location, **processor_from.kwargs)
         except OSError as exc:
             raise loading_error(key, processor_path or path, "a CLIP model and processor", exc) from exc
-        model = model.to(device=dev, dtype=DTYPES[dtype]).eval().requires_grad_(False)
+        # transformers wraps PreTrainedModel.to in functools.wraps, which mypy does not bind as a method
+        model = model.to(device=dev, dtype=DTYPES[dtype]).eval().requires_grad_(False)  # type: ignore[call-arg]
         return CLIP(model, processor.tokenizer, processor.image_processor.to_dict())
 
     return shared(("clip", path, processor_path or path, dtype, str(dev)), build)
@@ -146,7 +147,8 @@ def preprocess(images: torch.Tensor, config: Mapping[str, Any]) -> torch.Tensor:
         if tuple(x.shape[-2:]) != tuple(size):
             x = F.interpolate(x, size=size, mode="bicubic", antialias=True, align_corners=False).clamp(0, 1)
     if config.get("do_center_crop", True) and config.get("crop_size") is not None:
-        ch, cw = _size(config["crop_size"], "crop_size")
+        crop = _size(config["crop_size"], "crop_size")
+        ch, cw = (crop, crop) if isinstance(crop, int) else crop  # a single number crops a square
         h, w = x.shape[-2:]
         top, left = max((h - ch) // 2, 0), max((w - cw) // 2, 0)
         x = x[..., top : top + ch, left : left + cw]
@@ -226,7 +228,8 @@ class _Similarity(HoldsCLIP):
     device: str | None
 
     def __attrs_post_init__(self) -> None:
-        self._clip = load_clip(self.path, self.processor_path, self.dtype, self.device)
+        # the attrs classes built on this mixin declare the _clip slot
+        self._clip = load_clip(self.path, self.processor_path, self.dtype, self.device)  # type: ignore[misc]
 
     def __call__(self, outputs: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> RewardResult:
         return similarity_reward(self._clip, outputs, prompts, self.batch_size, self.divisor, self.reward_name)

@@ -170,7 +170,8 @@ def judge(
     ``colours_of(class)`` the CLIP colour of each of those objects, in the same order."""
     reasons: list[str] = []
     # GenEval's rule
-    correct, groups = True, []
+    correct = True
+    groups: list[Any] = []  # per requirement: the objects found, or None
     for req in metadata.get("include", []):
         cls, count = req["class"], int(req["count"])
         found = list(objects.get(cls, []))[:count]
@@ -479,7 +480,7 @@ class GenEval:
 
 
 def verdict_result(verdicts: Sequence[Verdict], tags: Sequence[str], score: str) -> RewardResult:
-    details = {
+    details: dict[str, Any] = {
         "geneval": torch.tensor([float(v.geneval) for v in verdicts]),
         "strict": torch.tensor([float(v.strict) for v in verdicts]),
         "partial": torch.tensor([v.partial for v in verdicts], dtype=torch.float32),

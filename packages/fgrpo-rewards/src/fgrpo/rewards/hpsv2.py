@@ -129,7 +129,8 @@ def load_hps(checkpoint: str, path: str, dtype: str, device: str | None) -> CLIP
                 f"reward.checkpoint: {checkpoint!r} does not fit the CLIP of {path!r}: missing "
                 f"{missing[:4]}, unexpected {unexpected[:4]}"
             )
-        model = model.to(device=dev, dtype=DTYPES[dtype]).eval().requires_grad_(False)
+        # transformers wraps PreTrainedModel.to in functools.wraps, which mypy does not bind as a method
+        model = model.to(device=dev, dtype=DTYPES[dtype]).eval().requires_grad_(False)  # type: ignore[call-arg]
         return CLIP(model, processor.tokenizer, processor.image_processor.to_dict())
 
     return shared(("hpsv2", checkpoint, path, dtype, str(dev)), build)

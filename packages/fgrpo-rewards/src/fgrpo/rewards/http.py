@@ -106,7 +106,8 @@ class _Watched:
 
     def __init__(self, *args: Any, deadline: float, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self.deadline, self.watches = deadline, []
+        self.deadline = deadline
+        self.watches: list[int] = []  # this connection's watch ids
 
     def connect(self) -> None:
         super().connect()  # type: ignore[misc]

@@ -158,8 +158,9 @@ def load_imagereward(checkpoint: str, med_config: str, tokenizer: str, dtype: st
             except RuntimeError as exc:
                 first = " ".join(str(exc).split())[:400]
                 raise OSError(f"reward.checkpoint: the {name} weights of {checkpoint!r} do not fit {med_config!r}: {first}") from exc
-        parts = [m.to(device=dev, dtype=DTYPES[dtype]).eval().requires_grad_(False) for m in (vision, text)]
-        return LoadedImageReward(*parts, head.to(dev).eval().requires_grad_(False), words)
+        # transformers wraps PreTrainedModel.to in functools.wraps, which mypy does not bind as a method
+        vision, text = [m.to(device=dev, dtype=DTYPES[dtype]).eval().requires_grad_(False) for m in (vision, text)]  # type: ignore[call-arg]
+        return LoadedImageReward(vision, text, head.to(dev).eval().requires_grad_(False), words)
 
     return shared(("imagereward", checkpoint, med_config, tokenizer, dtype, str(dev)), build)
 

@@ -135,7 +135,8 @@ class OCRReward:
         prepared = [engine.preprocess_img(engine.load_img(Image.fromarray(a)))[0] for a in arrays]
         lines = self._detect_lines(prepared) if self.detect else [[img] for img in prepared]
         flat = [crop for crops in lines for crop in crops]
-        texts, scores = (), ()
+        texts: Sequence[str] = ()
+        scores: Sequence[float] = ()
         if flat:
             rec = engine._load_rec_model()
             from rapidocr.ch_ppocr_rec import TextRecInput

@@ -136,11 +136,20 @@ class RewardServer:
         async with server:
             await self._stop
 
+    def _now(self) -> float:
+        """The serving loop's clock (the deadlines' time base)."""
+        assert self._loop is not None  # set when serving starts
+        return self._loop.time()
+
     def shutdown(self) -> None:
         """Stop serving (from another thread) and wait until :meth:`serve_forever` returns."""
         loop, stop = self._loop, self._stop
         if loop is not None and stop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(lambda: stop.done() or stop.set_result(None))
+            def finish() -> None:
+                if not stop.done():
+                    stop.set_result(None)
+
+            loop.call_soon_threadsafe(finish)
             self._stopped.wait(30)
 
     def server_close(self) -> None:
@@ -156,7 +165,7 @@ class RewardServer:
         self._open += 1
         reserved = 0
         try:
-            deadline = self._loop.time() + self.read_timeout_s
+            deadline = self._now() + self.read_timeout_s
             try:
                 if self._open > self.max_connections:
                     raise _Answer(503, f"the server is busy: {self.max_connections} connections are open (--max-connections); retry", 1)
@@ -185,7 +194,7 @@ class RewardServer:
             except _Answer as answer:
                 status, note = answer.status, ""
                 message = json.dumps({"error": answer.message}).encode()
-                await self._send(writer, answer.status, message, "application/json", self._loop.time() + LINGER_S, answer.retry_after)
+                await self._send(writer, answer.status, message, "application/json", self._now() + LINGER_S, answer.retry_after)
                 if answer.status != 408:  # a slow client is not waited for again
                     await self._linger(reader, writer)
         except (ConnectionError, asyncio.IncompleteReadError, OSError):
@@ -199,7 +208,7 @@ class RewardServer:
 
     async def _head(self, reader: asyncio.StreamReader, deadline: float) -> tuple[str, str, dict[str, bytes]]:
         try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), max(0.0, deadline - self._loop.time()))
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), max(0.0, deadline - self._now()))
         except asyncio.TimeoutError:
             raise _Answer(408, f"the request did not arrive within {self.read_timeout_s:g} s (--read-timeout-s)") from None
         except asyncio.LimitOverrunError:
@@ -242,7 +251,7 @@ class RewardServer:
         body = bytearray()
         try:
             while len(body) < size:
-                chunk = await asyncio.wait_for(reader.read(min(MiB, size - len(body))), max(0.0, deadline - self._loop.time()))
+                chunk = await asyncio.wait_for(reader.read(min(MiB, size - len(body))), max(0.0, deadline - self._now()))
                 if not chunk:
                     raise asyncio.IncompleteReadError(bytes(), size)
                 body += chunk
@@ -254,7 +263,7 @@ class RewardServer:
     async def _score(self, body: bytes) -> tuple[bytes, dict[str, int]]:
         """The encoded result of the request ``body``, and what it was scored with, once the
         reward's thread has scored it (with the other requests waiting then)."""
-        loop = self._loop
+        loop = asyncio.get_running_loop()  # the server's own loop (self._loop)
         try:
             outputs, prompts, metadata = await loop.run_in_executor(self._decoders, decode_request, body)
         except Exception as exc:  # noqa: BLE001 - any malformed body
@@ -275,7 +284,7 @@ class RewardServer:
                 "Connection: close"] + ([f"Retry-After: {retry_after}"] if retry_after else [])
         writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + payload)
         try:
-            await asyncio.wait_for(writer.drain(), max(0.0, deadline - self._loop.time()))
+            await asyncio.wait_for(writer.drain(), max(0.0, deadline - self._now()))
         except asyncio.TimeoutError:  # a client that does not take its answer
             writer.transport.abort()
 
@@ -285,8 +294,8 @@ class RewardServer:
         try:
             if writer.can_write_eof():
                 writer.write_eof()
-            end = self._loop.time() + LINGER_S
-            while await asyncio.wait_for(reader.read(256 * 1024), max(0.0, end - self._loop.time())):
+            end = self._now() + LINGER_S
+            while await asyncio.wait_for(reader.read(256 * 1024), max(0.0, end - self._now())):
                 pass
         except (asyncio.TimeoutError, ConnectionError, OSError):
             pass
@@ -301,10 +310,11 @@ class RewardServer:
                 self._wake.wait()
             if self._pending[0] is None:
                 return None
-            batch = [self._pending.popleft()]
-            samples = batch[0].n
-            while self._pending and self._pending[0] is not None and samples + self._pending[0].n <= self.batch_size:
-                job = self._pending.popleft()
+            first = self._pending.popleft()
+            assert first is not None  # checked above
+            batch, samples = [first], first.n
+            while self._pending and (job := self._pending[0]) is not None and samples + job.n <= self.batch_size:
+                self._pending.popleft()
                 batch.append(job)
                 samples += job.n
             return batch

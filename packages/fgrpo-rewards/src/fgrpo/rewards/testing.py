@@ -99,11 +99,13 @@ def save_tiny_mask2former(
     from transformers import Mask2FormerConfig, Mask2FormerForUniversalSegmentation, Mask2FormerImageProcessor, SwinConfig
 
     folder = Path(folder)
-    backbone = SwinConfig(
+    # transformers' @strict dataclass configs take keys beyond their fields through
+    # __post_init__(**kwargs); the dataclass signature mypy sees omits them
+    backbone = SwinConfig(  # type: ignore[call-arg]
         image_size=image_size, patch_size=4, embed_dim=16, depths=[1, 1, 1, 1], num_heads=[1, 1, 2, 2], window_size=4,
         out_features=["stage1", "stage2", "stage3", "stage4"],
     )
-    config = Mask2FormerConfig(
+    config = Mask2FormerConfig(  # type: ignore[call-arg]
         backbone_config=backbone, backbone=None, use_pretrained_backbone=False, hidden_dim=32, mask_feature_size=32,
         feature_size=32, encoder_layers=1, decoder_layers=2, num_attention_heads=2, dim_feedforward=64,
         encoder_feedforward_dim=64, num_queries=8, num_labels=num_labels, id2label={i: f"class {i}" for i in range(num_labels)},

@@ -78,7 +78,7 @@ def data_url(image: Any, fmt: str, size: int) -> str:
     """A uint8 (H, W, 3) array as a base64 data URL, resized to size x size when size > 0."""
     picture = Image.fromarray(image)
     if size:
-        picture = picture.resize((size, size), Image.BICUBIC)
+        picture = picture.resize((size, size), Image.Resampling.BICUBIC)
     buffer = io.BytesIO()
     picture.save(buffer, format="JPEG" if fmt == "jpeg" else "PNG", **({"quality": 95} if fmt == "jpeg" else {}))
     mime = "jpeg" if fmt == "jpeg" else "png"

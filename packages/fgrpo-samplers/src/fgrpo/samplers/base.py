@@ -188,7 +188,9 @@ class GroupSampler:
     nothing_to_train: ClassVar[str] = "the kernel has std 0 at every step of {sigmas}: nothing to train"
 
     def __attrs_post_init__(self) -> None:
-        errors = self.check_keys({f.name: getattr(self, f.name) for f in attrs.fields(type(self)) if f.init})
+        # GroupSampler is a mixin; the samplers built on it are attrs classes
+        fields = attrs.fields(type(self))  # type: ignore[arg-type]
+        errors = self.check_keys({f.name: getattr(self, f.name) for f in fields if f.init})
         if errors:
             raise RecipeError(errors)
 

@@ -30,6 +30,9 @@ SD, at step 8 of 10), so a recipe that combines them is refused when it is valid
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import attrs
 import torch
 
@@ -64,7 +67,7 @@ class GRPOGuard(ClippedObjective):
     kl: KlForm = kl_param()
 
     @staticmethod
-    def check_recipe(resolved: dict) -> list[ConfigError]:
+    def check_recipe(resolved: Mapping[str, Any]) -> list[ConfigError]:
         errors = kl_recipe_errors(resolved)
         kernel = kernel_spec(resolved)
         if kernel is not None and kernel.get("normalized_logprob") is False:

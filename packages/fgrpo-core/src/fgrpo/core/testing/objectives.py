@@ -115,7 +115,7 @@ class ObjectiveConformance:
             assert not value.requires_grad, f"metric {name!r} is not detached"
             assert torch.isfinite(value), f"metric {name!r} = {value}"
         out.loss.backward()
-        grads = [t.grad for t in (batch.log_prob, batch.mean, batch.velocity) if t.grad is not None]
+        grads = [t.grad for t in (batch.log_prob, batch.mean, batch.velocity) if t is not None and t.grad is not None]
         assert grads and all(torch.isfinite(g).all() for g in grads)
 
     def test_deterministic(self) -> None:
@@ -129,10 +129,11 @@ class ObjectiveConformance:
         objective = self.make_objective()
         batch = self.make_batch(seed=2, on_policy=False)
         order = torch.roll(torch.arange(self.batch_size), 1)
-        moved = StepBatch(**{
+        fields: dict[str, Any] = {
             f.name: None if getattr(batch, f.name) is None else getattr(batch, f.name).detach()[order]
             for f in attrs.fields(StepBatch)
-        })
+        }
+        moved = StepBatch(**fields)
         a, b = self.call(objective, batch), self.call(objective, moved)
         torch.testing.assert_close(b.loss, a.loss.detach(), atol=self.atol, rtol=0)
         for name, value in a.metrics.items():
@@ -157,6 +158,7 @@ class ObjectiveConformance:
             assert torch.equal(with_ref, without), "the loss depends on a reference the objective did not ask for"
             return
         batch = self.make_batch(seed=4, on_policy=False)
+        assert batch.ref_mean is not None and batch.ref_velocity is not None  # make_batch's reference
         moved = attrs.evolve(batch, ref_mean=batch.ref_mean + 0.5, ref_velocity=batch.ref_velocity + 0.5)
         assert not torch.equal(self.call(objective, moved).loss, with_ref), "moving the reference did not move the loss"
 

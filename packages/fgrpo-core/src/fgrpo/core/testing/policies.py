@@ -161,8 +161,7 @@ class PolicyConformance:
         batch repeated per group (as the trainer does) matches row by row."""
         x, sigma = self.state(policy)
         cond = self.cond(policy)
-        leaves: list[torch.Tensor] = []
-        tensors.tree_map(lambda t: leaves.append(t) or t, cond)
+        leaves = _leaves(cond)
         assert leaves, "encode() returned no tensors"
         for leaf in leaves:
             assert leaf.dim() >= 1 and leaf.shape[0] == 2, f"a cond tensor of shape {tuple(leaf.shape)} for 2 prompts"
@@ -268,7 +267,7 @@ class PolicyConformance:
         from fgrpo.core.trainer import open_run, train
 
         recipe, errors = recipe_mod.validate(dict(data), "conformance")
-        assert not errors, [str(e) for e in errors]
+        assert recipe is not None and not errors, [str(e) for e in errors]
         run = open_run(recipe, out=str(out), resume=False, console=Console(quiet=True), quiet=True)
         before = {k: v.clone() for k, v in run.policy.trainable_state_dict().items()}
         return run, train(run), before
@@ -298,11 +297,20 @@ def _assert_rows_equal(t: torch.Tensor, i: int, j: int) -> torch.Tensor:
     return t
 
 
+def _leaves(tree: Any) -> list[torch.Tensor]:
+    """The tensors of a (nested) conditioning, in tree_map's order."""
+    found: list[torch.Tensor] = []
+
+    def collect(t: torch.Tensor) -> torch.Tensor:
+        found.append(t)
+        return t
+
+    tensors.tree_map(collect, tree)
+    return found
+
+
 def _assert_trees_close(a: Any, b: Any, atol: float) -> None:
-    left: list[torch.Tensor] = []
-    right: list[torch.Tensor] = []
-    tensors.tree_map(lambda t: left.append(t) or t, a)
-    tensors.tree_map(lambda t: right.append(t) or t, b)
+    left, right = _leaves(a), _leaves(b)
     assert len(left) == len(right)
     for x, y in zip(left, right):
         torch.testing.assert_close(x.float(), y.float(), rtol=0, atol=atol)

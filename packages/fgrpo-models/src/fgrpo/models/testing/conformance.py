@@ -249,6 +249,7 @@ class DiffusersBackboneConformance(PolicyConformance):
             import re
 
             found = re.search(r"largest \|ratio - 1\| before the first optimizer step: (\S+)", printed)
+            assert found is not None, printed
             with open(path, "a", encoding="utf-8") as f:
                 f.write(json.dumps({"model": self.label or self.model_name, "check": "fgrpo check |ratio - 1|", "max_abs_error": float(found.group(1)), "atol": 0.0}) + "\n")
 

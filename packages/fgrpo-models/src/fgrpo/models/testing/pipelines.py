@@ -118,8 +118,13 @@ def tiny_qwen_tokenizer() -> Any:
     for special in ("<|endoftext|>", "<|im_start|>", "<|im_end|>"):
         vocab[special] = len(vocab)
     return Qwen2Tokenizer(
-        vocab=vocab, merges=merges, unk_token=None, bos_token=None, eos_token="<|im_end|>",
-        pad_token="<|endoftext|>", additional_special_tokens=["<|im_start|>"],
+        vocab=vocab,
+        merges=merges,  # type: ignore[arg-type]  # (a, b) pairs, which tokenizers' BPE takes; annotated as str
+        unk_token=None,  # type: ignore[arg-type]  # no unknown token (every byte has one); annotated as str
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
     )
 
 
@@ -136,12 +141,11 @@ def _clip_config(**overrides: Any) -> Any:
 def _t5_encoder(d_model: int, *, umt5: bool = False) -> Any:
     from transformers import T5Config, T5EncoderModel, UMT5Config, UMT5EncoderModel
 
-    config_class, model_class = (UMT5Config, UMT5EncoderModel) if umt5 else (T5Config, T5EncoderModel)
-    config = config_class(
+    keys: dict[str, Any] = dict(
         vocab_size=98, d_model=d_model, d_kv=d_model // 4, d_ff=2 * d_model, num_layers=2, num_heads=4,
         relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
     )
-    return model_class(config)
+    return UMT5EncoderModel(UMT5Config(**keys)) if umt5 else T5EncoderModel(T5Config(**keys))
 
 
 def _kl_vae(blocks: Sequence[int], latent_channels: int, sample_size: int, scaling: float, shift: float) -> Any:
@@ -156,6 +160,11 @@ def _kl_vae(blocks: Sequence[int], latent_channels: int, sample_size: int, scali
     )
 
 
+# STRICT_CONFIGS: transformers' @strict dataclass configs take keys beyond their fields through
+# __post_init__(**kwargs); the dataclass signature mypy sees omits them, hence the call-arg ignores.
+
+# The networks handed to _randomise are imported from their own modules: mypy reads diffusers'
+# top-level names as its dummy objects, which are no torch.nn.Module.
 def _randomise(module: torch.nn.Module, std: float = 0.05) -> None:
     """Every weight random (diffusers zero-initialises output projections and modulation gates,
     which would make a tiny transformer's output ignore its inputs)."""
@@ -243,8 +252,10 @@ def build_tiny_flux_pipeline(
     size. ``guidance_embeds=False`` gives FLUX.1-schnell's structure. The pipeline's default
     image side stays FluxPipeline's 1024: pass ``height``/``width`` (``resolution``) of 64.
     """
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
-    from transformers import CLIPTextModel, T5TokenizerFast
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
+    from diffusers.models.transformers.transformer_flux import FluxTransformer2DModel
+    # T5TokenizerFast: an alias in transformers 5 (T5Tokenizer is the fast one), absent from its typing
+    from transformers import CLIPTextModel, T5TokenizerFast  # type: ignore[attr-defined]
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -283,8 +294,8 @@ def build_tiny_qwen_image_pipeline(
         AutoencoderKLQwenImage,
         FlowMatchEulerDiscreteScheduler,
         QwenImagePipeline,
-        QwenImageTransformer2DModel,
     )
+    from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformer2DModel
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     tokenizer = tiny_qwen_tokenizer()
@@ -295,7 +306,7 @@ def build_tiny_qwen_image_pipeline(
             num_attention_heads=4, joint_attention_dim=32, axes_dims_rope=(4, 6, 6),
         )
         _randomise(transformer)
-        config = Qwen2_5_VLConfig(
+        config = Qwen2_5_VLConfig(  # type: ignore[call-arg]  # extra keys: see STRICT_CONFIGS
             text_config={
                 "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
                 "num_key_value_heads": 2, "vocab_size": len(tokenizer), "max_position_embeddings": 1024,
@@ -316,7 +327,7 @@ def build_tiny_qwen_image_pipeline(
 
 def _wan_transformer(in_channels: int = 16, out_channels: int = 16) -> Any:
     """A tiny random ``WanTransformer3DModel``: patch (1, 2, 2), 2 heads x 12, 2 layers, text_dim 32."""
-    from diffusers import WanTransformer3DModel
+    from diffusers.models.transformers.transformer_wan import WanTransformer3DModel
 
     transformer = WanTransformer3DModel(
         patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=in_channels, out_channels=out_channels,
@@ -504,7 +515,8 @@ def _flux2_parts(guidance_embeds: bool, text_hidden: int, layers_stacked: int = 
     """A tiny ``Flux2Transformer2DModel`` (1 double + 1 single block, 2 heads x 16, rope (4, 4, 4, 4),
     128 input channels = 4 x 32 VAE channels) and ``AutoencoderKLFlux2`` (scale 8, 32 channels,
     random batch-norm statistics so that decoding exercises them)."""
-    from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
+    from diffusers.models.autoencoders.autoencoder_kl_flux2 import AutoencoderKLFlux2
+    from diffusers.models.transformers.transformer_flux2 import Flux2Transformer2DModel
 
     transformer = Flux2Transformer2DModel(
         patch_size=1, in_channels=128, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
@@ -593,7 +605,8 @@ def build_tiny_z_image_pipeline(
     ``AutoencoderKL`` normalisation. Scheduler: ``FlowMatchEulerDiscreteScheduler(shift=shift)``
     (Z-Image-Turbo's: a fixed shift 3).
     """
-    from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline
+    from diffusers.models.transformers.transformer_z_image import ZImageTransformer2DModel
     from transformers import Qwen3Model
 
     tokenizer = tiny_qwen3_tokenizer()
@@ -666,8 +679,8 @@ def build_tiny_hunyuan_video15_pipeline(
         ClassifierFreeGuidance,
         FlowMatchEulerDiscreteScheduler,
         HunyuanVideo15Pipeline,
-        HunyuanVideo15Transformer3DModel,
     )
+    from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15Transformer3DModel
     from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, T5Config, T5EncoderModel
 
     # the pipeline's own system message and crop (instance attributes its encoder's defaults repeat)
@@ -681,12 +694,12 @@ def build_tiny_hunyuan_video15_pipeline(
         )
         _randomise(transformer)
         vae = AutoencoderKLHunyuanVideo15(latent_channels=32, block_out_channels=(8, 16, 32, 32, 32), layers_per_block=1)
-        text_encoder_2 = T5EncoderModel(T5Config(
+        text_encoder_2 = T5EncoderModel(T5Config(  # type: ignore[call-arg]  # extra keys: see STRICT_CONFIGS
             vocab_size=len(byt5), d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=4, relative_attention_num_buckets=8,
             pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
         ))
         tokenizer = tiny_hunyuan_video15_tokenizer(defaults["system_message"].default, defaults["crop_start"].default)
-        text_encoder = Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(
+        text_encoder = Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(  # type: ignore[call-arg]  # extra keys: see STRICT_CONFIGS
             hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,
             max_position_embeddings=2048, rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2], "rope_type": "default"},
             vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, bos_token_id=None, eos_token_id=tokenizer.eos_token_id,

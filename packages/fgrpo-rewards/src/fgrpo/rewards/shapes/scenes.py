@@ -125,6 +125,7 @@ def _perturb_once(scene: Scene, spec: Spec, rng: np.random.Generator, kind: str)
         return tuple(attrs.evolve(p, shape=new) if p.item == (color, shape) else p for p in scene)
     if kind == "position":
         (ca, sa, _), (cb, sb, _) = spec.objects
+        assert spec.relation is not None  # every position spec has one
         cell_a, cell_b = _pair_cells(spec.relation, rng, holds=False)
         return (Placed(ca, sa, *cell_a), Placed(cb, sb, *cell_b))
     if kind == "binding":

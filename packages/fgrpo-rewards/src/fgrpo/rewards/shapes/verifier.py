@@ -95,9 +95,8 @@ class Reading:
     def scene(self, b: int) -> tuple[Placed, ...]:
         """The readable objects of image ``b``."""
         codes = self.codes[b].tolist()
-        return tuple(
-            Placed(*ITEMS[codes[r][c] - 1], r, c) for r in range(GRID) for c in range(GRID) if codes[r][c] > 0
-        )
+        items = {(r, c): ITEMS[codes[r][c] - 1] for r in range(GRID) for c in range(GRID) if codes[r][c] > 0}
+        return tuple(Placed(color, shape, r, c) for (r, c), (color, shape) in items.items())
 
     def describe(self, b: int) -> str:
         """What was read in image ``b``, e.g. ``2 blue circles, red square, 1 unreadable (broken

@@ -70,7 +70,7 @@ class DPMpp3MKernel(KernelBase):
             if bool(two.any()):
                 out = torch.where(two, out + second_order_term(x0, last, sigma, sigma_next, two), out)
             if bool(third.any()):
-                out = torch.where(third, out + _third_order_terms(x0, history, sigma, sigma_next, third), out)
+                out = torch.where(third, out + _third_order_terms(x0, (history[0], history[1]), sigma, sigma_next, third), out)
         else:
             history = ()
         self._history = (*history[-1:], History(x0.detach(), sigma, sigma_next))
