@@ -85,7 +85,7 @@ def test_gradient_accumulation_from_accelerate(root, monkeypatch):
     monkeypatch.delenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
     larger = build_run(vector(root, "train.minibatch_size=32", "train.shuffle_minibatches=false"), out_dir=None, console=QUIET, quiet=True)
     assert iteration(larger, 0)["optimizer_steps"] == 2
-    for a, b in zip(accumulated.trainable, larger.trainable):
+    for a, b in zip(accumulated.trainable, larger.trainable, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 

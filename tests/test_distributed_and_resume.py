@@ -68,7 +68,7 @@ def test_sigkill_at_random_moments_then_resume_is_bit_exact(root, tmp_path):
     interrupted = tmp_path / "interrupted"
     rng = random.Random(20261130)
     kills = 0
-    for attempt in range(2):
+    for _attempt in range(2):
         proc = subprocess.Popen(
             [str(BIN / "fgrpo"), "compose", recipe, "--out", str(interrupted), *sets, "--resume"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -95,8 +95,13 @@ def test_sigkill_at_random_moments_then_resume_is_bit_exact(root, tmp_path):
     assert ref.keys() == got.keys()
     for key in ref:
         assert torch.equal(ref[key], got[key]), key
-    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(("time_", "samples_per_s"))} for r in rows]
-    read = lambda d: [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+
+    def strip(rows):
+        return [{k: v for k, v in r.items() if not k.startswith(("time_", "samples_per_s"))} for r in rows]
+
+    def read(d):
+        return [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+
     assert strip(read(reference)) == strip(read(interrupted))
 
 

@@ -48,7 +48,8 @@ def short_run(tmp_path_factory):
         reward: {{name: jpeg-compressibility}}
         objective: {{name: grpo, clip_range: 1.0e-3}}
         prompts: {{name: list, train: ["a red circle", "a blue square"], test: ["a green circle"]}}
-        train: {{iterations: {ITERATIONS}, group_size: 2, prompts_per_iteration: 2, lr: 0.05, ema_decay: 0.9, ema_every: 8}}
+        train: {{iterations: {ITERATIONS}, group_size: 2, prompts_per_iteration: 2, lr: 0.05, ema_decay: 0.9,
+                 ema_every: 8}}
         eval: {{every: {ITERATIONS}, steps: 2}}
         log: {{trackers: [tensorboard], plots: false}}
     """))
@@ -86,7 +87,7 @@ def test_the_run_warns_that_its_ema_never_moved_and_its_export_is_empty(short_ru
     evals = [line for line in log.splitlines() if line.startswith("eval at iteration")]
     assert [line.split(":")[0] for line in evals] == [
         f"eval at iteration {i}/{ITERATIONS} ({s}, EMA weights after 0 updates)"
-        for i, s in zip((0, ITERATIONS), re.findall(r"\((\d+\.\d s), EMA", log))
+        for i, s in zip((0, ITERATIONS), re.findall(r"\((\d+\.\d s), EMA", log), strict=True)
     ]
     assert all(not torch.any(b) for b in up_projections(run / "checkpoints" / "last" / "export"))
     report = (run / "report.html").read_text()  # the report says it too, and which weights were evaluated

@@ -50,7 +50,7 @@ def test_two_machines_match_one_machine_of_two_processes(root, tmp_path):
         for rank in (0, 1)
     ]
     outputs = [m.communicate(timeout=600) for m in machines]
-    for m, (_, err) in zip(machines, outputs):
+    for m, (_, err) in zip(machines, outputs, strict=True):
         assert m.returncode == 0, err[-4000:]
     single = subprocess.run(
         [str(BIN / "accelerate"), "launch", "--config_file", str(root / "recipes" / "accelerate" / "cpu.yaml"),

@@ -1,5 +1,5 @@
-"""The real-scale recipes (SD3.5-M, FLUX.1-dev, FLUX.2, Qwen-Image, Z-Image, Wan 2.1/2.2, HunyuanVideo 1.5) validate: every component
-exists, every key is known and in range. They are not run here (no GPU, no weights).
+"""The real-scale recipes (SD3.5-M, FLUX.1-dev, FLUX.2, Qwen-Image, Z-Image, Wan 2.1/2.2, HunyuanVideo 1.5)
+validate: every component exists, every key is known and in range. They are not run here (no GPU, no weights).
 
 The datasets they read (flow_grpo's dataset/ocr, dataset/geneval, dataset/pickscore) are not
 in the repository; each test writes a tiny stand-in of the same layout into a temporary working

@@ -195,7 +195,7 @@ def test_report_holds_every_figure_and_image_it_claims(shapes_run):
     strip = [row for row in page._filmstrip_rows if row]
     assert len(strip) == PROMPTS and all(len(row) == len(evaluations) for row in strip)
     for i, row in enumerate(strip):
-        for img, it in zip(row, evaluations):
+        for img, it in zip(row, evaluations, strict=True):
             assert img["alt"].startswith(tiles[it][i]["prompt"])  # the same prompt along the row
             data = base64.b64decode(img["src"].split(",", 1)[1])
             assert data == (out / "samples" / f"eval_{it:06d}" / tiles[it][i]["file"]).read_bytes()
@@ -264,7 +264,7 @@ def test_train_reward_is_smoothed_with_the_raw_points_faint_and_eval_on_its_own(
     ys = [y for _, y in raw.points]
     assert smooth.points[10][1] == pytest.approx(sum(ys[8:13]) / 5)  # centred: no lag
     assert smooth.points[0][1] == pytest.approx(sum(ys[:3]) / 3)
-    assert max(abs(a[1] - b) for a, b in zip(smooth.points[5:-5], [0.3 + 0.004 * x for x, _ in raw.points[5:-5]])) < 0.05
+    assert max(abs(a[1] - b) for a, b in zip(smooth.points[5:-5], [0.3 + 0.004 * x for x, _ in raw.points[5:-5]], strict=True)) < 0.05
 
 
 def test_constant_metrics_are_one_line_and_eval_time_has_its_own_chart():
@@ -316,7 +316,8 @@ def test_one_line_per_evaluation_when_not_a_terminal(shapes_run):
     _, printed = shapes_run
     lines = [line for line in printed.splitlines() if line.startswith("eval at iteration")]
     assert [line.split(" ")[3].split("/")[0] for line in lines] == ["0", "1", "2"]  # the base's too
-    assert all(re.search(r"\(\d+\.\d s, (raw weights|EMA weights after \d+ updates?)\): reward_mean [\d.]+ .*shapes/accuracy [\d.]+", line) for line in lines)
+    shown = r"\(\d+\.\d s, (raw weights|EMA weights after \d+ updates?)\): reward_mean [\d.]+ " r".*shapes/accuracy [\d.]+"
+    assert all(re.search(shown, line) for line in lines)
 
 
 def test_grid_has_separators_scores_and_what_was_read():

@@ -234,7 +234,7 @@ def test_3_a_run_that_fails_to_build_leaves_no_folder(tmp_path, capsys):
     prompts.write_text("target 1 1\n")
     recipe = recipe_mod.load(RECIPE, [f"prompts={{name: text-file, train: {prompts}}}", "eval.every=0"])
     prompts.unlink()
-    with pytest.raises(Exception):
+    with pytest.raises(RecipeError):
         trainer.open_run(recipe, out=str(out), resume=False, console=QUIET, quiet=True)
     assert not out.exists()
 

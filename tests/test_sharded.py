@@ -131,12 +131,12 @@ def test_sharded_run_equals_data_parallel_and_resumes_exactly(kind, variant, tin
         a, b = load_file(str(last(runs / "ddp") / name)), load_file(str(last(runs / "sharded") / name))
         assert a.keys() == b.keys() and a, name
         for key in a:
-            torch.testing.assert_close(b[key], a[key], rtol=0, atol=1e-5, msg=lambda m: f"{name} {key}: {m}")
+            torch.testing.assert_close(b[key], a[key], rtol=0, atol=1e-5, msg=lambda m, name=name, key=key: f"{name} {key}: {m}")
     a, b = optimizer_tensors(runs / "ddp"), optimizer_tensors(runs / "sharded")
     assert a.keys() == b.keys()
     for key in a:
         torch.testing.assert_close(b[key], a[key], rtol=0, atol=1e-5)
-    for x, y in zip(rows(runs / "ddp"), rows(runs / "sharded")):
+    for x, y in zip(rows(runs / "ddp"), rows(runs / "sharded"), strict=True):
         assert x.keys() == y.keys()
         for key, value in x.items():
             if isinstance(value, float) and not key.startswith(("time_", "samples_per_s")):
@@ -196,8 +196,11 @@ def test_shipped_config_launches_bf16_on_policy_and_resumes_exactly(config, show
     a = torch.load(last(tmp_path / "straight") / "optimizer.pt", weights_only=True)["optimizer"]
     b = torch.load(last(tmp_path / "resumed") / "optimizer.pt", weights_only=True)["optimizer"]
     assert a.keys() == b.keys()  # DeepSpeed's bf16 keeps float32 master weights: saved with the moments
-    flat = lambda o: [t for per_param in o["state"].values() for t in per_param.values()] + list(o.get("fp32_weights", {}).values())
-    assert all(torch.equal(x, y) for x, y in zip(flat(a), flat(b)))
+
+    def flat(o):
+        return [t for per_param in o["state"].values() for t in per_param.values()] + list(o.get("fp32_weights", {}).values())
+
+    assert all(torch.equal(x, y) for x, y in zip(flat(a), flat(b), strict=True))
     assert without_timing(rows(tmp_path / "straight")) == without_timing(rows(tmp_path / "resumed"))
 
 

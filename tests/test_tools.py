@@ -27,10 +27,10 @@ def test_relation_probe_reads_objects_and_relation_separately(root):
     scenes = [world.place(p, rng) for p in position]
     assert probe.rates(world.render_batch(scenes), position) == (1.0, 1.0)
 
-    swapped = [world.perturb(s, p, rng, kind="position") for s, p in zip(scenes, position)]
+    swapped = [world.perturb(s, p, rng, kind="position") for s, p in zip(scenes, position, strict=True)]
     assert probe.rates(world.render_batch(swapped), position) == (1.0, 0.0)  # right objects, wrong place
 
-    recoloured = [world.perturb(s, p, rng, kind="color") for s, p in zip(scenes, position)]
+    recoloured = [world.perturb(s, p, rng, kind="color") for s, p in zip(scenes, position, strict=True)]
     objects, relation = probe.rates(world.render_batch(recoloured), position)
     assert objects == 0.0 and math.isnan(relation)  # no image has the objects: nothing to condition on
 
@@ -44,8 +44,8 @@ def test_relation_outcomes_per_image(root):
     position = [p for p in test if world.parse_prompt(p).category == "position"][:6]
     rng = np.random.default_rng(1)
     scenes = [world.place(p, rng) for p in position]
-    swapped = [world.perturb(s, p, rng, kind="position") for s, p in zip(scenes, position)]
-    recoloured = [world.perturb(s, p, rng, kind="color") for s, p in zip(scenes, position)]
+    swapped = [world.perturb(s, p, rng, kind="position") for s, p in zip(scenes, position, strict=True)]
+    recoloured = [world.perturb(s, p, rng, kind="color") for s, p in zip(scenes, position, strict=True)]
     images = world.render_batch(scenes[:2] + swapped[2:4] + recoloured[4:])
     assert probe.outcomes(images, position) == [1, 1, 0, 0, None, None]
     single = [p for p in test if world.parse_prompt(p).category == "single"][:1]

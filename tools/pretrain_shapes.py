@@ -147,7 +147,7 @@ class PairSampler:
             specs.append(options[int(rng.integers(len(options)))])
         images = world.render_batch([world.sample_scene(s, rng, self.caption_noise) for s in specs])
         drop = rng.random(n) < self.prompt_dropout
-        prompts = ["" if d else s.prompt for s, d in zip(specs, drop)]
+        prompts = ["" if d else s.prompt for s, d in zip(specs, drop, strict=True)]
         return prompts, images * 2 - 1
 
 
@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         optimizer.step()
         decay = min(args.ema, (1 + step) / (10 + step))
         with torch.no_grad():
-            for pe, p in zip(ema.parameters(), network.parameters()):
+            for pe, p in zip(ema.parameters(), network.parameters(), strict=True):
                 pe.lerp_(p, 1 - decay)
         losses.append(loss.item())
         step += 1

@@ -109,9 +109,9 @@ def main(argv: list[str] | None = None) -> int:
         d_mean = float((ours.mean - mean).abs().max())
         d_lp = float((ours.log_prob - lp).abs().max())
         a, b = [], []
-        for r in range(args.repeats):  # interleaved
-            a += timed(lambda: kernel.step(v, x, sigmas, i, prev_sample=x_next), 1)
-            b += timed(lambda: explicit(v, x, sigmas, i, x_next, eta), 1)
+        for _ in range(args.repeats):  # interleaved
+            a += timed(lambda kernel=kernel, x_next=x_next: kernel.step(v, x, sigmas, i, prev_sample=x_next), 1)
+            b += timed(lambda explicit=explicit, x_next=x_next, eta=eta: explicit(v, x, sigmas, i, x_next, eta), 1)
         rows.append([name, f"{d_mean:.2g}", f"{d_lp:.2g}", f"{_bench.median(a) * 1e6:.0f}", f"{_bench.median(b) * 1e6:.0f}", f"{_bench.paired_ratio(a, b):.2f}"])
 
     rows.append(dpmpp2m_row(x, v, sigmas, args.repeats))

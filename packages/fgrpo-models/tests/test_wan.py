@@ -224,7 +224,9 @@ class TestWan22(DiffusersBackboneConformance):
         run, row, before = self.run_iteration(self.iteration_recipe(keys, tmp_path, sampler=sampler), tmp_path / "run")
         assert row["first_ratio_deviation"] <= 1e-6
         after = run.policy.trainable_state_dict()
-        expert = lambda key: key.split(".", 1)[0] if key.startswith(("transformer.", "transformer_2.")) else "transformer"  # noqa: E731
+        def expert(key):
+            return key.split(".", 1)[0] if key.startswith(("transformer.", "transformer_2.")) else "transformer"
+
         changed = {expert(k) for k in before if not torch.equal(before[k], after[k])}
         assert changed == moved  # one expert alone keeps the plain one-transformer keys
 

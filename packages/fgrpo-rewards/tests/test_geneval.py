@@ -230,7 +230,10 @@ class TestGenEvalOwl(RewardConformance):
         for b in range(4):
             limit = OWL["counting_threshold"] if METADATA[b]["tag"] == "counting" else OWL["threshold"]
             kept = select_objects(found[b], limit, 16, 1.0)
-            colour = lambda cls, b=b, kept=kept: verifier.colours(images[b], kept.get(cls, []), cls)
+
+            def colour(cls, b=b, kept=kept):
+                return verifier.colours(images[b], kept.get(cls, []), cls)
+
             expected = judge(kept, METADATA[b], colour)
             assert result.details["partial"][b].item() == pytest.approx(expected.partial)
             assert result.details["strict"][b].item() == float(expected.strict)

@@ -198,7 +198,7 @@ def blip_state() -> dict[str, torch.Tensor]:
         state[p + "intermediate.dense.weight"], state[p + "intermediate.dense.bias"] = randn(T_FF, T_WIDTH), randn(T_FF)
         state[p + "output.dense.weight"], state[p + "output.dense.bias"] = randn(T_WIDTH, T_FF), randn(T_WIDTH)
         state[p + "output.LayerNorm.weight"], state[p + "output.LayerNorm.bias"] = 1 + randn(T_WIDTH), randn(T_WIDTH)
-    for i, (n_in, n_out) in zip((0, 2, 4, 6, 7), ((T_WIDTH, 1024), (1024, 128), (128, 64), (64, 16), (16, 1))):
+    for i, (n_in, n_out) in zip((0, 2, 4, 6, 7), ((T_WIDTH, 1024), (1024, 128), (128, 64), (64, 16), (16, 1)), strict=True):
         state[f"mlp.layers.{i}.weight"], state[f"mlp.layers.{i}.bias"] = randn(n_out, n_in, scale=n_in**-0.5), randn(n_out)
     return state
 

@@ -4,6 +4,7 @@ continuous noise, and the gold metric."""
 
 from __future__ import annotations
 
+from itertools import pairwise
 from fractions import Fraction
 
 import numpy as np
@@ -157,16 +158,16 @@ def test_gold_error_is_zero_when_clean_and_grows_with_drift():
     clean = _batch([_uint8(s) for s in GOOD.values()])
     assert gold_error(clean).tolist() == [0.0] * len(GOOD)
     shifts = gold_error(_batch([_shift(d) for d in (0, 5, 10, 20, 21, 30, 60, 120)])).tolist()
-    assert shifts[0] == 0.0 and all(a < b for a, b in zip(shifts, shifts[1:]))
+    assert shifts[0] == 0.0 and all(a < b for a, b in pairwise(shifts))
     speckles = gold_error(_batch([_speckle(v) for v in (0, 10, 20, 21, 40, 80)])).tolist()
-    assert speckles[0] == 0.0 and all(a < b for a, b in zip(speckles, speckles[1:]))
+    assert speckles[0] == 0.0 and all(a < b for a, b in pairwise(speckles))
     broken = []
     for k in range(6):
         image = _uint8(CIRCLE)
         image[8 + 3, 8 + 1 : 8 + 1 + k] = 0
         broken.append(image)
     errors = gold_error(_batch(broken)).tolist()
-    assert errors[0] == 0.0 and all(a < b for a, b in zip(errors, errors[1:]))
+    assert errors[0] == 0.0 and all(a < b for a, b in pairwise(errors))
 
 
 def test_reward_component_strict_partial_fidelity_and_gold():
@@ -200,7 +201,7 @@ def test_prompt_source_metadata_drives_the_reward():
     source = ShapesPrompts(test_per_category=4)
     prompts = source.test_prompts()
     metadata = [source.metadata(p) for p in prompts]
-    assert all(m["spec"] == parse_prompt(p).to_dict() for p, m in zip(prompts, metadata))
+    assert all(m["spec"] == parse_prompt(p).to_dict() for p, m in zip(prompts, metadata, strict=True))
     clean = sample_images(prompts, 0, caption_noise=0.0)
     wrong = sample_images(prompts, 0, caption_noise=1.0)
     verifier = ShapesVerifier(score="strict")

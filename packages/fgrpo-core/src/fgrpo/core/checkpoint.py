@@ -117,8 +117,8 @@ def write(
     export: Callable[[str], Any] | None = None,
 ) -> Path:
     """Write checkpoint ``iteration`` under ``root`` (checkpoints/) and point ``last`` at it; then
-    prune the older checkpoints of the same run (``state["run_id"]``) down to ``keep``. ``export(folder)`` writes extra files into ``export/`` before the
-    folder becomes visible."""
+    prune the older checkpoints of the same run (``state["run_id"]``) down to ``keep``.
+    ``export(folder)`` writes extra files into ``export/`` before the folder becomes visible."""
     final = root / folder_name(iteration)
     tmp = root / f".tmp-{folder_name(iteration)}-{os.getpid()}"
     try:
@@ -435,7 +435,7 @@ def recipe_differences(
             for key in sorted(set(a) | set(b), key=str):
                 walk(a.get(key, "<absent>"), b.get(key, "<absent>"), f"{prefix}.{key}" if prefix else str(key))
         elif isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
-            for i, (x, y) in enumerate(zip(a, b)):
+            for i, (x, y) in enumerate(zip(a, b, strict=True)):
                 walk(x, y, f"{prefix}.{i}")
         elif a != b and matches(prefix, only) and not matches(prefix, ignore):
             diffs.append(f"{prefix}: {a!r} in the checkpoint, {b!r} now")

@@ -250,7 +250,7 @@ def coerce(value: Any, tp: Any) -> Any:
         if origin is tuple and args and args[-1] is not Ellipsis:
             if len(args) != len(value):
                 raise TypeError(f"expected a list of {len(args)} items, got {shown(value)}")
-            return tuple(coerce(v, a) for v, a in zip(value, args))
+            return tuple(coerce(v, a) for v, a in zip(value, args, strict=True))
         item = args[0] if args else Any
         out = [coerce(v, item) for v in value]
         return tuple(out) if origin is tuple or tp is tuple else out

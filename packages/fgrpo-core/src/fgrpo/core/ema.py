@@ -35,7 +35,7 @@ class EMA:
     def update(self, decay: float | None = None) -> None:
         """shadow <- decay * shadow + (1 - decay) * weights (``decay`` defaults to the EMA's)."""
         weight = 1.0 - (self.decay if decay is None else decay)
-        for s, p in zip(self.shadow, self.params):
+        for s, p in zip(self.shadow, self.params, strict=True):
             s.lerp_(p.detach().to(s.dtype), weight)
 
     @contextmanager
@@ -43,13 +43,13 @@ class EMA:
         """Evaluate with the EMA weights; the trained weights come back bit for bit."""
         backup = [p.detach().clone() for p in self.params]
         with torch.no_grad():
-            for p, s in zip(self.params, self.shadow):
+            for p, s in zip(self.params, self.shadow, strict=True):
                 p.copy_(s)
         try:
             yield
         finally:
             with torch.no_grad():
-                for p, b in zip(self.params, backup):
+                for p, b in zip(self.params, backup, strict=True):
                     p.copy_(b)
 
     def state_dict(self) -> dict[str, torch.Tensor]:

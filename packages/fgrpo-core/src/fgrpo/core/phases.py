@@ -70,7 +70,7 @@ def rollout(run: Run, iteration: int, on_chunk: Callable[[Trajectory], None] | N
     policy = TimedPolicy(run.policy, run.clock)
     with run.display.phase("rollout", len(local)) as advance:
         for start in range(0, len(local), chunk):
-            slots, prompts = zip(*local[start : start + chunk])
+            slots, prompts = zip(*local[start : start + chunk], strict=True)
             g = generator(run.recipe.seed, "rollout", iteration, slots[0], device=run.policy.device)
             with run.accelerator.autocast(), autocast(run.policy.device, cfg.rollout_precision):
                 traj = run.sampler.rollout(policy, list(prompts), cfg.group_size, generator=g)
@@ -235,7 +235,7 @@ def detail_means(details: dict[str, Any], by_category: bool = True) -> dict[str,
             if len(t) != len(categories):
                 continue
             per_category = [t[mask].mean().item() for mask in masks]
-            out.update({f"{key}/{name}": m for name, m in zip(names, per_category)})
+            out.update({f"{key}/{name}": m for name, m in zip(names, per_category, strict=True)})
             if len(names) > 1:
                 out[f"{key}/overall"] = sum(per_category) / len(per_category)
     return out
@@ -340,7 +340,7 @@ def pair_batches(traj: Trajectory, samples: torch.Tensor, per_forward: int) -> l
     rows = samples.repeat_interleave(steps)
     cols = torch.arange(steps).repeat(len(samples))
     size = per_forward or len(rows)
-    return list(zip(rows.split(size), cols.split(size)))
+    return list(zip(rows.split(size), cols.split(size), strict=True))
 
 
 def step_batch(
@@ -425,7 +425,7 @@ def sync_gradients(run: Run, params: Sequence[torch.nn.Parameter]) -> None:
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     flat = run.accelerator.reduce(torch.cat([g.reshape(-1) for g in grads]), reduction="mean")
     offset = 0
-    for p, g in zip(params, grads):
+    for p, g in zip(params, grads, strict=True):
         n = g.numel()
         p.grad = flat[offset : offset + n].view_as(p).clone()
         offset += n
@@ -572,7 +572,7 @@ def summarize(stats: UpdateStats) -> dict[str, float]:
     if stats.first_ratio_deviation is not None:
         keys.append("first_ratio_deviation")
         values.append(torch.as_tensor(stats.first_ratio_deviation).float().reshape(()))
-    out: dict[str, float] = dict(zip(keys, torch.stack(values).double().tolist())) if values else {}
+    out: dict[str, float] = dict(zip(keys, torch.stack(values).double().tolist(), strict=True)) if values else {}
     out["optimizer_steps"] = stats.optimizer_steps
     out["trained_samples"] = stats.samples
     out["nfe_reference"] = stats.reference_nfe

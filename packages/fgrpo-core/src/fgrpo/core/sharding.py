@@ -151,7 +151,6 @@ def shard_policy(accelerator: Any, policy: Any, optimizer: torch.optim.Optimizer
     (in place: the policy keeps calling the same module); returns the trainable parameters, now
     DTensor shards, in the optimizer's order."""
     module = _trainable_module(policy, optimizer)
-    trainable = [p for group in optimizer.param_groups for p in group["params"]]
     plugin = accelerator.state.fsdp_plugin
     if plugin.fsdp_version != 2:
         raise _refuse(
@@ -357,7 +356,7 @@ def _load_deepspeed_optimizer_state(
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
     zero = engine.optimizer
-    for group, saved_group in zip(optimizer.param_groups, state["param_groups"]):
+    for group, saved_group in zip(optimizer.param_groups, state["param_groups"], strict=True):
         group.update({k: v for k, v in saved_group.items() if k != "params"})
     per_param = state["state"]
     masters = state.get("fp32_weights")

@@ -599,7 +599,7 @@ def load_checkpoint_weights(policy: Policy, folder: Path, ema_decay: float) -> N
             ema = EMA(params, ema_decay)
             ema.load_state_dict(ckpt.read_tensors(folder / ckpt.EMA, policy.device))
             with torch.no_grad():
-                for p, s in zip(params, ema.shadow):
+                for p, s in zip(params, ema.shadow, strict=True):
                     p.copy_(s)
         else:
             policy.load_trainable_state_dict(ckpt.read_tensors(folder / ckpt.TRAINABLE, policy.device))

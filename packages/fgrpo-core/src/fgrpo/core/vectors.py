@@ -81,7 +81,7 @@ def target_vectors(
         raise ValueError(f"got {len(prompts)} prompts but {len(metas)} metadata entries")
     if not prompts:
         return torch.zeros(0, dim)
-    return torch.stack([target_vector(p, dim, m) for p, m in zip(prompts, metas)])
+    return torch.stack([target_vector(p, dim, m) for p, m in zip(prompts, metas, strict=True)])
 
 
 def condition_vector(prompt: str, dim: int, cond_dim: int) -> torch.Tensor:

@@ -58,7 +58,7 @@ def grid_image(
     width = max(8, cell // 6)
     texts = [_wrap(c, width, 3) for c in captions]
     extra = [_wrap(note, width, 3) for note in notes] if notes is not None else [[] for _ in range(n)]
-    text_h = LINE_HEIGHT * max(len(a) + len(b) for a, b in zip(texts, extra)) + 4
+    text_h = LINE_HEIGHT * max(len(a) + len(b) for a, b in zip(texts, extra, strict=True)) + 4
     tile_w, tile_h = cell + gap, cell + text_h + gap
     grid = Image.new("RGB", (columns * tile_w - gap, rows * tile_h - gap), SEPARATOR)
     draw = ImageDraw.Draw(grid)
@@ -96,7 +96,7 @@ def write_tiles(images: torch.Tensor, rows: Sequence[dict[str, Any]], folder: Pa
     what the run report's filmstrip shows, evaluation by evaluation."""
     folder.mkdir(parents=True, exist_ok=True)
     index = []
-    for i, (pic, row) in enumerate(zip(to_uint8(images), rows)):
+    for i, (pic, row) in enumerate(zip(to_uint8(images), rows, strict=True)):
         image = Image.fromarray(pic)
         if max(image.size) > THUMBNAIL:
             image.thumbnail((THUMBNAIL, THUMBNAIL), Image.Resampling.LANCZOS)
@@ -143,7 +143,7 @@ def curves(rows: Sequence[dict], path: Path) -> Path | None:
     if not keys:
         return None
     fig, axes = plt.subplots(len(keys), 1, figsize=(7, 2.2 * len(keys)), sharex=True, squeeze=False)
-    for ax, key in zip(axes[:, 0], keys):
+    for ax, key in zip(axes[:, 0], keys, strict=True):
         pts = [(r["iteration"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="." if len(pts) < 50 else None)
         ax.set_ylabel(key, fontsize=8)

@@ -428,7 +428,7 @@ class DiffusersPolicy:
             mu=self._shift_mu(steps),
         )
         if self._integer_timesteps and timesteps is not None:
-            grid = dict(zip(sigmas[:-1].tolist(), timesteps.tolist()))
+            grid = dict(zip(sigmas[:-1].tolist(), timesteps.tolist(), strict=False))
             if any(self._timestep_table.get(k) != v for k, v in grid.items()):
                 self._timestep_table.update(grid)
                 self._timestep_tensors = None

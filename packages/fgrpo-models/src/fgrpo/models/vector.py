@@ -13,6 +13,7 @@ prompt-independent distribution with ``pretrain_steps``).
 
 from __future__ import annotations
 
+from itertools import pairwise
 import contextlib
 import copy
 import math
@@ -68,7 +69,7 @@ class VelocityMLP(nn.Module):
         super().__init__()
         self.time_dim = time_dim
         sizes = [dim + cond_dim + time_dim] + [hidden] * (layers - 1) + [dim]
-        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:]))
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in pairwise(sizes))
 
     def forward(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
         weight = self.layers[0].weight

@@ -80,7 +80,7 @@ class ZImagePolicy(DiffusersPolicy):
     def _predict(self, x: torch.Tensor, sigma: torch.Tensor, cond: Mapping[str, torch.Tensor]) -> torch.Tensor:
         transformer = self.transformer
         dtype = transformer.dtype
-        captions = [row[mask.bool()].to(dtype) for row, mask in zip(cond["prompt_embeds"], cond["prompt_embeds_mask"])]
+        captions = [row[mask.bool()].to(dtype) for row, mask in zip(cond["prompt_embeds"], cond["prompt_embeds_mask"], strict=True)]
         latents = list(x.to(dtype).unsqueeze(2).unbind(0))
         out = transformer(latents, 1.0 - sigma, captions, return_dict=False)[0]
         return -torch.stack([o.float() for o in out]).squeeze(2)

@@ -423,7 +423,7 @@ class Verifier:
             check_metadata(meta, i)
         detections = self.detector(images, [mentioned_classes(m) for m in metadata])
         out = []
-        for image, dets, meta in zip(images, detections, metadata):
+        for image, dets, meta in zip(images, detections, metadata, strict=True):
             limit = self.counting_threshold if meta["tag"] == "counting" else self.threshold
             objects = select_objects(dets, limit, self.max_objects, self.nms_threshold)
             memo: dict[str, list[str]] = {}

@@ -84,7 +84,7 @@ def open_clip_to_hf(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor
             prefix = f"{_TOWERS[tower]}layers.{layer}."
             if rest.startswith("attn.in_proj_"):
                 kind = rest.rsplit("_", 1)[1]  # weight or bias
-                for name, part in zip(("q_proj", "k_proj", "v_proj"), value.chunk(3, dim=0)):
+                for name, part in zip(("q_proj", "k_proj", "v_proj"), value.chunk(3, dim=0), strict=True):
                     out[f"{prefix}self_attn.{name}.{kind}"] = part.contiguous()
                 continue
             module, _, kind = rest.rpartition(".")

@@ -125,7 +125,7 @@ class OCRReward:
             raise ImportError(INSTALL)
         result = self._engine(image, use_cls=False) if self.detect else self._engine(image, use_det=False, use_cls=False)
         texts, scores = result.txts or (), result.scores or ()
-        return "".join(t for t, s in zip(texts, scores) if s >= self.min_confidence)
+        return "".join(t for t, s in zip(texts, scores, strict=False) if s >= self.min_confidence)
 
     def read_batch(self, arrays: Sequence[np.ndarray]) -> list[str]:
         """The text read in each (H, W, 3) uint8 RGB image: rapidocr's steps (load, resize within
@@ -145,7 +145,7 @@ class OCRReward:
             texts, scores = out.txts or (), out.scores or ()
         read, k = [], 0
         for crops in lines:
-            pairs = list(zip(texts[k : k + len(crops)], scores[k : k + len(crops)]))
+            pairs = list(zip(texts[k : k + len(crops)], scores[k : k + len(crops)], strict=False))
             k += len(crops)
             read.append("".join(t for t, s in pairs if t.strip() and s >= self.min_confidence))
         return read
@@ -171,7 +171,7 @@ class OCRReward:
                 for row, i in enumerate(members):
                     preds[i] = out[row : row + 1]
         lines = []
-        for img, pred in zip(images, preds):
+        for img, pred in zip(images, preds, strict=True):
             boxes = det.postprocess_op(pred, img.shape[:2])[0] if pred is not None else []
             lines.append(engine.crop_text_regions(img, det.sorted_boxes(boxes)) if len(boxes) else [])
         return lines
@@ -182,7 +182,7 @@ class OCRReward:
         if not isinstance(outputs, torch.Tensor) or outputs.dim() not in (4, 5):
             raise ValueError("ocr reward expects images (B, 3, H, W) or videos (B, F, 3, H, W) in [0, 1]")
         metas: Sequence[Mapping[str, Any] | None] = metadata if metadata else [None] * len(prompts)
-        wanted = [text_to_render(p, m) for p, m in zip(prompts, metas)]
+        wanted = [text_to_render(p, m) for p, m in zip(prompts, metas, strict=True)]
         video = outputs.dim() == 5
         frames = [outputs[b, :: self.frame_interval] if video else outputs[b : b + 1] for b in range(outputs.shape[0])]
         arrays = [array for f in frames for array in to_uint8(f)]
@@ -199,7 +199,7 @@ class OCRReward:
         for b, f in enumerate(frames):
             frame_texts = texts[k : k + f.shape[0]]
             k += f.shape[0]
-            frame_scores, frame_distances = zip(*(ocr_score(t, wanted[b]) for t in frame_texts))
+            frame_scores, frame_distances = zip(*(ocr_score(t, wanted[b]) for t in frame_texts), strict=True)
             if video:
                 positive = [s for s in frame_scores if s > 0]
                 scores.append(sum(positive) / len(positive) if positive else 0.0)

@@ -28,6 +28,7 @@ The standard library only: neither uvicorn nor aiohttp bounds the time a request
 
 from __future__ import annotations
 
+from itertools import pairwise
 import asyncio
 import collections
 import concurrent.futures
@@ -340,7 +341,7 @@ class RewardServer:
             for job in jobs:
                 job.done.set_result((500, f"reward {self.name!r} failed: {type(exc).__name__}: {exc}"))
             return
-        for job, payload in zip(jobs, payloads):
+        for job, payload in zip(jobs, payloads, strict=True):
             job.batch.update(requests=len(jobs), samples=sum(sizes))
             job.done.set_result((200, payload))
 
@@ -358,10 +359,10 @@ def split_result(result: RewardResult, sizes: Sequence[int]) -> list[RewardResul
             pieces: list[Any] = list(value.split(list(sizes)))
         elif isinstance(value, (list, tuple)) and len(value) == total:
             offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
-            pieces = [list(value[a:b]) for a, b in zip(offsets, offsets[1:])]
+            pieces = [list(value[a:b]) for a, b in pairwise(offsets)]
         else:
             pieces = [value] * len(sizes)
-        for part, piece in zip(parts, pieces):
+        for part, piece in zip(parts, pieces, strict=True):
             part.details[key] = piece
     return parts
 

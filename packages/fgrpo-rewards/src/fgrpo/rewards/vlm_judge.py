@@ -8,7 +8,8 @@ them, else 1/0 from the text). Requests run ``concurrency`` at a time, each with
 retries with exponential backoff (``timeout`` bounds each request as a whole), and answers
 larger than ``max_answer_mb`` are refused unread. An answer that cannot be parsed is an error, unless
 ``fallback`` is set: then that value is used, a warning is logged, and the sample's
-``fallback`` detail is 1 (its mean is logged every iteration as ``reward/LABEL/fallback`` and by evaluation). The standard library only.
+``fallback`` detail is 1 (its mean is logged every iteration as ``reward/LABEL/fallback`` and by
+evaluation). The standard library only.
 """
 
 from __future__ import annotations

@@ -32,9 +32,10 @@ visits the positions 0, stride, 2 stride, ... up to the last allowed start and s
 A frozen window (MixGRPO-Flash*, window fixed at [0, 4)) is ``shift_every`` larger than the run.
 
 ``flash: true`` (MixGRPO-Flash) replaces the Euler steps after the window by DPM-Solver++
-(``flash_order`` 2: kernel ``dpmpp2m``, MixGRPO-Flash's setting; 3: ``dpmpp3m``) on a compressed schedule: ``int((steps - last) * flash_ratio)`` points from
-the sigma reached after the window down to 0, ``last`` being the window's last step (the MixGRPO
-rule), at least 2 points (one step) and never more steps than the Euler steps it replaces. The
+(``flash_order`` 2: kernel ``dpmpp2m``, MixGRPO-Flash's setting; 3: ``dpmpp3m``) on a compressed
+schedule: ``int((steps - last) * flash_ratio)`` points from the sigma reached after the window down
+to 0, ``last`` being the window's last step (the MixGRPO rule), at least 2 points (one step) and
+never more steps than the Euler steps it replaces. The
 points are the main schedule's tail resampled by linear interpolation in step index, so the
 compressed schedule keeps the shape (shift, flux, explicit) of the main one. The multistep
 history starts fresh after the window (its first step is first order; the reference feeds the
@@ -198,7 +199,7 @@ class MixGRPOSampler(GroupSampler):
             if self.at_end == "stay":
                 return positions[-1]
             iteration %= cycle
-        for position, dwell in zip(positions, dwells):
+        for position, dwell in zip(positions, dwells, strict=True):
             if iteration < dwell:
                 return position
             iteration -= dwell

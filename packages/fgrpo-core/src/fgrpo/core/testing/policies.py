@@ -176,8 +176,7 @@ class PolicyConformance:
     def test_encode_is_per_prompt(self, policy: Any) -> None:
         a, b = self.prompts[:2]
         cond = policy.encode([a, b, a])
-        for i, j in ((0, 2),):
-            tensors.tree_map(lambda t: _assert_rows_equal(t, i, j), cond)
+        tensors.tree_map(lambda t: _assert_rows_equal(t, 0, 2), cond)  # rows 0 and 2 encode the same prompt
         single = policy.encode([b])
         pair = tensors.index(cond, slice(1, 2))
         _assert_trees_close(single, pair, atol=self.batch_atol)
@@ -312,7 +311,7 @@ def _leaves(tree: Any) -> list[torch.Tensor]:
 def _assert_trees_close(a: Any, b: Any, atol: float) -> None:
     left, right = _leaves(a), _leaves(b)
     assert len(left) == len(right)
-    for x, y in zip(left, right):
+    for x, y in zip(left, right, strict=True):
         torch.testing.assert_close(x.float(), y.float(), rtol=0, atol=atol)
 
 

@@ -13,13 +13,13 @@ diffusers backbone owes its users, on a tiny random pipeline saved and loaded li
         def pipeline_kwargs(self, policy):               # what pipe(...) needs to match the policy
             return {"height": 64, "width": 64, "max_sequence_length": 16}
 
-Added checks: our Euler loop over ``sigmas(steps)`` with our ``velocity`` reproduces
-``pipe(..., output_type="latent")`` (with and without guidance); ``decode`` is the pipeline's
-decoding; the exported adapter loads into the plain pipeline with diffusers'
-``load_lora_weights`` and gives the same velocity (and back through ``lora_path``); the trainer
-iteration runs under bf16 autocast and stays on-policy; the prompt cache encodes each prompt once; bf16 weights keep float32 LoRA weights, velocities and
-gradients; gradient checkpointing leaves gradients unchanged; full fine-tuning trains the
-whole transformer and exports it with ``save_pretrained``.
+Added checks: our Euler loop over ``sigmas(steps)`` with our ``velocity`` reproduces ``pipe(...,
+output_type="latent")`` (with and without guidance); ``decode`` is the pipeline's decoding; the
+exported adapter loads into the plain pipeline with diffusers' ``load_lora_weights`` and gives the
+same velocity (and back through ``lora_path``); the trainer iteration runs under bf16 autocast and
+stays on-policy; the prompt cache encodes each prompt once; bf16 weights keep float32 LoRA weights,
+velocities and gradients; gradient checkpointing leaves gradients unchanged; full fine-tuning trains
+the whole transformer and exports it with ``save_pretrained``.
 """
 
 from __future__ import annotations
@@ -226,7 +226,7 @@ class DiffusersBackboneConformance(PolicyConformance):
             x, sigma = self.state(policy)
             policy.velocity(x, sigma, self.cond(policy)).square().mean().backward()
             grads.append([p.grad for p in policy.trainable_parameters()])
-        for a, b in zip(*grads):
+        for a, b in zip(*grads, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
     @pytest.mark.slow

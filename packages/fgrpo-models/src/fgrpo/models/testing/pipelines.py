@@ -22,6 +22,7 @@ diffusers and transformers are imported inside the builders, so importing this m
 
 from __future__ import annotations
 
+from itertools import pairwise
 import inspect
 import os
 import string
@@ -70,7 +71,7 @@ def _bytes_to_unicode() -> dict[int, str]:
             bs.append(b)
             cs.append(256 + n)
             n += 1
-    return dict(zip(bs, map(chr, cs)))
+    return dict(zip(bs, map(chr, cs), strict=True))
 
 
 def tiny_clip_tokenizer(model_max_length: int = 77) -> Any:
@@ -642,7 +643,7 @@ def tiny_hunyuan_video15_tokenizer(system_message: str, template_tokens: int = 1
     def build(pieces: int) -> Any:
         cuts = [len(system_message) * i // pieces for i in range(pieces + 1)]
         tokenizer = tiny_byte_tokenizer(["<|endoftext|>", "<|im_start|>", "<|im_end|>"], QWEN_CHAT_TEMPLATE, pad_token="<|endoftext|>", eos_token="<|im_end|>")
-        tokenizer.add_tokens([system_message[a:b] for a, b in zip(cuts, cuts[1:])])
+        tokenizer.add_tokens([system_message[a:b] for a, b in pairwise(cuts)])
         return tokenizer
 
     def prefix(tokenizer: Any) -> int:  # tokens before the prompt "~"

@@ -64,7 +64,7 @@ def place(spec: Spec | str, rng: np.random.Generator | int | None = None) -> Sce
         return (Placed(ca, sa, *cell_a), Placed(cb, sb, *cell_b))
     items = [(c, s) for c, s, n in spec.objects for _ in range(n)]
     cells = rng.permutation(len(ALL_CELLS))[: len(items)]
-    return tuple(Placed(c, s, *ALL_CELLS[i]) for (c, s), i in zip(items, cells))
+    return tuple(Placed(c, s, *ALL_CELLS[i]) for (c, s), i in zip(items, cells, strict=True))
 
 
 def perturbations_for(spec: Spec) -> tuple[str, ...]:

@@ -206,7 +206,7 @@ def evaluate(
     metadata = list(metadata) if metadata is not None else [{}] * len(prompts)
     if len(metadata) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but {len(metadata)} metadata entries")
-    specs = [spec_for(p, m) for p, m in zip(prompts, metadata)]
+    specs = [spec_for(p, m) for p, m in zip(prompts, metadata, strict=True)]
     reading = read_cells(images, pixel_tolerance, glyph_tolerance)
     n_invalid = reading.n_invalid.tolist()
     met_total = [match(reading.scene(b), spec, n_invalid[b]) for b, spec in enumerate(specs)]
