@@ -9,15 +9,17 @@ import sys
 import torch
 from rich.console import Console
 
+from fgrpo.core import launch
 from fgrpo.core import recipe as recipe_mod
-from fgrpo.core.trainer import build_run, end_process_group, iteration, make_accelerator
+from fgrpo.core.trainer import build_run, end_process_group, iteration
 
 
 def main() -> None:
     path, out, n, *overrides = sys.argv[1:]
-    acc = make_accelerator(cpu=True)
+    parallel = launch.start(cpu=True)
+    acc = parallel.accelerator
     recipe = recipe_mod.load(path, overrides)
-    run = build_run(recipe, out_dir=None, console=Console(quiet=True), quiet=True, accelerator=acc)
+    run = build_run(recipe, out_dir=None, console=Console(quiet=True), quiet=True, parallel=parallel)
     rewards, identical = [], []
     for it in range(int(n)):
         metrics = iteration(run, it)

@@ -29,7 +29,7 @@ import torch
 
 from rich.console import Console
 
-from fgrpo.core import phases, sharding
+from fgrpo.core import launch, phases
 from fgrpo.core import recipe as recipe_mod
 from fgrpo.core.trainer import close_run, open_run, train
 
@@ -81,11 +81,11 @@ def run(path: str, out: Path, iterations: int, overrides: list[str], *, resume: 
     try:
         stepped = [p for group in r.optimizer.param_groups for p in group["params"]]
         seen = {
-            "kind": sharding.kind(r.accelerator),
-            "sharded": r.sharded,
-            "dtensor": sharding.is_sharded_tensor(r.trainable[0]),
+            "kind": launch.kind(r.accelerator),
+            "sharded": r.parallel.sharded,
+            "dtensor": launch.is_sharded_tensor(r.trainable[0]),
             # elements whose AdamW state this process holds and steps, of all trainable elements
-            "stepped_numel": sum((p.to_local() if sharding.is_sharded_tensor(p) else p).numel() for p in stepped),
+            "stepped_numel": sum((p.to_local() if launch.is_sharded_tensor(p) else p).numel() for p in stepped),
             "trainable_numel": sum(p.numel() for p in r.trainable),
             "start": r.start_iteration,
         }

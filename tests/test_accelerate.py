@@ -14,7 +14,8 @@ from rich.console import Console
 from fgrpo.core import cli
 from fgrpo.core import recipe as recipe_mod
 from fgrpo.core.config import RecipeError
-from fgrpo.core.trainer import accelerate_settings, build_run, iteration
+from fgrpo.core.launch import accelerate_settings
+from fgrpo.core.trainer import build_run, iteration
 
 QUIET = Console(quiet=True)
 BIN = Path(sys.executable).parent

@@ -15,7 +15,7 @@ import torch
 
 from _helpers import ROOT
 from fgrpo.core import cli, registry
-from fgrpo.core.phases import RewardError, score
+from fgrpo.core.scoring import RewardError, score
 from fgrpo.core.protocols import RewardResult
 from fgrpo.core.recipe import RewardSpec
 

@@ -82,7 +82,7 @@ def up_projections(folder: Path) -> list[torch.Tensor]:
 def test_the_run_warns_that_its_ema_never_moved_and_its_export_is_empty(short_run):
     run, log, _ = short_run
     assert f"warning: the EMA received no update in {ITERATIONS} optimizer step(s) (train.ema_every: 8)" in log
-    assert "`fgrpo export --no-ema` writes the trained weights" in log
+    assert "`fgrpo export --no-ema` writes the trained weights and `fgrpo sample --no-ema` draws from them" in log
     assert f"warning: the exported LoRA in {run / 'checkpoints' / 'last' / 'export'} is empty" in log
     evals = [line for line in log.splitlines() if line.startswith("eval at iteration")]
     assert [line.split(":")[0] for line in evals] == [

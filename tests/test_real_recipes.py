@@ -17,7 +17,7 @@ RECIPES = [
     "sd35m-ocr", "sd35m-geneval", "sd35m-pickscore", "flux-pickscore", "qwen-image-ocr", "qwen-image-pickscore", "wan-ocr",
     "sd35m-preference-mix", "sd35m-vlm-judge", "sd35m-geneval-remote",
     "flux2-t2i", "flux2-klein-pickscore", "z-image-pickscore", "z-image-turbo-pickscore", "wan22-t2v-pickscore",
-    "wan22-i2v-pickscore", "hunyuan-video-1.5-pickscore",
+    "wan22-i2v-pickscore", "hunyuan-video-1.5-pickscore", "flux-kontext-counting-edit", "qwen-image-edit-counting-edit",
 ]
 
 
@@ -32,12 +32,22 @@ def stand_in_datasets(folder):
     row = {"prompt": "a photo of a cat", "tag": "single_object", "include": [{"class": "cat", "count": 1}], "exclude": []}
     for split in ("train", "test"):
         (folder / "dataset" / "geneval" / f"{split}_metadata.jsonl").write_text(json.dumps(row) + "\n")
+    from PIL import Image  # the source images of the editing and image-to-video datasets
+
+    (folder / "dataset" / "counting_edit" / "generated_images").mkdir(parents=True)
+    Image.new("RGB", (64, 64), (120, 80, 40)).save(folder / "dataset" / "counting_edit" / "generated_images" / "image_0.jpg")
+    edit = {"tag": "counting", "include": [{"class": "cat", "count": 2}], "exclude": [{"class": "cat", "count": 3}],
+            "t2i_prompt": "a photo of one cat", "prompt": "Change the number of cat in the image to two.",
+            "image": "generated_images/image_0.jpg"}
+    for split in ("train", "test"):
+        (folder / "dataset" / "counting_edit" / f"{split}_metadata.jsonl").write_text(json.dumps(edit) + "\n")
     (folder / "dataset" / "t2is").mkdir(parents=True)
     (folder / "dataset" / "sharegpt4o_image_mini" / "images").mkdir(parents=True)
     for split in ("train", "test"):
         (folder / "dataset" / "t2is" / f"{split}.jsonl").write_text(json.dumps({"prompt": "a cat on a mat"}) + "\n")
         edit = {"prompt": "the same room in watercolour", "image": "v2v_0.png"}
         (folder / "dataset" / "sharegpt4o_image_mini" / f"{split}.jsonl").write_text(json.dumps(edit) + "\n")
+    Image.new("RGB", (64, 64), (40, 80, 120)).save(folder / "dataset" / "sharegpt4o_image_mini" / "images" / "v2v_0.png")
 
 
 @pytest.mark.parametrize("name", RECIPES)

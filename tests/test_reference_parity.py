@@ -24,7 +24,10 @@ from test_real_recipes import stand_in_datasets
 
 TABLE = parity.load_table()
 #: the diffusers backbones: a recipe on one is a real-scale recipe
-BACKBONES = {"sd3", "flux", "flux2", "flux2-klein", "qwen-image", "z-image", "wan", "wan-i2v", "hunyuan-video-1.5"}
+BACKBONES = {
+    "sd3", "flux", "flux2", "flux2-klein", "qwen-image", "z-image", "wan", "wan-i2v", "hunyuan-video-1.5",
+    "flux-kontext", "qwen-image-edit", "qwen-image-edit-plus",
+}
 
 
 def recipe_files(root):
@@ -107,12 +110,27 @@ def tiny_pipeline(backbone: str):
         pipe = testing.build_tiny_wan_pipeline()
         pipe.scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
         return pipe  # Wan 2.1's released scheduler
-    return {"flux": testing.build_tiny_flux_pipeline, "qwen-image": testing.build_tiny_qwen_image_pipeline}[backbone]()
+    return {
+        "flux": testing.build_tiny_flux_pipeline, "qwen-image": testing.build_tiny_qwen_image_pipeline,
+        "flux-kontext": testing.build_tiny_flux_kontext_pipeline, "qwen-image-edit": testing.build_tiny_qwen_image_edit_pipeline,
+    }[backbone]()
 
 
 #: one recipe per distinct model section (the sd35m-* recipes share theirs, as the qwen-image-* do)
-MODEL_RECIPES = ["sd35m-ocr", "flux-pickscore", "qwen-image-pickscore", "wan-ocr"]
-SMALL = {"sd3": {"resolution": 64}, "flux": {"resolution": 64}, "qwen-image": {"resolution": 64}, "wan": {"resolution": 32, "num_frames": 5}}
+MODEL_RECIPES = ["sd35m-ocr", "flux-pickscore", "qwen-image-pickscore", "wan-ocr", "flux-kontext-counting-edit", "qwen-image-edit-counting-edit"]
+SMALL = {
+    "sd3": {"resolution": 64}, "flux": {"resolution": 64}, "qwen-image": {"resolution": 64}, "wan": {"resolution": 32, "num_frames": 5},
+    "flux-kontext": {"resolution": 64}, "qwen-image-edit": {"resolution": 64, "source_resolution": [64, 64]},
+}
+
+
+def sample_prompt(policy):
+    """A prompt the policy takes: an editing backbone's carries a source image."""
+    from fgrpo.core.media import Prompt
+    from fgrpo.core.testing import SyntheticImage
+
+    text = "a sign that says fgrpo"
+    return Prompt(text, images=(SyntheticImage(0, 48, 32),)) if getattr(policy, "source_image_count", (0, 0))[0] else text
 
 
 def test_the_model_recipes_cover_every_model_section(root):
@@ -184,8 +202,9 @@ def test_lora_is_placed_and_initialised_as_the_references(built):
 def test_text_is_encoded_to_the_references_length(built):
     """Item 6: SD3 and FLUX pad T5 to 128 tokens (SD3: after CLIP's 77), Wan to 512, Qwen-Image to 512."""
     name, checked, values, policy = built
-    width = policy.encode(["a sign that says fgrpo"])["prompt_embeds"].shape[1]
-    length = values["text_length"]["value"]
+    width = policy.encode([sample_prompt(policy)])["prompt_embeds"].shape[1]
+    deviation = (TABLE["recipes"][name].get("deviations") or {}).get("text_length")
+    length = deviation["recipe"] if deviation else values["text_length"]["value"]  # Qwen-Image-Edit: room for its image tokens
     assert width == (77 + length if checked["name"] == "sd3" else length), name
 
 

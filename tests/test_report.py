@@ -167,7 +167,7 @@ def test_report_holds_every_figure_and_image_it_claims(shapes_run):
     # every entry of the navigation leads to something on the page
     assert page.nav and all(href[1:] in page.ids for href in page.nav)
     # the curves the issue asks for, each chart drawing every series it names
-    expected = {"fig-reward", "fig-gold-eval-shapes-gold-error", "fig-time"}
+    expected = {"fig-reward", "fig-gold-shapes-gold", "fig-time"}
     assert expected <= set(page.figures), sorted(page.figures)
     # accuracy per category: a chart, or (it did not move in 2 iterations) one entry of the constants
     assert "fig-eval-shapes-accuracy" in page.figures or "eval/shapes/accuracy (and its " in page.constant
@@ -179,7 +179,7 @@ def test_report_holds_every_figure_and_image_it_claims(shapes_run):
     assert evaluations == [0, 1, 2]
     # every metric the issue names is either drawn or named in the one line of constants
     drawn, constant = page.drawn(), page.constant
-    for key in ["eval/reward_mean", "eval/reward/shapes", "eval/shapes/gold_error", "ratio_mean", "clipfrac", "kl",
+    for key in ["eval/reward_mean", "eval/reward/shapes", "gold/shapes-gold/gold_error", "ratio_mean", "clipfrac", "kl",
                 "time_rollout_s", "time_eval_s"]:
         assert key in drawn or re.search(rf"(: |, |; ){re.escape(key)}( \(and its \d+ categor(y|ies)\))?(, | = )", constant), key
     train = page.figures["fig-reward"][0]
@@ -190,6 +190,17 @@ def test_report_holds_every_figure_and_image_it_claims(shapes_run):
     assert set(per_iteration["series"]) <= phases and "time_eval_s" not in per_iteration["series"]
     assert per_evaluation["series"] == {"time_eval_s": len(evaluations)}
     # the filmstrip: every stored tile of every evaluation, as a decodable embedded image, its score coloured
+    # the evaluator's gold metric (shapes-gold) beside the optimised proxy; the same numbers as the
+    # verifier's own detail, per category too
+    series = [list(chart["series"]) for chart in page.figures["fig-gold-shapes-gold"]]
+    assert ["gold/shapes-gold/gold_error"] in series  # the proxy beside it, unless it stayed constant (then noted)
+    assert ["eval/reward_mean"] in series or "eval/reward_mean" in page.constant
+    categories = sorted(k.split("/")[-1] for k in rows[0] if k.startswith("eval/shapes/gold_error/"))
+    assert categories
+    for row in rows:
+        if "gold/shapes-gold/gold_error" in row:
+            assert row["gold/shapes-gold/gold_error"] == row["eval/shapes/gold_error"]
+            assert all(row[f"gold/shapes-gold/gold_error/{c}"] == row[f"eval/shapes/gold_error/{c}"] for c in categories)
     tiles = {it: json.loads((out / "samples" / f"eval_{it:06d}" / "index.json").read_text()) for it in evaluations}
     assert all(len(t) == PROMPTS for t in tiles.values())
     strip = [row for row in page._filmstrip_rows if row]

@@ -21,8 +21,9 @@ from safetensors.torch import load_file
 pytest.importorskip("diffusers")
 pytest.importorskip("peft")
 
-from fgrpo.core import sharding
 from fgrpo.core.config import RecipeError
+from fgrpo.core.launch import DataParallel, fsdp
+from fgrpo.core.launch.deepspeed import check_deepspeed
 
 HERE = Path(__file__).parent
 BIN = Path(sys.executable).parent
@@ -217,14 +218,14 @@ def test_a_policy_without_trainable_module_is_refused():
     policy = GaussianPolicy()
     optimizer = torch.optim.AdamW(list(policy.trainable_parameters()))
     with pytest.raises(RecipeError, match="cannot be sharded: it names no trainable_module"):
-        sharding.shard_policy(fsdp_accelerator(), policy, optimizer)
+        fsdp.shard_policy(fsdp_accelerator(), policy, optimizer)
 
 
 def test_fsdp_version_1_is_refused():
     module = torch.nn.Linear(2, 2)
     policy = SimpleNamespace(trainable_module=module, trainable_parameters=module.parameters)
     with pytest.raises(RecipeError, match="fsdp_version 1 is not supported") as info:
-        sharding.shard_policy(fsdp_accelerator(1), policy, torch.optim.AdamW(module.parameters()))
+        fsdp.shard_policy(fsdp_accelerator(1), policy, torch.optim.AdamW(module.parameters()))
     assert info.value.errors[0].key == "accelerate"
 
 
@@ -232,7 +233,7 @@ def test_trainable_parameters_outside_the_module_are_refused():
     module, extra = torch.nn.Linear(2, 2), torch.nn.Parameter(torch.zeros(2))
     policy = SimpleNamespace(trainable_module=module)
     with pytest.raises(RecipeError, match="outside its trainable_module"):
-        sharding.shard_policy(fsdp_accelerator(), policy, torch.optim.AdamW([*module.parameters(), extra]))
+        fsdp.shard_policy(fsdp_accelerator(), policy, torch.optim.AdamW([*module.parameters(), extra]))
 
 
 def test_whole_optimizer_state_of_an_unsharded_run_is_its_state_dict():
@@ -241,11 +242,11 @@ def test_whole_optimizer_state_of_an_unsharded_run_is_its_state_dict():
     p.grad = torch.full((3,), 0.5)
     optimizer.step()
     data_parallel = SimpleNamespace(distributed_type="MULTI_CPU")
-    saved = sharding.optimizer_state(data_parallel, optimizer, [p])
+    saved = DataParallel(data_parallel).optimizer_state(optimizer, [p])
     torch.testing.assert_close(saved["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"], rtol=0, atol=0)
     q = torch.nn.Parameter(torch.ones(3))
     other = torch.optim.AdamW([q], lr=0.1)
-    sharding.load_optimizer_state(data_parallel, other, [q], saved)
+    DataParallel(data_parallel).load_optimizer_state(other, [q], saved)
     assert torch.equal(other.state_dict()["state"][0]["exp_avg_sq"], saved["state"][0]["exp_avg_sq"])
 
 
@@ -255,9 +256,9 @@ def deepspeed_accelerator(stage: int, offload: str = "none") -> SimpleNamespace:
 
 
 def test_deepspeed_other_than_zero2_without_offloading_is_refused():
-    sharding.check_deepspeed(deepspeed_accelerator(2))
+    check_deepspeed(deepspeed_accelerator(2))
     with pytest.raises(RecipeError) as info:
-        sharding.check_deepspeed(deepspeed_accelerator(3, offload="cpu"))
+        check_deepspeed(deepspeed_accelerator(3, offload="cpu"))
     message = str(info.value)
     assert "zero_stage 3 is not supported" in message and "offload_optimizer to 'cpu' is not supported" in message
     assert [e.key for e in info.value.errors] == ["accelerate", "accelerate"]

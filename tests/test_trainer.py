@@ -11,7 +11,7 @@ from rich.console import Console
 
 from fgrpo.core import cli, recipe as recipe_mod
 from fgrpo.core.hookspecs import hookimpl, plugin_manager
-from fgrpo.core.phases import RewardError, score
+from fgrpo.core.scoring import RewardError, score
 from fgrpo.core.recipe import RewardSpec
 from fgrpo.core.protocols import RewardResult
 from fgrpo.core.runlog import read_metrics
@@ -200,7 +200,7 @@ def test_reward_details_are_logged_every_iteration(root):
 
 
 def test_detail_means_overall_is_the_unweighted_mean_of_the_categories():
-    from fgrpo.core.phases import detail_means
+    from fgrpo.core.scoring import detail_means
 
     means = detail_means({"strict": torch.tensor([1.0, 0.0, 1.0]), "category": ["a", "a", "b"]})
     assert means == pytest.approx({"strict": 2 / 3, "strict/a": 0.5, "strict/b": 1.0, "strict/overall": 0.75})

@@ -290,8 +290,9 @@ class TestWan22ImageToVideo(DiffusersBackboneConformance):
         from fgrpo.core.prompts import read_prompt_file
 
         policy = super().make_policy(model_keys, **overrides)
-        metadata = dict(read_prompt_file(self._folder / "train.jsonl"))
-        policy.use_prompt_metadata(lambda p: metadata.get(p, {}))
+        # by text: these checks encode the plain prompts; the trainer's come from the folder with their images
+        metadata = {str.__str__(p): m for p, m in read_prompt_file(self._folder / "train.jsonl")}
+        policy.use_prompt_metadata(lambda p: metadata.get(str.__str__(p), {}))
         return policy
 
     @pytest.fixture(autouse=True)
@@ -317,7 +318,7 @@ class TestWan22ImageToVideo(DiffusersBackboneConformance):
 
         from fgrpo.core.prompts import read_prompt_file
 
-        images = {p: m["image"] for p, m in read_prompt_file(self._folder / "train.jsonl")}
+        images = {str.__str__(p): m["image"] for p, m in read_prompt_file(self._folder / "train.jsonl")}
         kwargs = {**self.pipeline_kwargs(policy), **self.guidance_kwargs(policy)}
         if policy.cfg:
             kwargs["negative_prompt"] = [policy.negative_prompt]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fgrpo.core import registry
-from fgrpo.core.phases import detail_means
+from fgrpo.core.scoring import detail_means
 from fgrpo.core.testing import RewardConformance
 from fgrpo.rewards.geneval import (
     Detection,
@@ -285,3 +285,31 @@ def test_colour_classifier_is_clips_zero_shot(clip_folder, offline):
 def test_unsupported_detector_names_the_key(clip_folder, offline):
     with pytest.raises(registry.ComponentError, match=r"reward.detector: .* is a 'clip' model; supported"):
         registry.create("reward", "geneval", detector=str(clip_folder), clip=str(clip_folder), device="cpu")
+
+
+def test_counting_edit_rows_are_scored_on_the_edited_images(tmp_path):
+    """flow_grpo's dataset/counting_edit keeps GenEval's keys beside the instruction and its source
+    image: the folder source hands them to geneval as metadata of each (instruction, image) prompt,
+    and the counting rule scores the edited image (two rows share an instruction, not a source)."""
+    import json
+
+    from PIL import Image
+
+    rows = [
+        {"tag": "counting", "include": [{"class": "cat", "count": 2}], "exclude": [{"class": "cat", "count": 3}],
+         "t2i_prompt": "a photo of one cat", "prompt": "Change the number of cat in the image to two.", "image": "a.png"},
+        {"tag": "counting", "include": [{"class": "cat", "count": 2}], "exclude": [{"class": "cat", "count": 3}],
+         "t2i_prompt": "a photo of three cats", "prompt": "Change the number of cat in the image to two.", "image": "b.png"},
+    ]
+    for name in ("a.png", "b.png"):
+        Image.new("RGB", (8, 8)).save(tmp_path / name)
+    (tmp_path / "train_metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    source = registry.create("prompts", "folder", path=str(tmp_path), test=None)
+    prompts = source.train_prompts()
+    assert prompts[0] != prompts[1]
+    stub = StubDetector({0: [det("cat"), det("cat", RIGHT)], 1: [det("cat"), det("cat", RIGHT), det("cat", (40, 40, 60, 60))]})
+    verifier = Verifier(stub, lambda image, dets, cls: ["red"] * len(dets), threshold=0.3, counting_threshold=0.9)
+    images = torch.zeros(2, 3, 8, 8)
+    images[1] += 0.1  # the stub's scene 1: three cats
+    two, three = verifier.verdicts(images, [source.metadata(p) for p in prompts])
+    assert two.strict and not three.strict  # the edit to two cats done, and not done

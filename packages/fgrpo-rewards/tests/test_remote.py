@@ -82,8 +82,12 @@ def test_remote_equals_the_reward_in_process(remote, wire):
 
 def test_wire_format_round_trip():
     batch = images(2)
-    outputs, prompts, metadata = decode_request(encode_request(batch, ["x", "y"], [{"tag": "a"}, {}], "uint8"))
+    outputs, prompts, metadata, sources = decode_request(encode_request(batch, ["x", "y"], [{"tag": "a"}, {}], "uint8"))
     assert torch.equal(outputs, (batch * 255).round() / 255) and prompts == ["x", "y"] and metadata == [{"tag": "a"}, {}]
+    assert sources is None
+    src = torch.rand(3, 8, 8)
+    *_, sources = decode_request(encode_request(batch, ["x", "y"], [{}, {}], "uint8", sources=[(src, src), ()]))
+    assert [len(s) for s in sources] == [2, 0] and torch.equal(sources[0][1], (src * 255).round() / 255)
     with pytest.raises(ValueError, match="travel as JSON"):
         encode_request(batch, ["x", "y"], [{"t": torch.zeros(1)}, {}], "uint8")
     vectors = torch.randn(3, 2)  # not images: sent as float32 whatever the wire
@@ -92,7 +96,8 @@ def test_wire_format_round_trip():
 
 def test_health_names_the_served_reward(remote):
     reward = remote(serves="jpeg-incompressibility")
-    assert reward._served == {"reward": "jpeg-incompressibility", "params": {"quality": 80}}
+    assert reward._served == {"reward": "jpeg-incompressibility", "params": {"quality": 80}, "accepts_sources": False}
+    assert not reward.accepts_sources
     with pytest.raises(ServiceError, match=r"reward.serves: .* serves 'jpeg-incompressibility', not 'pickscore'"):
         remote(serves="pickscore")
 
@@ -206,3 +211,34 @@ def test_any_other_address_needs_a_token(monkeypatch, capsys):
     assert "--host: got '0.0.0.0', reachable from other machines; set a shared token in $FGRPO_REWARD_TOKEN" in err
     assert main(["serve-reward", "jpeg-compressibility", "--set", "qualty=80"]) == 2
     assert "reward.qualty: unknown key (did you mean 'quality'?)" in capsys.readouterr().err
+
+
+def test_a_served_edit_reward_gets_the_sources(clip_folder, offline):
+    """image-similarity served in another thread: the client learns from /health that it takes the
+    sources, the trainer hands them over, and they travel with the batch (float32: exact)."""
+    import threading
+
+    from fgrpo.core import media, phases
+    from fgrpo.core.media import Prompt
+    from fgrpo.core.testing import SyntheticImage
+
+    server = make_server("image-similarity", {"path": str(clip_folder), "device": "cpu"}, "127.0.0.1", 0, None, 1 << 26)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        client = registry.create("reward", "remote", url=url, wire="float32", token_env=None, batch_size=2)
+        assert client.accepts_sources
+        prompts = [Prompt(f"edit {i}", images=(SyntheticImage(i, 32, 32),)) for i in range(3)]
+        outputs = torch.rand(3, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+
+        class Spec:
+            label, weight, frame_stride = "similar", 1.0, 1
+
+        got, _ = phases.score([(Spec(), client)], outputs, prompts, [{}] * 3, where="test")
+        local = registry.create("reward", "image-similarity", path=str(clip_folder), device="cpu")
+        expected = local(outputs, prompts, [{}] * 3, sources=media.reward_sources(prompts, outputs)).scores
+        torch.testing.assert_close(got["similar"], expected, atol=1e-6, rtol=0)
+    finally:
+        server.shutdown()
+        server.server_close()

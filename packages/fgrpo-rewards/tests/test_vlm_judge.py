@@ -37,7 +37,7 @@ class JudgeHandler(BaseHTTPRequestHandler):
         server.requests.append((self.path, dict(self.headers), body))
         if self.headers.get("Authorization") != f"Bearer {KEY}":
             return self.reply(401, {"error": {"message": "invalid api key"}})
-        caption = body["messages"][0]["content"][1]["text"].rsplit("Caption: ", 1)[-1]
+        caption = body["messages"][0]["content"][-1]["text"].rsplit("Caption: ", 1)[-1].rsplit("Instruction: ", 1)[-1]
         caption = caption.removeprefix("Does this image show: ").removesuffix("? Answer yes or no.")
         if caption.startswith("good"):
             return self.answer(f"Sharp and faithful. Final Score: {caption.split()[1]}")
@@ -194,3 +194,32 @@ def test_bad_template_and_pattern_name_the_key():
         registry.create("reward", "vlm-judge", model="m", template="{caption}")
     with pytest.raises(registry.ComponentError, match="reward.pattern"):
         registry.create("reward", "vlm-judge", model="m", pattern="(")
+
+
+def test_edits_send_the_source_then_the_output_with_the_edit_template(judge, judge_server):
+    from fgrpo.core import media, phases
+    from fgrpo.core.media import Prompt
+    from fgrpo.core.testing import SyntheticImage
+
+    judge_server.requests.clear()
+    reward = judge()
+    assert reward.accepts_sources
+    prompts = [Prompt("good 3", images=(SyntheticImage(1, 24, 24),)), "good 5"]  # an edit, and a plain prompt
+    outputs = images(2)
+
+    class Spec:
+        label, weight, frame_stride = "judge", 1.0, 1
+
+    scores, _ = phases.score([(Spec(), reward)], outputs, prompts, [{}, {}], where="test")
+    torch.testing.assert_close(scores["judge"], torch.tensor([0.6, 1.0]))
+    bodies = sorted((r[2] for r in judge_server.requests), key=lambda b: len(b["messages"][0]["content"]))
+    plain, edit = (b["messages"][0]["content"] for b in bodies)
+    assert [c["type"] for c in plain] == ["image_url", "text"] and plain[-1]["text"].startswith("You are shown an image generated")
+    assert [c["type"] for c in edit] == ["image_url", "image_url", "text"]
+    assert edit[-1]["text"].startswith("You are shown two images: the first is the original")
+    assert edit[-1]["text"].endswith("Instruction: good 3")
+    source = Image.open(io.BytesIO(base64.b64decode(edit[0]["image_url"]["url"].split(",", 1)[1])))
+    expected = media.to_tensor(SyntheticImage(1, 24, 24).to_pil(), (16, 16))  # sent at image_size 16
+    assert torch.allclose(media.to_tensor(source), expected, atol=2 / 255)
+    with pytest.raises(registry.ComponentError, match=r"reward.edit_template: cannot fill"):
+        judge(edit_template="{instruction}")

@@ -37,6 +37,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from fgrpo.core import confine
+from fgrpo.core.config import first_line
 from fgrpo.core.confine import file_mode
 from fgrpo.core.registry import ComponentError
 
@@ -45,6 +46,7 @@ EMA = "ema.safetensors"
 OPTIMIZER = "optimizer.pt"
 STATE = "state.json"
 EXPORT = "export"
+BEST = "best"  # a link like last: the checkpoint of the best gold metric (eval.guard)
 # recipe keys that may differ on resume (fnmatch patterns): extending a run, how it is shown,
 # how long to wait for a reward or for the other processes
 RESUMABLE_CHANGES = (
@@ -148,7 +150,7 @@ def write(
         _fsync_dir(root)
     except (OSError, RuntimeError, SafetensorError) as exc:  # a full disk, a quota, a file-size limit
         shutil.rmtree(tmp, ignore_errors=True)
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else first_line(exc, 200)
         raise CheckpointError(
             f"cannot write the checkpoint of iteration {iteration} ({root}): {reason}; the checkpoints written "
             "before it are kept (--resume continues from the newest)"
@@ -197,13 +199,21 @@ def set_aside(path: Path) -> Path:
     return aside
 
 
-def _point_last(root: Path, name: str) -> None:
-    link = root / "last"
+def _point_last(root: Path, name: str, link_name: str = "last") -> None:
+    link = root / link_name
     tmp_link = root / f".last-{os.getpid()}"
     if tmp_link.is_symlink() or tmp_link.exists():
         tmp_link.unlink()
     os.symlink(name, tmp_link)
+    if link.exists() and not link.is_symlink():  # not ours (a user's folder named best): kept
+        set_aside(link)
     os.replace(tmp_link, link)
+
+
+def point_best(root: Path, name: str) -> None:
+    """``best`` -> checkpoint ``name`` (the over-optimisation guard's best gold value); pruning
+    never deletes what ``best`` names."""
+    _point_last(root, name, BEST)
 
 
 def _is_real_dir(path: Path) -> bool:
@@ -216,10 +226,10 @@ def prune(root: Path, keep: int, run_id: str | None) -> None:
     else: not another run's checkpoints, not a name this module does not create, not a link."""
     if run_id is None:
         return
-    last = (root / "last").resolve() if (root / "last").is_symlink() else None
+    named = {(root / link).resolve() for link in ("last", BEST) if (root / link).is_symlink()}
     mine = [p for p in complete(root) if _run_id(p) == run_id]
     for old in mine[:-keep] if keep else mine:
-        if old.resolve() != last:
+        if old.resolve() not in named:
             shutil.rmtree(old)
     for item in root.iterdir():
         if TMP_NAME.fullmatch(item.name) and _is_real_dir(item):
@@ -402,7 +412,7 @@ def read_tensors(path: Path, device: torch.device | str = "cpu") -> dict[str, to
     try:
         return load_file(str(path), device=str(device))
     except Exception as exc:  # safetensors raises its own error type for corrupt data
-        raise _invalid(path, f"does not read back ({str(exc).splitlines()[0][:120]})") from None
+        raise _invalid(path, f"does not read back ({first_line(exc)})") from None
 
 
 def read_torch(path: Path) -> Any:
@@ -413,7 +423,7 @@ def read_torch(path: Path) -> Any:
     except Exception as exc:
         if "Weights only load failed" in str(exc) or isinstance(exc, pickle.UnpicklingError):
             raise _invalid(path, "holds objects other than tensors and numbers (refused to unpickle them)") from None
-        raise _invalid(path, f"does not read back ({str(exc).splitlines()[0][:120]})") from None
+        raise _invalid(path, f"does not read back ({first_line(exc)})") from None
 
 
 def recipe_differences(

@@ -22,7 +22,7 @@ from rich.tree import Tree
 
 from fgrpo.core import registry
 from fgrpo.core import report as run_report
-from fgrpo.core.config import ConfigError, RecipeError, help_lines
+from fgrpo.core.config import ConfigError, RecipeError, first_line, help_lines
 
 EXIT_USAGE = 2
 #: a write that failed for want of room: a full disk, a quota, a file-size limit, a read-only disk
@@ -329,6 +329,10 @@ def composition_tree(recipe: Any, title: str) -> Tree:
     for spec in recipe.data["reward"]:
         params = {k: v for k, v in spec.items() if k not in REWARD_EXTRA_KEYS}
         _spec_branch(rewards, "reward", f"{spec['label']} (weight {spec['weight']})", params)
+    if recipe.data.get("evaluator"):
+        evaluators = tree.add("evaluator")
+        for spec in recipe.data["evaluator"]:
+            _spec_branch(evaluators, "evaluator", spec["label"], {k: v for k, v in spec.items() if k != "label"})
     for section in ("train", "eval", "log"):
         node = tree.add(section)
         for key, value in recipe.data[section].items():
@@ -385,10 +389,9 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def accelerate_summary(run: Any) -> str:
-    acc = run.accelerator
-    sharded = (", sharded (FSDP2)" if run.sharded_weights else ", sharded (DeepSpeed ZeRO-2)") if run.sharded else ""
+    acc, kind = run.accelerator, run.parallel.description
     return (
-        f"{acc.num_processes} process(es){sharded}, device {run.policy.device}, "
+        f"{run.parallel.processes} process(es){', ' + kind if kind else ''}, device {run.policy.device}, "
         f"mixed precision {acc.mixed_precision}, "
         f"gradient accumulation {acc.gradient_accumulation_steps}"
     )
@@ -402,12 +405,14 @@ def build_components(recipe: Any) -> dict[str, Any]:
     check_prompts(built["model"], source.train_prompts() + source.test_prompts(), "prompts", source.metadata)
     for spec, reward in recipe.build_rewards():
         built[f"reward/{spec.label}"] = reward
+    for spec, evaluator in recipe.build_evaluators():
+        built[f"evaluator/{spec.label}"] = evaluator
     return built
 
 
 def cmd_check(args: argparse.Namespace) -> int:
     """The first ratio of one on-policy iteration must be 1 within ``--tolerance``."""
-    from fgrpo.core.trainer import diagnose, first_ratio_check
+    from fgrpo.core.onpolicy import diagnose, first_ratio_check
 
     deviation, run = first_ratio_check(_load(args), console=out)
     out.print(
@@ -428,7 +433,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
     from fgrpo.core import checkpoint as ckpt
     from fgrpo.core import confine, rundir
     from fgrpo.core.evaluation import write_samples
-    from fgrpo.core.prompts import read_prompt_file
+    from fgrpo.core.prompts import image_errors, read_prompt_file
     from fgrpo.core.shipped import find_recipe
     from fgrpo.core.trainer import check_prompts, load_checkpoint_weights
 
@@ -438,6 +443,10 @@ def cmd_sample(args: argparse.Namespace) -> int:
         raise RecipeError([ConfigError("--prompts", f"cannot read {args.prompts}: {exc.strerror}")]) from None
     except ValueError as exc:
         raise RecipeError([ConfigError("--prompts", str(exc))]) from None
+    prompts, metadata = [p for p, _ in rows], dict(rows)
+    bad_images = image_errors(prompts, "--prompts")
+    if bad_images:
+        raise RecipeError(bad_images)
     if args.checkpoint:
         checkpoint = rundir.find_checkpoint(Path(args.checkpoint))
         if (checkpoint / ckpt.STATE).is_file():
@@ -450,7 +459,6 @@ def cmd_sample(args: argparse.Namespace) -> int:
         checkpoint, recipe = None, _load(args)
     target = rundir.output_folder(Path(args.out))
     policy = _build_policy(recipe)
-    prompts, metadata = [p for p, _ in rows], dict(rows)
     check_prompts(policy, prompts, "--prompts", lambda p: metadata.get(p, {}))
     if checkpoint is not None:
         load_checkpoint_weights(policy, checkpoint, 0.0 if args.no_ema else recipe.train.ema_decay)
@@ -666,9 +674,8 @@ def _lost_peers(exc: RuntimeError) -> str | None:
     text = str(exc)
     if not (isinstance(exc, getattr(dist, "DistError", ())) or "Timed out" in text or "timeout" in text.lower() or "closed by peer" in text):
         return None
-    first = next((line.strip() for line in text.splitlines() if line.strip()), type(exc).__name__)
     return (
-        f"process {dist.get_rank()} of {dist.get_world_size()} lost the other processes in a collective ({first[:200]}): "
+        f"process {dist.get_rank()} of {dist.get_world_size()} lost the other processes in a collective ({first_line(exc)}): "
         "one of them is stopped, stuck or dead. The wait is bounded by train.process_group_timeout_s; "
         "the run's checkpoints are kept (--resume continues it)"
     )

@@ -37,6 +37,17 @@ def _capped(message: str) -> str:
     return f"{message[:MAX_MESSAGE]}... ({len(message) - MAX_MESSAGE} more characters)"
 
 
+#: how much of an exception's message an error line quotes (:func:`first_line`)
+QUOTED_LENGTH = 200
+
+
+def first_line(exc: BaseException, limit: int = QUOTED_LENGTH) -> str:
+    """The first non-blank line of ``exc``'s message, cut to ``limit`` characters: what a one-line
+    error quotes of the exception behind it (the exception's type name when the message is empty)."""
+    line = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+    return line[:limit] or type(exc).__name__
+
+
 _SHORT = reprlib.Repr()
 _SHORT.maxstring = _SHORT.maxother = 80
 _SHORT.maxlist = _SHORT.maxtuple = _SHORT.maxdict = _SHORT.maxset = 6

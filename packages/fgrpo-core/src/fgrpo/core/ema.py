@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 
-from fgrpo.core.sharding import full, shard_like
+from fgrpo.core.launch.shards import full, shard_like
 
 
 class EMA:
@@ -62,3 +62,9 @@ class EMA:
             raise ValueError(f"EMA state has {len(state)} tensors, the policy {len(self.shadow)}")
         for i, s in enumerate(self.shadow):
             s.copy_(shard_like(state[f"ema.{i}"], s))
+
+
+def ema_weights(ema: EMA | None) -> AbstractContextManager[None]:
+    """The weights evaluation, sampling and exports use: the EMA's swapped in while inside when the
+    run keeps one (the trained weights come back bit for bit), else the trained weights."""
+    return ema.swapped_in() if ema is not None else nullcontext()

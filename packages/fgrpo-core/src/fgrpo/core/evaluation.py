@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from fgrpo.core import tensors, trackers, visuals
-from fgrpo.core.config import ConfigError, RecipeError
-from fgrpo.core.phases import detail_means, score
+from fgrpo.core import media, tensors, trackers, visuals
+from fgrpo.core.config import ConfigError, RecipeError, first_line, shown
+from fgrpo.core.ema import ema_weights
+from fgrpo.core.protocols import EvalContext, EvaluatorResult
+from fgrpo.core.registry import ComponentError
+from fgrpo.core.scoring import detail_means, score
 from fgrpo.core.run import Run
 from fgrpo.core.seeding import generator
 
@@ -88,14 +91,91 @@ def evaluate(run: Run, iteration: int, out_dir: Path | None) -> dict[str, float]
             for key, value in extra(outputs, all_prompts, metadata).items():
                 metrics[f"eval/{key}"] = float(value)
     metrics["eval/reward_mean"] = total.mean().item()
-    if out_dir is not None and run.recipe.log.sample_grid and visuals.is_image_batch(outputs):
-        write_eval_samples(run, iteration, out_dir, outputs, all_prompts, total, details)
+    if out_dir is not None and run.recipe.log.sample_grid:
+        pictures = outputs if visuals.is_image_batch(outputs) else drawn_outputs(run, outputs, all_prompts, metadata, total)
+        if pictures is not None:
+            write_eval_samples(run, iteration, out_dir, pictures, all_prompts, total, details)
+    metrics.update(gold_metrics(run, iteration, out_dir, outputs, all_prompts))
     return metrics
 
 
+def drawn_outputs(run: Run, outputs: Any, prompts: Sequence[str], metadata: Sequence[Any], total: torch.Tensor) -> torch.Tensor | None:
+    """Pictures of outputs that are not images (trajectories), for the sample grid and the
+    filmstrip: a reward that can draw its outputs offers ``draw(outputs, prompts, metadata,
+    scores, per_prompt) -> (B, 3, H, W)`` (each sample's picture may show its whole group, e.g.
+    every candidate plan coloured by its score); the first such reward draws them. None when no
+    reward draws."""
+    for _spec, reward in run.rewards:
+        draw = getattr(reward, "draw", None)
+        if draw is not None:
+            with torch.no_grad():
+                return draw(outputs, list(prompts), list(metadata), total, run.recipe.eval.samples_per_prompt)
+    return None
+
+
+class EvaluatorError(ComponentError):
+    """An evaluator failed or returned something that is not metrics."""
+
+
+def gold_metrics(run: Run, iteration: int, out_dir: Path | None, samples: Any, sample_prompts: list[str]) -> dict[str, float]:
+    """Every evaluator of the recipe on the held-out prompts, with the policy as evaluation uses it
+    (EMA weights, ``eval.guidance_scale``): its metrics as ``gold/<label>/<key>``; its pictures as
+    tiles of the report's gold filmstrip (``samples/gold_N/<label>/``)."""
+    evaluators = getattr(run, "evaluators", None) or []
+    if not evaluators:
+        return {}
+    cfg = run.recipe.eval
+    prompts = run.prompts.test_prompts()
+    prompts = prompts[: cfg.max_prompts] if cfg.max_prompts else prompts
+    sigmas = evaluation_sigmas(run)
+
+    def sample(chunk: Sequence[str], per_prompt: int, g: torch.Generator | None = None) -> Any:
+        with run.accelerator.autocast():
+            return generate(run.policy, list(chunk), per_prompt, cfg.steps, g, sigmas=sigmas)
+
+    metrics: dict[str, float] = {}
+    with ema_weights(run.ema), guidance(run.policy, cfg.guidance_scale), torch.no_grad():
+        for spec, evaluator in evaluators:
+            ctx = EvalContext(
+                policy=run.policy, prompts=list(prompts), metadata=run.prompts.metadata, generate=sample,
+                samples=samples, sample_prompts=list(sample_prompts), seed=run.recipe.seed, iteration=iteration,
+                device=run.policy.device,
+            )
+            with run.display.phase(f"gold {spec.label} at {iteration}", total=1) as advance:
+                result = _call_evaluator(spec, evaluator, ctx, iteration)
+                advance(1)
+            metrics.update({f"gold/{spec.label}/{key}": value for key, value in result.metrics.items()})
+            if out_dir is not None and result.pictures and run.recipe.log.sample_grid:
+                write_gold_pictures(result.pictures, out_dir / "samples" / f"gold_{iteration:06d}" / spec.label)
+    return metrics
+
+
+def _call_evaluator(spec: Any, evaluator: Any, ctx: EvalContext, iteration: int) -> EvaluatorResult:
+    where = f"evaluator {spec.label!r} at the evaluation of iteration {iteration}"
+    try:
+        result = evaluator(ctx)
+    except ComponentError:
+        raise
+    except Exception as exc:
+        raise EvaluatorError(f"{where} raised {type(exc).__name__}: {first_line(exc)}") from exc
+    metrics = getattr(result, "metrics", None)
+    if not isinstance(metrics, Mapping):
+        raise EvaluatorError(f"{where} returned {shown(result)}; expected an EvaluatorResult(metrics={{name: number}})")
+    bad = [k for k, v in metrics.items() if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, (int, float))]
+    if bad:
+        raise EvaluatorError(f"{where} returned metrics that are not numbers: {shown(bad)}")
+    return EvaluatorResult(metrics={k: float(v) for k, v in metrics.items()}, pictures=list(getattr(result, "pictures", []) or []))
+
+
+def write_gold_pictures(pictures: Sequence[Any], folder: Path) -> None:
+    images = torch.stack([torch.as_tensor(p.image).float() for p in pictures])
+    rows = [{"prompt": p.prompt, "sample": 0, "score": None if p.score is None else round(float(p.score), 4), "read": p.read} for p in pictures]
+    visuals.write_tiles(images, rows, folder)
+
+
 def evaluation_samples(run: Run, iteration: int) -> tuple[Any, list[str]] | None:
-    """The outputs :func:`evaluate` scores and their prompts (None without test prompts). The
-    other processes of a sharded run call this too: each forward needs every process."""
+    """The outputs :func:`evaluate` scores and their prompts (None without test prompts). Where
+    every forward involves every process (sharded weights) the other processes call this too."""
     cfg = run.recipe.eval
     prompts = run.prompts.test_prompts()
     if cfg.max_prompts:
@@ -104,9 +184,8 @@ def evaluation_samples(run: Run, iteration: int) -> tuple[Any, list[str]] | None
         return None
     per_call = max(1, cfg.batch_size // cfg.samples_per_prompt)
     outputs, all_prompts = [], []
-    context = run.ema.swapped_in() if run.ema is not None else contextlib.nullcontext()
     sigmas = evaluation_sigmas(run)
-    with context, guidance(run.policy, cfg.guidance_scale), run.accelerator.autocast(), run.display.phase(
+    with ema_weights(run.ema), guidance(run.policy, cfg.guidance_scale), run.accelerator.autocast(), run.display.phase(
         f"evaluation at {iteration}", total=len(prompts)
     ) as advance:
         for start in range(0, len(prompts), per_call):
@@ -127,15 +206,25 @@ def write_eval_samples(
     (``samples/eval_N/``)."""
     pick = list(range(0, len(prompts), run.recipe.eval.samples_per_prompt))[:32]
     reads = [d["read"] for d in details.values() if isinstance(d, dict) and _per_sample_strings(d.get("read"), len(prompts))]
-    rows: list[dict[str, Any]] = [
-        {"prompt": prompts[i], "sample": 0, "score": round(total[i].item(), 4), "read": "; ".join(r[i] for r in reads)}
+    rows = [
+        {"prompt": prompts[i], "sample": 0, "score": round(total[i].item(), 4), "read": "; ".join(r[i] for r in reads),
+         **({"sources": len(media.source_images(prompts[i]))} if media.source_images(prompts[i]) else {})}
         for i in pick
     ]
     notes = [f"score {row['score']:.3g}" + (f" · read: {row['read']}" if row["read"] else "") for row in rows]
     name = f"eval_{iteration:06d}"
-    grid = visuals.sample_grid(outputs[pick], [row["prompt"] for row in rows], out_dir / "samples" / f"{name}.png", notes=notes)
-    visuals.write_tiles(outputs[pick], rows, out_dir / "samples" / name)
+    shown_images = sources_then_outputs(outputs[pick], [prompts[i] for i in pick])
+    grid = visuals.sample_grid(shown_images, [row["prompt"] for row in rows], out_dir / "samples" / f"{name}.png", notes=notes)
+    visuals.write_tiles(shown_images, rows, out_dir / "samples" / name)
     trackers.log_image(run.accelerator, "eval/samples", np.asarray(grid), iteration)
+
+
+def sources_then_outputs(images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
+    """What a grid or filmstrip tile shows: the output alone, or for prompts with source images
+    (edits) source -> output side by side (:func:`fgrpo.core.media.side_by_side`)."""
+    if not any(media.source_images(p) for p in prompts):
+        return images
+    return media.side_by_side(media.reward_sources(prompts, images), images)
 
 
 def _per_sample_strings(value: Any, n: int) -> bool:

@@ -19,6 +19,8 @@ from typing import Any
 
 import attrs
 
+from fgrpo.core.config import first_line
+
 #: seconds the one reachability probe of the hub may take (no retries)
 PROBE_TIMEOUT_S = 8.0
 
@@ -88,7 +90,7 @@ def _probe(repo_id: str) -> str | None:
     except RepositoryNotFoundError:
         return "the hub has no such model (or it is private: log in with `hf auth login`)"
     except Exception as exc:  # connection refused, DNS failure, timeout, proxy errors ...
-        return f"the hub cannot be reached ({type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else 'no detail'})"
+        return f"the hub cannot be reached ({type(exc).__name__}: {first_line(exc) if str(exc).strip() else 'no detail'})"
     return None
 
 

@@ -1,4 +1,5 @@
-"""The phases of one training iteration: rollout, scoring, advantages, update.
+"""The phases of one training iteration: rollout, advantages, update (scoring, between rollout and
+advantages, is :mod:`fgrpo.core.scoring`).
 
 Each is a plain function of the run and the data of the phase before it; ``trainer.iteration``
 calls them in order.
@@ -7,39 +8,41 @@ calls them in order.
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
-import threading
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import attrs
 import torch
 
-from fgrpo.core import sharding, tensors
+from fgrpo.core import tensors
 from fgrpo.core.advantages import combine
-from fgrpo.core.config import shown
 from fgrpo.core.protocols import StepBatch, Trajectory
-from fgrpo.core.registry import ComponentError
 from fgrpo.core.run import Run
 from fgrpo.core.seeding import generator
 from fgrpo.core.timing import TimedPolicy
 
 
-class RewardError(ComponentError):
-    """A reward returned something the update must not use (NaN, inf, a wrong shape)."""
-
-
 # --- rollout -----------------------------------------------------------------------------------
 
 
-def autocast(device: torch.device | str, precision: str) -> contextlib.AbstractContextManager:
+@torch.no_grad()
+def refresh_prompts(run: Run, iteration: int) -> bool | None:
+    """A prompt source whose scenes depend on the policy (an optional ``refresh(policy, iteration,
+    seed) -> bool``: e.g. starting states from the policy's own closed loop) updates them before
+    the iteration's rollout; None when it has no such method. Its state travels in checkpoints
+    (optional ``state_dict`` / ``load_state_dict``)."""
+    refresh = getattr(run.prompts, "refresh", None)
+    if refresh is None:
+        return None
+    return bool(refresh(run.policy, iteration, run.recipe.seed))
+
+
+def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
     if precision == "same":
         return contextlib.nullcontext()
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[precision]
-    return torch.autocast(device_type=torch.device(device).type, dtype=dtype)
+    return torch.autocast(device_type=device.type, dtype=dtype)
 
 
 def cat_trajectories(parts: Sequence[Trajectory]) -> Trajectory:
@@ -48,6 +51,8 @@ def cat_trajectories(parts: Sequence[Trajectory]) -> Trajectory:
     first = parts[0]
     fields = ("group_index", "step_index", "latents", "next_latents", "log_probs", "means", "stds", "final")
     joined = {name: torch.cat([getattr(p, name) for p in parts]) for name in fields}
+    if first.policy_weight is not None:
+        joined["policy_weight"] = torch.cat([p.policy_weight for p in parts])
     return Trajectory(
         prompts=[p for part in parts for p in part.prompts],
         cond=tensors.cat([p.cond for p in parts]),
@@ -70,7 +75,7 @@ def rollout(run: Run, iteration: int, on_chunk: Callable[[Trajectory], None] | N
     policy = TimedPolicy(run.policy, run.clock)
     with run.display.phase("rollout", len(local)) as advance:
         for start in range(0, len(local), chunk):
-            slots, prompts = zip(*local[start : start + chunk], strict=True)
+            slots, prompts = zip(*local[start : start + chunk])
             g = generator(run.recipe.seed, "rollout", iteration, slots[0], device=run.policy.device)
             with run.accelerator.autocast(), autocast(run.policy.device, cfg.rollout_precision):
                 traj = run.sampler.rollout(policy, list(prompts), cfg.group_size, generator=g)
@@ -92,206 +97,7 @@ def nfe_by_phase(traj: Trajectory) -> dict[str, int]:
     return out
 
 
-# --- rewards -----------------------------------------------------------------------------------
-
-
-@torch.no_grad()
-def decode(run: Run, traj: Trajectory) -> Any:
-    return run.policy.decode(traj.final)
-
-
-def is_video_batch(outputs: Any) -> bool:
-    return isinstance(outputs, torch.Tensor) and outputs.dim() == 5 and outputs.shape[2] == 3
-
-
-def score_frames(reward: Any, videos: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Any], stride: int) -> Any:
-    """An image reward on videos (B, T, 3, H, W): frames 0, stride, 2 stride, ... of every video
-    scored as images with their video's prompt and metadata; a video's score is the mean over its
-    frames, numeric details are averaged per video, other details listed per video."""
-    from fgrpo.core.protocols import RewardResult
-
-    frames = videos[:, ::stride]
-    b, t = frames.shape[:2]
-    result = reward(frames.reshape(b * t, *frames.shape[2:]), [p for p in prompts for _ in range(t)], [m for m in metadata for _ in range(t)])
-    scores = torch.as_tensor(result.scores).detach()
-    if scores.shape != (b * t,):
-        return result  # malformed: reported by score() with the shape it has
-    details: dict[str, Any] = {}
-    for key, value in result.details.items():
-        if isinstance(value, torch.Tensor) and value.shape[:1] == (b * t,) and (value.is_floating_point() or value.dtype == torch.bool):
-            details[key] = value.float().reshape(b, t, *value.shape[1:]).mean(dim=1)
-        elif isinstance(value, (list, tuple)) and len(value) == b * t:
-            details[key] = [list(value[i * t : (i + 1) * t]) for i in range(b)]
-        else:
-            details[key] = value
-    return RewardResult(scores=scores.float().reshape(b, t).mean(dim=1), details=details)
-
-
-def _batch(prompts: Sequence[str]) -> str:
-    first = list(dict.fromkeys(prompts))[:3]
-    more = ", ..." if len(set(prompts)) > 3 else ""
-    return f"{len(prompts)} samples of the prompts {', '.join(shown(p) for p in first)}{more}"
-
-
-def call_reward(spec: Any, call: Callable[[], Any], prompts: list[str], where: str) -> Any:
-    """``call()`` (the reward on the batch); with ``spec.timeout_s``, in a daemon thread that is
-    given up on (and the run stopped) after that many seconds. Any failure becomes a RewardError
-    naming the reward and the prompts."""
-    timeout = getattr(spec, "timeout_s", None)
-    try:
-        if timeout is None:
-            return call()
-        box: dict[str, Any] = {}
-        grad = torch.is_grad_enabled()  # grad mode is per thread
-
-        def target() -> None:
-            try:
-                with torch.set_grad_enabled(grad):
-                    box["result"] = call()
-            except BaseException as exc:  # handed to the caller below
-                box["error"] = exc
-
-        worker = threading.Thread(target=target, name=f"reward {spec.label}", daemon=True)
-        worker.start()
-        worker.join(timeout)
-        if worker.is_alive():
-            raise RewardError(
-                f"reward {spec.label!r} did not return within {timeout:g} s (reward.timeout_s) on {where} "
-                f"({_batch(prompts)})"
-            )
-        if "error" in box:
-            raise box["error"]
-        return box["result"]
-    except RewardError:
-        raise
-    except Exception as exc:
-        first = (str(exc).splitlines() or [""])[0][:200]
-        raise RewardError(
-            f"reward {spec.label!r} raised {type(exc).__name__}: {first} on {where} ({_batch(prompts)})"
-        ) from exc
-
-
-def score(rewards: Sequence[tuple[Any, Any]], outputs: Any, prompts: Sequence[str], metadata: Sequence[Any], *, where: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Every reward on the batch; a malformed result stops the run before an update uses it.
-    Videos reach a reward frame by frame (every ``frame_stride``-th frame of the reward's spec)
-    unless the reward declares ``accepts_video = True``."""
-    scores: dict[str, torch.Tensor] = {}
-    details: dict[str, Any] = {}
-    prompts = list(prompts)
-    for spec, reward in rewards:
-        if is_video_batch(outputs) and not getattr(reward, "accepts_video", False):
-            stride = getattr(spec, "frame_stride", 1)
-            call = functools.partial(score_frames, reward, outputs, prompts, metadata, stride)
-        else:
-            call = functools.partial(reward, outputs, prompts, list(metadata))
-        result = call_reward(spec, call, prompts, where)
-        if not hasattr(result, "scores"):
-            raise RewardError(
-                f"reward {spec.label!r} returned {shown(result)} for {where} ({_batch(prompts)}); "
-                "expected a RewardResult(scores=...)"
-            )
-        try:
-            s = torch.as_tensor(result.scores).detach()
-            if s.is_complex():
-                raise TypeError
-        except (TypeError, ValueError, RuntimeError):
-            raise RewardError(
-                f"reward {spec.label!r} returned scores {shown(result.scores)} for {where} ({_batch(prompts)}); "
-                "expected a tensor of numbers"
-            ) from None
-        if s.shape != (len(prompts),):
-            raise RewardError(
-                f"reward {spec.label!r} returned scores of shape {tuple(s.shape)} for {where} "
-                f"of {len(prompts)} samples; expected ({len(prompts)},)"
-            )
-        bad = ~torch.isfinite(s.float())
-        if bad.any():
-            i = int(bad.nonzero()[0])
-            raise RewardError(
-                f"reward {spec.label!r} returned {s[i].item()} for {where} "
-                f"(sample {i}, prompt {shown(prompts[i])}; {int(bad.sum())} non-finite of {len(prompts)})"
-            )
-        scores[spec.label] = s.float()
-        details[spec.label] = getattr(result, "details", {})
-    return scores, details
-
-
-def detail_means(details: dict[str, Any], by_category: bool = True) -> dict[str, float]:
-    """Mean of every per-sample float detail; when the reward reports a ``category`` per sample
-    (e.g. GenEval-like categories) and ``by_category``, also the mean per category as
-    ``key/category`` and, with several categories, their unweighted mean as ``key/overall``
-    (GenEval's overall score: every task counts the same, however many prompts it has)."""
-    numeric = {}
-    for key, value in details.items():
-        t = torch.as_tensor(value) if isinstance(value, (list, tuple)) and value and isinstance(value[0], (int, float, bool)) else value
-        if isinstance(t, torch.Tensor) and t.numel() and (t.dtype.is_floating_point or t.dtype == torch.bool):
-            numeric[key] = t.float().reshape(-1).cpu()
-    out = {key: t.mean().item() for key, t in numeric.items()}
-    categories = details.get("category")
-    if by_category and isinstance(categories, (list, tuple)) and categories and all(isinstance(c, str) for c in categories):
-        names = sorted(set(categories))
-        masks = [torch.tensor([c == name for c in categories]) for name in names]
-        for key, t in numeric.items():
-            if len(t) != len(categories):
-                continue
-            per_category = [t[mask].mean().item() for mask in masks]
-            out.update({f"{key}/{name}": m for name, m in zip(names, per_category, strict=True)})
-            if len(names) > 1:
-                out[f"{key}/overall"] = sum(per_category) / len(per_category)
-    return out
-
-
-def cat_details(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Per-sample details of consecutive chunks joined (tensors concatenated, lists extended);
-    a key that is not per-sample in every chunk is left out."""
-    joined: dict[str, Any] = {}
-    for key in parts[0] if parts else ():
-        values = [part.get(key) for part in parts]
-        tensors = [v for v in values if isinstance(v, torch.Tensor) and v.dim()]
-        sequences = [v for v in values if isinstance(v, (list, tuple))]
-        if len(tensors) == len(values):
-            joined[key] = torch.cat([v.reshape(len(v), -1).squeeze(1) for v in tensors])
-        elif len(sequences) == len(values):
-            joined[key] = [item for v in sequences for item in v]
-    return joined
-
-
-def decode_and_score(run: Run, traj: Trajectory, where: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The rollout's outputs decoded and scored by every reward, each phase on the run's clock:
-    the scores and each reward's per-sample details."""
-    with run.clock.phase("decode"):
-        outputs = decode(run, traj)
-    metadata = [run.prompts.metadata(p) for p in traj.prompts]
-    with run.clock.phase("reward"):
-        return score(run.rewards, outputs, traj.prompts, metadata, where=where)
-
-
-class RewardWorker:
-    """Decodes and scores rollout chunks in one background thread while the main thread rolls
-    out the next chunk (``train.reward_worker``; overlap needs ``train.rollout_prompts`` smaller
-    than the batch). Rewards that wait (a remote judge, an OCR engine releasing the GIL) then
-    cost little more than the rollout; errors surface in :meth:`scores`."""
-
-    def __init__(self, run: Run, where: str):
-        self.run, self.where = run, where
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fgrpo-reward")
-        self._futures: list[Any] = []
-
-    def submit(self, chunk: Trajectory) -> None:
-        self._futures.append(self._pool.submit(self._score, chunk))
-
-    def _score(self, chunk: Trajectory) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        with torch.no_grad():
-            return decode_and_score(self.run, chunk, self.where)
-
-    def scores(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """Every chunk's scores and details, joined in rollout order (waits for the last ones)."""
-        try:
-            parts = [f.result() for f in self._futures]
-        finally:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-        scores = {k: torch.cat([s[k] for s, _ in parts]) for k in parts[0][0]}
-        return scores, {k: cat_details([d[k] for _, d in parts]) for k in parts[0][1]}
+# --- advantages --------------------------------------------------------------------------------
 
 
 def advantages(run: Run, traj: Trajectory, scores: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
@@ -333,6 +139,16 @@ class UpdateStats:
     first_ratio_deviation: torch.Tensor | None = None  # max |ratio - 1| before the first optimizer step
     grad_norms: list[torch.Tensor] = attrs.Factory(list)
 
+    def record(self, batch: StepBatch, metrics: dict[str, torch.Tensor], nfe: int) -> None:
+        """One pass's forwards and metrics, kept on device (read once, by :func:`summarize`)."""
+        self.nfe += nfe
+        for key, value in metrics.items():
+            self.metrics[key].append(value.detach())
+        if self.optimizer_steps == 0:
+            dev = (batch.log_prob.detach() - batch.old_log_prob).exp().sub(1).abs().max()
+            first = self.first_ratio_deviation
+            self.first_ratio_deviation = dev if first is None else torch.maximum(first, dev)
+
 
 def pair_batches(traj: Trajectory, samples: torch.Tensor, per_forward: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(sample, step) pairs of the given samples, sample-major, in forward passes of ``per_forward``."""
@@ -340,7 +156,7 @@ def pair_batches(traj: Trajectory, samples: torch.Tensor, per_forward: int) -> l
     rows = samples.repeat_interleave(steps)
     cols = torch.arange(steps).repeat(len(samples))
     size = per_forward or len(rows)
-    return list(zip(rows.split(size), cols.split(size), strict=True))
+    return list(zip(rows.split(size), cols.split(size)))
 
 
 def step_batch(
@@ -360,16 +176,19 @@ def step_batch(
     ref_mean = ref_velocity = None
     if ref is not None:
         ref_mean, ref_velocity = ref.mean[rows, cols], ref.velocity[rows, cols]
+    # a kernel with correlated noise whitens the means, so that ||mu - mu'||^2 / (2 std^2) in the
+    # objectives (KL, GRPO-Guard's ratio norm) is the exact Mahalanobis form of its Gaussian
+    white = getattr(kernel, "whiten", None) or (lambda t: t)
     batch = StepBatch(
         log_prob=new.log_prob,
         old_log_prob=traj.log_probs[rows, cols],
-        advantages=adv[rows],
-        mean=new.mean,
-        old_mean=traj.means[rows, cols],
+        advantages=adv[rows] if traj.policy_weight is None else adv[rows] * traj.policy_weight[rows, cols],
+        mean=white(new.mean),
+        old_mean=white(traj.means[rows, cols]),
         std=traj.stds[rows, cols],
         dt=sigmas[index + 1] - sigmas[index],
         velocity=v,
-        ref_mean=ref_mean,
+        ref_mean=None if ref_mean is None else white(ref_mean),
         ref_velocity=ref_velocity,
     )
     return batch, nfe
@@ -399,8 +218,7 @@ def reference(run: Run, traj: Trajectory, samples: torch.Tensor) -> Reference | 
     velocity = torch.zeros_like(traj.means)
     nfe = 0
     passes = pair_batches(traj, samples.to(traj.latents.device), cfg.reference_batch_size or cfg.micro_batch_size) if len(samples) else []
-    # sharded weights: every process makes as many forwards (each one all-gathers the weights)
-    padding = sharding.missing_passes(run.accelerator, len(passes)) if run.sharded_weights else 0
+    padding = run.parallel.missing_forwards(len(passes))
     with policy.reference():
         for rows, cols in passes:
             x, index = traj.latents[rows, cols], traj.step_index[rows, cols]
@@ -416,55 +234,15 @@ def reference(run: Run, traj: Trajectory, samples: torch.Tensor) -> Reference | 
     return Reference(mean=mean, velocity=velocity, nfe=nfe)
 
 
-def sync_gradients(run: Run, params: Sequence[torch.nn.Parameter]) -> None:
-    """Average gradients over processes: one all-reduce of a flat buffer per optimizer step.
-    (A Policy need not be one nn.Module, so DDP's forward hooks are not used.) A sharded run's
-    gradients were averaged by FSDP's reduce-scatter in backward: nothing to do."""
-    if run.accelerator.num_processes == 1 or run.sharded:
-        return
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = run.accelerator.reduce(torch.cat([g.reshape(-1) for g in grads]), reduction="mean")
-    offset = 0
-    for p, g in zip(params, grads, strict=True):
-        n = g.numel()
-        p.grad = flat[offset : offset + n].view_as(p).clone()
-        offset += n
-
-
 def idle_passes(run: Run, traj: Trajectory, adv: torch.Tensor, count: int) -> None:
     """``count`` forward/backward passes that change no gradient (loss weight 0), on this process's
-    first (sample, step) pair: in a sharded run every process must make as many passes as the
-    busiest one, since each pass all-gathers parameters and reduce-scatters gradients."""
+    first (sample, step) pair: where every backward involves every process, a process makes as
+    many passes as the busiest one (``run.parallel.missing_backwards``)."""
     one = torch.zeros(1, dtype=torch.long, device=traj.latents.device)
     for _ in range(count):
         with run.accelerator.autocast():
             batch, _ = step_batch(run, traj, adv, one, one)
-        assert batch.velocity is not None  # step_batch always computes it
-        sharding.backward(run.accelerator, batch.velocity.float().sum() * 0.0)
-
-
-def optimizer_step(run: Run, params: Sequence[torch.nn.Parameter]) -> torch.Tensor | None:
-    """One optimizer step on the accumulated gradients: averaged over the processes, unscaled
-    (fp16), clipped to ``train.max_grad_norm``; returns the norm before clipping (None without
-    clipping). DeepSpeed does all of it in ``engine.step()``."""
-    cfg, acc = run.recipe.train, run.accelerator
-    engine = sharding.deepspeed_engine(acc)
-    if engine is not None:
-        norm = sharding.deepspeed_step(engine)
-        return norm if cfg.max_grad_norm > 0 else None
-    scaler = getattr(acc, "scaler", None)
-    sync_gradients(run, params)
-    if scaler is not None:
-        scaler.unscale_(run.optimizer)  # after the all-reduce: every process sees the same inf/nan
-    norm = None
-    if cfg.max_grad_norm > 0:
-        norm = sharding.full(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)).detach()
-    if scaler is not None:
-        scaler.step(run.optimizer)
-        scaler.update()
-    else:
-        run.optimizer.step()
-    return norm
+        run.parallel.backward(batch.velocity.float().sum() * 0.0)
 
 
 def informative(run: Run, adv: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -495,66 +273,74 @@ def minibatches(kept: torch.Tensor, most: int, n: int, per_step: int, order: tor
     return chunks + [kept[:0]] * (math.ceil(most / size) - len(chunks))
 
 
-def update(run: Run, traj: Trajectory, adv: torch.Tensor, iteration: int) -> UpdateStats:
-    """``inner_epochs`` passes over the samples in minibatches; an optimizer step every
-    ``gradient_accumulation_steps`` minibatches (accelerate's setting by default, 1), its gradient
-    the mean over all their (sample, step) pairs. Forwards run under the run's mixed precision
-    (accelerate's autocast); with fp16 the loss is scaled (accelerate's GradScaler)."""
+def optimizer_steps(run: Run, traj: Trajectory, kept: torch.Tensor, most: int, iteration: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The update's optimizer steps, each as its forward passes of (sample, step) pairs:
+    ``inner_epochs`` passes over the kept samples in minibatches (shuffled per epoch with
+    ``train.shuffle_minibatches``), ``gradient_accumulation_steps`` minibatches per step
+    (accelerate's setting by default, 1), ``train.micro_batch_size`` pairs per forward."""
     cfg = run.recipe.train
-    acc = run.accelerator
-    stats = UpdateStats()
-    params = run.trainable
     n = traj.batch_size
-    per_step = cfg.minibatch_size or n
-    accumulate = max(1, int(acc.gradient_accumulation_steps))
+    accumulate = max(1, int(run.accelerator.gradient_accumulation_steps))
+    steps = []
+    for epoch in range(cfg.inner_epochs):
+        shuffled = cfg.shuffle_minibatches
+        order = torch.randperm(len(kept), generator=generator(run.recipe.seed, "minibatch", iteration, epoch)) if shuffled else None
+        batches = minibatches(kept, most, n, cfg.minibatch_size or n, order)
+        for first in range(0, len(batches), accumulate):
+            group = [samples.to(traj.latents.device) for samples in batches[first : first + accumulate] if len(samples)]
+            steps.append([pair for samples in group for pair in pair_batches(traj, samples, cfg.micro_batch_size)])
+    return steps
+
+
+def train_pass(
+    run: Run, traj: Trajectory, adv: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, ref: Reference | None, weight: float, stats: UpdateStats
+) -> None:
+    """Forward and backward of the objective on one pass of (sample, step) pairs, its loss weighted
+    by ``weight`` (the pass's share of the optimizer step's pairs)."""
+    with run.accelerator.autocast():
+        batch, nfe = step_batch(run, traj, adv, rows, cols, ref)
+        out = run.objective(batch)
+    loss = out.loss * weight
+    with run.clock.section("model"):
+        run.parallel.backward(loss)
+    stats.record(batch, out.metrics, nfe)
+
+
+def optimizer_step(run: Run, stats: UpdateStats) -> None:
+    """One step on the accumulated gradients (averaged over the processes, unscaled, clipped to
+    ``train.max_grad_norm``: :meth:`~fgrpo.core.launch.Launch.step`), then the EMA's."""
+    cfg = run.recipe.train
+    norm = run.parallel.step(run.optimizer, run.trainable, cfg.max_grad_norm)
+    if norm is not None:
+        stats.grad_norms.append(norm)
+    stats.optimizer_steps += 1
+    run.optimizer_steps += 1
+    if run.ema is not None and run.ema.due(run.optimizer_steps, cfg.ema_every, cfg.ema_rule):
+        for _ in range(cfg.ema_repeats):  # flow_grpo: once per minibatch, the weights unchanged in between
+            run.ema.update(run.ema.warmup_decay(run.optimizer_steps) if cfg.ema_warmup else None)
+
+
+def update(run: Run, traj: Trajectory, adv: torch.Tensor, iteration: int) -> UpdateStats:
+    """GRPO's update: for every optimizer step (:func:`optimizer_steps`), the objective's loss on
+    each of its passes, weighted so that the gradient is the mean over all their (sample, step)
+    pairs, then one step. Forwards run under the run's mixed precision (accelerate's autocast);
+    with fp16 the loss is scaled (accelerate's GradScaler)."""
+    stats = UpdateStats()
     kept, most = informative(run, adv)
     stats.samples = len(kept)
     ref = reference(run, traj, kept)
     stats.reference_nfe = stats.nfe = ref.nfe if ref is not None else 0
-    per_epoch = math.ceil(most / math.ceil(most * per_step / n)) if most else 0
-    total_steps = cfg.inner_epochs * math.ceil(per_epoch / accumulate)
-    with run.display.phase("update", total_steps) as advance:
-        for epoch in range(cfg.inner_epochs):
-            order = (
-                torch.randperm(len(kept), generator=generator(run.recipe.seed, "minibatch", iteration, epoch))
-                if cfg.shuffle_minibatches
-                else None
-            )
-            batches = minibatches(kept, most, n, per_step, order)
-            for first in range(0, len(batches), accumulate):
-                group = batches[first : first + accumulate]
-                run.optimizer.zero_grad(set_to_none=True)
-                total_pairs = sum(len(samples) for samples in group) * traj.num_trained_steps
-                passes = [
-                    pair for samples in group if len(samples)
-                    for pair in pair_batches(traj, samples.to(traj.latents.device), cfg.micro_batch_size)
-                ]
-                # sharded: every process makes as many passes (each backward reduces gradients over them)
-                padding = sharding.missing_passes(acc, len(passes)) if run.sharded else 0
-                for rows, cols in passes:
-                    with acc.autocast():
-                        batch, nfe = step_batch(run, traj, adv, rows, cols, ref)
-                        out = run.objective(batch)
-                    loss = out.loss * (len(rows) / total_pairs)
-                    with run.clock.section("model"):
-                        sharding.backward(acc, loss)
-                    stats.nfe += nfe
-                    for key, value in out.metrics.items():
-                        stats.metrics[key].append(value.detach())
-                    if stats.optimizer_steps == 0:  # on device: read once, by summarize
-                        dev = (batch.log_prob.detach() - batch.old_log_prob).exp().sub(1).abs().max()
-                        worst = stats.first_ratio_deviation
-                        stats.first_ratio_deviation = dev if worst is None else torch.maximum(worst, dev)
-                idle_passes(run, traj, adv, padding)
-                norm = optimizer_step(run, params)
-                if norm is not None:
-                    stats.grad_norms.append(norm)
-                stats.optimizer_steps += 1
-                run.optimizer_steps += 1
-                if run.ema is not None and run.ema.due(run.optimizer_steps, cfg.ema_every, cfg.ema_rule):
-                    for _ in range(cfg.ema_repeats):  # flow_grpo: once per minibatch, the weights unchanged in between
-                        run.ema.update(run.ema.warmup_decay(run.optimizer_steps) if cfg.ema_warmup else None)
-                advance()
+    steps = optimizer_steps(run, traj, kept, most, iteration)
+    with run.display.phase("update", len(steps)) as advance:
+        for passes in steps:
+            run.optimizer.zero_grad(set_to_none=True)
+            idle = run.parallel.missing_backwards(len(passes))  # a collective: before any pass
+            pairs = sum(len(rows) for rows, _ in passes)
+            for rows, cols in passes:
+                train_pass(run, traj, adv, rows, cols, ref, len(rows) / pairs, stats)
+            idle_passes(run, traj, adv, idle)
+            optimizer_step(run, stats)
+            advance()
     return stats
 
 
@@ -572,7 +358,7 @@ def summarize(stats: UpdateStats) -> dict[str, float]:
     if stats.first_ratio_deviation is not None:
         keys.append("first_ratio_deviation")
         values.append(torch.as_tensor(stats.first_ratio_deviation).float().reshape(()))
-    out: dict[str, float] = dict(zip(keys, torch.stack(values).double().tolist(), strict=True)) if values else {}
+    out: dict[str, float] = dict(zip(keys, torch.stack(values).double().tolist())) if values else {}
     out["optimizer_steps"] = stats.optimizer_steps
     out["trained_samples"] = stats.samples
     out["nfe_reference"] = stats.reference_nfe

@@ -7,7 +7,7 @@ through the methods named here.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol, runtime_checkable
 
@@ -89,24 +89,27 @@ class Policy(Protocol):
     ``cond`` (Qwen-Image pads prompt embeddings to ``max_sequence_length`` and trims each
     forward to its longest prompt), so batches from different calls can be concatenated.
 
-    Optional: ``export(folder)`` writes the trained weights in the backbone's own format (the
-    ``fgrpo export`` command), and ``export_in_checkpoints`` (true) puts that export into every
-    checkpoint.
+    Optional: ``export(folder, state=None)`` writes the trained weights in the backbone's own
+    format (the ``fgrpo export`` command), and ``export_in_checkpoints`` (true) puts that export
+    into every checkpoint: the trainer then passes ``state``, a ``trainable_state_dict()`` of the
+    weights evaluation uses, to write instead of reading the module.
 
-    Optional, for policies conditioned on more than the text (image-to-video now; image editing
-    extends it): ``use_prompt_metadata(lookup)`` receives the prompt source's ``metadata``
-    (prompt -> its metadata row, whose file keys such as ``image`` the source resolved to paths)
-    before anything runs, and ``encode(prompts)`` reads each prompt's conditions through it into
-    batch-first tensors of ``cond``. A prompt maps to exactly one metadata row, so whatever is
-    cached, grouped, chunked or resumed by prompt stays valid; ``check_prompts(prompts)`` says
-    which prompts lack what the policy needs.
+    Optional, for policies conditioned on images (editing, image-to-video): a prompt is then a
+    :class:`fgrpo.core.media.Prompt`, a ``str`` that carries its source images (``prompt.images``,
+    read with :func:`fgrpo.core.media.load_image`), and ``encode(prompts)`` turns text and images
+    into batch-first tensors of ``cond``. Its identity is (text, images), so whatever is cached,
+    grouped, chunked or resumed by prompt stays valid. The class attribute
+    ``source_image_count = (least, most)`` says how many images a prompt must carry (absent:
+    (0, 0), text only); a mismatch is refused at validation and before the first rollout. A policy
+    that reads more of a prompt's row first receives the prompt source's ``metadata`` through
+    ``use_prompt_metadata(lookup)``; ``check_prompts(prompts)`` says which prompts it cannot take.
 
-    Optional, for sharded runs (FSDP launches, :mod:`fgrpo.core.sharding`): ``trainable_module``
-    is the ``nn.Module`` that holds every trainable parameter and that ``velocity`` calls (through
-    its ``__call__``) for each forward, e.g. the transformer; FSDP shards it in place, so its
-    parameters become DTensor shards. ``trainable_state_dict`` then returns whole tensors (every
-    process calls it), ``load_trainable_state_dict`` takes whole tensors, and ``export(folder,
-    state=...)`` writes the given ``trainable_state_dict()`` instead of reading the module.
+    Optional, for sharded runs (FSDP and DeepSpeed launches, :mod:`fgrpo.core.launch`):
+    ``trainable_module`` is the ``nn.Module`` that holds every trainable parameter and that
+    ``velocity`` calls (through its ``__call__``) for each forward, e.g. the transformer; FSDP
+    shards it in place, so its parameters become DTensor shards. ``trainable_state_dict`` then
+    returns whole tensors (every process calls it) and ``load_trainable_state_dict`` takes whole
+    tensors.
     """
 
     # a recipe key typed as the recipe gives it ('cpu', 'auto', ...); built-ins resolve it to a
@@ -166,6 +169,7 @@ class Trajectory:
     outputs: Any = None  # decoded outputs, filled by the trainer (images (B, 3, H, W) in [0, 1])
     nfe: int = 0  # network evaluations spent on this rollout (CFG doubling included)
     info: dict[str, Any] = attrs.Factory(dict)
+    policy_weight: torch.Tensor | None = None  # (B, S) the policy loss's weight per step; 0: KL only (kl_steps: all); None: 1
 
     @property
     def batch_size(self) -> int:
@@ -221,8 +225,14 @@ class Reward(Protocol):
 
     Videos (B, T, 3, H, W) reach a reward as images, frame by frame (every ``frame_stride``-th
     frame, a key of the reward's recipe entry), and a video's score is the mean of its frames'
-    (``fgrpo.core.phases.score_frames``); a reward that scores whole videos itself declares the
+    (``fgrpo.core.scoring.score_frames``); a reward that scores whole videos itself declares the
     class attribute ``accepts_video = True`` and receives the (B, T, 3, H, W) tensor.
+
+    Edits: a reward that compares each output with the images its prompt started from declares
+    ``accepts_sources = True`` and is called with the keyword ``sources``: per sample, a tuple of
+    float32 (3, H, W) tensors in [0, 1] at the outputs' size (empty for a prompt without sources;
+    :func:`fgrpo.core.media.reward_sources`). Prompts are strings; one with sources is a
+    :class:`fgrpo.core.media.Prompt` (``prompt.images`` names them; ``metadata`` is its row).
     """
 
     def __call__(
@@ -267,7 +277,12 @@ class Objective(Protocol):
 
 @runtime_checkable
 class PromptSource(Protocol):
-    """Train and test prompts (with optional per-prompt metadata for the reward)."""
+    """Train and test prompts (with optional per-prompt metadata for the reward). A prompt that
+    starts from source images is a :class:`fgrpo.core.media.Prompt`.
+
+    Optional: the classmethod ``listed_prompts(keys) -> prompts`` lists every prompt from the
+    recipe keys without building the source, so validation can refuse prompts the model cannot
+    take (the built-in sources have it)."""
 
     def train_prompts(self) -> list[str]: ...
 
@@ -276,5 +291,68 @@ class PromptSource(Protocol):
     def metadata(self, prompt: str) -> Mapping[str, Any]: ...
 
 
+@attrs.frozen
+class EvalContext:
+    """What an evaluator gets at an evaluation (``fgrpo.core.evaluation``).
+
+    - ``policy``: the policy as evaluation uses it (its EMA weights swapped in when the run keeps
+      one), under no_grad; an evaluator may call it as often as it likes (roll out, replan).
+    - ``prompts``: the held-out prompts (``eval.max_prompts`` applied), ``metadata(prompt)`` the
+      prompt source's metadata of each.
+    - ``generate(prompts, per_prompt, generator)``: the evaluation's deterministic sampler (Euler
+      steps of the flow ODE on the sampler's schedule with ``eval.steps`` steps): the decoded
+      outputs, ``per_prompt`` per prompt, prompt-major.
+    - ``samples`` / ``sample_prompts``: what the evaluation already generated and scored with the
+      rewards (``eval.samples_per_prompt`` per prompt, the same noise at every evaluation), for
+      evaluators that judge those very samples.
+    - ``seed`` / ``iteration``: an evaluator that draws anything seeds it from these (the same
+      draws at every evaluation: ``fgrpo.core.seeding.generator(seed, ...)``).
+    """
+
+    policy: Any
+    prompts: list[str]
+    metadata: Callable[[str], Mapping[str, Any]]
+    generate: Callable[..., Any]
+    samples: Any
+    sample_prompts: list[str]
+    seed: int
+    iteration: int
+    device: Any = None
+
+
+@attrs.define
+class Picture:
+    """One picture an evaluator shows in the report (a filmstrip row per ``prompt``): float
+    (3, H, W) in [0, 1], a score and a caption line (``read``)."""
+
+    prompt: str
+    image: torch.Tensor
+    score: float | None = None
+    read: str = ""
+
+
+@attrs.define
+class EvaluatorResult:
+    """``metrics``: scalars logged as ``gold/<label>/<key>``; a key ``name/category`` is the
+    metric per category (a scenario type), drawn per category by the report. ``pictures``: shown
+    in the report's gold filmstrip."""
+
+    metrics: dict[str, float]
+    pictures: list[Picture] = attrs.Factory(list)
+
+
+@runtime_checkable
+class Evaluator(Protocol):
+    """A gold metric: run at evaluation with the policy on held-out prompts; RL never optimises
+    it (it may roll out, replan, simulate, read the evaluation's samples). Its metrics are logged
+    as ``gold/<label>/...``, drawn against the proxy reward in the report, and watched by the
+    over-optimisation guard (``eval.guard``).
+
+    Optional class attribute ``directions``: ``{metric: "higher" | "lower"}``, which way is
+    better for each metric (the guard and the report read it; default higher)."""
+
+    def __call__(self, context: EvalContext) -> EvaluatorResult: ...
+
+
 def iter_protocols() -> Iterator[type]:
-    yield from (Kernel, Policy, Sampler, Reward, Objective, PromptSource)
+    yield from (Kernel, Policy, Sampler, Reward, Objective, PromptSource, Evaluator)

@@ -15,8 +15,9 @@ from typing import Any, Literal
 import attrs
 import yaml
 
-from fgrpo.core import registry
-from fgrpo.core.config import ConfigError, RecipeError, check_params, param, read_text_file, shown
+from fgrpo.core import media, registry
+from fgrpo.core.config import ConfigError, RecipeError, check_params, first_line, param, read_text_file, shown
+from fgrpo.core.guard import check_guard, guard_recipe_errors
 
 # --- the trainer's own sections ----------------------------------------------------------------
 
@@ -112,9 +113,19 @@ class EvalConfig:
     max_prompts: int = param(0, ge=0, help="test prompts used; 0 = all")
     batch_size: int = param(64, ge=1)
     at_start: bool = param(True, help="evaluate the base before training")
+    guard: dict | None = param(
+        None,
+        validator=check_guard,
+        help="over-optimisation guard: {metric: gold/LABEL/METRIC, proxy: eval/reward_mean, patience: 2, "
+        "action: warn | stop, direction: auto}; fires when the proxy rose while the gold metric fell for "
+        "`patience` evaluations in a row (fgrpo.core.guard); null = off",
+    )
 
     @staticmethod
     def check_recipe(resolved: Mapping[str, Any]) -> list[ConfigError]:
+        errors = guard_recipe_errors(resolved)
+        if errors:
+            return errors
         scale = resolved["eval"].get("guidance_scale")
         model = resolved.get("model")
         if scale is None or not isinstance(model, Mapping) or "guidance_scale" in model:
@@ -162,6 +173,7 @@ SECTIONS: dict[str, str] = {
     "model": "the policy: {name: ..., **params}",
     "sampler": "the rollout sampler with its kernel",
     "reward": "one reward or a list of rewards, each with an optional weight",
+    "evaluator": "gold metrics run at evaluation (not optimised): one evaluator or a list, each {name: ..., label: ..., **params}",
     "objective": "the policy-gradient objective",
     "prompts": "the prompt source",
     "train": "trainer settings",
@@ -171,6 +183,7 @@ SECTIONS: dict[str, str] = {
 REQUIRED = ("model", "sampler", "reward", "objective", "prompts")
 OWN_SECTIONS = {"train": TrainConfig, "eval": EvalConfig, "log": LogConfig}
 REWARD_EXTRA_KEYS = ("weight", "label", "frame_stride", "timeout_s")
+EVALUATOR_EXTRA_KEYS = ("label",)
 
 
 @attrs.frozen
@@ -179,8 +192,15 @@ class RewardSpec:
     label: str
     weight: float
     params: dict[str, Any]
-    frame_stride: int = 1  # videos: score every k-th frame as an image (fgrpo.core.phases.score)
+    frame_stride: int = 1  # videos: score every k-th frame as an image (fgrpo.core.scoring.score)
     timeout_s: float | None = None
+
+
+@attrs.frozen
+class EvaluatorSpec:
+    name: str
+    label: str  # its metrics are logged as gold/<label>/<key>
+    params: dict[str, Any]
 
 
 @attrs.define
@@ -204,6 +224,7 @@ class Recipe:
     log: LogConfig
     rewards: tuple[RewardSpec, ...]
     source: str = ""
+    evaluators: tuple[EvaluatorSpec, ...] = ()
 
     def spec(self, section: str) -> dict[str, Any]:
         return copy.deepcopy(self.data[section])
@@ -217,6 +238,9 @@ class Recipe:
     def build_rewards(self) -> list[tuple[RewardSpec, Any]]:
         return [(r, registry.create("reward", r.name, **copy.deepcopy(r.params))) for r in self.rewards]
 
+    def build_evaluators(self) -> list[tuple[EvaluatorSpec, Any]]:
+        return [(e, registry.create("evaluator", e.name, **copy.deepcopy(e.params))) for e in self.evaluators]
+
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.data, sort_keys=False)
 
@@ -227,7 +251,7 @@ class Recipe:
 def _yaml_error(source: str, exc: yaml.YAMLError) -> ConfigError:
     mark = getattr(exc, "problem_mark", None)
     where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark else source
-    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    problem = getattr(exc, "problem", None) or first_line(exc)
     if isinstance(exc, yaml.constructor.ConstructorError) and "tag" in str(problem):
         tag = problem.split("tag", 1)[1].strip().strip("'")
         return ConfigError(
@@ -444,6 +468,10 @@ def validate(data: Mapping[str, Any], source: str = "recipe") -> tuple[Recipe | 
     if "reward" in data:
         rewards, resolved["reward"], errs = _check_rewards(data["reward"])
         errors.extend(errs)
+    evaluators: list[EvaluatorSpec] = []
+    if "evaluator" in data:  # absent stays absent: recipes without one resolve as before
+        evaluators, resolved["evaluator"], errs = _check_evaluators(data["evaluator"])
+        errors.extend(errs)
 
     configs = {}
     for section, cls in OWN_SECTIONS.items():
@@ -469,6 +497,7 @@ def validate(data: Mapping[str, Any], source: str = "recipe") -> tuple[Recipe | 
         log=configs["log"],
         rewards=tuple(rewards),
         source=source,
+        evaluators=tuple(evaluators),
     )
     return recipe, []
 
@@ -487,22 +516,60 @@ def cross_section_errors(resolved: Mapping[str, Any]) -> list[ConfigError]:
         check = getattr(cls, "check_recipe", None)
         if check is not None:
             errors.extend(check(resolved))
+    return errors + source_image_errors(resolved)
+
+
+def source_image_errors(resolved: Mapping[str, Any], shown_at_most: int = 5) -> list[ConfigError]:
+    """A text-to-image model given prompts with source images, or an editing model given prompts
+    without (the model class's ``source_image_count``), refused at validation when the prompt
+    source can list its prompts without being built (``listed_prompts``: the built-in sources);
+    the trainer checks any other source the same way before the first rollout."""
+    model, prompts = resolved.get("model"), resolved.get("prompts")
+    if not (isinstance(model, Mapping) and isinstance(prompts, Mapping)):
+        return []
+    model_cls, source_cls = registry.load("model", model["name"]), registry.load("prompts", prompts["name"])
+    lister = getattr(source_cls, "listed_prompts", None)
+    if lister is None:
+        return []
+    try:
+        listed = lister({k: v for k, v in prompts.items() if k != "name"})
+    except (OSError, ValueError):  # reported by the source's own checks, or when it is built
+        return []
+    problems = media.count_problems(model_cls, listed, name=model["name"])
+    errors = [ConfigError("prompts", p) for p in problems[:shown_at_most]]
+    if len(problems) > shown_at_most:
+        errors.append(ConfigError("prompts", f"... and {len(problems) - shown_at_most} more prompts the model cannot take"))
     return errors
 
 
-def _check_rewards(value: Any) -> tuple[list[RewardSpec], Any, list[ConfigError]]:
-    items = value if isinstance(value, list) else [value]
+def _entries(section: str, value: Any) -> tuple[list[tuple[str, Mapping[str, Any]]], list[ConfigError]]:
+    """A section that holds one component (a name or a mapping) or a list of them: (key, mapping)
+    for each, and an error for each item that is neither."""
     single = not isinstance(value, list)
-    if not items:
-        return [], value, [ConfigError("reward", "expected at least one reward")]
-    specs, resolved, errors = [], [], []
-    for i, item in enumerate(items):
-        key = "reward" if single else f"reward.{i}"
+    entries, errors = [], []
+    for i, item in enumerate([value] if single else value):
+        key = section if single else f"{section}.{i}"
         if isinstance(item, str):
             item = {"name": item}
-        if not isinstance(item, Mapping):
-            errors.append(ConfigError(key, f"expected a reward name or mapping, got {shown(item)}"))
-            continue
+        if isinstance(item, Mapping):
+            entries.append((key, item))
+        else:
+            errors.append(ConfigError(key, f"expected {'an' if section[0] in 'aeiou' else 'a'} {section} name or mapping, got {shown(item)}"))
+    return entries, errors
+
+
+def _duplicate_labels(section: str, resolved: Sequence[Mapping[str, Any]]) -> list[ConfigError]:
+    labels = [r["label"] for r in resolved]
+    return [ConfigError(section, f"two {section}s are labelled {shown(label)}; give each a distinct 'label'")
+            for label in sorted({lb for lb in labels if labels.count(lb) > 1})]
+
+
+def _check_rewards(value: Any) -> tuple[list[RewardSpec], Any, list[ConfigError]]:
+    if value == []:
+        return [], value, [ConfigError("reward", "expected at least one reward")]
+    specs, resolved = [], []
+    entries, errors = _entries("reward", value)
+    for key, item in entries:
         params = {k: v for k, v in item.items() if k not in REWARD_EXTRA_KEYS}
         spec, errs = registry.check_spec("reward", params, key)
         extra, extra_errs = check_params(RewardExtras, {k: item[k] for k in REWARD_EXTRA_KEYS if k in item}, key)
@@ -514,10 +581,29 @@ def _check_rewards(value: Any) -> tuple[list[RewardSpec], Any, list[ConfigError]
         if not errs and not extra_errs:
             params = {k: v for k, v in spec.items() if k != "name"}
             specs.append(RewardSpec(spec["name"], label, float(weight), params, frame_stride=stride, timeout_s=timeout))
-    labels = [r["label"] for r in resolved]
-    for label in sorted({lb for lb in labels if labels.count(lb) > 1}):
-        errors.append(ConfigError("reward", f"two rewards are labelled {shown(label)}; give each a distinct 'label'"))
-    return specs, resolved, errors
+    return specs, resolved, errors + _duplicate_labels("reward", resolved)
+
+
+def _check_evaluators(value: Any) -> tuple[list[EvaluatorSpec], list[dict[str, Any]], list[ConfigError]]:
+    """The ``evaluator`` section: one evaluator (a name or a mapping) or a list of them; each
+    keeps its recipe keys plus ``label`` (default its name), unique across the section."""
+    if value is None:
+        return [], [], [ConfigError("evaluator", "expected an evaluator name, a mapping or a list of them, got an empty section; leave it out for none")]
+    specs, resolved = [], []
+    entries, errors = _entries("evaluator", value)
+    for key, item in entries:
+        label = item.get("label")
+        if label is not None and (not isinstance(label, str) or not label or "/" in label):
+            errors.append(ConfigError(f"{key}.label", f"got {shown(label)}; allowed: a non-empty string without '/'"))
+            label = None
+        params = {k: v for k, v in item.items() if k not in EVALUATOR_EXTRA_KEYS}
+        spec, errs = registry.check_spec("evaluator", params, key)
+        errors += errs
+        label = label or str(spec.get("name", "?"))
+        resolved.append({**spec, "label": label})
+        if not errs:
+            specs.append(EvaluatorSpec(spec["name"], label, {k: v for k, v in spec.items() if k != "name"}))
+    return specs, resolved, errors + _duplicate_labels("evaluator", resolved)
 
 
 def _plain(value: Any) -> Any:

@@ -29,6 +29,7 @@ GROUPS: dict[str, str] = {
     "model": "fgrpo.models",
     "objective": "fgrpo.objectives",
     "prompts": "fgrpo.prompts",
+    "evaluator": "fgrpo.evaluators",
 }
 
 
@@ -322,6 +323,7 @@ def _satisfies(kind: str, obj: Any) -> bool:
         "model": protocols.Policy,
         "objective": protocols.Objective,
         "prompts": protocols.PromptSource,
+        "evaluator": protocols.Evaluator,
     }[kind]
     return isinstance(obj, proto)
 

@@ -23,6 +23,7 @@ import yaml
 
 from fgrpo.core import checkpoint as ckpt
 from fgrpo.core import confine, weights
+from fgrpo.core.config import first_line
 from fgrpo.core.runlog import METRICS, metrics_rows
 from fgrpo.core.shipped import DISTRIBUTIONS, version
 
@@ -163,7 +164,7 @@ def line_chart(lines: Sequence[Series], *, title: str, axes: Mapping[str, Mappin
         if x1 == x0:
             x0, x1 = x0 - 1, x1 + 1
 
-        def px(x: float, x0: float = x0, x1: float = x1) -> float:
+        def px(x: float) -> float:
             return left + (x - x0) / (x1 - x0) * pw
 
         out.append(f'<g class="x-{axis}">')
@@ -267,7 +268,10 @@ def figures(rows: Sequence[Mapping[str, Any]], recipe: Mapping[str, Any] | None 
         title = f"Held-out {base[len('eval/'):]} per category"
         lines = [series(rows, base, "all")] + [series(rows, f"{base}/{c}", c) for c in categories]
         figs.add(f"fig-{_slug(base)}", title, chart(lines, title=base, categories=True))
+    # a reward's own "gold" detail (runs without an evaluator); an evaluator's gold/... metrics
+    # are drawn by gold_figures instead
     golds = [k for k in keys if k.startswith("eval/") and k.count("/") == 2 and "gold" in k.split("/")[-1]]
+    golds = [] if any(k.startswith("gold/") for k in keys) else golds
     proxies = {f"eval/reward/{g.split('/')[1]}" for g in golds}  # drawn beside their gold metric below
     plain = [k for k in keys if k.startswith("eval/") and k.count("/") == 2 and k not in categorised and k not in golds and k not in proxies]
     if plain:
@@ -278,6 +282,7 @@ def figures(rows: Sequence[Mapping[str, Any]], recipe: Mapping[str, Any] | None 
         figs.add(f"fig-gold-{_slug(gold)}", f"Proxy against gold: {proxy} (optimised) and {gold} (not optimised)",
                  chart([series(rows, proxy)], title=f"proxy: {proxy}"),
                  chart([series(rows, gold, color=1)], title=f"gold: {gold}"))
+    gold_figures(figs, rows, keys)
     figs.add("fig-ratio", "Importance ratio, clipping and KL",
              chart([series(rows, k) for k in ("ratio_mean", "ratio_min", "ratio_max")], title="ratio", width=420),
              chart([series(rows, k) for k in ("clipfrac", "clipfrac_above", "clipfrac_below")], title="clip fraction", width=420),
@@ -287,6 +292,76 @@ def figures(rows: Sequence[Mapping[str, Any]], recipe: Mapping[str, Any] | None 
              chart([series(rows, k) for k in phases], title="seconds per iteration, by phase"),
              chart([series(rows, "time_eval_s", color=len(phases))], title="seconds per evaluation"))
     return figs
+
+
+# --- gold metrics (evaluators) -------------------------------------------------------------------
+
+
+def gold_metrics(keys: Sequence[str]) -> dict[str, dict[str, list[str]]]:
+    """``gold/<label>/<metric>[/<category>]`` keys as {label: {metric: [categories]}}."""
+    found: dict[str, dict[str, list[str]]] = {}
+    for key in keys:
+        parts = key.split("/")
+        if parts[0] != "gold" or len(parts) < 3:
+            continue
+        metric = found.setdefault(parts[1], {}).setdefault(parts[2], [])
+        if len(parts) == 4:
+            metric.append(parts[3])
+    return found
+
+
+def gold_figures(figs: Figures, rows: Sequence[Mapping[str, Any]], keys: Sequence[str]) -> None:
+    """Per evaluator: the optimised proxy (the held-out reward) beside each gold metric, then each
+    gold metric per category (scenario type) that reports categories."""
+    proxy = "eval/reward_mean"
+    for label, metrics in gold_metrics(keys).items():
+        gold = [figs.chart([series(rows, f"gold/{label}/{m}", color=1)], title=f"gold: {m}", width=360, height=210) for m in metrics]
+        if any(gold):
+            figs.add(f"fig-gold-{_slug(label)}", f"Proxy against gold: {proxy} (optimised) and {label}'s metrics (not optimised)",
+                     figs.chart([series(rows, proxy)], title=f"proxy: {proxy}", width=360, height=210), *gold)
+        per_category = [
+            figs.chart([series(rows, f"gold/{label}/{m}/{c}", c, color=i) for i, c in enumerate(categories)], title=f"{m} per type", categories=True)
+            for m, categories in metrics.items() if categories
+        ]
+        figs.add(f"fig-gold-{_slug(label)}-types", f"Gold per scenario type: {label}", *per_category)
+
+
+def gold_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """The gold metrics (and the guard's) at every evaluation, then the first metric per category."""
+    evals = [r for r in rows if any(k.startswith("gold/") for k in r)]
+    if not evals:
+        return ""
+    keys = _keys(evals)
+    found = gold_metrics(keys)
+    columns = ["eval/reward_mean"] + [f"gold/{label}/{m}" for label, metrics in found.items() for m in metrics]
+    columns += [k for k in ("guard/streak", "guard/fired") if k in keys]
+    parts = ["<h3>gold metrics</h3>", _table(evals, [c for c in columns if c in keys], strip="gold/")]
+    for label, metrics in found.items():
+        for metric, categories in metrics.items():
+            if categories:
+                base = f"gold/{label}/{metric}"
+                parts.append(f"<h3>{html.escape(base)} per type</h3>")
+                parts.append(_table(evals, [base] + [f"{base}/{c}" for c in categories], strip=f"{base}/"))
+    return "\n".join(parts)
+
+
+def gold_filmstrip(run_dir: Path) -> tuple[str, int]:
+    """The evaluators' pictures (``samples/gold_N/<label>/``), one filmstrip per evaluator."""
+    parts, images = [], 0
+    labels = sorted({p.parent.name for p in (run_dir / "samples").glob("gold_*/*/index.json")})
+    for label in labels:
+        evals = []
+        for index in sorted((run_dir / "samples").glob(f"gold_*/{label}/index.json")):
+            try:
+                tiles = json.loads(index.read_text())
+                iteration = int(index.parent.parent.name.split("_")[1])
+            except (ValueError, json.JSONDecodeError, IndexError):
+                continue
+            evals.append((iteration, [dict(t, path=index.parent / t["file"]) for t in tiles if (index.parent / t["file"]).is_file()]))
+        table, n, _ = strip_table(evals)
+        parts.append(f"<h3>{html.escape(label)}</h3><div class=\"wide\">{table}</div>")
+        images += n
+    return "\n".join(parts), images
 
 
 def _slug(key: str) -> str:
@@ -378,7 +453,14 @@ def evaluations_with_tiles(run_dir: Path, notes: list[str] | None = None) -> lis
     return found
 
 
-def score_style(scores: Sequence[Any]) -> Any:
+def tile_class(tile: Mapping[str, Any]) -> str:
+    """The CSS class of a filmstrip tile: an edit's tile (source -> output, ``sources`` in its
+    index row) is shown wider, in proportion to the images it holds."""
+    sources = tile.get("sources")
+    return f"tile edit{min(int(sources), 3)}" if _number(sources) and sources else "tile"
+
+
+def score_style(scores: Sequence[float]) -> Any:
     """How a filmstrip score is coloured: pass (green) / fail (red) when every score is 0 or 1
     (a verifier's strict verdict), else from red (the strip's lowest) to green (its highest)."""
     finite = [s for s in scores if _number(s)]
@@ -403,6 +485,12 @@ def filmstrip(run_dir: Path, notes: list[str] | None = None) -> tuple[str, int, 
     evals = evaluations_with_tiles(run_dir, notes)
     if not evals:
         return "<p>No evaluation images in this run.</p>", 0, False
+    return strip_table(evals)
+
+
+def strip_table(evals: Sequence[tuple[int, list[dict[str, Any]]]]) -> tuple[str, int, bool]:
+    """The filmstrip of ``evals`` ((iteration, tiles) each): one row per prompt, one column per
+    evaluation; (html, images, whether the scores are pass/fail)."""
     n = max(len(tiles) for _, tiles in evals)
     style, binary = score_style([t.get("score") for _, tiles in evals for t in tiles])
     head = f'<thead><tr><th>prompt</th>{"".join(f"<th>iter {it}</th>" for it, _ in evals)}</tr></thead>'
@@ -421,7 +509,7 @@ def filmstrip(run_dir: Path, notes: list[str] | None = None) -> tuple[str, int, 
             caption = (f'<span class="{classes}"{inline}>{score:.3g}</span>' if _number(score) else "") + (
                 f"<br><span class=read>{html.escape(read)}</span>" if read else "")
             alt = html.escape(f"{prompt} (score {score})", quote=True)
-            cells.append(f'<td><img src="{_data_uri(tile["path"], str(tile["path"]))}" alt="{alt}" title="{html.escape(read, quote=True)}" class="tile">'
+            cells.append(f'<td><img src="{_data_uri(tile["path"], str(tile["path"]))}" alt="{alt}" title="{html.escape(read, quote=True)}" class="{tile_class(tile)}">'
                          f"<div class=caption>{caption}</div></td>")
             images += 1
         body.append(f'<tr><th class="prompt">{html.escape(prompt)}</th>{"".join(cells)}</tr>')
@@ -445,24 +533,20 @@ nav a{margin-right:12px}
 figure{margin:0;min-width:0}figure.span{grid-column:1/-1}
 figcaption{font-weight:600;margin-bottom:4px}
 .charts{display:grid;grid-template-columns:repeat(auto-fit,minmax(300px,1fr));gap:8px 16px}
-svg.chart{font:11px sans-serif;display:block}svg .title{font-weight:600}svg .frame{fill:none;stroke:#999}
-svg .grid{stroke:#eee}
+svg.chart{font:11px sans-serif;display:block}svg .title{font-weight:600}svg .frame{fill:none;stroke:#999}svg .grid{stroke:#eee}
 .legend{font-size:11px;margin:2px 0 0 58px}.legend span{display:inline-block;margin:0 14px 2px 0;white-space:nowrap}
-.legend i{display:inline-block;width:14px;height:3px;vertical-align:middle;margin-right:5px}
-.legend i.faint{opacity:.35}
-.constant{color:#555;font-size:12px}
-.warning{background:#fff4e5;border-left:4px solid #f29900;padding:6px 10px;margin:10px 0}
+.legend i{display:inline-block;width:14px;height:3px;vertical-align:middle;margin-right:5px}.legend i.faint{opacity:.35}
+.constant{color:#555;font-size:12px}.warning{background:#fff4e5;border-left:4px solid #f29900;padding:6px 10px;margin:10px 0}
 table{border-collapse:collapse;font-size:12px}td,th{border:1px solid #ddd;padding:3px 6px;text-align:right}
-table.filmstrip td{text-align:center;vertical-align:top;width:84px}
-table.filmstrip th.prompt{text-align:left;max-width:220px;font-weight:normal}
+table.filmstrip td{text-align:center;vertical-align:top;width:84px}table.filmstrip th.prompt{text-align:left;max-width:220px;font-weight:normal}
 img.tile{width:72px;height:auto;image-rendering:pixelated;display:block;margin:auto}
+img.tile.edit1{width:146px}img.tile.edit2{width:220px}img.tile.edit3{width:294px}
 .caption{font-size:11px;margin-top:2px}.score{display:inline-block;padding:0 5px;border-radius:3px;font-weight:600}
 .pass{background:#e6f4ea;color:#137333}.fail{background:#fce8e6;color:#c5221f}
 .read{color:#777;font-size:10px}.meta td,.meta th{text-align:left}
 .wide{overflow-x:auto}pre{background:#f6f6f6;padding:8px;overflow:auto;font-size:12px}
 input.axis{position:absolute;opacity:0;pointer-events:none}
-.axis-choice label{border:1px solid #bbb;border-radius:4px;padding:1px 8px;margin-left:4px;cursor:pointer;
-font-size:12px}
+.axis-choice label{border:1px solid #bbb;border-radius:4px;padding:1px 8px;margin-left:4px;cursor:pointer;font-size:12px}
 """ + "".join(
     # the chosen x axis: its groups shown, its button pressed; iteration by default
     f".x-{a}{{display:{'inline' if a == 'iteration' else 'none'}}}"
@@ -507,7 +591,7 @@ def _recipe(run_dir: Path, notes: list[str]) -> tuple[str, dict[str, Any]]:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        notes.append(f"recipe.resolved.yaml does not read as YAML ({str(exc).splitlines()[0][:120]}): its components are not shown")
+        notes.append(f"recipe.resolved.yaml does not read as YAML ({first_line(exc, 120)}): its components are not shown")
         return text, {}
     if data is not None and not isinstance(data, dict):
         notes.append(f"recipe.resolved.yaml is not a recipe (a {type(data).__name__}): its components are not shown")
@@ -544,7 +628,9 @@ def render(run_dir: Path) -> str:
     meta.append(("evaluated with", evaluated_weights(recipe)))
     meta.append(("written", time.strftime("%Y-%m-%d %H:%M:%S") + " by " + ", ".join(f"{d} {version(d)}" for d in DISTRIBUTIONS if version(d))))
     nav = "".join(f'<a href="#{a}">{html.escape(t.split(":")[0])}</a>' for a, t, _ in figs.items)
-    nav += '<a href="#evaluations">evaluations</a><a href="#filmstrip">filmstrip</a><a href="#recipe">recipe</a>'
+    gold = gold_section(run_dir, rows)
+    nav += '<a href="#evaluations">evaluations</a><a href="#filmstrip">filmstrip</a>' + ('<a href="#gold">gold</a>' if gold else "")
+    nav += '<a href="#recipe">recipe</a>'
     radios = "".join(f'<input type="radio" name="x-axis" id="x-{a}" class="axis"{" checked" if a == "iteration" else ""}>' for a, _ in AXES)
     choice = "x axis:" + "".join(f'<label for="x-{a}">{html.escape(t)}</label>' for a, t in AXES)
     fig_html = "\n".join(
@@ -585,11 +671,22 @@ def render(run_dir: Path) -> str:
 <p>The first sample of each evaluation prompt, drawn from the same noise at every evaluation ({n_images} images);
 under each its score ({legend}) and, in grey, what the reward read.</p>
 <div class="wide">{strip}</div>
+{gold}
 <h2 id="recipe">Recipe</h2>
 <details><summary>recipe.resolved.yaml</summary><pre>{html.escape(recipe_text)}</pre></details>
 </div>
 </body></html>
 """
+
+
+def gold_section(run_dir: Path, rows: Sequence[Mapping[str, Any]]) -> str:
+    """The evaluators' part of the page (empty without one): their table and their filmstrip."""
+    table = gold_table(rows)
+    strip, n = gold_filmstrip(run_dir)
+    if not table and not n:
+        return ""
+    return (f'<h2 id="gold">Gold metrics</h2>\n<p>What the evaluators measured (RL does not optimise it).</p>\n{table}\n'
+            + (f"<p>The evaluators' pictures ({n} images).</p>\n{strip}" if n else ""))
 
 
 def write(run_dir: Path, out: Path | None = None) -> Path:

@@ -7,15 +7,17 @@ takes it, so a reader can follow ``run.sampler.rollout`` to :class:`~fgrpo.core.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
 
 from fgrpo.core.data import PromptSchedule
 from fgrpo.core.ema import EMA
+from fgrpo.core.guard import Guard
+from fgrpo.core.launch import Launch
 from fgrpo.core.protocols import Objective, Policy, PromptSource, Reward, Sampler
-from fgrpo.core.recipe import Recipe, RewardSpec
+from fgrpo.core.recipe import EvaluatorSpec, Recipe, RewardSpec
 from fgrpo.core.rundir import RunFolder
 from fgrpo.core.runlog import Display, MetricsLog
 from fgrpo.core.timing import Clock
@@ -32,7 +34,7 @@ class Run:
     objective: Objective
     prompts: PromptSource
     rewards: list[tuple[RewardSpec, Reward]]
-    accelerator: Accelerator
+    parallel: Launch  # the launch kind: backward, optimizer step, padding, checkpoint state (fgrpo.core.launch)
     trainable: list[torch.nn.Parameter]
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
@@ -45,22 +47,15 @@ class Run:
     start_iteration: int = 0  # iterations already done (after a resume)
     optimizer_steps: int = 0  # over the whole run (checkpointed): the EMA counts these
     clock: Clock = attrs.Factory(lambda self: Clock(self.policy.device), takes_self=True)  # time accounting
+    evaluators: list[tuple[EvaluatorSpec, Any]] = attrs.Factory(list)  # gold metrics (fgrpo.core.protocols.Evaluator)
+    guard: Guard | None = None  # eval.guard: the proxy rises while a gold metric falls
+    saved_at: int | None = None  # the iteration of the checkpoint written last (one per iteration)
+
+    @property
+    def accelerator(self) -> Accelerator:
+        """accelerate's Accelerator: autocast, gather, trackers (what every launch kind does alike)."""
+        return self.parallel.accelerator
 
     @property
     def is_main(self) -> bool:
-        return self.accelerator.is_main_process
-
-    @property
-    def sharded(self) -> bool:
-        """The training state is split over the processes (FSDP or DeepSpeed ZeRO-2,
-        :mod:`fgrpo.core.sharding`): every backward and every checkpoint involves every process."""
-        from fgrpo.core.sharding import is_sharded
-
-        return is_sharded(self.accelerator)
-
-    @property
-    def sharded_weights(self) -> bool:
-        """The weights themselves are split (FSDP): every forward involves every process."""
-        from fgrpo.core.sharding import shards_weights
-
-        return shards_weights(self.accelerator)
+        return self.parallel.is_main

@@ -21,23 +21,31 @@ DISTRIBUTIONS = ("fgrpo-core", "fgrpo-samplers", "fgrpo-rewards", "fgrpo-models"
 #: (a name missing here still gets the per-kind hint below); tests check every entry against the
 #: packages' pyproject.toml.
 COMPONENTS: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
-    **{("kernel", n): ("fgrpo-samplers", ()) for n in ("ode", "sde", "wan-sde", "dance", "cps", "dpmpp2m", "dpmpp3m")},
+    **{("kernel", n): ("fgrpo-samplers", ()) for n in ("ode", "sde", "wan-sde", "dance", "cps", "dpmpp2m", "dpmpp3m", "correlated")},
     **{("sampler", n): ("fgrpo-samplers", ()) for n in ("full", "fast", "mixgrpo")},
     **{("reward", n): ("fgrpo-rewards", ()) for n in (
         "jpeg-compressibility", "jpeg-incompressibility", "target-distance", "shapes", "shapes-gold", "vlm-judge",
-        "remote")},
+        "remote", *(f"driving-{term}" for term in ("safety", "drivable", "rules", "comfort", "progress", "imitation",
+                                                   "consistency", "pdms", "carl")))},
     ("reward", "ocr"): ("fgrpo-rewards", ("ocr",)),
     **{("reward", n): ("fgrpo-rewards", ("clip",)) for n in (
         "clip-score", "pickscore", "aesthetic", "hpsv2", "imagereward")},
     ("reward", "geneval"): ("fgrpo-rewards", ("geneval",)),
     ("prompts", "shapes"): ("fgrpo-rewards", ()),
+    ("prompts", "driving"): ("fgrpo-rewards", ()),
+    ("evaluator", "shapes-gold"): ("fgrpo-rewards", ()),
+    ("evaluator", "driving-closed-loop"): ("fgrpo-rewards", ()),
     ("model", "vector"): ("fgrpo-models", ()),
+    ("model", "trajectory"): ("fgrpo-models", ()),
     **{("model", n): ("fgrpo-models", ("diffusers",)) for n in ("sd3", "flux", "qwen-image", "wan", "shapes-dit")},
 }
 
 #: the distribution that provides most components of a kind (fgrpo-core provides objectives and
 #: the list/text-file prompt sources itself)
-KIND_PROVIDERS = {"kernel": "fgrpo-samplers", "sampler": "fgrpo-samplers", "reward": "fgrpo-rewards", "model": "fgrpo-models"}
+KIND_PROVIDERS = {
+    "kernel": "fgrpo-samplers", "sampler": "fgrpo-samplers", "reward": "fgrpo-rewards", "model": "fgrpo-models",
+    "evaluator": "fgrpo-rewards",
+}
 
 
 def version(distribution: str) -> str | None:

@@ -26,7 +26,7 @@ def ema_updates(optimizer_steps: int, every: int) -> int:
 def ema_summary(ema: Any, optimizer_steps: int, every: int) -> dict[str, Any]:
     """What a checkpoint records about its EMA: its updates and its largest difference to the raw
     weights. In a sharded run every process must call this (whole tensors are gathered)."""
-    from fgrpo.core.sharding import full
+    from fgrpo.core.launch.shards import full
 
     difference = 0.0
     for shadow, param in zip(ema.shadow, ema.params, strict=True):
@@ -44,7 +44,8 @@ def ema_warnings(summary: Mapping[str, Any] | None, every: int) -> list[str]:
         return [
             f"the EMA received no update in {steps} optimizer step(s) (train.ema_every: {every}): its weights are the "
             "initial ones, so evaluation, the checkpoints' export/ and `fgrpo export` show the base model; "
-            f"`fgrpo export --no-ema` writes the trained weights (or set train.ema_every <= {steps})"
+            "`fgrpo export --no-ema` writes the trained weights and `fgrpo sample --no-ema` draws from them "
+            f"(or set train.ema_every <= {steps})"
         ]
     if steps > 0 and summary.get("max_abs_difference") == 0.0:
         return [

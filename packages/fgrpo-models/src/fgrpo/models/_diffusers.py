@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from fgrpo.core.config import first_line
+
 
 # --- import-time messages a user cannot act on --------------------------------------------------
 
@@ -139,8 +141,7 @@ def load_pipeline(pipeline_class: Any, path: str, torch_dtype: torch.dtype, *, k
     except WeightsUnavailable:
         raise
     except (OSError, ValueError, EnvironmentError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise OSError(f"{key}: cannot load a {pipeline_class.__name__} from {path!r}: {first}") from exc
+        raise OSError(f"{key}: cannot load a {pipeline_class.__name__} from {path!r}: {first_line(exc)}") from exc
 
 
 # --- the schedule and guidance ------------------------------------------------------------------

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import attrs
 import torch
 
+from fgrpo.core import media
 from fgrpo.core.config import param
 from fgrpo.models import _diffusers as dx
 from fgrpo.models.lora import (
@@ -100,9 +101,15 @@ class DiffusersPolicy:
     #: the transformer sees 2x2 patches of the latent as tokens (FLUX, Qwen-Image): the state stays
     #: the unpacked latent, ``velocity`` packs and unpacks
     packs_2x2: ClassVar[bool] = False
+    #: (least, most) source images per prompt (:mod:`fgrpo.core.media`): (0, 0) text-to-image;
+    #: editing backbones take them from ``prompt.images``
+    source_image_count: ClassVar[tuple[int, int]] = (0, 0)
     #: ``cond`` keys of non-text conditions (a source image's latents) that both branches of
     #: classifier-free guidance share: ``_conditions`` makes them, no negative is encoded
     shared_condition_keys: ClassVar[tuple[str, ...]] = ()
+    #: the text encoder reads the source images too (Qwen-Image-Edit's VL encoder): text
+    #: embeddings are then cached per prompt (text and images), else per text
+    text_sees_images: ClassVar[bool] = False
 
     path: str = param(help="hub id or local folder (save_pretrained output) of the diffusers pipeline")
     dtype: str = param(
@@ -163,9 +170,14 @@ class DiffusersPolicy:
         raise NotImplementedError
 
     def _conditions(self, prompts: list[str]) -> dict[str, torch.Tensor]:
-        """Batch-first non-text conditions of these prompts (the ``shared_condition_keys``; an
-        image-to-video backbone encodes each prompt's source image); none by default."""
+        """Batch-first non-text conditions of these prompts (the ``shared_condition_keys``: an
+        editing backbone encodes each prompt's source images); none by default."""
         return {}
+
+    def _negative_prompts(self, prompts: list[str]) -> list[str]:
+        """The negative prompt of each prompt: one shared row by default (the text alone);
+        Qwen-Image-Edit encodes it with each prompt's source images."""
+        return [self.negative_prompt]
 
     def _predict(self, x: torch.Tensor, sigma: torch.Tensor, cond: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The transformer's float32 output for states ``x`` (B, *latent_shape) at ``sigma`` (B,), in
@@ -393,11 +405,13 @@ class DiffusersPolicy:
         cached (LRU, ``prompt_cache_size``); with guidance also ``negative_*``: the negative
         prompt's, an expanded view over the batch."""
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-        cond = self._cache.get(prompts, self._encode_on_device)
+        texts = prompts if self.text_sees_images else [media.text_of(p) for p in prompts]
+        cond = self._cache.get(texts, self._encode_on_device)
         if self.cfg:
-            negative = self._cache.get([self.negative_prompt], self._encode_on_device)
+            negatives = self._negative_prompts(prompts)
+            negative = self._cache.get(negatives, self._encode_on_device)
             for key, value in negative.items():
-                cond[NEGATIVE + key] = value.expand(len(prompts), *value.shape[1:])
+                cond[NEGATIVE + key] = value.expand(len(prompts), *value.shape[1:]) if len(negatives) == 1 else value
         cond.update(self._conditions(prompts))
         return cond
 

@@ -179,7 +179,7 @@ def adapters_disabled(model: ModelMixin) -> Iterator[None]:
 def cpu_copies(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Detached CPU copies of whole tensors (DTensor shards of a sharded run are gathered first:
     every process must call this)."""
-    from fgrpo.core.sharding import full
+    from fgrpo.core.launch.shards import full
 
     return {k: full(v.detach()).to("cpu", copy=True) for k, v in state.items()}
 
@@ -332,7 +332,7 @@ def load_trainable_state(model: torch.nn.Module, state: Mapping[str, torch.Tenso
     if lora:
         load_lora_state_dict(model, state)
     else:
-        from fgrpo.core.sharding import shard_like
+        from fgrpo.core.launch.shards import shard_like
 
         current = model.state_dict()  # a sharded run's module keeps DTensor shards: cut whole tensors to them
         model.load_state_dict({k: shard_like(v, current[k]) if k in current else v for k, v in state.items()}, strict=True)

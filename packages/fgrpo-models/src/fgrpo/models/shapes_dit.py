@@ -22,7 +22,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any, ClassVar
 
 import attrs
 import torch
@@ -40,16 +40,15 @@ from fgrpo.models.lora import (
     trainable_state,
 )
 from fgrpo.models.shapes_network import (
+    WEIGHTS_RESOURCE,
     Architecture,
     ShapesNetwork,
     default_vocabulary,
     default_weights_path,
     load_network,
     to_velocity,
+    transformer_output,
 )
-
-if TYPE_CHECKING:  # from its own module: mypy reads diffusers' top-level names as its dummy objects
-    from diffusers.models.modeling_utils import ModelMixin
 
 #: LoRA on both attention streams of every joint block, as for sd3.
 SHAPES_LORA_TARGETS = JOINT_ATTENTION_LORA_TARGETS
@@ -106,6 +105,13 @@ class ShapesDiT:
     _reference_depth: int = attrs.field(init=False, default=0, repr=False)
     _cache: dx.PromptCache = attrs.field(init=False, repr=False)
 
+    #: the shipped weights a recipe gets without ``path`` (package data of fgrpo-models)
+    weights_resource: ClassVar[str] = WEIGHTS_RESOURCE
+
+    def _random_architecture(self, given: dict[str, Any]) -> Architecture:
+        """``random_init``'s architecture: the recipe's keys over :class:`Architecture`'s defaults."""
+        return Architecture(vocab=default_vocabulary(), **given)
+
     @classmethod
     def from_network(cls, network: ShapesNetwork, **keys: Any) -> ShapesDiT:
         """Wrap an existing :class:`ShapesNetwork` (taken over: moved, frozen, adapted in place)."""
@@ -122,13 +128,13 @@ class ShapesDiT:
                     given["heads"] = max(1, given["hidden"] // 64)
                 if "text_width" in given:
                     given["text_heads"] = max(1, given["text_width"] // 64)
-                self._network = ShapesNetwork(Architecture(vocab=default_vocabulary(), **given))
+                self._network = ShapesNetwork(self._random_architecture(given))
             else:
                 if self.path is None:
-                    self.path = default_weights_path()
+                    self.path = default_weights_path(self.weights_resource)
                 self._network = load_network(self.path)
         self._check_architecture()
-        net = self.network
+        net = self._network
         net.to(device=self.device, dtype=torch_dtype)
         dx.freeze(net)
         transformer = net.transformer
@@ -142,7 +148,7 @@ class ShapesDiT:
         self._cache = dx.PromptCache(1024)
 
     def _check_architecture(self) -> None:
-        arch = self.network.arch
+        arch = self._network.arch
         wrong = [
             f"model.{k}: got {getattr(self, k)} but the weights have {getattr(arch, k)}; leave it out (null) to use the file's"
             for k in ARCH_KEYS
@@ -157,22 +163,21 @@ class ShapesDiT:
 
     @property
     def network(self) -> ShapesNetwork:
-        assert self._network is not None, "set by __attrs_post_init__"
         return self._network
 
     @property
-    def transformer(self) -> ModelMixin:
-        return self.network.transformer
+    def transformer(self) -> nn.Module:
+        return self._network.transformer
 
     @property
     def trainable_module(self) -> nn.Module:
         """What a sharded (FSDP) run splits over the processes: the transformer (one FSDP unit per
         joint block); the text encoder and the reference copy stay whole on every process."""
-        return self.network.transformer
+        return self._network.transformer
 
     @property
     def architecture(self) -> Architecture:
-        return self.network.arch
+        return self._network.arch
 
     @property
     def cfg(self) -> bool:
@@ -195,7 +200,7 @@ class ShapesDiT:
         problems = []
         for prompt in dict.fromkeys(prompts):
             try:
-                self.network.token_ids([prompt])
+                self._network.token_ids([prompt])
             except ValueError as exc:
                 problems.append(str(exc))
         return problems
@@ -204,9 +209,9 @@ class ShapesDiT:
         """{prompt_embeds (B, tokens, text_width), pooled_prompt_embeds (B, text_width)}, plus
         ``negative_*`` (the empty prompt, an expanded view) with guidance. Frozen and cached."""
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-        cond = self._cache.get(prompts, self.network.encode)
+        cond = self._cache.get(prompts, self._network.encode)
         if self.cfg:
-            neg = self._cache.get([""], self.network.encode)
+            neg = self._cache.get([""], self._network.encode)
             n = len(prompts)
             for key in ("prompt_embeds", "pooled_prompt_embeds"):
                 cond[f"negative_{key}"] = neg[key].expand(n, *neg[key].shape[1:])
@@ -226,7 +231,7 @@ class ShapesDiT:
         sigma = torch.as_tensor(sigma, dtype=torch.float32, device=self.device)
         sigma = sigma.expand(b) if sigma.ndim == 0 else sigma.reshape(b)
         transformer = self._reference if (self._reference_depth and self._reference is not None) else self.transformer
-        dtype = self.network.text.embed.weight.dtype
+        dtype = self._network.text.embed.weight.dtype
         x = x.to(self.device, torch.float32)
         embeds, pooled = cond["prompt_embeds"], cond["pooled_prompt_embeds"]
         if self.cfg:
@@ -236,13 +241,13 @@ class ShapesDiT:
             sigma = torch.cat([sigma, sigma])
             embeds = torch.cat([cond["negative_prompt_embeds"], embeds])
             pooled = torch.cat([cond["negative_pooled_prompt_embeds"], pooled])
-        out = transformer(
-            hidden_states=x.to(dtype),
-            timestep=sigma * 1000.0,
-            encoder_hidden_states=embeds.to(self.device, dtype),
-            pooled_projections=pooled.to(self.device, dtype),
-            return_dict=False,
-        )[0]
+        source = cond.get("source")
+        if source is not None:
+            source = torch.cat([source, source]) if self.cfg else source  # both guidance branches see it
+            source = source.to(self.device, dtype)
+        out = transformer_output(
+            transformer, self.architecture, x.to(dtype), sigma, embeds.to(self.device, dtype), pooled.to(self.device, dtype), source
+        )
         out = to_velocity(out, x, sigma, self.architecture.prediction)
         if self.cfg:
             uncond, text = out.chunk(2)

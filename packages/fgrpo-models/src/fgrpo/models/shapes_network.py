@@ -86,6 +86,10 @@ class Architecture:
     #: had a median pixel error of 17/255 and 0.4% verifier-readable cells after 1200 steps;
     #: x0-prediction had 98% readable cells after 300 steps and 100% from 900 on.
     prediction: str = "x0"
+    #: source images an editing model sees beside the state (``shapes-edit-dit``; 0 for the
+    #: text-to-image base): each one's pixels are more tokens of the same sequence, placed to the
+    #: right of the state's (Kontext-style in-sequence conditioning, with positions of their own)
+    source_images: int = 0
 
     def __attrs_post_init__(self) -> None:
         if self.prediction not in PREDICTIONS:
@@ -103,6 +107,12 @@ class Architecture:
     def tokens(self) -> int:
         """Text sequence length: the start token and ``max_words`` words."""
         return self.max_words + 1
+
+    @property
+    def position_grid(self) -> int:
+        """Side of the transformer's position-embedding grid in patches: the state's cells, and
+        the source images' beside them."""
+        return (self.size // self.patch) * (1 + self.source_images)
 
     def to_json(self) -> str:
         return json.dumps({**attrs.asdict(self), "vocab": list(self.vocab)}, sort_keys=True)
@@ -181,7 +191,7 @@ class ShapesNetwork(nn.Module):
             joint_attention_dim=arch.text_width,
             caption_projection_dim=arch.hidden,
             pooled_projection_dim=arch.text_width,
-            pos_embed_max_size=arch.size // arch.patch,
+            pos_embed_max_size=arch.position_grid,
             qk_norm=arch.qk_norm,
         )
 
@@ -207,16 +217,35 @@ class ShapesNetwork(nn.Module):
         embeds, pooled = self.text(self.token_ids(prompts, device))
         return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
 
-    def forward(self, x: torch.Tensor, sigma: torch.Tensor, embeds: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, sigma: torch.Tensor, embeds: torch.Tensor, pooled: torch.Tensor, source: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The transformer's raw output for pixels ``x`` (B, 3, 24, 24) at noise level ``sigma``
-        (B,): the clean image x0 (``arch.prediction == "x0"``) or the velocity."""
-        return self.transformer(
-            hidden_states=x,
-            timestep=sigma * 1000.0,
-            encoder_hidden_states=embeds,
-            pooled_projections=pooled,
-            return_dict=False,
-        )[0]
+        (B,): the clean image x0 (``arch.prediction == "x0"``) or the velocity. An editing
+        network also takes ``source`` (B, 3, 24, 24 * source_images), its source images' pixels."""
+        return transformer_output(self.transformer, self.arch, x, sigma, embeds, pooled, source)
+
+
+def transformer_output(
+    transformer: nn.Module, arch: Architecture, x: torch.Tensor, sigma: torch.Tensor, embeds: torch.Tensor,
+    pooled: torch.Tensor, source: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One call of a shapes network's transformer: the state's tokens, then (editing) the source
+    images' tokens to their right in one sequence, at the same timestep; the output of the state's
+    tokens only (as FLUX Kontext keeps ``noise_pred[:, :latents.size(1)]``)."""
+    if arch.source_images:
+        if source is None or source.shape[-1] != arch.size * arch.source_images:
+            shape = None if source is None else tuple(source.shape)
+            raise ValueError(f"this editing network needs source pixels (B, 3, {arch.size}, {arch.size * arch.source_images}), got {shape}")
+        x = torch.cat([x, source.to(x)], dim=-1)
+    out = transformer(
+        hidden_states=x,
+        timestep=sigma * 1000.0,
+        encoder_hidden_states=embeds,
+        pooled_projections=pooled,
+        return_dict=False,
+    )[0]
+    return out[..., : arch.size] if arch.source_images else out
 
 
 def to_velocity(output: torch.Tensor, x: torch.Tensor, sigma: torch.Tensor, prediction: str) -> torch.Tensor:
@@ -248,11 +277,11 @@ def count_parameters(module: nn.Module) -> int:
 # --- weights files ------------------------------------------------------------------------------
 
 
-def default_weights_path() -> str:
+def default_weights_path(resource: str = WEIGHTS_RESOURCE) -> str:
     """The shipped base weights, as a file path (package data of fgrpo-models)."""
     from importlib.resources import files
 
-    return str(files("fgrpo.models").joinpath(WEIGHTS_RESOURCE))
+    return str(files("fgrpo.models").joinpath(resource))
 
 
 def save_network(
@@ -300,6 +329,17 @@ def load_network(path: str | Path) -> ShapesNetwork:
     return network
 
 
+def edit_vocabulary() -> tuple[str, ...]:
+    """The shapes-edit instructions' words (for ``random_init`` of ``shapes-edit-dit``); the
+    editing pretraining tool builds the same list from every instruction (:func:`vocabulary_of`)."""
+    words = ["make", "the", "change", "number", "of", "to", "add", "a", "remove", "move"]
+    words += ["one", "two", "three", "four", "top", "bottom", "left", "right", "middle"]
+    words += ["red", "green", "blue", "yellow"]
+    for shape in ("square", "circle", "triangle"):
+        words += [shape, shape + "s"]
+    return SPECIALS + tuple(sorted(set(words)))
+
+
 def default_vocabulary() -> tuple[str, ...]:
     """The shapes grammar's words (for ``random_init``): numbers, colours, shapes and their
     plurals, "and" and the relation words. The pretraining tool builds the same list from the
@@ -321,11 +361,13 @@ __all__ = [
     "count_parameters",
     "default_vocabulary",
     "default_weights_path",
+    "edit_vocabulary",
     "flow_loss",
     "load_network",
     "read_metadata",
     "save_network",
     "to_velocity",
+    "transformer_output",
     "tokenize_words",
     "vocabulary_of",
 ]

@@ -13,11 +13,9 @@ prompt-independent distribution with ``pretrain_steps``).
 
 from __future__ import annotations
 
-from itertools import pairwise
-import contextlib
-import copy
 import math
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +26,8 @@ from torch import nn
 from fgrpo.core import flow, seeding
 from fgrpo.core.config import param
 from fgrpo.core.vectors import condition_vector
-from fgrpo.models.lora import lora_config, lora_param
+from fgrpo.models._small import SmallNet
+from fgrpo.models.lora import lora_param
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -69,12 +68,10 @@ class VelocityMLP(nn.Module):
         super().__init__()
         self.time_dim = time_dim
         sizes = [dim + cond_dim + time_dim] + [hidden] * (layers - 1) + [dim]
-        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in pairwise(sizes))
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:]))
 
     def forward(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
-        weight = self.layers[0].weight
-        assert isinstance(weight, torch.Tensor)  # a Linear (or peft's LoRA Linear, whose weight is its base's)
-        dtype = weight.dtype
+        dtype = self.layers[0].weight.dtype
         h = torch.cat([x, cond, time_embedding(sigma, self.time_dim)], dim=1).to(dtype)
         for layer in self.layers[:-1]:
             h = nn.functional.silu(layer(h))
@@ -128,11 +125,7 @@ class VectorPolicy:
     device: str | torch.device = param("cpu", validator=_valid_device, help="torch device of the network")
 
     evaluations_per_call: int = attrs.field(default=1, init=False)
-    _net: VelocityMLP = attrs.field(init=False, default=None, repr=False)
-    _reference_net: VelocityMLP | None = attrs.field(init=False, default=None, repr=False)
-    _lora_layers: list = attrs.field(init=False, factory=list, repr=False)
-    _trainable: dict = attrs.field(init=False, factory=dict, repr=False)
-    _reference_depth: int = attrs.field(init=False, default=0, repr=False)
+    _small: SmallNet = attrs.field(init=False, default=None, repr=False)
 
     def __attrs_post_init__(self) -> None:
         if self.cond_dim is None:
@@ -147,13 +140,10 @@ class VectorPolicy:
             _pretrain(net, self.pretrain_steps, self.pretrain_data, self.dim, self.cond_dim, self.init)
         net.requires_grad_(False)
         net.to(device=self.device, dtype=self.torch_dtype)
-        if self.lora is not None:
-            self._add_lora(net)
-        else:
-            self._reference_net = copy.deepcopy(net)
-            net.requires_grad_(True)
-        self._net = net
-        self._trainable = {n: p for n, p in net.named_parameters() if p.requires_grad}
+        if self.lora is not None and self.lora["target_modules"] is None:  # every Linear layer
+            self.lora = {**self.lora, "target_modules": [f"layers.{i}" for i in range(len(net.layers))]}
+        # LoRA's default init (B = 0) starts the adapted model exactly at the base
+        self._small = SmallNet(net, self.lora, seed=self.init + 2, device=self.device)
 
     # --- construction helpers -------------------------------------------------------------------
 
@@ -164,36 +154,12 @@ class VectorPolicy:
     @property
     def net(self) -> VelocityMLP:
         """The trained network (with its LoRA layers, if any)."""
-        return self._net
-
-    def _add_lora(self, net: VelocityMLP) -> None:
-        try:
-            from peft import inject_adapter_in_model
-            from peft.tuners.tuners_utils import BaseTunerLayer
-        except ImportError as exc:  # peft ships with the [diffusers] extra
-            raise ImportError(
-                "model.lora needs peft: pip install \"fgrpo-models[diffusers]\" "
-                "(or pip install peft)"
-            ) from exc
-        assert self.lora is not None  # called only with a LoRA spec
-        spec = dict(self.lora)
-        if spec["target_modules"] is None:  # every Linear layer
-            spec["target_modules"] = [f"layers.{i}" for i in range(len(net.layers))]
-        self.lora = spec
-        config = lora_config(spec)  # default init: B = 0, the adapted model starts exactly at the base
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.init + 2)
-            inject_adapter_in_model(config, net)
-        net.to(self.device)
-        for name, parameter in net.named_parameters():
-            parameter.requires_grad_("lora_" in name)
-        self._lora_layers = [m for m in net.modules() if isinstance(m, BaseTunerLayer)]
+        return self._small.trained
 
     # --- the Policy protocol --------------------------------------------------------------------
 
     def encode(self, prompts: Sequence[str]) -> torch.Tensor:
         """(B, cond_dim) float32: each prompt's target followed by a hashed code of its text."""
-        assert self.cond_dim is not None  # resolved by __attrs_post_init__
         if not prompts:
             return torch.zeros(0, self.cond_dim, device=self.device)
         rows = [condition_vector(p, self.dim, self.cond_dim) for p in prompts]
@@ -212,7 +178,7 @@ class VectorPolicy:
         sigma = torch.as_tensor(sigma, device=x.device)
         if sigma.dim() == 0:
             sigma = sigma.expand(x.shape[0])
-        net = self._reference_net if (self._reference_depth and self._reference_net is not None) else self._net
+        net = self._small.module()
         flat = x.reshape(x.shape[0], -1)
         out = net(flat, sigma, cond.reshape(cond.shape[0], -1).to(flat.dtype))
         return out.to(x.dtype).reshape(x.shape)
@@ -222,64 +188,30 @@ class VectorPolicy:
         return latents.to(torch.float32)
 
     def trainable_parameters(self) -> Iterable[nn.Parameter]:
-        return list(self._trainable.values())
+        return self._small.parameters()
 
-    @contextlib.contextmanager
-    def reference(self) -> Iterator[None]:
+    def reference(self) -> AbstractContextManager[None]:
         """Within this context ``velocity`` is the base model (LoRA off, or the frozen base copy)."""
-        outermost = self._reference_depth == 0
-        self._reference_depth += 1
-        if outermost:
-            for layer in self._lora_layers:
-                layer.enable_adapters(False)
-        try:
-            yield
-        finally:
-            self._reference_depth -= 1
-            if outermost:
-                for layer in self._lora_layers:
-                    layer.enable_adapters(True)
+        return self._small.reference()
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
-        """The trained tensors only (LoRA weights, or every weight at rank 0), detached copies."""
-        return {name: p.detach().clone() for name, p in self._trainable.items()}
+        """The trained tensors only (LoRA weights, or every weight at rank 0), detached CPU copies."""
+        return self._small.state_dict()
 
     def load_trainable_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        missing = sorted(set(self._trainable) - set(state))
-        unexpected = sorted(set(state) - set(self._trainable))
-        if missing or unexpected:
-            raise ValueError(
-                "trainable state does not fit this vector policy "
-                f"(lora {self.lora}): missing {missing or 'none'}, unexpected {unexpected or 'none'}"
-            )
-        with torch.no_grad():
-            for name, p in self._trainable.items():
-                value = state[name]
-                if tuple(value.shape) != tuple(p.shape):
-                    raise ValueError(
-                        f"trainable state {name!r} has shape {tuple(value.shape)}, the policy has {tuple(p.shape)}"
-                    )
-                p.copy_(value.to(device=p.device, dtype=p.dtype))
+        self._small.load_state_dict(state, f"this vector policy (lora {self.lora})")
 
     # --- extras ---------------------------------------------------------------------------------
 
     def to(self, device: str | torch.device) -> VectorPolicy:
         """Moves the networks to ``device`` (parameters keep their identity)."""
         self.device = torch.device(device)
-        self._net.to(self.device)
-        if self._reference_net is not None:
-            self._reference_net.to(self.device)
+        self._small.to(self.device)
         return self
 
     def base_state_dict(self) -> dict[str, torch.Tensor]:
         """The base weights (no LoRA) under the plain names ``layers.{i}.weight|bias``."""
-        source = self._reference_net if self._reference_net is not None else self._net
-        out = {}
-        for name, tensor in source.state_dict().items():
-            if "lora_" in name:
-                continue
-            out[name.replace(".base_layer.", ".")] = tensor.detach().to("cpu").contiguous().clone()
-        return out
+        return {k: v.detach().to("cpu").contiguous().clone() for k, v in self._small.base().state_dict().items()}
 
     def save_base(self, path: str | Path) -> None:
         """Writes the base weights as safetensors, for the ``path`` key of a later run."""

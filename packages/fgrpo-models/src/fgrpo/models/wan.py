@@ -6,7 +6,7 @@ against ``pipe(..., output_type="latent")``):
 
 - outputs are videos: ``decode`` returns frame stacks (B, T, 3, H, W) in [0, 1]
   (``num_frames`` = 4k + 1); rewards receive them (an image reward scores every k-th frame
-  through the reward's ``frame_stride`` key, see fgrpo.core.phases.score);
+  through the reward's ``frame_stride`` key, see fgrpo.core.scoring.score);
 - the state is the video latent (B, C, (T - 1)/4 + 1, H/s, W/s), normalised per channel by
   the VAE's ``latents_mean``/``latents_std`` (Wan 2.1 and A14B: 16 channels at H/8; TI2V-5B's
   VAE: 48 channels at H/16);
@@ -48,18 +48,16 @@ sampling, outside the state the kernels step).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, ClassVar
 
 import attrs
 import torch
 
+from fgrpo.core import media
 from fgrpo.core.config import param
 from fgrpo.models import _diffusers as dx
 from fgrpo.models.diffusers_policy import NEGATIVE, DiffusersPolicy
 from fgrpo.models.lora import lora_param
-
-if TYPE_CHECKING:  # from its own module: mypy reads diffusers' top-level names as its dummy objects
-    from diffusers.models.modeling_utils import ModelMixin
 
 #: self- and cross-attention of every block (attn1, attn2), no feed-forward: flow_grpo's Wan adapter
 #: (scripts/train_wan2_1.py:451-460; add_* exist only in image-to-video blocks). Adding
@@ -136,7 +134,7 @@ class WanPolicy(DiffusersPolicy):
         boundary = self.boundary_ratio * self._pipeline.scheduler.config.num_train_timesteps
         return self._timestep(sigma.to(torch.float32)) >= boundary
 
-    def trained_transformers(self) -> list[tuple[str, ModelMixin]]:
+    def trained_transformers(self) -> list[tuple[str, torch.nn.Module]]:
         if not self.is_moe:
             return [("transformer", self.transformer)]
         names = [EXPERTS[e] for e in (self.train_experts or EXPERTS)]
@@ -277,6 +275,7 @@ class WanImageToVideoPolicy(WanPolicy):
 
     pipeline_class_name = "WanImageToVideoPipeline"
     shared_condition_keys = ("image_latents",)
+    source_image_count: ClassVar[tuple[int, int]] = (1, 1)  # the first frame (fgrpo.core.media)
 
     _metadata: Callable[[str], Mapping[str, Any]] | None = attrs.field(init=False, default=None, repr=False)
     _images: dx.PromptCache = attrs.field(init=False, repr=False)
@@ -304,7 +303,12 @@ class WanImageToVideoPolicy(WanPolicy):
         """The prompt source's metadata: each prompt's ``image`` (a file path) is its first frame."""
         self._metadata = lookup
 
-    def _image_path(self, prompt: str) -> str | None:
+    def _image_path(self, prompt: str) -> Any:
+        """The prompt's source image: the one it carries (:class:`fgrpo.core.media.Prompt`), else
+        its metadata's ``image``."""
+        images = media.source_images(prompt)
+        if images:
+            return images[0]
         value = (self._metadata(prompt) if self._metadata is not None else {}).get("image")
         return value if isinstance(value, str) and value else None
 
@@ -316,7 +320,7 @@ class WanImageToVideoPolicy(WanPolicy):
             path = self._image_path(prompt)
             if path is None:
                 problems.append(f"{prompt!r} names no source image: image-to-video needs an 'image' key in its metadata (a .jsonl row)")
-            elif not os.path.isfile(path):
+            elif isinstance(path, str) and not os.path.isfile(path):
                 problems.append(f"{prompt!r}: its image {path!r} does not exist")
         return problems
 
@@ -327,7 +331,6 @@ class WanImageToVideoPolicy(WanPolicy):
         """The normalised VAE latents (B, C, frames, h, w) of each prompt's image as the first frame
         of a black video: the pipeline's ``prepare_latents``."""
         from diffusers.pipelines.wan.pipeline_wan_i2v import retrieve_latents
-        from PIL import Image
 
         missing = [p for p in prompts if self._image_path(p) is None]
         if missing:
@@ -336,10 +339,7 @@ class WanImageToVideoPolicy(WanPolicy):
         vae = pipe.vae
         rows = []
         for prompt in prompts:
-            path = self._image_path(prompt)
-            assert path is not None  # every prompt was checked above
-            with Image.open(path) as opened:
-                image = pipe.video_processor.preprocess(opened.convert("RGB"), height=height, width=width)
+            image = pipe.video_processor.preprocess(media.load_image(self._image_path(prompt)), height=height, width=width)
             image = image.to(self.device, torch.float32).unsqueeze(2)
             video = torch.cat([image, image.new_zeros(1, 3, self.num_frames - 1, height, width)], dim=2)
             latent = retrieve_latents(vae.encode(video.to(vae.dtype)), sample_mode="argmax").float()

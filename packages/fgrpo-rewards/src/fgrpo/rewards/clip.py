@@ -132,11 +132,12 @@ def _size(value: Any, what: str) -> tuple[int, int] | int:
     raise ValueError(f"unsupported image processor {what}: {value!r}")
 
 
-def preprocess(images: torch.Tensor, config: Mapping[str, Any]) -> torch.Tensor:
+def preprocess(images: torch.Tensor, config: Mapping[str, Any], mode: str = "bicubic") -> torch.Tensor:
     """CLIP's resize / centre crop / normalise on (B, 3, H, W) floats in [0, 1], in torch.
 
     Follows the processor's ``preprocessor_config.json`` (``size``, ``crop_size``,
-    ``image_mean``, ``image_std``); bicubic, antialiased resizing like the PIL path.
+    ``image_mean``, ``image_std``); antialiased resizing, bicubic like the PIL path (``mode``
+    bilinear: torchvision's ``T.Resize`` on tensors, as flow_grpo's scorers use it).
     """
     x = images.float().clamp(0, 1)
     if config.get("do_resize", True) and config.get("size") is not None:
@@ -145,7 +146,7 @@ def preprocess(images: torch.Tensor, config: Mapping[str, Any]) -> torch.Tensor:
             h, w = x.shape[-2:]
             size = (size, int(size * w / h)) if h <= w else (int(size * h / w), size)
         if tuple(x.shape[-2:]) != tuple(size):
-            x = F.interpolate(x, size=size, mode="bicubic", antialias=True, align_corners=False).clamp(0, 1)
+            x = F.interpolate(x, size=size, mode=mode, antialias=True, align_corners=False).clamp(0, 1)
     if config.get("do_center_crop", True) and config.get("crop_size") is not None:
         crop = _size(config["crop_size"], "crop_size")
         ch, cw = (crop, crop) if isinstance(crop, int) else crop  # a single number crops a square

@@ -168,10 +168,19 @@ def judge(
 ) -> Verdict:
     """The three verdicts for one image. ``objects`` is what :func:`select_objects` kept;
     ``colours_of(class)`` the CLIP colour of each of those objects, in the same order."""
+    correct, reasons = geneval_rule(objects, metadata, colours_of, position_threshold)
+    strict, partial = flow_grpo_scores(objects, metadata, colours_of, position_threshold)
+    return Verdict(geneval=correct, strict=strict, partial=partial, reason="; ".join(reasons))
+
+
+def geneval_rule(
+    objects: Mapping[str, Sequence[Detection]], metadata: Mapping[str, Any], colours_of: Callable[[str], list[str]], threshold: float
+) -> tuple[bool, list[str]]:
+    """GenEval's verdict: at least ``count`` objects of each included class (the first ``count`` of
+    them with the colour and the position asked for), fewer than ``count`` of each excluded one;
+    and why not."""
     reasons: list[str] = []
-    # GenEval's rule
-    correct = True
-    groups: list[Any] = []  # per requirement: the objects found, or None
+    correct, groups = True, []
     for req in metadata.get("include", []):
         cls, count = req["class"], int(req["count"])
         found = list(objects.get(cls, []))[:count]
@@ -188,7 +197,7 @@ def judge(
             if groups[target] is None:
                 ok = False
                 reasons.append(f"no target for {cls} to be {relation}")
-            elif not _positions_hold(found, groups[target], relation, position_threshold):
+            elif not _positions_hold(found, groups[target], relation, threshold):
                 ok = False
                 reasons.append(f"expected {cls} {relation} target")
         correct &= ok
@@ -198,7 +207,15 @@ def judge(
         if n >= int(req["count"]):
             correct = False
             reasons.append(f"expected {req['class']}<{req['count']}, found {n}")
-    # flow_grpo's strict and partial scores
+    return correct, reasons
+
+
+def flow_grpo_scores(
+    objects: Mapping[str, Sequence[Detection]], metadata: Mapping[str, Any], colours_of: Callable[[str], list[str]], threshold: float
+) -> tuple[bool, float]:
+    """flow_grpo's strict verdict (exactly ``count`` objects of each included class, all of them
+    with the colour and position asked for) and its partial score (the mean of the count, colour
+    and position parts)."""
     strict, parts, groups = True, [], []
     for req in metadata.get("include", []):
         cls, count = req["class"], int(req["count"])
@@ -215,12 +232,11 @@ def judge(
                 ok = matches == count
             if ok and "position" in req:
                 relation, target = req["position"]
-                ok = groups[target] is not None and _positions_hold(found, groups[target], relation, position_threshold)
+                ok = groups[target] is not None and _positions_hold(found, groups[target], relation, threshold)
                 parts.append(1.0 if ok else 0.0)
         strict &= ok
         groups.append(found if ok else None)
-    partial = sum(parts) / len(parts) if parts else 0.0
-    return Verdict(geneval=correct, strict=strict, partial=partial, reason="; ".join(reasons))
+    return strict, sum(parts) / len(parts) if parts else 0.0
 
 
 def mentioned_classes(metadata: Mapping[str, Any]) -> list[str]:
@@ -423,7 +439,7 @@ class Verifier:
             check_metadata(meta, i)
         detections = self.detector(images, [mentioned_classes(m) for m in metadata])
         out = []
-        for image, dets, meta in zip(images, detections, metadata, strict=True):
+        for image, dets, meta in zip(images, detections, metadata):
             limit = self.counting_threshold if meta["tag"] == "counting" else self.threshold
             objects = select_objects(dets, limit, self.max_objects, self.nms_threshold)
             memo: dict[str, list[str]] = {}
@@ -480,7 +496,7 @@ class GenEval:
 
 
 def verdict_result(verdicts: Sequence[Verdict], tags: Sequence[str], score: str) -> RewardResult:
-    details: dict[str, Any] = {
+    details = {
         "geneval": torch.tensor([float(v.geneval) for v in verdicts]),
         "strict": torch.tensor([float(v.strict) for v in verdicts]),
         "partial": torch.tensor([v.partial for v in verdicts], dtype=torch.float32),

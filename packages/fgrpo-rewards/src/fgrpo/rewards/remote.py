@@ -9,6 +9,10 @@ anyway) with the prompts and metadata as JSON in the safetensors header; the ans
 ``scores`` and the tensor details, other details as JSON. The token (``Authorization: Bearer``)
 comes from an environment variable, never from a recipe. The standard library's HTTP client
 (:mod:`fgrpo.rewards.http`: a total deadline per request, answers size-capped).
+
+Edits: a served reward that compares outputs with their sources (``accepts_sources``: image
+similarity, an edit judge) says so in ``/health``; the client then takes the sources from the
+trainer and sends them with each batch (tensors ``source/i/k`` on the same wire).
 """
 
 from __future__ import annotations
@@ -38,32 +42,47 @@ def _is_images(outputs: Any) -> bool:
     return isinstance(outputs, torch.Tensor) and outputs.dim() in (4, 5) and outputs.shape[-3] == 3
 
 
-def encode_request(outputs: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]], wire: str) -> bytes:
+def _on_wire(images: torch.Tensor, wire: str) -> tuple[torch.Tensor, str]:
+    if wire == "uint8" and _is_images(images):
+        # on the outputs' own device (a GPU quantises fast and copies 4x fewer bytes to the host),
+        # in place after the one copy mul makes: the encoding cost is mostly these passes
+        return images.detach().mul(255).round_().clamp_(0, 255).to(torch.uint8), "uint8"
+    wire = "float16" if wire == "float16" else "float32"
+    return images.detach().to(getattr(torch, wire)), wire
+
+
+def encode_request(
+    outputs: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]], wire: str,
+    sources: Sequence[Sequence[torch.Tensor]] | None = None,
+) -> bytes:
+    """The request body; ``sources`` (edits: each sample's source images, (3, H, W) in [0, 1])
+    travel as tensors ``source/i/k`` on the same wire, their counts in the header."""
     from safetensors.torch import save
 
     if not isinstance(outputs, torch.Tensor):
         raise ValueError(f"remote: outputs must be a tensor, got {type(outputs).__name__}")
-    if wire == "uint8" and _is_images(outputs):
-        # on the outputs' own device (a GPU quantises fast and copies 4x fewer bytes to the host),
-        # in place after the one copy mul makes: the encoding cost is mostly these passes
-        tensor = outputs.detach().mul(255).round_().clamp_(0, 255).to(torch.uint8)
-    else:
-        wire = "float16" if wire == "float16" else "float32"
-        tensor = outputs.detach().to(getattr(torch, wire))
+    tensor, used = _on_wire(outputs, wire)
+    tensors = {"outputs": tensor.cpu().contiguous()}
+    for i, row in enumerate(sources or ()):
+        for k, image in enumerate(row):
+            tensors[f"source/{i}/{k}"] = _on_wire(image[None], wire)[0][0].cpu().contiguous()
     try:
-        header = {"prompts": json.dumps(list(prompts)), "metadata": json.dumps([dict(m) for m in metadata]), "wire": wire}
+        header = {"prompts": json.dumps([str(p) for p in prompts]), "metadata": json.dumps([dict(m) for m in metadata]), "wire": used}
     except TypeError as exc:
         raise ValueError(f"remote: prompts and metadata travel as JSON: {exc}") from None
-    return save({"outputs": tensor.cpu().contiguous()}, metadata=header)
+    if sources is not None:
+        header["sources"] = json.dumps([len(row) for row in sources])
+    return save(tensors, metadata=header)
 
 
-def decode_request(body: bytes) -> tuple[torch.Tensor, list[str], list[dict[str, Any]]]:
-    """Raises ValueError on anything that is not a well-formed request."""
+def decode_request(body: bytes) -> tuple[torch.Tensor, list[str], list[dict[str, Any]], list[tuple[torch.Tensor, ...]] | None]:
+    """(outputs, prompts, metadata, sources or None); raises ValueError on anything that is not a
+    well-formed request."""
     from safetensors.torch import load
 
     tensors = load(body)
     header = _header(body)
-    if set(tensors) != {"outputs"} or header is None:
+    if "outputs" not in tensors or header is None or any(k != "outputs" and not k.startswith("source/") for k in tensors):
         raise ValueError("expected a safetensors body with one tensor 'outputs' and prompts/metadata in its header")
     prompts, metadata = json.loads(header.get("prompts", "null")), json.loads(header.get("metadata", "null"))
     outputs = tensors["outputs"]
@@ -72,10 +91,20 @@ def decode_request(body: bytes) -> tuple[torch.Tensor, list[str], list[dict[str,
         raise ValueError(f"expected {n} prompts (strings), got {str(prompts)[:200]}")
     if not (isinstance(metadata, list) and all(isinstance(m, dict) for m in metadata) and len(metadata) == n):
         raise ValueError(f"expected {n} metadata objects, got {str(metadata)[:200]}")
+    scale = 255.0 if header.get("wire") == "uint8" else 1.0
+    sources = None
+    if "sources" in header:
+        counts = json.loads(header["sources"])
+        if not (isinstance(counts, list) and len(counts) == n and all(isinstance(c, int) and c >= 0 for c in counts)):
+            raise ValueError(f"expected {n} source counts, got {str(counts)[:200]}")
+        try:
+            sources = [tuple(tensors[f"source/{i}/{k}"].float() / scale for k in range(c)) for i, c in enumerate(counts)]
+        except KeyError as exc:
+            raise ValueError(f"a source image the header announces is missing: {exc}") from None
     outputs = outputs.float()
-    if header.get("wire") == "uint8":
-        outputs.div_(255)
-    return outputs, prompts, metadata
+    if scale != 1.0:
+        outputs.div_(scale)
+    return outputs, prompts, metadata, sources
 
 
 def _header(body: bytes) -> dict[str, str] | None:
@@ -90,8 +119,8 @@ def encode_result(result: RewardResult) -> bytes:
     tensors = {"scores": torch.as_tensor(result.scores).detach().float().cpu().contiguous()}
     other: dict[str, Any] = {}
     for key, value in result.details.items():
-        if isinstance(value, torch.Tensor):
-            tensors[f"detail/{key}"] = value.detach().cpu().contiguous()
+        if isinstance(value, torch.Tensor):  # a copy: a detail may be the scores tensor itself
+            tensors[f"detail/{key}"] = value.detach().cpu().clone().contiguous()
         else:
             other[key] = value if isinstance(value, (list, tuple, str, int, float, bool, type(None))) else str(value)
     return save(tensors, metadata={"details": json.dumps(other, default=str)})
@@ -139,6 +168,11 @@ class RemoteReward:
         if self.serves is not None and served != self.serves:
             raise ServiceError(f"reward.serves: {self.url} serves {served!r}, not {self.serves!r}")
 
+    @property
+    def accepts_sources(self) -> bool:
+        """Whether the served reward compares outputs with their source images (it then gets them)."""
+        return bool(self._served.get("accepts_sources"))
+
     def _headers(self) -> dict[str, str]:
         headers = {"Content-Type": "application/octet-stream"}
         token = token_from_env(self.token_env)
@@ -146,12 +180,15 @@ class RemoteReward:
             headers["Authorization"] = f"Bearer {token}"
         return headers
 
-    def __call__(self, outputs: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> RewardResult:
+    def __call__(
+        self, outputs: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]], sources: Sequence[Any] | None = None
+    ) -> RewardResult:
         metas = list(metadata) if metadata else [{} for _ in prompts]
         parts = []
         for start in range(0, len(prompts), self.batch_size):
             stop = start + self.batch_size
-            body = encode_request(outputs[start:stop], prompts[start:stop], metas[start:stop], self.wire)
+            part = None if sources is None else sources[start:stop]
+            body = encode_request(outputs[start:stop], prompts[start:stop], metas[start:stop], self.wire, part)
             raw = post(self.url.rstrip("/") + "/score", body, headers=self._headers(), timeout=self.timeout,
                        retries=self.retries, backoff=self.backoff, what=f"remote reward {self._served.get('reward')}",
                        limit=int(self.max_answer_mb * 2**20))

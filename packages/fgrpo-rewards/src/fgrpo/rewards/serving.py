@@ -74,6 +74,7 @@ class _Job:
     prompts: list[str]
     metadata: list[dict[str, Any]]
     done: concurrent.futures.Future
+    sources: list[tuple[torch.Tensor, ...]] | None = None  # edits: each sample's source images
     batch: dict[str, int] = attrs.Factory(dict)  # what it was scored with, for the log line
 
     @property
@@ -179,7 +180,8 @@ class RewardServer:
                 if (method, path) not in (("POST", "/score"), ("GET", "/health")):
                     raise _Answer(405, f"{method} {path} is not served; POST /score, GET /health")
                 if path == "/health":
-                    status, payload, kind = 200, json.dumps({"reward": self.name, "params": self.params}).encode(), "application/json"
+                    health = {"reward": self.name, "params": self.params, "accepts_sources": bool(getattr(self.reward, "accepts_sources", False))}
+                    status, payload, kind = 200, json.dumps(health).encode(), "application/json"
                 else:
                     size = reserved = self._admit(headers)
                     self._inflight += reserved
@@ -266,11 +268,11 @@ class RewardServer:
         reward's thread has scored it (with the other requests waiting then)."""
         loop = asyncio.get_running_loop()  # the server's own loop (self._loop)
         try:
-            outputs, prompts, metadata = await loop.run_in_executor(self._decoders, decode_request, body)
+            outputs, prompts, metadata, sources = await loop.run_in_executor(self._decoders, decode_request, body)
         except Exception as exc:  # noqa: BLE001 - any malformed body
             raise _Answer(400, f"bad request: {exc}") from None
         done: concurrent.futures.Future = concurrent.futures.Future()
-        job = _Job(outputs, prompts, metadata, done)
+        job = _Job(outputs, prompts, metadata, done, sources)
         with self._wake:
             self._pending.append(job)
             self._wake.notify()
@@ -334,7 +336,10 @@ class RewardServer:
             outputs = torch.cat([job.outputs for job in jobs]) if len(jobs) > 1 else jobs[0].outputs
             prompts = [p for job in jobs for p in job.prompts]
             metadata = [m for job in jobs for m in job.metadata]
-            result = self.reward(outputs, prompts, metadata)
+            extra = {}
+            if getattr(self.reward, "accepts_sources", False):  # edits: the sources the client sent (none: empty)
+                extra["sources"] = [s for job in jobs for s in (job.sources if job.sources is not None else [()] * job.n)]
+            result = self.reward(outputs, prompts, metadata, **extra)
             payloads = [encode_result(part) for part in split_result(result, sizes)]
         except Exception as exc:  # the reward's own error, sent to every trainer that asked
             log.warning("reward %s failed on %d samples of %d request(s): %s", self.name, sum(sizes), len(jobs), exc)

@@ -69,6 +69,22 @@ def save_tiny_clip(folder: str | Path, *, seed: int = 0, projection_dim: int = 1
     return folder
 
 
+def save_tiny_dinov2(folder: str | Path, *, seed: int = 0, image_size: int = 32) -> Path:
+    """A random 2-layer DINOv2 (hidden 32, patch 8) and its image processor (resize the shortest
+    edge, centre crop, ImageNet mean/std, as facebook/dinov2-* configure it), saved to ``folder``."""
+    from transformers import BitImageProcessor, Dinov2Config, Dinov2Model
+
+    folder = Path(folder)
+    torch.manual_seed(seed)
+    config = Dinov2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37, patch_size=8, image_size=image_size)
+    Dinov2Model(config).save_pretrained(folder)
+    BitImageProcessor(
+        size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size}, do_convert_rgb=True,
+        image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225], resample=3,
+    ).save_pretrained(folder)
+    return folder
+
+
 def save_tiny_owlv2(folder: str | Path, *, seed: int = 0, image_size: int = 32) -> Path:
     """A random 2-layer OWLv2 detector (32x32 inputs, patch 8) with a byte-level tokenizer."""
     from transformers import Owlv2Config, Owlv2ForObjectDetection, Owlv2ImageProcessor, Owlv2Processor

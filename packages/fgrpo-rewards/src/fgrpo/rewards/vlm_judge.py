@@ -42,6 +42,17 @@ DEFAULT_TEMPLATE = (
     "from 1 (poor) to 5 (excellent) written as 'Final Score: N'.\nCaption: {prompt}"
 )
 YES_NO_TEMPLATE = "Does this image show: {prompt}? Answer yes or no."
+#: edits (the source image first, then the edited one): instruction following and preservation
+EDIT_TEMPLATE = (
+    "You are shown two images: the first is the original, the second is the result of editing it with the "
+    "instruction below. Judge (1) how well the edit carries out the instruction, and (2) how well everything the "
+    "instruction does not ask to change is preserved: objects, layout, identity, colours and style. Reply with a "
+    "short justification, then a score from 1 (poor) to 5 (excellent) written as 'Final Score: N'.\nInstruction: {prompt}"
+)
+EDIT_YES_NO_TEMPLATE = (
+    "The first image is the original, the second the result of editing it. Was the edit '{prompt}' carried out, "
+    "with everything else left as it was? Answer yes or no."
+)
 
 
 class Unparsable(ValueError):
@@ -89,12 +100,22 @@ def data_url(image: Any, fmt: str, size: int) -> str:
 @attrs.define
 class VLMJudge:
     """score = the judge's parsed answer / divisor (number), or P(yes) (yes-no). Details:
-    ``answer`` (the raw text), ``fallback`` (1 where the fallback value was used)."""
+    ``answer`` (the raw text), ``fallback`` (1 where the fallback value was used).
+
+    Edits: a prompt with source images (an editing backbone's) is judged on its sources and the
+    output, sent in that order, with ``edit_template`` (instruction following and preservation);
+    the reward takes them as ``sources`` (``accepts_sources``)."""
+
+    accepts_sources = True
 
     model: str = param(help="the model name the server serves (e.g. UnifiedReward-7b-v1.5, Qwen/Qwen2.5-VL-7B-Instruct)")
     url: str = param("http://127.0.0.1:8000/v1", help="base URL of the OpenAI-compatible API (…/v1)")
     api_key_env: str | None = param("OPENAI_API_KEY", help="environment variable holding the API key; unset = no key")
     template: str | None = param(None, help="the question; {prompt} is the caption; none = a 1-5 judge (number) or a yes/no question")
+    edit_template: str | None = param(
+        None, help="the question for edits (sources, then output); {prompt} is the instruction; none = a 1-5 judge of "
+        "instruction following and preservation (number) or a yes/no question",
+    )
     parse: str = param("number", choices=("number", "yes-no"), help="how the answer becomes a score")
     pattern: str = param(r"Final Score:\s*([-+]?\d+(?:\.\d+)?)", help="parse: number — a regex whose first group is the score")
     divisor: float = param(5.0, gt=0, help="parse: number — the number is divided by this (flow_grpo's UnifiedReward: 5)")
@@ -117,22 +138,27 @@ class VLMJudge:
             except re.error as exc:
                 raise ValueError(f"reward.pattern: {self.pattern!r} is not a regular expression: {exc}") from exc
         self.question("a caption")  # a template that cannot be filled fails when the reward is built
+        self.question("an instruction", edit=True)
 
-    def question(self, prompt: str) -> str:
-        template = self.template or (DEFAULT_TEMPLATE if self.parse == "number" else YES_NO_TEMPLATE)
+    def question(self, prompt: str, edit: bool = False) -> str:
+        if edit:
+            key, template = "edit_template", self.edit_template or (EDIT_TEMPLATE if self.parse == "number" else EDIT_YES_NO_TEMPLATE)
+        else:
+            key, template = "template", self.template or (DEFAULT_TEMPLATE if self.parse == "number" else YES_NO_TEMPLATE)
         try:
             return template.format(prompt=prompt)
         except (KeyError, IndexError, ValueError) as exc:
-            raise ValueError(f"reward.template: cannot fill {template!r} (only {{prompt}} is known; double other braces): {exc}") from exc
+            raise ValueError(f"reward.{key}: cannot fill {template!r} (only {{prompt}} is known; double other braces): {exc}") from exc
 
-    def request(self, image: Any, prompt: str) -> bytes:
+    def request(self, image: Any, prompt: str, sources: Sequence[Any] = ()) -> bytes:
+        pictures = [*sources, image]
         body = {
             "model": self.model,
             "messages": [{
                 "role": "user",
                 "content": [
-                    {"type": "image_url", "image_url": {"url": data_url(image, self.image_format, self.image_size)}},
-                    {"type": "text", "text": self.question(prompt)},
+                    *[{"type": "image_url", "image_url": {"url": data_url(p, self.image_format, self.image_size)}} for p in pictures],
+                    {"type": "text", "text": self.question(prompt, edit=bool(sources))},
                 ],
             }],
             "temperature": self.temperature,
@@ -142,14 +168,15 @@ class VLMJudge:
             body.update(logprobs=True, top_logprobs=5)
         return json.dumps(body).encode()
 
-    def ask(self, image: Any, prompt: str) -> tuple[float | None, str]:
-        """(score, answer text); score None when the answer holds none."""
+    def ask(self, image: Any, prompt: str, sources: Sequence[Any] = ()) -> tuple[float | None, str]:
+        """(score, answer text); score None when the answer holds none. ``sources``: the images an
+        edit started from (uint8 arrays), sent before the output."""
         headers = {"Content-Type": "application/json"}
         key = token_from_env(self.api_key_env)
         if key:
             headers["Authorization"] = f"Bearer {key}"
         raw = post(
-            self.url.rstrip("/") + "/chat/completions", self.request(image, prompt), headers=headers,
+            self.url.rstrip("/") + "/chat/completions", self.request(image, prompt, sources), headers=headers,
             timeout=self.timeout, retries=self.retries, backoff=self.backoff, what=f"vlm-judge {self.model}",
             limit=int(self.max_answer_mb * 2**20),
         )
@@ -167,12 +194,15 @@ class VLMJudge:
         except Unparsable:
             return None, text
 
-    def __call__(self, outputs: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> RewardResult:
+    def __call__(
+        self, outputs: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]], *, sources: Sequence[Any] | None = None
+    ) -> RewardResult:
         images = to_uint8(outputs)
         if len(images) != len(prompts):
             raise ValueError(f"vlm-judge got {len(images)} images for {len(prompts)} prompts")
+        given = [[to_uint8(s[None])[0] for s in row] for row in sources] if sources is not None else [[] for _ in prompts]
         with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
-            answers = list(pool.map(self.ask, images, prompts))
+            answers = list(pool.map(self.ask, images, prompts, given))
         bad = [i for i, (score, _) in enumerate(answers) if score is None]
         if bad and self.fallback is None:
             i = bad[0]

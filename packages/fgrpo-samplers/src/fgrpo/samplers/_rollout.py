@@ -118,6 +118,8 @@ def run(
     phases: Sequence[str] = (),
     info: dict[str, Any] | None = None,
     final: str = "sample",
+    kl_kernel: Kernel | None = None,
+    policy_weight: torch.Tensor | None = None,
 ) -> Trajectory:
     """Run ``program`` for ``group_size`` samples of each prompt and record the ``trained`` steps.
 
@@ -128,6 +130,10 @@ def run(
     (with 0 when a phase is empty this time), so the metrics keep the same keys every iteration.
     ``final``: 'x0' returns the last step's predicted clean sample x - sigma v instead of the state
     after the last step ('sample'; 'ode' too: :func:`with_final` has made that step deterministic).
+    ``policy_weight`` (B, S): the policy loss's weight of each recorded step (0: the step is there for
+    the KL term only, ``kl_steps: all``); a recorded deterministic step is booked as ``kl_kernel``'s
+    step at its state (its mean, std and the log-prob of the deterministic action), so the update
+    treats it as any other.
     """
     prompts = list(prompts)
     if not prompts:
@@ -199,6 +205,10 @@ def run(
 
             column = slot[:, position]
             record = column >= 0
+            if bool(record.any()) and not step.kernel.stochastic:
+                if kl_kernel is None:
+                    raise RuntimeError(f"step {position} is deterministic and recorded without a kernel to book it (a sampler bug)")
+                out = kl_kernel.step(velocity, x, step.sigmas, step.index, prev_sample=out.prev_sample)
             if bool(record.any()):
                 which = record.nonzero().squeeze(1)
                 cols = column[which]
@@ -241,4 +251,5 @@ def run(
         final=predicted_x0 if final == "x0" else x,
         nfe=total,
         info=details,
+        policy_weight=None if policy_weight is None else torch.as_tensor(policy_weight, dtype=torch.float32).to(device),
     )

@@ -149,6 +149,37 @@ def stochastic_steps(program: Sequence[Step], kernel: Kernel) -> list[int]:
     return [position for position, step in enumerate(program) if step.kernel is kernel]
 
 
+def kl_steps_param() -> Any:
+    """The ``kl_steps`` key of a windowed sampler."""
+    return param(
+        "trained",
+        choices=("trained", "all"),
+        help="trained: the KL term (objective.beta) acts on the trained steps only; all: on every step of the chain "
+        "(the deterministic ones too, as the stochastic kernel's step at the visited state), the policy loss still "
+        "on the trained steps",
+    )
+
+
+def kl_everywhere(
+    trained: torch.Tensor, program: Sequence[Step], sigmas: torch.Tensor, kernel: Kernel, prefix: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kl_steps: all``: the trained positions (B, S) plus every other position of the program
+    after the shared prefix where ``kernel`` has a std (each visited state's KL to the reference
+    is then part of the update), sorted; and the policy loss's weight of each (B, S'): 1 on the
+    trained positions, 0 on the added ones. The update averages the loss over all S' steps, so the
+    policy loss's gradient is S / S' of the window-only one (Adam's steps do not depend on that
+    scale; the KL's share grows)."""
+    batch = trained.shape[0]
+    extra = [p for p in trainable(kernel, sigmas, range(prefix, len(program))) if not bool((trained == p).any())]
+    if not extra:
+        return trained, torch.ones(trained.shape, dtype=torch.float32)
+    added = torch.tensor(extra, dtype=torch.long).expand(batch, len(extra))
+    both = torch.cat([trained, added], 1)
+    order = both.argsort(dim=1)
+    weight = torch.cat([torch.ones(trained.shape), torch.zeros(added.shape)], 1)
+    return torch.gather(both, 1, order), torch.gather(weight, 1, order)
+
+
 # --- the sampler -------------------------------------------------------------------------------
 
 
@@ -236,19 +267,23 @@ class GroupSampler:
         candidates = trainable(self.kernel, sigmas, stochastic_steps(steps, self.kernel))
         if not candidates:
             raise ValueError(self.nothing_to_train.format(sigmas=sigmas.tolist(), **plan.info))
+        trained = self.trained_steps(candidates, len(prompts) * group_size, generator)
+        trained, weight = kl_everywhere(trained, steps, sigmas, self.kernel, plan.prefix) if getattr(self, "kl_steps", "trained") == "all" else (trained, None)
         return _rollout.run(
             policy,
             prompts,
             group_size,
             program=steps,
             sigmas=sigmas,
-            trained=self.trained_steps(candidates, len(prompts) * group_size, generator),
+            trained=trained,
             share_noise=self.share_noise,
             prefix=plan.prefix,
             generator=generator,
             phases=plan.phases,
             info=plan.info,
             final=final,
+            kl_kernel=self.kernel if weight is not None else None,
+            policy_weight=weight,
         )
 
     def advance(self, iteration: int) -> None:
@@ -262,6 +297,6 @@ class GroupSampler:
 
 
 __all__ = [
-    "EULER", "GroupSampler", "Plan", "Step", "check_schedule", "final_param", "kernel_error", "resolve_final",
+    "EULER", "GroupSampler", "Plan", "Step", "check_schedule", "final_param", "kernel_error", "kl_everywhere", "kl_steps_param", "resolve_final",
     "schedule_param", "stochastic_steps", "with_final",
 ]

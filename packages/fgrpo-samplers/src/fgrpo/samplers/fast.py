@@ -31,7 +31,7 @@ import torch
 from fgrpo.core.config import ConfigError, param
 from fgrpo.core.registry import component
 from fgrpo.samplers import _rollout
-from fgrpo.samplers.base import EULER, GroupSampler, Plan, Step, final_param, key, schedule_param
+from fgrpo.samplers.base import EULER, GroupSampler, Plan, Step, final_param, key, kl_steps_param, schedule_param
 
 
 @attrs.define
@@ -54,6 +54,7 @@ class FastSampler(GroupSampler):
     share_prefix: bool = param(
         True, help="with share_noise: compute the ODE prefix once per prompt, not once per sample"
     )
+    kl_steps: str = kl_steps_param()
     schedule: dict | None = schedule_param()
     final: str | None = final_param()
     kernel: Any = component("kernel", default="sde", help="the stochastic kernel of the window")

@@ -64,7 +64,7 @@ import torch
 from fgrpo.core.config import ConfigError, param
 from fgrpo.core.registry import component
 from fgrpo.core.seeding import generator as seeded_generator
-from fgrpo.samplers.base import EULER, GroupSampler, Plan, Step, final_param, key, schedule_param
+from fgrpo.samplers.base import EULER, GroupSampler, Plan, Step, final_param, key, kl_steps_param, schedule_param
 from fgrpo.samplers.kernels.dpmpp2m import DPMpp2MKernel
 from fgrpo.samplers.kernels.dpmpp3m import DPMpp3MKernel
 
@@ -119,6 +119,7 @@ class MixGRPOSampler(GroupSampler):
     share_noise: bool = param(True, help="the G samples of a prompt start from the same initial noise")
     share_prefix: bool = param(True, help="compute the ODE prefix once per prompt (needs share_noise)")
     seed: int = param(0, help="seeds the random strategy's window draws")
+    kl_steps: str = kl_steps_param()
     schedule: dict | None = schedule_param()
     final: str | None = final_param()
     kernel: Any = component("kernel", default="sde", help="the stochastic kernel of the window")

@@ -13,7 +13,8 @@ One base per protocol: ``KernelConformance``, ``SamplerConformance``, ``RewardCo
 and tiny pipelines) and ``ObjectiveConformance``. A kernel, sampler or objective under test is
 named by its entry point or, when it is not installed (defined in the test itself), given as a
 class (``kernel_class = MyKernel``). ``GaussianPolicy`` is a toy policy with a closed-form
-velocity for tests of samplers, objectives and the trainer.
+velocity for tests of samplers, objectives and the trainer; ``SyntheticImage`` an in-memory
+source image for tests of editing backbones and rewards.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ _EXPORTS = {
     "PolicyConformance": "fgrpo.core.testing.policies",
     "RewardConformance": "fgrpo.core.testing.rewards",
     "SamplerConformance": "fgrpo.core.testing.samplers",
+    "SyntheticImage": "fgrpo.core.testing.toys",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -25,6 +25,7 @@ checkpoint (holding the policy's ``export`` files when it declares ``export_in_c
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -34,7 +35,7 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
-from fgrpo.core import registry, tensors
+from fgrpo.core import media, registry, tensors
 from fgrpo.core.config import help_lines
 from fgrpo.core.protocols import Policy
 
@@ -237,9 +238,22 @@ class PolicyConformance:
                     p.grad = None
 
     def prompt_source(self, tmp_path: Path) -> dict[str, Any]:
-        """The prompts spec of the trainer iteration (a backbone whose prompts carry metadata, such
-        as a source image, writes a dataset folder under ``tmp_path``)."""
-        return {"name": "list", "train": list(self.prompts)}
+        """The prompts spec of the trainer iteration: the ``prompts`` in the recipe, or, when they
+        carry source images (an editing backbone), a dataset folder of them written under
+        ``tmp_path`` (``train_metadata.jsonl`` with each image as a PNG beside it)."""
+        if not any(media.source_images(p) for p in self.prompts):
+            return {"name": "list", "train": list(self.prompts)}
+        folder = tmp_path / "prompts"
+        folder.mkdir(parents=True, exist_ok=True)
+        rows = []
+        for i, prompt in enumerate(self.prompts):
+            names = []
+            for k, ref in enumerate(media.source_images(prompt)):
+                names.append(f"source_{i}_{k}.png")
+                media.load_image(ref).save(folder / names[-1])
+            rows.append({"prompt": media.text_of(prompt), **({"image": names if len(names) > 1 else names[0]} if names else {})})
+        (folder / "train_metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return {"name": "folder", "path": str(folder), "test": None}
 
     def iteration_recipe(self, model_keys: Mapping[str, Any], tmp_path: Path, **sections: Any) -> dict[str, Any]:
         """The recipe of one small trainer iteration; ``sections`` replace whole sections."""

@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
-from fgrpo.core import registry
+from fgrpo.core import media, registry
 from fgrpo.core.protocols import Reward, RewardResult
 
 
@@ -109,7 +109,9 @@ class RewardConformance:
         return _BUILT[cls]
 
     def score(self, reward: Any, outputs: Any, prompts: list[str], metadata: list) -> RewardResult:
-        result = reward(outputs, prompts, metadata)
+        """The reward on a batch, as the trainer calls it (with ``sources=`` when it accepts them)."""
+        extra = {"sources": media.reward_sources(prompts, outputs)} if getattr(reward, "accepts_sources", False) else {}
+        result = reward(outputs, prompts, metadata, **extra)
         assert isinstance(result, RewardResult), (
             f"{self.reward_name} returned {type(result).__name__}, expected fgrpo.core.protocols.RewardResult"
         )

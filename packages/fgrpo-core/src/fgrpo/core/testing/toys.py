@@ -101,4 +101,35 @@ class GaussianPolicy:
             self.gain.copy_(state["gain"])
 
 
-__all__ = ["GaussianPolicy"]
+
+class SyntheticImage:
+    """An in-memory source image for tests of editing backbones and rewards: a smooth random RGB
+    image of ``width`` x ``height`` drawn from ``seed``; hashable and picklable, an image
+    reference :func:`fgrpo.core.media.load_image` opens (``to_pil``)."""
+
+    def __init__(self, seed: int, width: int = 32, height: int = 32):
+        self.key = (int(seed), int(width), int(height))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, SyntheticImage) and other.key == self.key
+
+    def __hash__(self) -> int:
+        return hash(("SyntheticImage", self.key))
+
+    def __repr__(self) -> str:
+        return f"SyntheticImage{self.key}"
+
+    def __reduce__(self) -> tuple:
+        return (SyntheticImage, self.key)
+
+    def to_pil(self):
+        import numpy as np
+        from PIL import Image
+
+        seed, width, height = self.key
+        coarse = torch.rand(1, 3, 4, 4, generator=torch.Generator().manual_seed(seed))
+        smooth = torch.nn.functional.interpolate(coarse, size=(height, width), mode="bilinear", align_corners=False)[0]
+        return Image.fromarray(np.ascontiguousarray((smooth.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)))
+
+
+__all__ = ["GaussianPolicy", "SyntheticImage"]

@@ -3,11 +3,11 @@ conformance base every backbone's tests subclass.
 
 - :class:`DiffusersBackboneConformance` (:mod:`fgrpo.models.testing.conformance`), a
   :class:`fgrpo.core.testing.PolicyConformance` with the diffusers-specific checks;
-- ``build_tiny_sd3_pipeline``, ``build_tiny_flux_pipeline``, ``build_tiny_flux2_pipeline``,
-  ``build_tiny_flux2_klein_pipeline``, ``build_tiny_qwen_image_pipeline``, ``build_tiny_z_image_pipeline``,
-  ``build_tiny_wan_pipeline``, ``build_tiny_wan22_pipeline``, ``build_tiny_wan22_i2v_pipeline``,
-  ``build_tiny_wan22_ti2v_pipeline``, ``build_tiny_hunyuan_video15_pipeline``
-  (:mod:`fgrpo.models.testing.pipelines`).
+- ``build_tiny_sd3_pipeline``, ``build_tiny_flux_pipeline``, ``build_tiny_flux_kontext_pipeline``,
+  ``build_tiny_flux2_pipeline``, ``build_tiny_flux2_klein_pipeline``, ``build_tiny_qwen_image_pipeline``,
+  ``build_tiny_qwen_image_edit_pipeline``, ``build_tiny_z_image_pipeline``, ``build_tiny_wan_pipeline``,
+  ``build_tiny_wan22_pipeline``, ``build_tiny_wan22_i2v_pipeline``, ``build_tiny_wan22_ti2v_pipeline``,
+  ``build_tiny_hunyuan_video15_pipeline`` (:mod:`fgrpo.models.testing.pipelines`).
 
 Exports are lazy: importing this package imports neither diffusers nor pytest.
 """
@@ -28,8 +28,10 @@ _EXPORTS = {
     "DiffusersBackboneConformance": "fgrpo.models.testing.conformance",
     "build_tiny_flux2_klein_pipeline": _PIPELINES,
     "build_tiny_flux2_pipeline": _PIPELINES,
+    "build_tiny_flux_kontext_pipeline": _PIPELINES,
     "build_tiny_flux_pipeline": _PIPELINES,
     "build_tiny_hunyuan_video15_pipeline": _PIPELINES,
+    "build_tiny_qwen_image_edit_pipeline": _PIPELINES,
     "build_tiny_qwen_image_pipeline": _PIPELINES,
     "build_tiny_sd3_pipeline": _PIPELINES,
     "build_tiny_wan22_i2v_pipeline": _PIPELINES,

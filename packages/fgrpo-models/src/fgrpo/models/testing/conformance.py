@@ -32,6 +32,7 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
+from fgrpo.core import media
 from fgrpo.core.testing.policies import PolicyConformance
 
 
@@ -80,6 +81,11 @@ class DiffusersBackboneConformance(PolicyConformance):
         sequence length)."""
         raise NotImplementedError
 
+    def source_kwargs(self, policy: Any, prompts: list[str]) -> dict[str, Any]:
+        """The pipeline's arguments for these prompts' source images (editing backbones: ``image``
+        as the pipeline takes it); none by default."""
+        return {}
+
     def load_export(self, pipe: Any, folder: str, written: list[str]) -> None:
         """Load ``policy.export(folder)``'s files into the plain pipeline ``pipe`` as a user would
         (default: ``pipe.load_lora_weights(folder)``; Wan 2.2 loads its second expert's file too)."""
@@ -110,11 +116,12 @@ class DiffusersBackboneConformance(PolicyConformance):
     # --- helpers --------------------------------------------------------------------------------
 
     def run_pipeline(self, policy: Any, pipe: Any, x: torch.Tensor, *, output_type: str = "latent", steps: int | None = None) -> Any:
-        kwargs = {**self.pipeline_kwargs(policy), **self.guidance_kwargs(policy)}
+        prompts = [self.prompts[i % len(self.prompts)] for i in range(len(x))]
+        kwargs = {**self.pipeline_kwargs(policy), **self.guidance_kwargs(policy), **self.source_kwargs(policy, prompts)}
         if policy.cfg and self.pipeline_takes_negative_prompt:
             kwargs["negative_prompt"] = [policy.negative_prompt] * len(x)
         out = pipe(
-            prompt=[self.prompts[i % len(self.prompts)] for i in range(len(x))],
+            prompt=[media.text_of(p) for p in prompts],
             latents=policy.to_pipeline_latents(x.clone()),
             num_inference_steps=steps or self.steps,
             output_type=output_type,
@@ -163,9 +170,13 @@ class DiffusersBackboneConformance(PolicyConformance):
 
         x, sigma = self.state(policy)
         cond = self.cond(policy)
+        with policy.reference():
+            base = policy.velocity(x, sigma, cond)
         with self.perturbed(policy):
             trained = policy.velocity(x, sigma, cond)
             written = policy.export(str(tmp_path / "lora"))
+        # ten times the tolerance the reloaded velocity is compared at below: a no-op load cannot pass
+        assert (trained - base).abs().max() > 1e-4, "the exported adapter does not change the velocity"
         for file in (f for f in written if os.path.basename(f).startswith("pytorch_lora_weights")):
             with safe_open(file, "pt") as f:
                 keys, metadata = list(f.keys()), f.metadata() or {}
@@ -188,18 +199,21 @@ class DiffusersBackboneConformance(PolicyConformance):
         assert torch.equal(through_peft.velocity(x, sigma, cond), reloaded.velocity(x, sigma, cond))
 
     def test_prompt_cache_encodes_each_prompt_once(self, model_keys: dict[str, Any]) -> None:
-        policy = self.make_policy(model_keys, **{self.guidance_key: self.guidance_value}, prompt_cache_size=3)
         a, b = self.prompts[:2]
+        probe = self.make_policy(model_keys)
+        negatives = len(set(probe._negative_prompts([a, b])))  # 1, or one per prompt (Qwen-Image-Edit: with its images)
+        size = 2 + negatives
+        policy = self.make_policy(model_keys, **{self.guidance_key: self.guidance_value}, prompt_cache_size=size)
         first = policy.encode([a, b, a])
-        assert policy.prompt_cache.encoded == 3  # a, b and the negative prompt
+        assert policy.prompt_cache.encoded == size  # a, b and the negative prompt(s)
         again = policy.encode([b, a])
-        assert policy.prompt_cache.encoded == 3
+        assert policy.prompt_cache.encoded == size
         for key, value in again.items():
             assert torch.equal(value[0], first[key][1]), key
             assert not value.requires_grad
         assert any(k.startswith("negative_") for k in first)
-        policy.encode(["something new"])
-        assert policy.prompt_cache.encoded == 4 and len(policy.prompt_cache) == 3  # bounded: least recently used out
+        policy.encode([media.Prompt("something new", images=media.source_images(a))])  # its negative is a's
+        assert policy.prompt_cache.encoded == size + 1 and len(policy.prompt_cache) == size  # bounded: least recently used out
 
     def test_bfloat16_weights_keep_float32_training(self, model_keys: dict[str, Any]) -> None:
         policy = self.make_policy(model_keys, dtype="bfloat16")

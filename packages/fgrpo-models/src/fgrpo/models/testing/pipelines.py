@@ -9,6 +9,9 @@ given a path, so a test loads it through the same ``from_pretrained`` path users
 - :func:`build_tiny_sd3_pipeline` -> ``StableDiffusion3Pipeline`` (CLIP x2 + T5, SD3 transformer)
 - :func:`build_tiny_flux_pipeline` -> ``FluxPipeline`` (CLIP + T5, guidance-distilled transformer)
 - :func:`build_tiny_qwen_image_pipeline` -> ``QwenImagePipeline`` (Qwen2.5-VL text encoder)
+- :func:`build_tiny_flux_kontext_pipeline` -> ``FluxKontextPipeline`` (FLUX's networks, a source image)
+- :func:`build_tiny_qwen_image_edit_pipeline` -> ``QwenImageEditPipeline`` / ``QwenImageEditPlusPipeline``
+  (the VL encoder sees the source images through a Qwen2-VL processor)
 - :func:`build_tiny_wan_pipeline` -> ``WanPipeline`` (UMT5, Wan 2.1 text-to-video transformer)
 - :func:`build_tiny_flux2_pipeline`, :func:`build_tiny_flux2_klein_pipeline` -> FLUX.2 [dev] / [klein]
 - :func:`build_tiny_z_image_pipeline` -> ``ZImagePipeline`` (Qwen3)
@@ -22,7 +25,6 @@ diffusers and transformers are imported inside the builders, so importing this m
 
 from __future__ import annotations
 
-from itertools import pairwise
 import inspect
 import os
 import string
@@ -71,7 +73,7 @@ def _bytes_to_unicode() -> dict[int, str]:
             bs.append(b)
             cs.append(256 + n)
             n += 1
-    return dict(zip(bs, map(chr, cs), strict=True))
+    return dict(zip(bs, map(chr, cs)))
 
 
 def tiny_clip_tokenizer(model_max_length: int = 77) -> Any:
@@ -119,13 +121,8 @@ def tiny_qwen_tokenizer() -> Any:
     for special in ("<|endoftext|>", "<|im_start|>", "<|im_end|>"):
         vocab[special] = len(vocab)
     return Qwen2Tokenizer(
-        vocab=vocab,
-        merges=merges,  # type: ignore[arg-type]  # (a, b) pairs, which tokenizers' BPE takes; annotated as str
-        unk_token=None,  # type: ignore[arg-type]  # no unknown token (every byte has one); annotated as str
-        bos_token=None,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        additional_special_tokens=["<|im_start|>"],
+        vocab=vocab, merges=merges, unk_token=None, bos_token=None, eos_token="<|im_end|>",
+        pad_token="<|endoftext|>", additional_special_tokens=["<|im_start|>"],
     )
 
 
@@ -142,11 +139,12 @@ def _clip_config(**overrides: Any) -> Any:
 def _t5_encoder(d_model: int, *, umt5: bool = False) -> Any:
     from transformers import T5Config, T5EncoderModel, UMT5Config, UMT5EncoderModel
 
-    keys: dict[str, Any] = dict(
+    config_class, model_class = (UMT5Config, UMT5EncoderModel) if umt5 else (T5Config, T5EncoderModel)
+    config = config_class(
         vocab_size=98, d_model=d_model, d_kv=d_model // 4, d_ff=2 * d_model, num_layers=2, num_heads=4,
         relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
     )
-    return UMT5EncoderModel(UMT5Config(**keys)) if umt5 else T5EncoderModel(T5Config(**keys))
+    return model_class(config)
 
 
 def _kl_vae(blocks: Sequence[int], latent_channels: int, sample_size: int, scaling: float, shift: float) -> Any:
@@ -161,11 +159,6 @@ def _kl_vae(blocks: Sequence[int], latent_channels: int, sample_size: int, scali
     )
 
 
-# STRICT_CONFIGS: transformers' @strict dataclass configs take keys beyond their fields through
-# __post_init__(**kwargs); the dataclass signature mypy sees omits them, hence the call-arg ignores.
-
-# The networks handed to _randomise are imported from their own modules: mypy reads diffusers'
-# top-level names as its dummy objects, which are no torch.nn.Module.
 def _randomise(module: torch.nn.Module, std: float = 0.05) -> None:
     """Every weight random (diffusers zero-initialises output projections and modulation gates,
     which would make a tiny transformer's output ignore its inputs)."""
@@ -244,19 +237,20 @@ def build_tiny_flux_pipeline(
     guidance_embeds: bool = True,
     seed: int = 0,
     torch_dtype: torch.dtype = torch.float32,
+    pipeline_class: str = "FluxPipeline",
 ) -> Any:
     """A tiny random ``FluxPipeline`` (FLUX.1-dev's structure: guidance embedding, 2x2 packed
-    latents, resolution-dependent shift), saved to ``path`` if given.
+    latents, resolution-dependent shift), saved to ``path`` if given; ``pipeline_class``
+    ``FluxKontextPipeline`` makes FLUX.1 Kontext's (the same networks).
 
     Transformer: 1 double + 2 single blocks, 4 heads x 16, rope axes (4, 6, 6), in_channels 64
     (= 4 x 16 latent channels); T5 d_model 64 = joint_attention_dim; pooled 32 = CLIP hidden
     size. ``guidance_embeds=False`` gives FLUX.1-schnell's structure. The pipeline's default
     image side stays FluxPipeline's 1024: pass ``height``/``width`` (``resolution``) of 64.
     """
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
-    from diffusers.models.transformers.transformer_flux import FluxTransformer2DModel
-    # T5TokenizerFast: an alias in transformers 5 (T5Tokenizer is the fast one), absent from its typing
-    from transformers import CLIPTextModel, T5TokenizerFast  # type: ignore[attr-defined]
+    import diffusers
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
+    from transformers import CLIPTextModel, T5TokenizerFast
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -272,12 +266,46 @@ def build_tiny_flux_pipeline(
     with tempfile.TemporaryDirectory() as tmp:  # the fast T5 tokenizer FLUX pipelines expect
         tiny_t5_tokenizer().save_pretrained(tmp)
         tokenizer_2 = T5TokenizerFast.from_pretrained(tmp)
-    pipe = FluxPipeline(
+    pipe = getattr(diffusers, pipeline_class)(
         scheduler=FlowMatchEulerDiscreteScheduler(**FLUX_SCHEDULER), vae=vae,
         text_encoder=text_encoder, tokenizer=tiny_clip_tokenizer(),
         text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, transformer=transformer,
     )
     return _finish(pipe, path, torch_dtype)
+
+
+def build_tiny_flux_kontext_pipeline(path: str | os.PathLike[str] | None = None, **options: Any) -> Any:
+    """A tiny random ``FluxKontextPipeline`` (FLUX.1 Kontext [dev]'s structure; the networks of
+    :func:`build_tiny_flux_pipeline`), saved to ``path`` if given."""
+    return build_tiny_flux_pipeline(path, pipeline_class="FluxKontextPipeline", **options)
+
+
+def _tiny_qwen_networks(tokenizer: Any, seed: int, **vl_config: Any) -> tuple[Any, Any, Any]:
+    """(transformer, Qwen2.5-VL text encoder, VAE) of the tiny Qwen-Image pipelines."""
+    from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        transformer = QwenImageTransformer2DModel(
+            patch_size=2, in_channels=64, out_channels=16, num_layers=2, attention_head_dim=16,
+            num_attention_heads=4, joint_attention_dim=32, axes_dims_rope=(4, 6, 6),
+        )
+        _randomise(transformer)
+        config = Qwen2_5_VLConfig(
+            text_config={
+                "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+                "num_key_value_heads": 2, "vocab_size": len(tokenizer), "max_position_embeddings": 1024,
+                "rope_scaling": {"type": "mrope", "mrope_section": [2, 2, 4], "rope_type": "default"},
+                "rope_theta": 1000000.0,
+            },
+            vision_config={"depth": 1, "hidden_size": 32, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": 32},
+            pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+            **vl_config,
+        )
+        text_encoder = Qwen2_5_VLForConditionalGeneration(config)
+        vae = AutoencoderKLQwenImage(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1)
+    return transformer, text_encoder, vae
 
 
 def build_tiny_qwen_image_pipeline(
@@ -291,34 +319,10 @@ def build_tiny_qwen_image_pipeline(
     16, joint_attention_dim 32, patch 2 (in_channels 64 = 4 x 16). VAE: ``AutoencoderKLQwenImage``
     (base_dim 8, z_dim 16, the real per-channel latent mean and std). Qwen-Image's scheduler.
     """
-    from diffusers import (
-        AutoencoderKLQwenImage,
-        FlowMatchEulerDiscreteScheduler,
-        QwenImagePipeline,
-    )
-    from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformer2DModel
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
 
     tokenizer = tiny_qwen_tokenizer()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        transformer = QwenImageTransformer2DModel(
-            patch_size=2, in_channels=64, out_channels=16, num_layers=2, attention_head_dim=16,
-            num_attention_heads=4, joint_attention_dim=32, axes_dims_rope=(4, 6, 6),
-        )
-        _randomise(transformer)
-        config = Qwen2_5_VLConfig(  # type: ignore[call-arg]  # extra keys: see STRICT_CONFIGS
-            text_config={
-                "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
-                "num_key_value_heads": 2, "vocab_size": len(tokenizer), "max_position_embeddings": 1024,
-                "rope_scaling": {"type": "mrope", "mrope_section": [2, 2, 4], "rope_type": "default"},
-                "rope_theta": 1000000.0,
-            },
-            vision_config={"depth": 1, "hidden_size": 32, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": 32},
-            pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-        )
-        text_encoder = Qwen2_5_VLForConditionalGeneration(config)
-        vae = AutoencoderKLQwenImage(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1)
+    transformer, text_encoder, vae = _tiny_qwen_networks(tokenizer, seed)
     pipe = QwenImagePipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER), vae=vae, text_encoder=text_encoder,
         tokenizer=tokenizer, transformer=transformer,
@@ -326,9 +330,121 @@ def build_tiny_qwen_image_pipeline(
     return _finish(pipe, path, torch_dtype)
 
 
+#: The system part of Qwen-Image-Edit's prompt template (both pipelines'); with "<|im_start|>user\n"
+#: after it, 64 tokens with the real tokenizer: the pipelines' ``prompt_template_encode_start_idx``
+QWEN_IMAGE_EDIT_SYSTEM = (
+    "system\nDescribe the key features of the input image (color, shape, size, texture, objects, background), then "
+    "explain how the user's text instruction should alter or modify the image. Generate a new image that meets the "
+    "user's requirements while maintaining consistency with the original input where appropriate."
+)
+QWEN_IMAGE_EDIT_PREFIX_TOKENS = 64
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+
+
+def tiny_qwen_edit_tokenizer() -> Any:
+    """A byte-level ``Qwen2Tokenizer`` (every other byte is a token) whose added tokens make most
+    words of the Qwen-Image-Edit template's system text one token each, so that its prefix up to
+    ``<|im_start|>user\n`` is 64 tokens as with the real tokenizer (the edit pipelines drop exactly
+    that many); with the vision tokens the Qwen2-VL processor expands (``<|image_pad|>``)."""
+    import itertools
+
+    from tokenizers import AddedToken
+    from transformers import Qwen2Tokenizer
+
+    vocab = {c: i for i, c in enumerate(_bytes_to_unicode().values())}
+    specials = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", *VISION_TOKENS)
+    for special in specials:
+        vocab[special] = len(vocab)
+    tokenizer = Qwen2Tokenizer(
+        vocab=vocab, merges=[], unk_token=None, bos_token=None, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        additional_special_tokens=list(specials[1:]),
+    )
+    pieces = [QWEN_IMAGE_EDIT_SYSTEM[:7]] + [" " + w for w in QWEN_IMAGE_EDIT_SYSTEM[7:].split(" ")]
+    pieces[1] = pieces[1][1:]  # "Describe" follows the newline without a space
+    fixed = 9  # <|im_start|> ... <|im_end|> \n <|im_start|> u s e r \n
+    missing = QWEN_IMAGE_EDIT_PREFIX_TOKENS - fixed - len(pieces)
+    # words left as bytes make up the difference: a word of n bytes is n tokens instead of 1
+    once = [w for w in pieces[2:] if pieces.count(w) == 1 and w[1:].isalpha()]
+    bytewise = next(set(c) for k in range(1, 5) for c in itertools.combinations(once, k) if sum(len(w) - 1 for w in c) == missing)
+    tokenizer.add_tokens([AddedToken(piece, normalized=False, special=False) for piece in dict.fromkeys(pieces) if piece not in bytewise])
+    prefix = "<|im_start|>" + QWEN_IMAGE_EDIT_SYSTEM + "<|im_end|>\n<|im_start|>user\n"
+    count = len(tokenizer(prefix).input_ids)
+    if count != QWEN_IMAGE_EDIT_PREFIX_TOKENS:  # pragma: no cover - a tokenizers change would show here
+        raise RuntimeError(f"the tiny Qwen-Image-Edit tokenizer makes the template prefix {count} tokens, not 64")
+    return tokenizer
+
+
+def _image_only_processor_class() -> Any:
+    from transformers import Qwen2VLProcessor
+
+    class ImageOnlyQwen2VLProcessor(Qwen2VLProcessor):
+        """Qwen2-VL's processor without a video processor: transformers 5 builds its
+        ``Qwen2VLVideoProcessor`` with torchvision only, which the CPU test machines lack (a torchvision
+        wheel built for another torch cannot load its operators). Images and text are processed
+        exactly as by ``Qwen2VLProcessor``; it saves and loads with the pipeline
+        (``model_index.json`` names this module)."""
+
+        def __init__(self, image_processor: Any = None, tokenizer: Any = None, chat_template: Any = None, **kwargs: Any):
+            self.image_token = getattr(tokenizer, "image_token", "<|image_pad|>")
+            self.video_token = getattr(tokenizer, "video_token", "<|video_pad|>")
+            self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+            self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+            super(Qwen2VLProcessor, self).__init__(image_processor, tokenizer, chat_template=chat_template)
+
+    ImageOnlyQwen2VLProcessor.__module__ = __name__
+    ImageOnlyQwen2VLProcessor.__qualname__ = "ImageOnlyQwen2VLProcessor"
+    return ImageOnlyQwen2VLProcessor
+
+
+def __getattr__(name: str) -> Any:
+    # the processor class is built on first use (importing this module stays free of transformers);
+    # diffusers, loading a component of a module outside its known libraries, looks the base classes
+    # it knows how to load (ProcessorMixin) up in that module
+    if name == "ImageOnlyQwen2VLProcessor":
+        globals()[name] = _image_only_processor_class()
+        return globals()[name]
+    if name == "ProcessorMixin":
+        from transformers import ProcessorMixin
+
+        return ProcessorMixin
+    raise AttributeError(name)
+
+
+def build_tiny_qwen_image_edit_pipeline(
+    path: str | os.PathLike[str] | None = None, *, plus: bool = False, seed: int = 0, torch_dtype: torch.dtype = torch.float32
+) -> Any:
+    """A tiny random ``QwenImageEditPipeline`` (``plus``: ``QwenImageEditPlusPipeline``, 2509's
+    several source images), saved to ``path`` if given: the networks of
+    :func:`build_tiny_qwen_image_pipeline`, a tokenizer whose template prefix is the real 64 tokens
+    (:func:`tiny_qwen_edit_tokenizer`), and a Qwen2-VL processor whose image processor keeps the
+    vision tower's input small (16 to 64 patches of 14 px; Qwen2.5-VL's patch and merge sizes)."""
+    import diffusers
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    try:  # transformers >= 5 without torchvision: the PIL image processor (what Qwen2VLImageProcessor falls back to)
+        from transformers import Qwen2VLImageProcessorPil as ImageProcessor
+    except ImportError:  # pragma: no cover
+        from transformers import Qwen2VLImageProcessor as ImageProcessor
+
+    tokenizer = tiny_qwen_edit_tokenizer()
+    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in
+           (("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"),
+            ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"))}
+    transformer, text_encoder, vae = _tiny_qwen_networks(tokenizer, seed, **ids)
+    image_processor = ImageProcessor(size={"shortest_edge": 56 * 56, "longest_edge": 112 * 112})
+    import fgrpo.models.testing.pipelines as this
+
+    processor = this.ImageOnlyQwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer)
+    name = "QwenImageEditPlusPipeline" if plus else "QwenImageEditPipeline"
+    pipe = getattr(diffusers, name)(
+        scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER), vae=vae, text_encoder=text_encoder,
+        tokenizer=tokenizer, processor=processor, transformer=transformer,
+    )
+    return _finish(pipe, path, torch_dtype)
+
+
 def _wan_transformer(in_channels: int = 16, out_channels: int = 16) -> Any:
     """A tiny random ``WanTransformer3DModel``: patch (1, 2, 2), 2 heads x 12, 2 layers, text_dim 32."""
-    from diffusers.models.transformers.transformer_wan import WanTransformer3DModel
+    from diffusers import WanTransformer3DModel
 
     transformer = WanTransformer3DModel(
         patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=in_channels, out_channels=out_channels,
@@ -516,8 +632,7 @@ def _flux2_parts(guidance_embeds: bool, text_hidden: int, layers_stacked: int = 
     """A tiny ``Flux2Transformer2DModel`` (1 double + 1 single block, 2 heads x 16, rope (4, 4, 4, 4),
     128 input channels = 4 x 32 VAE channels) and ``AutoencoderKLFlux2`` (scale 8, 32 channels,
     random batch-norm statistics so that decoding exercises them)."""
-    from diffusers.models.autoencoders.autoencoder_kl_flux2 import AutoencoderKLFlux2
-    from diffusers.models.transformers.transformer_flux2 import Flux2Transformer2DModel
+    from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
 
     transformer = Flux2Transformer2DModel(
         patch_size=1, in_channels=128, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
@@ -606,8 +721,7 @@ def build_tiny_z_image_pipeline(
     ``AutoencoderKL`` normalisation. Scheduler: ``FlowMatchEulerDiscreteScheduler(shift=shift)``
     (Z-Image-Turbo's: a fixed shift 3).
     """
-    from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline
-    from diffusers.models.transformers.transformer_z_image import ZImageTransformer2DModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
     from transformers import Qwen3Model
 
     tokenizer = tiny_qwen3_tokenizer()
@@ -643,7 +757,7 @@ def tiny_hunyuan_video15_tokenizer(system_message: str, template_tokens: int = 1
     def build(pieces: int) -> Any:
         cuts = [len(system_message) * i // pieces for i in range(pieces + 1)]
         tokenizer = tiny_byte_tokenizer(["<|endoftext|>", "<|im_start|>", "<|im_end|>"], QWEN_CHAT_TEMPLATE, pad_token="<|endoftext|>", eos_token="<|im_end|>")
-        tokenizer.add_tokens([system_message[a:b] for a, b in pairwise(cuts)])
+        tokenizer.add_tokens([system_message[a:b] for a, b in zip(cuts, cuts[1:])])
         return tokenizer
 
     def prefix(tokenizer: Any) -> int:  # tokens before the prompt "~"
@@ -680,8 +794,8 @@ def build_tiny_hunyuan_video15_pipeline(
         ClassifierFreeGuidance,
         FlowMatchEulerDiscreteScheduler,
         HunyuanVideo15Pipeline,
+        HunyuanVideo15Transformer3DModel,
     )
-    from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15Transformer3DModel
     from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, T5Config, T5EncoderModel
 
     # the pipeline's own system message and crop (instance attributes its encoder's defaults repeat)
@@ -695,12 +809,12 @@ def build_tiny_hunyuan_video15_pipeline(
         )
         _randomise(transformer)
         vae = AutoencoderKLHunyuanVideo15(latent_channels=32, block_out_channels=(8, 16, 32, 32, 32), layers_per_block=1)
-        text_encoder_2 = T5EncoderModel(T5Config(  # type: ignore[call-arg]  # extra keys: see STRICT_CONFIGS
+        text_encoder_2 = T5EncoderModel(T5Config(
             vocab_size=len(byt5), d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=4, relative_attention_num_buckets=8,
             pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
         ))
         tokenizer = tiny_hunyuan_video15_tokenizer(defaults["system_message"].default, defaults["crop_start"].default)
-        text_encoder = Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(  # type: ignore[call-arg]  # extra keys: see STRICT_CONFIGS
+        text_encoder = Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(
             hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,
             max_position_embeddings=2048, rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2], "rope_type": "default"},
             vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, bos_token_id=None, eos_token_id=tokenizer.eos_token_id,

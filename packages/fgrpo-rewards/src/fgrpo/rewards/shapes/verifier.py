@@ -267,3 +267,29 @@ class ShapesGold:
         gold = gold_error(outputs, self.pixel_tolerance, self.glyph_tolerance)
         device = outputs.device if isinstance(outputs, torch.Tensor) else torch.device("cpu")
         return RewardResult(scores=(-gold).to(device), details={"gold_error": gold})
+
+
+@attrs.define
+class ShapesGoldEvaluator:
+    """The shapes world's GOLD metric as an evaluator (``evaluator: shapes-gold``): the mean
+    absolute pixel error between each evaluation sample and a clean re-render of what the
+    verifier read (:func:`gold_error`), over the very samples the evaluation scored, overall and
+    per GenEval category. With the same tolerances its ``gold/<label>/gold_error`` equals the
+    ``eval/shapes/gold_error`` the ``shapes`` reward reports beside its score; lower is better.
+    RL does not optimise it: it exposes drift the verifier's tolerances hide."""
+
+    pixel_tolerance: float = param(PIXEL_TOLERANCE, ge=0.0, le=127.0, help="as for the shapes reward")
+    glyph_tolerance: int = param(GLYPH_TOLERANCE, ge=0, le=5, help="as for the shapes reward")
+
+    directions = {"gold_error": "lower"}
+
+    def __call__(self, context: Any) -> Any:
+        from fgrpo.core.protocols import EvaluatorResult
+
+        gold = gold_error(context.samples, self.pixel_tolerance, self.glyph_tolerance).float()
+        categories = [spec_for(p, context.metadata(p)).category for p in context.sample_prompts]
+        metrics = {"gold_error": gold.mean().item()}
+        for name in sorted(set(categories)):  # as the reward's details are averaged per category
+            mask = torch.tensor([c == name for c in categories])
+            metrics[f"gold_error/{name}"] = gold[mask].mean().item()
+        return EvaluatorResult(metrics=metrics)

@@ -1,0 +1,72 @@
+"""Data parallel, over one process or several: every process keeps the whole network and
+optimizer and rolls out its own prompt groups; gradients are averaged by one all-reduce per
+optimizer step (a Policy need not be one nn.Module, so DDP's forward hooks are not used)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar, TypeVar
+
+import attrs
+import torch
+
+from fgrpo.core.launch.common import Processes, broadcast_parameters, scaled_backward, trainable_of, unscale_clip_step
+from fgrpo.core.launch.shards import load_whole_optimizer_state, whole_optimizer_state
+
+T = TypeVar("T")
+
+
+@attrs.define
+class DataParallel(Processes):
+    """The same initial weights on every process (broadcast from the main one), gradients averaged
+    before every optimizer step, the main process alone writing checkpoints. With one process
+    nothing is shared, averaged or padded."""
+
+    sharded: ClassVar[bool] = False
+    sharded_weights: ClassVar[bool] = False
+    description: ClassVar[str] = ""
+
+    @staticmethod
+    def check(accelerator: Any) -> None:
+        """Nothing of the launcher's settings to refuse before the run is built."""
+
+    def prepare(self, policy: Any, optimizer: torch.optim.Optimizer, train: Any) -> list[torch.nn.Parameter]:
+        params = trainable_of(optimizer)
+        broadcast_parameters(self.accelerator, params)
+        return params
+
+    def backward(self, loss: torch.Tensor) -> None:
+        scaled_backward(self.accelerator, loss)
+
+    def step(self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], max_grad_norm: float) -> torch.Tensor | None:
+        if self.processes > 1:
+            average_gradients(self.accelerator, params)
+        return unscale_clip_step(self.accelerator, optimizer, params, max_grad_norm)
+
+    def missing_forwards(self, passes: int) -> int:
+        return 0  # the weights are whole on every process: a forward involves no other
+
+    def missing_backwards(self, passes: int) -> int:
+        return 0  # gradients are averaged once per optimizer step, not in every backward
+
+    def gathered(self, collect: Callable[[], T]) -> T | None:
+        return collect() if self.is_main else None
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> dict[str, Any]:
+        return whole_optimizer_state(optimizer)
+
+    def load_optimizer_state(
+        self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], state: Mapping[str, Any]
+    ) -> None:
+        load_whole_optimizer_state(optimizer, params, state)
+
+
+def average_gradients(accelerator: Any, params: Sequence[torch.nn.Parameter]) -> None:
+    """Average gradients over processes: one all-reduce of a flat buffer."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = accelerator.reduce(torch.cat([g.reshape(-1) for g in grads]), reduction="mean")
+    offset = 0
+    for p, g in zip(params, grads):
+        n = g.numel()
+        p.grad = flat[offset : offset + n].view_as(p).clone()
+        offset += n

@@ -1,0 +1,95 @@
+"""What every launch kind does for a run: the one object (``run.parallel``) that the update, the
+checkpoints and evaluation call, so that none of them branches on the kind of launch."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol, TypeVar, runtime_checkable
+
+import torch
+
+T = TypeVar("T")
+
+
+@runtime_checkable
+class Launch(Protocol):
+    """How a run's processes share its work: one class per launch kind (:mod:`.processes`,
+    :mod:`.fsdp`, :mod:`.deepspeed`), chosen by :func:`fgrpo.core.launch.of`.
+
+    The update calls :meth:`backward` for every pass (any loss: it knows nothing of what the
+    pass computed), pads with :meth:`missing_backwards` (or :meth:`missing_forwards` for passes
+    without backward) zero-weighted passes so that every process makes as many collective passes,
+    and ends each optimizer step with :meth:`step`. Checkpoints gather what they write with
+    :meth:`gathered` and :meth:`optimizer_state`, and load with :meth:`load_optimizer_state`.
+    """
+
+    accelerator: Any
+    #: the training state is split over the processes: every backward and every checkpoint
+    #: involves every process
+    sharded: bool
+    #: the weights themselves are split: every forward involves every process
+    sharded_weights: bool
+    #: how the start-up line names the kind beyond the process count ("" when unsharded)
+    description: str
+
+    @staticmethod
+    def check(accelerator: Any) -> None:
+        """Refuse, when the Accelerator is made, launcher settings the kind does not run."""
+        ...
+
+    @property
+    def processes(self) -> int: ...
+
+    @property
+    def is_main(self) -> bool: ...
+
+    def prepare(self, policy: Any, optimizer: torch.optim.Optimizer, train: Any) -> list[torch.nn.Parameter]:
+        """The run's trainable parameters, in the optimizer's order, once the kind has set the
+        policy and optimizer up (the same initial weights on every process; sharded, wrapped)."""
+        ...
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of one pass (the loss already weighted by the pass's share of the step)."""
+        ...
+
+    def step(self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], max_grad_norm: float) -> torch.Tensor | None:
+        """One optimizer step on the gradients accumulated since the last: averaged over the
+        processes, unscaled (fp16), clipped to ``max_grad_norm`` (0: no clipping); the gradient
+        norm before clipping (None without clipping)."""
+        ...
+
+    def missing_forwards(self, passes: int) -> int:
+        """How many forwards this process adds so that every process makes as many as the busiest
+        (0 unless forwards involve every process). A collective where it is not 0: every process
+        asks at the same point, before its first pass."""
+        ...
+
+    def missing_backwards(self, passes: int) -> int:
+        """How many zero-weighted forward/backward passes this process adds so that every process
+        makes as many as the busiest (0 unless backward passes involve every process). A
+        collective where it is not 0: every process asks at the same point, before its first pass."""
+        ...
+
+    def gathered(self, collect: Callable[[], T]) -> T | None:
+        """``collect()`` (what a checkpoint writes) on the processes that must take part in
+        gathering it; its value on the main process, None on the others."""
+        ...
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> dict[str, Any]:
+        """The optimizer's state with whole tensors, in ``torch.optim`` format: the same file for
+        every kind, so any kind resumes from it (collective in a sharded run)."""
+        ...
+
+    def load_optimizer_state(
+        self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], state: Mapping[str, Any]
+    ) -> None:
+        """Load :meth:`optimizer_state`'s dict, of any kind of run (after the weights are loaded)."""
+        ...
+
+    def share(self, value: Any) -> Any:
+        """The main process's ``value`` on every process."""
+        ...
+
+    def wait(self) -> None:
+        """Wait until every process gets here."""
+        ...

@@ -1,0 +1,54 @@
+"""The on-policy check (``fgrpo check``): one iteration, one batch, one gradient step, and the
+largest |ratio - 1| of the stored actions' re-evaluated log-probs before the first optimizer step,
+which is exactly 0 when rollout and update agree; when it is not, the usual suspects, each tested."""
+
+from __future__ import annotations
+
+import attrs
+import torch
+from rich.console import Console
+
+from fgrpo.core import phases, tensors
+from fgrpo.core.recipe import Recipe
+from fgrpo.core.run import Run
+from fgrpo.core.trainer import build_run, iteration
+
+
+def first_ratio_check(recipe: Recipe, console: Console) -> tuple[float, Run]:
+    """One iteration, one batch, one gradient step: the largest |ratio - 1| of the stored actions'
+    re-evaluated log-probs before the first optimizer step (0 when rollout and update agree)."""
+    cfg = attrs.evolve(recipe.train, iterations=1, minibatch_size=0, inner_epochs=1, drop_zero_advantage=False)
+    checked = attrs.evolve(recipe, train=cfg, eval=attrs.evolve(recipe.eval, every=0))
+    run = build_run(checked, out_dir=None, console=console, quiet=True)
+    metrics = iteration(run, 0)
+    return metrics["first_ratio_deviation"], run
+
+
+@torch.no_grad()
+def diagnose(run: Run) -> list[str]:
+    """Why re-evaluated log-probs differ from the rollout's: the usual suspects, each tested."""
+    cfg = run.recipe.train
+    found = []
+    if cfg.rollout_precision != "same":
+        dtype = next(iter(run.trainable)).dtype
+        found.append(
+            f"the rollout ran under {cfg.rollout_precision} autocast (train.rollout_precision) while the update "
+            f"runs in {str(dtype).replace('torch.', '')}: different dtypes give different velocities"
+        )
+    run.sampler.advance(0)
+    traj = phases.rollout(run, 0)
+    x, index = traj.latents[:, 0], traj.step_index[:, 0]
+    sigma = traj.sigmas[index]
+    a = run.policy.velocity(x, sigma, traj.cond)
+    b = run.policy.velocity(x, sigma, traj.cond)
+    if not torch.equal(a, b):
+        found.append("the policy is not deterministic: two identical velocity calls differ (dropout? non-deterministic kernels?)")
+    one = run.policy.velocity(x[:1], sigma[:1], tensors.index(traj.cond, slice(0, 1)))
+    if not torch.equal(one, a[:1]):
+        found.append(
+            "batch composition changes the network's output: the update evaluates (sample, step) pairs in "
+            "forward passes of a different size than the rollout (train.micro_batch_size, train.rollout_prompts)"
+        )
+    if not found:
+        found.append("the kernel's log-prob of the stored action disagrees with the rollout: check the sampler's sigmas and step indices")
+    return found

@@ -1,0 +1,129 @@
+"""``image-similarity``: how close an edit's output stays to its source image, as the cosine of
+their image features: CLIP's projected image embedding (``backbone: clip``, flow_grpo's
+``image_similarity`` on ``openai/clip-vit-large-patch14``, the reward its ``counting_edit``
+configs weight against GenEval) or DINOv2's class token (``backbone: dino``), which sees layout and
+appearance more than semantics.
+
+The reward takes the sources (``accepts_sources``): each output is compared with its prompt's
+``source``-th source image, resized to the output's size as the trainer hands it (flow_grpo
+resizes its reference images to the training resolution before both its pipeline and this
+reward); both are then preprocessed alike, in torch on the model's device, by the model's own
+processor settings (resize, centre crop, normalise). ``resize: bilinear`` reproduces flow_grpo's
+torchvision ``T.Resize`` on tensors; ``bicubic`` (default) is the processor's PIL resampling.
+A prompt without a source image is an error. Needs the ``[clip]`` extra (transformers); weights
+through :mod:`fgrpo.core.hub` (a hub id, or a ``save_pretrained`` folder), once per process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+from fgrpo.core.config import param
+from fgrpo.core.protocols import RewardResult
+from fgrpo.rewards.clip import (
+    DTYPES,
+    _features,
+    check_images,
+    device_key,
+    dtype_key,
+    load_clip,
+    loading_error,
+    preprocess,
+    require_transformers,
+    resolve_device,
+    shared,
+)
+
+DEFAULT_PATHS = {"clip": "openai/clip-vit-large-patch14", "dino": "facebook/dinov2-base"}
+
+
+@attrs.frozen
+class Features:
+    """A loaded image-feature network: ``embed(pixels)`` -> (B, D) features, its processor's settings."""
+
+    embed: Any
+    image_config: dict
+    device: torch.device
+    dtype: torch.dtype
+
+
+def load_features(backbone: str, path: str, processor_path: str | None, dtype: str, device: str | None) -> Features:
+    """CLIP's projected image embedding or DINOv2's class token (after its layer norm), once per process."""
+    if backbone == "clip":
+        clip = load_clip(path, processor_path, dtype, device)
+        return Features(lambda pixels: clip.model.get_image_features(pixel_values=pixels), clip.image_config, clip.device, clip.dtype)
+    require_transformers()
+    dev = resolve_device(device)
+
+    def build() -> Features:
+        from transformers import AutoImageProcessor, AutoModel
+
+        from fgrpo.core.hub import pretrained_source
+
+        model_from = pretrained_source(path, key="reward.path")
+        processor_from = pretrained_source(processor_path, key="reward.processor_path") if processor_path else model_from
+        try:
+            model = AutoModel.from_pretrained(model_from.location, **model_from.kwargs)
+            processor = AutoImageProcessor.from_pretrained(processor_from.location, **processor_from.kwargs)
+        except (OSError, ValueError) as exc:
+            raise loading_error("reward.path", processor_path or path, "a DINOv2 model and image processor", exc) from exc
+        model = model.to(device=dev, dtype=DTYPES[dtype]).eval().requires_grad_(False)
+        return Features(lambda pixels: model(pixel_values=pixels).pooler_output, processor.to_dict(), dev, DTYPES[dtype])
+
+    return shared(("dino", path, processor_path or path, dtype, str(dev)), build)
+
+
+@attrs.define
+class ImageSimilarity:
+    """score = cos(features(output), features(source)); details ``similarity`` (the same).
+
+    flow_grpo's ``counting_edit``: ``{name: image-similarity, resize: bilinear, weight: 0.5}`` beside
+    ``{name: geneval, weight: 0.5}`` (FLUX Kontext; Qwen-Image-Edit weights them 0.2 / 0.8)."""
+
+    accepts_sources = True
+
+    backbone: str = param("clip", choices=("clip", "dino"), help="clip: CLIP's image embedding (flow_grpo's); dino: DINOv2's class token")
+    path: str | None = param(None, help="hub id or folder of the model; none = openai/clip-vit-large-patch14 (clip) or facebook/dinov2-base (dino)")
+    processor_path: str | None = param(None, help="hub id or folder of its image processor; none = path")
+    source: int = param(0, ge=0, help="which source image of a prompt to compare with (Qwen-Image-Edit-Plus prompts have several)")
+    resize: str = param("bicubic", choices=("bicubic", "bilinear"), help="resampling before the crop: the processor's bicubic, or flow_grpo's bilinear (torchvision on tensors)")
+    batch_size: int = param(32, ge=1, help="images embedded per forward pass")
+    dtype: str = dtype_key("the weights")
+    device: str | None = device_key()
+    _features: Any = attrs.field(init=False, default=None, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._features = load_features(self.backbone, self.path or DEFAULT_PATHS[self.backbone], self.processor_path, self.dtype, self.device)
+
+    @torch.no_grad()
+    def embed(self, images: torch.Tensor) -> torch.Tensor:
+        """(B, D) float32 unit-norm features of images (B, 3, H, W) in [0, 1]."""
+        f = self._features
+        parts = []
+        for start in range(0, images.shape[0], self.batch_size):
+            pixels = preprocess(images[start : start + self.batch_size].to(f.device), f.image_config, mode=self.resize)
+            parts.append(_features(f.embed(pixels.to(f.dtype))).float())
+        return F.normalize(torch.cat(parts), dim=-1)
+
+    def __call__(
+        self, outputs: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]], *, sources: Sequence[Sequence[torch.Tensor]]
+    ) -> RewardResult:
+        check_images(outputs, prompts, "image-similarity")
+        missing = [i for i, s in enumerate(sources) if len(s) <= self.source]
+        if missing:
+            i = missing[0]
+            raise ValueError(
+                f"image-similarity: prompt {str(prompts[i])!r} has {len(sources[i])} source image(s); the reward compares "
+                f"with source {self.source} (an editing dataset's 'image')"
+            )
+        reference = torch.stack([s[self.source] for s in sources]).to(outputs.device)
+        similarity = (self.embed(outputs) * self.embed(reference)).sum(-1).cpu()
+        return RewardResult(scores=similarity, details={"similarity": similarity})
+
+
+__all__ = ["ImageSimilarity", "load_features"]

@@ -1,0 +1,173 @@
+"""Gold metrics as a component kind: evaluators run at evaluation with the policy, their metrics
+logged as gold/<label>/..., drawn against the proxy in the report, and the over-optimisation guard
+(eval.guard) that warns or stops and keeps the best checkpoint."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import attrs
+import pytest
+import torch
+
+from fgrpo.core import cli, registry
+from fgrpo.core.config import param
+from fgrpo.core.guard import Guard, GuardConfig
+from fgrpo.core.hookspecs import hookimpl, plugin_manager
+from fgrpo.core.protocols import EvalContext, Evaluator, EvaluatorResult, Picture
+from fgrpo.core.runlog import read_metrics
+from fgrpo.core.seeding import generator
+from fgrpo.core.vectors import condition_vector
+
+
+@attrs.define
+class TargetMiss:
+    """A real gold metric of the vector world: the mean distance of fresh ODE samples (its own
+    noise, 4 per prompt) to each prompt's target, per prompt sign pattern as the category."""
+
+    per_prompt: int = param(4, ge=1, help="samples per prompt")
+    directions = {"miss": "lower"}
+
+    def __call__(self, ctx: EvalContext) -> EvaluatorResult:
+        out = ctx.generate(ctx.prompts, self.per_prompt, generator(ctx.seed, "target-miss"))
+        targets = torch.stack([condition_vector(p, 2, 2) for p in ctx.prompts]).repeat_interleave(self.per_prompt, 0)
+        miss = (out - targets).norm(dim=1)
+        side = ["left" if t[0] < 0 else "right" for t in targets]
+        metrics = {"miss": miss.mean().item()}
+        for name in ("left", "right"):
+            metrics[f"miss/{name}"] = miss[torch.tensor([s == name for s in side])].mean().item()
+        picture = torch.zeros(3, 8, 8)
+        picture[1] = 1.0
+        return EvaluatorResult(metrics, [Picture(prompt=p, image=picture, score=0.5, read="green") for p in ctx.prompts])
+
+
+@attrs.define
+class Scripted:
+    """A gold metric that peaks at ``peak`` then falls, and a proxy that always rises."""
+
+    peak: int = param(2, help="the iteration of the best gold value")
+
+    def __call__(self, ctx: EvalContext) -> EvaluatorResult:
+        return EvaluatorResult({"gold": -abs(ctx.iteration - self.peak), "proxy": float(ctx.iteration)})
+
+
+@pytest.fixture(autouse=True)
+def toy_evaluators(monkeypatch):
+    monkeypatch.setitem(registry._loaded, ("evaluator", "target-miss"), TargetMiss)
+    monkeypatch.setitem(registry._loaded, ("evaluator", "scripted"), Scripted)
+
+
+def compose(root, out, *sets: str, code: int = 0, resume: bool = False) -> list[dict]:
+    args = ["compose", str(root / "recipes" / "vector.yaml"), "--out", str(out), "--quiet"] + (["--resume"] if resume else [])
+    for item in sets:
+        args += ["--set", item]
+    assert cli.main(args) == code
+    return read_metrics(out)
+
+
+GUARDED = ["evaluator=[{name: target-miss}, {name: scripted, label: s}]", "eval.every=1", "train.iterations=8",
+           "eval.samples_per_prompt=2", "train.prompts_per_iteration=4", "train.group_size=4"]
+
+
+def test_the_protocol_and_a_built_in():
+    assert isinstance(TargetMiss(), Evaluator)
+    assert "shapes-gold" in registry.names("evaluator")
+    assert isinstance(registry.create("evaluator", "shapes-gold"), Evaluator)
+
+
+def test_evaluator_metrics_are_gold_per_category_with_pictures_and_drawn_in_the_report(root, tmp_path):
+    out = tmp_path / "run"
+    rows = compose(root, out, "evaluator={name: target-miss, label: miss}", "train.iterations=2", "eval.every=1")
+    evals = [r for r in rows if "eval/reward_mean" in r]
+    assert [r["iteration"] for r in evals] == [0, 1, 2]
+    for row in evals:
+        assert math.isfinite(row["gold/miss/miss"]) and {"gold/miss/miss/left", "gold/miss/miss/right"} <= set(row)
+    assert evals[0]["gold/miss/miss"] != evals[-1]["gold/miss/miss"]  # the policy it evaluates is the trained one
+    tiles = json.loads((out / "samples" / "gold_000002" / "miss" / "index.json").read_text())
+    assert len(tiles) == 4 and tiles[0]["read"] == "green" and tiles[0]["score"] == 0.5
+    page = (out / "report.html").read_text()
+    assert 'id="fig-gold-miss"' in page and 'id="fig-gold-miss-types"' in page and 'href="#gold"' in page
+    assert 'data-series="gold/miss/miss"' in page and 'data-series="eval/reward_mean"' in page
+    assert 'data-series="left"' in page and "(12 images)" in page  # 4 pictures x 3 evaluations
+    resolved = (out / "recipe.resolved.yaml").read_text()
+    assert "label: miss" in resolved
+
+
+def test_same_draws_at_every_evaluation_and_for_every_run(root, tmp_path):
+    a = compose(root, tmp_path / "a", "evaluator=target-miss", "train.iterations=1", "eval.every=1")
+    b = compose(root, tmp_path / "b", "evaluator=target-miss", "train.iterations=1", "eval.every=1")
+    assert [r.get("gold/target-miss/miss") for r in a] == [r.get("gold/target-miss/miss") for r in b]
+
+
+def test_guard_warns_and_training_goes_on(root, tmp_path, capsys):
+    rows = compose(root, tmp_path / "run", *GUARDED, "eval.guard={metric: gold/s/gold, proxy: gold/s/proxy, patience: 2}")
+    assert rows[-1]["iteration"] == 8
+    fired = [r["iteration"] for r in rows if r.get("guard/fired") == 1.0]
+    assert fired == [4, 6, 8]  # falls from 3 on: two falls in a row at 4, counted afresh after each warning
+    assert [r["iteration"] for r in rows if r.get("guard/new_best")] == [0, 1, 2]
+    assert "over-optimisation guard: gold/s/proxy rose while gold/s/gold fell for 2 evaluation(s)" in capsys.readouterr().out
+
+
+def test_guard_stops_and_keeps_the_best_checkpoint(root, tmp_path):
+    out = tmp_path / "run"
+    rows = compose(root, out, *GUARDED, "eval.guard={metric: gold/s/gold, proxy: gold/s/proxy, patience: 2, action: stop}")
+    assert rows[-1]["iteration"] == 4 and rows[-1]["guard/fired"] == 1.0
+    checkpoints = out / "checkpoints"
+    assert (checkpoints / "last").resolve().name == "iter_000004"
+    assert (checkpoints / "best").resolve().name == "iter_000002"
+    state = json.loads((checkpoints / "best" / "state.json").read_text())
+    assert state["guard"]["best_iteration"] == 2 and state["iteration"] == 2
+    assert "guard" in (out / "report.html").read_text()
+
+
+def test_guard_direction_lower_is_better_from_the_evaluator():
+    guard = Guard.from_recipe({"metric": "gold/miss/miss/left"}, {"miss": TargetMiss()})
+    assert guard.higher_is_better is False
+    assert guard.observe(0, {"eval/reward_mean": 0.1, "gold/miss/miss/left": 1.0})["guard/new_best"] == 1.0
+    assert guard.observe(1, {"eval/reward_mean": 0.2, "gold/miss/miss/left": 2.0}) == {"guard/streak": 1.0, "guard/fired": 0.0, "guard/new_best": 0.0}
+    assert guard.observe(2, {"eval/reward_mean": 0.3, "gold/miss/miss/left": 3.0})["guard/fired"] == 1.0  # patience 2: fires now
+    assert guard.fired_at == [2]
+    quiet = Guard(GuardConfig(metric="gold/x/y", min_change=0.5))
+    quiet.observe(0, {"eval/reward_mean": 0.0, "gold/x/y": 1.0})
+    assert quiet.observe(1, {"eval/reward_mean": 0.4, "gold/x/y": 0.0})["guard/streak"] == 0.0  # the proxy moved too little
+
+
+def test_guard_resumes_exactly(root, tmp_path):
+    sets = [*GUARDED, "eval.guard={metric: gold/s/gold, proxy: gold/s/proxy, patience: 2}", "train.checkpoint_every=3"]
+    straight = compose(root, tmp_path / "straight", *sets)
+
+    class Crash:
+        @hookimpl
+        def fgrpo_iteration_end(self, run, iteration, metrics):
+            if iteration == 5:
+                raise KeyboardInterrupt
+
+    pm = plugin_manager()
+    pm.register(Crash(), name="crash")
+    try:
+        compose(root, tmp_path / "resumed", *sets, code=130)
+    finally:
+        pm.unregister(name="crash")
+    resumed = compose(root, tmp_path / "resumed", *sets, resume=True)
+    keys = ("guard/streak", "guard/fired", "guard/new_best", "gold/target-miss/miss", "reward_mean")
+    assert [[r.get(k) for k in keys] for r in straight] == [[r.get(k) for k in keys] for r in resumed]
+
+
+@pytest.mark.parametrize(("sets", "message"), [
+    (["evaluator=nope"], "evaluator.name: unknown evaluator 'nope'"),
+    (["evaluator=[scripted, scripted]"], "evaluator: two evaluators are labelled 'scripted'"),
+    (["evaluator={name: scripted, label: a/b}"], "evaluator.label: got 'a/b'; allowed: a non-empty string without '/'"),
+    (["evaluator={name: scripted, pek: 2}"], "evaluator.pek: unknown key (did you mean 'peak'?)"),
+    (["eval.guard={metric: gold/other/x}", "evaluator=scripted"], "eval.guard.metric: got 'gold/other/x'; allowed: a metric of the recipe's evaluators (gold/scripted/...)"),
+    (["eval.guard={metric: gold/scripted/gold, action: halt}", "evaluator=scripted"], "eval.guard: action: got 'halt'"),
+    (["eval.guard={proxy: eval/reward_mean}"], "eval.guard: got {'proxy': 'eval/reward_mean'}; metric: missing required key"),
+])
+def test_bad_evaluator_and_guard_keys_are_one_line_each(root, tmp_path, capsys, sets, message):
+    args = ["validate", str(root / "recipes" / "vector.yaml")]
+    for item in sets:
+        args += ["--set", item]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert "Traceback" not in err
