@@ -206,7 +206,7 @@ def write_eval_samples(
     (``samples/eval_N/``)."""
     pick = list(range(0, len(prompts), run.recipe.eval.samples_per_prompt))[:32]
     reads = [d["read"] for d in details.values() if isinstance(d, dict) and _per_sample_strings(d.get("read"), len(prompts))]
-    rows = [
+    rows: list[dict[str, Any]] = [
         {"prompt": prompts[i], "sample": 0, "score": round(total[i].item(), 4), "read": "; ".join(r[i] for r in reads),
          **({"sources": len(media.source_images(prompts[i]))} if media.source_images(prompts[i]) else {})}
         for i in pick

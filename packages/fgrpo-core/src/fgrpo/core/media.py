@@ -232,7 +232,7 @@ def to_tensor(image: Any, size: tuple[int, int] | None = None) -> torch.Tensor:
     from PIL import Image
 
     if size is not None and (image.height, image.width) != tuple(size):
-        image = image.resize((int(size[1]), int(size[0])), Image.LANCZOS)
+        image = image.resize((int(size[1]), int(size[0])), Image.Resampling.LANCZOS)
     array = np.asarray(image.convert("RGB"), dtype=np.uint8)
     return torch.from_numpy(array.copy()).permute(2, 0, 1).float() / 255.0
 

@@ -38,11 +38,11 @@ def refresh_prompts(run: Run, iteration: int) -> bool | None:
     return bool(refresh(run.policy, iteration, run.recipe.seed))
 
 
-def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
+def autocast(device: torch.device | str, precision: str) -> contextlib.AbstractContextManager:
     if precision == "same":
         return contextlib.nullcontext()
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[precision]
-    return torch.autocast(device_type=device.type, dtype=dtype)
+    return torch.autocast(device_type=torch.device(device).type, dtype=dtype)
 
 
 def cat_trajectories(parts: Sequence[Trajectory]) -> Trajectory:
@@ -52,7 +52,10 @@ def cat_trajectories(parts: Sequence[Trajectory]) -> Trajectory:
     fields = ("group_index", "step_index", "latents", "next_latents", "log_probs", "means", "stds", "final")
     joined = {name: torch.cat([getattr(p, name) for p in parts]) for name in fields}
     if first.policy_weight is not None:
-        joined["policy_weight"] = torch.cat([p.policy_weight for p in parts])
+        weights = [p.policy_weight for p in parts if p.policy_weight is not None]
+        if len(weights) != len(parts):
+            raise ValueError("trajectories to join: some have a policy_weight and some do not")
+        joined["policy_weight"] = torch.cat(weights)
     return Trajectory(
         prompts=[p for part in parts for p in part.prompts],
         cond=tensors.cat([p.cond for p in parts]),
@@ -75,7 +78,7 @@ def rollout(run: Run, iteration: int, on_chunk: Callable[[Trajectory], None] | N
     policy = TimedPolicy(run.policy, run.clock)
     with run.display.phase("rollout", len(local)) as advance:
         for start in range(0, len(local), chunk):
-            slots, prompts = zip(*local[start : start + chunk])
+            slots, prompts = zip(*local[start : start + chunk], strict=True)
             g = generator(run.recipe.seed, "rollout", iteration, slots[0], device=run.policy.device)
             with run.accelerator.autocast(), autocast(run.policy.device, cfg.rollout_precision):
                 traj = run.sampler.rollout(policy, list(prompts), cfg.group_size, generator=g)
@@ -156,7 +159,7 @@ def pair_batches(traj: Trajectory, samples: torch.Tensor, per_forward: int) -> l
     rows = samples.repeat_interleave(steps)
     cols = torch.arange(steps).repeat(len(samples))
     size = per_forward or len(rows)
-    return list(zip(rows.split(size), cols.split(size)))
+    return list(zip(rows.split(size), cols.split(size), strict=True))
 
 
 def step_batch(
@@ -242,6 +245,7 @@ def idle_passes(run: Run, traj: Trajectory, adv: torch.Tensor, count: int) -> No
     for _ in range(count):
         with run.accelerator.autocast():
             batch, _ = step_batch(run, traj, adv, one, one)
+        assert batch.velocity is not None  # step_batch always computes it
         run.parallel.backward(batch.velocity.float().sum() * 0.0)
 
 
@@ -358,7 +362,7 @@ def summarize(stats: UpdateStats) -> dict[str, float]:
     if stats.first_ratio_deviation is not None:
         keys.append("first_ratio_deviation")
         values.append(torch.as_tensor(stats.first_ratio_deviation).float().reshape(()))
-    out: dict[str, float] = dict(zip(keys, torch.stack(values).double().tolist())) if values else {}
+    out: dict[str, float] = dict(zip(keys, torch.stack(values).double().tolist(), strict=True)) if values else {}
     out["optimizer_steps"] = stats.optimizer_steps
     out["trained_samples"] = stats.samples
     out["nfe_reference"] = stats.reference_nfe

@@ -100,6 +100,7 @@ def read_prompt_file(path: str | Path, sources: bool = True) -> list[tuple[str, 
             meta = resolve_media(obj, path.parent)
             if given and sources:
                 images = _media_of(meta)
+                assert isinstance(images, list)  # resolve_media kept the paths that _media_of accepted
                 rows.append((media.Prompt(text, images, origin=f"{path}:{number}"), meta))
             else:
                 rows.append((text, meta))

@@ -164,7 +164,7 @@ def line_chart(lines: Sequence[Series], *, title: str, axes: Mapping[str, Mappin
         if x1 == x0:
             x0, x1 = x0 - 1, x1 + 1
 
-        def px(x: float) -> float:
+        def px(x: float, x0: float = x0, x1: float = x1) -> float:
             return left + (x - x0) / (x1 - x0) * pw
 
         out.append(f'<g class="x-{axis}">')
@@ -460,7 +460,7 @@ def tile_class(tile: Mapping[str, Any]) -> str:
     return f"tile edit{min(int(sources), 3)}" if _number(sources) and sources else "tile"
 
 
-def score_style(scores: Sequence[float]) -> Any:
+def score_style(scores: Sequence[Any]) -> Any:
     """How a filmstrip score is coloured: pass (green) / fail (red) when every score is 0 or 1
     (a verifier's strict verdict), else from red (the strip's lowest) to green (its highest)."""
     finite = [s for s in scores if _number(s)]

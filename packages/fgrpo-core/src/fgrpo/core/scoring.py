@@ -195,10 +195,12 @@ def cat_details(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
     joined: dict[str, Any] = {}
     for key in parts[0] if parts else ():
         values = [part.get(key) for part in parts]
-        if all(isinstance(v, torch.Tensor) and v.dim() for v in values):
-            joined[key] = torch.cat([v.reshape(len(v), -1).squeeze(1) for v in values])
-        elif all(isinstance(v, (list, tuple)) for v in values):
-            joined[key] = [item for v in values for item in v]
+        tensors = [v for v in values if isinstance(v, torch.Tensor) and v.dim()]
+        sequences = [v for v in values if isinstance(v, (list, tuple))]
+        if len(tensors) == len(values):
+            joined[key] = torch.cat([v.reshape(len(v), -1).squeeze(1) for v in tensors])
+        elif len(sequences) == len(values):
+            joined[key] = [item for v in sequences for item in v]
     return joined
 
 

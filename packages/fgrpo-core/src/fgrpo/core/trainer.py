@@ -12,7 +12,7 @@ import random
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from rich.console import Console
@@ -24,7 +24,7 @@ from fgrpo.core.data import PromptSchedule
 from fgrpo.core.ema import EMA, ema_weights
 from fgrpo.core.guard import Guard
 from fgrpo.core.hookspecs import plugin_manager
-from fgrpo.core.protocols import Policy
+from fgrpo.core.protocols import Exporting, Policy
 from fgrpo.core.registry import ComponentError
 from fgrpo.core.recipe import Recipe
 from fgrpo.core.run import Run
@@ -239,7 +239,8 @@ def compile_transformer(policy: Policy, device: torch.device) -> None:
     policy keeps calling the same module. Refused before any work when it cannot succeed: a model
     without a transformer module, or a CPU without the C++ compiler inductor builds its kernels with
     (otherwise the run would fail minutes later, at the first forward, deep inside torch)."""
-    if not isinstance(getattr(policy, "transformer", None), torch.nn.Module):
+    transformer = getattr(policy, "transformer", None)
+    if not isinstance(transformer, torch.nn.Module):
         raise RecipeError([ConfigError("train.compile", f"the model {type(policy).__name__} has no transformer module to compile")])
     if device.type == "cpu":
         from torch._inductor import cpp_builder, exc
@@ -250,7 +251,7 @@ def compile_transformer(policy: Policy, device: torch.device) -> None:
             raise RecipeError(
                 [ConfigError("train.compile", "true needs a C++ compiler on the CPU (inductor builds its kernels with g++, or $CXX) and none was found; allowed: false, or install one")]
             ) from None
-    policy.transformer.compile()
+    transformer.compile()
 
 
 def build_run(
@@ -283,7 +284,7 @@ def build_run(
         raise RecipeError([ConfigError("model", "the policy has no trainable parameters")])
     cfg = recipe.train
     optimizer = torch.optim.AdamW(
-        trainable, lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps, weight_decay=cfg.weight_decay
+        trainable, lr=cfg.lr, betas=(cfg.adam_betas[0], cfg.adam_betas[1]), eps=cfg.adam_eps, weight_decay=cfg.weight_decay
     )
     trainable = parallel.prepare(policy, optimizer, cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
@@ -326,7 +327,9 @@ def save_checkpoint(run: Run, done: int) -> None:
     run.parallel.wait()
     parts = run.parallel.gathered(lambda: checkpoint_parts(run))
     if parts is not None:
+        assert run.out_dir is not None  # a run that checkpoints has its run folder
         ema_summary = parts.pop("ema_summary")
+        prompts_state = getattr(run.prompts, "state_dict", None)  # an optional PromptSource method
         path = ckpt.write(
             run.out_dir / "checkpoints",
             done,
@@ -342,7 +345,7 @@ def save_checkpoint(run: Run, done: int) -> None:
                 "run_id": run.folder.run_id if run.folder is not None else None,
                 weights.STATE_KEY: ema_summary,
                 **({"guard": run.guard.state_dict()} if run.guard is not None else {}),
-                **({"prompts": run.prompts.state_dict()} if callable(getattr(run.prompts, "state_dict", None)) else {}),
+                **({"prompts": prompts_state()} if callable(prompts_state) else {}),
             },
             keep=run.recipe.train.keep_checkpoints,
         )
@@ -362,7 +365,8 @@ def checkpoint_parts(run: Run) -> dict[str, Any]:
     if getattr(run.policy, "export_in_checkpoints", False):
         with ema_weights(run.ema):
             exported = run.policy.trainable_state_dict()
-        export = functools.partial(run.policy.export, state=exported)
+        # export_in_checkpoints: the policy has export()
+        export = functools.partial(cast(Exporting, run.policy).export, state=exported)
     ema_summary = weights.ema_summary(run.ema, run.optimizer_steps, run.recipe.train.ema_every) if run.ema is not None else None
     return {"trainable": trainable, "ema": ema, "optimizer": optimizer, "export": export, "ema_summary": ema_summary}
 
@@ -382,8 +386,9 @@ def restore(run: Run, folder: Path) -> int:
     run.optimizer_steps = int(state.get("optimizer_steps", 0))  # absent before it was saved: EMA counts restart
     if run.guard is not None and "guard" in state:
         run.guard.load_state_dict(state["guard"])
-    if "prompts" in state and callable(getattr(run.prompts, "load_state_dict", None)):
-        run.prompts.load_state_dict(state["prompts"])
+    load_prompts = getattr(run.prompts, "load_state_dict", None)  # an optional PromptSource method
+    if "prompts" in state and callable(load_prompts):
+        load_prompts(state["prompts"])
     return int(state["iteration"])
 
 
@@ -424,7 +429,7 @@ def open_run(
     return run
 
 
-def claim_folder(parallel: launch.Launch, recipe: Recipe, out: str | None, mode: str) -> tuple[rundir.RunFolder | None, Path, Path | None]:
+def claim_folder(parallel: launch.Launch, recipe: Recipe, out: str | Path | None, mode: str) -> tuple[rundir.RunFolder | None, Path, Path | None]:
     """The run folder, claimed by the main process (None on the others), its path and the checkpoint
     to resume from, on every process."""
     folder, failure = None, None
@@ -490,7 +495,7 @@ def load_checkpoint_weights(policy: Policy, folder: Path, ema_decay: float) -> N
             ema = EMA(params, ema_decay)
             ema.load_state_dict(ckpt.read_tensors(folder / ckpt.EMA, policy.device))
             with torch.no_grad():
-                for p, s in zip(params, ema.shadow):
+                for p, s in zip(params, ema.shadow, strict=True):
                     p.copy_(s)
         else:
             policy.load_trainable_state_dict(ckpt.read_tensors(folder / ckpt.TRAINABLE, policy.device))

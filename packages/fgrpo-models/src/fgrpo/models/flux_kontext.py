@@ -72,6 +72,8 @@ class SourceImages:
     resized, and the check that a run's sources share one size (their latents are batched)."""
 
     source_resample: str
+    source_resolution: Any  # the host policy's recipe key
+    _pipeline: Any  # the host policy's pipeline
 
     def _source_size(self, image: Any) -> tuple[int, int]:
         raise NotImplementedError
@@ -82,7 +84,7 @@ class SourceImages:
         if self.source_resample == "bicubic" and (image.height, image.width) != (height, width):
             from PIL import Image
 
-            image = image.resize((width, height), Image.BICUBIC)
+            image = image.resize((width, height), Image.Resampling.BICUBIC)
         return self._pipeline.image_processor.resize(image, height, width)
 
     def source_sizes(self, prompts: Sequence[str]) -> dict[tuple[int, ...], list[str]]:
@@ -163,7 +165,7 @@ class FluxKontextPolicy(SourceImages, FluxPolicy):
         if len({tuple(p.shape) for p in pixels}) > 1:
             raise ValueError(f"flux-kontext: sources of several sizes in one batch ({sorted({tuple(p.shape[-2:]) for p in pixels})})")
         vae = pipe.vae
-        with torch.autocast(self.device.type, enabled=False):
+        with torch.autocast(torch.device(self.device).type, enabled=False):
             latents = pipe._encode_vae_image(torch.cat(pixels).to(self.device, vae.dtype), generator=None)
         return {"image_latents": latents.float()}
 
@@ -180,7 +182,7 @@ class FluxKontextPolicy(SourceImages, FluxPolicy):
 
     def _predict(self, x: torch.Tensor, sigma: torch.Tensor, cond: Mapping[str, torch.Tensor]) -> torch.Tensor:
         embeds, source = cond["prompt_embeds"], cond["image_latents"]
-        text_ids, image_ids = self._kontext_ids(embeds.shape[1], tuple(source.shape[-2:]))
+        text_ids, image_ids = self._kontext_ids(embeds.shape[1], (source.shape[-2], source.shape[-1]))
         guidance = None
         if self.transformer.config.guidance_embeds:
             guidance = torch.full((x.shape[0],), self.guidance_scale, device=self.device, dtype=torch.float32)

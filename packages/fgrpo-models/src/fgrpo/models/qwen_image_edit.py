@@ -158,7 +158,7 @@ class QwenImageEditPolicy(SourceImages, QwenImagePolicy):
         for key, slot in zip(keys, per_slot):
             if len({tuple(p.shape) for p in slot}) > 1:
                 raise ValueError(f"{self._name()}: sources of several sizes in one batch ({sorted({tuple(p.shape[-2:]) for p in slot})})")
-            with torch.autocast(self.device.type, enabled=False):
+            with torch.autocast(torch.device(self.device).type, enabled=False):
                 latents = pipe._encode_vae_image(torch.cat(slot).unsqueeze(2).to(self.device, vae.dtype), generator=None)
             out[key] = latents[:, :, 0].float()
         return out

@@ -168,7 +168,7 @@ class TrajectoryPolicy:
 
     evaluations_per_call: int = attrs.field(default=1, init=False)
     arch: Architecture = attrs.field(init=False, default=None, repr=False)
-    _net: SmallNet = attrs.field(init=False, default=None, repr=False)
+    _net: SmallNet[PlanVelocity] = attrs.field(init=False, default=None, repr=False)
     _source: Any = attrs.field(init=False, default=None, repr=False)
 
     def __attrs_post_init__(self) -> None:

@@ -17,6 +17,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
+from itertools import pairwise
 from typing import Any
 
 import attrs
@@ -68,10 +69,12 @@ class VelocityMLP(nn.Module):
         super().__init__()
         self.time_dim = time_dim
         sizes = [dim + cond_dim + time_dim] + [hidden] * (layers - 1) + [dim]
-        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:]))
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in pairwise(sizes))
 
     def forward(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
-        dtype = self.layers[0].weight.dtype
+        weight = self.layers[0].weight
+        assert isinstance(weight, torch.Tensor)  # a Linear (or peft's LoRA Linear, whose weight is its base's)
+        dtype = weight.dtype
         h = torch.cat([x, cond, time_embedding(sigma, self.time_dim)], dim=1).to(dtype)
         for layer in self.layers[:-1]:
             h = nn.functional.silu(layer(h))
@@ -125,7 +128,7 @@ class VectorPolicy:
     device: str | torch.device = param("cpu", validator=_valid_device, help="torch device of the network")
 
     evaluations_per_call: int = attrs.field(default=1, init=False)
-    _small: SmallNet = attrs.field(init=False, default=None, repr=False)
+    _small: SmallNet[VelocityMLP] = attrs.field(init=False, default=None, repr=False)
 
     def __attrs_post_init__(self) -> None:
         if self.cond_dim is None:
@@ -160,6 +163,7 @@ class VectorPolicy:
 
     def encode(self, prompts: Sequence[str]) -> torch.Tensor:
         """(B, cond_dim) float32: each prompt's target followed by a hashed code of its text."""
+        assert self.cond_dim is not None  # resolved by __attrs_post_init__
         if not prompts:
             return torch.zeros(0, self.cond_dim, device=self.device)
         rows = [condition_vector(p, self.dim, self.cond_dim) for p in prompts]

@@ -48,7 +48,7 @@ sampling, outside the state the kernels step).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import attrs
 import torch
@@ -58,6 +58,9 @@ from fgrpo.core.config import param
 from fgrpo.models import _diffusers as dx
 from fgrpo.models.diffusers_policy import NEGATIVE, DiffusersPolicy
 from fgrpo.models.lora import lora_param
+
+if TYPE_CHECKING:  # from its own module: mypy reads diffusers' top-level names as its dummy objects
+    from diffusers.models.modeling_utils import ModelMixin
 
 #: self- and cross-attention of every block (attn1, attn2), no feed-forward: flow_grpo's Wan adapter
 #: (scripts/train_wan2_1.py:451-460; add_* exist only in image-to-video blocks). Adding
@@ -134,7 +137,7 @@ class WanPolicy(DiffusersPolicy):
         boundary = self.boundary_ratio * self._pipeline.scheduler.config.num_train_timesteps
         return self._timestep(sigma.to(torch.float32)) >= boundary
 
-    def trained_transformers(self) -> list[tuple[str, torch.nn.Module]]:
+    def trained_transformers(self) -> list[tuple[str, ModelMixin]]:
         if not self.is_moe:
             return [("transformer", self.transformer)]
         names = [EXPERTS[e] for e in (self.train_experts or EXPERTS)]

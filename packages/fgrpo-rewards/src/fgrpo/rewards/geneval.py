@@ -180,7 +180,8 @@ def geneval_rule(
     them with the colour and the position asked for), fewer than ``count`` of each excluded one;
     and why not."""
     reasons: list[str] = []
-    correct, groups = True, []
+    correct = True
+    groups: list[Any] = []  # per requirement: the objects found, or None
     for req in metadata.get("include", []):
         cls, count = req["class"], int(req["count"])
         found = list(objects.get(cls, []))[:count]
@@ -216,7 +217,8 @@ def flow_grpo_scores(
     """flow_grpo's strict verdict (exactly ``count`` objects of each included class, all of them
     with the colour and position asked for) and its partial score (the mean of the count, colour
     and position parts)."""
-    strict, parts, groups = True, [], []
+    strict, parts = True, []
+    groups: list[Any] = []  # per requirement: the objects found, or None
     for req in metadata.get("include", []):
         cls, count = req["class"], int(req["count"])
         found = list(objects.get(cls, []))
@@ -439,7 +441,7 @@ class Verifier:
             check_metadata(meta, i)
         detections = self.detector(images, [mentioned_classes(m) for m in metadata])
         out = []
-        for image, dets, meta in zip(images, detections, metadata):
+        for image, dets, meta in zip(images, detections, metadata, strict=True):
             limit = self.counting_threshold if meta["tag"] == "counting" else self.threshold
             objects = select_objects(dets, limit, self.max_objects, self.nms_threshold)
             memo: dict[str, list[str]] = {}
@@ -496,7 +498,7 @@ class GenEval:
 
 
 def verdict_result(verdicts: Sequence[Verdict], tags: Sequence[str], score: str) -> RewardResult:
-    details = {
+    details: dict[str, Any] = {
         "geneval": torch.tensor([float(v.geneval) for v in verdicts]),
         "strict": torch.tensor([float(v.strict) for v in verdicts]),
         "partial": torch.tensor([v.partial for v in verdicts], dtype=torch.float32),

@@ -111,9 +111,16 @@ class ImageSimilarity:
         return F.normalize(torch.cat(parts), dim=-1)
 
     def __call__(
-        self, outputs: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]], *, sources: Sequence[Sequence[torch.Tensor]]
+        self,
+        outputs: torch.Tensor,
+        prompts: Sequence[str],
+        metadata: Sequence[Mapping[str, Any]],
+        *,
+        sources: Sequence[Sequence[torch.Tensor]] | None = None,
     ) -> RewardResult:
         check_images(outputs, prompts, "image-similarity")
+        if sources is None:  # the Reward protocol's call: scoring passes sources (accepts_sources)
+            raise ValueError("image-similarity compares each output with its prompt's source image: call it with sources=")
         missing = [i for i, s in enumerate(sources) if len(s) <= self.source]
         if missing:
             i = missing[0]

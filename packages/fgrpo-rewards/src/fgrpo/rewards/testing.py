@@ -76,7 +76,10 @@ def save_tiny_dinov2(folder: str | Path, *, seed: int = 0, image_size: int = 32)
 
     folder = Path(folder)
     torch.manual_seed(seed)
-    config = Dinov2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37, patch_size=8, image_size=image_size)
+    # transformers' @strict dataclass configs take keys beyond their fields through
+    # __post_init__(**kwargs); the dataclass signature mypy sees omits them
+    config = Dinov2Config(  # type: ignore[call-arg]
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37, patch_size=8, image_size=image_size)
     Dinov2Model(config).save_pretrained(folder)
     BitImageProcessor(
         size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size}, do_convert_rgb=True,

@@ -24,13 +24,23 @@ class Launch(Protocol):
     """
 
     accelerator: Any
-    #: the training state is split over the processes: every backward and every checkpoint
-    #: involves every process
-    sharded: bool
-    #: the weights themselves are split: every forward involves every process
-    sharded_weights: bool
-    #: how the start-up line names the kind beyond the process count ("" when unsharded)
-    description: str
+
+    # read-only: properties here, so that the kinds' class attributes satisfy them
+    @property
+    def sharded(self) -> bool:
+        """The training state is split over the processes: every backward and every checkpoint
+        involves every process."""
+        ...
+
+    @property
+    def sharded_weights(self) -> bool:
+        """The weights themselves are split: every forward involves every process."""
+        ...
+
+    @property
+    def description(self) -> str:
+        """How the start-up line names the kind beyond the process count ("" when unsharded)."""
+        ...
 
     @staticmethod
     def check(accelerator: Any) -> None:

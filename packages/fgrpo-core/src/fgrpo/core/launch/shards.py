@@ -42,8 +42,9 @@ def shard_like(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     DTensor (no communication: every process has read the whole tensor), else ``value``."""
     if not is_sharded_tensor(like):
         return value
-    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor import DTensor, distribute_tensor
 
+    assert isinstance(like, DTensor)  # is_sharded_tensor
     return distribute_tensor(value.to(like.device), like.device_mesh, like.placements, src_data_rank=None)
 
 

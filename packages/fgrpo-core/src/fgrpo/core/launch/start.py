@@ -20,7 +20,7 @@ from fgrpo.core.launch.protocol import Launch
 #: accelerate's distributed types that run data parallel (:class:`DataParallel`)
 DATA_PARALLEL = ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_MUSA", "MULTI_HPU", "MULTI_SDAA")
 #: the other kinds, by accelerate's distributed type
-SHARDED = {"FSDP": FSDP2, "DEEPSPEED": DeepSpeedZeRO2}
+SHARDED: dict[str, type[FSDP2] | type[DeepSpeedZeRO2]] = {"FSDP": FSDP2, "DEEPSPEED": DeepSpeedZeRO2}
 
 
 def kind(accelerator: Any) -> str:
@@ -33,7 +33,7 @@ def of(accelerator: Any) -> Launch:
     return launch_class(kind(accelerator))(accelerator)
 
 
-def launch_class(name: str) -> type:
+def launch_class(name: str) -> type[DataParallel] | type[FSDP2] | type[DeepSpeedZeRO2]:
     """The class of accelerate's distributed type ``name``; the types fgrpo does not run are refused."""
     if name in SHARDED:
         return SHARDED[name]

@@ -25,6 +25,7 @@ diffusers and transformers are imported inside the builders, so importing this m
 
 from __future__ import annotations
 
+from itertools import pairwise
 import inspect
 import os
 import string
@@ -73,7 +74,7 @@ def _bytes_to_unicode() -> dict[int, str]:
             bs.append(b)
             cs.append(256 + n)
             n += 1
-    return dict(zip(bs, map(chr, cs)))
+    return dict(zip(bs, map(chr, cs), strict=True))
 
 
 def tiny_clip_tokenizer(model_max_length: int = 77) -> Any:
@@ -121,8 +122,13 @@ def tiny_qwen_tokenizer() -> Any:
     for special in ("<|endoftext|>", "<|im_start|>", "<|im_end|>"):
         vocab[special] = len(vocab)
     return Qwen2Tokenizer(
-        vocab=vocab, merges=merges, unk_token=None, bos_token=None, eos_token="<|im_end|>",
-        pad_token="<|endoftext|>", additional_special_tokens=["<|im_start|>"],
+        vocab=vocab,
+        merges=merges,  # type: ignore[arg-type]  # (a, b) pairs, which tokenizers' BPE takes; annotated as str
+        unk_token=None,  # type: ignore[arg-type]  # no unknown token (every byte has one); annotated as str
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
     )
 
 
@@ -139,12 +145,11 @@ def _clip_config(**overrides: Any) -> Any:
 def _t5_encoder(d_model: int, *, umt5: bool = False) -> Any:
     from transformers import T5Config, T5EncoderModel, UMT5Config, UMT5EncoderModel
 
-    config_class, model_class = (UMT5Config, UMT5EncoderModel) if umt5 else (T5Config, T5EncoderModel)
-    config = config_class(
+    keys: dict[str, Any] = dict(
         vocab_size=98, d_model=d_model, d_kv=d_model // 4, d_ff=2 * d_model, num_layers=2, num_heads=4,
         relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
     )
-    return model_class(config)
+    return UMT5EncoderModel(UMT5Config(**keys)) if umt5 else T5EncoderModel(T5Config(**keys))
 
 
 def _kl_vae(blocks: Sequence[int], latent_channels: int, sample_size: int, scaling: float, shift: float) -> Any:
@@ -159,6 +164,11 @@ def _kl_vae(blocks: Sequence[int], latent_channels: int, sample_size: int, scali
     )
 
 
+# STRICT_CONFIGS: transformers' @strict dataclass configs take keys beyond their fields through
+# __post_init__(**kwargs); the dataclass signature mypy sees omits them, hence the call-arg ignores.
+
+# The networks handed to _randomise are imported from their own modules: mypy reads diffusers'
+# top-level names as its dummy objects, which are no torch.nn.Module.
 def _randomise(module: torch.nn.Module, std: float = 0.05) -> None:
     """Every weight random (diffusers zero-initialises output projections and modulation gates,
     which would make a tiny transformer's output ignore its inputs)."""
@@ -249,8 +259,11 @@ def build_tiny_flux_pipeline(
     image side stays FluxPipeline's 1024: pass ``height``/``width`` (``resolution``) of 64.
     """
     import diffusers
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
-    from transformers import CLIPTextModel, T5TokenizerFast
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.models.transformers.transformer_flux import FluxTransformer2DModel
+
+    # T5TokenizerFast: an alias in transformers 5 (T5Tokenizer is the fast one), absent from its typing
+    from transformers import CLIPTextModel, T5TokenizerFast  # type: ignore[attr-defined]
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -282,7 +295,8 @@ def build_tiny_flux_kontext_pipeline(path: str | os.PathLike[str] | None = None,
 
 def _tiny_qwen_networks(tokenizer: Any, seed: int, **vl_config: Any) -> tuple[Any, Any, Any]:
     """(transformer, Qwen2.5-VL text encoder, VAE) of the tiny Qwen-Image pipelines."""
-    from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
+    from diffusers import AutoencoderKLQwenImage
+    from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformer2DModel
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     with torch.random.fork_rng(devices=[]):
@@ -292,7 +306,7 @@ def _tiny_qwen_networks(tokenizer: Any, seed: int, **vl_config: Any) -> tuple[An
             num_attention_heads=4, joint_attention_dim=32, axes_dims_rope=(4, 6, 6),
         )
         _randomise(transformer)
-        config = Qwen2_5_VLConfig(
+        config = Qwen2_5_VLConfig(  # type: ignore[call-arg]  # extra keys: see STRICT_CONFIGS
             text_config={
                 "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
                 "num_key_value_heads": 2, "vocab_size": len(tokenizer), "max_position_embeddings": 1024,
@@ -356,7 +370,12 @@ def tiny_qwen_edit_tokenizer() -> Any:
     for special in specials:
         vocab[special] = len(vocab)
     tokenizer = Qwen2Tokenizer(
-        vocab=vocab, merges=[], unk_token=None, bos_token=None, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        vocab=vocab,
+        merges=[],
+        unk_token=None,  # type: ignore[arg-type]  # no unknown token (every byte has one); annotated as str
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
         additional_special_tokens=list(specials[1:]),
     )
     pieces = [QWEN_IMAGE_EDIT_SYSTEM[:7]] + [" " + w for w in QWEN_IMAGE_EDIT_SYSTEM[7:].split(" ")]
@@ -420,6 +439,7 @@ def build_tiny_qwen_image_edit_pipeline(
     vision tower's input small (16 to 64 patches of 14 px; Qwen2.5-VL's patch and merge sizes)."""
     import diffusers
     from diffusers import FlowMatchEulerDiscreteScheduler
+    ImageProcessor: Any
     try:  # transformers >= 5 without torchvision: the PIL image processor (what Qwen2VLImageProcessor falls back to)
         from transformers import Qwen2VLImageProcessorPil as ImageProcessor
     except ImportError:  # pragma: no cover
@@ -444,7 +464,7 @@ def build_tiny_qwen_image_edit_pipeline(
 
 def _wan_transformer(in_channels: int = 16, out_channels: int = 16) -> Any:
     """A tiny random ``WanTransformer3DModel``: patch (1, 2, 2), 2 heads x 12, 2 layers, text_dim 32."""
-    from diffusers import WanTransformer3DModel
+    from diffusers.models.transformers.transformer_wan import WanTransformer3DModel
 
     transformer = WanTransformer3DModel(
         patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=in_channels, out_channels=out_channels,
@@ -632,7 +652,8 @@ def _flux2_parts(guidance_embeds: bool, text_hidden: int, layers_stacked: int = 
     """A tiny ``Flux2Transformer2DModel`` (1 double + 1 single block, 2 heads x 16, rope (4, 4, 4, 4),
     128 input channels = 4 x 32 VAE channels) and ``AutoencoderKLFlux2`` (scale 8, 32 channels,
     random batch-norm statistics so that decoding exercises them)."""
-    from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
+    from diffusers.models.autoencoders.autoencoder_kl_flux2 import AutoencoderKLFlux2
+    from diffusers.models.transformers.transformer_flux2 import Flux2Transformer2DModel
 
     transformer = Flux2Transformer2DModel(
         patch_size=1, in_channels=128, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
@@ -721,7 +742,8 @@ def build_tiny_z_image_pipeline(
     ``AutoencoderKL`` normalisation. Scheduler: ``FlowMatchEulerDiscreteScheduler(shift=shift)``
     (Z-Image-Turbo's: a fixed shift 3).
     """
-    from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline
+    from diffusers.models.transformers.transformer_z_image import ZImageTransformer2DModel
     from transformers import Qwen3Model
 
     tokenizer = tiny_qwen3_tokenizer()
@@ -757,7 +779,7 @@ def tiny_hunyuan_video15_tokenizer(system_message: str, template_tokens: int = 1
     def build(pieces: int) -> Any:
         cuts = [len(system_message) * i // pieces for i in range(pieces + 1)]
         tokenizer = tiny_byte_tokenizer(["<|endoftext|>", "<|im_start|>", "<|im_end|>"], QWEN_CHAT_TEMPLATE, pad_token="<|endoftext|>", eos_token="<|im_end|>")
-        tokenizer.add_tokens([system_message[a:b] for a, b in zip(cuts, cuts[1:])])
+        tokenizer.add_tokens([system_message[a:b] for a, b in pairwise(cuts)])
         return tokenizer
 
     def prefix(tokenizer: Any) -> int:  # tokens before the prompt "~"
@@ -794,8 +816,8 @@ def build_tiny_hunyuan_video15_pipeline(
         ClassifierFreeGuidance,
         FlowMatchEulerDiscreteScheduler,
         HunyuanVideo15Pipeline,
-        HunyuanVideo15Transformer3DModel,
     )
+    from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15Transformer3DModel
     from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, T5Config, T5EncoderModel
 
     # the pipeline's own system message and crop (instance attributes its encoder's defaults repeat)
@@ -809,12 +831,12 @@ def build_tiny_hunyuan_video15_pipeline(
         )
         _randomise(transformer)
         vae = AutoencoderKLHunyuanVideo15(latent_channels=32, block_out_channels=(8, 16, 32, 32, 32), layers_per_block=1)
-        text_encoder_2 = T5EncoderModel(T5Config(
+        text_encoder_2 = T5EncoderModel(T5Config(  # type: ignore[call-arg]  # extra keys: see STRICT_CONFIGS
             vocab_size=len(byt5), d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=4, relative_attention_num_buckets=8,
             pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
         ))
         tokenizer = tiny_hunyuan_video15_tokenizer(defaults["system_message"].default, defaults["crop_start"].default)
-        text_encoder = Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(
+        text_encoder = Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(  # type: ignore[call-arg]  # extra keys: see STRICT_CONFIGS
             hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,
             max_position_embeddings=2048, rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2], "rope_type": "default"},
             vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, bos_token_id=None, eos_token_id=tokenizer.eos_token_id,

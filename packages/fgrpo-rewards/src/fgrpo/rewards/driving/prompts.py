@@ -25,7 +25,7 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import attrs
 import torch
@@ -225,7 +225,7 @@ def read_scenario_file(path: str | Path) -> tuple[list[str], Scene]:
     return _build(rows)
 
 
-def _number(value: Any) -> bool:
+def _number(value: Any) -> TypeGuard[float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 

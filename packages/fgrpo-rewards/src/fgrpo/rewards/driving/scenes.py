@@ -97,13 +97,13 @@ def teacher_logs(keys: Sequence[tuple[int, int]], until: float) -> None:
         positions.append(scene.ego[:, :2])
         if k < snapshots:
             scenes.append(scene)
-    positions = torch.stack(positions, 1)
+    path = torch.stack(positions, 1)
     for i, key in enumerate(need):
         log_scenes = Scene.cat([s.index(slice(i, i + 1)) for s in scenes])
         # a log scene's previous plan: the teacher's plan made PLAN_DT earlier (none at t = 0)
-        previous = torch.stack([positions[i, k : k + HORIZON_STEPS] for k in range(len(scenes))])
+        previous = torch.stack([path[i, k : k + HORIZON_STEPS] for k in range(len(scenes))])
         previous[0] = float("nan")
-        _LOGS[key] = Log(scenes=log_scenes.replace(previous_plan=previous), positions=positions[i])
+        _LOGS[key] = Log(scenes=log_scenes.replace(previous_plan=previous), positions=path[i])
 
 
 # --- lookup ----------------------------------------------------------------------------------

@@ -36,8 +36,8 @@ are always copied, so the base preserves.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Literal, TypeVar
 
 import attrs
 import numpy as np
@@ -73,12 +73,26 @@ Cell = tuple[int, int]
 Item = tuple[str, str]
 
 
+T = TypeVar("T")
+
+
+def _scene(objects: Iterable[Placed]) -> Scene:
+    return tuple(objects)
+
+
+def _given(value: T | None, what: str, category: str) -> T:
+    """An edit's argument where the category has one (checked when the edit was made)."""
+    if value is None:
+        raise ValueError(f"a {category} edit has no {what}")
+    return value
+
+
 @attrs.frozen
 class SceneImage:
     """A source image that is a rendered scene: hashable (a prompt's identity), picklable, and an
     image reference :func:`fgrpo.core.media.load_image` opens (``to_pil``)."""
 
-    scene: Scene = attrs.field(converter=tuple)
+    scene: Scene = attrs.field(converter=_scene)
 
     def to_pil(self) -> Any:
         from PIL import Image
@@ -127,7 +141,7 @@ class Edit:
         if self.category == "color":
             return f"make the {color} {shape} {self.new_color}"
         if self.category == "count":
-            return f"change the number of {color} {shape}s to {COUNT_WORDS[self.count]}"
+            return f"change the number of {color} {shape}s to {COUNT_WORDS[_given(self.count, "count", self.category)]}"
         if self.category == "add":
             return f"add a {color} {shape}"
         if self.category == "remove":
@@ -216,9 +230,10 @@ def applies(edit: Edit, scene: Scene) -> bool:
     if edit.category in ("color", "remove"):
         return len(held) == 1
     if edit.category == "move":
-        return len(held) == 1 and POSITIONS[edit.position] in free
+        return len(held) == 1 and POSITIONS[_given(edit.position, "position", edit.category)] in free
     if edit.category == "count":
-        return 1 <= len(held) != edit.count and edit.count - len(held) <= len(free)
+        count = _given(edit.count, "count", edit.category)
+        return 1 <= len(held) != count and count - len(held) <= len(free)
     return bool(free)
 
 
@@ -229,7 +244,7 @@ def touched_cells(edit: Edit, source: Scene) -> frozenset[Cell]:
     if edit.category in ("color", "remove"):
         return frozenset(held)
     if edit.category == "move":
-        return frozenset(held + [POSITIONS[edit.position]])
+        return frozenset(held + [POSITIONS[_given(edit.position, "position", edit.category)]])
     if edit.category == "count":
         return frozenset(held + free)
     return frozenset(free)
@@ -241,16 +256,16 @@ def apply(edit: Edit, source: Scene, rng: np.random.Generator) -> Scene:
     held, free = cells_of(source, edit.item), free_cells(source)
     others = tuple(p for p in source if p.item != edit.item)
     if edit.category == "color":
-        return tuple(attrs.evolve(p, color=edit.new_color) if p.item == edit.item else p for p in source)
+        return tuple(attrs.evolve(p, color=_given(edit.new_color, "new colour", edit.category)) if p.item == edit.item else p for p in source)
     if edit.category == "remove":
         return others
     if edit.category == "move":
-        return others + (Placed(color, shape, *POSITIONS[edit.position]),)
+        return others + (Placed(color, shape, *POSITIONS[_given(edit.position, "position", edit.category)]),)
     if edit.category == "add":
         cell = free[int(rng.integers(len(free)))]
         return tuple(source) + (Placed(color, shape, *cell),)
     # count: keep a random subset of the item's cells, or add in random free cells
-    n = edit.count
+    n = _given(edit.count, "count", edit.category)
     if n < len(held):
         keep = [held[i] for i in sorted(rng.permutation(len(held))[:n])]
         return others + tuple(Placed(color, shape, *c) for c in keep)
@@ -268,16 +283,17 @@ def mistake(edit: Edit, source: Scene, rng: np.random.Generator) -> Scene:
         wrong = [c for c in COLORS if c not in (color, edit.new_color)]
         return apply(attrs.evolve(edit, new_color=wrong[int(rng.integers(len(wrong)))]), source, rng)
     if edit.category == "count":
-        options = [n for n in (edit.count - 1, edit.count + 1) if n in EDIT_COUNTS and n != len(cells_of(source, edit.item))]
+        count = _given(edit.count, "count", edit.category)
+        options = [n for n in (count - 1, count + 1) if n in EDIT_COUNTS and n != len(cells_of(source, edit.item))]
         options = [n for n in options if n - len(cells_of(source, edit.item)) <= len(free_cells(source))]
         if not options:
             return tuple(source)
         return apply(attrs.evolve(edit, count=options[int(rng.integers(len(options)))]), source, rng)
     if edit.category == "add":
-        wrong = [it for it in ITEMS if it != edit.item and (it[0] == color or it[1] == shape)]
-        return apply(attrs.evolve(edit, item=wrong[int(rng.integers(len(wrong)))]), source, rng)
+        others = [it for it in ITEMS if it != edit.item and (it[0] == color or it[1] == shape)]
+        return apply(attrs.evolve(edit, item=others[int(rng.integers(len(others)))]), source, rng)
     if edit.category == "move":
-        return tuple(source) + (Placed(color, shape, *POSITIONS[edit.position]),)
+        return tuple(source) + (Placed(color, shape, *POSITIONS[_given(edit.position, "position", edit.category)]),)
     return tuple(source)  # remove: not removed
 
 
@@ -328,7 +344,7 @@ def edit_done(edit: Edit, source: Scene, codes: np.ndarray) -> bool:
         return codes[cell] == EMPTY
     if edit.category == "move":
         (origin,) = cells_of(source, edit.item)
-        return codes[origin] == EMPTY and codes[POSITIONS[edit.position]] == item
+        return codes[origin] == EMPTY and codes[POSITIONS[_given(edit.position, "position", edit.category)]] == item
     values = Counter(int(codes[c]) for c in touched)
     if set(values) - {EMPTY, item}:
         return False
@@ -408,7 +424,7 @@ class ShapesEditVerifier:
         for b, (edit, source) in enumerate(pairs):
             touched = sorted(touched_cells(edit, source))
             if edit.category in ("count", "add"):
-                want = edit.count if edit.category == "count" else len(cells_of(source, edit.item)) + 1
+                want = _given(edit.count, "count", "count") if edit.category == "count" else len(cells_of(source, edit.item)) + 1
                 item = 1 + ITEMS.index(edit.item)
                 have = sum(int(codes[b][c] == item) for c in ALL_CELLS)
                 wrong = sum(int(codes[b][c] not in (EMPTY, item)) for c in touched)
