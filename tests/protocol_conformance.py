@@ -3,8 +3,8 @@
 Each table maps an entry-point name to its class under the protocol's ``type[...]``: mypy checks
 every class's instances structurally against the protocol (attributes, method signatures). The
 root pyproject lists this file in ``[tool.mypy] files``; ``test_protocol_conformance.py`` checks
-that the tables name exactly the components the four fgrpo distributions register, so a new
-built-in is checked as soon as it is registered.
+that the tables name exactly the components the four fgrpo distributions register. Written by
+``python tools/protocol_tables.py``: run it after adding or removing a built-in component.
 """
 
 from __future__ import annotations
@@ -12,30 +12,50 @@ from __future__ import annotations
 from fgrpo.core.objectives.grpo import GRPO
 from fgrpo.core.objectives.guard import GRPOGuard
 from fgrpo.core.prompts import FolderPrompts, ListPrompts, TextFilePrompts
-from fgrpo.core.protocols import Kernel, Objective, Policy, PromptSource, Reward, Sampler
+from fgrpo.core.protocols import Evaluator, Kernel, Objective, Policy, PromptSource, Reward, Sampler
 from fgrpo.models.flux import FluxPolicy
 from fgrpo.models.flux2 import Flux2KleinPolicy, Flux2Policy
+from fgrpo.models.flux_kontext import FluxKontextPolicy
 from fgrpo.models.hunyuan_video import HunyuanVideo15Policy
 from fgrpo.models.qwen_image import QwenImagePolicy
+from fgrpo.models.qwen_image_edit import QwenImageEditPlusPolicy, QwenImageEditPolicy
 from fgrpo.models.sd3 import SD3Policy
 from fgrpo.models.shapes_dit import ShapesDiT
+from fgrpo.models.shapes_edit import ShapesEditDiT
+from fgrpo.models.trajectory import TrajectoryPolicy
 from fgrpo.models.vector import VectorPolicy
 from fgrpo.models.wan import WanImageToVideoPolicy, WanPolicy
 from fgrpo.models.z_image import ZImagePolicy
 from fgrpo.rewards.aesthetic import Aesthetic
 from fgrpo.rewards.clip import CLIPScore, PickScore
+from fgrpo.rewards.driving.closed_loop import ClosedLoop
+from fgrpo.rewards.driving.prompts import DrivingPrompts
+from fgrpo.rewards.driving.rewards import (
+    PDMS,
+    CaRL,
+    Comfort,
+    Consistency,
+    Drivable,
+    Imitation,
+    Progress,
+    Rules,
+    Safety,
+)
 from fgrpo.rewards.geneval import GenEval
 from fgrpo.rewards.hpsv2 import HPSv2
 from fgrpo.rewards.imagereward import ImageReward
 from fgrpo.rewards.jpeg import JpegCompressibility, JpegIncompressibility
 from fgrpo.rewards.ocr import OCRReward
 from fgrpo.rewards.remote import RemoteReward
+from fgrpo.rewards.shapes.edit import ShapesEditPrompts, ShapesEditVerifier
 from fgrpo.rewards.shapes.prompts import ShapesPrompts
-from fgrpo.rewards.shapes.verifier import ShapesGold, ShapesVerifier
+from fgrpo.rewards.shapes.verifier import ShapesGold, ShapesGoldEvaluator, ShapesVerifier
+from fgrpo.rewards.similarity import ImageSimilarity
 from fgrpo.rewards.target import TargetDistance
 from fgrpo.rewards.vlm_judge import VLMJudge
 from fgrpo.samplers.fast import FastSampler
 from fgrpo.samplers.full import FullSampler
+from fgrpo.samplers.kernels.correlated import CorrelatedKernel
 from fgrpo.samplers.kernels.cps import CPSKernel
 from fgrpo.samplers.kernels.dance import DanceKernel
 from fgrpo.samplers.kernels.dpmpp2m import DPMpp2MKernel
@@ -46,50 +66,80 @@ from fgrpo.samplers.kernels.wan_sde import WanSDEKernel
 from fgrpo.samplers.mixgrpo import MixGRPOSampler
 
 KERNELS: dict[str, type[Kernel]] = {
-    "ode": ODEKernel,
-    "sde": SDEKernel,
-    "dance": DanceKernel,
+    "correlated": CorrelatedKernel,
     "cps": CPSKernel,
+    "dance": DanceKernel,
     "dpmpp2m": DPMpp2MKernel,
     "dpmpp3m": DPMpp3MKernel,
+    "ode": ODEKernel,
+    "sde": SDEKernel,
     "wan-sde": WanSDEKernel,
 }
-SAMPLERS: dict[str, type[Sampler]] = {"full": FullSampler, "fast": FastSampler, "mixgrpo": MixGRPOSampler}
+SAMPLERS: dict[str, type[Sampler]] = {
+    "fast": FastSampler,
+    "full": FullSampler,
+    "mixgrpo": MixGRPOSampler,
+}
 REWARDS: dict[str, type[Reward]] = {
+    "aesthetic": Aesthetic,
+    "clip-score": CLIPScore,
+    "driving-carl": CaRL,
+    "driving-comfort": Comfort,
+    "driving-consistency": Consistency,
+    "driving-drivable": Drivable,
+    "driving-imitation": Imitation,
+    "driving-pdms": PDMS,
+    "driving-progress": Progress,
+    "driving-rules": Rules,
+    "driving-safety": Safety,
+    "geneval": GenEval,
+    "hpsv2": HPSv2,
+    "image-similarity": ImageSimilarity,
+    "imagereward": ImageReward,
     "jpeg-compressibility": JpegCompressibility,
     "jpeg-incompressibility": JpegIncompressibility,
-    "target-distance": TargetDistance,
     "ocr": OCRReward,
-    "clip-score": CLIPScore,
     "pickscore": PickScore,
-    "aesthetic": Aesthetic,
-    "hpsv2": HPSv2,
-    "imagereward": ImageReward,
-    "geneval": GenEval,
-    "vlm-judge": VLMJudge,
     "remote": RemoteReward,
     "shapes": ShapesVerifier,
+    "shapes-edit": ShapesEditVerifier,
     "shapes-gold": ShapesGold,
+    "target-distance": TargetDistance,
+    "vlm-judge": VLMJudge,
 }
 MODELS: dict[str, type[Policy]] = {
-    "vector": VectorPolicy,
-    "sd3": SD3Policy,
     "flux": FluxPolicy,
+    "flux-kontext": FluxKontextPolicy,
     "flux2": Flux2Policy,
     "flux2-klein": Flux2KleinPolicy,
-    "z-image": ZImagePolicy,
+    "hunyuan-video-1.5": HunyuanVideo15Policy,
     "qwen-image": QwenImagePolicy,
+    "qwen-image-edit": QwenImageEditPolicy,
+    "qwen-image-edit-plus": QwenImageEditPlusPolicy,
+    "sd3": SD3Policy,
+    "shapes-dit": ShapesDiT,
+    "shapes-edit-dit": ShapesEditDiT,
+    "trajectory": TrajectoryPolicy,
+    "vector": VectorPolicy,
     "wan": WanPolicy,
     "wan-i2v": WanImageToVideoPolicy,
-    "hunyuan-video-1.5": HunyuanVideo15Policy,
-    "shapes-dit": ShapesDiT,
+    "z-image": ZImagePolicy,
 }
-OBJECTIVES: dict[str, type[Objective]] = {"grpo": GRPO, "grpo-guard": GRPOGuard}
+OBJECTIVES: dict[str, type[Objective]] = {
+    "grpo": GRPO,
+    "grpo-guard": GRPOGuard,
+}
 PROMPTS: dict[str, type[PromptSource]] = {
-    "text-file": TextFilePrompts,
-    "list": ListPrompts,
+    "driving": DrivingPrompts,
     "folder": FolderPrompts,
+    "list": ListPrompts,
     "shapes": ShapesPrompts,
+    "shapes-edit": ShapesEditPrompts,
+    "text-file": TextFilePrompts,
+}
+EVALUATORS: dict[str, type[Evaluator]] = {
+    "driving-closed-loop": ClosedLoop,
+    "shapes-gold": ShapesGoldEvaluator,
 }
 
 #: registry kind -> its table
@@ -100,4 +150,5 @@ BY_KIND: dict[str, dict[str, type]] = {
     "model": MODELS,
     "objective": OBJECTIVES,
     "prompts": PROMPTS,
+    "evaluator": EVALUATORS,
 }

@@ -20,6 +20,10 @@ def test_the_static_tables_name_every_built_in_component(kind):
         if ep.dist is not None and ep.dist.metadata["Name"] in FGRPO_DISTRIBUTIONS
     }
     table = protocol_conformance.BY_KIND.get(kind)
-    assert table is not None, f"tests/protocol_conformance.py has no table for kind {kind!r}"
+    assert table is not None, f"tests/protocol_conformance.py has no {kind!r} table: add the kind to tools/protocol_tables.py"
     listed = {name: f"{cls.__module__}:{cls.__qualname__}" for name, cls in table.items()}
-    assert listed == built_in, f"tests/protocol_conformance.py's {kind} table differs from the entry points"
+    missing, stale = sorted(set(built_in) - set(listed)), sorted(set(listed) - set(built_in))
+    assert listed == built_in, (
+        f"tests/protocol_conformance.py's {kind} table differs from the entry points (not listed: {missing}, "
+        f"no longer registered: {stale}): run python tools/protocol_tables.py"
+    )
