@@ -49,7 +49,8 @@ def test_every_step_is_recorded_with_the_window_alone_in_the_policy_loss(root):
 
 def test_without_a_kl_the_update_is_the_windows_and_with_one_it_is_not(root):
     """Adam's steps do not depend on the gradient's scale (the window's loss is averaged over 4x the
-    steps with kl_steps: all), so without a KL both update the same (gradient clipping off, an Adam epsilon too small to matter)."""
+    steps with kl_steps: all), so without a KL both update the same (gradient clipping off, an Adam
+    epsilon too small to matter)."""
     weights = {}
     for kl_steps in ("trained", "all"):
         for beta in (0.0, 0.5):

@@ -121,7 +121,7 @@ def test_bad_source_images_are_one_line_each_at_validation(tmp_path):
     assert len(lines) == 6, lines
     expected = ["does not exist", "is not an image", "is 0x0: no pixels", "is CMYK", "has 16 or more bits per channel",
                 "is 20000x20000 (400.0 M pixels), more than the decompression-bomb limit"]
-    for number, (line, what) in enumerate(zip(lines, expected), 1):
+    for number, (line, what) in enumerate(zip(lines, expected, strict=True), 1):
         assert line.startswith(f"prompts.train: {root / 'train_metadata.jsonl'}:{number}: source image "), line
         assert what in line and "allowed: an 8-bit" in line and "89.5 M pixels (the decompression-bomb limit)" in line, line
         assert "\n" not in line
@@ -237,7 +237,7 @@ class SourceReward:
 
     def __call__(self, outputs, prompts, metadata, *, sources):
         self.calls.append((outputs.shape, list(prompts), sources))
-        return RewardResult(scores=torch.stack([(o - s[0]).abs().mean() if s else o.mean() for o, s in zip(outputs, sources)]))
+        return RewardResult(scores=torch.stack([(o - s[0]).abs().mean() if s else o.mean() for o, s in zip(outputs, sources, strict=True)]))
 
 
 class Spec:

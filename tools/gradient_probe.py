@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def at(direction: list[torch.Tensor], scale: float) -> float:
         with torch.no_grad():
-            for p, s, d in zip(params, saved, direction):
+            for p, s, d in zip(params, saved, direction, strict=True):
                 p.copy_(s + scale * d)
         return reward()
 

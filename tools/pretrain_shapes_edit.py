@@ -127,7 +127,7 @@ def fresh_train_prompts(train: dict[str, list[world.Edit]], per_category: int, s
     rng = np.random.default_rng([seed, 7])
     out = []
     for category in world.EDIT_CATEGORIES:
-        for i in range(per_category):
+        for _ in range(per_category):
             edit = train[category][int(rng.integers(len(train[category])))]
             out.append(world.make_prompt(edit, world.random_source(edit, rng)))
     return out
@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         optimizer.step()
         decay = min(args.ema, (1 + step) / (10 + step))
         with torch.no_grad():
-            for pe, p in zip(ema.parameters(), network.parameters()):
+            for pe, p in zip(ema.parameters(), network.parameters(), strict=True):
                 pe.lerp_(p, 1 - decay)
         losses.append(loss.item())
         step += 1

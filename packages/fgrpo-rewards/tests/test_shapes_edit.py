@@ -75,7 +75,7 @@ def test_preservation_is_scored_apart_from_the_edit():
 def test_mistakes_stay_inside_the_touched_cells_and_pairs_are_seeded():
     rng = np.random.default_rng(0)
     train, _ = E.split_instructions(0)
-    for category, edits in train.items():
+    for edits in train.values():
         for edit in edits[:10]:
             source = E.random_source(edit, rng)
             assert E.applies(edit, source)

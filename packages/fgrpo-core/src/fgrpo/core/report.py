@@ -533,12 +533,16 @@ nav a{margin-right:12px}
 figure{margin:0;min-width:0}figure.span{grid-column:1/-1}
 figcaption{font-weight:600;margin-bottom:4px}
 .charts{display:grid;grid-template-columns:repeat(auto-fit,minmax(300px,1fr));gap:8px 16px}
-svg.chart{font:11px sans-serif;display:block}svg .title{font-weight:600}svg .frame{fill:none;stroke:#999}svg .grid{stroke:#eee}
+svg.chart{font:11px sans-serif;display:block}svg .title{font-weight:600}svg .frame{fill:none;stroke:#999}
+svg .grid{stroke:#eee}
 .legend{font-size:11px;margin:2px 0 0 58px}.legend span{display:inline-block;margin:0 14px 2px 0;white-space:nowrap}
-.legend i{display:inline-block;width:14px;height:3px;vertical-align:middle;margin-right:5px}.legend i.faint{opacity:.35}
-.constant{color:#555;font-size:12px}.warning{background:#fff4e5;border-left:4px solid #f29900;padding:6px 10px;margin:10px 0}
+.legend i{display:inline-block;width:14px;height:3px;vertical-align:middle;margin-right:5px}
+.legend i.faint{opacity:.35}
+.constant{color:#555;font-size:12px}
+.warning{background:#fff4e5;border-left:4px solid #f29900;padding:6px 10px;margin:10px 0}
 table{border-collapse:collapse;font-size:12px}td,th{border:1px solid #ddd;padding:3px 6px;text-align:right}
-table.filmstrip td{text-align:center;vertical-align:top;width:84px}table.filmstrip th.prompt{text-align:left;max-width:220px;font-weight:normal}
+table.filmstrip td{text-align:center;vertical-align:top;width:84px}
+table.filmstrip th.prompt{text-align:left;max-width:220px;font-weight:normal}
 img.tile{width:72px;height:auto;image-rendering:pixelated;display:block;margin:auto}
 img.tile.edit1{width:146px}img.tile.edit2{width:220px}img.tile.edit3{width:294px}
 .caption{font-size:11px;margin-top:2px}.score{display:inline-block;padding:0 5px;border-radius:3px;font-weight:600}
@@ -546,7 +550,8 @@ img.tile.edit1{width:146px}img.tile.edit2{width:220px}img.tile.edit3{width:294px
 .read{color:#777;font-size:10px}.meta td,.meta th{text-align:left}
 .wide{overflow-x:auto}pre{background:#f6f6f6;padding:8px;overflow:auto;font-size:12px}
 input.axis{position:absolute;opacity:0;pointer-events:none}
-.axis-choice label{border:1px solid #bbb;border-radius:4px;padding:1px 8px;margin-left:4px;cursor:pointer;font-size:12px}
+.axis-choice label{border:1px solid #bbb;border-radius:4px;padding:1px 8px;margin-left:4px;cursor:pointer;
+font-size:12px}
 """ + "".join(
     # the chosen x axis: its groups shown, its button pressed; iteration by default
     f".x-{a}{{display:{'inline' if a == 'iteration' else 'none'}}}"

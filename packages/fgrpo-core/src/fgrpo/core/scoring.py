@@ -183,7 +183,7 @@ def detail_means(details: dict[str, Any], by_category: bool = True) -> dict[str,
             if len(t) != len(categories):
                 continue
             per_category = [t[mask].mean().item() for mask in masks]
-            out.update({f"{key}/{name}": m for name, m in zip(names, per_category)})
+            out.update({f"{key}/{name}": m for name, m in zip(names, per_category, strict=True)})
             if len(names) > 1:
                 out[f"{key}/overall"] = sum(per_category) / len(per_category)
     return out

@@ -60,7 +60,7 @@ def grid_image(
     width = max(8, cell_w // 6)
     texts = [_wrap(c, width, 3) for c in captions]
     extra = [_wrap(note, width, 3) for note in notes] if notes is not None else [[] for _ in range(n)]
-    text_h = LINE_HEIGHT * max(len(a) + len(b) for a, b in zip(texts, extra)) + 4
+    text_h = LINE_HEIGHT * max(len(a) + len(b) for a, b in zip(texts, extra, strict=True)) + 4
     tile_w, tile_h = cell_w + gap, cell + text_h + gap
     grid = Image.new("RGB", (columns * tile_w - gap, rows * tile_h - gap), SEPARATOR)
     draw = ImageDraw.Draw(grid)

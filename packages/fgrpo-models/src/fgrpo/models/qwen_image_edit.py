@@ -155,7 +155,7 @@ class QwenImageEditPolicy(SourceImages, QwenImagePolicy):
             raise ValueError(f"{self._name()}: the prompts of one batch must have as many source images each")
         vae = pipe.vae
         out = {}
-        for key, slot in zip(keys, per_slot):
+        for key, slot in zip(keys, per_slot, strict=True):
             if len({tuple(p.shape) for p in slot}) > 1:
                 raise ValueError(f"{self._name()}: sources of several sizes in one batch ({sorted({tuple(p.shape[-2:]) for p in slot})})")
             with torch.autocast(torch.device(self.device).type, enabled=False):

@@ -183,7 +183,7 @@ def _load_optimizer_state(
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
     zero = engine.optimizer
-    for group, saved_group in zip(optimizer.param_groups, state["param_groups"]):
+    for group, saved_group in zip(optimizer.param_groups, state["param_groups"], strict=True):
         group.update({k: v for k, v in saved_group.items() if k != "params"})
     per_param = state["state"]
     masters = state.get("fp32_weights")

@@ -66,7 +66,7 @@ def average_gradients(accelerator: Any, params: Sequence[torch.nn.Parameter]) ->
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     flat = accelerator.reduce(torch.cat([g.reshape(-1) for g in grads]), reduction="mean")
     offset = 0
-    for p, g in zip(params, grads):
+    for p, g in zip(params, grads, strict=True):
         n = g.numel()
         p.grad = flat[offset : offset + n].view_as(p).clone()
         offset += n

@@ -116,7 +116,7 @@ def policy_planner(generate: Callable[..., Any], tag: str, seed: int) -> Planner
     the noise seeded by (seed, tag, round): the same at every evaluation)."""
 
     def plan(scenes: Scene, round_: int) -> torch.Tensor:
-        names = [f"{TYPES[int(k)]} {int(s)} t{round_ * 0.5:g} {tag}-{i}" for i, (k, s) in enumerate(zip(scenes.kind, scenes.seed))]
+        names = [f"{TYPES[int(k)]} {int(s)} t{round_ * 0.5:g} {tag}-{i}" for i, (k, s) in enumerate(zip(scenes.kind, scenes.seed, strict=True))]
         scene_store.register(names, scenes)
         plans = generate(names, 1, generator(seed, tag, round_))
         return torch.as_tensor(plans).detach().float().cpu()

@@ -55,7 +55,7 @@ def _car(draw: ImageDraw.ImageDraw, view: _View, x: float, y: float, psi: float,
 
 
 def _cars(draw: ImageDraw.ImageDraw, view: _View, scene: Scene, b: int) -> None:
-    for (x, y, psi, _), valid in zip(scene.agents[b].tolist(), scene.valid[b].tolist()):
+    for (x, y, psi, _), valid in zip(scene.agents[b].tolist(), scene.valid[b].tolist(), strict=True):
         if valid and -BEHIND - CAR_LENGTH < x - view.x0 - BEHIND < AHEAD + CAR_LENGTH:
             _car(draw, view, x, y, psi, CAR)
     _car(draw, view, float(scene.ego[b, 0]), float(scene.ego[b, 1]), float(scene.ego[b, 2]), EGO)
@@ -110,7 +110,7 @@ def draw_closed_loop(start: Scene, end: Scene, b: int, path: torch.Tensor, colli
     view.top = (HEIGHT + view.road * view.sy) / 2
     _road(draw, view, start, b, LOOP_WIDTH)
     _car(draw, view, float(start.ego[b, 0]), float(start.ego[b, 1]), float(start.ego[b, 2]), (170, 225, 180))
-    for (x, y, psi, _), valid in zip(end.agents[b].tolist(), end.valid[b].tolist()):
+    for (x, y, psi, _), valid in zip(end.agents[b].tolist(), end.valid[b].tolist(), strict=True):
         if valid:
             _car(draw, view, x, y, psi, CAR)
     _car(draw, view, float(end.ego[b, 0]), float(end.ego[b, 1]), float(end.ego[b, 2]), EGO)

@@ -49,7 +49,10 @@ def encode(scene: Scene) -> torch.Tensor:
         dist = torch.where(member, dx, torch.full_like(dx, math.inf))
         nearest, j = dist.min(1)
         found = torch.isfinite(nearest)
-        pick = lambda t: torch.gather(t, 1, j[:, None])[:, 0]  # noqa: E731
+
+        def pick(t: torch.Tensor, j: torch.Tensor = j) -> torch.Tensor:
+            return torch.gather(t, 1, j[:, None])[:, 0]
+
         gap = ((nearest - CAR_LENGTH) / 50.0).clamp(max=2.0) * direction
         slot = torch.stack([
             found.float(),

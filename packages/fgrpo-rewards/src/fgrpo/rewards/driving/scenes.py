@@ -160,7 +160,7 @@ def teacher_plans(prompts: Sequence[str], scenes: Scene | None = None) -> torch.
         rows = torch.tensor(missing)
         plans = sim.teacher_plan(scenes.index(rows))
         out[rows] = plans
-        for i, plan in zip(missing, plans):
+        for i, plan in zip(missing, plans, strict=True):
             _TEACHER_PLANS[prompts[i]] = plan
     return out
 

@@ -141,7 +141,7 @@ class Edit:
         if self.category == "color":
             return f"make the {color} {shape} {self.new_color}"
         if self.category == "count":
-            return f"change the number of {color} {shape}s to {COUNT_WORDS[_given(self.count, "count", self.category)]}"
+            return f"change the number of {color} {shape}s to {COUNT_WORDS[_given(self.count, 'count', self.category)]}"
         if self.category == "add":
             return f"add a {color} {shape}"
         if self.category == "remove":
@@ -370,7 +370,7 @@ def evaluate(
     diff = (pixels - source_pixels).abs().mean(1)  # (B, H, W)
     cell_error = diff.reshape(-1, GRID, CELL, GRID, CELL).mean((2, 4))  # (B, GRID, GRID)
     done, preserved, cells, error = [], [], [], []
-    for b, (edit, source) in enumerate(zip(edits, sources)):
+    for b, (edit, source) in enumerate(zip(edits, sources, strict=True)):
         codes = reading.codes[b].numpy()
         untouched = [c for c in ALL_CELLS if c not in touched_cells(edit, source)]
         expected = _codes(source)
@@ -413,7 +413,7 @@ class ShapesEditVerifier:
     glyph_tolerance: int = param(GLYPH_TOLERANCE, ge=0, le=5, help="as for the shapes reward")
 
     def __call__(self, outputs: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> RewardResult:
-        pairs = [edit_and_source(p, m) for p, m in zip(prompts, metadata)]
+        pairs = [edit_and_source(p, m) for p, m in zip(prompts, metadata, strict=True)]
         details = evaluate(outputs, [e for e, _ in pairs], [s for _, s in pairs], self.pixel_tolerance, self.glyph_tolerance)
         scores = details["edit"] if self.score == "strict" else self._partial(outputs, pairs, details)
         return RewardResult(scores=scores.float().to(outputs.device), details=details)
