@@ -477,7 +477,7 @@ def test_random_sequences_long(tmp_path, reference, seed):
 # planted to lead out of them. Nothing outside the run folder is read (every open of the commands
 # is audited) or written, and every refusal is one line with exit code 2.
 
-from _helpers import OpenAudit  # noqa: E402
+from _helpers import OpenAudit  # noqa: E402 - the audit belongs to the section below
 
 SHORT_SEED = 1  # its plant: an index naming a file outside the run
 

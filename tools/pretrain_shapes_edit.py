@@ -48,8 +48,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pretrain_shapes import lr_at  # noqa: E402  (the same schedule)
 
-from fgrpo.models.shapes_edit import ShapesEditDiT  # noqa: E402
-from fgrpo.models.shapes_network import (  # noqa: E402
+from fgrpo.models.shapes_edit import ShapesEditDiT  # noqa: E402 - with the sibling tool above
+from fgrpo.models.shapes_network import (  # noqa: E402 - with the sibling tool above
     Architecture,
     ShapesNetwork,
     count_parameters,
@@ -58,8 +58,8 @@ from fgrpo.models.shapes_network import (  # noqa: E402
     save_network,
     vocabulary_of,
 )
-from fgrpo.rewards.shapes import edit as world  # noqa: E402
-from fgrpo.rewards.shapes.world import render_batch  # noqa: E402
+from fgrpo.rewards.shapes import edit as world  # noqa: E402 - with the sibling tool above
+from fgrpo.rewards.shapes.world import render_batch  # noqa: E402 - with the sibling tool above
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "packages/fgrpo-models/src/fgrpo/models/weights/shapes-edit-base.safetensors"

@@ -31,7 +31,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _bench  # noqa: E402
+import _bench  # noqa: E402 - found through the sys.path line above
 
 POLICIES = {
     "fgrpo": {},
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     subjects: list[tuple[str, object]] = [(p, POLICIES[p]) for p in args.policies.split(",") if p]
-    subjects += [tuple(e.split("=", 1)) for e in args.external]  # type: ignore[misc]
+    subjects += [(name, command) for name, command in (e.split("=", 1) for e in args.external)]
     results: dict[str, dict[str, list[float]]] = {name: {"quiet": [], "busy": []} for name, _ in subjects}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.repeats):

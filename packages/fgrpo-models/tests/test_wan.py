@@ -111,7 +111,7 @@ def test_diffusers_0_33_grid_is_flow_grpos():
 
 # --- Wan 2.2 ------------------------------------------------------------------------------------
 
-from fgrpo.models.testing import build_tiny_wan22_i2v_pipeline, build_tiny_wan22_pipeline, build_tiny_wan22_ti2v_pipeline  # noqa: E402
+from fgrpo.models.testing import build_tiny_wan22_i2v_pipeline, build_tiny_wan22_pipeline, build_tiny_wan22_ti2v_pipeline  # noqa: E402 - the Wan 2.2 section's own imports
 
 WAN_KWARGS = {"height": 32, "width": 32, "num_frames": 5, "max_sequence_length": SEQ}
 

@@ -14,7 +14,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from rich.console import Console
 from rich.table import Table
@@ -59,7 +59,7 @@ def _add_recipe_args(p: argparse.ArgumentParser, optional: bool = False) -> None
 class _Parser(argparse.ArgumentParser):
     """argparse, with a bad argument reported like every other bad input: one line, exit 2."""
 
-    def error(self, message: str) -> None:  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         self.exit(EXIT_USAGE, f"error: {message} (see {self.prog} --help)\n")
 
 

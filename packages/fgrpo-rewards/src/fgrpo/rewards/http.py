@@ -110,6 +110,7 @@ class _Watched:
         self.watches: list[int] = []  # this connection's watch ids
 
     def connect(self) -> None:
+        # a mixin of http.client.HTTPConnection (_HTTP, _HTTPS below): connect() and sock are its
         super().connect()  # type: ignore[misc]
         sock: Any = self.sock  # type: ignore[attr-defined]
         sock.settimeout(max(0.001, self.deadline - time.monotonic()))
