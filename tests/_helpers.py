@@ -1,11 +1,33 @@
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+@contextlib.contextmanager
+def crash_after(iteration: int) -> Iterator[None]:
+    """In-process runs inside are interrupted (as by Ctrl-C) once ``iteration`` is done."""
+    from fgrpo.core.hookspecs import hookimpl, plugin_manager
+
+    class Crash:
+        @hookimpl
+        def fgrpo_iteration_end(self, run, iteration: int, metrics) -> None:  # noqa: ARG002 - the hook's signature
+            if iteration == at:
+                raise KeyboardInterrupt
+
+    at = iteration
+    pm = plugin_manager()
+    pm.register(Crash(), name="crash")
+    try:
+        yield
+    finally:
+        pm.unregister(name="crash")
 
 
 

@@ -8,10 +8,10 @@ import json
 
 import pytest
 import torch
+from _helpers import crash_after
 from safetensors.torch import load_file, save_file
 
 from fgrpo.core import cli
-from fgrpo.core.hookspecs import hookimpl, plugin_manager
 from fgrpo.core.runlog import read_metrics
 from fgrpo.rewards.driving.world import TYPES
 
@@ -72,19 +72,8 @@ def test_resume_is_bit_exact_with_closed_loop_states(root, tmp_path):
     common = sets(*SMALL, *CLOSED_LOOP, "train.iterations=4", "eval.every=2", "train.checkpoint_every=2")
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     assert cli.main(["compose", recipe, "--out", str(straight), "--quiet", *common]) == 0
-
-    class Crash:
-        @hookimpl
-        def fgrpo_iteration_end(self, run, iteration, metrics):
-            if iteration == 3:
-                raise KeyboardInterrupt
-
-    pm = plugin_manager()
-    pm.register(Crash(), name="crash")
-    try:
+    with crash_after(3):
         assert cli.main(["compose", recipe, "--out", str(resumed), "--quiet", *common]) == 130
-    finally:
-        pm.unregister(name="crash")
     assert cli.main(["compose", recipe, "--out", str(resumed), "--quiet", "--resume", *common]) == 0
     a = load_file(str(straight / "checkpoints" / "last" / "trainable.safetensors"))
     b = load_file(str(resumed / "checkpoints" / "last" / "trainable.safetensors"))

@@ -10,11 +10,11 @@ import math
 import attrs
 import pytest
 import torch
+from _helpers import crash_after
 
 from fgrpo.core import cli, registry
 from fgrpo.core.config import param
 from fgrpo.core.guard import Guard, GuardConfig
-from fgrpo.core.hookspecs import hookimpl, plugin_manager
 from fgrpo.core.protocols import EvalContext, Evaluator, EvaluatorResult, Picture
 from fgrpo.core.runlog import read_metrics
 from fgrpo.core.seeding import generator
@@ -121,6 +121,27 @@ def test_guard_stops_and_keeps_the_best_checkpoint(root, tmp_path):
     assert "guard" in (out / "report.html").read_text()
 
 
+def test_guard_keeps_the_base_when_the_gold_is_best_before_training(root, tmp_path, capsys):
+    """The driving-naive case: the gold only falls, so the best checkpoint is iteration 0's (the base)."""
+    out = tmp_path / "run"
+    rows = compose(root, out, *GUARDED, "evaluator={name: scripted, label: s, peak: 0}",
+                   "eval.guard={metric: gold/s/gold, proxy: gold/s/proxy, patience: 2, action: stop}")
+    assert rows[-1]["iteration"] == 2 and rows[-1]["guard/fired"] == 1.0
+    best = out / "checkpoints" / "best"
+    assert best.resolve().name == "iter_000000"
+    state = json.loads((best / "state.json").read_text())
+    assert state["iteration"] == 0 and state["guard"]["best_iteration"] == 0
+    assert "the best gold/s/gold was at iteration 0 (checkpoints/best)" in capsys.readouterr().out
+
+    sets = [*GUARDED, "evaluator={name: scripted, label: s, peak: 0}", "train.checkpoint_every=0",
+            "eval.guard={metric: gold/s/gold, proxy: gold/s/proxy, patience: 2, action: stop}"]
+    with crash_after(1):  # killed before any later checkpoint: the run resumes from the base's
+        compose(root, tmp_path / "resumed", *sets, code=130)
+    resumed = compose(root, tmp_path / "resumed", *sets, resume=True)
+    keys = ("iteration", "guard/streak", "guard/fired", "guard/new_best", "reward_mean")
+    assert [[r.get(k) for k in keys] for r in rows] == [[r.get(k) for k in keys] for r in resumed]
+
+
 def test_guard_direction_lower_is_better_from_the_evaluator():
     guard = Guard.from_recipe({"metric": "gold/miss/miss/left"}, {"miss": TargetMiss()})
     assert guard.higher_is_better is False
@@ -137,18 +158,8 @@ def test_guard_resumes_exactly(root, tmp_path):
     sets = [*GUARDED, "eval.guard={metric: gold/s/gold, proxy: gold/s/proxy, patience: 2}", "train.checkpoint_every=3"]
     straight = compose(root, tmp_path / "straight", *sets)
 
-    class Crash:
-        @hookimpl
-        def fgrpo_iteration_end(self, run, iteration, metrics):
-            if iteration == 5:
-                raise KeyboardInterrupt
-
-    pm = plugin_manager()
-    pm.register(Crash(), name="crash")
-    try:
+    with crash_after(5):
         compose(root, tmp_path / "resumed", *sets, code=130)
-    finally:
-        pm.unregister(name="crash")
     resumed = compose(root, tmp_path / "resumed", *sets, resume=True)
     keys = ("guard/streak", "guard/fired", "guard/new_best", "gold/target-miss/miss", "reward_mean")
     assert [[r.get(k) for k in keys] for r in straight] == [[r.get(k) for k in keys] for r in resumed]

@@ -8,7 +8,8 @@ import torch
 from rich.console import Console
 
 from fgrpo.core import recipe as recipe_mod
-from fgrpo.core.phases import advantages, decode_and_score, rollout, update
+from fgrpo.core.phases import advantages, rollout, update
+from fgrpo.core.scoring import decode_and_score
 from fgrpo.core.trainer import build_run
 
 QUIET = Console(quiet=True)

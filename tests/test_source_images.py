@@ -16,7 +16,7 @@ import pytest
 import torch
 from PIL import Image
 
-from fgrpo.core import media, phases, registry
+from fgrpo.core import media, registry, scoring
 from fgrpo.core import recipe as recipe_mod
 from fgrpo.core.config import RecipeError
 from fgrpo.core.media import Prompt
@@ -250,7 +250,7 @@ def test_rewards_that_accept_sources_get_them_at_the_outputs_size(tmp_path):
     prompts = [p for p in source.train_prompts() for _ in range(2)] + ["no source"]
     outputs = torch.rand(len(prompts), 3, 6, 10)
     reward = SourceReward()
-    scores, _ = phases.score([(Spec(), reward)], outputs, prompts, [source.metadata(p) for p in prompts], where="test")
+    scores, _ = scoring.score([(Spec(), reward)], outputs, prompts, [source.metadata(p) for p in prompts], where="test")
     (_, _, sources), = reward.calls
     assert [len(s) for s in sources] == [1, 1, 1, 1, 1, 1, 0]
     first = sources[0][0]
@@ -261,7 +261,7 @@ def test_rewards_that_accept_sources_get_them_at_the_outputs_size(tmp_path):
     # videos: the image reward sees frames 0, 2, ... each with its video's sources
     videos = torch.rand(2, 3, 3, 6, 10)
     reward = SourceReward()
-    phases.score([(Spec(), reward)], videos, prompts[:2], [{}, {}], where="test")
+    scoring.score([(Spec(), reward)], videos, prompts[:2], [{}, {}], where="test")
     shape, frame_prompts, frame_sources = reward.calls[0]
     assert shape == (4, 3, 6, 10) and frame_prompts == [prompts[0]] * 4 and len(frame_sources) == 4
 
@@ -273,7 +273,7 @@ def test_plain_rewards_are_called_as_before():
         calls.append(len(prompts))
         return RewardResult(scores=torch.zeros(len(prompts)))
 
-    phases.score([(Spec(), plain)], torch.rand(2, 3, 4, 4), [Prompt("e", images=("/missing.png",)), "p"], [{}, {}], where="test")
+    scoring.score([(Spec(), plain)], torch.rand(2, 3, 4, 4), [Prompt("e", images=("/missing.png",)), "p"], [{}, {}], where="test")
     assert calls == [2]  # nothing loaded for a reward that does not ask
 
 

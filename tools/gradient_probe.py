@@ -24,7 +24,7 @@ import argparse
 import torch
 from rich.console import Console
 
-from fgrpo.core import phases
+from fgrpo.core import phases, scoring
 from fgrpo.core import recipe as recipe_mod
 from fgrpo.core.trainer import build_run
 
@@ -45,13 +45,13 @@ def main(argv: list[str] | None = None) -> int:
         values = []
         for k in range(args.batches):
             traj = phases.rollout(run, 10_000 + k)
-            scores, _ = phases.decode_and_score(run, traj, "probe")
+            scores, _ = scoring.decode_and_score(run, traj, "probe")
             total = sum(spec.weight * scores[spec.label] for spec in run.recipe.rewards)
             values.append(total.mean())
         return torch.stack(values).mean().item()
 
     traj = phases.rollout(run, 0)
-    scores, _ = phases.decode_and_score(run, traj, "probe")
+    scores, _ = scoring.decode_and_score(run, traj, "probe")
     adv, _ = phases.advantages(run, traj, scores)
     ref = phases.reference(run, traj, torch.arange(traj.batch_size))
     run.optimizer.zero_grad(set_to_none=True)

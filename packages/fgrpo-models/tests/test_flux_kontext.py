@@ -47,7 +47,7 @@ class TestFluxKontext(DiffusersBackboneConformance):
         from rich.console import Console
 
         from fgrpo.core import recipe as recipe_mod
-        from fgrpo.core.trainer import first_ratio_check
+        from fgrpo.core.onpolicy import first_ratio_check
 
         data = self.iteration_recipe(model_keys, tmp_path)
         data["train"] = {**data["train"], "mixed_precision": "no"}

@@ -57,7 +57,7 @@ class EditConformance(DiffusersBackboneConformance):
         from rich.console import Console
 
         from fgrpo.core import recipe as recipe_mod
-        from fgrpo.core.trainer import first_ratio_check
+        from fgrpo.core.onpolicy import first_ratio_check
 
         data = self.iteration_recipe(model_keys, tmp_path)
         data["train"] = {**data["train"], "mixed_precision": "no"}

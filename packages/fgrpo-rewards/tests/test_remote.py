@@ -218,7 +218,7 @@ def test_a_served_edit_reward_gets_the_sources(clip_folder, offline):
     sources, the trainer hands them over, and they travel with the batch (float32: exact)."""
     import threading
 
-    from fgrpo.core import media, phases
+    from fgrpo.core import media, scoring
     from fgrpo.core.media import Prompt
     from fgrpo.core.testing import SyntheticImage
 
@@ -235,7 +235,7 @@ def test_a_served_edit_reward_gets_the_sources(clip_folder, offline):
         class Spec:
             label, weight, frame_stride = "similar", 1.0, 1
 
-        got, _ = phases.score([(Spec(), client)], outputs, prompts, [{}] * 3, where="test")
+        got, _ = scoring.score([(Spec(), client)], outputs, prompts, [{}] * 3, where="test")
         local = registry.create("reward", "image-similarity", path=str(clip_folder), device="cpu")
         expected = local(outputs, prompts, [{}] * 3, sources=media.reward_sources(prompts, outputs)).scores
         torch.testing.assert_close(got["similar"], expected, atol=1e-6, rtol=0)

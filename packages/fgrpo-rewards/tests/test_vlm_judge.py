@@ -197,7 +197,7 @@ def test_bad_template_and_pattern_name_the_key():
 
 
 def test_edits_send_the_source_then_the_output_with_the_edit_template(judge, judge_server):
-    from fgrpo.core import media, phases
+    from fgrpo.core import media, scoring
     from fgrpo.core.media import Prompt
     from fgrpo.core.testing import SyntheticImage
 
@@ -210,7 +210,7 @@ def test_edits_send_the_source_then_the_output_with_the_edit_template(judge, jud
     class Spec:
         label, weight, frame_stride = "judge", 1.0, 1
 
-    scores, _ = phases.score([(Spec(), reward)], outputs, prompts, [{}, {}], where="test")
+    scores, _ = scoring.score([(Spec(), reward)], outputs, prompts, [{}, {}], where="test")
     torch.testing.assert_close(scores["judge"], torch.tensor([0.6, 1.0]))
     bodies = sorted((r[2] for r in judge_server.requests), key=lambda b: len(b["messages"][0]["content"]))
     plain, edit = (b["messages"][0]["content"] for b in bodies)

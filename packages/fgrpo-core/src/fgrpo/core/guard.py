@@ -123,7 +123,8 @@ class Guard:
         cfg = self.config
         way = "fell" if self.higher_is_better else "rose"
         what = "stopping the run" if cfg.action == "stop" else "training goes on (eval.guard.action: warn)"
-        best = "" if self.best_iteration is None else f"; the best {cfg.metric} was at iteration {self.best_iteration}"
+        kept = " (checkpoints/best)" if cfg.action == "stop" else ""
+        best = "" if self.best_iteration is None else f"; the best {cfg.metric} was at iteration {self.best_iteration}{kept}"
         return (f"over-optimisation guard: {cfg.proxy} rose while {cfg.metric} {way} for {cfg.patience} evaluation(s) "
                 f"in a row (iteration {iteration}); {what}{best}")
 

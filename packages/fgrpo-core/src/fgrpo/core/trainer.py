@@ -81,10 +81,12 @@ def train(run: Run) -> dict[str, Any]:
     cfg, hooks = run.recipe.train, plugin_manager().hook
     total = cfg.iterations
     row: dict[str, Any] = {}
-    if run.start_iteration == 0 and run.recipe.eval.every and run.recipe.eval.at_start:
+    if run.saved_at is None and run.recipe.eval.every and run.recipe.eval.at_start:  # not resumed (from iteration 0 either)
         base = run_evaluation(run, 0)
-        watch(run, 0, base)  # the base is the shipped model: no checkpoint of it, whatever the guard says
+        _, best = watch(run, 0, base)
         row = record(run, 0, base)
+        if best and run.out_dir is not None:  # a guard that stops keeps the base too: the gold may only fall
+            keep_best(run, 0)
     run.display.start_at(run.start_iteration)
     governor = ThreadGovernor()
     for it in range(run.start_iteration, total):
@@ -100,12 +102,19 @@ def train(run: Run) -> dict[str, Any]:
         run.display.iteration_done(done, row)
         if run.out_dir is not None and (stop or best or done == total or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0)):
             save_checkpoint(run, done)
-            if best and run.is_main:
-                ckpt.point_best(run.out_dir / "checkpoints", ckpt.folder_name(done))
+            if best:
+                keep_best(run, done)
         if stop:
             break
     finish(run)
     return row
+
+
+def keep_best(run: Run, done: int) -> None:
+    """Checkpoint ``done`` (written if not yet) becomes ``checkpoints/best``."""
+    save_checkpoint(run, done)
+    if run.is_main:
+        ckpt.point_best(run.out_dir / "checkpoints", ckpt.folder_name(done))
 
 
 def watch(run: Run, done: int, metrics: dict[str, Any]) -> tuple[bool, bool]:
@@ -418,7 +427,7 @@ def open_run(
         run = build_run(recipe, out_dir=out_dir, console=console, quiet=quiet, parallel=parallel)
         run.folder = folder
         if resume_from:
-            run.start_iteration = resume_from_checkpoint(run, resume_from)
+            run.start_iteration = run.saved_at = resume_from_checkpoint(run, resume_from)
         if folder is not None:
             start_writing(run, folder, resumed=resume_from is not None)
     except BaseException:
