@@ -114,6 +114,7 @@ def keep_best(run: Run, done: int) -> None:
     """Checkpoint ``done`` (written if not yet) becomes ``checkpoints/best``."""
     save_checkpoint(run, done)
     if run.is_main:
+        assert run.out_dir is not None  # a run that checkpoints has its run folder
         ckpt.point_best(run.out_dir / "checkpoints", ckpt.folder_name(done))
 
 
