@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bin="${VENV:-.venv}/bin"
 if [ "${1:-}" != "--check" ]; then
-  "$bin/ruff" check --fix --quiet . || true   # what it cannot fix is reported by the check below
+  "$bin/ruff" check --fix --quiet . >/dev/null || true   # what it cannot fix, the check below reports
   "$bin/ruff" format --quiet .
   for _ in 1 2 3; do  # a split part can itself be too long: split again after formatting
     changed=$("$bin/python" tools/wrap_long_lines.py .)
