@@ -3,8 +3,8 @@ and leave the run folders for the test to compare:
 
 1. ``OUT/ddp``: data parallel, N iterations;
 2. ``OUT/sharded``: the same recipe sharded by KIND (``fsdp`` or ``deepspeed``: the environment
-   ``accelerate launch`` sets for recipes/accelerate/fsdp-*.yaml or deepspeed-zero2.yaml), N
-   iterations;
+   ``accelerate launch`` sets for recipes/accelerate/fsdp-*.yaml or deepspeed-zero2.yaml;
+   ``zero3``, ``zero2-offload``, ``zero3-offload``: a DeepSpeed config file), N iterations;
 3. ``OUT/resumed``: sharded, N - 1 iterations, then resumed from its checkpoint to N;
 4. ``OUT/crossed``: data parallel, N - 1 iterations, then resumed sharded to N.
 
@@ -50,7 +50,24 @@ LAUNCHES = {  # what `accelerate launch --config_file recipes/accelerate/<config
         "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "none",
         "ACCELERATE_DEEPSPEED_ZERO3_INIT": "false",
     },
+    # ZeRO-3 and offloading from a DeepSpeed config file (``deepspeed_config_file``): the tiny
+    # network's weights are all under DeepSpeed's default persistence threshold (1e5 elements),
+    # which would keep them whole; the file sets it to 0 so that every weight is partitioned
+    "zero3": {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}},
+    "zero2-offload": {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
+    "zero3-offload": {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                            "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}},
 }
+
+
+def launch_environment(kind: str, out: Path) -> dict[str, str]:
+    """What ``accelerate launch`` sets for KIND: its variables, or a DeepSpeed config file."""
+    settings = LAUNCHES[kind]
+    if kind in ("fsdp", "deepspeed"):
+        return settings
+    path = out / f"deepspeed-{kind}.json"
+    path.write_text(json.dumps({**settings, "gradient_accumulation_steps": 1}))
+    return {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(path), "ACCELERATE_DEEPSPEED_ZERO3_INIT": "false"}
 
 
 PADDING = [0]
@@ -80,13 +97,20 @@ def run(path: str, out: Path, iterations: int, overrides: list[str], *, resume: 
     r = open_run(recipe, out=str(out), resume=resume, console=Console(quiet=True), quiet=True)
     try:
         stepped = [p for group in r.optimizer.param_groups for p in group["params"]]
+        if not stepped:  # ZeRO-3 hands its flat float32 partitions to the optimizer only while it steps
+            stepped = list(r.parallel.engine.optimizer.fp32_partitioned_groups_flat)
         seen = {
             "kind": launch.kind(r.accelerator),
             "sharded": r.parallel.sharded,
             "dtensor": launch.is_sharded_tensor(r.trainable[0]),
+            # ZeRO-3: weights (trainable or frozen) whose data this process does not hold between forwards
+            "partitioned_weights": sum(launch.is_partitioned(p) and p.data.numel() == 0 for p in r.policy.trainable_module.parameters())
+            if hasattr(r.policy, "trainable_module") else 0,
+            "description": r.parallel.description,
+            "network_weights": len(list(r.policy.trainable_module.parameters())) if hasattr(r.policy, "trainable_module") else 0,
             # elements whose AdamW state this process holds and steps, of all trainable elements
             "stepped_numel": sum((p.to_local() if launch.is_sharded_tensor(p) else p).numel() for p in stepped),
-            "trainable_numel": sum(p.numel() for p in r.trainable),
+            "trainable_numel": sum(getattr(p, "ds_numel", p.numel()) for p in r.trainable),
             "start": r.start_iteration,
         }
         seen["last_row"] = train(r)
@@ -102,8 +126,8 @@ def main() -> None:
     phases.informative = fewer_on_process_1(phases.informative)
     phases.idle_passes = counted(phases.idle_passes)
     report = {"ddp": run(path, out / "ddp", n, overrides), "crossed_ddp": run(path, out / "crossed", n - 1, overrides)}
-    os.environ.update(LAUNCHES[kind])
-    if kind == "deepspeed":  # a DeepSpeed launch starts fresh processes: accelerate's state starts over here
+    os.environ.update(launch_environment(kind, out))
+    if kind != "fsdp":  # a DeepSpeed launch starts fresh processes: accelerate's state starts over here
         from accelerate.state import AcceleratorState
 
         AcceleratorState._reset_state(reset_partial_state=True)

@@ -101,11 +101,20 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.mark.parametrize("name", ["ddp.yaml", "cpu.yaml", "multi-node.yaml", "fsdp-lora.yaml", "fsdp-full.yaml", "deepspeed-zero2.yaml"])
+#: the shipped DeepSpeed configs: (ZeRO stage, offload_optimizer_device, offload_param_device)
+DEEPSPEED_CONFIGS = {
+    "deepspeed-zero2.yaml": (2, "none", "none"),
+    "deepspeed-zero2-offload.yaml": (2, "cpu", "none"),
+    "deepspeed-zero3.yaml": (3, "none", "none"),
+    "deepspeed-zero3-offload.yaml": (3, "cpu", "cpu"),
+}
+
+
+@pytest.mark.parametrize("name", ["ddp.yaml", "cpu.yaml", "multi-node.yaml", "fsdp-lora.yaml", "fsdp-full.yaml", *DEEPSPEED_CONFIGS])
 def test_shipped_accelerate_configs_are_valid(name):
     """Each config reads with accelerate's own loader, is a kind fgrpo runs (data parallel, FSDP2
-    sharding one unit per transformer block, DeepSpeed ZeRO-2 without offloading) and is
-    documented with its launch command."""
+    sharding one unit per transformer block, DeepSpeed ZeRO-2 or ZeRO-3, with or without CPU
+    offloading, never zero3_init) and is documented with its launch command."""
     from accelerate.commands.config.config_args import ClusterConfig, load_config_from_file
 
     config = load_config_from_file(str(CONFIGS / name))
@@ -118,8 +127,9 @@ def test_shipped_accelerate_configs_are_valid(name):
         assert not config.fsdp_config["fsdp_offload_params"] and not config.fsdp_config["fsdp_activation_checkpointing"]
     elif name.startswith("deepspeed"):
         assert kind == "DEEPSPEED"
-        assert config.deepspeed_config["zero_stage"] == 2
-        assert config.deepspeed_config["offload_optimizer_device"] == config.deepspeed_config["offload_param_device"] == "none"
+        ds = config.deepspeed_config
+        assert (ds["zero_stage"], ds["offload_optimizer_device"], ds["offload_param_device"]) == DEEPSPEED_CONFIGS[name]
+        assert ds["zero3_init_flag"] is False  # fgrpo loads the models whole (refused when true)
         assert "gradient_clipping" not in config.deepspeed_config  # fgrpo passes train.max_grad_norm
     else:
         assert kind == "MULTI_GPU"  # data parallel
@@ -130,7 +140,7 @@ def test_shipped_accelerate_configs_are_valid(name):
     assert f"accelerate launch --config_file recipes/accelerate/{name}" in text
     assert f"`{name}`" in (CONFIGS / "README.md").read_text()
     assert sorted(p.name for p in CONFIGS.glob("*.yaml")) == [
-        "cpu.yaml", "ddp.yaml", "deepspeed-zero2.yaml", "fsdp-full.yaml", "fsdp-lora.yaml", "multi-node.yaml",
+        "cpu.yaml", "ddp.yaml", *sorted(DEEPSPEED_CONFIGS), "fsdp-full.yaml", "fsdp-lora.yaml", "multi-node.yaml",
     ]
 
 

@@ -82,7 +82,10 @@ def test_the_wheel_ships_every_recipe_config_and_bench_file(root):
 
 def test_launch_finds_the_shipped_accelerate_configs_by_name(tmp_path, monkeypatch):
     configs = shipped.accelerate_configs()
-    assert sorted(configs) == ["cpu", "ddp", "deepspeed-zero2", "fsdp-full", "fsdp-lora", "multi-node"]
+    assert sorted(configs) == [
+        "cpu", "ddp", "deepspeed-zero2", "deepspeed-zero2-offload", "deepspeed-zero3", "deepspeed-zero3-offload", "fsdp-full",
+        "fsdp-lora", "multi-node",
+    ]
     monkeypatch.chdir(tmp_path)
     assert cli._shipped_config(["--config_file", "ddp", "--num_processes", "2"]) == ["--config_file", str(configs["ddp"]), "--num_processes", "2"]
     assert cli._shipped_config(["--config_file=fsdp-lora.yaml"]) == [f"--config_file={configs['fsdp-lora']}"]

@@ -4,8 +4,11 @@ packages' modules import each other without cycles, and each package only what i
 from __future__ import annotations
 
 import ast
+import io
+import re
 import subprocess
 import sys
+import tokenize
 import tomllib
 from pathlib import Path
 
@@ -108,3 +111,28 @@ def test_the_registry_imports_no_component_package():
     imported = [line.rsplit("|", 1)[-1].strip() for line in out.splitlines() if line.startswith("import time:")]
     assert "fgrpo.core.registry" in imported
     assert [m for m in imported if m.startswith(("fgrpo.samplers", "fgrpo.models", "fgrpo.rewards"))] == []
+
+
+LAUNCH_KIND = re.compile(r"deepspeed|fsdp|num_processes|distributed_type|DistributedType|MULTI_GPU", re.IGNORECASE)
+
+
+def _launch_kind_tokens(path: Path) -> list[str]:
+    """The names in ``path``'s code that name a launch kind, and the strings that are one (the
+    words in comments and docstrings are prose, not branches)."""
+    found = []
+    for token in tokenize.generate_tokens(io.StringIO(path.read_text()).readline):
+        name = token.type == tokenize.NAME and LAUNCH_KIND.search(token.string)
+        literal = token.type == tokenize.STRING and LAUNCH_KIND.fullmatch(token.string.strip("'\""))
+        if name or literal:
+            found.append(f"{path.name}:{token.start[0]} {token.string}")
+    return found
+
+
+def test_launch_kinds_live_in_fgrpo_core_launch(root):
+    """What differs between one process, data parallel, FSDP2 and DeepSpeed is fgrpo.core.launch's:
+    no other module names a launch kind (ee123f8: trainer.py 14 such tokens, phases.py 3)."""
+    launch = root / "packages" / "fgrpo-core" / "src" / "fgrpo" / "core" / "launch"
+    sources = [p for p in root.glob("packages/*/src/fgrpo/**/*.py") if launch not in p.parents]
+    assert any(p.name == "phases.py" for p in sources) and any(p.name == "trainer.py" for p in sources)
+    assert [hit for path in sources for hit in _launch_kind_tokens(path)] == []
+    assert _launch_kind_tokens(launch / "start.py")  # the check sees a launch kind where there is one

@@ -18,6 +18,8 @@ RECIPES = [
     "sd35m-preference-mix", "sd35m-vlm-judge", "sd35m-geneval-remote",
     "flux2-t2i", "flux2-klein-pickscore", "z-image-pickscore", "z-image-turbo-pickscore", "wan22-t2v-pickscore",
     "wan22-i2v-pickscore", "hunyuan-video-1.5-pickscore", "flux-kontext-counting-edit", "qwen-image-edit-counting-edit",
+    "sd35m-nft-geneval", "sd35m-nft-ocr", "sd35m-nft-pickscore", "sd35m-nft-multi-reward",
+    "sd35m-awm-geneval", "sd35m-awm-ocr", "sd35m-awm-pickscore", "sd35m-pref-grpo",
 ]
 
 

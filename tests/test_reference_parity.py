@@ -83,6 +83,20 @@ def test_an_unlisted_difference_is_a_problem(root, datasets, monkeypatch):
     assert not any("lora_targets" in p for p in parity.compare("sd35m-ocr", data, TABLE)[1])
 
 
+def test_a_key_the_recipe_lacks_needs_a_reason(root, datasets, monkeypatch):
+    """A deterministic sampler has no eta and NFT no clip range: rows n/a, with the table's reason;
+    AWM's SA-Solver noise is a deviation with recipe null; any other missing key is a problem."""
+    data = resolved(root, "sd35m-nft-ocr", datasets, monkeypatch)
+    rows, problems = parity.compare("sd35m-nft-ocr", data, TABLE)
+    by = {r.name: r for r in rows}
+    assert problems == [] and by["eta"].status == parity.STATUS_UNUSED and by["eta"].recipe is None
+    assert by["clip_range"].status == parity.STATUS_UNUSED
+    awm = {r.name: r for r in parity.compare("sd35m-awm-geneval", resolved(root, "sd35m-awm-geneval", datasets, monkeypatch), TABLE)[0]}
+    assert awm["eta"].status == parity.STATUS_DEVIATION and "SA-Solver" in awm["eta"].note
+    del data["objective"]["adv_mode"]
+    assert any("adv_mode" in p and "has no objective.adv_mode" in p for p in parity.compare("sd35m-nft-ocr", data, TABLE)[1])
+
+
 def test_validate_against_reference_prints_the_table(root, datasets, monkeypatch, capsys):
     monkeypatch.chdir(datasets)
     recipe = str(root / "recipes" / "wan-ocr.yaml")

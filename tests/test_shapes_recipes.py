@@ -10,7 +10,10 @@ import pytest
 from fgrpo.core import cli
 from fgrpo.core.runlog import read_metrics
 
-SHAPES = ["shapes.yaml", "shapes-fast.yaml", "shapes-mixgrpo.yaml", "shapes-guard.yaml"]
+SHAPES = [
+    "shapes.yaml", "shapes-fast.yaml", "shapes-mixgrpo.yaml", "shapes-guard.yaml",
+    "shapes-nft.yaml", "shapes-awm.yaml", "shapes-dpo.yaml", "shapes-pairwise.yaml",
+]
 
 
 @pytest.mark.parametrize("name", SHAPES)
@@ -56,3 +59,12 @@ def test_shapes_fast_raises_held_out_accuracy(root, tmp_path):
     before, after = rows[0]["eval/shapes/accuracy"], rows[-1]["eval/shapes/accuracy"]
     assert after >= before + 0.08, (before, after)
     assert rows[-1]["eval/shapes/clean"] >= 0.95  # no drift into images the verifier rejects
+
+
+def test_the_models_vocabulary_is_the_shapes_grammars():
+    """``shapes-dit`` writes no word list of its own: the shipped weights carry the vocabulary the
+    pretraining tool read from the world's grammar, and a randomly initialised network uses it."""
+    from fgrpo.models.shapes_network import default_vocabulary, vocabulary_of
+    from fgrpo.rewards.shapes import all_prompts
+
+    assert default_vocabulary() == vocabulary_of(all_prompts())

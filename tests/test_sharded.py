@@ -88,19 +88,33 @@ SHARDED = [
     pytest.param("fsdp", "full", id="fsdp-full", marks=pytest.mark.slow),
     pytest.param("deepspeed", "lora", id="deepspeed-lora", marks=pytest.mark.slow),
     pytest.param("deepspeed", "full", id="deepspeed-full", marks=pytest.mark.slow),
+    # ZeRO-3 and offloading, from a DeepSpeed config file (tests/sharded_worker.py): about 5 minutes each
+    pytest.param("zero3", "lora", id="zero3-lora", marks=pytest.mark.slow),
+    pytest.param("zero3", "full", id="zero3-full", marks=pytest.mark.slow),
+    pytest.param("zero2-offload", "full", id="zero2-offload-full", marks=pytest.mark.slow),
+    pytest.param("zero3-offload", "lora", id="zero3-offload-lora", marks=pytest.mark.slow),
 ]
+#: what the start-up line calls each kind
+DESCRIPTIONS = {
+    "fsdp": "sharded (FSDP2)",
+    "deepspeed": "sharded (DeepSpeed ZeRO-2)",
+    "zero3": "sharded (DeepSpeed ZeRO-3)",
+    "zero2-offload": "sharded (DeepSpeed ZeRO-2, optimizer offloaded to cpu)",
+    "zero3-offload": "sharded (DeepSpeed ZeRO-3, optimizer offloaded to cpu, param offloaded to cpu)",
+}
 
 
 def needs(kind: str) -> None:
-    if kind == "deepspeed":
+    if kind != "fsdp":
         pytest.importorskip("deepspeed", reason="DeepSpeed runs need the deepspeed package (fgrpo-core[deepspeed])")
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("kind, variant", SHARDED)
 def test_sharded_run_equals_data_parallel_and_resumes_exactly(kind, variant, tiny_sd3, tmp_path):
-    """FSDP2 (one test in the default run, about 35 s) and DeepSpeed ZeRO-2 (slow: DeepSpeed
-    compiles its CPU communication op once, about 100 s), LoRA and full fine-tuning."""
+    """FSDP2 (one test in the default run, about 35 s), DeepSpeed ZeRO-2 (slow: DeepSpeed
+    compiles its CPU communication op once, about 100 s), ZeRO-3 and CPU offloading (slow), LoRA
+    and full fine-tuning."""
     needs(kind)
     recipe = sd3_recipe(tmp_path, tiny_sd3, lora=variant == "lora")
     launcher = [str(BIN / "torchrun"), "--nnodes", "1", "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(free_port())]
@@ -114,8 +128,12 @@ def test_sharded_run_equals_data_parallel_and_resumes_exactly(kind, variant, tin
     ddp, sharded = report[0]["ddp"], report[0]["sharded"]
     assert not ddp["sharded"] and ddp["stepped_numel"] == ddp["trainable_numel"]
     # sharded for real: each process holds and steps about half of the optimizer state
-    assert sharded["kind"] == kind.upper() and sharded["sharded"] and sharded["dtensor"] == (kind == "fsdp")
+    assert sharded["kind"] == ("FSDP" if kind == "fsdp" else "DEEPSPEED") and sharded["sharded"] and sharded["dtensor"] == (kind == "fsdp")
+    assert sharded["description"] == DESCRIPTIONS[kind]
     assert sharded["trainable_numel"] / 2 <= sharded["stepped_numel"] < sharded["trainable_numel"]
+    # ZeRO-3: no process holds any weight of the network (trained or frozen) between forwards
+    expected = sharded["network_weights"] if kind.startswith("zero3") else 0
+    assert sharded["partitioned_weights"] == expected and sharded["network_weights"] > 0
     assert report[0]["resumed"]["start"] == 2
     # process 1 trains on fewer samples: it pads with passes that change nothing, process 0 never
     assert report[1]["sharded"]["padding_passes"] > 0 and report[0]["sharded"]["padding_passes"] == 0
@@ -175,7 +193,12 @@ def launch(config: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-@pytest.mark.parametrize("config, shown", [("fsdp-lora.yaml", "FSDP2"), ("deepspeed-zero2.yaml", "DeepSpeed ZeRO-2")])
+@pytest.mark.parametrize("config, shown", [
+    ("fsdp-lora.yaml", "FSDP2"), ("deepspeed-zero2.yaml", "DeepSpeed ZeRO-2"),
+    # DeepSpeed's default persistence threshold keeps the tiny network's weights whole between forwards
+    ("deepspeed-zero3.yaml", "DeepSpeed ZeRO-3"),
+    ("deepspeed-zero3-offload.yaml", "DeepSpeed ZeRO-3, optimizer offloaded to cpu, param offloaded to cpu"),
+])
 def test_shipped_config_launches_bf16_on_policy_and_resumes_exactly(config, shown, tiny_sd3, tmp_path):
     """`accelerate launch --config_file recipes/accelerate/CONFIG` (bf16) on a machine without GPUs:
     two sharded processes over gloo; `fgrpo check` finds the first ratio exactly 1; a run resumed
@@ -250,18 +273,37 @@ def test_whole_optimizer_state_of_an_unsharded_run_is_its_state_dict():
     assert torch.equal(other.state_dict()["state"][0]["exp_avg_sq"], saved["state"][0]["exp_avg_sq"])
 
 
-def deepspeed_accelerator(stage: int, offload: str = "none") -> SimpleNamespace:
-    config = {"zero_optimization": {"stage": stage, "offload_optimizer": {"device": offload}}}
+def deepspeed_accelerator(stage: int, optimizer: str = "none", param: str = "none") -> SimpleNamespace:
+    config = {"zero_optimization": {"stage": stage, "offload_optimizer": {"device": optimizer}, "offload_param": {"device": param}}}
     return SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=stage, deepspeed_config=config)))
 
 
-def test_deepspeed_other_than_zero2_without_offloading_is_refused():
-    check_deepspeed(deepspeed_accelerator(2))
+@pytest.mark.parametrize("stage, optimizer, param", [(2, "none", "none"), (2, "cpu", "none"), (3, "none", "none"), (3, "cpu", "none"), (3, "cpu", "cpu"), (3, "none", "cpu")])
+def test_deepspeed_zero2_and_zero3_with_cpu_offloading_run(stage, optimizer, param, monkeypatch):
+    from fgrpo.core.launch.deepspeed import DeepSpeedZeRO2, DeepSpeedZeRO3, stage_class
+
+    monkeypatch.delenv("ACCELERATE_DEEPSPEED_ZERO3_INIT", raising=False)
+    accelerator = deepspeed_accelerator(stage, optimizer, param)
+    check_deepspeed(accelerator)
+    assert stage_class(accelerator) is (DeepSpeedZeRO3 if stage == 3 else DeepSpeedZeRO2)
+    served = stage_class(accelerator)(accelerator)
+    assert served.sharded and served.sharded_weights == (stage == 3)
+    offloads = "".join(f", {what} offloaded to cpu" for what, device in (("optimizer", optimizer), ("param", param)) if device == "cpu")
+    assert served.description == f"sharded (DeepSpeed ZeRO-{stage}{offloads})"
+
+
+def test_what_deepspeed_runs_not_is_refused_all_at_once(monkeypatch):
     with pytest.raises(RecipeError) as info:
-        check_deepspeed(deepspeed_accelerator(3, offload="cpu"))
+        check_deepspeed(deepspeed_accelerator(1, optimizer="nvme", param="cpu"))
     message = str(info.value)
-    assert "zero_stage 3 is not supported" in message and "offload_optimizer to 'cpu' is not supported" in message
-    assert [e.key for e in info.value.errors] == ["accelerate", "accelerate"]
+    assert "zero_stage 1 is not supported" in message
+    assert "offload_optimizer to 'nvme' is not supported" in message and "allowed: none, cpu" in message
+    assert "offload_param to 'cpu' needs zero_stage 3 (got 1)" in message
+    assert [e.key for e in info.value.errors] == ["accelerate"] * 3
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO3_INIT", "true")
+    with pytest.raises(RecipeError, match="zero3_init_flag true is not supported: transformers would load the frozen text encoders partitioned"):
+        check_deepspeed(deepspeed_accelerator(3))
+    check_deepspeed(deepspeed_accelerator(2))  # the flag means nothing below stage 3
 
 
 def test_a_deepspeed_launch_accelerate_did_not_set_up_is_refused(root, monkeypatch, capsys):

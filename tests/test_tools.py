@@ -122,6 +122,9 @@ def test_memory_estimate_counts_the_pipelines_own_sizes(root, tmp_path, capsys, 
     assert kinds["fsdp"]["weights"] < kinds["ddp"]["weights"] and kinds["deepspeed-zero2"]["weights"] == kinds["ddp"]["weights"]
     assert kinds["deepspeed-zero2"]["grads+adamw"] == kinds["ddp"]["grads+adamw"] / 2
     assert kinds["zero2-offload"]["grads+adamw"] == kinds["deepspeed-zero2"]["grads+adamw"] / 3
+    assert kinds["deepspeed-zero3"]["weights"] == kinds["fsdp"]["weights"] and kinds["deepspeed-zero3"]["ema"] == kinds["fsdp"]["ema"]
+    assert kinds["zero3-offload"]["weights"] < kinds["deepspeed-zero3"]["weights"] and kinds["zero3-offload"]["ema"] == 0
+    assert kinds["zero3-offload"]["grads+adamw"] == kinds["zero2-offload"]["grads+adamw"]
     assert result["activations"]["checkpointing"] < result["activations"]["none"]
     assert memory.main([str(tmp_path / "r.yaml"), "--gpus", "0"]) == 2
 

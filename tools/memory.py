@@ -13,8 +13,9 @@ checkpointing; the rollout storage of this process's samples (latents before and
 trained step, means, the final latent, the prompt embeddings). The launch kinds: data parallel
 (everything whole on every GPU), FSDP2 (transformer weights, gradients and AdamW state split
 over the GPUs, one block gathered at a time), DeepSpeed ZeRO-2 (gradients and AdamW state split,
-weights whole), and, as estimates of what they would give, ZeRO-3 (weights split too) and ZeRO-2
-with the optimizer state offloaded to the CPU.
+weights whole), ZeRO-3 (weights split too, one block gathered at a time), ZeRO-2 with the
+optimizer state offloaded to the CPU, and ZeRO-3 with the optimizer state and the weight
+partitions (and so the EMA, kept beside them) offloaded to the CPU.
 
 Sizes come from the pipeline's own configs: a local folder (``model.path``) or a hub id in the
 local hub cache is built on the meta device (no weights read, parameters counted exactly, LoRA
@@ -61,14 +62,17 @@ GEOMETRY = {
 }
 #: latent values per token (channels x patch area): 16 VAE channels in 2x2 patches unless said
 VALUES_PER_TOKEN = {"flux2": 128, "flux2-klein": 128, "hunyuan-video-1.5": 32}
-LAUNCHES = ("ddp", "fsdp", "deepspeed-zero2", "deepspeed-zero3", "zero2-offload")
+LAUNCHES = ("ddp", "fsdp", "deepspeed-zero2", "deepspeed-zero3", "zero2-offload", "zero3-offload")
 LAUNCH_NOTES = {
     "ddp": "recipes/accelerate/ddp.yaml",
     "fsdp": "fsdp-lora.yaml / fsdp-full.yaml",
     "deepspeed-zero2": "deepspeed-zero2.yaml",
-    "deepspeed-zero3": "estimate (not yet runnable)",
-    "zero2-offload": "estimate (not yet runnable)",
+    "deepspeed-zero3": "deepspeed-zero3.yaml",
+    "zero2-offload": "deepspeed-zero2-offload.yaml",
+    "zero3-offload": "deepspeed-zero3-offload.yaml",
 }
+#: the kinds whose transformer weights are split over the GPUs (one block gathered at a time)
+SPLIT_WEIGHTS = ("fsdp", "deepspeed-zero3", "zero3-offload")
 
 
 # --- sizes from configs -------------------------------------------------------------------------
@@ -225,19 +229,21 @@ def estimate(data: Mapping[str, Any], gpus: int) -> dict[str, Any]:
     rollout += max(prompts // max(gpus, 1), 1) * text_tokens * s["hidden"] * 4
     kinds = {}
     for kind in LAUNCHES:
-        split = gpus if kind in ("fsdp", "deepspeed-zero3") else 1
+        split = gpus if kind in SPLIT_WEIGHTS else 1
         state_split = gpus if kind != "ddp" else 1
         frozen = transformer / split + (s["block"] * weight_bytes if split > 1 else 0)
         if full:
-            frozen = 0 if kind in ("fsdp", "deepspeed-zero3") else transformer
-        weights_trained = 4 * trained / (gpus if kind in ("fsdp", "deepspeed-zero3") else 1)
+            frozen = 0 if kind in SPLIT_WEIGHTS else transformer
+        weights_trained = 4 * trained / split
         optimizer = (4 + 8) * trained / state_split  # float32 gradients and AdamW's two moments
-        if kind == "zero2-offload":
+        if kind.endswith("-offload"):
             optimizer = 4 * trained / state_split  # the moments (and masters) in CPU memory
+        if kind == "zero3-offload":  # the weight partitions in CPU memory: on the GPU the gathered block
+            frozen, weights_trained = s["block"] * weight_bytes, 0
         parts = {
             "weights": frozen + text + vae + weights_trained,
             "grads+adamw": optimizer,
-            "ema": ema / gpus if kind in ("fsdp", "deepspeed-zero3") else ema,
+            "ema": 0 if kind == "zero3-offload" else ema / split,
             "activations": act_ckpt if checkpointing else act_full,
             "rollout": rollout,
         }

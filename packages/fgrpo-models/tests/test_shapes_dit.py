@@ -242,3 +242,54 @@ class TestShapesDiTConformance(PolicyConformance):
     model_name = "shapes-dit"
     model_params = {"random_init": True, **{k: v for k, v in TINY.items() if k != "text_heads"}, "lora": {"rank": 4}, "device": "cpu"}
     reward = {"name": "shapes"}
+
+
+def test_an_editing_networks_source_cells_share_the_states_positions():
+    """Kontext-style in-sequence conditioning: the source's cell tokens are embedded as the state's
+    (same positions) plus a learned marker, laid out so the output's first 24 columns are the
+    state's; the source changes the output of the state's tokens."""
+    from fgrpo.models.shapes_network import edit_vocabulary
+
+    torch.manual_seed(0)
+    network = ShapesNetwork(Architecture(vocab=edit_vocabulary(), source_images=1, **TINY))
+    embed = network.transformer.pos_embed
+    x, source = torch.randn(2, 3, 24, 24), torch.randn(2, 3, 24, 24)
+    with torch.no_grad():
+        tokens = embed(torch.cat([x, source], -1)).reshape(2, 3, 6, -1)  # the (3, 6) grid the transformer unpatchifies
+        alone = type(embed).__mro__[1].forward(embed, x).reshape(2, 3, 3, -1)  # SD3's own embedding of the state
+        as_state = type(embed).__mro__[1].forward(embed, source).reshape(2, 3, 3, -1)
+        torch.testing.assert_close(tokens[:, :, :3], alone, rtol=0, atol=0)
+        torch.testing.assert_close(tokens[:, :, 3:], as_state + embed.source_marker[0], rtol=0, atol=1e-6)
+        cond = network.encode(["add a red circle", "remove the red circle"])
+        sigma = torch.tensor([0.5, 0.5])
+        out = network(x, sigma, cond["prompt_embeds"], cond["pooled_prompt_embeds"], source)
+        other = network(x, sigma, cond["prompt_embeds"], cond["pooled_prompt_embeds"], torch.randn(2, 3, 24, 24))
+    assert out.shape == x.shape and (out - other).abs().max() > 1e-4
+
+
+def test_shipped_editing_base_is_what_the_tool_makes():
+    """weights/shapes-edit-base.safetensors: an editing network (one source image, the instructions'
+    vocabulary), under 20 MB, written by tools/pretrain_shapes_edit.py with its current defaults."""
+    import json
+    import os
+    import sys
+    from pathlib import Path
+
+    from fgrpo.models.shapes_edit import EDIT_WEIGHTS_RESOURCE, ShapesEditDiT
+
+    path = default_weights_path(EDIT_WEIGHTS_RESOURCE)
+    assert os.path.getsize(path) < 20e6
+    meta = read_metadata(path)
+    arch = Architecture.from_json(meta["architecture"])
+    assert arch.source_images == 1
+    tools = Path(__file__).resolve().parents[3] / "tools"
+    sys.path.insert(0, str(tools))
+    try:
+        import pretrain_shapes_edit
+    finally:
+        sys.path.remove(str(tools))
+    defaults = {k: v for k, v in vars(pretrain_shapes_edit.parse_args([])).items() if k not in ("out", "checkpoint_dir")}
+    assert json.loads(meta["trained_with"]) == defaults
+    assert (arch.hidden, arch.layers, arch.heads, arch.text_width) == (defaults["hidden"], defaults["layers"], defaults["heads"], defaults["text_width"])
+    policy = ShapesEditDiT(device="cpu")
+    assert policy.architecture == arch

@@ -37,7 +37,13 @@ class JudgeHandler(BaseHTTPRequestHandler):
         server.requests.append((self.path, dict(self.headers), body))
         if self.headers.get("Authorization") != f"Bearer {KEY}":
             return self.reply(401, {"error": {"message": "invalid api key"}})
-        caption = body["messages"][0]["content"][-1]["text"].rsplit("Caption: ", 1)[-1].rsplit("Instruction: ", 1)[-1]
+        content = body["messages"][0]["content"]
+        if "Image 1 is better" in content[-1]["text"]:  # a comparison: the brighter image is better; "tie" answers neither
+            first, second = (brightness(c["image_url"]["url"]) for c in content[:2])
+            if "「tie」" in content[-1]["text"]:
+                return self.answer("<think>equal</think><answer>They are equally good</answer>")
+            return self.answer(f"<think>...</think><answer>Image {1 if first > second else 2} is better</answer>")
+        caption = content[-1]["text"].rsplit("Caption: ", 1)[-1].rsplit("Instruction: ", 1)[-1]
         caption = caption.removeprefix("Does this image show: ").removesuffix("? Answer yes or no.")
         if caption.startswith("good"):
             return self.answer(f"Sharp and faithful. Final Score: {caption.split()[1]}")
@@ -74,6 +80,11 @@ class JudgeHandler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(payload)))
         self.end_headers()
         self.wfile.write(payload)
+
+
+def brightness(url: str) -> float:
+    picture = Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1])))
+    return float(torch.tensor(list(picture.getdata()), dtype=torch.float32).mean())
 
 
 @pytest.fixture(scope="module")
@@ -194,6 +205,27 @@ def test_bad_template_and_pattern_name_the_key():
         registry.create("reward", "vlm-judge", model="m", template="{caption}")
     with pytest.raises(registry.ComponentError, match="reward.pattern"):
         registry.create("reward", "vlm-judge", model="m", pattern="(")
+
+
+def test_pairwise_judge_compares_two_images_for_win_rates(judge, judge_server):
+    """Pref-GRPO's comparison through the pairwise reward: two images then the question in one
+    request, the verdict read inside <answer>; a tie answer is unparsable (an error, or the
+    fallback 0.5 that Pref-GRPO uses)."""
+    levels = torch.tensor([0.2, 0.9, 0.5]).reshape(3, 1, 1, 1).expand(3, 3, 24, 24).contiguous()
+    judge_server.requests.clear()
+    reward = registry.create("reward", "pairwise", judge=judge(parse="pairwise"))
+    result = reward(levels, ["a caption"] * 3, [{}] * 3, groups=torch.zeros(3, dtype=torch.long))
+    torch.testing.assert_close(result.scores, torch.tensor([0.0, 1.0, 0.5]))
+    assert result.details["judge_calls"].tolist() == [3, 3, 3]
+    assert len(judge_server.requests) == 3
+    content = judge_server.requests[0][2]["messages"][0]["content"]
+    assert [c["type"] for c in content] == ["image_url", "image_url", "text"] and "「a caption」" in content[2]["text"]
+    with pytest.raises(ServiceError, match="hold no score"):
+        registry.create("reward", "pairwise", judge=judge(parse="pairwise"))(levels, ["tie"] * 3, [{}] * 3, groups=torch.zeros(3, dtype=torch.long))
+    tied = registry.create("reward", "pairwise", judge=judge(parse="pairwise", fallback=0.5))(levels, ["tie"] * 3, [{}] * 3, groups=torch.zeros(3, dtype=torch.long))
+    assert tied.scores.tolist() == [0.5, 0.5, 0.5] and tied.details["ties"].tolist() == [2, 2, 2]
+    with pytest.raises(ValueError, match="judge of a pairwise reward"):
+        judge(parse="pairwise")(levels, ["a caption"] * 3, [{}] * 3)
 
 
 def test_edits_send_the_source_then_the_output_with_the_edit_template(judge, judge_server):

@@ -226,3 +226,18 @@ def test_a_plugin_registering_ode_does_not_change_the_builtin_samplers(tmp_path,
     for field in ("latents", "next_latents", "log_probs", "means", "final"):
         assert torch.equal(getattr(after, field), getattr(before, field)), field
     assert after.info["nfe"] == before.info["nfe"]
+
+
+class TestODEEuler(SamplerConformance):
+    sampler_name = "ode"
+    sampler_params = {"steps": 6}
+
+
+class TestODEDPMSolver2M(SamplerConformance):
+    sampler_name = "ode"
+    sampler_params = {"steps": 7, "kernel": "dpmpp2m", "schedule": {"type": "shift", "shift": 3.0}}
+
+
+class TestODEDPMSolver3MSharedNoise(SamplerConformance):
+    sampler_name = "ode"
+    sampler_params = {"steps": 5, "kernel": "dpmpp3m", "share_noise": True}

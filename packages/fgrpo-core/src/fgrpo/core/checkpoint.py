@@ -5,6 +5,7 @@ Layout of ``checkpoints/iter_NNNNNN/``::
 
     trainable.safetensors   the policy's trainable weights (LoRA or full)
     ema.safetensors         their EMA, when enabled
+    old.safetensors         the objective's old policy (a lagged copy of them), when it keeps one
     optimizer.pt            optimizer and LR-schedule state (tensors and numbers only)
     rng-rankR.pt            each process's torch RNG states
     state.json              iteration, sampler state, data position, the resolved recipe, run id
@@ -43,6 +44,7 @@ from fgrpo.core.registry import ComponentError
 
 TRAINABLE = "trainable.safetensors"
 EMA = "ema.safetensors"
+OLD = "old.safetensors"
 OPTIMIZER = "optimizer.pt"
 STATE = "state.json"
 EXPORT = "export"
@@ -113,6 +115,7 @@ def write(
     trainable: Mapping[str, torch.Tensor],
     ema: Mapping[str, torch.Tensor] | None,
     optimizer: Mapping[str, Any],
+    old: Mapping[str, torch.Tensor] | None = None,
     rng: Mapping[int, Any],
     state: Mapping[str, Any],
     keep: int,
@@ -133,6 +136,8 @@ def write(
         save_tensors(trainable, tmp / TRAINABLE)
         if ema is not None:
             save_tensors(ema, tmp / EMA)
+        if old is not None:
+            save_tensors(old, tmp / OLD)
         _save_torch(dict(optimizer), tmp / OPTIMIZER)
         for rank, states in rng.items():
             _save_torch(states, tmp / f"rng-rank{rank}.pt")
@@ -293,7 +298,7 @@ def problem(folder: Path, *, ema: bool = True) -> str | None:
     except FileNotFoundError:
         return f"{STATE} is missing"
     except (OSError, ValueError) as exc:
-        return f"{STATE} is not valid JSON ({str(exc)[:80]})"
+        return f"{STATE} is not valid JSON ({first_line(exc, 80)})"
     if not isinstance(state, dict) or not isinstance(state.get("iteration"), int) or not isinstance(state.get("recipe"), dict):
         return f"{STATE} lacks the iteration or the recipe"
     files = [_safetensors_problem(folder / TRAINABLE), _torch_file_problem(folder / OPTIMIZER), _torch_file_problem(folder / "rng-rank0.pt")]
@@ -302,6 +307,8 @@ def problem(folder: Path, *, ema: bool = True) -> str | None:
         files.append(_safetensors_problem(folder / EMA))
     elif ema and decay > 0:
         files.append(f"{EMA} is missing, and its run keeps an EMA (train.ema_decay {decay:g})")
+    if (folder / OLD).exists():
+        files.append(_safetensors_problem(folder / OLD))
     files += _export_problems(folder / EXPORT)
     return next((p for p in files if p is not None), None)
 
@@ -399,7 +406,7 @@ def read_state(folder: Path) -> dict[str, Any]:
     except OSError as exc:
         raise _invalid(path, f"cannot be read ({exc.strerror})") from None
     except ValueError as exc:
-        raise _invalid(path, f"is not valid JSON ({str(exc)[:80]})") from None
+        raise _invalid(path, f"is not valid JSON ({first_line(exc, 80)})") from None
     if not isinstance(state, dict) or not isinstance(state.get("iteration"), int) or not isinstance(state.get("recipe"), dict):
         raise _invalid(path, "lacks the iteration or the recipe")
     return state

@@ -78,7 +78,8 @@ def evaluate(run: Run, iteration: int, out_dir: Path | None) -> dict[str, float]
         return {}
     outputs, all_prompts = generated
     metadata = [run.prompts.metadata(p) for p in all_prompts]
-    scores, details = score(run.rewards, outputs, all_prompts, metadata, where=f"evaluation at iteration {iteration}")
+    groups = torch.arange(len(all_prompts)) // run.recipe.eval.samples_per_prompt  # prompt-major: a prompt's samples are a group
+    scores, details = score(run.rewards, outputs, all_prompts, metadata, where=f"evaluation at iteration {iteration}", groups=groups)
     metrics: dict[str, float] = {}
     total = torch.zeros(len(all_prompts))
     for spec, reward in run.rewards:

@@ -20,6 +20,7 @@ def first_ratio_check(recipe: Recipe, console: Console) -> tuple[float, Run]:
     cfg = attrs.evolve(recipe.train, iterations=1, minibatch_size=0, inner_epochs=1, drop_zero_advantage=False)
     checked = attrs.evolve(recipe, train=cfg, eval=attrs.evolve(recipe.eval, every=0))
     run = build_run(checked, out_dir=None, console=console, quiet=True)
+    run.checking = True  # forward-process points: the first update's predictions are compared with the old policy's
     metrics = iteration(run, 0)
     return metrics["first_ratio_deviation"], run
 
@@ -37,8 +38,11 @@ def diagnose(run: Run) -> list[str]:
         )
     run.sampler.advance(0)
     traj = phases.rollout(run, 0)
-    x, index = traj.latents[:, 0], traj.step_index[:, 0]
-    sigma = traj.sigmas[index]
+    if traj.num_trained_steps:
+        x, sigma = traj.latents[:, 0], traj.sigmas[traj.step_index[:, 0]]
+    else:  # forward-process points: the finished samples half re-noised
+        noise = torch.randn(traj.final.shape, generator=torch.Generator().manual_seed(0)).to(traj.final.device)
+        x, sigma = 0.5 * traj.final.float() + 0.5 * noise, torch.full((traj.batch_size,), 0.5, device=traj.final.device)
     a = run.policy.velocity(x, sigma, traj.cond)
     b = run.policy.velocity(x, sigma, traj.cond)
     if not torch.equal(a, b):
@@ -49,6 +53,8 @@ def diagnose(run: Run) -> list[str]:
             "batch composition changes the network's output: the update evaluates (sample, step) pairs in "
             "forward passes of a different size than the rollout (train.micro_batch_size, train.rollout_prompts)"
         )
-    if not found:
+    if not found and traj.num_trained_steps:
         found.append("the kernel's log-prob of the stored action disagrees with the rollout: check the sampler's sigmas and step indices")
+    elif not found:
+        found.append("the old policy's predictions differ from the update's at the same points: check that the objective's old policy starts at the current weights")
     return found

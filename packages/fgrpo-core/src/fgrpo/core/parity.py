@@ -14,6 +14,8 @@ the entry's process count), ``value`` the reference's in fgrpo's terms (null is 
 ``at`` where the reference sets it; optional ``note``, ``unordered: true`` (lists compared as
 sets, e.g. LoRA targets) and ``unused: why`` for a parameter the reference does not use in that
 setting (the KL form with beta 0). A parameter the reference sets is never left out as "silent".
+A key the recipe lacks is a problem unless the value is ``unused`` or listed as a deviation with
+``recipe: null`` and a reason (the reference's sampler noise where fgrpo's sampler has none).
 """
 
 from __future__ import annotations
@@ -169,10 +171,18 @@ def compare(name: str, data: Mapping[str, Any], table: Mapping[str, Any]) -> tup
     rows = []
     for param, spec in values.items():
         key, expected, at, note = spec["key"], spec.get("value"), str(spec.get("at", "")), spec.get("note", "")
+        deviation = deviations.get(param)
         try:
             actual = resolve(data, key, processes)
         except KeyError:
-            problems.append(f"{name}: {param}: the recipe has no {key}")
+            # a parameter the recipe's components do not have (a deterministic sampler's eta, the
+            # clip range of an objective without a ratio) is a row only when the table says why
+            if spec.get("unused"):
+                rows.append(Row(param, key, expected, at, None, STATUS_UNUSED, str(spec["unused"])))
+            elif deviation is not None and deviation.get("recipe") is None and deviation.get("reason"):
+                rows.append(Row(param, key, expected, at, None, STATUS_DEVIATION, deviation["reason"]))
+            else:
+                problems.append(f"{name}: {param}: the recipe has no {key}")
             continue
         if spec.get("unused"):
             rows.append(Row(param, key, expected, at, actual, STATUS_UNUSED, str(spec["unused"])))
@@ -183,7 +193,6 @@ def compare(name: str, data: Mapping[str, Any], table: Mapping[str, Any]) -> tup
         def norm(value: Any, unordered: bool = bool(spec.get("unordered"))) -> Any:
             return sorted(value, key=str) if unordered and isinstance(value, list) else value
 
-        deviation = deviations.get(param)
         if same(norm(actual), norm(expected)):
             if deviation is not None:
                 problems.append(f"{name}: {param}: listed as a deviation but the recipe has the reference's {expected!r}")

@@ -11,12 +11,14 @@ import contextlib
 import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
 import torch
 
 from fgrpo.core import tensors
 from fgrpo.core.advantages import combine
+from fgrpo.core.ema import ema_weights
 from fgrpo.core.protocols import StepBatch, Trajectory
 from fgrpo.core.run import Run
 from fgrpo.core.seeding import generator
@@ -76,7 +78,7 @@ def rollout(run: Run, iteration: int, on_chunk: Callable[[Trajectory], None] | N
     chunk = cfg.rollout_prompts or len(local)
     parts = []
     policy = TimedPolicy(run.policy, run.clock)
-    with run.display.phase("rollout", len(local)) as advance:
+    with run.display.phase("rollout", len(local)) as advance, sampling_policy(run):
         for start in range(0, len(local), chunk):
             slots, prompts = zip(*local[start : start + chunk], strict=True)
             g = generator(run.recipe.seed, "rollout", iteration, slots[0], device=run.policy.device)
@@ -89,6 +91,12 @@ def rollout(run: Run, iteration: int, on_chunk: Callable[[Trajectory], None] | N
                 on_chunk(traj)
             advance(len(slots))
     return cat_trajectories(parts)
+
+
+def sampling_policy(run: Run) -> contextlib.AbstractContextManager:
+    """The weights rollouts come from: the objective's old policy when it samples from it
+    (DiffusionNFT), else the current ones."""
+    return ema_weights(run.old if getattr(run.objective, "samples_from_old", False) else None)
 
 
 def nfe_by_phase(traj: Trajectory) -> dict[str, int]:
@@ -139,18 +147,28 @@ class UpdateStats:
     samples: int = 0  # samples the update trained on (after the zero-advantage filter)
     nfe: int = 0  # the update's forwards, the reference pass included
     reference_nfe: int = 0  # the reference pass alone
+    old_nfe: int = 0  # the old policy's pass alone (forward-process objectives)
     first_ratio_deviation: torch.Tensor | None = None  # max |ratio - 1| before the first optimizer step
     grad_norms: list[torch.Tensor] = attrs.Factory(list)
 
-    def record(self, batch: StepBatch, metrics: dict[str, torch.Tensor], nfe: int) -> None:
-        """One pass's forwards and metrics, kept on device (read once, by :func:`summarize`)."""
+    def prepared(self, reference_nfe: int, old_nfe: int) -> None:
+        """The forwards an epoch's preparation made (reference and old-policy passes)."""
+        self.reference_nfe += reference_nfe
+        self.old_nfe += old_nfe
+        self.nfe += reference_nfe + old_nfe
+
+    def record(self, metrics: dict[str, torch.Tensor], nfe: int, deviation: Callable[[], torch.Tensor | None]) -> None:
+        """One pass's forwards and metrics, kept on device (read once, by :func:`summarize`);
+        before the first optimizer step also ``deviation()``, the pass's largest departure from
+        the sampling policy (|ratio - 1|, or the relative velocity difference to the old policy)."""
         self.nfe += nfe
         for key, value in metrics.items():
             self.metrics[key].append(value.detach())
         if self.optimizer_steps == 0:
-            dev = (batch.log_prob.detach() - batch.old_log_prob).exp().sub(1).abs().max()
+            dev = deviation()
             first = self.first_ratio_deviation
-            self.first_ratio_deviation = dev if first is None else torch.maximum(first, dev)
+            if dev is not None:
+                self.first_ratio_deviation = dev if first is None else torch.maximum(first, dev)
 
 
 def pair_batches(traj: Trajectory, samples: torch.Tensor, per_forward: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -277,37 +295,87 @@ def minibatches(kept: torch.Tensor, most: int, n: int, per_step: int, order: tor
     return chunks + [kept[:0]] * (math.ceil(most / size) - len(chunks))
 
 
-def optimizer_steps(run: Run, traj: Trajectory, kept: torch.Tensor, most: int, iteration: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
-    """The update's optimizer steps, each as its forward passes of (sample, step) pairs:
-    ``inner_epochs`` passes over the kept samples in minibatches (shuffled per epoch with
-    ``train.shuffle_minibatches``), ``gradient_accumulation_steps`` minibatches per step
-    (accelerate's setting by default, 1), ``train.micro_batch_size`` pairs per forward."""
+class Transitions:
+    """The stored (x_t, x_t') pairs of a rollout's trained steps (grpo, grpo-guard): the items of
+    the update are its samples, each with its S trained steps; the reference pass (KL) is made
+    once per iteration. :class:`fgrpo.core.forward.ForwardPoints` is the other kind: the update
+    below serves both through these methods, the launch kind through ``run.parallel``."""
+
+    def __init__(self, run: Run, traj: Trajectory, adv: torch.Tensor):
+        self.run, self.traj, self.adv = run, traj, adv
+        self.advantages = adv
+        self.items = traj.batch_size
+        self.units = traj.num_trained_steps
+        self.ref: Reference | None = None
+        self.ref_nfe = self.old_nfe = 0
+
+    def prepare(self, kept: torch.Tensor, epoch: int) -> None:
+        if epoch == 0:  # the reference does not change during the update, whatever the epochs
+            self.ref = reference(self.run, self.traj, kept)
+            self.ref_nfe = self.ref.nfe if self.ref is not None else 0
+        else:
+            self.ref_nfe = 0
+
+    def per_forward(self, micro_batch_size: int) -> int:
+        return micro_batch_size
+
+    def passes(self, items: torch.Tensor, per_forward: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return pair_batches(self.traj, items.to(self.traj.latents.device), per_forward) if len(items) else []
+
+    def batch(self, rows: torch.Tensor, cols: torch.Tensor) -> tuple[StepBatch, int]:
+        return step_batch(self.run, self.traj, self.adv, rows, cols, self.ref)
+
+    def deviation(self, batch: StepBatch) -> torch.Tensor:
+        return (batch.log_prob.detach() - batch.old_log_prob).exp().sub(1).abs().max()
+
+    def idle(self, count: int) -> None:
+        idle_passes(self.run, self.traj, self.adv, count)
+
+
+def training_points(run: Run, traj: Trajectory, adv: torch.Tensor, iteration: int) -> Any:
+    """What the objective trains on (``Objective.trains_on``): stored transitions, or forward-process points."""
+    if getattr(run.objective, "trains_on", "transitions") == "forward":
+        from fgrpo.core.forward import ForwardPoints
+
+        return ForwardPoints(run, traj, adv, iteration)
+    return Transitions(run, traj, adv)
+
+
+def epoch_steps(run: Run, points: Any, kept: torch.Tensor, most: int, iteration: int, epoch: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """One epoch's optimizer steps, each as its forward passes of (item, unit) pairs: the kept
+    items in minibatches (shuffled per epoch with ``train.shuffle_minibatches``),
+    ``gradient_accumulation_steps`` minibatches per step (accelerate's setting by default, 1),
+    ``train.micro_batch_size`` network rows per forward."""
     cfg = run.recipe.train
-    n = traj.batch_size
+    n = points.traj.batch_size  # what train.minibatch_size is a share of
     accumulate = max(1, int(run.accelerator.gradient_accumulation_steps))
-    steps = []
-    for epoch in range(cfg.inner_epochs):
-        shuffled = cfg.shuffle_minibatches
-        order = torch.randperm(len(kept), generator=generator(run.recipe.seed, "minibatch", iteration, epoch)) if shuffled else None
-        batches = minibatches(kept, most, n, cfg.minibatch_size or n, order)
-        for first in range(0, len(batches), accumulate):
-            group = [samples.to(traj.latents.device) for samples in batches[first : first + accumulate] if len(samples)]
-            steps.append([pair for samples in group for pair in pair_batches(traj, samples, cfg.micro_batch_size)])
-    return steps
+    order = torch.randperm(len(kept), generator=generator(run.recipe.seed, "minibatch", iteration, epoch)) if cfg.shuffle_minibatches else None
+    batches = minibatches(kept, most, n, cfg.minibatch_size or n, order)
+    per_forward = points.per_forward(cfg.micro_batch_size)
+    return [
+        [pair for items in batches[first : first + accumulate] for pair in points.passes(items, per_forward)]
+        for first in range(0, len(batches), accumulate)
+    ]
 
 
-def train_pass(
-    run: Run, traj: Trajectory, adv: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, ref: Reference | None, weight: float, stats: UpdateStats
-) -> None:
-    """Forward and backward of the objective on one pass of (sample, step) pairs, its loss weighted
+def update_steps(run: Run, points: Any, most: int) -> int:
+    """How many optimizer steps :func:`update` makes (for the progress display)."""
+    cfg = run.recipe.train
+    n = points.traj.batch_size  # what train.minibatch_size is a share of
+    per_epoch = math.ceil(most / math.ceil(most * (cfg.minibatch_size or n) / n)) if most else 0
+    return cfg.inner_epochs * math.ceil(per_epoch / max(1, int(run.accelerator.gradient_accumulation_steps)))
+
+
+def train_pass(run: Run, points: Any, rows: torch.Tensor, cols: torch.Tensor, weight: float, stats: UpdateStats) -> None:
+    """Forward and backward of the objective on one pass of (item, unit) pairs, its loss weighted
     by ``weight`` (the pass's share of the optimizer step's pairs)."""
     with run.accelerator.autocast():
-        batch, nfe = step_batch(run, traj, adv, rows, cols, ref)
+        batch, nfe = points.batch(rows, cols)
         out = run.objective(batch)
     loss = out.loss * weight
     with run.clock.section("model"):
         run.parallel.backward(loss)
-    stats.record(batch, out.metrics, nfe)
+    stats.record(out.metrics, nfe, lambda: points.deviation(batch))
 
 
 def optimizer_step(run: Run, stats: UpdateStats) -> None:
@@ -325,27 +393,37 @@ def optimizer_step(run: Run, stats: UpdateStats) -> None:
 
 
 def update(run: Run, traj: Trajectory, adv: torch.Tensor, iteration: int) -> UpdateStats:
-    """GRPO's update: for every optimizer step (:func:`optimizer_steps`), the objective's loss on
-    each of its passes, weighted so that the gradient is the mean over all their (sample, step)
-    pairs, then one step. Forwards run under the run's mixed precision (accelerate's autocast);
-    with fp16 the loss is scaled (accelerate's GradScaler)."""
+    """The update, for both kinds of training points (:func:`training_points`): per epoch, the
+    points' preparation (the reference pass; forward-process points: drawn, with the old policy's
+    and the reference's predictions), then for every optimizer step (:func:`epoch_steps`) the
+    objective's loss on each of its passes, weighted so that the gradient is the mean over all
+    their (item, unit) pairs (a unit: a trained step, or a point), then one step. Forwards run
+    under the run's mixed precision (accelerate's autocast); with fp16 the loss is scaled."""
     stats = UpdateStats()
-    kept, most = informative(run, adv)
+    points = training_points(run, traj, adv, iteration)
+    kept, most = informative(run, points.advantages)
     stats.samples = len(kept)
-    ref = reference(run, traj, kept)
-    stats.reference_nfe = stats.nfe = ref.nfe if ref is not None else 0
-    steps = optimizer_steps(run, traj, kept, most, iteration)
-    with run.display.phase("update", len(steps)) as advance:
-        for passes in steps:
-            run.optimizer.zero_grad(set_to_none=True)
-            idle = run.parallel.missing_backwards(len(passes))  # a collective: before any pass
-            pairs = sum(len(rows) for rows, _ in passes)
-            for rows, cols in passes:
-                train_pass(run, traj, adv, rows, cols, ref, len(rows) / pairs, stats)
-            idle_passes(run, traj, adv, idle)
-            optimizer_step(run, stats)
-            advance()
+    with run.display.phase("update", update_steps(run, points, most)) as advance:
+        for epoch in range(run.recipe.train.inner_epochs):
+            points.prepare(kept, epoch)
+            stats.prepared(points.ref_nfe, points.old_nfe)
+            for passes in epoch_steps(run, points, kept, most, iteration, epoch):
+                run.parallel.zero_grad(run.optimizer)
+                idle = run.parallel.missing_backwards(len(passes))  # a collective: before any pass
+                units = sum(len(rows) for rows, _ in passes)
+                for rows, cols in passes:
+                    train_pass(run, points, rows, cols, len(rows) / units, stats)
+                points.idle(idle)
+                optimizer_step(run, stats)
+                advance()
     return stats
+
+
+def move_old_policy(run: Run) -> None:
+    """After an iteration's update: the objective's old policy <- d old + (1 - d) current, with d
+    its decay after the run's optimizer steps so far (``Objective.old_decay``)."""
+    if run.old is not None:
+        run.old.update(run.objective.old_decay(run.optimizer_steps))
 
 
 def summarize(stats: UpdateStats) -> dict[str, float]:
@@ -366,4 +444,5 @@ def summarize(stats: UpdateStats) -> dict[str, float]:
     out["optimizer_steps"] = stats.optimizer_steps
     out["trained_samples"] = stats.samples
     out["nfe_reference"] = stats.reference_nfe
+    out["nfe_old"] = stats.old_nfe
     return out

@@ -7,7 +7,7 @@ through the methods named here.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol, runtime_checkable
 
@@ -107,9 +107,10 @@ class Policy(Protocol):
     Optional, for sharded runs (FSDP and DeepSpeed launches, :mod:`fgrpo.core.launch`):
     ``trainable_module`` is the ``nn.Module`` that holds every trainable parameter and that
     ``velocity`` calls (through its ``__call__``) for each forward, e.g. the transformer; FSDP
-    shards it in place, so its parameters become DTensor shards. ``trainable_state_dict`` then
-    returns whole tensors (every process calls it) and ``load_trainable_state_dict`` takes whole
-    tensors.
+    shards it in place, so its parameters become DTensor shards; DeepSpeed ZeRO-3 partitions its
+    weights in place and the trainer calls the two state-dict methods with them gathered whole.
+    ``trainable_state_dict`` then returns whole tensors (every process calls it) and
+    ``load_trainable_state_dict`` takes whole tensors.
     """
 
     # a recipe key typed as the recipe gives it ('cpu', 'auto', ...); built-ins resolve it to a
@@ -228,6 +229,12 @@ class Reward(Protocol):
     (``fgrpo.core.scoring.score_frames``); a reward that scores whole videos itself declares the
     class attribute ``accepts_video = True`` and receives the (B, T, 3, H, W) tensor.
 
+    The group-aware form: a reward that judges the samples of a prompt group jointly (pairwise
+    win rates, within-group ranks) declares ``groupwise = True`` and is called with the keyword
+    ``groups``, a (B,) long tensor in which samples of the same prompt group share a value (the
+    batch always holds whole groups: a training batch its G samples per prompt, an evaluation its
+    ``eval.samples_per_prompt``).
+
     Edits: a reward that compares each output with the images its prompt started from declares
     ``accepts_sources = True`` and is called with the keyword ``sources``: per sample, a tuple of
     float32 (3, H, W) tensors in [0, 1] at the outputs' size (empty for a prompt without sources;
@@ -267,12 +274,54 @@ class StepBatch:
     ref_velocity: torch.Tensor | None = None
 
 
+@attrs.frozen
+class ForwardBatch:
+    """Forward-process training points for a minibatch, as the objective sees them.
+
+    Every row is a finished sample ``x0`` re-noised at ``t``: ``x_t = (1 - t) x0 + t noise``, whose
+    flow-matching target is ``noise - x0``. ``velocity`` is the current policy's prediction at
+    (x_t, t) with gradient; ``old_velocity`` the objective's old policy's (no gradient; only when
+    the objective keeps one, ``Objective.old_decay``), ``ref_velocity`` the adapter-disabled
+    reference's (only when ``needs_reference``). A pairwise objective (``pairwise = True``) gets
+    2m rows: row i and row m + i are the preferred and the rejected sample of one pair, drawn at
+    the same t with the same noise.
+    """
+
+    advantages: torch.Tensor  # (b,) the sample's advantage (pairs: +1 preferred, -1 rejected)
+    t: torch.Tensor  # (b,) noise level in (0, 1]
+    x0: torch.Tensor  # (b, *shape) the finished sample
+    noise: torch.Tensor  # (b, *shape)
+    x_t: torch.Tensor  # (b, *shape)
+    velocity: torch.Tensor  # (b, *shape) float32, with gradient
+    old_velocity: torch.Tensor | None = None
+    ref_velocity: torch.Tensor | None = None
+
+    @property
+    def target(self) -> torch.Tensor:
+        """The flow-matching target ``noise - x0``."""
+        return self.noise - self.x0
+
+
 @runtime_checkable
 class Objective(Protocol):
+    """Turns a batch of training points into a loss. What it trains on is the class attribute
+    ``trains_on``: ``"transitions"`` (the default when absent: the stored (x_t, x_t') pairs of a
+    sampler's stochastic steps, a :class:`StepBatch`; grpo, grpo-guard) or ``"forward"`` (finished
+    samples re-noised, a :class:`ForwardBatch`; nft, awm, dpo), which one update loop serves both.
+
+    A forward-process objective also offers ``point_times(sigmas, generator) -> (K,)``: the noise
+    levels of one item's K training points (``sigmas``: the rollout's schedule), drawn from
+    ``generator``, which then draws their noise; optionally ``old_decay(optimizer_steps) -> float``
+    (it keeps an old policy, a lagged copy of the trained weights, moved after every iteration to
+    decay x old + (1 - decay) x current; ``samples_from_old = True``: rollouts come from it) and
+    ``pairwise = True`` with ``pairs(advantages, groups) -> (P, 2)`` (it trains on (preferred,
+    rejected) pairs of samples of one group).
+    """
+
     @property
     def needs_reference(self) -> bool: ...
 
-    def __call__(self, batch: StepBatch) -> ObjectiveOutput: ...
+    def __call__(self, batch: StepBatch | ForwardBatch) -> ObjectiveOutput: ...
 
 
 @runtime_checkable
@@ -352,7 +401,3 @@ class Evaluator(Protocol):
     better for each metric (the guard and the report read it; default higher)."""
 
     def __call__(self, context: EvalContext) -> EvaluatorResult: ...
-
-
-def iter_protocols() -> Iterator[type]:
-    yield from (Kernel, Policy, Sampler, Reward, Objective, PromptSource, Evaluator)

@@ -42,10 +42,12 @@ class TrainConfig:
     inner_epochs: int = param(1, ge=1, help="passes over each iteration's samples")
     minibatch_size: int = param(0, ge=0, help="samples per optimizer step; 0 = the whole batch (on-policy)")
     micro_batch_size: int = param(
-        0, ge=0, help="(sample, step) pairs per forward pass (all trained steps of a sample batched); 0 = the whole minibatch"
+        0, ge=0, help="(sample, step) pairs per forward pass (all trained steps of a sample batched; forward-process objectives: "
+        "(sample, point) pairs, a DPO pair's two rows counting as two); 0 = the whole minibatch"
     )
     reference_batch_size: int = param(
-        0, ge=0, help="(sample, step) pairs per forward of the KL's reference pass (once per iteration, no gradient); 0 = micro_batch_size"
+        0, ge=0, help="(sample, step) pairs per forward of the passes without gradient (the KL's reference, once per "
+        "iteration; forward-process objectives: the old policy's and the reference's, once per epoch); 0 = micro_batch_size"
     )
     reward_worker: bool = param(
         False, help="decode and score each rollout chunk (train.rollout_prompts) in a worker thread while the next chunk rolls out"
@@ -182,18 +184,24 @@ SECTIONS: dict[str, str] = {
 }
 REQUIRED = ("model", "sampler", "reward", "objective", "prompts")
 OWN_SECTIONS = {"train": TrainConfig, "eval": EvalConfig, "log": LogConfig}
-REWARD_EXTRA_KEYS = ("weight", "label", "frame_stride", "timeout_s")
 EVALUATOR_EXTRA_KEYS = ("label",)
 
 
 @attrs.frozen
 class RewardSpec:
+    """One reward of a recipe: its registered ``name`` and its own ``params``, and the keys of its
+    entry that are the trainer's (declared here, checked as any component's keys are)."""
+
     name: str
-    label: str
-    weight: float
-    params: dict[str, Any]
-    frame_stride: int = 1  # videos: score every k-th frame as an image (fgrpo.core.scoring.score)
-    timeout_s: float | None = None
+    label: str | None = param(None, help="name of this reward in metrics (default: its name)")
+    weight: float = param(1.0, ge=-1e6, le=1e6, help="weight of this reward in the sum")
+    params: dict[str, Any] = attrs.field(factory=dict)
+    frame_stride: int = param(1, ge=1, help="videos: score every k-th frame as an image (fgrpo.core.scoring.score)")
+    timeout_s: float | None = param(None, gt=0, help="seconds a call may take before the run ends with an error; null = no limit")
+
+
+#: the keys of a reward entry that are the trainer's, not the reward's
+REWARD_EXTRA_KEYS = tuple(f.name for f in attrs.fields(RewardSpec) if f.name not in ("name", "params"))
 
 
 @attrs.frozen
@@ -201,16 +209,6 @@ class EvaluatorSpec:
     name: str
     label: str  # its metrics are logged as gold/<label>/<key>
     params: dict[str, Any]
-
-
-@attrs.define
-class RewardExtras:
-    """The keys of a reward entry that are the trainer's, not the reward's."""
-
-    weight: float = param(1.0, ge=-1e6, le=1e6, help="weight of this reward in the sum")
-    label: str | None = param(None, help="name of this reward in metrics (default: its name)")
-    frame_stride: int = param(1, ge=1, help="videos: score every k-th frame as an image")
-    timeout_s: float | None = param(None, gt=0, help="seconds a call may take before the run ends with an error; null = no limit")
 
 
 @attrs.frozen
@@ -225,15 +223,21 @@ class Recipe:
     rewards: tuple[RewardSpec, ...]
     source: str = ""
     evaluators: tuple[EvaluatorSpec, ...] = ()
+    #: the component sections as checked (coerced, defaults filled in), before ``data`` made them plain
+    checked: dict[str, dict[str, Any]] = attrs.field(factory=dict, repr=False)
 
     def spec(self, section: str) -> dict[str, Any]:
         return copy.deepcopy(self.data[section])
 
     def build(self, section: str) -> Any:
-        """Build the component of ``section`` (model, sampler, objective, prompts)."""
-        spec = self.spec(section)
+        """Build the component of ``section`` (model, sampler, objective, prompts) from its keys as
+        they were checked when the recipe was validated (not checked again)."""
+        if section not in self.checked:
+            spec = self.spec(section)
+            return registry.create(section, spec.pop("name"), **spec)
+        spec = copy.deepcopy(self.checked[section])
         name = spec.pop("name")
-        return registry.create(section, name, **spec)
+        return registry.construct(section, registry.load(section, name), spec, name)
 
     def build_rewards(self) -> list[tuple[RewardSpec, Any]]:
         return [(r, registry.create("reward", r.name, **copy.deepcopy(r.params))) for r in self.rewards]
@@ -498,6 +502,7 @@ def validate(data: Mapping[str, Any], source: str = "recipe") -> tuple[Recipe | 
         rewards=tuple(rewards),
         source=source,
         evaluators=tuple(evaluators),
+        checked={section: resolved[section] for section in ("model", "sampler", "objective", "prompts")},
     )
     return recipe, []
 
@@ -511,7 +516,7 @@ def cross_section_errors(resolved: Mapping[str, Any]) -> list[ConfigError]:
         if isinstance(spec, Mapping) and isinstance(spec.get("name"), str):
             classes.append(registry.load(section, spec["name"]))
     classes.extend(OWN_SECTIONS.values())
-    errors: list[ConfigError] = []
+    errors: list[ConfigError] = training_kind_errors(resolved)
     for cls in classes:
         check = getattr(cls, "check_recipe", None)
         if check is not None:
@@ -540,6 +545,36 @@ def source_image_errors(resolved: Mapping[str, Any], shown_at_most: int = 5) -> 
     if len(problems) > shown_at_most:
         errors.append(ConfigError("prompts", f"... and {len(problems) - shown_at_most} more prompts the model cannot take"))
     return errors
+
+
+def training_kind_errors(resolved: Mapping[str, Any]) -> list[ConfigError]:
+    """An objective trains on what the sampler's rollouts hold: stochastic transitions (grpo,
+    grpo-guard: the full, fast and mixgrpo samplers) or finished samples that it re-noises itself
+    (nft, awm, dpo: the deterministic ``ode`` sampler). A pair that cannot train is refused,
+    naming both keys."""
+    objective, sampler = resolved.get("objective"), resolved.get("sampler")
+    if not (isinstance(objective, Mapping) and isinstance(sampler, Mapping)):
+        return []
+    kind = getattr(registry.load("objective", objective["name"]), "trains_on", "transitions")
+    records = getattr(registry.load("sampler", sampler["name"]), "transitions", True)
+    kernel = sampler.get("kernel")
+    kernel_name = kernel.get("name") if isinstance(kernel, Mapping) else kernel
+    if kind == "forward" and records:
+        return [ConfigError(
+            "objective.name",
+            f"got {objective['name']!r}, which trains on forward-process points (its rollouts' finished samples, "
+            f"re-noised), with sampler.name {sampler['name']!r}, whose stochastic steps (sampler.kernel "
+            f"{shown(kernel_name)}) it cannot train on; use the deterministic sampler, e.g. sampler: {{name: ode, "
+            "kernel: dpmpp2m}, or an objective that trains on stochastic transitions (grpo, grpo-guard)",
+        )]
+    if kind == "transitions" and not records:
+        return [ConfigError(
+            "sampler.name",
+            f"got {sampler['name']!r}, whose rollouts record no stochastic transitions, with objective.name "
+            f"{objective['name']!r}, which trains on them; use the full, fast or mixgrpo sampler with a stochastic "
+            "kernel (sde, dance, cps), or an objective that trains on the forward process (nft, awm, dpo)",
+        )]
+    return []
 
 
 def _entries(section: str, value: Any) -> tuple[list[tuple[str, Mapping[str, Any]]], list[ConfigError]]:
@@ -572,7 +607,7 @@ def _check_rewards(value: Any) -> tuple[list[RewardSpec], Any, list[ConfigError]
     for key, item in entries:
         params = {k: v for k, v in item.items() if k not in REWARD_EXTRA_KEYS}
         spec, errs = registry.check_spec("reward", params, key)
-        extra, extra_errs = check_params(RewardExtras, {k: item[k] for k in REWARD_EXTRA_KEYS if k in item}, key)
+        extra, extra_errs = _trainer_keys(item, key)
         errors += errs + extra_errs
         # (a key that failed its check is absent from ``extra``)
         weight, stride, timeout = extra.get("weight", 1.0), extra.get("frame_stride", 1), extra.get("timeout_s")
@@ -604,6 +639,14 @@ def _check_evaluators(value: Any) -> tuple[list[EvaluatorSpec], list[dict[str, A
         if not errs:
             specs.append(EvaluatorSpec(spec["name"], label, {k: v for k, v in spec.items() if k != "name"}))
     return specs, resolved, errors + _duplicate_labels("evaluator", resolved)
+
+
+def _trainer_keys(item: Mapping[str, Any], key: str) -> tuple[dict[str, Any], list[ConfigError]]:
+    """The trainer's keys of a reward entry (:data:`REWARD_EXTRA_KEYS`), checked against
+    :class:`RewardSpec`'s declarations (a key that fails its check is left out)."""
+    given = {k: item[k] for k in REWARD_EXTRA_KEYS if k in item}
+    checked, errors = check_params(RewardSpec, {"name": "", "params": {}, **given}, key)
+    return {k: v for k, v in checked.items() if k in REWARD_EXTRA_KEYS}, errors
 
 
 def _plain(value: Any) -> Any:

@@ -342,8 +342,20 @@ def build(kind: str, cls: type, params: Mapping[str, Any], name: str = "") -> An
     checked, errors = check_params(cls, params, kind)
     if errors:
         raise RecipeError(errors)
+    return construct(kind, cls, checked, name)
+
+
+def construct(kind: str, cls: type, checked: Mapping[str, Any], name: str = "") -> Any:
+    """Build ``cls`` from recipe keys that :func:`check_params` has checked (those of a validated
+    recipe): its nested components are built from their checked specs, not checked again."""
+    values = dict(checked)
+    for field in attrs.fields(cls) if attrs.has(cls) else ():
+        nested, spec = field.metadata.get("fgrpo_kind"), values.get(field.name)
+        if nested is not None and isinstance(spec, Mapping):
+            params = {k: v for k, v in spec.items() if k != "name"}
+            values[field.name] = construct(nested, load(nested, spec["name"]), params, spec["name"])
     try:
-        return cls(**checked)
+        return cls(**values)
     except (ValueError, OSError, ImportError) as exc:
         raise BuildError(f"{kind} {name or cls.__name__!r} could not be built: {exc}") from exc
     except (MemoryError, RuntimeError) as exc:

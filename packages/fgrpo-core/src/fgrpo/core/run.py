@@ -46,6 +46,8 @@ class Run:
     folder: RunFolder | None = None  # the locked run folder (main process of a compose)
     start_iteration: int = 0  # iterations already done (after a resume)
     optimizer_steps: int = 0  # over the whole run (checkpointed): the EMA counts these
+    old: EMA | None = None  # the objective's old policy (Objective.old_decay), a lagged copy of the trainable weights
+    checking: bool = False  # ``fgrpo check``: the update also measures the old policy's predictions
     clock: Clock = attrs.Factory(lambda self: Clock(self.policy.device), takes_self=True)  # time accounting
     evaluators: list[tuple[EvaluatorSpec, Any]] = attrs.Factory(list)  # gold metrics (fgrpo.core.protocols.Evaluator)
     guard: Guard | None = None  # eval.guard: the proxy rises while a gold metric falls

@@ -112,12 +112,21 @@ def call_reward(spec: Any, call: Callable[[], Any], prompts: list[str], where: s
         ) from exc
 
 
-def score(rewards: Sequence[tuple[Any, Any]], outputs: Any, prompts: Sequence[str], metadata: Sequence[Any], *, where: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def score(
+    rewards: Sequence[tuple[Any, Any]],
+    outputs: Any,
+    prompts: Sequence[str],
+    metadata: Sequence[Any],
+    *,
+    where: str,
+    groups: torch.Tensor | None = None,
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Every reward on the batch; a malformed result stops the run before an update uses it.
     Videos reach a reward frame by frame (every ``frame_stride``-th frame of the reward's spec)
     unless the reward declares ``accepts_video = True``. A reward that declares
     ``accepts_sources = True`` also gets ``sources=``: each sample's source images
-    (:func:`fgrpo.core.media.reward_sources`)."""
+    (:func:`fgrpo.core.media.reward_sources`). A group-aware reward (``groupwise = True``) also
+    receives ``groups``, each sample's prompt group (the batch holds whole groups)."""
     scores: dict[str, torch.Tensor] = {}
     details: dict[str, Any] = {}
     prompts = list(prompts)
@@ -127,7 +136,11 @@ def score(rewards: Sequence[tuple[Any, Any]], outputs: Any, prompts: Sequence[st
         if getattr(reward, "accepts_sources", False):  # loaded once for every reward that takes them
             sources = media.reward_sources(prompts, outputs) if sources is None else sources
             extra["sources"] = sources
-        if is_video_batch(outputs) and not getattr(reward, "accepts_video", False):
+        if getattr(reward, "groupwise", False):
+            if groups is None:
+                raise RewardError(f"reward {spec.label!r} judges whole prompt groups, and {where} gave none")
+            call = functools.partial(reward, outputs, prompts, list(metadata), groups=groups, **extra)
+        elif is_video_batch(outputs) and not getattr(reward, "accepts_video", False):
             stride = getattr(spec, "frame_stride", 1)
             call = functools.partial(score_frames, reward, outputs, prompts, metadata, stride, **extra)
         else:
@@ -211,7 +224,7 @@ def decode_and_score(run: Run, traj: Trajectory, where: str) -> tuple[dict[str, 
         outputs = decode(run, traj)
     metadata = [run.prompts.metadata(p) for p in traj.prompts]
     with run.clock.phase("reward"):
-        return score(run.rewards, outputs, traj.prompts, metadata, where=where)
+        return score(run.rewards, outputs, traj.prompts, metadata, where=where, groups=traj.group_index.cpu())
 
 
 class RewardWorker:

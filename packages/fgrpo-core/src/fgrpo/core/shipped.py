@@ -22,10 +22,10 @@ DISTRIBUTIONS = ("fgrpo-core", "fgrpo-samplers", "fgrpo-rewards", "fgrpo-models"
 #: packages' pyproject.toml.
 COMPONENTS: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
     **{("kernel", n): ("fgrpo-samplers", ()) for n in ("ode", "sde", "wan-sde", "dance", "cps", "dpmpp2m", "dpmpp3m", "correlated")},
-    **{("sampler", n): ("fgrpo-samplers", ()) for n in ("full", "fast", "mixgrpo")},
+    **{("sampler", n): ("fgrpo-samplers", ()) for n in ("full", "fast", "mixgrpo", "ode")},
     **{("reward", n): ("fgrpo-rewards", ()) for n in (
         "jpeg-compressibility", "jpeg-incompressibility", "target-distance", "shapes", "shapes-gold", "vlm-judge",
-        "remote", *(f"driving-{term}" for term in ("safety", "drivable", "rules", "comfort", "progress", "imitation",
+        "remote", "pairwise", "rank", *(f"driving-{term}" for term in ("safety", "drivable", "rules", "comfort", "progress", "imitation",
                                                    "consistency", "pdms", "carl")))},
     ("reward", "ocr"): ("fgrpo-rewards", ("ocr",)),
     **{("reward", n): ("fgrpo-rewards", ("clip",)) for n in (

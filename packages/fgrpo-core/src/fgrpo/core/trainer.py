@@ -52,6 +52,7 @@ def iteration(run: Run, it: int) -> dict[str, Any]:
     t2 = time.perf_counter()
     adv, adv_stats = phases.advantages(run, traj, scores)
     stats = phases.update(run, traj, adv, it)
+    phases.move_old_policy(run)
     run.scheduler.step()
     metrics = {
         **adv_stats,
@@ -321,7 +322,16 @@ def build_run(
         out_dir=out_dir,
         evaluators=evaluators,
         guard=Guard.from_recipe(recipe.eval.guard, dict((s.label, e) for s, e in evaluators)) if recipe.eval.guard else None,
+        old=old_policy(objective, trainable),
     )
+
+
+def old_policy(objective: Any, trainable: list[torch.nn.Parameter]) -> EMA | None:
+    """The objective's old policy (``needs_old``): a copy of the trainable weights, moved toward
+    them after every iteration by ``objective.old_decay`` (the same arithmetic as an EMA). For a
+    LoRA policy it is a second set of adapter weights, swapped in for its forwards; under full
+    fine-tuning a copy of the weights."""
+    return EMA(trainable, 0.0) if getattr(objective, "needs_old", False) else None
 
 
 # --- checkpoints -------------------------------------------------------------------------------
@@ -368,26 +378,31 @@ def checkpoint_parts(run: Run) -> dict[str, Any]:
     trainable weights, the EMA, the optimizer and scheduler, and what writes the ``export/``
     folder (None when the policy writes none): the policy's own-format export of the weights
     evaluation uses (the EMA's when the run keeps one)."""
-    trainable = run.policy.trainable_state_dict()
+    with run.parallel.whole_weights(run.trainable):
+        trainable = run.policy.trainable_state_dict()
     ema = run.ema.state_dict() if run.ema is not None else None
+    old = run.old.state_dict() if run.old is not None else None
     optimizer = {"optimizer": run.parallel.optimizer_state(run.optimizer, run.trainable), "scheduler": run.scheduler.state_dict()}
     export = None
     if getattr(run.policy, "export_in_checkpoints", False):
-        with ema_weights(run.ema):
+        with ema_weights(run.ema), run.parallel.whole_weights(run.trainable):
             exported = run.policy.trainable_state_dict()
         # export_in_checkpoints: the policy has export()
         export = functools.partial(cast(Exporting, run.policy).export, state=exported)
     ema_summary = weights.ema_summary(run.ema, run.optimizer_steps, run.recipe.train.ema_every) if run.ema is not None else None
-    return {"trainable": trainable, "ema": ema, "optimizer": optimizer, "export": export, "ema_summary": ema_summary}
+    return {"trainable": trainable, "ema": ema, "old": old, "optimizer": optimizer, "export": export, "ema_summary": ema_summary}
 
 
 def restore(run: Run, folder: Path) -> int:
     """Load checkpoint ``folder`` into the run (its recipe was checked when the folder was
     claimed); returns the iterations it had done."""
     state = ckpt.read_state(folder)
-    run.policy.load_trainable_state_dict(ckpt.read_tensors(folder / ckpt.TRAINABLE, run.policy.device))
+    with run.parallel.whole_weights(run.trainable, modify=True):
+        run.policy.load_trainable_state_dict(ckpt.read_tensors(folder / ckpt.TRAINABLE, run.policy.device))
     if run.ema is not None:
         run.ema.load_state_dict(ckpt.read_tensors(folder / ckpt.EMA, run.policy.device))
+    if run.old is not None:
+        run.old.load_state_dict(ckpt.read_tensors(folder / ckpt.OLD, run.policy.device))
     opt = ckpt.read_torch(folder / ckpt.OPTIMIZER)
     run.parallel.load_optimizer_state(run.optimizer, run.trainable, opt["optimizer"])
     run.scheduler.load_state_dict(opt["scheduler"])

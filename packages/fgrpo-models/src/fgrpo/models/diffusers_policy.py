@@ -37,6 +37,7 @@ import torch
 from fgrpo.core import media
 from fgrpo.core.config import param
 from fgrpo.models import _diffusers as dx
+from fgrpo.models import context_parallel
 from fgrpo.models.lora import (
     adapters_disabled,
     inject_lora,
@@ -147,6 +148,7 @@ class DiffusersPolicy:
     prompt_cache_size: int = param(1024, ge=0, help="prompts whose embeddings are kept on device (LRU); 0: no cache")
     decode_batch_size: int = param(0, ge=0, help="samples per VAE decode call; 0: the whole batch at once")
     vae_tiling: bool = param(False, help="decode in spatial tiles (the VAE's enable_tiling): less memory, large outputs")
+    context_parallel: dict | None = param(None, converter=context_parallel.convert, help=context_parallel.HELP)
 
     _pipeline: Any = attrs.field(default=None, repr=False, alias="pipeline")
     _cache: dx.PromptCache = attrs.field(init=False, repr=False)
@@ -280,6 +282,7 @@ class DiffusersPolicy:
     def __attrs_post_init__(self) -> None:
         if self.lora is None and self.lora_path is not None:
             raise ValueError("model.lora_path needs a LoRA adapter; set model.lora (rank > 0)")
+        context_parallel.check(self.context_parallel)  # before the pipeline loads
         self.device = dx.resolve_device(self.device)
         self._torch_dtype = dx.parse_dtype(self.dtype)
         if self._pipeline is None:

@@ -1,7 +1,8 @@
 """``shapes-edit-dit``: the shapes world's editing model, shipped pretrained: ``shapes-dit`` whose
 transformer also sees the prompt's source image as extra tokens of the same sequence, to the
-right of the state's (FLUX Kontext's in-sequence conditioning, with positions of their own: the
-position grid is 3 x 6 cells), at the same timestep; only the state's tokens are read out.
+right of the state's, at the state's cells' positions plus a learned marker (FLUX Kontext's
+in-sequence conditioning: the same (h, w) ids, another first coordinate), at the same timestep;
+only the state's tokens are read out.
 
 Each prompt is an instruction with one source image (a :class:`fgrpo.core.media.Prompt`; the
 ``shapes-edit`` prompt source renders shapes scenes). ``encode`` puts the instruction's text

@@ -19,13 +19,10 @@ from fgrpo.core.protocols import RewardResult
 from fgrpo.rewards.clip import check_images, device_key, dtype_key, image_embeddings, load_clip, shared
 from fgrpo.rewards.weights import read_state_dict
 
-#: the head's layer widths after the input (768 for ViT-L/14); no activations between them,
-#: exactly as the published predictor (its dropouts are identities at inference)
-HEAD_WIDTHS = (1024, 128, 64, 16, 1)
-
-
 def aesthetic_head(width: int) -> nn.Sequential:
-    """The predictor's MLP with the published module indices (layers.0, .2, .4, .6, .7)."""
+    """The predictor's MLP with the published module indices (layers.0, .2, .4, .6, .7): widths
+    1024, 128, 64, 16, 1 after the input (768 for ViT-L/14), no activations between them, exactly
+    as the published predictor (its dropouts are identities at inference)."""
     return nn.Sequential(
         nn.Linear(width, 1024), nn.Dropout(0.2), nn.Linear(1024, 128), nn.Dropout(0.2),
         nn.Linear(128, 64), nn.Dropout(0.1), nn.Linear(64, 16), nn.Linear(16, 1),

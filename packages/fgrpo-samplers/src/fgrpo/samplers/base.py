@@ -1,9 +1,10 @@
 """The public base of a group sampler: what every sampler declares, checks and leaves to the rollout.
 
 A sampler decides *which kernel runs each step* and *which steps are trained*; :class:`GroupSampler`
-does the rest (the schedule, the ``final`` sample, the steps a kernel with std 0 cannot train, the
-group rollout of :func:`fgrpo.samplers._rollout.run`). A sampler is an attrs class whose fields are
-its recipe keys and which writes :meth:`GroupSampler.program`::
+does the rest (the schedule, the ``final`` sample, the steps a kernel with std 0 cannot train, and
+the group rollout of the completed :class:`Plan` by :func:`fgrpo.samplers._rollout.run`). A
+sampler is an attrs class whose fields are its recipe keys and which writes
+:meth:`GroupSampler.program`::
 
     import attrs
     from typing import Any
@@ -42,9 +43,9 @@ from fgrpo.core import registry
 from fgrpo.core.config import ConfigError, RecipeError, param, shown
 from fgrpo.core.protocols import Kernel, Policy, Trajectory
 from fgrpo.samplers import _rollout
-from fgrpo.samplers._rollout import FINALS, Step, main_sigmas, trainable
+from fgrpo.samplers._rollout import FINALS, Plan, Step
 from fgrpo.samplers.kernels.ode import ODEKernel
-from fgrpo.samplers.schedules import Schedule
+from fgrpo.samplers.schedules import Schedule, check_sigmas
 
 #: the deterministic Euler step every built-in sampler takes outside its stochastic steps (stateless)
 EULER = ODEKernel()
@@ -105,7 +106,7 @@ def kernel_error(spec: Any, prefix: str) -> ConfigError | None:
             f"got the deterministic kernel {shown_name!r}; a sampler trains its kernel's steps and needs a "
             "stochastic one (sde, dance, cps)",
         )
-    if _silent(spec, name):
+    if name is not None and _silent(spec, name):  # a built kernel's noise shows at its first rollout
         return ConfigError(
             key(prefix, "kernel"),
             f"got {shown(spec)}, which adds no noise at any step (std 0): a sampler trains its kernel's "
@@ -114,18 +115,48 @@ def kernel_error(spec: Any, prefix: str) -> ConfigError | None:
     return None
 
 
-def _silent(spec: Any, name: str | None) -> bool:
+def _silent(spec: Any, name: str) -> bool:
     """Whether a stochastic kernel, as configured, has std 0 at every step of a probe schedule
     (``sde`` with ``eta: 0`` is the ODE in disguise: nothing to train)."""
-    kernel = spec
-    if name is not None:
-        params = {k: v for k, v in spec.items() if k != "name"} if isinstance(spec, Mapping) else {}
-        try:
-            kernel = registry.create("kernel", str(name), **params)
-        except (RecipeError, registry.ComponentError):
-            return False  # its own keys are reported where they are checked
-    steps = 10
-    return not trainable(kernel, torch.linspace(1.0, 0.0, steps + 1), range(steps))
+    params = {k: v for k, v in spec.items() if k != "name"} if isinstance(spec, Mapping) else {}
+    try:  # the keys were checked (check_params runs the cross-key rules after the per-key checks)
+        kernel = registry.construct("kernel", registry.load("kernel", str(name)), params, str(name))
+    except (RecipeError, registry.ComponentError):
+        return False  # its own keys are reported where they are checked
+    return not bool((step_stds(kernel, torch.linspace(1.0, 0.0, 11)) > 0).any())
+
+
+# --- the schedule, randomness and the kernel's std ------------------------------------------------
+
+
+def main_sigmas(policy: Policy, steps: int, schedule: Mapping[str, Any] | None) -> torch.Tensor:
+    """The sampling schedule: ``policy.sigmas(steps)`` or the configured ``Schedule``."""
+    sigmas = policy.sigmas(steps) if schedule is None else Schedule(**dict(schedule))(steps)
+    sigmas = check_sigmas(torch.as_tensor(sigmas).to(device=policy.device, dtype=torch.float32))
+    if sigmas.shape != (steps + 1,):
+        raise ValueError(f"sigmas: expected steps + 1 = {steps + 1} values, got {sigmas.shape[0]}")
+    return sigmas
+
+
+def randint(low: int, high: int, generator: torch.Generator | None) -> int:
+    """One integer uniformly in [low, high), drawn from ``generator``."""
+    device = generator.device if generator is not None else torch.device("cpu")
+    return int(torch.randint(low, high, (1,), generator=generator, device=device).item())
+
+
+def step_stds(kernel: Kernel, sigmas: torch.Tensor) -> torch.Tensor:
+    """The std the kernel uses at every step of ``sigmas`` (S,), probed in one call on 1-element
+    dummy states (no network).
+
+    The std of every shipped kernel depends on the schedule only; the probe is how samplers know,
+    before sampling, which steps have std 0 (e.g. ``cps`` stepping to sigma' = 0) and must never be
+    trained.
+    """
+    steps = sigmas.shape[0] - 1
+    zero = torch.zeros(steps, 1, device=sigmas.device, dtype=torch.float32)
+    with torch.no_grad():
+        std = kernel.step(zero, zero, sigmas, torch.arange(steps, device=sigmas.device), noise=zero).std
+    return torch.as_tensor(std, dtype=torch.float32).reshape(-1).expand(steps).cpu()
 
 
 # --- the final sample --------------------------------------------------------------------------
@@ -160,17 +191,15 @@ def kl_steps_param() -> Any:
     )
 
 
-def kl_everywhere(
-    trained: torch.Tensor, program: Sequence[Step], sigmas: torch.Tensor, kernel: Kernel, prefix: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def kl_everywhere(trained: torch.Tensor, program: Sequence[Step], stds: torch.Tensor, prefix: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``kl_steps: all``: the trained positions (B, S) plus every other position of the program
-    after the shared prefix where ``kernel`` has a std (each visited state's KL to the reference
-    is then part of the update), sorted; and the policy loss's weight of each (B, S'): 1 on the
-    trained positions, 0 on the added ones. The update averages the loss over all S' steps, so the
-    policy loss's gradient is S / S' of the window-only one (Adam's steps do not depend on that
-    scale; the KL's share grows)."""
+    after the shared prefix where the kernel has a std (``stds``: its std at every step of the
+    schedule; each visited state's KL to the reference is then part of the update), sorted; and
+    the policy loss's weight of each (B, S'): 1 on the trained positions, 0 on the added ones. The
+    update averages the loss over all S' steps, so the policy loss's gradient is S / S' of the
+    window-only one (Adam's steps do not depend on that scale; the KL's share grows)."""
     batch = trained.shape[0]
-    extra = [p for p in trainable(kernel, sigmas, range(prefix, len(program))) if not bool((trained == p).any())]
+    extra = [p for p in range(prefix, len(program)) if stds[p] > 0 and not bool((trained == p).any())]
     if not extra:
         return trained, torch.ones(trained.shape, dtype=torch.float32)
     added = torch.tensor(extra, dtype=torch.long).expand(batch, len(extra))
@@ -183,37 +212,28 @@ def kl_everywhere(
 # --- the sampler -------------------------------------------------------------------------------
 
 
-@attrs.frozen
-class Plan:
-    """What one rollout runs: the steps in order, how many of them the group shares.
-
-    ``prefix``: the first steps computed once per prompt (deterministic, untrained; needs
-    ``share_noise``). ``phases``: the NFE keys always reported. ``info``: logged with the rollout.
-    """
-
-    steps: list[Step]
-    prefix: int = 0
-    phases: tuple[str, ...] = ()
-    info: dict[str, Any] = attrs.Factory(dict)
-
-
 class GroupSampler:
     """The base of a sampler (:class:`fgrpo.core.protocols.Sampler`); see the module docstring.
 
     A subclass is an attrs class with at least the keys ``steps``, ``share_noise``, ``schedule``
     (:func:`schedule_param`), ``final`` (:func:`final_param`) and ``kernel`` (a ``component``).
     It writes :meth:`program`, and may override :meth:`trained_steps` (which of the kernel's
-    steps are trained), :meth:`check_own_keys` (rules between its own keys) and the state methods
-    (``advance``, ``state_dict``, ``load_state_dict``; stateless by default).
+    steps are trained), :meth:`check_keys` (rules between its own keys, added to
+    ``super().check_keys``'s) and the state methods (``advance``, ``state_dict``,
+    ``load_state_dict``; stateless by default).
     """
 
-    __slots__ = ()
+    __slots__ = ("_std_probe",)  # (kernel, sigmas, the kernel's std at every step): one probe per schedule
 
     kernel: Kernel
     steps: int
     share_noise: bool
     schedule: Mapping[str, Any] | None
     final: str | None
+
+    #: the rollout records trained stochastic transitions (the ``ode`` sampler records none: its
+    #: finished samples serve the objectives that train on the forward process)
+    transitions: ClassVar[bool] = True
 
     #: what ``rollout`` says when the kernel has std 0 at every step it would train
     nothing_to_train: ClassVar[str] = "the kernel has std 0 at every step of {sigmas}: nothing to train"
@@ -227,18 +247,14 @@ class GroupSampler:
 
     @classmethod
     def check_keys(cls, keys: Mapping[str, Any], prefix: str = "sampler") -> list[ConfigError]:
-        """The errors that involve several keys (each key's own checks are its field's).
+        """The errors that involve several keys, or a key and the registry (each key's own checks
+        are its field's): the kernel must be stochastic and add noise. A sampler with rules of its
+        own extends the list: ``super().check_keys(keys, prefix) + [...]``.
 
         ``keys``: the recipe keys after the per-key checks (absent keys are not checked here).
         """
-        errors = [kernel_error(keys["kernel"], prefix)] if "kernel" in keys else []
-        errors += cls.check_own_keys(keys, prefix)
-        return [e for e in errors if e is not None]
-
-    @classmethod
-    def check_own_keys(cls, keys: Mapping[str, Any], prefix: str) -> list[ConfigError]:
-        """Rules between this sampler's own keys (see :meth:`check_keys`)."""
-        return []
+        error = kernel_error(keys["kernel"], prefix) if "kernel" in keys else None
+        return [error] if error is not None else []
 
     def sigmas(self, policy: Policy, steps: int) -> torch.Tensor:
         """This sampler's schedule with ``steps`` steps (evaluation integrates on it)."""
@@ -264,27 +280,30 @@ class GroupSampler:
         plan = self.program(sigmas, generator)
         final = resolve_final(self.final, self.kernel)
         steps = with_final(plan.steps, final)
-        candidates = trainable(self.kernel, sigmas, stochastic_steps(steps, self.kernel))
-        if not candidates:
-            raise ValueError(self.nothing_to_train.format(sigmas=sigmas.tolist(), **plan.info))
-        trained = self.trained_steps(candidates, len(prompts) * group_size, generator)
-        trained, weight = kl_everywhere(trained, steps, sigmas, self.kernel, plan.prefix) if getattr(self, "kl_steps", "trained") == "all" else (trained, None)
-        return _rollout.run(
-            policy,
-            prompts,
-            group_size,
-            program=steps,
-            sigmas=sigmas,
-            trained=trained,
-            share_noise=self.share_noise,
-            prefix=plan.prefix,
-            generator=generator,
-            phases=plan.phases,
-            info=plan.info,
-            final=final,
-            kl_kernel=self.kernel if weight is not None else None,
-            policy_weight=weight,
+        batch = len(prompts) * group_size
+        trained, weight = torch.zeros((batch, 0), dtype=torch.long), None  # the final samples and their conditioning only
+        if self.transitions:
+            stds = self.kernel_stds(sigmas)
+            candidates = [p for p in stochastic_steps(steps, self.kernel) if stds[p] > 0]
+            if not candidates:
+                raise ValueError(self.nothing_to_train.format(sigmas=sigmas.tolist(), **plan.info))
+            trained = self.trained_steps(candidates, batch, generator)
+            if getattr(self, "kl_steps", "trained") == "all":
+                trained, weight = kl_everywhere(trained, steps, stds, plan.prefix)
+        plan = attrs.evolve(
+            plan, steps=steps, sigmas=sigmas, trained=trained, share_noise=self.share_noise, final=final,
+            kl_kernel=self.kernel if weight is not None else None, policy_weight=weight,
         )
+        return _rollout.run(policy, prompts, group_size, plan, generator)
+
+    def kernel_stds(self, sigmas: torch.Tensor) -> torch.Tensor:
+        """The kernel's std at every step of ``sigmas``: probed once per schedule (every rollout of a
+        run has the same), not once per rollout."""
+        probe = getattr(self, "_std_probe", None)
+        if probe is None or probe[0] is not self.kernel or not torch.equal(probe[1], sigmas):
+            probe = (self.kernel, sigmas, step_stds(self.kernel, sigmas))
+            object.__setattr__(self, "_std_probe", probe)  # a frozen sampler keeps its probe too
+        return probe[2]
 
     def advance(self, iteration: int) -> None:
         """Called at the start of every iteration; nothing moves by default."""
@@ -297,6 +316,6 @@ class GroupSampler:
 
 
 __all__ = [
-    "EULER", "GroupSampler", "Plan", "Step", "check_schedule", "final_param", "kernel_error", "kl_everywhere", "kl_steps_param", "resolve_final",
-    "schedule_param", "stochastic_steps", "with_final",
+    "EULER", "GroupSampler", "Plan", "Step", "check_schedule", "final_param", "kernel_error", "kl_everywhere", "kl_steps_param",
+    "main_sigmas", "randint", "resolve_final", "schedule_param", "step_stds", "stochastic_steps", "with_final",
 ]

@@ -30,8 +30,7 @@ import torch
 
 from fgrpo.core.config import ConfigError, param
 from fgrpo.core.registry import component
-from fgrpo.samplers import _rollout
-from fgrpo.samplers.base import EULER, GroupSampler, Plan, Step, final_param, key, kl_steps_param, schedule_param
+from fgrpo.samplers.base import EULER, GroupSampler, Plan, Step, final_param, key, kl_steps_param, randint, schedule_param
 
 
 @attrs.define
@@ -62,22 +61,23 @@ class FastSampler(GroupSampler):
     nothing_to_train: ClassVar[str] = "the kernel has std 0 on the whole window {window} of {sigmas}"
 
     @classmethod
-    def check_own_keys(cls, keys: Mapping[str, Any], prefix: str) -> list[ConfigError]:
+    def check_keys(cls, keys: Mapping[str, Any], prefix: str = "sampler") -> list[ConfigError]:
+        errors = super().check_keys(keys, prefix)
         if "steps" not in keys or "window" not in keys:
-            return []
+            return errors
         steps, window = keys["steps"], keys["window"]
         if window > steps:
-            return [ConfigError(key(prefix, "window"), f"got {window}; allowed: <= steps ({steps})")]
+            return errors + [ConfigError(key(prefix, "window"), f"got {window}; allowed: <= steps ({steps})")]
         given = keys.get("window_range")
         if given is not None and (len(given) != 2 or not 0 <= given[0] <= given[1] - window or given[1] > steps):
-            return [
+            return errors + [
                 ConfigError(
                     key(prefix, "window_range"),
                     f"got {list(given)!r}; allowed: [low, high] with 0 <= low, low + window ({window}) <= high "
                     f"<= steps ({steps}): the window must fit inside it",
                 )
             ]
-        return []
+        return errors
 
     @property
     def bounds(self) -> tuple[int, int]:
@@ -95,7 +95,7 @@ class FastSampler(GroupSampler):
 
     def program(self, sigmas: torch.Tensor, generator: torch.Generator | None) -> Plan:
         first, last = self.start_range
-        start = _rollout.randint(first, last + 1, generator)
+        start = randint(first, last + 1, generator)
         window = range(start, start + self.window)
         steps = [
             Step(self.kernel, sigmas, i, "window") if i in window else Step(EULER, sigmas, i, "prefix" if i < start else "suffix")

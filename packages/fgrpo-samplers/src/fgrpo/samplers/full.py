@@ -46,13 +46,14 @@ class FullSampler(GroupSampler):
     kernel: Any = component("kernel", default="sde", help="the stochastic kernel of every step")
 
     @classmethod
-    def check_own_keys(cls, keys: Mapping[str, Any], prefix: str) -> list[ConfigError]:
+    def check_keys(cls, keys: Mapping[str, Any], prefix: str = "sampler") -> list[ConfigError]:
+        errors = super().check_keys(keys, prefix)
         if "steps" not in keys or "timestep_fraction" not in keys:
-            return []
+            return errors
         steps, fraction = keys["steps"], keys["timestep_fraction"]
         if int(steps * fraction) >= 1:
-            return []
-        return [
+            return errors
+        return errors + [
             ConfigError(
                 key(prefix, "timestep_fraction"),
                 f"got {fraction!r}: int({steps} * {fraction!r}) = 0 trained steps; "

@@ -136,14 +136,15 @@ class MixGRPOSampler(GroupSampler):
         self._dpm = DPMpp2MKernel() if self.flash_order == 2 else DPMpp3MKernel()
 
     @classmethod
-    def check_own_keys(cls, keys: Mapping[str, Any], prefix: str) -> list[ConfigError]:
+    def check_keys(cls, keys: Mapping[str, Any], prefix: str = "sampler") -> list[ConfigError]:
+        errors = super().check_keys(keys, prefix)
         if not all(k in keys for k in ("steps", "window", "window_end")):
-            return []
+            return errors
         steps, window, given = keys["steps"], keys["window"], keys["window_end"]
         end = steps - 2 if given is None else given
         if window <= end <= steps:
-            return []
-        return [
+            return errors
+        return errors + [
             ConfigError(
                 key(prefix, "window_end" if given is not None else "window"),
                 f"the window of {window} steps must fit in [0, window_end = {end}) with "

@@ -3,14 +3,15 @@ DeepSpeed), and the collectives of a run with several processes."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import attrs
 import torch
 
 from fgrpo.core.config import ConfigError, RecipeError
-from fgrpo.core.launch.shards import full
+from fgrpo.core.launch.shards import full, load_whole_optimizer_state, whole_optimizer_state
 
 
 @attrs.define
@@ -18,6 +19,10 @@ class Processes:
     """What every kind reads the same way from accelerate's processes (the kinds build on it)."""
 
     accelerator: Any
+
+    @staticmethod
+    def check(accelerator: Any) -> None:
+        """What of the launcher's settings this kind refuses before the run is built (nothing here)."""
 
     @property
     def processes(self) -> int:
@@ -39,6 +44,24 @@ class Processes:
 
     def wait(self) -> None:
         self.accelerator.wait_for_everyone()
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> dict[str, Any]:
+        """The optimizer's state with whole tensors (torch's optimizer: every kind but DeepSpeed)."""
+        return whole_optimizer_state(optimizer)
+
+    def load_optimizer_state(
+        self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], state: Mapping[str, Any]
+    ) -> None:
+        load_whole_optimizer_state(optimizer, params, state)
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.zero_grad(set_to_none=True)
+
+    @contextmanager
+    def whole_weights(self, params: Sequence[torch.nn.Parameter], modify: bool = False) -> Iterator[None]:
+        """Nothing to gather: every kind but ZeRO-3 keeps each weight whole or as a DTensor shard
+        that state dicts gather themselves (:mod:`.shards`)."""
+        yield
 
 
 def scaled_backward(accelerator: Any, loss: torch.Tensor) -> None:

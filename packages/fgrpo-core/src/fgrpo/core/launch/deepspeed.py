@@ -1,11 +1,27 @@
-"""DeepSpeed ZeRO-2 (accelerate's DeepSpeed plugin): the policy's ``trainable_module`` stays whole
-on every process; gradients are reduced to the process that owns their partition in every
-backward, each process keeps and steps the AdamW state of its partition only
-(``engine.backward``/``engine.step``), then the updated weights are all-gathered.
+"""DeepSpeed ZeRO-2 and ZeRO-3 (accelerate's DeepSpeed plugin), with or without offloading.
 
-So every backward involves every process (a process with fewer passes pads them), forwards do
-not. Checkpoints hold whole tensors in ``torch.optim`` format, assembled from every process's
-partition, the same files as a data-parallel run.
+ZeRO-2 (:class:`DeepSpeedZeRO2`): the policy's ``trainable_module`` stays whole on every process;
+gradients are reduced to the process that owns their partition in every backward, each process
+keeps and steps the AdamW state of its partition only (``engine.backward``/``engine.step``), then
+the updated weights are all-gathered. So every backward involves every process (a process with
+fewer passes pads them), forwards do not.
+
+ZeRO-3 (:class:`DeepSpeedZeRO3`): the weights are partitioned too (the frozen base weights of a
+LoRA run as well). DeepSpeed's hooks on the module all-gather each submodule's weights for its
+forward and free them after, so every forward involves every process (padded as under FSDP);
+consecutive rollout steps reuse gathered weights as far as DeepSpeed's
+``stage3_max_live_parameters`` / ``stage3_max_reuse_distance`` allow, and weights under
+``stage3_param_persistence_threshold`` stay whole. Whatever reads or writes whole weights outside a
+forward (checkpoints, resume) does so inside :meth:`DeepSpeedZeRO3.whole_weights`; the EMA keeps
+each process's partition (:mod:`.shards`).
+
+Offloading (``offload_optimizer_device: cpu``, ZeRO-2 or 3; ``offload_param_device: cpu``, ZeRO-3):
+the float32 master weights and AdamW state (and the ZeRO-3 partitions) live in CPU memory and the
+run's own ``torch.optim.AdamW`` steps them there (``zero_force_ds_cpu_optimizer`` off, the same
+update as every other kind; DeepSpeedCPUAdam would be faster but is another implementation).
+
+Checkpoints of every stage hold whole tensors in ``torch.optim`` format, assembled from every
+process's partition, the same files as a data-parallel run (any kind resumes from them).
 
 accelerate 1.15 sets DeepSpeed up only when not told to run on the CPU: on a machine without
 accelerators a DeepSpeed launch runs on DeepSpeed's CPU accelerator over gloo
@@ -15,7 +31,9 @@ accelerators a DeepSpeed launch runs on DeepSpeed's CPU accelerator over gloo
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+import sys
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any, ClassVar, TypeVar
 
 import attrs
@@ -23,6 +41,7 @@ import torch
 
 from fgrpo.core.config import ConfigError, RecipeError
 from fgrpo.core.launch.common import Processes, broadcast_parameters, passes_behind, refuse, trainable_module, trainable_of
+from fgrpo.core.launch.shards import full, shard_like
 
 T = TypeVar("T")
 
@@ -33,7 +52,11 @@ class DeepSpeedZeRO2(Processes):
 
     sharded: ClassVar[bool] = True
     sharded_weights: ClassVar[bool] = False
-    description: ClassVar[str] = "sharded (DeepSpeed ZeRO-2)"
+    stage: ClassVar[int] = 2
+
+    @property
+    def description(self) -> str:
+        return f"sharded (DeepSpeed ZeRO-{self.stage}{offloaded(self.accelerator)})"
 
     @staticmethod
     def check(accelerator: Any) -> None:
@@ -48,8 +71,18 @@ class DeepSpeedZeRO2(Processes):
         return prepare_deepspeed(self.accelerator, policy, optimizer, train)
 
     def backward(self, loss: torch.Tensor) -> None:
-        """DeepSpeed's backward, which reduces the gradients to their partitions."""
-        self.engine.backward(loss, scale_wrt_gas=False)
+        """DeepSpeed's backward, which reduces the gradients to their partitions. Then what
+        ``engine.forward`` does before the next pass (the policy calls the module itself): without
+        it ZeRO-3 would overwrite, not accumulate, the partitions' gradients of the step's earlier
+        passes."""
+        engine = self.engine
+        engine.backward(loss, scale_wrt_gas=False)
+        engine.optimizer.clear_backward_seen_flag()
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        """DeepSpeed's own: the run's AdamW holds DeepSpeed's float32 partitions, whose gradient
+        buffers an offloaded optimizer allocates once (``optimizer.zero_grad`` would drop them)."""
+        self.engine.optimizer.zero_grad(set_to_none=True)
 
     def step(self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], max_grad_norm: float) -> torch.Tensor | None:
         """``engine.step()``: clipping (to ``train.max_grad_norm``, set at prepare) included."""
@@ -80,6 +113,68 @@ class DeepSpeedZeRO2(Processes):
         _load_optimizer_state(self.engine, optimizer, params, state)
 
 
+@attrs.define
+class DeepSpeedZeRO3(DeepSpeedZeRO2):
+    """Weights, gradients and optimizer state split over the processes by DeepSpeed's engine."""
+
+    sharded_weights: ClassVar[bool] = True
+    stage: ClassVar[int] = 3
+
+    @staticmethod
+    def check(accelerator: Any) -> None:
+        check_deepspeed(accelerator)
+        load_models_whole()
+
+    def missing_forwards(self, passes: int) -> int:
+        return passes_behind(self.accelerator, passes)  # each forward all-gathers the weights
+
+    @contextmanager
+    def whole_weights(self, params: Sequence[torch.nn.Parameter], modify: bool = False) -> Iterator[None]:
+        """The partitioned ``params`` gathered whole inside (collective); with ``modify``, what the
+        main process wrote into them is partitioned again on leaving (every process has it)."""
+        from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+
+        with GatheredParameters(list(params), modifier_rank=0 if modify else None):
+            yield
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> dict[str, Any]:
+        return _zero3_optimizer_state(self.engine.optimizer, optimizer, params)
+
+    def load_optimizer_state(
+        self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], state: Mapping[str, Any]
+    ) -> None:
+        _zero3_load_optimizer_state(self.engine.optimizer, optimizer, params, state)
+
+
+def load_models_whole() -> None:
+    """accelerate hands a stage-3 DeepSpeed config to transformers whatever ``zero3_init_flag``
+    says, and transformers then builds every model it loads inside ``deepspeed.zero.Init``
+    (partitioned): the frozen text encoders would be split outside any engine that gathers them
+    for a forward. The policy loads whole; ZeRO-3 partitions the trained network at prepare."""
+    # accelerate imports transformers' deepspeed integration when it sets that config: when the
+    # module is not loaded there is nothing to unset (and fgrpo-core does not depend on transformers)
+    integration = sys.modules.get("transformers.integrations.deepspeed")
+    if integration is not None:
+        integration.unset_hf_deepspeed_config()
+
+
+def stage_class(accelerator: Any) -> type:
+    """The class of a DeepSpeed launch's ZeRO stage (the others are refused by :func:`check_deepspeed`)."""
+    return DeepSpeedZeRO3 if accelerator.state.deepspeed_plugin.zero_stage == 3 else DeepSpeedZeRO2
+
+
+def offload_devices(accelerator: Any) -> dict[str, str]:
+    """``offload_optimizer`` / ``offload_param`` -> device, for those the DeepSpeed config offloads."""
+    zero = accelerator.state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {})
+    found = {key: (zero.get(key) or {}).get("device") or "none" for key in OFFLOADS}
+    return {key: device for key, device in found.items() if device != "none"}
+
+
+def offloaded(accelerator: Any) -> str:
+    devices = offload_devices(accelerator)
+    return "".join(f", {key.split('_')[1]} offloaded to {device}" for key, device in devices.items())
+
+
 # --- set-up -------------------------------------------------------------------------------------
 
 
@@ -101,27 +196,36 @@ def accelerator_options(cpu: bool, timeout: Any = None) -> tuple[bool, list[Any]
     return cpu, [InitProcessGroupKwargs(**options)] if options else []
 
 
+#: the DeepSpeed config's offloading sections
+OFFLOADS = ("offload_optimizer", "offload_param")
+
+
 def check_deepspeed(accelerator: Any) -> None:
-    """Refuse what fgrpo does not run under DeepSpeed: a ZeRO stage other than 2 (stage 3 splits the
-    weights, which the policy's own forward does not gather), offloading (not tested)."""
+    """Refuse what fgrpo does not run under DeepSpeed: ZeRO stages 0 and 1 (stage 2 splits the same
+    state and more), offloading to anything but the CPU (NVMe swapping is not tested), parameter
+    offloading without ZeRO-3 (DeepSpeed offloads only partitioned weights), ZeRO-3's
+    ``zero3_init_flag`` set true."""
     plugin = accelerator.state.deepspeed_plugin
-    zero = plugin.deepspeed_config.get("zero_optimization", {})
     errors = []
-    if plugin.zero_stage != 2:
-        errors.append(ConfigError("accelerate", f"DeepSpeed zero_stage {plugin.zero_stage} is not supported: fgrpo runs ZeRO-2 (recipes/accelerate/deepspeed-zero2.yaml); FSDP shards the weights too (fsdp-lora.yaml, fsdp-full.yaml)"))
-    for key in ("offload_optimizer", "offload_param"):
-        device = (zero.get(key) or {}).get("device", "none")
-        if device not in (None, "none"):
-            errors.append(ConfigError("accelerate", f"DeepSpeed {key} to {device!r} is not supported (not tested with fgrpo); set offload_*_device: none"))
+    if plugin.zero_stage not in (2, 3):
+        errors.append(ConfigError("accelerate", f"DeepSpeed zero_stage {plugin.zero_stage} is not supported: fgrpo runs ZeRO-2 (recipes/accelerate/deepspeed-zero2.yaml) and ZeRO-3 (deepspeed-zero3.yaml); FSDP shards the weights too (fsdp-lora.yaml, fsdp-full.yaml)"))
+    for key, device in offload_devices(accelerator).items():
+        if device != "cpu":
+            errors.append(ConfigError("accelerate", f"DeepSpeed {key} to {device!r} is not supported (NVMe swapping is not tested with fgrpo); allowed: none, cpu"))
+        elif key == "offload_param" and plugin.zero_stage != 3:
+            errors.append(ConfigError("accelerate", f"DeepSpeed offload_param to 'cpu' needs zero_stage 3 (got {plugin.zero_stage}): only ZeRO-3 partitions the weights (recipes/accelerate/deepspeed-zero3-offload.yaml)"))
+    if plugin.zero_stage == 3 and os.environ.get("ACCELERATE_DEEPSPEED_ZERO3_INIT", "").lower() in ("true", "1"):
+        errors.append(ConfigError("accelerate", "DeepSpeed zero3_init_flag true is not supported: transformers would load the frozen text encoders partitioned, outside any DeepSpeed engine that gathers them; set zero3_init_flag: false (fgrpo partitions the trained network when the run is prepared)"))
     if errors:
         raise RecipeError(errors)
 
 
 def prepare_deepspeed(accelerator: Any, policy: Any, optimizer: torch.optim.Optimizer, train: Any) -> list[torch.nn.Parameter]:
-    """Give the policy's ``trainable_module`` and the optimizer to DeepSpeed (ZeRO-2) through
-    ``accelerator.prepare``. The policy keeps calling the module itself (ZeRO-2 leaves it whole);
-    fgrpo's update owns the batching: DeepSpeed's gradient accumulation is unmanaged (every
-    ``engine.step()`` is a boundary) and its clipping is ``train.max_grad_norm``."""
+    """Give the policy's ``trainable_module`` and the optimizer to DeepSpeed through
+    ``accelerator.prepare``. The policy keeps calling the module itself (ZeRO-2 leaves it whole,
+    ZeRO-3's hooks gather its weights in place); fgrpo's update owns the batching: DeepSpeed's
+    gradient accumulation is unmanaged (every ``engine.step()`` is a boundary), its clipping is
+    ``train.max_grad_norm``, and an offloaded optimizer state is stepped by the run's AdamW."""
     module = trainable_module(policy, optimizer)
     config = accelerator.state.deepspeed_plugin.deepspeed_config
     clip = config.get("gradient_clipping", "auto")
@@ -136,6 +240,8 @@ def prepare_deepspeed(accelerator: Any, policy: Any, optimizer: torch.optim.Opti
     config["gradient_accumulation_steps"] = accelerator.gradient_accumulation_steps
     config["managed_gradient_accumulation"] = False
     config.setdefault("steps_per_print", 2**62)
+    if offload_devices(accelerator):
+        config["zero_force_ds_cpu_optimizer"] = False  # the run's torch AdamW, as every other kind steps
     params = trainable_of(optimizer)
     engine, _ = accelerator.prepare(module, optimizer)
     if engine.module is not module:
@@ -203,3 +309,73 @@ def _load_optimizer_state(
         for key, value in per_param[i].items():
             if torch.is_tensor(value) and value.dim() > 0:
                 safe_set_full_optimizer_state(p, value.to(p.device, torch.float32), key)
+
+
+# --- ZeRO-3: the same torch.optim format, from the partitions --------------------------------------
+
+
+def _zero3_partition(zero: Any, param: torch.nn.Parameter, key: str | None = None) -> torch.Tensor:
+    """This process's partition of ``param``'s float32 master weight (``key`` None) or of its
+    optimizer state ``key``: a slice of its sub-group's flat tensor, laid out as ``ds_tensor``."""
+    group, offset, numel = zero.grad_position[zero.get_param_id(param)]
+    flat = zero.fp32_partitioned_groups_flat[group]
+    return (flat if key is None else zero.optimizer.state[flat][key]).narrow(0, offset, numel)
+
+
+def _zero3_flat(zero: Any, param: torch.nn.Parameter) -> torch.Tensor:
+    return zero.fp32_partitioned_groups_flat[zero.grad_position[zero.get_param_id(param)][0]]
+
+
+@torch.no_grad()
+def _zero3_optimizer_state(zero: Any, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> dict[str, Any]:
+    """AdamW's per-parameter state gathered from every process's partition (collective), in
+    ``torch.optim`` format (each original group lists its parameters in the optimizer's order);
+    the float32 master weights too when the module computes in lower precision (bf16)."""
+    index = {id(p): i for i, p in enumerate(params)}
+    members: dict[int, list[int]] = {}
+    for sub, group in enumerate(zero.fp16_groups):
+        members.setdefault(zero.sub_group_to_group_id[sub], []).extend(index[id(p)] for p in group)
+    groups = [
+        {**{k: v for k, v in group.items() if k != "params"}, "params": sorted(members.get(g, []))}
+        for g, group in enumerate(optimizer.param_groups)
+    ]
+    state: dict[int, dict[str, Any]] = {}
+    for i, p in enumerate(params):
+        flat_state = optimizer.state.get(_zero3_flat(zero, p), {})
+        state[i] = {
+            k: full(_zero3_partition(zero, p, k), like=p).detach().cpu() if torch.is_tensor(v) and v.dim() > 0 else
+            (v.detach().clone().cpu() if torch.is_tensor(v) else v)
+            for k, v in flat_state.items()
+        }
+    state = {i: s for i, s in state.items() if s}
+    saved: dict[str, Any] = {"state": state, "param_groups": groups}
+    if any(p.dtype != torch.float32 for p in params):
+        saved["fp32_weights"] = {i: full(_zero3_partition(zero, p), like=p).detach().cpu() for i, p in enumerate(params)}
+    return saved
+
+
+@torch.no_grad()
+def _zero3_load_optimizer_state(
+    zero: Any, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], state: Mapping[str, Any]
+) -> None:
+    """After the weights are loaded (:meth:`DeepSpeedZeRO3.whole_weights`): the float32 masters
+    from the file (bf16) or the loaded weights, the moments cut to this process's partitions."""
+    for group, saved_group in zip(optimizer.param_groups, state["param_groups"]):
+        group.update({k: v for k, v in saved_group.items() if k != "params"})
+    masters = state.get("fp32_weights")
+    per_param = state["state"]
+    for i, p in enumerate(params):
+        whole = masters[i] if masters is not None else full(p)
+        _zero3_partition(zero, p).copy_(shard_like(whole.to(torch.float32), p))
+    if not per_param:
+        return
+    for flat in zero.fp32_partitioned_groups_flat:
+        first = next(i for i, p in enumerate(params) if _zero3_flat(zero, p) is flat)
+        optimizer.state[flat] = {
+            k: (torch.zeros_like(flat) if torch.is_tensor(v) and v.dim() > 0 else (v.clone() if torch.is_tensor(v) else v))
+            for k, v in per_param[first].items()
+        }
+    for i, p in enumerate(params):
+        for key, value in per_param[i].items():
+            if torch.is_tensor(value) and value.dim() > 0:
+                _zero3_partition(zero, p, key).copy_(shard_like(value.to(torch.float32), p))

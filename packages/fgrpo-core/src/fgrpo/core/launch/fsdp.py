@@ -35,7 +35,6 @@ from fgrpo.core.launch.common import (
     trainable_of,
     unscale_clip_step,
 )
-from fgrpo.core.launch.shards import load_whole_optimizer_state, whole_optimizer_state
 
 T = TypeVar("T")
 
@@ -47,10 +46,6 @@ class FSDP2(Processes):
     sharded: ClassVar[bool] = True
     sharded_weights: ClassVar[bool] = True
     description: ClassVar[str] = "sharded (FSDP2)"
-
-    @staticmethod
-    def check(accelerator: Any) -> None:
-        """Nothing of the launcher's settings to refuse before the run is built."""
 
     def prepare(self, policy: Any, optimizer: torch.optim.Optimizer, train: Any) -> list[torch.nn.Parameter]:
         broadcast_parameters(self.accelerator, trainable_of(optimizer))
@@ -71,14 +66,6 @@ class FSDP2(Processes):
     def gathered(self, collect: Callable[[], T]) -> T | None:
         value = collect()
         return value if self.is_main else None
-
-    def optimizer_state(self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> dict[str, Any]:
-        return whole_optimizer_state(optimizer)
-
-    def load_optimizer_state(
-        self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], state: Mapping[str, Any]
-    ) -> None:
-        load_whole_optimizer_state(optimizer, params, state)
 
 
 # --- set-up -------------------------------------------------------------------------------------

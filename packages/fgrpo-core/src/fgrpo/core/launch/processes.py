@@ -4,14 +4,13 @@ optimizer step (a Policy need not be one nn.Module, so DDP's forward hooks are n
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, TypeVar
 
 import attrs
 import torch
 
 from fgrpo.core.launch.common import Processes, broadcast_parameters, scaled_backward, trainable_of, unscale_clip_step
-from fgrpo.core.launch.shards import load_whole_optimizer_state, whole_optimizer_state
 
 T = TypeVar("T")
 
@@ -25,10 +24,6 @@ class DataParallel(Processes):
     sharded: ClassVar[bool] = False
     sharded_weights: ClassVar[bool] = False
     description: ClassVar[str] = ""
-
-    @staticmethod
-    def check(accelerator: Any) -> None:
-        """Nothing of the launcher's settings to refuse before the run is built."""
 
     def prepare(self, policy: Any, optimizer: torch.optim.Optimizer, train: Any) -> list[torch.nn.Parameter]:
         params = trainable_of(optimizer)
@@ -51,14 +46,6 @@ class DataParallel(Processes):
 
     def gathered(self, collect: Callable[[], T]) -> T | None:
         return collect() if self.is_main else None
-
-    def optimizer_state(self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> dict[str, Any]:
-        return whole_optimizer_state(optimizer)
-
-    def load_optimizer_state(
-        self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], state: Mapping[str, Any]
-    ) -> None:
-        load_whole_optimizer_state(optimizer, params, state)
 
 
 def average_gradients(accelerator: Any, params: Sequence[torch.nn.Parameter]) -> None:

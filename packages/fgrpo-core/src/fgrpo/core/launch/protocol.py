@@ -3,7 +3,8 @@ checkpoints and evaluation call, so that none of them branches on the kind of la
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
@@ -16,8 +17,8 @@ class Launch(Protocol):
     """How a run's processes share its work: one class per launch kind (:mod:`.processes`,
     :mod:`.fsdp`, :mod:`.deepspeed`), chosen by :func:`fgrpo.core.launch.of`.
 
-    The update calls :meth:`backward` for every pass (any loss: it knows nothing of what the
-    pass computed), pads with :meth:`missing_backwards` (or :meth:`missing_forwards` for passes
+    The update clears the gradients with :meth:`zero_grad`, calls :meth:`backward` for every pass
+    (any loss: it knows nothing of what the pass computed), pads with :meth:`missing_backwards` (or :meth:`missing_forwards` for passes
     without backward) zero-weighted passes so that every process makes as many collective passes,
     and ends each optimizer step with :meth:`step`. Checkpoints gather what they write with
     :meth:`gathered` and :meth:`optimizer_state`, and load with :meth:`load_optimizer_state`.
@@ -62,6 +63,10 @@ class Launch(Protocol):
         """Backward of one pass (the loss already weighted by the pass's share of the step)."""
         ...
 
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        """Clear the gradients before an optimizer step's first pass."""
+        ...
+
     def step(self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], max_grad_norm: float) -> torch.Tensor | None:
         """One optimizer step on the gradients accumulated since the last: averaged over the
         processes, unscaled (fp16), clipped to ``max_grad_norm`` (0: no clipping); the gradient
@@ -94,6 +99,12 @@ class Launch(Protocol):
         self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], state: Mapping[str, Any]
     ) -> None:
         """Load :meth:`optimizer_state`'s dict, of any kind of run (after the weights are loaded)."""
+        ...
+
+    def whole_weights(self, params: Sequence[torch.nn.Parameter], modify: bool = False) -> AbstractContextManager[None]:
+        """Inside, ``params`` hold their whole values for code that reads them outside a forward
+        (a policy's state dicts; collective where the weights are partitioned: ZeRO-3); with
+        ``modify``, what is written into them inside (the same on every process) is kept."""
         ...
 
     def share(self, value: Any) -> Any:

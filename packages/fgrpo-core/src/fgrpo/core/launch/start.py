@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from fgrpo.core.config import ConfigError, RecipeError
-from fgrpo.core.launch.deepspeed import DeepSpeedZeRO2, accelerator_options
+from fgrpo.core.launch.deepspeed import DeepSpeedZeRO2, accelerator_options, stage_class
 from fgrpo.core.launch.deepspeed import launched as deepspeed_launched
 from fgrpo.core.launch.fsdp import FSDP2, enable_on_cpu
 from fgrpo.core.launch.fsdp import launched as fsdp_launched
@@ -19,8 +19,8 @@ from fgrpo.core.launch.protocol import Launch
 
 #: accelerate's distributed types that run data parallel (:class:`DataParallel`)
 DATA_PARALLEL = ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_MUSA", "MULTI_HPU", "MULTI_SDAA")
-#: the other kinds, by accelerate's distributed type
-SHARDED: dict[str, type[FSDP2] | type[DeepSpeedZeRO2]] = {"FSDP": FSDP2, "DEEPSPEED": DeepSpeedZeRO2}
+#: the other kinds, by accelerate's distributed type (DeepSpeed's by its ZeRO stage: :func:`launch_class`)
+SHARDED = {"FSDP": FSDP2, "DEEPSPEED": DeepSpeedZeRO2}
 
 
 def kind(accelerator: Any) -> str:
@@ -30,11 +30,14 @@ def kind(accelerator: Any) -> str:
 
 def of(accelerator: Any) -> Launch:
     """The launch object that serves ``accelerator`` (one per run: ``run.parallel``)."""
-    return launch_class(kind(accelerator))(accelerator)
+    return launch_class(kind(accelerator), accelerator)(accelerator)
 
 
-def launch_class(name: str) -> type[DataParallel] | type[FSDP2] | type[DeepSpeedZeRO2]:
-    """The class of accelerate's distributed type ``name``; the types fgrpo does not run are refused."""
+def launch_class(name: str, accelerator: Any = None) -> type:
+    """The class of accelerate's distributed type ``name`` (of ``accelerator``'s ZeRO stage for
+    DeepSpeed); the types fgrpo does not run are refused."""
+    if name == "DEEPSPEED" and accelerator is not None:
+        return stage_class(accelerator)
     if name in SHARDED:
         return SHARDED[name]
     if name in DATA_PARALLEL:
@@ -43,8 +46,8 @@ def launch_class(name: str) -> type[DataParallel] | type[FSDP2] | type[DeepSpeed
         "accelerate",
         f"distributed type {name} (from the accelerate config or launch flags) is not supported: fgrpo runs data "
         "parallel (recipes/accelerate/ddp.yaml), sharded with FSDP2 (fsdp-lora.yaml, fsdp-full.yaml) or with "
-        "DeepSpeed ZeRO-2 (deepspeed-zero2.yaml); to fit memory also use LoRA, gradient checkpointing, "
-        "model.text_encoder_device: cpu and bf16 weights",
+        "DeepSpeed ZeRO-2 or ZeRO-3 (deepspeed-zero2.yaml, deepspeed-zero3.yaml, their -offload variants); to fit "
+        "memory also use LoRA, gradient checkpointing, model.text_encoder_device: cpu and bf16 weights",
     )])
 
 
@@ -121,8 +124,8 @@ def make_accelerator(cpu: bool | None = None, train: Any = None, **options: Any)
     acc = Accelerator(cpu=cpu, mixed_precision=precision, gradient_accumulation_steps=steps, kwargs_handlers=handlers, **options)
     if kind(acc) == "MULTI_CPU" and fsdp_launched():
         enable_on_cpu(acc)
-    served = launch_class(kind(acc))
-    if deepspeed_launched() and served is not DeepSpeedZeRO2:
+    served = launch_class(kind(acc), acc)
+    if deepspeed_launched() and not issubclass(served, DeepSpeedZeRO2):
         raise RecipeError([ConfigError(
             "accelerate",
             f"the launch asks for DeepSpeed but accelerate set up {kind(acc)} (a DeepSpeed run needs processes started by "

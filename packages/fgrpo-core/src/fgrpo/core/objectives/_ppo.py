@@ -8,8 +8,9 @@ averaging (GRPO-Guard divides each sample's loss by its own -dt).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
+import attrs
 import torch
 
 from fgrpo.core import registry
@@ -121,17 +122,17 @@ def kl_term(batch: StepBatch, form: str) -> torch.Tensor:
     raise ValueError(f"unknown kl form {form!r}; allowed: {', '.join(map(repr, KL_FORMS))}")
 
 
+@attrs.frozen
 class ClippedObjective:
-    """What ``grpo`` and ``grpo-guard`` share around their surrogates: the reference only for a KL
-    (``beta > 0``), the clipped advantages, the raw log-ratio, the KL term and the metrics. A
-    subclass (an attrs class with ``clip_range``, ``adv_clip``, ``beta`` and ``kl`` keys) writes
-    :meth:`surrogate`."""
+    """What ``grpo`` and ``grpo-guard`` share around their surrogates: the recipe keys ``adv_clip``,
+    ``beta`` and ``kl``, the reference only for a KL (``beta > 0``), the clipped advantages, the
+    raw log-ratio, the KL term and the metrics. A subclass (an attrs class) adds its
+    ``clip_range`` key (its own default) and writes :meth:`surrogate`."""
 
-    __slots__ = ()
-    clip_range: float
-    adv_clip: float
-    beta: float
-    kl: str
+    trains_on: ClassVar[str] = "transitions"
+    adv_clip: float = adv_clip_param()
+    beta: float = beta_param()
+    kl: KlForm = kl_param()
 
     @property
     def needs_reference(self) -> bool:

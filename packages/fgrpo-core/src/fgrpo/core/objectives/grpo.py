@@ -7,12 +7,8 @@ import torch
 
 from fgrpo.core.objectives._ppo import (
     ClippedObjective,
-    KlForm,
-    adv_clip_param,
-    beta_param,
     clip_range_param,
     clipped_surrogate,
-    kl_param,
 )
 from fgrpo.core.protocols import StepBatch
 
@@ -30,9 +26,6 @@ class GRPO(ClippedObjective):
     """
 
     clip_range: float = clip_range_param(1e-4)
-    adv_clip: float = adv_clip_param()
-    beta: float = beta_param()
-    kl: KlForm = kl_param()
 
     def surrogate(self, batch: StepBatch, advantages: torch.Tensor, log_ratio: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ratio = torch.exp(log_ratio)

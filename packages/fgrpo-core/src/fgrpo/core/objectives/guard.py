@@ -40,13 +40,9 @@ import torch
 from fgrpo.core.config import ConfigError
 from fgrpo.core.objectives._ppo import (
     ClippedObjective,
-    KlForm,
-    adv_clip_param,
-    beta_param,
     clip_range_param,
     clipped_surrogate,
     kernel_spec,
-    kl_param,
     kl_recipe_errors,
     per_sample,
     sq_dist,
@@ -63,9 +59,6 @@ class GRPOGuard(ClippedObjective):
     """
 
     clip_range: float = clip_range_param(2e-6)
-    adv_clip: float = adv_clip_param()
-    beta: float = beta_param()
-    kl: KlForm = kl_param()
 
     @staticmethod
     def check_recipe(resolved: Mapping[str, Any]) -> list[ConfigError]:

@@ -17,6 +17,15 @@ to the stored ones) the gradient raises the log-prob of every sample with a posi
 lowers it for a negative one; an objective that asks for the reference uses it (moving the
 reference moves the loss) and one that does not never reads it (the trainer computes none);
 ``check_recipe`` (optional) returns a list of errors.
+
+Objectives that train on the forward process (``trains_on = "forward"``) get a
+:class:`~fgrpo.core.protocols.ForwardBatch` instead, and the same checks in its terms: at θ = θ_old
+(the old and the reference predictions equal the current one) descent moves each row's velocity
+toward its flow-matching target when its advantage is positive and away from it when negative (a
+pair's preferred row toward, its rejected row away); the old policy is used exactly when the
+objective keeps one (``needs_old``), with a decay in [0, 1); ``point_times`` draws noise levels in
+(0, 1] reproducibly from a generator; a pairwise objective's ``pairs`` pair samples of one group,
+the preferred one with the higher advantage; the batch is reordered pair by pair.
 """
 
 from __future__ import annotations
@@ -29,7 +38,7 @@ import pytest
 import torch
 
 from fgrpo.core.config import ConfigError, RecipeError
-from fgrpo.core.protocols import Objective, ObjectiveOutput, StepBatch
+from fgrpo.core.protocols import ForwardBatch, Objective, ObjectiveOutput, StepBatch
 from fgrpo.core.testing import _component
 
 
@@ -57,7 +66,53 @@ class ObjectiveConformance:
         params = {**self.objective_params, **overrides}
         return _component.build("objective", self.objective_name, self.objective_class, params)
 
-    def make_batch(self, *, seed: int = 0, on_policy: bool = True, reference: bool = True) -> StepBatch:
+    @property
+    def forward(self) -> bool:
+        target = _component.component_class("objective", self.objective_name, self.objective_class, "ObjectiveConformance")
+        return getattr(target, "trains_on", "transitions") == "forward"
+
+    def make_batch(self, *, seed: int = 0, on_policy: bool = True, reference: bool = True) -> StepBatch | ForwardBatch:
+        if self.forward:
+            return self.make_forward_batch(seed=seed, on_policy=on_policy, reference=reference)
+        return self.make_step_batch(seed=seed, on_policy=on_policy, reference=reference)
+
+    def make_forward_batch(self, *, seed: int = 0, on_policy: bool = True, reference: bool = True, old: bool = True) -> ForwardBatch:
+        """Forward-process points: advantages of both signs (none zero; a pairwise objective's rows
+        are m preferred then m rejected, +1 and -1), t in [0.1, 0.9]; ``on_policy``: the old
+        policy's prediction equals the current one (θ = θ_old). The velocity is a leaf with gradient."""
+        g = torch.Generator().manual_seed(seed)
+        b = self.batch_size
+
+        def randn(*shape: int) -> torch.Tensor:
+            return torch.randn(shape, generator=g)
+
+        x0, noise = randn(b, *self.shape), randn(b, *self.shape)
+        t = 0.1 + 0.8 * torch.rand(b, generator=g)
+        tt = t.reshape(-1, *([1] * len(self.shape)))
+        pairwise = getattr(self.make_objective(), "pairwise", False)
+        if pairwise:
+            m = b // 2
+            noise[m:], t[m:] = noise[:m], t[:m]
+            tt = t.reshape(-1, *([1] * len(self.shape)))
+            advantages = torch.cat([torch.ones(m), -torch.ones(b - m)])
+        else:
+            advantages = torch.tensor([(-1.0) ** i for i in range(b)]) * (0.2 + torch.rand(b, generator=g))
+        velocity = (noise - x0) + 0.3 * randn(b, *self.shape)
+        drift = 0.0 if on_policy else 1.0
+        old_velocity = velocity + drift * 0.05 * randn(b, *self.shape)
+        ref_velocity = velocity + 0.05 * randn(b, *self.shape)
+        return ForwardBatch(
+            advantages=advantages,
+            t=t,
+            x0=x0,
+            noise=noise,
+            x_t=(1 - tt) * x0 + tt * noise,
+            velocity=velocity.clone().requires_grad_(True),
+            old_velocity=old_velocity if old else None,
+            ref_velocity=ref_velocity if reference else None,
+        )
+
+    def make_step_batch(self, *, seed: int = 0, on_policy: bool = True, reference: bool = True) -> StepBatch:
         """A minibatch of one trained step: advantages of both signs (none zero), positive stds,
         negative dts; ``on_policy``: the new log-probs and means equal the stored ones. The new
         log-prob, mean and velocity are leaves with gradient."""
@@ -115,7 +170,8 @@ class ObjectiveConformance:
             assert not value.requires_grad, f"metric {name!r} is not detached"
             assert torch.isfinite(value), f"metric {name!r} = {value}"
         out.loss.backward()
-        grads = [t.grad for t in (batch.log_prob, batch.mean, batch.velocity) if t is not None and t.grad is not None]
+        leaves = (batch.velocity,) if isinstance(batch, ForwardBatch) else (batch.log_prob, batch.mean, batch.velocity)
+        grads = [t.grad for t in leaves if t.grad is not None]
         assert grads and all(torch.isfinite(g).all() for g in grads)
 
     def test_deterministic(self) -> None:
@@ -129,11 +185,15 @@ class ObjectiveConformance:
         objective = self.make_objective()
         batch = self.make_batch(seed=2, on_policy=False)
         order = torch.roll(torch.arange(self.batch_size), 1)
-        fields: dict[str, Any] = {
+        if getattr(objective, "pairwise", False):  # pair by pair: the preferred half and the rejected half alike
+            m = self.batch_size // 2
+            half = torch.roll(torch.arange(m), 1)
+            order = torch.cat([half, half + m])
+        kind = type(batch)
+        moved = kind(**{
             f.name: None if getattr(batch, f.name) is None else getattr(batch, f.name).detach()[order]
-            for f in attrs.fields(StepBatch)
-        }
-        moved = StepBatch(**fields)
+            for f in attrs.fields(kind)
+        })
         a, b = self.call(objective, batch), self.call(objective, moved)
         torch.testing.assert_close(b.loss, a.loss.detach(), atol=self.atol, rtol=0)
         for name, value in a.metrics.items():
@@ -141,7 +201,18 @@ class ObjectiveConformance:
 
     def test_on_policy_gradient_follows_the_advantage(self) -> None:
         """d loss / d log_prob_i has the sign of -A_i: descent raises the log-prob of a sample with a
-        positive advantage and lowers it for a negative one."""
+        positive advantage and lowers it for a negative one. Forward-process points: at θ = θ_old
+        = θ_ref, descent moves the velocity toward the target for A > 0, away from it for A < 0."""
+        if self.forward:
+            batch = self.make_forward_batch(seed=3)
+            batch = attrs.evolve(batch, ref_velocity=batch.velocity.detach().clone(), old_velocity=batch.velocity.detach().clone())
+            self.call(self.make_objective(), batch).loss.backward()
+            grad = batch.velocity.grad
+            assert grad is not None, "the loss does not depend on the velocity"
+            toward = (-grad * (batch.target - batch.velocity.detach())).flatten(1).sum(1)
+            adv = batch.advantages
+            assert torch.all(torch.sign(toward) == torch.sign(adv)), f"descent . (target - v) = {toward.tolist()} for advantages {adv.tolist()}"
+            return
         batch = self.make_batch(seed=3)
         self.call(self.make_objective(), batch).loss.backward()
         grad, adv = batch.log_prob.grad, batch.advantages
@@ -158,17 +229,65 @@ class ObjectiveConformance:
             assert torch.equal(with_ref, without), "the loss depends on a reference the objective did not ask for"
             return
         batch = self.make_batch(seed=4, on_policy=False)
-        assert batch.ref_mean is not None and batch.ref_velocity is not None  # make_batch's reference
-        moved = attrs.evolve(batch, ref_mean=batch.ref_mean + 0.5, ref_velocity=batch.ref_velocity + 0.5)
+        if isinstance(batch, ForwardBatch):
+            moved = attrs.evolve(batch, ref_velocity=batch.ref_velocity + 0.5)
+        else:
+            moved = attrs.evolve(batch, ref_mean=batch.ref_mean + 0.5, ref_velocity=batch.ref_velocity + 0.5)
         assert not torch.equal(self.call(objective, moved).loss, with_ref), "moving the reference did not move the loss"
+
+    # --- forward-process objectives ---------------------------------------------------------------
+
+    def skip_unless_forward(self) -> None:
+        if not self.forward:
+            pytest.skip("the objective trains on transitions")
+
+    def test_old_policy_used_only_when_kept(self) -> None:
+        self.skip_unless_forward()
+        objective = self.make_objective()
+        keeps = bool(getattr(objective, "needs_old", False))
+        batch = self.make_forward_batch(seed=5, on_policy=False)
+        loss = self.call(objective, batch).loss
+        if not keeps:
+            without = self.call(objective, self.make_forward_batch(seed=5, on_policy=False, old=False)).loss
+            assert torch.equal(loss, without), "the loss depends on an old policy the objective does not keep"
+            return
+        moved = attrs.evolve(batch, old_velocity=batch.old_velocity + 0.5)
+        assert not torch.equal(self.call(objective, moved).loss, loss), "moving the old policy did not move the loss"
+        for steps in (0, 1, 10, 100, 1000, 10**6):
+            decay = objective.old_decay(steps)
+            assert 0.0 <= decay < 1.0, f"old_decay({steps}) = {decay}; allowed: [0, 1)"
+
+    def test_point_times_are_reproducible_noise_levels(self) -> None:
+        self.skip_unless_forward()
+        objective = self.make_objective()
+        sigmas = torch.linspace(1.0, 0.0, 11)
+        a = objective.point_times(sigmas, torch.Generator().manual_seed(0))
+        b = objective.point_times(sigmas, torch.Generator().manual_seed(0))
+        assert a.ndim == 1 and len(a) >= 1 and a.is_floating_point()
+        assert torch.equal(a, b), "the same generator seed drew other noise levels"
+        assert bool(((a > 0) & (a <= 1)).all()), f"noise levels {a.tolist()} outside (0, 1]"
+
+    def test_pairs_lie_in_one_group_and_prefer_the_higher_advantage(self) -> None:
+        self.skip_unless_forward()
+        objective = self.make_objective()
+        if not getattr(objective, "pairwise", False):
+            pytest.skip("not pairwise")
+        groups = torch.tensor([0, 0, 0, 1, 1, 1, 2, 2])
+        advantages = torch.tensor([0.5, -1.0, 0.5, 0.0, 0.0, 0.0, 2.0, -2.0])
+        pairs = objective.pairs(advantages, groups)
+        assert pairs.ndim == 2 and pairs.shape[1] == 2 and len(pairs) >= 2
+        for w, loser in pairs.tolist():
+            assert groups[w] == groups[loser] and advantages[w] > advantages[loser], (w, loser)
+        assert 1 not in groups[pairs[:, 0]].tolist(), "a group whose samples score the same gave a pair"
 
     def test_check_recipe(self) -> None:
         check = getattr(self.make_objective(), "check_recipe", None)
         if check is None:
             pytest.skip("no check_recipe")
+        sampler = {"name": "ode", "kernel": {"name": "dpmpp2m"}} if self.forward else {"name": "full", "kernel": {"name": "sde", "eta": 0.7}}
         resolved: Mapping[str, Any] = {
             "objective": {"name": self.objective_name or "objective", **self.objective_params},
-            "sampler": {"name": "full", "kernel": {"name": "sde", "eta": 0.7}},
+            "sampler": sampler,
         }
         errors = check(resolved)
         assert isinstance(errors, list) and all(isinstance(e, ConfigError) for e in errors)

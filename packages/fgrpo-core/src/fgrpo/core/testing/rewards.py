@@ -108,9 +108,18 @@ class RewardConformance:
             _BUILT[cls] = self.make_reward()
         return _BUILT[cls]
 
+    @staticmethod
+    def groups_of(prompts: Sequence[str]) -> torch.Tensor:
+        """A group-aware reward's groups: the samples of one prompt are a group."""
+        ids: dict[str, int] = {}
+        return torch.tensor([ids.setdefault(p, len(ids)) for p in prompts], dtype=torch.long)
+
     def score(self, reward: Any, outputs: Any, prompts: list[str], metadata: list) -> RewardResult:
-        """The reward on a batch, as the trainer calls it (with ``sources=`` when it accepts them)."""
+        """The reward on a batch, as the trainer calls it (with ``sources=`` when it accepts them,
+        ``groups=`` when it judges whole groups)."""
         extra = {"sources": media.reward_sources(prompts, outputs)} if getattr(reward, "accepts_sources", False) else {}
+        if getattr(reward, "groupwise", False):
+            extra["groups"] = self.groups_of(prompts)
         result = reward(outputs, prompts, metadata, **extra)
         assert isinstance(result, RewardResult), (
             f"{self.reward_name} returned {type(result).__name__}, expected fgrpo.core.protocols.RewardResult"
@@ -172,3 +181,16 @@ class RewardConformance:
         assert _same(before[0], outputs), "the reward modified its outputs argument in place"
         assert before[1] == list(prompts)
         assert _same(before[2], list(metadata))
+
+    def test_group_aware_reward_scores_each_group_on_its_own(self, reward: Any) -> None:
+        """A group-aware reward (``groupwise``) gives a group's samples the same scores alone as
+        inside the batch: groups are judged independently."""
+        if not getattr(reward, "groupwise", False):
+            pytest.skip("not group-aware")
+        outputs, prompts, metadata = self.make_inputs()
+        base = self.score(reward, outputs, prompts, metadata).scores.detach().cpu()
+        groups = self.groups_of(prompts)
+        for g in groups.unique().tolist():
+            index = (groups == g).nonzero().squeeze(1).tolist()
+            alone = self.score(reward, take(outputs, index), take(list(prompts), index), take(list(metadata), index)).scores
+            torch.testing.assert_close(alone.detach().cpu(), base[index], atol=self.atol, rtol=0)

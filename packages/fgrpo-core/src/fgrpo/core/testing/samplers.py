@@ -17,6 +17,11 @@ log-probs, means and stds re-evaluated bit-identically by the kernel (the update
 1); the same generator seed gives the same rollout and another seed another; NFE counts every
 velocity call (classifier-free guidance included); the state is plain JSON and a sampler restored
 from it rolls out and moves on exactly as the original (resume).
+
+A deterministic sampler (``transitions = False``, the rollouts of the objectives that train on the
+forward process) is checked in its terms: a deterministic kernel, no trained steps (S = 0, nothing
+stored but the final samples and their conditioning), and a final sample equal to the kernel's
+steps run by hand from the same initial noise.
 """
 
 from __future__ import annotations
@@ -82,10 +87,18 @@ class SamplerConformance:
     def test_registered_with_documented_keys(self) -> None:
         _component.check_registered_and_documented("sampler", self.sampler_name, self.sampler_class, docstring=True)
 
+    @property
+    def transitions(self) -> bool:
+        """Whether the sampler's rollouts record trained stochastic transitions."""
+        return bool(getattr(self.make_sampler(), "transitions", True))
+
     def test_satisfies_protocol(self) -> None:
         sampler = self.make_sampler()
         assert isinstance(sampler, Sampler)
-        assert getattr(sampler.kernel, "stochastic", False), "a sampler trains its kernel's steps: a stochastic one"
+        if self.transitions:
+            assert getattr(sampler.kernel, "stochastic", False), "a sampler trains its kernel's steps: a stochastic one"
+        else:
+            assert not getattr(sampler.kernel, "stochastic", False), "a sampler without transitions takes deterministic steps"
 
     def test_bad_params_raise_recipe_error(self) -> None:
         with pytest.raises(RecipeError):
@@ -102,7 +115,10 @@ class SamplerConformance:
         sampler = self.make_sampler()
         traj = self.rollout(sampler, policy)
         batch, s = self.batch, traj.num_trained_steps
-        assert s >= 1, "a rollout trains at least one step"
+        if self.transitions:
+            assert s >= 1, "a rollout trains at least one step"
+        else:
+            assert s == 0, "a deterministic rollout stores no trained steps"
         assert traj.prompts == [p for p in self.prompts for _ in range(self.group_size)]
         assert traj.group_index.tolist() == [i for i in range(len(self.prompts)) for _ in range(self.group_size)]
         assert traj.step_index.shape == (batch, s) and traj.step_index.dtype == torch.long
@@ -115,7 +131,8 @@ class SamplerConformance:
         steps = getattr(sampler, "steps", None)
         if steps is not None:
             assert traj.sigmas.shape == (steps + 1,)
-        assert int(traj.step_index.max()) < traj.sigmas.shape[0] - 1
+        if s:
+            assert int(traj.step_index.max()) < traj.sigmas.shape[0] - 1
         assert traj.cond["mean"].shape == (batch, *shape), "the conditioning is repeated per sample, batch-first"
         assert traj.cond["length"].tolist() == [len(p) for p in traj.prompts]
         assert policy.encoded == list(self.prompts), "every prompt is encoded once, then repeated"
@@ -136,6 +153,24 @@ class SamplerConformance:
             assert torch.equal(again.log_prob, traj.log_probs[:, j])
             assert torch.equal(again.mean, traj.means[:, j])
             assert torch.equal(again.std.reshape(self.batch, -1)[:, 0], traj.stds[:, j])
+
+    def test_deterministic_rollout_is_its_kernel_run_by_hand(self) -> None:
+        """A sampler without transitions: the final sample is the kernel's steps from the noise."""
+        if self.transitions:
+            pytest.skip("the sampler records transitions")
+        policy = self.make_policy(shape=self.shapes[-1])
+        sampler = self.make_sampler()
+        traj = self.rollout(sampler, policy, seed=5)
+        if getattr(sampler, "share_noise", False):  # one draw per prompt, repeated for its group
+            x = policy.initial_noise(len(self.prompts), gen(5)).float().repeat_interleave(self.group_size, dim=0)
+        else:
+            x = policy.initial_noise(self.batch, gen(5)).float()
+        if hasattr(sampler.kernel, "reset"):
+            sampler.kernel.reset()
+        for i in range(traj.sigmas.shape[0] - 1):
+            v = policy.velocity(x, traj.sigmas[i].expand(self.batch), traj.cond)
+            x = sampler.kernel.step(v, x, traj.sigmas, i).prev_sample.float()
+        torch.testing.assert_close(traj.final, x, rtol=0, atol=1e-6)
 
     def test_same_seed_same_rollout(self) -> None:
         policy = self.make_policy()

@@ -3,6 +3,7 @@ conformance base every backbone's tests subclass.
 
 - :class:`DiffusersBackboneConformance` (:mod:`fgrpo.models.testing.conformance`), a
   :class:`fgrpo.core.testing.PolicyConformance` with the diffusers-specific checks;
+  :class:`EditingBackboneConformance`, the same for editing backbones with ``fgrpo check``;
 - ``build_tiny_sd3_pipeline``, ``build_tiny_flux_pipeline``, ``build_tiny_flux_kontext_pipeline``,
   ``build_tiny_flux2_pipeline``, ``build_tiny_flux2_klein_pipeline``, ``build_tiny_qwen_image_pipeline``,
   ``build_tiny_qwen_image_edit_pipeline``, ``build_tiny_z_image_pipeline``, ``build_tiny_wan_pipeline``,
@@ -26,6 +27,7 @@ except ImportError:  # pytest is only needed to run the base
 _PIPELINES = "fgrpo.models.testing.pipelines"
 _EXPORTS = {
     "DiffusersBackboneConformance": "fgrpo.models.testing.conformance",
+    "EditingBackboneConformance": "fgrpo.models.testing.conformance",
     "build_tiny_flux2_klein_pipeline": _PIPELINES,
     "build_tiny_flux2_pipeline": _PIPELINES,
     "build_tiny_flux_kontext_pipeline": _PIPELINES,

@@ -284,4 +284,23 @@ class DiffusersBackboneConformance(PolicyConformance):
             assert torch.equal(value, policy.transformer.state_dict()[key]), key
 
 
-__all__ = ["DiffusersBackboneConformance"]
+class EditingBackboneConformance(DiffusersBackboneConformance):
+    """The conformance of an editing backbone (prompts with source images, ``source_kwargs``
+    giving them to the pipeline), plus ``fgrpo check``'s on-policy check on a float32 recipe of the
+    tiny pipeline with the prompts written as an editing dataset folder."""
+
+    def test_fgrpo_check_is_exact(self, model_keys: dict[str, Any], tmp_path: Path) -> None:
+        from rich.console import Console
+
+        from fgrpo.core import recipe as recipe_mod
+        from fgrpo.core.onpolicy import first_ratio_check
+
+        data = self.iteration_recipe(model_keys, tmp_path)
+        data["train"] = {**data["train"], "mixed_precision": "no"}
+        recipe, errors = recipe_mod.validate(data)
+        assert not errors, errors
+        deviation, _ = first_ratio_check(recipe, Console(quiet=True))
+        assert deviation == 0.0
+
+
+__all__ = ["DiffusersBackboneConformance", "EditingBackboneConformance"]
