@@ -9,8 +9,11 @@ that the tables name exactly the components the four fgrpo distributions registe
 
 from __future__ import annotations
 
+from fgrpo.core.objectives.awm import AWM
+from fgrpo.core.objectives.dpo import DPO
 from fgrpo.core.objectives.grpo import GRPO
 from fgrpo.core.objectives.guard import GRPOGuard
+from fgrpo.core.objectives.nft import NFT
 from fgrpo.core.prompts import FolderPrompts, ListPrompts, TextFilePrompts
 from fgrpo.core.protocols import Evaluator, Kernel, Objective, Policy, PromptSource, Reward, Sampler
 from fgrpo.models.flux import FluxPolicy
@@ -42,6 +45,7 @@ from fgrpo.rewards.driving.rewards import (
     Safety,
 )
 from fgrpo.rewards.geneval import GenEval
+from fgrpo.rewards.group import Pairwise, Rank
 from fgrpo.rewards.hpsv2 import HPSv2
 from fgrpo.rewards.imagereward import ImageReward
 from fgrpo.rewards.jpeg import JpegCompressibility, JpegIncompressibility
@@ -64,6 +68,7 @@ from fgrpo.samplers.kernels.ode import ODEKernel
 from fgrpo.samplers.kernels.sde import SDEKernel
 from fgrpo.samplers.kernels.wan_sde import WanSDEKernel
 from fgrpo.samplers.mixgrpo import MixGRPOSampler
+from fgrpo.samplers.ode import ODESampler
 
 KERNELS: dict[str, type[Kernel]] = {
     "correlated": CorrelatedKernel,
@@ -79,6 +84,7 @@ SAMPLERS: dict[str, type[Sampler]] = {
     "fast": FastSampler,
     "full": FullSampler,
     "mixgrpo": MixGRPOSampler,
+    "ode": ODESampler,
 }
 REWARDS: dict[str, type[Reward]] = {
     "aesthetic": Aesthetic,
@@ -99,7 +105,9 @@ REWARDS: dict[str, type[Reward]] = {
     "jpeg-compressibility": JpegCompressibility,
     "jpeg-incompressibility": JpegIncompressibility,
     "ocr": OCRReward,
+    "pairwise": Pairwise,
     "pickscore": PickScore,
+    "rank": Rank,
     "remote": RemoteReward,
     "shapes": ShapesVerifier,
     "shapes-edit": ShapesEditVerifier,
@@ -126,8 +134,11 @@ MODELS: dict[str, type[Policy]] = {
     "z-image": ZImagePolicy,
 }
 OBJECTIVES: dict[str, type[Objective]] = {
+    "awm": AWM,
+    "dpo": DPO,
     "grpo": GRPO,
     "grpo-guard": GRPOGuard,
+    "nft": NFT,
 }
 PROMPTS: dict[str, type[PromptSource]] = {
     "driving": DrivingPrompts,

@@ -109,7 +109,7 @@ def first_step(root, objective: str, *overrides: str):
     finally:
         phases.update, phases.optimizer_step = update, step
     with torch.no_grad():
-        for p, w in zip(run.trainable, seen["weights"]):
+        for p, w in zip(run.trainable, seen["weights"], strict=True):
             p.copy_(w)
     points = ForwardPoints(run, seen["traj"], seen["adv"], 0)
     kept = torch.arange(points.items)
@@ -137,7 +137,7 @@ def test_nft_first_step_is_the_advantage_weighted_flow_matching_gradient(root):
         factor = batch.t / (batch.target - batch.velocity.detach()).abs().flatten(1).mean(1)
         return factor * batch.advantages.clamp(-5, 5)
 
-    for got, want in zip(grads, weighted_flow_matching_gradient(run, points, weight)):
+    for got, want in zip(grads, weighted_flow_matching_gradient(run, points, weight), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-7)
 
 
@@ -147,7 +147,7 @@ def test_awm_first_step_is_the_t_weighted_ghuber_flow_matching_gradient(root):
     def weight(batch, error):
         return batch.t * (error.double() + 1e-10) ** (0.25 - 1) * batch.advantages.clamp(-5, 5) / 5
 
-    for got, want in zip(grads, weighted_flow_matching_gradient(run, points, weight)):
+    for got, want in zip(grads, weighted_flow_matching_gradient(run, points, weight), strict=True):
         torch.testing.assert_close(got, want.to(got.dtype), rtol=1e-4, atol=1e-7)
 
 
@@ -157,7 +157,7 @@ def test_dpo_first_step_at_the_reference_is_a_quarter_beta_flow_matching_differe
     def weight(batch, error):  # rows: m preferred then m rejected
         return 2.0 / 4 * batch.advantages * 2  # x2: the loss is a mean over pairs, the check a mean over rows
 
-    for got, want in zip(grads, weighted_flow_matching_gradient(run, points, weight)):
+    for got, want in zip(grads, weighted_flow_matching_gradient(run, points, weight), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-7)
 
 
@@ -207,7 +207,7 @@ def test_micro_batches_and_accumulation_give_the_same_update(root, name):
     whole = final_weights(vector(root, ODE, OBJECTIVES[name], "train.minibatch_size=0", *base))
     micro = final_weights(vector(root, ODE, OBJECTIVES[name], "train.minibatch_size=0", "train.micro_batch_size=7", "train.reference_batch_size=5", *base))
     halves = final_weights(vector(root, ODE, OBJECTIVES[name], "train.minibatch_size=32", "train.gradient_accumulation_steps=2", *base))
-    for a, b, c in zip(whole, micro, halves):
+    for a, b, c in zip(whole, micro, halves, strict=True):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
         torch.testing.assert_close(c, a, rtol=1e-4, atol=1e-6)
 
@@ -231,19 +231,19 @@ def test_nft_rolls_out_from_its_old_policy_and_moves_it_by_the_decay(root):
     old = [s.detach().clone() for s in run.old.shadow]
     d = run.objective.old_decay(run.optimizer_steps)
     assert 0 < d < 1
-    assert any(not torch.equal(a, b) for a, b in zip(current, old))
+    assert any(not torch.equal(a, b) for a, b in zip(current, old, strict=True))
     traj = phases.rollout(run, 1)
     with run.old.swapped_in():  # the rollout is the old policy's
         again = run.sampler.rollout(run.policy, [p for _, p in run.schedule.local(1)], run.recipe.train.group_size, generator=torch.Generator().manual_seed(0))
     by_hand = phases.rollout(run, 1)
     assert torch.equal(traj.final, by_hand.final)
-    for p, c in zip(run.trainable, current):
+    for p, c in zip(run.trainable, current, strict=True):
         assert torch.equal(p, c), "the rollout left the old weights in the policy"
     assert again.final.shape == traj.final.shape
     before = [s.detach().clone() for s in run.old.shadow]
     iteration(run, 1)
     d = run.objective.old_decay(run.optimizer_steps)
-    for s, b, p in zip(run.old.shadow, before, run.trainable):
+    for s, b, p in zip(run.old.shadow, before, run.trainable, strict=True):
         torch.testing.assert_close(s, d * b + (1 - d) * p.detach(), rtol=0, atol=1e-7)
 
 

@@ -2,20 +2,21 @@
 """Pretrain the ``shapes-edit-dit`` base model: rectified-flow matching on imperfect edit pairs of
 the shapes-edit world (source scene + instruction -> edited scene).
 
-    .venv/bin/python tools/pretrain_shapes_edit.py --checkpoint-dir DIR   # DIR/step01000.safetensors is the shipped file
+    # DIR/step01000.safetensors is the shipped file
+    .venv/bin/python tools/pretrain_shapes_edit.py --checkpoint-dir DIR
 
 What it does (every default is what made packages/fgrpo-models/src/fgrpo/models/weights/
 shapes-edit-base.safetensors, which is this run's EMA checkpoint at step 1000: cut there for the
 session's time, its metadata records these defaults):
 
 - architecture: ``shapes-dit``'s (an SD3 transformer over 24x24 pixels, one token per cell, a
-  word-level text encoder) with ``source_images: 1``: the source image's 9 cell tokens follow the
-  state's in the sequence at the state's positions plus a learned marker (FLUX Kontext's same
-  (h, w) ids), at the same timestep; only the state's tokens are read out. (With positions of their
-  own, the sources' cells to the right of the state's, 3000 steps of this tool left the untouched
-  cells all preserved in 8% of held-out edits: the network had not learned to copy.) Built from scratch (not from the text-to-image base: the
-  instructions have their own vocabulary, and the editing model is smaller so that RL fits in 10
-  minutes on 2 cores).
+word-level text encoder) with ``source_images: 1``: the source image's 9 cell tokens follow the
+state's in the sequence at the state's positions plus a learned marker (FLUX Kontext's same (h, w)
+ids), at the same timestep; only the state's tokens are read out. (With positions of their own, the
+sources' cells to the right of the state's, 3000 steps of this tool left the untouched cells all
+preserved in 8% of held-out edits: the network had not learned to copy.) Built from scratch (not
+from the text-to-image base: the instructions have their own vocabulary, and the editing model is
+smaller so that RL fits in 10 minutes on 2 cores).
 - data: pairs from the TRAINING instructions of ``split_instructions(--split-seed)`` only (the
   held-out instructions are never seen); the category of each example is drawn uniformly, then an
   instruction of it and a random source scene it applies to (:func:`edit_pair`). With probability

@@ -33,6 +33,7 @@ Pref-GRPO's win rates over the verifier's partial score).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -40,7 +41,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _bench  # noqa: E402
+import _bench  # noqa: E402 - found through the sys.path line above
 
 RECIPES = {
     "grpo": "recipes/shapes.yaml",
@@ -53,6 +54,7 @@ RECIPES = {
     "pairwise": "recipes/shapes-pairwise.yaml",
 }
 MAIN = "grpo"
+LAST_EVALUATION = "the main job's last evaluation"
 
 
 class Clock:
@@ -123,7 +125,7 @@ def train(name: str, path: str, overrides: list[str], budget: float | None, ever
 
 def at(points: list[dict], key: str, axis: str, x: float) -> float | None:
     """``key`` at ``axis`` = x, linear between evaluations (None past the last one)."""
-    for a, b in zip(points, points[1:]):
+    for a, b in itertools.pairwise(points):
         if a[axis] <= x <= b[axis]:
             w = 0.0 if b[axis] == a[axis] else (x - a[axis]) / (b[axis] - a[axis])
             return a[key] + w * (b[key] - a[key])
@@ -162,7 +164,7 @@ def report(runs: list[dict], every: float, target_accuracy: float | None = None)
     )
     lines.append(
         f"T = {target_time:.0f} {clock} s ({how}); accuracy to reach {target:.3f} "
-        f"({'given: --target-accuracy' if target_accuracy is not None else 'the main job' + chr(39) + 's last evaluation'})"
+        f"({'given: --target-accuracy' if target_accuracy is not None else LAST_EVALUATION})"
     )
     marks = [every * k for k in range(1, int(min(target_time, measured_end) // every) + 1)]
     header = ["recipe"] + [f"{m:.0f} s" for m in marks]

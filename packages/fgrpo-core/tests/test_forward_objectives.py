@@ -236,7 +236,7 @@ def test_awm_noise_levels_follow_its_strata():
     for seed in range(20):
         g = torch.Generator().manual_seed(seed)
         index = discrete_indices(1, 9, 6, g, torch.device("cpu"))
-        assert [lo <= i < max(hi, lo + 1) for i, lo, hi in zip(index.tolist(), [1, 2, 3, 5, 6, 7], [2, 3, 5, 6, 7, 9])] == [True] * 6
+        assert [lo <= i < max(hi, lo + 1) for i, lo, hi in zip(index.tolist(), [1, 2, 3, 5, 6, 7], [2, 3, 5, 6, 7, 9], strict=True)] == [True] * 6
         t = AWM().point_times(sigmas, torch.Generator().manual_seed(seed))
         assert torch.equal(t, sigmas[index])
     t = AWM(time_type="discrete").point_times(sigmas, torch.Generator().manual_seed(0))

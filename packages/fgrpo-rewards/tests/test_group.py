@@ -54,7 +54,7 @@ class Comparer:
         raise NotImplementedError
 
     def compare(self, first, second, prompts, metadata):
-        self.pairs += list(zip(first[:, 0].tolist(), second[:, 0].tolist()))
+        self.pairs += list(zip(first[:, 0].tolist(), second[:, 0].tolist(), strict=True))
         if self.biased:
             return RewardResult(scores=torch.ones(len(first)))
         a, b = first[:, 0], second[:, 0]

@@ -83,9 +83,10 @@ def evaluate(run: Run, iteration: int, out_dir: Path | None) -> dict[str, float]
     metrics: dict[str, float] = {}
     total = torch.zeros(len(all_prompts))
     for spec, reward in run.rewards:
-        total += spec.weight * scores[spec.label].cpu()
-        metrics[f"eval/reward/{spec.label}"] = scores[spec.label].mean().item()
-        for key, value in detail_means(details[spec.label]).items():
+        label = spec.label or spec.name  # built specs carry their label (the name when the recipe gives none)
+        total += spec.weight * scores[label].cpu()
+        metrics[f"eval/reward/{label}"] = scores[label].mean().item()
+        for key, value in detail_means(details[label]).items():
             metrics[f"eval/{spec.label}/{key}"] = value
         extra = getattr(reward, "eval_metrics", None)
         if extra is not None:

@@ -11,7 +11,7 @@ import contextlib
 import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import torch
@@ -19,7 +19,7 @@ import torch
 from fgrpo.core import tensors
 from fgrpo.core.advantages import combine
 from fgrpo.core.ema import ema_weights
-from fgrpo.core.protocols import StepBatch, Trajectory
+from fgrpo.core.protocols import ForwardObjective, StepBatch, Trajectory
 from fgrpo.core.run import Run
 from fgrpo.core.seeding import generator
 from fgrpo.core.timing import TimedPolicy
@@ -118,7 +118,7 @@ def advantages(run: Run, traj: Trajectory, scores: dict[str, torch.Tensor]) -> t
     device = run.policy.device
     gathered = {k: acc.gather(v.to(device)) for k, v in scores.items()}
     groups = acc.gather(traj.group_index.to(device))
-    weights = {spec.label: spec.weight for spec in run.recipe.rewards}
+    weights = {spec.label or spec.name: spec.weight for spec in run.recipe.rewards}  # built specs carry their label
     cfg = run.recipe.train
     adv, stats = combine(
         gathered,
@@ -423,7 +423,7 @@ def move_old_policy(run: Run) -> None:
     """After an iteration's update: the objective's old policy <- d old + (1 - d) current, with d
     its decay after the run's optimizer steps so far (``Objective.old_decay``)."""
     if run.old is not None:
-        run.old.update(run.objective.old_decay(run.optimizer_steps))
+        run.old.update(cast(ForwardObjective, run.objective).old_decay(run.optimizer_steps))
 
 
 def summarize(stats: UpdateStats) -> dict[str, float]:

@@ -321,7 +321,19 @@ class Objective(Protocol):
     @property
     def needs_reference(self) -> bool: ...
 
-    def __call__(self, batch: StepBatch | ForwardBatch) -> ObjectiveOutput: ...
+    # a StepBatch or a ForwardBatch, as trains_on says: each objective takes the one it trains on
+    def __call__(self, batch: Any) -> ObjectiveOutput: ...
+
+
+class ForwardObjective(Objective, Protocol):
+    """What the forward-process update calls on an objective with ``trains_on = "forward"``
+    (``pairs`` only when ``pairwise``, ``old_decay`` only when it keeps an old policy)."""
+
+    def point_times(self, sigmas: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor: ...
+
+    def pairs(self, advantages: torch.Tensor, groups: torch.Tensor) -> torch.Tensor: ...
+
+    def old_decay(self, optimizer_steps: int) -> float: ...
 
 
 @runtime_checkable

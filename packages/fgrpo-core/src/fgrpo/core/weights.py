@@ -29,7 +29,7 @@ def ema_summary(ema: Any, optimizer_steps: int, every: int) -> dict[str, Any]:
     from fgrpo.core.launch.shards import full
 
     difference = 0.0
-    for shadow, param in zip(ema.shadow, ema.params):
+    for shadow, param in zip(ema.shadow, ema.params, strict=True):
         d = (full(shadow, like=param).float() - full(param).detach().float()).abs().max().item() if shadow.numel() else 0.0
         difference = max(difference, d)
     return {"updates": ema_updates(optimizer_steps, every), "optimizer_steps": optimizer_steps, "max_abs_difference": difference}

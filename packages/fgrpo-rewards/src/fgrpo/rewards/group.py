@@ -79,19 +79,21 @@ class Pairwise:
             first, second = [], []
             for group in members:
                 for i, j in itertools.combinations(group, 2):
-                    first.append(i), second.append(j)
+                    first.append(i)
+                    second.append(j)
                     if self.both_orders:
-                        first.append(j), second.append(i)
+                        first.append(j)
+                        second.append(i)
             outcome = torch.as_tensor(self.judge.compare(take(outputs, first), take(outputs, second), [prompts[i] for i in first], [metadata[i] for i in first]).scores, dtype=torch.float32).cpu() if first else torch.zeros(0)
         else:
             result = self.judge(outputs, list(prompts), list(metadata))
             scores = torch.as_tensor(result.scores, dtype=torch.float64).cpu()
             extra = pointwise_details(getattr(result, "details", {}) or {}, n)
-            first, second = zip(*[(i, j) for group in members for i, j in itertools.combinations(group, 2)]) if n > 1 else ((), ())
-            first, second = list(first), list(second)
+            pairs = [(i, j) for group in members for i, j in itertools.combinations(group, 2)] if n > 1 else []
+            first, second = [i for i, _ in pairs], [j for _, j in pairs]
             a, b = scores[first], scores[second]
             outcome = torch.where(a > b, 1.0, torch.where(a < b, 0.0, 0.5)).float()
-        for k, (i, j) in enumerate(zip(first, second)):
+        for k, (i, j) in enumerate(zip(first, second, strict=True)):
             o = float(outcome[k])
             wins[i] += o
             wins[j] += 1.0 - o

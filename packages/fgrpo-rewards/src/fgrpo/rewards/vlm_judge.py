@@ -2,12 +2,13 @@
 
 This is how UnifiedReward, Qwen2.5-VL and similar judges are served (vLLM, sglang, or any server
 with ``POST /v1/chat/completions``). Each image goes inline as a base64 data URL beside the
-prompt template; the answer is parsed into a number (``parse: number``) or a yes/no
-(``parse: yes-no``: the probability of "yes" from the first token's logprobs when the server gives
-them, else 1/0 from the text), or, as the judge of a ``pairwise`` reward, compares two images
-(``parse: pairwise``: Pref-GRPO's "Image 1 is better" / "Image 2 is better" inside <answer>). Requests run ``concurrency`` at a time, each with a timeout and
-retries with exponential backoff (``timeout`` bounds each request as a whole), and answers
-larger than ``max_answer_mb`` are refused unread. An answer that cannot be parsed is an error, unless
+prompt template; the answer is parsed into a number (``parse: number``) or a yes/no (``parse:
+yes-no``: the probability of "yes" from the first token's logprobs when the server gives them, else
+1/0 from the text), or, as the judge of a ``pairwise`` reward, compares two images (``parse:
+pairwise``: Pref-GRPO's "Image 1 is better" / "Image 2 is better" inside <answer>). Requests run
+``concurrency`` at a time, each with a timeout and retries with exponential backoff (``timeout``
+bounds each request as a whole), and answers larger than ``max_answer_mb`` are refused unread. An
+answer that cannot be parsed is an error, unless
 ``fallback`` is set: then that value is used, a warning is logged, and the sample's
 ``fallback`` detail is 1 (its mean is logged every iteration as ``reward/LABEL/fallback`` and by
 evaluation). The standard library only.
@@ -141,7 +142,8 @@ class VLMJudge:
         None, help="the question for edits (sources, then output); {prompt} is the instruction; none = a 1-5 judge of "
         "instruction following and preservation (number) or a yes/no question",
     )
-    parse: str = param("number", choices=("number", "yes-no", "pairwise"), help="how the answer becomes a score; pairwise: the judge compares two images (the judge of a pairwise reward)")
+    parse: str = param("number", choices=("number", "yes-no", "pairwise"), help="how the answer becomes a score; pairwise: the judge compares two images "
+                            "(the judge of a pairwise reward)")
     pattern: str = param(r"Final Score:\s*([-+]?\d+(?:\.\d+)?)", help="parse: number — a regex whose first group is the score")
     divisor: float = param(5.0, gt=0, help="parse: number — the number is divided by this (flow_grpo's UnifiedReward: 5)")
     image_format: str = param("png", choices=("png", "jpeg"), help="how images are encoded inline")
@@ -251,7 +253,7 @@ class VLMJudge:
         if self.parse != "pairwise":
             raise ValueError(f"vlm-judge compares two images only with parse: pairwise (got parse: {self.parse})")
         a, b = to_uint8(first), to_uint8(second)
-        return self._answers(list(zip(a, b)), prompts, [[] for _ in prompts])
+        return self._answers(list(zip(a, b, strict=True)), prompts, [[] for _ in prompts])
 
     def _answers(self, images: list[Any], prompts: Sequence[str], given: list[list[Any]]) -> RewardResult:
         with ThreadPoolExecutor(max_workers=self.concurrency) as pool:

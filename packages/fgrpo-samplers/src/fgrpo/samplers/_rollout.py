@@ -29,7 +29,7 @@ Everything runs under ``torch.no_grad()`` in float32 latents (the policy casts t
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import torch
@@ -179,6 +179,7 @@ def run(
     if plan.trained is not None:
         plan = attrs.evolve(plan, trained=torch.as_tensor(plan.trained, dtype=torch.long))
     plan.check(batch)
+    assert plan.trained is not None  # check() refuses a plan without trained steps
     device = torch.device(policy.device)
     epc = int(policy.evaluations_per_call)
 
@@ -227,6 +228,7 @@ def trajectory(
     prompts: list[str], group: int, plan: Plan, cond: Any, record: Record, final: torch.Tensor, nfe: dict[str, int], epc: int
 ) -> Trajectory:
     """The rollout's :class:`Trajectory`: its trained steps, its final samples and its NFE."""
+    assert plan.trained is not None  # run() checked the plan
     batch, total = len(prompts) * group, sum(nfe.values())
     device = record.latents.device
     info = {
@@ -243,7 +245,7 @@ def trajectory(
         prompts=[p for p in prompts for _ in range(group)],
         group_index=torch.arange(len(prompts), device=device).repeat_interleave(group),
         cond=cond,
-        sigmas=plan.sigmas,
+        sigmas=cast(torch.Tensor, plan.sigmas),  # the sampler's schedule: set when it completed the Plan
         step_index=plan.trained.to(device),
         latents=record.latents,
         next_latents=record.next_latents,

@@ -33,7 +33,8 @@ class ODESampler(GroupSampler):
     schedule: dict | None = schedule_param()
     kernel: Any = component("kernel", default="ode", help="the deterministic solver: ode (Euler), dpmpp2m, dpmpp3m")
 
-    final: ClassVar[str] = "sample"  # the state after the last step (a deterministic step: x0 at sigma' = 0)
+    # the state after the last step (a deterministic step: x0 at sigma' = 0); fixed here, a recipe key elsewhere
+    final: ClassVar[str] = "sample"  # type: ignore[misc]
     #: the rollout records no stochastic transitions (objectives that need them refuse this sampler)
     transitions: ClassVar[bool] = False
 

@@ -158,7 +158,7 @@ def load_models_whole() -> None:
         integration.unset_hf_deepspeed_config()
 
 
-def stage_class(accelerator: Any) -> type:
+def stage_class(accelerator: Any) -> type[DeepSpeedZeRO2] | type[DeepSpeedZeRO3]:
     """The class of a DeepSpeed launch's ZeRO stage (the others are refused by :func:`check_deepspeed`)."""
     return DeepSpeedZeRO3 if accelerator.state.deepspeed_plugin.zero_stage == 3 else DeepSpeedZeRO2
 
@@ -360,7 +360,7 @@ def _zero3_load_optimizer_state(
 ) -> None:
     """After the weights are loaded (:meth:`DeepSpeedZeRO3.whole_weights`): the float32 masters
     from the file (bf16) or the loaded weights, the moments cut to this process's partitions."""
-    for group, saved_group in zip(optimizer.param_groups, state["param_groups"]):
+    for group, saved_group in zip(optimizer.param_groups, state["param_groups"], strict=True):
         group.update({k: v for k, v in saved_group.items() if k != "params"})
     masters = state.get("fp32_weights")
     per_param = state["state"]

@@ -18,10 +18,11 @@ class Launch(Protocol):
     :mod:`.fsdp`, :mod:`.deepspeed`), chosen by :func:`fgrpo.core.launch.of`.
 
     The update clears the gradients with :meth:`zero_grad`, calls :meth:`backward` for every pass
-    (any loss: it knows nothing of what the pass computed), pads with :meth:`missing_backwards` (or :meth:`missing_forwards` for passes
-    without backward) zero-weighted passes so that every process makes as many collective passes,
-    and ends each optimizer step with :meth:`step`. Checkpoints gather what they write with
-    :meth:`gathered` and :meth:`optimizer_state`, and load with :meth:`load_optimizer_state`.
+    (any loss: it knows nothing of what the pass computed), pads with :meth:`missing_backwards` (or
+    :meth:`missing_forwards` for passes without backward) zero-weighted passes so that every process
+    makes as many collective passes, and ends each optimizer step with :meth:`step`. Checkpoints
+    gather what they write with :meth:`gathered` and :meth:`optimizer_state`, and load with
+    :meth:`load_optimizer_state`.
     """
 
     accelerator: Any

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from fgrpo.core.config import ConfigError, RecipeError
-from fgrpo.core.launch.deepspeed import DeepSpeedZeRO2, accelerator_options, stage_class
+from fgrpo.core.launch.deepspeed import DeepSpeedZeRO2, DeepSpeedZeRO3, accelerator_options, stage_class
 from fgrpo.core.launch.deepspeed import launched as deepspeed_launched
 from fgrpo.core.launch.fsdp import FSDP2, enable_on_cpu
 from fgrpo.core.launch.fsdp import launched as fsdp_launched
@@ -20,7 +20,7 @@ from fgrpo.core.launch.protocol import Launch
 #: accelerate's distributed types that run data parallel (:class:`DataParallel`)
 DATA_PARALLEL = ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_MUSA", "MULTI_HPU", "MULTI_SDAA")
 #: the other kinds, by accelerate's distributed type (DeepSpeed's by its ZeRO stage: :func:`launch_class`)
-SHARDED = {"FSDP": FSDP2, "DEEPSPEED": DeepSpeedZeRO2}
+SHARDED: dict[str, type[FSDP2] | type[DeepSpeedZeRO2]] = {"FSDP": FSDP2, "DEEPSPEED": DeepSpeedZeRO2}
 
 
 def kind(accelerator: Any) -> str:
@@ -33,7 +33,9 @@ def of(accelerator: Any) -> Launch:
     return launch_class(kind(accelerator), accelerator)(accelerator)
 
 
-def launch_class(name: str, accelerator: Any = None) -> type:
+def launch_class(
+    name: str, accelerator: Any = None
+) -> type[DataParallel] | type[FSDP2] | type[DeepSpeedZeRO2] | type[DeepSpeedZeRO3]:
     """The class of accelerate's distributed type ``name`` (of ``accelerator``'s ZeRO stage for
     DeepSpeed); the types fgrpo does not run are refused."""
     if name == "DEEPSPEED" and accelerator is not None:

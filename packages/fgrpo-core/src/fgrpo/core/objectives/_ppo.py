@@ -8,7 +8,7 @@ averaging (GRPO-Guard divides each sample's loss by its own -dt).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, TYPE_CHECKING
 
 import attrs
 import torch
@@ -130,6 +130,8 @@ class ClippedObjective:
     ``clip_range`` key (its own default) and writes :meth:`surrogate`."""
 
     trains_on: ClassVar[str] = "transitions"
+    if TYPE_CHECKING:  # each subclass's own recipe key (its own default); not a field here
+        clip_range: float
     adv_clip: float = adv_clip_param()
     beta: float = beta_param()
     kl: KlForm = kl_param()

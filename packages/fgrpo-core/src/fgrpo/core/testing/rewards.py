@@ -117,7 +117,7 @@ class RewardConformance:
     def score(self, reward: Any, outputs: Any, prompts: list[str], metadata: list) -> RewardResult:
         """The reward on a batch, as the trainer calls it (with ``sources=`` when it accepts them,
         ``groups=`` when it judges whole groups)."""
-        extra = {"sources": media.reward_sources(prompts, outputs)} if getattr(reward, "accepts_sources", False) else {}
+        extra: dict[str, Any] = {"sources": media.reward_sources(prompts, outputs)} if getattr(reward, "accepts_sources", False) else {}
         if getattr(reward, "groupwise", False):
             extra["groups"] = self.groups_of(prompts)
         result = reward(outputs, prompts, metadata, **extra)

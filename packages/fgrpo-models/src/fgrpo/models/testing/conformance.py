@@ -298,7 +298,7 @@ class EditingBackboneConformance(DiffusersBackboneConformance):
         data = self.iteration_recipe(model_keys, tmp_path)
         data["train"] = {**data["train"], "mixed_precision": "no"}
         recipe, errors = recipe_mod.validate(data)
-        assert not errors, errors
+        assert recipe is not None and not errors, errors
         deviation, _ = first_ratio_check(recipe, Console(quiet=True))
         assert deviation == 0.0
 
