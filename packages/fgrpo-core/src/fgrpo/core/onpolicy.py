@@ -14,9 +14,11 @@ from fgrpo.core.run import Run
 from fgrpo.core.trainer import build_run, iteration
 
 
-def first_ratio_check(recipe: Recipe, console: Console) -> tuple[float, Run]:
+def first_ratio_check(recipe: Recipe, console: Console | None = None) -> tuple[float, Run]:
     """One iteration, one batch, one gradient step: the largest |ratio - 1| of the stored actions'
-    re-evaluated log-probs before the first optimizer step (0 when rollout and update agree)."""
+    re-evaluated log-probs before the first optimizer step (0 when rollout and update agree).
+    Without ``console`` it says nothing."""
+    console = console if console is not None else Console(quiet=True)
     cfg = attrs.evolve(recipe.train, iterations=1, minibatch_size=0, inner_epochs=1, drop_zero_advantage=False)
     checked = attrs.evolve(recipe, train=cfg, eval=attrs.evolve(recipe.eval, every=0))
     run = build_run(checked, out_dir=None, console=console, quiet=True)

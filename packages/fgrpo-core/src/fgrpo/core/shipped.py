@@ -9,6 +9,8 @@ copies as package data (setuptools follows the link) — one set of files, nothi
 
 from __future__ import annotations
 
+import difflib
+
 import importlib.metadata as md
 from importlib import resources
 from pathlib import Path
@@ -115,5 +117,15 @@ def find_recipe(arg: str) -> Path:
     shipped = recipes_folder() / (arg if arg.endswith(".yaml") else f"{arg}.yaml")
     if shipped.is_file():
         return shipped
-    names = ", ".join(recipe_names()) or "none installed"
-    raise RecipeError([ConfigError(arg, f"no such recipe file, and no built-in recipe of that name; built-in recipes: {names}")])
+    raise RecipeError([ConfigError(arg, f"no such recipe file, and no built-in recipe of that name; built-in recipes: {recipes_like(arg)}")])
+
+
+def recipes_like(arg: str, room: int = 300) -> str:
+    """The built-in recipes' names for an error line: all of them when they fit in ``room``
+    characters, else the closest to ``arg`` and where the others are (an error line is capped)."""
+    names = recipe_names()
+    listed = ", ".join(names)
+    if not names or len(listed) <= room:
+        return listed or "none installed"
+    closest = difflib.get_close_matches(arg, names, n=8, cutoff=0.0)
+    return f"{', '.join(closest)} and {len(names) - len(closest)} more (every *.yaml in {recipes_folder()})"

@@ -290,8 +290,6 @@ class EditingBackboneConformance(DiffusersBackboneConformance):
     tiny pipeline with the prompts written as an editing dataset folder."""
 
     def test_fgrpo_check_is_exact(self, model_keys: dict[str, Any], tmp_path: Path) -> None:
-        from rich.console import Console
-
         from fgrpo.core import recipe as recipe_mod
         from fgrpo.core.onpolicy import first_ratio_check
 
@@ -299,7 +297,7 @@ class EditingBackboneConformance(DiffusersBackboneConformance):
         data["train"] = {**data["train"], "mixed_precision": "no"}
         recipe, errors = recipe_mod.validate(data)
         assert recipe is not None and not errors, errors
-        deviation, _ = first_ratio_check(recipe, Console(quiet=True))
+        deviation, _ = first_ratio_check(recipe)
         assert deviation == 0.0
 
 
