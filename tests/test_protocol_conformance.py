@@ -4,9 +4,9 @@ static protocol check."""
 
 import importlib.metadata as md
 
-import protocol_conformance
 import pytest
 
+import protocol_conformance
 from fgrpo.core import registry
 
 FGRPO_DISTRIBUTIONS = {"fgrpo-core", "fgrpo-samplers", "fgrpo-rewards", "fgrpo-models"}
@@ -20,7 +20,9 @@ def test_the_static_tables_name_every_built_in_component(kind):
         if ep.dist is not None and ep.dist.metadata["Name"] in FGRPO_DISTRIBUTIONS
     }
     table = protocol_conformance.BY_KIND.get(kind)
-    assert table is not None, f"tests/protocol_conformance.py has no {kind!r} table: add the kind to tools/protocol_tables.py"
+    assert table is not None, (
+        f"tests/protocol_conformance.py has no {kind!r} table: add the kind to tools/protocol_tables.py"
+    )
     listed = {name: f"{cls.__module__}:{cls.__qualname__}" for name, cls in table.items()}
     missing, stale = sorted(set(built_in) - set(listed)), sorted(set(listed) - set(built_in))
     assert listed == built_in, (

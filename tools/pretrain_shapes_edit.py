@@ -76,7 +76,9 @@ DEFAULT_OUT = ROOT / "packages/fgrpo-models/src/fgrpo/models/weights/shapes-edit
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     a = p.add_argument_group("architecture")
     a.add_argument("--hidden", type=int, default=64, help="transformer width")
     a.add_argument("--layers", type=int, default=3, help="SD3 joint transformer blocks")
@@ -85,7 +87,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.add_argument("--text-layers", type=int, default=1, help="text encoder layers")
     t = p.add_argument_group("training")
     t.add_argument("--steps", type=int, default=3000, help="optimizer steps")
-    t.add_argument("--time-budget", type=float, default=0.0, help="stop after this many seconds of training (0: no limit)")
+    t.add_argument(
+        "--time-budget", type=float, default=0.0, help="stop after this many seconds of training (0: no limit)"
+    )
     t.add_argument("--batch", type=int, default=64)
     t.add_argument("--lr", type=float, default=2e-3)
     t.add_argument("--lr-min", type=float, default=2e-4)
@@ -98,7 +102,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     t.add_argument("--logit-mean", type=float, default=0.5)
     t.add_argument("--logit-std", type=float, default=1.0)
     t.add_argument("--noise", type=float, default=0.35, help="fraction of targets that are mistaken edits")
-    t.add_argument("--prompt-dropout", type=float, default=0.1, help="fraction of instructions replaced by '' (for CFG)")
+    t.add_argument(
+        "--prompt-dropout", type=float, default=0.1, help="fraction of instructions replaced by '' (for CFG)"
+    )
     t.add_argument("--split-seed", type=int, default=0, help="seed of the instruction split (ShapesEditPrompts.seed)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--device", default="cpu")
@@ -168,7 +174,10 @@ def evaluate(network: ShapesNetwork, prompts: list[str], args: argparse.Namespac
 
 def line(r: dict) -> str:
     cats = " ".join(f"{c}={r[f'edit/{c}']:.2f}" for c in world.EDIT_CATEGORIES if f"edit/{c}" in r)
-    return f"edit {r['edit']:.3f} preserved {r['preserved']:.3f} gold {r['gold_preservation_error']:.2f} clean {r['clean']:.2f} | {cats}"
+    return (
+        f"edit {r['edit']:.3f} preserved {r['preserved']:.3f} gold {r['gold_preservation_error']:.2f} clean "
+        f"{r['clean']:.2f} | {cats}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -203,7 +212,11 @@ def main(argv: list[str] | None = None) -> int:
     optimizer = torch.optim.AdamW(network.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     gen = torch.Generator(device="cpu").manual_seed(args.seed + 1)
     trained, losses, history = 0.0, [], []
-    meta = {"trained_with": json.dumps({k: v for k, v in vars(args).items() if k not in ("out", "checkpoint_dir")}, sort_keys=True)}
+    meta = {
+        "trained_with": json.dumps(
+            {k: v for k, v in vars(args).items() if k not in ("out", "checkpoint_dir")}, sort_keys=True
+        )
+    }
     if args.checkpoint_dir:
         Path(args.checkpoint_dir).mkdir(parents=True, exist_ok=True)
 
@@ -243,7 +256,11 @@ def main(argv: list[str] | None = None) -> int:
         step += 1
         trained += time.perf_counter() - t0
         if step % 100 == 0:
-            print(f"step {step:5d} train {trained:6.0f}s ({trained / step:.3f} s/step) loss {np.mean(losses[-100:]):.4f} lr {lr_at(step - 1, args):.2e}", flush=True)
+            print(
+                f"step {step:5d} train {trained:6.0f}s ({trained / step:.3f} s/step) loss "
+                f"{np.mean(losses[-100:]):.4f} lr {lr_at(step - 1, args):.2e}",
+                flush=True,
+            )
         if args.eval_every and step % args.eval_every == 0 and step < args.steps:
             checkpoint(step, ema, "EMA")
 

@@ -89,7 +89,10 @@ def machine_line() -> str:
         load = " ".join(f"{v:.2f}" for v in os.getloadavg())
     except OSError:
         load = "n/a"
-    return f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), load average {load}, python {sys.version.split()[0]}"
+    return (
+        f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), load average {load}, python "
+        f"{sys.version.split()[0]}"
+    )
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

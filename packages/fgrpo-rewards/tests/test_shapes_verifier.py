@@ -4,8 +4,8 @@ continuous noise, and the gold metric."""
 
 from __future__ import annotations
 
-from itertools import pairwise
 from fractions import Fraction
+from itertools import pairwise
 
 import numpy as np
 import pytest
@@ -52,8 +52,16 @@ NEAR_MISSES = [  # (prompt, scene, exact partial)
         Fraction(2, 3),
     ),
     ("three blue circles", (P("blue", "circle", 0, 0), P("blue", "circle", 0, 1)), Fraction(2, 3)),
-    ("three blue circles", tuple(P("blue", "circle", 0, c) for c in range(3)) + (P("blue", "circle", 2, 2),), Fraction(3, 4)),
-    ("three blue circles", tuple(P("blue", "circle", 0, c) for c in range(3)) + (P("red", "circle", 2, 2),), Fraction(3, 4)),
+    (
+        "three blue circles",
+        tuple(P("blue", "circle", 0, c) for c in range(3)) + (P("blue", "circle", 2, 2),),
+        Fraction(3, 4),
+    ),
+    (
+        "three blue circles",
+        tuple(P("blue", "circle", 0, c) for c in range(3)) + (P("red", "circle", 2, 2),),
+        Fraction(3, 4),
+    ),
     ("three blue circles", tuple(P("blue", "square", 0, c) for c in range(3)), Fraction(0)),
     (RS_LEFT_GC, (P("red", "square", 1, 2), P("green", "circle", 0, 0)), Fraction(2, 3)),  # swapped
     (RS_LEFT_GC, (P("red", "square", 0, 1), P("green", "circle", 2, 1)), Fraction(2, 3)),  # same column
@@ -172,11 +180,13 @@ def test_gold_error_is_zero_when_clean_and_grows_with_drift():
 
 def test_reward_component_strict_partial_fidelity_and_gold():
     prompts = ["a red circle", "a red circle", "three blue circles"]
-    images = torch.cat([
-        _images([CIRCLE]),
-        _batch([_speckle(40)]),
-        _images([(P("blue", "circle", 0, 0), P("blue", "circle", 0, 1))]),
-    ])
+    images = torch.cat(
+        [
+            _images([CIRCLE]),
+            _batch([_speckle(40)]),
+            _images([(P("blue", "circle", 0, 0), P("blue", "circle", 0, 1))]),
+        ]
+    )
     partial = ShapesVerifier()
     assert isinstance(partial, Reward)
     result = partial(images, prompts, [{}] * 3)
@@ -215,14 +225,15 @@ def test_prompt_source_metadata_drives_the_reward():
 def _conformance_inputs():
     gen = torch.Generator().manual_seed(3)
     prompts = ["a red circle", "three blue circles", RS_LEFT_GC, "a red circle"]
-    images = torch.cat([
-        _images([GOOD["a red circle"], GOOD["three blue circles"], GOOD[RS_LEFT_GC]]),
-        _batch([_speckle(40)]),
-    ])
+    images = torch.cat(
+        [
+            _images([GOOD["a red circle"], GOOD["three blue circles"], GOOD[RS_LEFT_GC]]),
+            _batch([_speckle(40)]),
+        ]
+    )
     images = (images + torch.rand(images.shape, generator=gen) * 6 / 255).clamp(0, 1)
     source = ShapesPrompts()
     return images, prompts, [source.metadata(p) for p in prompts]
-
 
 
 class TestShapesConformance(RewardConformance):

@@ -134,9 +134,7 @@ def combine(
     if not rewards:
         raise ValueError("no rewards to combine")
     if set(rewards) != set(weights):
-        raise ValueError(
-            f"rewards {sorted(rewards)} and weights {sorted(weights)} must name the same rewards"
-        )
+        raise ValueError(f"rewards {sorted(rewards)} and weights {sorted(weights)} must name the same rewards")
     names = sorted(rewards)
     out_dtype = functools.reduce(torch.promote_types, (_out_dtype(rewards[k]) for k in names))
     # a tensor, not sum()'s start 0: rewards is not empty

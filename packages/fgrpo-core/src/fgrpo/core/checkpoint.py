@@ -52,8 +52,10 @@ BEST = "best"  # a link like last: the checkpoint of the best gold metric (eval.
 # recipe keys that may differ on resume (fnmatch patterns): extending a run, how it is shown,
 # how long to wait for a reward or for the other processes
 RESUMABLE_CHANGES = (
-    "train.iterations", "log.*",
-    "train.process_group_timeout_s", "reward.*.timeout_s",
+    "train.iterations",
+    "log.*",
+    "train.process_group_timeout_s",
+    "reward.*.timeout_s",
 )
 ITER_NAME = re.compile(r"iter_(\d{6,})")
 TMP_NAME = re.compile(r"\.tmp-iter_\d{6,}-\d+")
@@ -292,16 +294,26 @@ def problem(folder: Path, *, ema: bool = True) -> str | None:
     odd = confine.links_below(folder)
     if odd:
         path, why = odd[0]
-        return f"{path.relative_to(folder)} {why}" + (" (its files are read where they are, never through links)" if why == "is a link" else "")
+        return f"{path.relative_to(folder)} {why}" + (
+            " (its files are read where they are, never through links)" if why == "is a link" else ""
+        )
     try:
         state = json.loads((folder / STATE).read_text())
     except FileNotFoundError:
         return f"{STATE} is missing"
     except (OSError, ValueError) as exc:
         return f"{STATE} is not valid JSON ({first_line(exc, 80)})"
-    if not isinstance(state, dict) or not isinstance(state.get("iteration"), int) or not isinstance(state.get("recipe"), dict):
+    if (
+        not isinstance(state, dict)
+        or not isinstance(state.get("iteration"), int)
+        or not isinstance(state.get("recipe"), dict)
+    ):
         return f"{STATE} lacks the iteration or the recipe"
-    files = [_safetensors_problem(folder / TRAINABLE), _torch_file_problem(folder / OPTIMIZER), _torch_file_problem(folder / "rng-rank0.pt")]
+    files = [
+        _safetensors_problem(folder / TRAINABLE),
+        _torch_file_problem(folder / OPTIMIZER),
+        _torch_file_problem(folder / "rng-rank0.pt"),
+    ]
     decay = ema_decay(state)
     if (folder / EMA).exists():
         files.append(_safetensors_problem(folder / EMA))
@@ -407,7 +419,11 @@ def read_state(folder: Path) -> dict[str, Any]:
         raise _invalid(path, f"cannot be read ({exc.strerror})") from None
     except ValueError as exc:
         raise _invalid(path, f"is not valid JSON ({first_line(exc, 80)})") from None
-    if not isinstance(state, dict) or not isinstance(state.get("iteration"), int) or not isinstance(state.get("recipe"), dict):
+    if (
+        not isinstance(state, dict)
+        or not isinstance(state.get("iteration"), int)
+        or not isinstance(state.get("recipe"), dict)
+    ):
         raise _invalid(path, "lacks the iteration or the recipe")
     return state
 

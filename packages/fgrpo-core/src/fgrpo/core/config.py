@@ -91,7 +91,15 @@ def open_regular(path: str | os.PathLike, *, follow: bool = True, devices: bool 
         os.set_blocking(fd, True)
         return fd
     os.close(fd)
-    kind = "a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device"
+    kind = (
+        "a folder"
+        if stat.S_ISDIR(mode)
+        else "a FIFO"
+        if stat.S_ISFIFO(mode)
+        else "a socket"
+        if stat.S_ISSOCK(mode)
+        else "a device"
+    )
     raise ValueError(f"{path}: is {kind}, not a regular file")
 
 
@@ -340,9 +348,7 @@ def check_params(cls: type, params: Mapping[str, Any], prefix: str = "") -> tupl
                 # param() takes plain one-argument converters; attrs' stubs type this as its Converter class
                 value = field.converter(value)  # type: ignore[operator]
             validators = field.validator
-            for validator in getattr(validators, "_validators", None) or (
-                [validators] if validators else []
-            ):
+            for validator in getattr(validators, "_validators", None) or ([validators] if validators else []):
                 validator(None, field, value)
         except (TypeError, ValueError) as exc:
             errors.append(ConfigError(key(name), _clean(str(exc), value)))

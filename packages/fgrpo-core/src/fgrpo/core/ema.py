@@ -18,7 +18,9 @@ class EMA:
     def __init__(self, params: Sequence[torch.nn.Parameter], decay: float):
         self.params = list(params)
         self.decay = decay
-        self.shadow = [local(p).detach().to(torch.promote_types(p.dtype, torch.float32), copy=True) for p in self.params]
+        self.shadow = [
+            local(p).detach().to(torch.promote_types(p.dtype, torch.float32), copy=True) for p in self.params
+        ]
 
     def warmup_decay(self, steps: int) -> float:
         """flow_grpo's warm-up: min((1 + n) / (10 + n), decay) after n optimizer steps, so the

@@ -20,7 +20,6 @@ gives it for stored transitions; the loop itself is the same for both.
 from __future__ import annotations
 
 from collections.abc import Iterator
-
 from typing import cast
 
 import torch

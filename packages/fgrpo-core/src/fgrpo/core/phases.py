@@ -24,7 +24,6 @@ from fgrpo.core.run import Run
 from fgrpo.core.seeding import generator
 from fgrpo.core.timing import TimedPolicy
 
-
 # --- rollout -----------------------------------------------------------------------------------
 
 
@@ -238,7 +237,11 @@ def reference(run: Run, traj: Trajectory, samples: torch.Tensor) -> Reference | 
     mean = torch.zeros_like(traj.means)
     velocity = torch.zeros_like(traj.means)
     nfe = 0
-    passes = pair_batches(traj, samples.to(traj.latents.device), cfg.reference_batch_size or cfg.micro_batch_size) if len(samples) else []
+    passes = (
+        pair_batches(traj, samples.to(traj.latents.device), cfg.reference_batch_size or cfg.micro_batch_size)
+        if len(samples)
+        else []
+    )
     padding = run.parallel.missing_forwards(len(passes))
     with policy.reference():
         for rows, cols in passes:
@@ -251,7 +254,11 @@ def reference(run: Run, traj: Trajectory, samples: torch.Tensor) -> Reference | 
         first = torch.zeros(1, dtype=torch.long, device=traj.latents.device)
         for _ in range(padding):
             with run.accelerator.autocast():
-                policy.velocity(traj.latents[first, first], traj.sigmas[traj.step_index[first, first]], tensors.index(traj.cond, first))
+                policy.velocity(
+                    traj.latents[first, first],
+                    traj.sigmas[traj.step_index[first, first]],
+                    tensors.index(traj.cond, first),
+                )
     return Reference(mean=mean, velocity=velocity, nfe=nfe)
 
 
@@ -281,7 +288,9 @@ def informative(run: Run, adv: torch.Tensor) -> tuple[torch.Tensor, int]:
     return kept, int(counts.max())
 
 
-def minibatches(kept: torch.Tensor, most: int, n: int, per_step: int, order: torch.Tensor | None) -> list[torch.Tensor]:
+def minibatches(
+    kept: torch.Tensor, most: int, n: int, per_step: int, order: torch.Tensor | None
+) -> list[torch.Tensor]:
     """``kept`` (in the order ``order`` permutes them) split into the minibatches of one epoch.
 
     Without dropped samples: minibatches of ``per_step`` samples. When samples were dropped, each
@@ -341,7 +350,9 @@ def training_points(run: Run, traj: Trajectory, adv: torch.Tensor, iteration: in
     return Transitions(run, traj, adv)
 
 
-def epoch_steps(run: Run, points: Any, kept: torch.Tensor, most: int, iteration: int, epoch: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+def epoch_steps(
+    run: Run, points: Any, kept: torch.Tensor, most: int, iteration: int, epoch: int
+) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
     """One epoch's optimizer steps, each as its forward passes of (item, unit) pairs: the kept
     items in minibatches (shuffled per epoch with ``train.shuffle_minibatches``),
     ``gradient_accumulation_steps`` minibatches per step (accelerate's setting by default, 1),
@@ -349,7 +360,11 @@ def epoch_steps(run: Run, points: Any, kept: torch.Tensor, most: int, iteration:
     cfg = run.recipe.train
     n = points.traj.batch_size  # what train.minibatch_size is a share of
     accumulate = max(1, int(run.accelerator.gradient_accumulation_steps))
-    order = torch.randperm(len(kept), generator=generator(run.recipe.seed, "minibatch", iteration, epoch)) if cfg.shuffle_minibatches else None
+    order = (
+        torch.randperm(len(kept), generator=generator(run.recipe.seed, "minibatch", iteration, epoch))
+        if cfg.shuffle_minibatches
+        else None
+    )
     batches = minibatches(kept, most, n, cfg.minibatch_size or n, order)
     per_forward = points.per_forward(cfg.micro_batch_size)
     return [
@@ -366,7 +381,9 @@ def update_steps(run: Run, points: Any, most: int) -> int:
     return cfg.inner_epochs * math.ceil(per_epoch / max(1, int(run.accelerator.gradient_accumulation_steps)))
 
 
-def train_pass(run: Run, points: Any, rows: torch.Tensor, cols: torch.Tensor, weight: float, stats: UpdateStats) -> None:
+def train_pass(
+    run: Run, points: Any, rows: torch.Tensor, cols: torch.Tensor, weight: float, stats: UpdateStats
+) -> None:
     """Forward and backward of the objective on one pass of (item, unit) pairs, its loss weighted
     by ``weight`` (the pass's share of the optimizer step's pairs)."""
     with run.accelerator.autocast():
@@ -433,7 +450,9 @@ def summarize(stats: UpdateStats) -> dict[str, float]:
     values = []
     for key in keys:
         stacked = torch.stack([v.float().reshape(()) for v in stats.metrics[key]])
-        values.append(stacked.min() if key.endswith("_min") else stacked.max() if key.endswith("_max") else stacked.mean())
+        values.append(
+            stacked.min() if key.endswith("_min") else stacked.max() if key.endswith("_max") else stacked.mean()
+        )
     if stats.grad_norms:
         keys.append("grad_norm")
         values.append(torch.stack([g.float().reshape(()) for g in stats.grad_norms]).mean())

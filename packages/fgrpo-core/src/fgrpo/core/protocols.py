@@ -170,7 +170,9 @@ class Trajectory:
     outputs: Any = None  # decoded outputs, filled by the trainer (images (B, 3, H, W) in [0, 1])
     nfe: int = 0  # network evaluations spent on this rollout (CFG doubling included)
     info: dict[str, Any] = attrs.Factory(dict)
-    policy_weight: torch.Tensor | None = None  # (B, S) the policy loss's weight per step; 0: KL only (kl_steps: all); None: 1
+    policy_weight: torch.Tensor | None = (
+        None  # (B, S) the policy loss's weight per step; 0: KL only (kl_steps: all); None: 1
+    )
 
     @property
     def batch_size(self) -> int:

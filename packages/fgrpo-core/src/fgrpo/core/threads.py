@@ -133,7 +133,9 @@ class ThreadGovernor:
         apply: Callable[[int], None] | None = None,
     ):
         env = os.environ if environ is None else environ
-        user_fixed = ("OMP_NUM_THREADS" in env and env.get("FGRPO_THREADS_CHOSEN") != "1") or env.get("FGRPO_THREADS") == "torch"
+        user_fixed = ("OMP_NUM_THREADS" in env and env.get("FGRPO_THREADS_CHOSEN") != "1") or env.get(
+            "FGRPO_THREADS"
+        ) == "torch"
         self._busy, self._own, self._clock = busy or _total_busy_seconds, own, clock
         self._apply = apply or _set_torch_threads
         self.usable = usable or usable_cpus()

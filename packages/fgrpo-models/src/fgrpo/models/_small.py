@@ -17,7 +17,6 @@ from torch import nn
 
 from fgrpo.models.lora import lora_config
 
-
 Net = TypeVar("Net", bound=nn.Module)
 
 
@@ -37,7 +36,9 @@ class SmallNet(Generic[Net]):
                 from peft import inject_adapter_in_model
                 from peft.tuners.tuners_utils import BaseTunerLayer
             except ImportError as exc:  # peft ships with the [diffusers] extra
-                raise ImportError('model.lora needs peft: pip install "fgrpo-models[diffusers]" (or pip install peft)') from exc
+                raise ImportError(
+                    'model.lora needs peft: pip install "fgrpo-models[diffusers]" (or pip install peft)'
+                ) from exc
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)
                 inject_adapter_in_model(lora_config(lora), network)
@@ -82,12 +83,17 @@ class SmallNet(Generic[Net]):
         missing = sorted(set(self._trainable) - set(state))
         unexpected = sorted(set(state) - set(self._trainable))
         if missing or unexpected:
-            raise ValueError(f"trainable state does not fit {what}: missing {missing[:4] or 'none'}, unexpected {unexpected[:4] or 'none'}")
+            raise ValueError(
+                f"trainable state does not fit {what}: missing {missing[:4] or 'none'}, unexpected "
+                f"{unexpected[:4] or 'none'}"
+            )
         with torch.no_grad():
             for name, p in self._trainable.items():
                 value = state[name]
                 if tuple(value.shape) != tuple(p.shape):
-                    raise ValueError(f"trainable state {name!r} has shape {tuple(value.shape)}, the policy has {tuple(p.shape)}")
+                    raise ValueError(
+                        f"trainable state {name!r} has shape {tuple(value.shape)}, the policy has {tuple(p.shape)}"
+                    )
                 p.copy_(value.to(device=p.device, dtype=p.dtype))
 
     def base(self) -> Net:

@@ -86,7 +86,9 @@ class ShapesDiT:
     ``random_init: true`` (architecture keys then default to :class:`Architecture`'s).
     """
 
-    path: str | None = param(None, help="shapes-dit safetensors weights; null: the shipped base (weights/shapes-base.safetensors)")
+    path: str | None = param(
+        None, help="shapes-dit safetensors weights; null: the shipped base (weights/shapes-base.safetensors)"
+    )
     hidden: int | None = _arch_key("transformer width")
     layers: int | None = _arch_key("transformer blocks")
     heads: int | None = _arch_key("attention heads")
@@ -98,7 +100,9 @@ class ShapesDiT:
     reference_copy: bool = param(
         True, help="with full fine-tuning keep a frozen copy of the base transformer for reference() (KL)"
     )
-    guidance_scale: float = param(1.0, ge=1.0, help="classifier-free guidance with the empty prompt; 1 = off, > 1: NFE 2 per call")
+    guidance_scale: float = param(
+        1.0, ge=1.0, help="classifier-free guidance with the empty prompt; 1 = off, > 1: NFE 2 per call"
+    )
     shift: float = param(1.0, gt=0, help="time shift s of sigmas(steps): s*t/(1+(s-1)*t)")
     dtype: str = param("float32", choices=dx.DTYPE_CHOICES, help="weights dtype (LoRA weights stay float32)")
     device: str | torch.device = param("auto", validator=dx.check_device, help=dx.DEVICE_HELP)
@@ -153,7 +157,8 @@ class ShapesDiT:
     def _check_architecture(self) -> None:
         arch = self.network.arch
         wrong = [
-            f"model.{k}: got {getattr(self, k)} but the weights have {getattr(arch, k)}; leave it out (null) to use the file's"
+            f"model.{k}: got {getattr(self, k)} but the weights have {getattr(arch, k)}; leave it out (null) to use "
+            f"the file's"
             for k in ARCH_KEYS
             if getattr(self, k) is not None and getattr(self, k) != getattr(arch, k)
         ]
@@ -250,7 +255,13 @@ class ShapesDiT:
             source = torch.cat([source, source]) if self.cfg else source  # both guidance branches see it
             source = source.to(self.device, dtype)
         out = transformer_output(
-            transformer, self.architecture, x.to(dtype), sigma, embeds.to(self.device, dtype), pooled.to(self.device, dtype), source
+            transformer,
+            self.architecture,
+            x.to(dtype),
+            sigma,
+            embeds.to(self.device, dtype),
+            pooled.to(self.device, dtype),
+            source,
         )
         out = to_velocity(out, x, sigma, self.architecture.prediction)
         if self.cfg:

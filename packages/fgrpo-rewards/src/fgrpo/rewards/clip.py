@@ -107,7 +107,9 @@ def load_clip(path: str, processor_path: str | None, dtype: str, device: str | N
         from fgrpo.core.hub import pretrained_source  # absent weights: one message at once, no retries
 
         model_from = pretrained_source(path, key=key)
-        processor_from = pretrained_source(processor_path, key="reward.processor_path") if processor_path else model_from
+        processor_from = (
+            pretrained_source(processor_path, key="reward.processor_path") if processor_path else model_from
+        )
         try:
             model = CLIPModel.from_pretrained(model_from.location, **model_from.kwargs)
             processor = CLIPProcessor.from_pretrained(processor_from.location, **processor_from.kwargs)
@@ -189,15 +191,20 @@ def text_embeddings(clip: CLIP, texts: Sequence[str], batch_size: int) -> torch.
     parts = []
     for start in range(0, len(texts), batch_size):
         tokens = clip.tokenizer(
-            list(texts[start : start + batch_size]), padding="max_length", truncation=True,
-            max_length=clip.max_length, return_tensors="pt",
+            list(texts[start : start + batch_size]),
+            padding="max_length",
+            truncation=True,
+            max_length=clip.max_length,
+            return_tensors="pt",
         ).to(clip.device)
         out = clip.model.get_text_features(input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"])
         parts.append(_features(out).float())
     return F.normalize(torch.cat(parts), dim=-1)
 
 
-def similarity_reward(clip: CLIP, outputs: Any, prompts: Sequence[str], batch_size: int, divisor: float, name: str) -> RewardResult:
+def similarity_reward(
+    clip: CLIP, outputs: Any, prompts: Sequence[str], batch_size: int, divisor: float, name: str
+) -> RewardResult:
     """score = cos(image, prompt) x exp(logit_scale) / divisor; details ``cosine``."""
     check_images(outputs, prompts, name)
     cosine = (image_embeddings(clip, outputs, batch_size) * text_embeddings(clip, prompts, batch_size)).sum(-1).cpu()
@@ -232,7 +239,9 @@ class _Similarity(HoldsCLIP):
         # the attrs classes built on this mixin declare the _clip slot
         self._clip = load_clip(self.path, self.processor_path, self.dtype, self.device)  # type: ignore[misc]
 
-    def __call__(self, outputs: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> RewardResult:
+    def __call__(
+        self, outputs: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
+    ) -> RewardResult:
         return similarity_reward(self._clip, outputs, prompts, self.batch_size, self.divisor, self.reward_name)
 
 

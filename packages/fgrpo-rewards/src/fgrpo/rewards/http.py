@@ -174,7 +174,9 @@ def _read(response: http.client.HTTPResponse, limit: int, deadline: float) -> by
     return b"".join(chunks)
 
 
-def _request(url: str, body: bytes | None, headers: Mapping[str, str], deadline: float, limit: int) -> tuple[int, bytes, str]:
+def _request(
+    url: str, body: bytes | None, headers: Mapping[str, str], deadline: float, limit: int
+) -> tuple[int, bytes, str]:
     """(status, body, reason) of one request within ``deadline``."""
     conn, target, more = _connection(url, deadline)
     try:

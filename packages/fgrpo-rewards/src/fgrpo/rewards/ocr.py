@@ -94,11 +94,17 @@ class OCRReward:
     """
 
     accepts_video = True  # whole videos, not frames: flow_grpo's video rule needs all frames of a sample
-    detect: bool = param(True, help="detect text boxes first; false = recognise the whole image as one line (much faster)")
-    min_confidence: float = param(0.0, ge=0.0, le=1.0, help="drop recognised lines below this confidence (flow_grpo: 0)")
+    detect: bool = param(
+        True, help="detect text boxes first; false = recognise the whole image as one line (much faster)"
+    )
+    min_confidence: float = param(
+        0.0, ge=0.0, le=1.0, help="drop recognised lines below this confidence (flow_grpo: 0)"
+    )
     frame_interval: int = param(4, ge=1, help="for videos: score every n-th frame")
     batch_size: int = param(16, ge=1, help="images whose text lines go through the recogniser together")
-    det_side: int = param(960, ge=32, help="the detector reads images at most this many pixels on their longer side (PaddleOCR: 960)")
+    det_side: int = param(
+        960, ge=32, help="the detector reads images at most this many pixels on their longer side (PaddleOCR: 960)"
+    )
     det_batch: int = param(1, ge=1, help="images stacked per detector call (>1 pays off on a GPU, not on a CPU)")
     threads: int = param(0, ge=0, help="onnxruntime threads per call; 0 = onnxruntime's default (all cores)")
     _engine: Any = attrs.field(init=False, default=None, repr=False)
@@ -110,8 +116,12 @@ class OCRReward:
         except ImportError as exc:
             raise ImportError(INSTALL) from exc
         params = {
-            "Global.log_level": "error", "Global.use_cls": False, "Global.text_score": self.min_confidence,
-            "Rec.rec_batch_num": max(6, self.batch_size), "Det.limit_type": "max", "Det.limit_side_len": self.det_side,
+            "Global.log_level": "error",
+            "Global.use_cls": False,
+            "Global.text_score": self.min_confidence,
+            "Rec.rec_batch_num": max(6, self.batch_size),
+            "Det.limit_type": "max",
+            "Det.limit_side_len": self.det_side,
         }
         if self.threads:
             params["EngineConfig.onnxruntime.intra_op_num_threads"] = self.threads
@@ -123,7 +133,9 @@ class OCRReward:
         rapidocr's own single-image pipeline (the reference the batched path is tested against)."""
         if self._engine is None:  # pragma: no cover - only if __attrs_post_init__ was bypassed
             raise ImportError(INSTALL)
-        result = self._engine(image, use_cls=False) if self.detect else self._engine(image, use_det=False, use_cls=False)
+        result = (
+            self._engine(image, use_cls=False) if self.detect else self._engine(image, use_det=False, use_cls=False)
+        )
         texts, scores = result.txts or (), result.scores or ()
         return "".join(t for t, s in zip(texts, scores, strict=False) if s >= self.min_confidence)
 
@@ -156,7 +168,9 @@ class OCRReward:
         engine = self._engine
         det = engine._load_det_model()
         if engine.cfg.Global.use_vertical_padding:
-            images = [apply_vertical_padding(img, {}, engine.width_height_ratio, engine.min_height)[0] for img in images]
+            images = [
+                apply_vertical_padding(img, {}, engine.width_height_ratio, engine.min_height)[0] for img in images
+            ]
         pre = det.get_preprocess()
         inputs = [pre(img) for img in images]
         preds: list[Any] = [None] * len(images)

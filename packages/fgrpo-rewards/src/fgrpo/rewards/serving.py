@@ -28,7 +28,6 @@ The standard library only: neither uvicorn nor aiohttp bounds the time a request
 
 from __future__ import annotations
 
-from itertools import pairwise
 import asyncio
 import collections
 import concurrent.futures
@@ -43,6 +42,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from itertools import pairwise
 from typing import Any
 
 import attrs
@@ -90,18 +90,39 @@ class _Answer(Exception):
         self.status, self.message, self.retry_after = status, message, retry_after
 
 
-REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
-           408: "Request Timeout", 411: "Length Required", 413: "Content Too Large", 431: "Request Header Fields Too Large",
-           500: "Internal Server Error", 503: "Service Unavailable"}
+REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    401: "Unauthorized",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    408: "Request Timeout",
+    411: "Length Required",
+    413: "Content Too Large",
+    431: "Request Header Fields Too Large",
+    500: "Internal Server Error",
+    503: "Service Unavailable",
+}
 
 
 class RewardServer:
     """The server of one reward: bound when made, serving from :meth:`serve_forever` (in the thread
     that calls it) until :meth:`shutdown` (from any thread)."""
 
-    def __init__(self, sock: socket.socket, reward: Any, name: str, params: Mapping[str, Any], token: str | None, *,
-                 max_bytes: int, max_connections: int = 512, read_timeout_s: float = 30.0,
-                 max_inflight_bytes: int | None = None, batch_size: int | None = None):
+    def __init__(
+        self,
+        sock: socket.socket,
+        reward: Any,
+        name: str,
+        params: Mapping[str, Any],
+        token: str | None,
+        *,
+        max_bytes: int,
+        max_connections: int = 512,
+        read_timeout_s: float = 30.0,
+        max_inflight_bytes: int | None = None,
+        batch_size: int | None = None,
+    ):
         self.socket, self.reward, self.name, self.params = sock, reward, name, dict(params)
         self.token = f"Bearer {token}".encode() if token else None
         self.max_bytes, self.max_connections, self.read_timeout_s = max_bytes, max_connections, read_timeout_s
@@ -147,6 +168,7 @@ class RewardServer:
         """Stop serving (from another thread) and wait until :meth:`serve_forever` returns."""
         loop, stop = self._loop, self._stop
         if loop is not None and stop is not None and not loop.is_closed():
+
             def finish() -> None:
                 if not stop.done():
                     stop.set_result(None)
@@ -170,7 +192,11 @@ class RewardServer:
             deadline = self._now() + self.read_timeout_s
             try:
                 if self._open > self.max_connections:
-                    raise _Answer(503, f"the server is busy: {self.max_connections} connections are open (--max-connections); retry", 1)
+                    raise _Answer(
+                        503,
+                        f"the server is busy: {self.max_connections} connections are open (--max-connections); retry",
+                        1,
+                    )
                 method, path, headers = await self._head(reader, deadline)
                 what = f"{method} {path}"
                 if self.token is not None and not hmac.compare_digest(headers.get("authorization", b""), self.token):
@@ -180,7 +206,11 @@ class RewardServer:
                 if (method, path) not in (("POST", "/score"), ("GET", "/health")):
                     raise _Answer(405, f"{method} {path} is not served; POST /score, GET /health")
                 if path == "/health":
-                    health = {"reward": self.name, "params": self.params, "accepts_sources": bool(getattr(self.reward, "accepts_sources", False))}
+                    health = {
+                        "reward": self.name,
+                        "params": self.params,
+                        "accepts_sources": bool(getattr(self.reward, "accepts_sources", False)),
+                    }
                     status, payload, kind = 200, json.dumps(health).encode(), "application/json"
                 else:
                     size = reserved = self._admit(headers)
@@ -197,7 +227,9 @@ class RewardServer:
             except _Answer as answer:
                 status, note = answer.status, ""
                 message = json.dumps({"error": answer.message}).encode()
-                await self._send(writer, answer.status, message, "application/json", self._now() + LINGER_S, answer.retry_after)
+                await self._send(
+                    writer, answer.status, message, "application/json", self._now() + LINGER_S, answer.retry_after
+                )
                 if answer.status != 408:  # a slow client is not waited for again
                     await self._linger(reader, writer)
         except (ConnectionError, asyncio.IncompleteReadError, OSError):
@@ -213,7 +245,9 @@ class RewardServer:
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), max(0.0, deadline - self._now()))
         except asyncio.TimeoutError:
-            raise _Answer(408, f"the request did not arrive within {self.read_timeout_s:g} s (--read-timeout-s)") from None
+            raise _Answer(
+                408, f"the request did not arrive within {self.read_timeout_s:g} s (--read-timeout-s)"
+            ) from None
         except asyncio.LimitOverrunError:
             raise _Answer(431, f"the request head is larger than {HEAD_LIMIT // 1024} KiB") from None
         except ValueError:  # asyncio's "chunk exceed the limit" when the separator is never found
@@ -241,26 +275,37 @@ class RewardServer:
         if raw is None:
             raise _Answer(411, "a Content-Length is required")
         if DECIMAL.fullmatch(raw) is None:
-            raise _Answer(400, f"Content-Length must be a decimal number of bytes, got {raw.decode('utf-8', 'replace')!r}")
+            raise _Answer(
+                400, f"Content-Length must be a decimal number of bytes, got {raw.decode('utf-8', 'replace')!r}"
+            )
         size = int(raw)
         if size > self.max_bytes:
             raise _Answer(413, f"request of {size} bytes; the limit is {self.max_bytes} (--max-request-mb)")
         if self._inflight and self._inflight + size > self.max_inflight_bytes:
-            raise _Answer(503, f"the server is busy: {self._inflight} bytes of requests are being read or scored "
-                               f"(--max-inflight-mb); retry", 1)
+            raise _Answer(
+                503,
+                f"the server is busy: {self._inflight} bytes of requests are being read or scored "
+                f"(--max-inflight-mb); retry",
+                1,
+            )
         return size
 
     async def _body(self, reader: asyncio.StreamReader, size: int, deadline: float) -> bytes:
         body = bytearray()
         try:
             while len(body) < size:
-                chunk = await asyncio.wait_for(reader.read(min(MiB, size - len(body))), max(0.0, deadline - self._now()))
+                chunk = await asyncio.wait_for(
+                    reader.read(min(MiB, size - len(body))), max(0.0, deadline - self._now())
+                )
                 if not chunk:
-                    raise asyncio.IncompleteReadError(bytes(), size)
+                    raise asyncio.IncompleteReadError(b"", size)
                 body += chunk
         except asyncio.TimeoutError:
-            raise _Answer(408, f"the request did not arrive within {self.read_timeout_s:g} s (--read-timeout-s); "
-                               f"{len(body)} of {size} bytes came") from None
+            raise _Answer(
+                408,
+                f"the request did not arrive within {self.read_timeout_s:g} s (--read-timeout-s); "
+                f"{len(body)} of {size} bytes came",
+            ) from None
         return bytes(body)
 
     async def _score(self, body: bytes) -> tuple[bytes, dict[str, int]]:
@@ -281,10 +326,21 @@ class RewardServer:
             raise _Answer(status, payload)
         return payload, job.batch
 
-    async def _send(self, writer: asyncio.StreamWriter, status: int, payload: bytes, kind: str, deadline: float,
-                    retry_after: int | None = None) -> None:
-        head = [f"HTTP/1.1 {status} {REASONS.get(status, '')}", f"Content-Type: {kind}", f"Content-Length: {len(payload)}",
-                "Connection: close"] + ([f"Retry-After: {retry_after}"] if retry_after else [])
+    async def _send(
+        self,
+        writer: asyncio.StreamWriter,
+        status: int,
+        payload: bytes,
+        kind: str,
+        deadline: float,
+        retry_after: int | None = None,
+    ) -> None:
+        head = [
+            f"HTTP/1.1 {status} {REASONS.get(status, '')}",
+            f"Content-Type: {kind}",
+            f"Content-Length: {len(payload)}",
+            "Connection: close",
+        ] + ([f"Retry-After: {retry_after}"] if retry_after else [])
         writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + payload)
         try:
             await asyncio.wait_for(writer.drain(), max(0.0, deadline - self._now()))
@@ -338,7 +394,9 @@ class RewardServer:
             metadata = [m for job in jobs for m in job.metadata]
             extra = {}
             if getattr(self.reward, "accepts_sources", False):  # edits: the sources the client sent (none: empty)
-                extra["sources"] = [s for job in jobs for s in (job.sources if job.sources is not None else [()] * job.n)]
+                extra["sources"] = [
+                    s for job in jobs for s in (job.sources if job.sources is not None else [()] * job.n)
+                ]
             result = self.reward(outputs, prompts, metadata, **extra)
             payloads = [encode_result(part) for part in split_result(result, sizes)]
         except Exception as exc:  # the reward's own error, sent to every trainer that asked
@@ -384,19 +442,35 @@ def _listen(host: str, port: int) -> socket.socket:
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
             shown = f"[{host}]" if ":" in host else host
-            raise RecipeError([ConfigError("--port", f"{shown}:{port} is in use (another server?); choose another port, or 0 for any free one")]) from None
+            raise RecipeError(
+                [
+                    ConfigError(
+                        "--port",
+                        f"{shown}:{port} is in use (another server?); choose another port, or 0 for any free one",
+                    )
+                ]
+            ) from None
         raise RecipeError([ConfigError("--host", f"cannot listen on {host!r} port {port}: {exc.strerror}")]) from None
 
 
-def make_server(name: str, params: Mapping[str, Any], host: str, port: int, token: str | None, max_bytes: int,
-                **options: Any) -> RewardServer:
+def make_server(
+    name: str, params: Mapping[str, Any], host: str, port: int, token: str | None, max_bytes: int, **options: Any
+) -> RewardServer:
     """Check the token rule, bind, then build the reward (which may take minutes): a port in use is
     known at once. ``options``: :class:`RewardServer`'s limits."""
     from fgrpo.core import registry
     from fgrpo.core.config import ConfigError, RecipeError
 
     if token is None and not is_loopback(host):
-        raise RecipeError([ConfigError("--host", f"got {host!r}, reachable from other machines; set a shared token in ${TOKEN_ENV} (or --token-env NAME) first")])
+        raise RecipeError(
+            [
+                ConfigError(
+                    "--host",
+                    f"got {host!r}, reachable from other machines; set a shared token in ${TOKEN_ENV} (or --token-env "
+                    f"NAME) first",
+                )
+            ]
+        )
     sock = _listen(host, port)
     try:
         reward = registry.create("reward", name, **params)
@@ -423,7 +497,12 @@ def _descriptors_for(connections: int) -> int:
         except (ValueError, OSError):
             pass
     if soft != resource.RLIM_INFINITY and soft < wanted:
-        log.warning("--max-connections %d lowered to %d: this process may open %d files (ulimit -n)", connections, soft - 64, soft)
+        log.warning(
+            "--max-connections %d lowered to %d: this process may open %d files (ulimit -n)",
+            connections,
+            soft - 64,
+            soft,
+        )
         return max(1, soft - 64)
     return connections
 
@@ -451,14 +530,25 @@ def serve(args: Any) -> int:
         log.setLevel(logging.INFO)
     token = token_from_env(args.token_env)
     server = make_server(
-        args.name, params, args.host, args.port, token, int(args.max_request_mb * MiB),
-        max_connections=args.max_connections, read_timeout_s=args.read_timeout_s,
-        max_inflight_bytes=int(args.max_inflight_mb * MiB), batch_size=args.batch_size,
+        args.name,
+        params,
+        args.host,
+        args.port,
+        token,
+        int(args.max_request_mb * MiB),
+        max_connections=args.max_connections,
+        read_timeout_s=args.read_timeout_s,
+        max_inflight_bytes=int(args.max_inflight_mb * MiB),
+        batch_size=args.batch_size,
     )
     host, port = server.server_address
     shown = f"[{host}]" if ":" in host else host
     guard = "token required" if token else "no token: this machine only"
-    print(f"serving reward {args.name!r} on http://{shown}:{port} ({guard}; batches of up to {server.batch_size} samples)", flush=True)
+    print(
+        f"serving reward {args.name!r} on http://{shown}:{port} ({guard}; batches of up to {server.batch_size} "
+        f"samples)",
+        flush=True,
+    )
     try:
         server.serve_forever()
     except KeyboardInterrupt:

@@ -25,7 +25,6 @@ writes it), and :func:`run` does the rest, identically for all three:
 Everything runs under ``torch.no_grad()`` in float32 latents (the policy casts to its own dtype).
 """
 
-
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -85,7 +84,9 @@ class Plan:
         """Refuse a plan :func:`run` cannot run for ``batch`` samples (a sampler bug)."""
         trained = self.trained
         if trained is None or trained.dim() != 2 or trained.shape[0] != batch:
-            raise ValueError(f"trained steps must be (B={batch}, S), got {None if trained is None else tuple(trained.shape)}")
+            raise ValueError(
+                f"trained steps must be (B={batch}, S), got {None if trained is None else tuple(trained.shape)}"
+            )
         if trained.shape[1] == 0 and any(step.kernel.stochastic for step in self.steps):
             raise ValueError("a rollout with stochastic steps trains at least one of them")
         if self.prefix and not self.share_noise:
@@ -219,13 +220,22 @@ def booked(plan: Plan, position: int, velocity: torch.Tensor, x: torch.Tensor, o
     """A recorded deterministic step (``kl_steps: all``) as ``plan.kl_kernel``'s step to the same
     next state."""
     if plan.kl_kernel is None:
-        raise RuntimeError(f"step {position} is deterministic and recorded without a kernel to book it (a sampler bug)")
+        raise RuntimeError(
+            f"step {position} is deterministic and recorded without a kernel to book it (a sampler bug)"
+        )
     step = plan.steps[position]
     return plan.kl_kernel.step(velocity, x, step.sigmas, step.index, prev_sample=out.prev_sample)
 
 
 def trajectory(
-    prompts: list[str], group: int, plan: Plan, cond: Any, record: Record, final: torch.Tensor, nfe: dict[str, int], epc: int
+    prompts: list[str],
+    group: int,
+    plan: Plan,
+    cond: Any,
+    record: Record,
+    final: torch.Tensor,
+    nfe: dict[str, int],
+    epc: int,
 ) -> Trajectory:
     """The rollout's :class:`Trajectory`: its trained steps, its final samples and its NFE."""
     assert plan.trained is not None  # run() checked the plan
@@ -255,5 +265,7 @@ def trajectory(
         final=final,
         nfe=total,
         info=info,
-        policy_weight=None if plan.policy_weight is None else torch.as_tensor(plan.policy_weight, dtype=torch.float32).to(device),
+        policy_weight=None
+        if plan.policy_weight is None
+        else torch.as_tensor(plan.policy_weight, dtype=torch.float32).to(device),
     )

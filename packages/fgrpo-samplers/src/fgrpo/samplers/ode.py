@@ -29,7 +29,11 @@ class ODESampler(GroupSampler):
     docstring)."""
 
     steps: int = param(10, ge=1, help="solver steps")
-    share_noise: bool = param(False, help="the G samples of a prompt start from the same initial noise (then they are identical: a deterministic solver)")
+    share_noise: bool = param(
+        False,
+        help="the G samples of a prompt start from the same initial noise (then they are identical: a deterministic "
+        "solver)",
+    )
     schedule: dict | None = schedule_param()
     kernel: Any = component("kernel", default="ode", help="the deterministic solver: ode (Euler), dpmpp2m, dpmpp3m")
 

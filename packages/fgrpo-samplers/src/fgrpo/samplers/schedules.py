@@ -155,7 +155,5 @@ class Schedule:
             assert self.values is not None  # checked when built
             sigmas = explicit(self.values)
             if sigmas.shape[0] != steps + 1:
-                raise ValueError(
-                    f"values: expected steps + 1 = {steps + 1} sigmas, got {sigmas.shape[0]}"
-                )
+                raise ValueError(f"values: expected steps + 1 = {steps + 1} sigmas, got {sigmas.shape[0]}")
         return check_sigmas(sigmas)

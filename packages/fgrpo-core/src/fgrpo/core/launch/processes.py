@@ -33,7 +33,9 @@ class DataParallel(Processes):
     def backward(self, loss: torch.Tensor) -> None:
         scaled_backward(self.accelerator, loss)
 
-    def step(self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], max_grad_norm: float) -> torch.Tensor | None:
+    def step(
+        self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], max_grad_norm: float
+    ) -> torch.Tensor | None:
         if self.processes > 1:
             average_gradients(self.accelerator, params)
         return unscale_clip_step(self.accelerator, optimizer, params, max_grad_norm)

@@ -68,7 +68,9 @@ class Launch(Protocol):
         """Clear the gradients before an optimizer step's first pass."""
         ...
 
-    def step(self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], max_grad_norm: float) -> torch.Tensor | None:
+    def step(
+        self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], max_grad_norm: float
+    ) -> torch.Tensor | None:
         """One optimizer step on the gradients accumulated since the last: averaged over the
         processes, unscaled (fp16), clipped to ``max_grad_norm`` (0: no clipping); the gradient
         norm before clipping (None without clipping)."""
@@ -102,7 +104,9 @@ class Launch(Protocol):
         """Load :meth:`optimizer_state`'s dict, of any kind of run (after the weights are loaded)."""
         ...
 
-    def whole_weights(self, params: Sequence[torch.nn.Parameter], modify: bool = False) -> AbstractContextManager[None]:
+    def whole_weights(
+        self, params: Sequence[torch.nn.Parameter], modify: bool = False
+    ) -> AbstractContextManager[None]:
         """Inside, ``params`` hold their whole values for code that reads them outside a forward
         (a policy's state dicts; collective where the weights are partitioned: ZeRO-3); with
         ``modify``, what is written into them inside (the same on every process) is kept."""

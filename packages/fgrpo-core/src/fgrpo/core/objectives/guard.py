@@ -75,7 +75,9 @@ class GRPOGuard(ClippedObjective):
             )
         return errors
 
-    def surrogate(self, batch: StepBatch, advantages: torch.Tensor, log_ratio: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def surrogate(
+        self, batch: StepBatch, advantages: torch.Tensor, log_ratio: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         b = batch.log_prob.shape[0]
         c = per_sample(batch.std, b).detach()
         neg_dt = -per_sample(batch.dt, b).detach()

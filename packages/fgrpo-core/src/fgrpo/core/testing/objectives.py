@@ -68,7 +68,9 @@ class ObjectiveConformance:
 
     @property
     def forward(self) -> bool:
-        target = _component.component_class("objective", self.objective_name, self.objective_class, "ObjectiveConformance")
+        target = _component.component_class(
+            "objective", self.objective_name, self.objective_class, "ObjectiveConformance"
+        )
         return getattr(target, "trains_on", "transitions") == "forward"
 
     def make_batch(self, *, seed: int = 0, on_policy: bool = True, reference: bool = True) -> StepBatch | ForwardBatch:
@@ -76,7 +78,9 @@ class ObjectiveConformance:
             return self.make_forward_batch(seed=seed, on_policy=on_policy, reference=reference)
         return self.make_step_batch(seed=seed, on_policy=on_policy, reference=reference)
 
-    def make_forward_batch(self, *, seed: int = 0, on_policy: bool = True, reference: bool = True, old: bool = True) -> ForwardBatch:
+    def make_forward_batch(
+        self, *, seed: int = 0, on_policy: bool = True, reference: bool = True, old: bool = True
+    ) -> ForwardBatch:
         """Forward-process points: advantages of both signs (none zero; a pairwise objective's rows
         are m preferred then m rejected, +1 and -1), t in [0.1, 0.9]; ``on_policy``: the old
         policy's prediction equals the current one (θ = θ_old). The velocity is a leaf with gradient."""
@@ -141,13 +145,17 @@ class ObjectiveConformance:
 
     def call(self, objective: Any, batch: StepBatch | ForwardBatch) -> ObjectiveOutput:
         out = objective(batch)
-        assert isinstance(out, ObjectiveOutput), f"the objective returned {type(out).__name__}, expected ObjectiveOutput"
+        assert isinstance(out, ObjectiveOutput), (
+            f"the objective returned {type(out).__name__}, expected ObjectiveOutput"
+        )
         return out
 
     # --- construction ---------------------------------------------------------------------------
 
     def test_registered_with_documented_keys(self) -> None:
-        _component.check_registered_and_documented("objective", self.objective_name, self.objective_class, docstring=True)
+        _component.check_registered_and_documented(
+            "objective", self.objective_name, self.objective_class, docstring=True
+        )
 
     def test_satisfies_protocol(self) -> None:
         objective = self.make_objective()
@@ -206,19 +214,25 @@ class ObjectiveConformance:
         = θ_ref, descent moves the velocity toward the target for A > 0, away from it for A < 0."""
         if self.forward:
             batch = self.make_forward_batch(seed=3)
-            batch = attrs.evolve(batch, ref_velocity=batch.velocity.detach().clone(), old_velocity=batch.velocity.detach().clone())
+            batch = attrs.evolve(
+                batch, ref_velocity=batch.velocity.detach().clone(), old_velocity=batch.velocity.detach().clone()
+            )
             self.call(self.make_objective(), batch).loss.backward()
             grad = batch.velocity.grad
             assert grad is not None, "the loss does not depend on the velocity"
             toward = (-grad * (batch.target - batch.velocity.detach())).flatten(1).sum(1)
             adv = batch.advantages
-            assert torch.all(torch.sign(toward) == torch.sign(adv)), f"descent . (target - v) = {toward.tolist()} for advantages {adv.tolist()}"
+            assert torch.all(torch.sign(toward) == torch.sign(adv)), (
+                f"descent . (target - v) = {toward.tolist()} for advantages {adv.tolist()}"
+            )
             return
         steps = self.make_step_batch(seed=3)
         self.call(self.make_objective(), steps).loss.backward()
         grad, adv = steps.log_prob.grad, steps.advantages
         assert grad is not None, "the loss does not depend on the new log-probs"
-        assert torch.all(torch.sign(grad) == -torch.sign(adv)), f"gradient {grad.tolist()} for advantages {adv.tolist()}"
+        assert torch.all(torch.sign(grad) == -torch.sign(adv)), (
+            f"gradient {grad.tolist()} for advantages {adv.tolist()}"
+        )
 
     # --- the reference --------------------------------------------------------------------------
 
@@ -237,7 +251,9 @@ class ObjectiveConformance:
         else:
             assert batch.ref_mean is not None
             moved = attrs.evolve(batch, ref_mean=batch.ref_mean + 0.5, ref_velocity=batch.ref_velocity + 0.5)
-        assert not torch.equal(self.call(objective, moved).loss, with_ref), "moving the reference did not move the loss"
+        assert not torch.equal(self.call(objective, moved).loss, with_ref), (
+            "moving the reference did not move the loss"
+        )
 
     # --- forward-process objectives ---------------------------------------------------------------
 
@@ -289,7 +305,11 @@ class ObjectiveConformance:
         check = getattr(self.make_objective(), "check_recipe", None)
         if check is None:
             pytest.skip("no check_recipe")
-        sampler = {"name": "ode", "kernel": {"name": "dpmpp2m"}} if self.forward else {"name": "full", "kernel": {"name": "sde", "eta": 0.7}}
+        sampler = (
+            {"name": "ode", "kernel": {"name": "dpmpp2m"}}
+            if self.forward
+            else {"name": "full", "kernel": {"name": "sde", "eta": 0.7}}
+        )
         resolved: Mapping[str, Any] = {
             "objective": {"name": self.objective_name or "objective", **self.objective_params},
             "sampler": sampler,

@@ -169,7 +169,9 @@ class PolicyConformance:
         both = policy.velocity(x, sigma, cond)
         alone = policy.velocity(x[1:], sigma[1:], tensors.index(cond, slice(1, 2)))
         torch.testing.assert_close(alone, both[1:], rtol=0, atol=self.batch_atol)
-        grouped = policy.velocity(x.repeat_interleave(2, 0), sigma.repeat_interleave(2), tensors.repeat_interleave(cond, 2))
+        grouped = policy.velocity(
+            x.repeat_interleave(2, 0), sigma.repeat_interleave(2), tensors.repeat_interleave(cond, 2)
+        )
         torch.testing.assert_close(grouped[::2], both, rtol=0, atol=self.batch_atol)
         assert not torch.allclose(both[0], both[1]), "two prompts and two noises gave the same velocity"
 
@@ -197,14 +199,18 @@ class PolicyConformance:
                 with policy.reference():
                     pass
                 assert torch.equal(policy.velocity(x, sigma, cond), base), "a nested reference() ended the outer one"
-            assert torch.equal(policy.velocity(x, sigma, cond), trained), "leaving reference() did not restore the weights"
+            assert torch.equal(policy.velocity(x, sigma, cond), trained), (
+                "leaving reference() did not restore the weights"
+            )
         assert all(p.requires_grad for p in policy.trainable_parameters())
 
     @torch.no_grad()
     def test_trainable_state_round_trip(self, policy: Any) -> None:
         state = policy.trainable_state_dict()
         assert state and all(isinstance(v, torch.Tensor) for v in state.values())
-        assert all(not v.requires_grad and v.device.type == "cpu" for v in state.values()), "state must be detached CPU copies"
+        assert all(not v.requires_grad and v.device.type == "cpu" for v in state.values()), (
+            "state must be detached CPU copies"
+        )
         x, sigma = self.state(policy)
         cond = self.cond(policy)
         before = policy.velocity(x, sigma, cond)
@@ -229,7 +235,9 @@ class PolicyConformance:
             policy.velocity(x, sigma, self.cond(policy)).square().mean().backward()
             try:
                 reached = [p for p in params if p.grad is not None]
-                assert len(reached) >= len(params) / 2, f"only {len(reached)} of {len(params)} trainable tensors got a gradient"
+                assert len(reached) >= len(params) / 2, (
+                    f"only {len(reached)} of {len(params)} trainable tensors got a gradient"
+                )
                 for p in reached:
                     assert torch.isfinite(p.grad).all() and p.grad.dtype == p.dtype
                 assert any(p.grad.abs().sum() > 0 for p in reached)
@@ -251,7 +259,12 @@ class PolicyConformance:
             for k, ref in enumerate(media.source_images(prompt)):
                 names.append(f"source_{i}_{k}.png")
                 media.load_image(ref).save(folder / names[-1])
-            rows.append({"prompt": media.text_of(prompt), **({"image": names if len(names) > 1 else names[0]} if names else {})})
+            rows.append(
+                {
+                    "prompt": media.text_of(prompt),
+                    **({"image": names if len(names) > 1 else names[0]} if names else {}),
+                }
+            )
         (folder / "train_metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         return {"name": "folder", "path": str(folder), "test": None}
 
@@ -264,8 +277,14 @@ class PolicyConformance:
             "reward": self.reward,
             "objective": {"name": "grpo", "clip_range": 1e-3, "beta": 0.01 if self.has_reference else 0.0},
             "prompts": self.prompt_source(tmp_path),
-            "train": {"iterations": 1, "group_size": 2, "prompts_per_iteration": 2, "lr": 1e-2, "drop_zero_advantage": False,
-                      "mixed_precision": self.mixed_precision},
+            "train": {
+                "iterations": 1,
+                "group_size": 2,
+                "prompts_per_iteration": 2,
+                "lr": 1e-2,
+                "drop_zero_advantage": False,
+                "mixed_precision": self.mixed_precision,
+            },
             "eval": {"every": 0},
             "log": {"trackers": [], "plots": False, "quiet": True, "sample_grid": False},
         }

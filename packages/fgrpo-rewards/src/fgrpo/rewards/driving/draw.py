@@ -22,7 +22,14 @@ WIDTH, HEIGHT = 192, 72
 LOOP_WIDTH = 256  #: a closed loop's picture (the whole 12 s drive, to scale along the road)
 BEHIND, AHEAD = 20.0, 100.0
 LATERAL = 1.5  #: lateral exaggeration
-ROAD, LINE, EDGE, CAR, EGO, PATH = (110, 110, 110), (235, 235, 235), (250, 250, 250), (60, 110, 220), (40, 190, 70), (20, 20, 20)
+ROAD, LINE, EDGE, CAR, EGO, PATH = (
+    (110, 110, 110),
+    (235, 235, 235),
+    (250, 250, 250),
+    (60, 110, 220),
+    (40, 190, 70),
+    (20, 20, 20),
+)
 
 
 class _View:
@@ -70,7 +77,9 @@ def _to_tensor(image: Image.Image) -> torch.Tensor:
     return torch.from_numpy(np.asarray(image, dtype=np.float32) / 255.0).permute(2, 0, 1).contiguous()
 
 
-def draw_scene(scene: Scene, b: int, plans: Sequence[torch.Tensor] = (), scores: Sequence[float] = (), own: int | None = None) -> torch.Tensor:
+def draw_scene(
+    scene: Scene, b: int, plans: Sequence[torch.Tensor] = (), scores: Sequence[float] = (), own: int | None = None
+) -> torch.Tensor:
     """(3, HEIGHT, WIDTH) in [0, 1]: scene ``b`` with candidate plans (ego frame) coloured by score."""
     image = Image.new("RGB", (WIDTH, HEIGHT), (245, 245, 245))
     draw = ImageDraw.Draw(image)

@@ -53,7 +53,9 @@ def parse(prompt: str) -> Parsed:
     t = float(match["t"] or 0.0)
     steps = t / PLAN_DT
     if abs(steps - round(steps)) > 1e-9 or t > MAX_LOG_TIME:
-        raise ScenePromptError(f"{prompt!r}: the time must be a multiple of {PLAN_DT} s up to {MAX_LOG_TIME:g} s, got {t:g}")
+        raise ScenePromptError(
+            f"{prompt!r}: the time must be a multiple of {PLAN_DT} s up to {MAX_LOG_TIME:g} s, got {t:g}"
+        )
     return Parsed(TYPES.index(match["type"]), int(match["seed"]), t, match["tag"])
 
 
@@ -136,7 +138,9 @@ def scenes_for(prompts: Sequence[str]) -> Scene:
             rows.append(_REGISTERED[prompt])
         else:
             q = parsed[prompt]
-            rows.append(_LOGS[(q.kind, q.seed)].scenes.index(slice(int(round(q.t / PLAN_DT)), int(round(q.t / PLAN_DT)) + 1)))
+            rows.append(
+                _LOGS[(q.kind, q.seed)].scenes.index(slice(int(round(q.t / PLAN_DT)), int(round(q.t / PLAN_DT)) + 1))
+            )
     return Scene.cat(rows)
 
 

@@ -80,9 +80,7 @@ def _check_tensor(name: str, t: object, like: torch.Tensor | None = None) -> tor
     if not t.is_floating_point():
         raise ValueError(f"{name}: expected a floating-point tensor, got dtype {t.dtype}")
     if like is not None and t.shape != like.shape:
-        raise ValueError(
-            f"{name}: expected the shape of sample {tuple(like.shape)}, got {tuple(t.shape)}"
-        )
+        raise ValueError(f"{name}: expected the shape of sample {tuple(like.shape)}, got {tuple(t.shape)}")
     return t
 
 
