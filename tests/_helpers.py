@@ -30,7 +30,6 @@ def crash_after(iteration: int) -> Iterator[None]:
         pm.unregister(name="crash")
 
 
-
 def run_fgrpo(*args: str, env: dict | None = None, cwd: Path | None = None, timeout: float = 600):
     """Run the installed ``fgrpo`` console script as a user would."""
     exe = Path(sys.executable).with_name("fgrpo")

@@ -12,6 +12,6 @@ OpenAudit.forbidden = os.path.realpath(os.environ["FGRPO_FORBIDDEN"])
 OpenAudit.log = os.environ["FGRPO_FORBIDDEN_LOG"]
 OpenAudit.install()
 
-from fgrpo.core.cli import main  # noqa: E402
+from fgrpo.core.cli import main  # noqa: E402 - after the audit is installed: fgrpo's own opens are audited
 
 sys.exit(main())

@@ -30,7 +30,10 @@ def main() -> None:
     if acc.is_main_process:
         flat = torch.cat([p.detach().reshape(-1) for p in run.trainable])
         with open(out, "w") as fh:
-            json.dump({"processes": acc.num_processes, "rewards": rewards, "identical": identical, "weights": flat.tolist()}, fh)
+            json.dump(
+                {"processes": acc.num_processes, "rewards": rewards, "identical": identical, "weights": flat.tolist()},
+                fh,
+            )
     end_process_group()
 
 

@@ -26,7 +26,6 @@ import sys
 from pathlib import Path
 
 import torch
-
 from rich.console import Console
 
 from fgrpo.core import launch, phases
@@ -55,8 +54,14 @@ LAUNCHES = {  # what `accelerate launch --config_file recipes/accelerate/<config
     # which would keep them whole; the file sets it to 0 so that every weight is partitioned
     "zero3": {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}},
     "zero2-offload": {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
-    "zero3-offload": {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                                            "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}},
+    "zero3-offload": {
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,
+            "offload_optimizer": {"device": "cpu"},
+            "offload_param": {"device": "cpu"},
+        }
+    },
 }
 
 
@@ -67,7 +72,11 @@ def launch_environment(kind: str, out: Path) -> dict[str, str]:
         return settings
     path = out / f"deepspeed-{kind}.json"
     path.write_text(json.dumps({**settings, "gradient_accumulation_steps": 1}))
-    return {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(path), "ACCELERATE_DEEPSPEED_ZERO3_INIT": "false"}
+    return {
+        "ACCELERATE_USE_DEEPSPEED": "true",
+        "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(path),
+        "ACCELERATE_DEEPSPEED_ZERO3_INIT": "false",
+    }
 
 
 PADDING = [0]
@@ -104,10 +113,15 @@ def run(path: str, out: Path, iterations: int, overrides: list[str], *, resume: 
             "sharded": r.parallel.sharded,
             "dtensor": launch.is_sharded_tensor(r.trainable[0]),
             # ZeRO-3: weights (trainable or frozen) whose data this process does not hold between forwards
-            "partitioned_weights": sum(launch.is_partitioned(p) and p.data.numel() == 0 for p in r.policy.trainable_module.parameters())
-            if hasattr(r.policy, "trainable_module") else 0,
+            "partitioned_weights": sum(
+                launch.is_partitioned(p) and p.data.numel() == 0 for p in r.policy.trainable_module.parameters()
+            )
+            if hasattr(r.policy, "trainable_module")
+            else 0,
             "description": r.parallel.description,
-            "network_weights": len(list(r.policy.trainable_module.parameters())) if hasattr(r.policy, "trainable_module") else 0,
+            "network_weights": len(list(r.policy.trainable_module.parameters()))
+            if hasattr(r.policy, "trainable_module")
+            else 0,
             # elements whose AdamW state this process holds and steps, of all trainable elements
             "stepped_numel": sum((p.to_local() if launch.is_sharded_tensor(p) else p).numel() for p in stepped),
             "trainable_numel": sum(getattr(p, "ds_numel", p.numel()) for p in r.trainable),

@@ -15,9 +15,9 @@ import torch
 
 from _helpers import ROOT
 from fgrpo.core import cli, registry
-from fgrpo.core.scoring import RewardError, score
 from fgrpo.core.protocols import RewardResult
 from fgrpo.core.recipe import RewardSpec
+from fgrpo.core.scoring import RewardError, score
 
 RECIPE = str(ROOT / "recipes" / "vector.yaml")
 FAST = ["--quiet", "--set", "eval.every=0", "--set", "log.plots=false", "--set", "log.trackers=[]"]
@@ -32,13 +32,28 @@ def error_lines(capsys) -> list[str]:
 # --- command-line arguments ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("args, message", [
-    (["sample", RECIPE, "--prompts", "p.txt", "--out", "o", "--n", "0"], "argument --n: expected an integer >= 1, got '0'"),
-    (["sample", RECIPE, "--prompts", "p.txt", "--out", "o", "--n", "-1"], "argument --n: expected an integer >= 1, got '-1'"),
-    (["sample", RECIPE, "--prompts", "p.txt", "--out", "o", "--steps", "-3"], "argument --steps: expected an integer >= 1, got '-3'"),
-    (["check", RECIPE, "--tolerance", "nan"], "argument --tolerance: expected a finite number >= 0, got 'nan'"),
-    (["compose", RECIPE, "--resume", "--start-over", "--out", "o"], "argument --start-over: not allowed with argument --resume"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["sample", RECIPE, "--prompts", "p.txt", "--out", "o", "--n", "0"],
+            "argument --n: expected an integer >= 1, got '0'",
+        ),
+        (
+            ["sample", RECIPE, "--prompts", "p.txt", "--out", "o", "--n", "-1"],
+            "argument --n: expected an integer >= 1, got '-1'",
+        ),
+        (
+            ["sample", RECIPE, "--prompts", "p.txt", "--out", "o", "--steps", "-3"],
+            "argument --steps: expected an integer >= 1, got '-3'",
+        ),
+        (["check", RECIPE, "--tolerance", "nan"], "argument --tolerance: expected a finite number >= 0, got 'nan'"),
+        (
+            ["compose", RECIPE, "--resume", "--start-over", "--out", "o"],
+            "argument --start-over: not allowed with argument --resume",
+        ),
+    ],
+)
 def test_bad_arguments_are_one_line(args, message, capsys):
     # before (argparse type=int/float, no bounds): --n 0 wrote 0 samples, --n -1 and --steps -3 failed
     # inside the sampler with a traceback, --tolerance nan made every check fail
@@ -48,10 +63,13 @@ def test_bad_arguments_are_one_line(args, message, capsys):
     assert error_lines(capsys) == [f"error: {message} (see fgrpo {args[0]} --help)"]
 
 
-@pytest.mark.parametrize("prompts, message", [
-    ("/dev/zero", "/dev/zero: holds NUL bytes; a prompt file is a text file"),  # before: read forever
-    ("missing.txt", "cannot read missing.txt: No such file or directory"),
-])
+@pytest.mark.parametrize(
+    "prompts, message",
+    [
+        ("/dev/zero", "/dev/zero: holds NUL bytes; a prompt file is a text file"),  # before: read forever
+        ("missing.txt", "cannot read missing.txt: No such file or directory"),
+    ],
+)
 def test_sample_prompts_that_are_not_a_prompt_file(prompts, message, tmp_path, capsys):
     assert cli.main(["sample", RECIPE, "--prompts", prompts, "--out", str(tmp_path / "o")]) == 2
     assert error_lines(capsys) == [f"error: --prompts: {message}"]
@@ -68,11 +86,22 @@ def test_sample_out_that_is_a_file(tmp_path, capsys):
 
 def test_a_prompt_outside_the_models_vocabulary(root, tmp_path, capsys):
     out = tmp_path / "run"
-    code = cli.main(["compose", str(root / "recipes" / "shapes.yaml"), "--out", str(out), *FAST,
-                     "--set", 'prompts={name: list, train: ["a purple hexagon", "two red squares"]}'])
+    code = cli.main(
+        [
+            "compose",
+            str(root / "recipes" / "shapes.yaml"),
+            "--out",
+            str(out),
+            *FAST,
+            "--set",
+            'prompts={name: list, train: ["a purple hexagon", "two red squares"]}',
+        ]
+    )
     assert code == 2  # before: a ValueError traceback from the first rollout
     lines = error_lines(capsys)
-    assert len(lines) == 1 and lines[0].startswith("error: prompts: prompt 'a purple hexagon': word(s) ['purple', 'hexagon'] not in")
+    assert len(lines) == 1 and lines[0].startswith(
+        "error: prompts: prompt 'a purple hexagon': word(s) ['purple', 'hexagon'] not in"
+    )
     assert not out.exists()
 
 
@@ -92,13 +121,28 @@ class _Misbehaving:
 PROMPTS = ["a cat", "a dog", "a cat"]
 
 
-@pytest.mark.parametrize("returns, message", [
-    (None, "reward 'r' returned None for the batch of iteration 3 (3 samples of the prompts 'a cat', 'a dog'); expected a RewardResult"),
-    ("good", "reward 'r' returned 'good' for the batch of iteration 3"),
-    (RewardResult(scores=["x", "y", "z"]), "reward 'r' returned scores ['x', 'y', 'z'] for the batch of iteration 3 (3 samples of the prompts 'a cat', 'a dog'); expected a tensor of numbers"),
-    (RewardResult(scores=None), "reward 'r' returned scores None for the batch of iteration 3"),
-    (KeyError("clip_model"), "reward 'r' raised KeyError: 'clip_model' on the batch of iteration 3 (3 samples of the prompts 'a cat', 'a dog')"),
-])
+@pytest.mark.parametrize(
+    "returns, message",
+    [
+        (
+            None,
+            "reward 'r' returned None for the batch of iteration 3 (3 samples of the prompts 'a cat', 'a dog'); "
+            "expected a RewardResult",
+        ),
+        ("good", "reward 'r' returned 'good' for the batch of iteration 3"),
+        (
+            RewardResult(scores=["x", "y", "z"]),
+            "reward 'r' returned scores ['x', 'y', 'z'] for the batch of iteration 3 (3 samples of the prompts 'a "
+            "cat', 'a dog'); expected a tensor of numbers",
+        ),
+        (RewardResult(scores=None), "reward 'r' returned scores None for the batch of iteration 3"),
+        (
+            KeyError("clip_model"),
+            "reward 'r' raised KeyError: 'clip_model' on the batch of iteration 3 (3 samples of the prompts 'a cat', "
+            "'a dog')",
+        ),
+    ],
+)
 def test_a_reward_that_misbehaves_is_named_with_the_prompts(returns, message):
     spec = RewardSpec("r", "r", 1.0, {})
     with pytest.raises(RewardError) as info:  # before: AttributeError / TypeError / the reward's own traceback
@@ -116,12 +160,18 @@ def test_a_reward_that_never_returns_times_out():
 
     spec = RewardSpec("remote", "remote", 1.0, {}, timeout_s=0.3)
     try:
-        with pytest.raises(RewardError, match=r"reward 'remote' did not return within 0.3 s \(reward.timeout_s\) on the batch of iteration 3 \(3 samples of the prompts 'a cat', 'a dog'\)"):
+        with pytest.raises(
+            RewardError,
+            match=r"reward 'remote' did not return within 0.3 s \(reward.timeout_s\) on the batch of iteration 3 \(3 "
+            r"samples of the prompts 'a cat', 'a dog'\)",
+        ):
             score([(spec, Stuck())], torch.zeros(3, 2), PROMPTS, [{}] * 3, where="the batch of iteration 3")
     finally:
         release.set()
     quick = RewardSpec("quick", "quick", 1.0, {}, timeout_s=5)
-    scores, _ = score([(quick, _Misbehaving(RewardResult(scores=torch.ones(3))))], torch.zeros(3, 2), PROMPTS, [{}] * 3, where="x")
+    scores, _ = score(
+        [(quick, _Misbehaving(RewardResult(scores=torch.ones(3))))], torch.zeros(3, 2), PROMPTS, [{}] * 3, where="x"
+    )
     assert torch.equal(scores["quick"], torch.ones(3))
 
 
@@ -142,7 +192,10 @@ def test_a_failing_reward_stops_compose_with_one_line(exploding_reward, tmp_path
     assert code == 2
     lines = error_lines(capsys)
     assert len(lines) == 1
-    assert lines[0].startswith("error: reward 'exploding' raised RuntimeError: CUDA error: device-side assert triggered on the batch of iteration 0 (64 samples of the prompts 'target ")
+    assert lines[0].startswith(
+        "error: reward 'exploding' raised RuntimeError: CUDA error: device-side assert triggered on the batch of "
+        "iteration 0 (64 samples of the prompts 'target "
+    )
 
 
 def test_reward_timeout_is_a_checked_recipe_key(capsys):
@@ -167,8 +220,14 @@ def _truncate(path: Path) -> None:
 
 DAMAGE = {
     "truncated weights": (lambda c: _truncate(c / "trainable.safetensors"), "trainable.safetensors is truncated"),
-    "broken state.json": (lambda c: (c / "state.json").write_text('{"iteration": 1, "recipe": {'), "state.json is not valid JSON"),
-    "weights that are not safetensors": (lambda c: (c / "trainable.safetensors").write_bytes(b"\x10" + b"\0" * 7 + b"not json" * 2), "trainable.safetensors is not a safetensors file"),
+    "broken state.json": (
+        lambda c: (c / "state.json").write_text('{"iteration": 1, "recipe": {'),
+        "state.json is not valid JSON",
+    ),
+    "weights that are not safetensors": (
+        lambda c: (c / "trainable.safetensors").write_bytes(b"\x10" + b"\0" * 7 + b"not json" * 2),
+        "trainable.safetensors is not a safetensors file",
+    ),
 }
 
 
@@ -178,8 +237,17 @@ def test_sample_refuses_a_damaged_checkpoint(run, damage, tmp_path, capsys):
     spoil(run / "checkpoints" / "iter_000001")
     prompts = tmp_path / "p.txt"
     prompts.write_text("target 1 1\n")
-    code = cli.main(["sample", "--checkpoint", str(run / "checkpoints" / "iter_000001"), "--prompts", str(prompts),
-                     "--out", str(tmp_path / "s")])
+    code = cli.main(
+        [
+            "sample",
+            "--checkpoint",
+            str(run / "checkpoints" / "iter_000001"),
+            "--prompts",
+            str(prompts),
+            "--out",
+            str(tmp_path / "s"),
+        ]
+    )
     assert code == 2  # before: a safetensors / JSON traceback
     lines = error_lines(capsys)
     assert len(lines) == 1 and lines[0].startswith("error: --checkpoint: ") and why in lines[0], lines
@@ -208,8 +276,10 @@ def test_a_pickle_planted_in_the_optimizer_state_never_runs(run, capsys):
     torch.save({"optimizer": _Planted(), "scheduler": {}}, run / "checkpoints" / "iter_000001" / "optimizer.pt")
     assert cli.main(["compose", RECIPE, "--out", str(run), *FAST, "--set", "train.iterations=2", "--resume"]) == 2
     lines = error_lines(capsys)  # before: the refusal was torch's multi-line UnpicklingError traceback
-    assert lines == [f"error: --resume: {run / 'checkpoints' / 'iter_000001'} is not a valid checkpoint: "
-                     "optimizer.pt holds objects other than tensors and numbers (refused to unpickle them)"]
+    assert lines == [
+        f"error: --resume: {run / 'checkpoints' / 'iter_000001'} is not a valid checkpoint: "
+        "optimizer.pt holds objects other than tensors and numbers (refused to unpickle them)"
+    ]
     assert not marker.exists()
     assert pickle.dumps  # (the planted object is only ever unpickled by torch.load(weights_only=True))
 
@@ -218,7 +288,10 @@ def test_state_that_reads_but_does_not_fit(run, capsys):
     state = json.loads((run / "checkpoints" / "iter_000001" / "state.json").read_text())
     state["sampler"] = {"window_start": "nonsense"}
     (run / "checkpoints" / "iter_000001" / "state.json").write_text(json.dumps(state))
-    torch.save({"optimizer": {"state": {}, "param_groups": []}, "scheduler": {}}, run / "checkpoints" / "iter_000001" / "optimizer.pt")
+    torch.save(
+        {"optimizer": {"state": {}, "param_groups": []}, "scheduler": {}},
+        run / "checkpoints" / "iter_000001" / "optimizer.pt",
+    )
     assert cli.main(["compose", RECIPE, "--out", str(run), *FAST, "--set", "train.iterations=2", "--resume"]) == 2
     lines = error_lines(capsys)
     assert len(lines) == 1 and "is not a valid checkpoint of this run" in lines[0], lines
@@ -236,19 +309,24 @@ sys.exit(main(sys.argv[2:]))
 """
 
 
-@pytest.mark.parametrize("limit, sets, where", [
-    # optimizer.pt is the first file past 40 kB: torch.save's "unexpected pos" RuntimeError before
-    (40_000, ["train.iterations=2", "train.checkpoint_every=1"], "cannot write the checkpoint of iteration 1 ("),
-    # metrics.jsonl grows past 6 kB before the first checkpoint: an OSError traceback before
-    (6_000, ["train.iterations=12", "train.checkpoint_every=0"], "cannot append to "),
-])
+@pytest.mark.parametrize(
+    "limit, sets, where",
+    [
+        # optimizer.pt is the first file past 40 kB: torch.save's "unexpected pos" RuntimeError before
+        (40_000, ["train.iterations=2", "train.checkpoint_every=1"], "cannot write the checkpoint of iteration 1 ("),
+        # metrics.jsonl grows past 6 kB before the first checkpoint: an OSError traceback before
+        (6_000, ["train.iterations=12", "train.checkpoint_every=0"], "cannot append to "),
+    ],
+)
 def test_a_full_disk_is_one_line_and_loses_nothing(limit, sets, where, tmp_path):
     import subprocess
     import sys
 
     out = tmp_path / "run"
     args = ["compose", RECIPE, "--out", str(out), *FAST, *(a for s in sets for a in ("--set", s))]
-    done = subprocess.run([sys.executable, "-c", FULL_DISK, str(limit), *args], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", FULL_DISK, str(limit), *args], capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr
     lines = [ln for ln in done.stderr.splitlines() if ln.startswith("error: ")]
@@ -280,7 +358,9 @@ def test_a_plugin_raising_a_base_exception_at_import_leaves_every_command(raised
     info = tmp_path / "rude-0.1.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: rude\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text("[fgrpo.plugins]\nrude = rude_plugin\n[fgrpo.rewards]\nrude = rude_plugin:Rude\n")
+    (info / "entry_points.txt").write_text(
+        "[fgrpo.plugins]\nrude = rude_plugin\n[fgrpo.rewards]\nrude = rude_plugin:Rude\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(hookspecs, "_manager", None)
     monkeypatch.setattr(hookspecs, "_failures", [])
@@ -325,10 +405,13 @@ def test_a_fifo_is_refused_not_waited_on(what, tmp_path, capsys):
 BAD_PROMPTS = Path(__file__).parent / "bad_prompts"
 
 
-@pytest.mark.parametrize("folder, message", [
-    ("broken_jsonl", "prompts.path: {path}/train.jsonl:2: not a JSON object ("),
-    ("empty", "prompts.path: {path}/train.txt: no prompts"),
-])
+@pytest.mark.parametrize(
+    "folder, message",
+    [
+        ("broken_jsonl", "prompts.path: {path}/train.jsonl:2: not a JSON object ("),
+        ("empty", "prompts.path: {path}/train.txt: no prompts"),
+    ],
+)
 def test_validate_reads_the_prompt_files_compose_would_refuse(folder, message, tmp_path, capsys):
     path = BAD_PROMPTS / folder
     sets = ["--set", f"prompts={{name: folder, path: {path}, test: null}}"]
@@ -337,19 +420,25 @@ def test_validate_reads_the_prompt_files_compose_would_refuse(folder, message, t
     lines = error_lines(capsys)
     assert len(lines) == 2 and all(message.format(path=path) in line for line in lines), lines
     assert not (tmp_path / "run").exists()
-    text_file = ["--set", f"prompts={{name: text-file, train: {path / ('train.jsonl' if folder == 'broken_jsonl' else 'train.txt')}}}"]
+    text_file = [
+        "--set",
+        f"prompts={{name: text-file, train: {path / ('train.jsonl' if folder == 'broken_jsonl' else 'train.txt')}}}",
+    ]
     assert cli.main(["validate", RECIPE, *text_file]) == 2
     assert "prompts.train: " in error_lines(capsys)[0]
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--max-request-mb", "nan"], "argument --max-request-mb: expected a finite number > 0, got 'nan'"),
-    (["--max-request-mb", "0"], "argument --max-request-mb: expected a finite number > 0, got '0'"),
-    (["--port", "99999"], "argument --port: expected a port number from 0 to 65535, got '99999'"),
-    (["--port", "-5"], "argument --port: expected a port number from 0 to 65535, got '-5'"),
-    (["--read-timeout-s", "inf"], "argument --read-timeout-s: expected a finite number > 0, got 'inf'"),
-    (["--max-connections", "0"], "argument --max-connections: expected an integer >= 1, got '0'"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--max-request-mb", "nan"], "argument --max-request-mb: expected a finite number > 0, got 'nan'"),
+        (["--max-request-mb", "0"], "argument --max-request-mb: expected a finite number > 0, got '0'"),
+        (["--port", "99999"], "argument --port: expected a port number from 0 to 65535, got '99999'"),
+        (["--port", "-5"], "argument --port: expected a port number from 0 to 65535, got '-5'"),
+        (["--read-timeout-s", "inf"], "argument --read-timeout-s: expected a finite number > 0, got 'inf'"),
+        (["--max-connections", "0"], "argument --max-connections: expected an integer >= 1, got '0'"),
+    ],
+)
 def test_serve_reward_arguments_are_one_line(args, message, capsys):
     with pytest.raises(SystemExit) as info:  # before: a traceback (nan, a port out of range) at bind
         cli.main(["serve-reward", "jpeg-compressibility", *args])
@@ -366,8 +455,12 @@ def test_serve_reward_on_a_port_in_use_or_a_host_it_cannot_bind(capsys, monkeypa
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
         port = taken.getsockname()[1]
-        assert cli.main(["serve-reward", "jpeg-compressibility", "--port", str(port)]) == 2  # before: OSError traceback
-        assert error_lines(capsys) == [f"error: --port: 127.0.0.1:{port} is in use (another server?); choose another port, or 0 for any free one"]
+        assert (
+            cli.main(["serve-reward", "jpeg-compressibility", "--port", str(port)]) == 2
+        )  # before: OSError traceback
+        assert error_lines(capsys) == [
+            f"error: --port: 127.0.0.1:{port} is in use (another server?); choose another port, or 0 for any free one"
+        ]
     assert cli.main(["serve-reward", "jpeg-compressibility", "--host", "no-such-host.invalid"]) == 2
     lines = error_lines(capsys)
     assert len(lines) == 1 and lines[0].startswith("error: --host: cannot listen on 'no-such-host.invalid': "), lines

@@ -100,7 +100,11 @@ def test_report_never_reads_outside_the_run(name, outside, capsys):
     assert len(lines) == 1 and REFUSED[name] in lines[0], lines
     assert "never through links" in lines[0] or "not a file of" in lines[0]
     assert not (run / "report.html").exists() and leaked(outside / "run") == []
-    assert snapshot(outside / "secret-samples") | {"secret": hashlib.sha256((outside / "secret.txt").read_bytes()).hexdigest()} == around
+    assert (
+        snapshot(outside / "secret-samples")
+        | {"secret": hashlib.sha256((outside / "secret.txt").read_bytes()).hexdigest()}
+        == around
+    )
 
 
 def test_the_bad_runs_corpus_is_complete():
@@ -108,13 +112,22 @@ def test_the_bad_runs_corpus_is_complete():
     assert sorted(p.name for p in BAD_RUNS.iterdir()) == sorted(set(REFUSED) | tolerated)
 
 
-@pytest.mark.parametrize("name, note", [
-    ("metrics_cut", "1 line of metrics.jsonl is not a metrics row (a line cut by a kill or a full disk?): left out"),
-    ("metrics_garbage", "7 lines of metrics.jsonl are not metrics rows (a line cut by a kill or a full disk?): left out"),
-    ("recipe_bad_yaml", "recipe.resolved.yaml does not read as YAML"),
-    ("recipe_not_a_mapping", "recipe.resolved.yaml is not a recipe (a list)"),
-    ("index_garbage", "samples/eval_000000/index.json is not a list of tiles: left out"),
-])
+@pytest.mark.parametrize(
+    "name, note",
+    [
+        (
+            "metrics_cut",
+            "1 line of metrics.jsonl is not a metrics row (a line cut by a kill or a full disk?): left out",
+        ),
+        (
+            "metrics_garbage",
+            "7 lines of metrics.jsonl are not metrics rows (a line cut by a kill or a full disk?): left out",
+        ),
+        ("recipe_bad_yaml", "recipe.resolved.yaml does not read as YAML"),
+        ("recipe_not_a_mapping", "recipe.resolved.yaml is not a recipe (a list)"),
+        ("index_garbage", "samples/eval_000000/index.json is not a list of tiles: left out"),
+    ],
+)
 def test_report_of_damaged_files_says_what_it_left_out(name, note, outside, capsys):
     # before: JSONDecodeError (a cut line), KeyError/TypeError/AttributeError tracebacks
     run = bad_run(name, outside)
@@ -135,7 +148,10 @@ def test_report_out_that_cannot_be_written(outside, capsys):
         (run, f"error: --out: {run} is a folder; give the report's file name (e.g. {run}/report.html)"),
         (Path("/proc/version"), "error: --out: cannot write /proc/version: "),
         (long, f"error: --out: cannot write {long}: File name too long"),
-        (outside / "secret.txt" / "r.html", f"error: --out: cannot write {outside / 'secret.txt' / 'r.html'}: Not a directory"),
+        (
+            outside / "secret.txt" / "r.html",
+            f"error: --out: cannot write {outside / 'secret.txt' / 'r.html'}: Not a directory",
+        ),
     ]
     for target, message in cases:
         before = snapshot(outside)
@@ -165,8 +181,24 @@ def ema_base(tmp_path_factory) -> Path:
     """A finished vector run with an EMA and checkpoints 1 and 2, each given an export/ folder the
     way a LoRA backbone writes one (export/pytorch_lora_weights.safetensors)."""
     out = tmp_path_factory.mktemp("ema") / "run"
-    assert cli.main(["compose", RECIPE, "--out", str(out), *FAST, "--set", "train.iterations=2",
-                     "--set", "train.checkpoint_every=1", "--set", "train.ema_decay=0.5"]) == 0
+    assert (
+        cli.main(
+            [
+                "compose",
+                RECIPE,
+                "--out",
+                str(out),
+                *FAST,
+                "--set",
+                "train.iterations=2",
+                "--set",
+                "train.checkpoint_every=1",
+                "--set",
+                "train.ema_decay=0.5",
+            ]
+        )
+        == 0
+    )
     for folder in (out / "checkpoints").glob("iter_*"):
         (folder / "export").mkdir()
         save_file({"lora.weight": torch.ones(8, 8)}, str(folder / "export" / "pytorch_lora_weights.safetensors"))
@@ -185,8 +217,14 @@ def _cut(path: Path, size: int = 50) -> None:
 
 DAMAGE = {
     "truncated weights": (lambda c: _cut(c / "trainable.safetensors", 200), "trainable.safetensors is truncated"),
-    "broken state.json": (lambda c: (c / "state.json").write_text('{"iteration": 2, "recipe": {'), "state.json is not valid JSON"),
-    "export cut to 50 bytes": (lambda c: _cut(c / "export" / "pytorch_lora_weights.safetensors"), "export/pytorch_lora_weights.safetensors is truncated"),
+    "broken state.json": (
+        lambda c: (c / "state.json").write_text('{"iteration": 2, "recipe": {'),
+        "state.json is not valid JSON",
+    ),
+    "export cut to 50 bytes": (
+        lambda c: _cut(c / "export" / "pytorch_lora_weights.safetensors"),
+        "export/pytorch_lora_weights.safetensors is truncated",
+    ),
     "truncated EMA": (lambda c: _cut(c / "ema.safetensors", 100), "ema.safetensors is truncated"),
     "a link out of it": (lambda c: (c / "export" / "etc").symlink_to("/etc"), "export/etc is a link"),
     "weights through a link": (lambda c: _relink(c / "trainable.safetensors"), "trainable.safetensors is a link"),
@@ -210,7 +248,10 @@ def test_export_and_sample_check_the_checkpoint_completely_first(ema_run, damage
     prompts = tmp_path / "p.txt"
     prompts.write_text("target 1 1\n")
     out = tmp_path / "out"
-    args = {"export": ["export", str(checkpoint)], "sample": ["sample", "--checkpoint", str(checkpoint), "--prompts", str(prompts)]}
+    args = {
+        "export": ["export", str(checkpoint)],
+        "sample": ["sample", "--checkpoint", str(checkpoint), "--prompts", str(prompts)],
+    }
     # before: "exported (EMA weights)", exit 0, the 50-byte file (or all of /etc) copied, or a traceback
     assert cli.main([*args[command], "--out", str(out)]) == 2
     lines = error_lines(capsys)
@@ -222,8 +263,25 @@ def test_export_and_sample_check_the_checkpoint_completely_first(ema_run, damage
 def test_resume_skips_the_damaged_checkpoint_the_same_way(ema_run, damage, capsys):
     spoil, why = DAMAGE[damage]
     spoil(ema_run / "checkpoints" / "iter_000002")
-    assert cli.main(["compose", RECIPE, "--out", str(ema_run), *FAST, "--resume", "--set", "train.iterations=3",
-                     "--set", "train.checkpoint_every=1", "--set", "train.ema_decay=0.5"]) == 0
+    assert (
+        cli.main(
+            [
+                "compose",
+                RECIPE,
+                "--out",
+                str(ema_run),
+                *FAST,
+                "--resume",
+                "--set",
+                "train.iterations=3",
+                "--set",
+                "train.checkpoint_every=1",
+                "--set",
+                "train.ema_decay=0.5",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert f"iter_000002 is not complete ({why}" in out and "from iter_000001 (iteration 1)" in out
     assert not (ema_run / "elsewhere.safetensors").is_symlink()
@@ -234,14 +292,36 @@ def test_an_ema_checkpoint_without_its_ema_file_is_refused_unless_no_ema(ema_run
     (checkpoint / "ema.safetensors").unlink()
     prompts = tmp_path / "p.txt"
     prompts.write_text("target 1 1\n")
-    why = f"{checkpoint} is not a valid checkpoint: ema.safetensors is missing, and its run keeps an EMA (train.ema_decay 0.5); pass --no-ema"
+    why = (
+        f"{checkpoint} is not a valid checkpoint: ema.safetensors is missing, and its run keeps an EMA "
+        f"(train.ema_decay 0.5); pass --no-ema"
+    )
     # before: the raw weights sampled silently as if they were the EMA's
-    assert cli.main(["sample", "--checkpoint", str(checkpoint), "--prompts", str(prompts), "--out", str(tmp_path / "s")]) == 2
+    assert (
+        cli.main(["sample", "--checkpoint", str(checkpoint), "--prompts", str(prompts), "--out", str(tmp_path / "s")])
+        == 2
+    )
     assert cli.main(["export", str(checkpoint), "--out", str(tmp_path / "e")]) == 2
     lines = error_lines(capsys)
     assert len(lines) == 2 and all(why in line for line in lines), lines
-    assert cli.main(["sample", "--checkpoint", str(checkpoint), "--prompts", str(prompts), "--out", str(tmp_path / "s"), "--no-ema"]) == 0
-    assert cli.main(["export", str(checkpoint), "--out", str(tmp_path / "e"), "--no-ema"]) == 2  # the export holds EMA weights
+    assert (
+        cli.main(
+            [
+                "sample",
+                "--checkpoint",
+                str(checkpoint),
+                "--prompts",
+                str(prompts),
+                "--out",
+                str(tmp_path / "s"),
+                "--no-ema",
+            ]
+        )
+        == 0
+    )
+    assert (
+        cli.main(["export", str(checkpoint), "--out", str(tmp_path / "e"), "--no-ema"]) == 2
+    )  # the export holds EMA weights
     assert "vector" in error_lines(capsys)[0]
 
 
@@ -251,7 +331,23 @@ def test_sample_no_ema_samples_the_raw_weights(ema_run, tmp_path):
     last = str(ema_run / "checkpoints" / "last")
     runs = {}
     for name, flags in (("ema", []), ("raw", ["--no-ema"])):
-        assert cli.main(["sample", "--checkpoint", last, "--prompts", str(prompts), "--n", "2", "--out", str(tmp_path / name), *flags]) == 0
+        assert (
+            cli.main(
+                [
+                    "sample",
+                    "--checkpoint",
+                    last,
+                    "--prompts",
+                    str(prompts),
+                    "--n",
+                    "2",
+                    "--out",
+                    str(tmp_path / name),
+                    *flags,
+                ]
+            )
+            == 0
+        )
         runs[name] = torch.load(tmp_path / name / "00000_00.pt")
     assert not torch.equal(runs["ema"], runs["raw"])
 
@@ -270,24 +366,42 @@ def test_export_and_sample_out_must_be_a_new_folder_outside_checkpoints(ema_run,
     a_file = tmp_path / "file"
     a_file.write_text("x")
     earlier = tmp_path / "earlier"
-    assert cli.main(["sample", "--checkpoint", str(checkpoint), "--prompts", str(prompts), "--n", "2", "--out", str(earlier)]) == 0
+    assert (
+        cli.main(
+            ["sample", "--checkpoint", str(checkpoint), "--prompts", str(prompts), "--n", "2", "--out", str(earlier)]
+        )
+        == 0
+    )
     capsys.readouterr()
-    before = snapshot(ema_run) | {"file": a_file.read_text()} | {f"earlier/{k}": v for k, v in snapshot(earlier).items()}
+    before = (
+        snapshot(ema_run) | {"file": a_file.read_text()} | {f"earlier/{k}": v for k, v in snapshot(earlier).items()}
+    )
     long = tmp_path / ("o" * 300)
     cases = {
         str(a_file): f"--out: {a_file} is a file; expected a new or empty folder",
-        str(checkpoint / "samples"): f"--out: {checkpoint / 'samples'} is inside the checkpoint {checkpoint}; choose a folder outside it",
+        str(
+            checkpoint / "samples"
+        ): f"--out: {checkpoint / 'samples'} is inside the checkpoint {checkpoint}; choose a folder outside it",
         str(checkpoint): f"--out: {checkpoint} is inside the checkpoint {checkpoint}",
-        str(ema_run / "checkpoints" / "mine"): f"--out: {ema_run / 'checkpoints' / 'mine'} is inside the checkpoints of the run {ema_run}",
-        str(earlier): f"--out: {earlier} exists and is not empty; choose a new folder",  # before: overwritten, one file orphaned
+        str(
+            ema_run / "checkpoints" / "mine"
+        ): f"--out: {ema_run / 'checkpoints' / 'mine'} is inside the checkpoints of the run {ema_run}",
+        str(
+            earlier
+        ): f"--out: {earlier} exists and is not empty; choose a new folder",  # before: overwritten, one file orphaned
         str(long): f"--out: cannot create {long}: File name too long",
     }
     for target, message in cases.items():
-        assert cli.main(["export", str(checkpoint), "--out", target]) == 2  # before: NotADirectoryError traceback (a file)
+        assert (
+            cli.main(["export", str(checkpoint), "--out", target]) == 2
+        )  # before: NotADirectoryError traceback (a file)
         assert cli.main(["sample", "--checkpoint", str(checkpoint), "--prompts", str(prompts), "--out", target]) == 2
         lines = error_lines(capsys)
         assert len(lines) == 2 and all(f"error: {message}" in line for line in lines), (target, lines)
-    assert snapshot(ema_run) | {"file": a_file.read_text()} | {f"earlier/{k}": v for k, v in snapshot(earlier).items()} == before
+    assert (
+        snapshot(ema_run) | {"file": a_file.read_text()} | {f"earlier/{k}": v for k, v in snapshot(earlier).items()}
+        == before
+    )
 
 
 # --- the run folder's own paths -------------------------------------------------------------------
@@ -312,14 +426,20 @@ def test_last_as_a_real_folder_is_refused_before_anything_runs(small_run, capsys
     (last / "mine.txt").write_text("mine")
     before = snapshot(small_run)
     # before: found at the first checkpoint write, after the training (IsADirectoryError traceback)
-    assert cli.main(["compose", RECIPE, "--out", str(small_run), *FAST, "--resume", "--set", "train.iterations=2"]) == 2
+    assert (
+        cli.main(["compose", RECIPE, "--out", str(small_run), *FAST, "--resume", "--set", "train.iterations=2"]) == 2
+    )
     lines = error_lines(capsys)
-    assert lines == [f"error: --resume: {last} is a folder where fgrpo keeps its link to the newest checkpoint; "
-                     "move it away (nothing was written)"]
+    assert lines == [
+        f"error: --resume: {last} is a folder where fgrpo keeps its link to the newest checkpoint; "
+        "move it away (nothing was written)"
+    ]
     assert snapshot(small_run) == before
 
 
-@pytest.mark.parametrize("name", ["checkpoints", "metrics.jsonl", "samples", "tensorboard", "recipe.resolved.yaml", ".fgrpo.lock"])
+@pytest.mark.parametrize(
+    "name", ["checkpoints", "metrics.jsonl", "samples", "tensorboard", "recipe.resolved.yaml", ".fgrpo.lock"]
+)
 def test_resume_writes_through_no_link(small_run, tmp_path, name, capsys):
     target = tmp_path / "elsewhere"
     real = small_run / name
@@ -331,27 +451,41 @@ def test_resume_writes_through_no_link(small_run, tmp_path, name, capsys):
         target.write_text("")
     real.symlink_to(target)
     around = snapshot(tmp_path / "elsewhere") if target.is_dir() else target.read_bytes()
-    assert cli.main(["compose", RECIPE, "--out", str(small_run), *FAST, "--resume", "--set", "train.iterations=2"]) == 2
+    assert (
+        cli.main(["compose", RECIPE, "--out", str(small_run), *FAST, "--resume", "--set", "train.iterations=2"]) == 2
+    )
     lines = error_lines(capsys)
-    assert lines == [f"error: --resume: {real} is a link; fgrpo reads and writes a run folder's own files only, never "
-                     "through links (replace the link by what it points to)"], lines
+    assert lines == [
+        f"error: --resume: {real} is a link; fgrpo reads and writes a run folder's own files only, never "
+        "through links (replace the link by what it points to)"
+    ], lines
     assert (snapshot(target) if target.is_dir() else target.read_bytes()) == around
 
 
 def test_last_pointing_out_of_the_run_is_not_followed(small_run, tmp_path, capsys):
     other = tmp_path / "other"
-    assert cli.main(["compose", RECIPE, "--out", str(other), *FAST, "--set", "train.iterations=1", "--set", "seed=5"]) == 0
+    assert (
+        cli.main(["compose", RECIPE, "--out", str(other), *FAST, "--set", "train.iterations=1", "--set", "seed=5"])
+        == 0
+    )
     last = small_run / "checkpoints" / "last"
     last.unlink()
     last.symlink_to(other / "checkpoints" / "iter_000001")
     prompts = tmp_path / "p.txt"
     prompts.write_text("target 1 1\n")
-    assert cli.main(["sample", "--checkpoint", str(last), "--prompts", str(prompts), "--out", str(tmp_path / "s")]) == 2
+    assert (
+        cli.main(["sample", "--checkpoint", str(last), "--prompts", str(prompts), "--out", str(tmp_path / "s")]) == 2
+    )
     assert cli.main(["export", str(last), "--out", str(tmp_path / "e")]) == 2
     lines = error_lines(capsys)
-    assert len(lines) == 2 and all(f"{last} points to {other / 'checkpoints' / 'iter_000001'}, which is not a checkpoint of" in ln for ln in lines), lines
+    assert len(lines) == 2 and all(
+        f"{last} points to {other / 'checkpoints' / 'iter_000001'}, which is not a checkpoint of" in ln for ln in lines
+    ), lines
     # a run folder given as --checkpoint finds its own newest checkpoint, whatever `last` says
-    assert cli.main(["sample", "--checkpoint", str(small_run), "--prompts", str(prompts), "--out", str(tmp_path / "s")]) == 0
+    assert (
+        cli.main(["sample", "--checkpoint", str(small_run), "--prompts", str(prompts), "--out", str(tmp_path / "s")])
+        == 0
+    )
 
 
 def test_a_finished_run_resumed_reads_nothing_through_a_planted_last(small_run, tmp_path, capsys, monkeypatch):
@@ -382,5 +516,7 @@ def test_a_recipe_named_dots_writes_its_run_under_runs(tmp_path, monkeypatch):
 
 def test_compose_out_too_long_a_name_is_one_line(tmp_path, capsys):
     long = tmp_path / ("r" * 300)
-    assert cli.main(["compose", RECIPE, "--out", str(long), *FAST, "--set", "train.iterations=1"]) == 2  # before: OSError traceback
+    assert (
+        cli.main(["compose", RECIPE, "--out", str(long), *FAST, "--set", "train.iterations=1"]) == 2
+    )  # before: OSError traceback
     assert error_lines(capsys) == [f"error: --out: cannot create {long}: File name too long"]

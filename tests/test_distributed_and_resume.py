@@ -36,13 +36,28 @@ def test_two_processes_match_one(root, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     one = tmp_path / "one.json"
     two = tmp_path / "two.json"
-    subprocess.run([sys.executable, str(HERE / "dp_worker.py"), recipe, str(one), "4", *sets], check=True, env=env, timeout=300)
+    subprocess.run(
+        [sys.executable, str(HERE / "dp_worker.py"), recipe, str(one), "4", *sets], check=True, env=env, timeout=300
+    )
     # static rendezvous on 127.0.0.1: `--standalone` connects to the machine's hostname, which a
     # sandbox or CI container may not resolve (seen in CI: the launcher exited 1)
-    launcher = [str(BIN / "torchrun"), "--nnodes", "1", "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(_free_port())]
+    launcher = [
+        str(BIN / "torchrun"),
+        "--nnodes",
+        "1",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(_free_port()),
+    ]
     done = subprocess.run(
         [*launcher, str(HERE / "dp_worker.py"), recipe, str(two), "4", *sets],
-        env=env, timeout=300, capture_output=True, text=True,
+        env=env,
+        timeout=300,
+        capture_output=True,
+        text=True,
     )
     assert done.returncode == 0, done.stderr[-4000:]
     a, b = json.loads(one.read_text()), json.loads(two.read_text())
@@ -68,10 +83,11 @@ def test_sigkill_at_random_moments_then_resume_is_bit_exact(root, tmp_path):
     interrupted = tmp_path / "interrupted"
     rng = random.Random(20261130)
     kills = 0
-    for attempt in range(2):
+    for _attempt in range(2):
         proc = subprocess.Popen(
             [str(BIN / "fgrpo"), "compose", recipe, "--out", str(interrupted), *sets, "--resume"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         target = rng.randint(10, 140)  # kill once the run has logged this many iterations
         metrics = interrupted / "metrics.jsonl"
@@ -95,8 +111,13 @@ def test_sigkill_at_random_moments_then_resume_is_bit_exact(root, tmp_path):
     assert ref.keys() == got.keys()
     for key in ref:
         assert torch.equal(ref[key], got[key]), key
-    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(("time_", "samples_per_s"))} for r in rows]
-    read = lambda d: [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+
+    def strip(rows):
+        return [{k: v for k, v in r.items() if not k.startswith(("time_", "samples_per_s"))} for r in rows]
+
+    def read(d):
+        return [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+
     assert strip(read(reference)) == strip(read(interrupted))
 
 
@@ -118,12 +139,42 @@ def test_a_stopped_process_ends_the_run_with_a_message(root, tmp_path):
     collective, then the run ends with one line saying so (before: it waited silently forever)."""
     out = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    launcher = [str(BIN / "torchrun"), "--nnodes", "1", "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(_free_port())]
+    launcher = [
+        str(BIN / "torchrun"),
+        "--nnodes",
+        "1",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(_free_port()),
+    ]
     proc = subprocess.Popen(
-        [*launcher, "-m", "fgrpo.core.cli", "compose", str(root / "recipes" / "vector.yaml"), "--out", str(out), "--quiet",
-         "--set", "train.iterations=100000", "--set", "eval.every=0", "--set", "log.plots=false",
-         "--set", "log.trackers=[]", "--set", "train.process_group_timeout_s=3"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            *launcher,
+            "-m",
+            "fgrpo.core.cli",
+            "compose",
+            str(root / "recipes" / "vector.yaml"),
+            "--out",
+            str(out),
+            "--quiet",
+            "--set",
+            "train.iterations=100000",
+            "--set",
+            "eval.every=0",
+            "--set",
+            "log.plots=false",
+            "--set",
+            "log.trackers=[]",
+            "--set",
+            "train.process_group_timeout_s=3",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     stopped = None
     try:

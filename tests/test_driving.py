@@ -8,17 +8,24 @@ import json
 
 import pytest
 import torch
-from _helpers import crash_after
 from safetensors.torch import load_file, save_file
 
+from _helpers import crash_after
 from fgrpo.core import cli
 from fgrpo.core.runlog import read_metrics
 from fgrpo.rewards.driving.world import TYPES
 
 #: a small world and short evaluations: seconds, not minutes
 SMALL = [
-    "prompts.train_seeds=3", "prompts.test_seeds=1", "prompts.times=[0, 1]", "train.prompts_per_iteration=4",
-    "train.group_size=4", "eval.steps=4", "eval.samples_per_prompt=2", "evaluator.seconds=3", "sampler.steps=4",
+    "prompts.train_seeds=3",
+    "prompts.test_seeds=1",
+    "prompts.times=[0, 1]",
+    "train.prompts_per_iteration=4",
+    "train.group_size=4",
+    "eval.steps=4",
+    "eval.samples_per_prompt=2",
+    "evaluator.seconds=3",
+    "sampler.steps=4",
 ]
 CLOSED_LOOP = ["prompts.closed_loop={scenarios: 3, every: 2, times: [0.5, 1], steps: 4}"]
 
@@ -49,8 +56,19 @@ def test_driving_recipes_validate_and_pass_the_on_policy_check(root, name, capsy
 
 def test_a_short_run_logs_gold_per_type_and_draws_scenes(root, tmp_path):
     out = tmp_path / "run"
-    assert cli.main(["compose", str(root / "recipes" / "driving.yaml"), "--out", str(out), "--quiet",
-                     *sets(*SMALL, *CLOSED_LOOP, "train.iterations=2", "eval.every=2")]) == 0
+    assert (
+        cli.main(
+            [
+                "compose",
+                str(root / "recipes" / "driving.yaml"),
+                "--out",
+                str(out),
+                "--quiet",
+                *sets(*SMALL, *CLOSED_LOOP, "train.iterations=2", "eval.every=2"),
+            ]
+        )
+        == 0
+    )
     rows = read_metrics(out)
     evals = [r for r in rows if "gold/driving-closed-loop/cl_score" in r]
     assert [r["iteration"] for r in evals] == [0, 2]
@@ -58,7 +76,9 @@ def test_a_short_run_logs_gold_per_type_and_draws_scenes(root, tmp_path):
         for metric in ("cl_score", "collision", "off_road", "progress", "stuck", "jerk"):
             assert all(f"gold/driving-closed-loop/{metric}/{t}" in row for t in TYPES), metric
         assert "eval/driving-carl/carl/cut-in" in row  # the proxy per type too
-    assert rows[1]["prompts_refreshed"] == 1.0  # the starting states of iteration 0 came from the policy's own closed loop
+    assert (
+        rows[1]["prompts_refreshed"] == 1.0
+    )  # the starting states of iteration 0 came from the policy's own closed loop
     page = (out / "report.html").read_text()
     assert 'id="fig-gold-driving-closed-loop"' in page and 'id="fig-gold-driving-closed-loop-types"' in page
     tiles = json.loads((out / "samples" / "gold_000002" / "driving-closed-loop" / "index.json").read_text())
@@ -79,7 +99,9 @@ def test_resume_is_bit_exact_with_closed_loop_states(root, tmp_path):
     b = load_file(str(resumed / "checkpoints" / "last" / "trainable.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     keys = ("reward_mean", "gold/driving-closed-loop/cl_score", "gold/driving-closed-loop/jerk", "guard/streak")
-    assert [[r.get(k) for k in keys] for r in read_metrics(straight)] == [[r.get(k) for k in keys] for r in read_metrics(resumed)]
+    assert [[r.get(k) for k in keys] for r in read_metrics(straight)] == [
+        [r.get(k) for k in keys] for r in read_metrics(resumed)
+    ]
 
 
 def test_bad_scenario_file_is_one_line_each_and_exit_2(root, tmp_path, capsys):
@@ -106,8 +128,16 @@ def test_nan_waypoints_stop_the_run_with_one_line(root, tmp_path, capsys):
         meta = f.metadata()
     broken = tmp_path / "nan.safetensors"
     save_file(state, str(broken), metadata=meta)
-    code = cli.main(["compose", str(root / "recipes" / "driving.yaml"), "--out", str(tmp_path / "run"), "--quiet",
-                     *sets(*SMALL, f"model.path={broken}", "eval.every=0", "train.iterations=1")])
+    code = cli.main(
+        [
+            "compose",
+            str(root / "recipes" / "driving.yaml"),
+            "--out",
+            str(tmp_path / "run"),
+            "--quiet",
+            *sets(*SMALL, f"model.path={broken}", "eval.every=0", "train.iterations=1"),
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
     assert "reward 'driving-carl' raised ValueError: driving plan 0 has NaN or infinite waypoints" in err[0]

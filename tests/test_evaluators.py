@@ -10,8 +10,8 @@ import math
 import attrs
 import pytest
 import torch
-from _helpers import crash_after
 
+from _helpers import crash_after
 from fgrpo.core import cli, registry
 from fgrpo.core.config import param
 from fgrpo.core.guard import Guard, GuardConfig
@@ -39,7 +39,9 @@ class TargetMiss:
             metrics[f"miss/{name}"] = miss[torch.tensor([s == name for s in side])].mean().item()
         picture = torch.zeros(3, 8, 8)
         picture[1] = 1.0
-        return EvaluatorResult(metrics, [Picture(prompt=p, image=picture, score=0.5, read="green") for p in ctx.prompts])
+        return EvaluatorResult(
+            metrics, [Picture(prompt=p, image=picture, score=0.5, read="green") for p in ctx.prompts]
+        )
 
 
 @attrs.define
@@ -59,15 +61,23 @@ def toy_evaluators(monkeypatch):
 
 
 def compose(root, out, *sets: str, code: int = 0, resume: bool = False) -> list[dict]:
-    args = ["compose", str(root / "recipes" / "vector.yaml"), "--out", str(out), "--quiet"] + (["--resume"] if resume else [])
+    args = ["compose", str(root / "recipes" / "vector.yaml"), "--out", str(out), "--quiet"] + (
+        ["--resume"] if resume else []
+    )
     for item in sets:
         args += ["--set", item]
     assert cli.main(args) == code
     return read_metrics(out)
 
 
-GUARDED = ["evaluator=[{name: target-miss}, {name: scripted, label: s}]", "eval.every=1", "train.iterations=8",
-           "eval.samples_per_prompt=2", "train.prompts_per_iteration=4", "train.group_size=4"]
+GUARDED = [
+    "evaluator=[{name: target-miss}, {name: scripted, label: s}]",
+    "eval.every=1",
+    "train.iterations=8",
+    "eval.samples_per_prompt=2",
+    "train.prompts_per_iteration=4",
+    "train.group_size=4",
+]
 
 
 def test_the_protocol_and_a_built_in():
@@ -101,17 +111,24 @@ def test_same_draws_at_every_evaluation_and_for_every_run(root, tmp_path):
 
 
 def test_guard_warns_and_training_goes_on(root, tmp_path, capsys):
-    rows = compose(root, tmp_path / "run", *GUARDED, "eval.guard={metric: gold/s/gold, proxy: gold/s/proxy, patience: 2}")
+    rows = compose(
+        root, tmp_path / "run", *GUARDED, "eval.guard={metric: gold/s/gold, proxy: gold/s/proxy, patience: 2}"
+    )
     assert rows[-1]["iteration"] == 8
     fired = [r["iteration"] for r in rows if r.get("guard/fired") == 1.0]
     assert fired == [4, 6, 8]  # falls from 3 on: two falls in a row at 4, counted afresh after each warning
     assert [r["iteration"] for r in rows if r.get("guard/new_best")] == [0, 1, 2]
-    assert "over-optimisation guard: gold/s/proxy rose while gold/s/gold fell for 2 evaluation(s)" in capsys.readouterr().out
+    assert (
+        "over-optimisation guard: gold/s/proxy rose while gold/s/gold fell for 2 evaluation(s)"
+        in capsys.readouterr().out
+    )
 
 
 def test_guard_stops_and_keeps_the_best_checkpoint(root, tmp_path):
     out = tmp_path / "run"
-    rows = compose(root, out, *GUARDED, "eval.guard={metric: gold/s/gold, proxy: gold/s/proxy, patience: 2, action: stop}")
+    rows = compose(
+        root, out, *GUARDED, "eval.guard={metric: gold/s/gold, proxy: gold/s/proxy, patience: 2, action: stop}"
+    )
     assert rows[-1]["iteration"] == 4 and rows[-1]["guard/fired"] == 1.0
     checkpoints = out / "checkpoints"
     assert (checkpoints / "last").resolve().name == "iter_000004"
@@ -124,8 +141,13 @@ def test_guard_stops_and_keeps_the_best_checkpoint(root, tmp_path):
 def test_guard_keeps_the_base_when_the_gold_is_best_before_training(root, tmp_path, capsys):
     """The driving-naive case: the gold only falls, so the best checkpoint is iteration 0's (the base)."""
     out = tmp_path / "run"
-    rows = compose(root, out, *GUARDED, "evaluator={name: scripted, label: s, peak: 0}",
-                   "eval.guard={metric: gold/s/gold, proxy: gold/s/proxy, patience: 2, action: stop}")
+    rows = compose(
+        root,
+        out,
+        *GUARDED,
+        "evaluator={name: scripted, label: s, peak: 0}",
+        "eval.guard={metric: gold/s/gold, proxy: gold/s/proxy, patience: 2, action: stop}",
+    )
     assert rows[-1]["iteration"] == 2 and rows[-1]["guard/fired"] == 1.0
     best = out / "checkpoints" / "best"
     assert best.resolve().name == "iter_000000"
@@ -133,8 +155,12 @@ def test_guard_keeps_the_base_when_the_gold_is_best_before_training(root, tmp_pa
     assert state["iteration"] == 0 and state["guard"]["best_iteration"] == 0
     assert "the best gold/s/gold was at iteration 0 (checkpoints/best)" in capsys.readouterr().out
 
-    sets = [*GUARDED, "evaluator={name: scripted, label: s, peak: 0}", "train.checkpoint_every=0",
-            "eval.guard={metric: gold/s/gold, proxy: gold/s/proxy, patience: 2, action: stop}"]
+    sets = [
+        *GUARDED,
+        "evaluator={name: scripted, label: s, peak: 0}",
+        "train.checkpoint_every=0",
+        "eval.guard={metric: gold/s/gold, proxy: gold/s/proxy, patience: 2, action: stop}",
+    ]
     with crash_after(1):  # killed before any later checkpoint: the run resumes from the base's
         compose(root, tmp_path / "resumed", *sets, code=130)
     resumed = compose(root, tmp_path / "resumed", *sets, resume=True)
@@ -146,12 +172,20 @@ def test_guard_direction_lower_is_better_from_the_evaluator():
     guard = Guard.from_recipe({"metric": "gold/miss/miss/left"}, {"miss": TargetMiss()})
     assert guard.higher_is_better is False
     assert guard.observe(0, {"eval/reward_mean": 0.1, "gold/miss/miss/left": 1.0})["guard/new_best"] == 1.0
-    assert guard.observe(1, {"eval/reward_mean": 0.2, "gold/miss/miss/left": 2.0}) == {"guard/streak": 1.0, "guard/fired": 0.0, "guard/new_best": 0.0}
-    assert guard.observe(2, {"eval/reward_mean": 0.3, "gold/miss/miss/left": 3.0})["guard/fired"] == 1.0  # patience 2: fires now
+    assert guard.observe(1, {"eval/reward_mean": 0.2, "gold/miss/miss/left": 2.0}) == {
+        "guard/streak": 1.0,
+        "guard/fired": 0.0,
+        "guard/new_best": 0.0,
+    }
+    assert (
+        guard.observe(2, {"eval/reward_mean": 0.3, "gold/miss/miss/left": 3.0})["guard/fired"] == 1.0
+    )  # patience 2: fires now
     assert guard.fired_at == [2]
     quiet = Guard(GuardConfig(metric="gold/x/y", min_change=0.5))
     quiet.observe(0, {"eval/reward_mean": 0.0, "gold/x/y": 1.0})
-    assert quiet.observe(1, {"eval/reward_mean": 0.4, "gold/x/y": 0.0})["guard/streak"] == 0.0  # the proxy moved too little
+    assert (
+        quiet.observe(1, {"eval/reward_mean": 0.4, "gold/x/y": 0.0})["guard/streak"] == 0.0
+    )  # the proxy moved too little
 
 
 def test_guard_resumes_exactly(root, tmp_path):
@@ -165,15 +199,30 @@ def test_guard_resumes_exactly(root, tmp_path):
     assert [[r.get(k) for k in keys] for r in straight] == [[r.get(k) for k in keys] for r in resumed]
 
 
-@pytest.mark.parametrize(("sets", "message"), [
-    (["evaluator=nope"], "evaluator.name: unknown evaluator 'nope'"),
-    (["evaluator=[scripted, scripted]"], "evaluator: two evaluators are labelled 'scripted'"),
-    (["evaluator={name: scripted, label: a/b}"], "evaluator.label: got 'a/b'; allowed: a non-empty string without '/'"),
-    (["evaluator={name: scripted, pek: 2}"], "evaluator.pek: unknown key (did you mean 'peak'?)"),
-    (["eval.guard={metric: gold/other/x}", "evaluator=scripted"], "eval.guard.metric: got 'gold/other/x'; allowed: a metric of the recipe's evaluators (gold/scripted/...)"),
-    (["eval.guard={metric: gold/scripted/gold, action: halt}", "evaluator=scripted"], "eval.guard: action: got 'halt'"),
-    (["eval.guard={proxy: eval/reward_mean}"], "eval.guard: got {'proxy': 'eval/reward_mean'}; metric: missing required key"),
-])
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (["evaluator=nope"], "evaluator.name: unknown evaluator 'nope'"),
+        (["evaluator=[scripted, scripted]"], "evaluator: two evaluators are labelled 'scripted'"),
+        (
+            ["evaluator={name: scripted, label: a/b}"],
+            "evaluator.label: got 'a/b'; allowed: a non-empty string without '/'",
+        ),
+        (["evaluator={name: scripted, pek: 2}"], "evaluator.pek: unknown key (did you mean 'peak'?)"),
+        (
+            ["eval.guard={metric: gold/other/x}", "evaluator=scripted"],
+            "eval.guard.metric: got 'gold/other/x'; allowed: a metric of the recipe's evaluators (gold/scripted/...)",
+        ),
+        (
+            ["eval.guard={metric: gold/scripted/gold, action: halt}", "evaluator=scripted"],
+            "eval.guard: action: got 'halt'",
+        ),
+        (
+            ["eval.guard={proxy: eval/reward_mean}"],
+            "eval.guard: got {'proxy': 'eval/reward_mean'}; metric: missing required key",
+        ),
+    ],
+)
 def test_bad_evaluator_and_guard_keys_are_one_line_each(root, tmp_path, capsys, sets, message):
     args = ["validate", str(root / "recipes" / "vector.yaml")]
     for item in sets:

@@ -30,7 +30,8 @@ def tiny_sd3(tmp_path_factory):
 
 def write_recipe(folder, model_path, *, lora="{rank: 4}", ema=0.0):
     recipe = folder / "recipe.yaml"
-    recipe.write_text(textwrap.dedent(f"""
+    recipe.write_text(
+        textwrap.dedent(f"""
         seed: 0
         model: {{name: sd3, path: {model_path}, device: cpu, max_sequence_length: {SEQ}, lora: {lora}}}
         sampler: {{name: full, steps: 2, kernel: {{name: sde, eta: 0.7}}}}
@@ -39,7 +40,8 @@ def write_recipe(folder, model_path, *, lora="{rank: 4}", ema=0.0):
         prompts: {{name: list, train: ["a red circle", "a blue square"]}}
         train: {{iterations: 2, group_size: 2, prompts_per_iteration: 2, lr: 0.05, ema_decay: {ema}}}
         log: {{trackers: [], plots: false, quiet: true}}
-    """))
+    """)
+    )
     return str(recipe)
 
 
@@ -59,7 +61,11 @@ def test_checkpoints_export_loads_with_diffusers_and_fgrpo_export(tiny_sd3, tmp_
 
     # the policy as the run left it: trained weights, and the EMA the export holds
     policy = SD3Policy(path=tiny_sd3, device="cpu", max_sequence_length=SEQ, lora={"rank": 4})
-    probe = (policy.initial_noise(2, torch.Generator().manual_seed(0)), torch.tensor([0.8, 0.4]), policy.encode(["a red circle", "x"]))
+    probe = (
+        policy.initial_noise(2, torch.Generator().manual_seed(0)),
+        torch.tensor([0.8, 0.4]),
+        policy.encode(["a red circle", "x"]),
+    )
     from fgrpo.core.trainer import load_checkpoint_weights
 
     load_checkpoint_weights(policy, last, ema_decay=0.5)
@@ -121,15 +127,30 @@ def test_an_unreachable_hub_is_one_message_without_retries(tmp_path):
     elapsed = time.monotonic() - start
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr
-    assert "'stabilityai/stable-diffusion-3.5-medium' is not in the local hub cache and the hub cannot be reached" in done.stderr
+    assert (
+        "'stabilityai/stable-diffusion-3.5-medium' is not in the local hub cache and the hub cannot be reached"
+        in done.stderr
+    )
     assert elapsed < 60, f"took {elapsed:.0f} s"  # a generous bound: the retry loops it replaces took about a minute
 
 
 def test_a_missing_local_folder_is_reported_as_such(tmp_path):
     from fgrpo.core import registry
 
-    for name in ("sd3", "flux", "flux2", "flux2-klein", "qwen-image", "z-image", "wan", "wan-i2v", "hunyuan-video-1.5"):
-        with pytest.raises(registry.BuildError, match=f"model.path: the local folder {str(tmp_path / 'nowhere')!r} does not exist"):
+    for name in (
+        "sd3",
+        "flux",
+        "flux2",
+        "flux2-klein",
+        "qwen-image",
+        "z-image",
+        "wan",
+        "wan-i2v",
+        "hunyuan-video-1.5",
+    ):
+        with pytest.raises(
+            registry.BuildError, match=f"model.path: the local folder {str(tmp_path / 'nowhere')!r} does not exist"
+        ):
             registry.create("model", name, path=str(tmp_path / "nowhere"), device="cpu")
 
 
@@ -139,5 +160,7 @@ def test_reward_models_from_the_hub_fail_fast_too(monkeypatch):
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     for name in ("clip-score", "pickscore"):
-        with pytest.raises(registry.BuildError, match="reward.path: 'someone/no-such-clip' is not in the local hub cache"):
+        with pytest.raises(
+            registry.BuildError, match="reward.path: 'someone/no-such-clip' is not in the local hub cache"
+        ):
             registry.create("reward", name, path="someone/no-such-clip", device="cpu")

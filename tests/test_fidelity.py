@@ -10,7 +10,8 @@ import pytest
 import torch
 from rich.console import Console
 
-from fgrpo.core import cli, evaluation, phases, recipe as recipe_mod
+from fgrpo.core import cli, evaluation, phases
+from fgrpo.core import recipe as recipe_mod
 from fgrpo.core.config import RecipeError
 from fgrpo.core.hookspecs import hookimpl, plugin_manager
 from fgrpo.core.protocols import Trajectory
@@ -90,16 +91,22 @@ def test_dropped_samples_do_not_change_the_gradient(root, beta):
     kept = (adv != 0).nonzero().squeeze(1)
     dropped = _gradients(run, traj, adv)
     alone = _gradients(run, _subset(traj, kept), adv[kept])
-    for a, b in zip(dropped, alone):
+    for a, b in zip(dropped, alone, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
     # without the filter the zero-advantage samples dilute the policy gradient by k/n (flow_grpo
     # drops them): exactly that factor when there is no KL term
-    everything = _gradients(attrs.evolve(run, recipe=attrs.evolve(recipe, train=attrs.evolve(recipe.train, drop_zero_advantage=False))), traj, adv)
+    everything = _gradients(
+        attrs.evolve(run, recipe=attrs.evolve(recipe, train=attrs.evolve(recipe.train, drop_zero_advantage=False))),
+        traj,
+        adv,
+    )
     if beta == 0.0:
-        for a, b in zip(everything, alone):
+        for a, b in zip(everything, alone, strict=True):
             torch.testing.assert_close(a, b * len(kept) / traj.batch_size, rtol=1e-5, atol=1e-7)
     else:
-        assert any((a - b * len(kept) / traj.batch_size).abs().max() > 1e-6 for a, b in zip(everything, alone))
+        assert any(
+            (a - b * len(kept) / traj.batch_size).abs().max() > 1e-6 for a, b in zip(everything, alone, strict=True)
+        )
 
 
 def test_minibatches_shrink_with_the_kept_samples_and_a_flat_batch_skips_the_update(root):
@@ -115,7 +122,7 @@ def test_minibatches_shrink_with_the_kept_samples_and_a_flat_batch_skips_the_upd
     before = [p.detach().clone() for p in run.trainable]
     stats = phases.update(run, traj, torch.zeros(traj.batch_size), 1)
     assert stats.optimizer_steps == 0 and stats.samples == 0
-    assert all(torch.equal(a, b) for a, b in zip(before, run.trainable))
+    assert all(torch.equal(a, b) for a, b in zip(before, run.trainable, strict=True))
     summary = phases.summarize(stats)
     assert summary["optimizer_steps"] == 0 and summary["trained_samples"] == 0
 
@@ -140,12 +147,12 @@ def test_ema_updates_at_global_steps_with_flow_grpo_warmup(root):
     for it in range(7):
         shadow = [s.clone() for s in run.ema.shadow]
         iteration(run, it)
-        changed = any(not torch.equal(a, b) for a, b in zip(shadow, run.ema.shadow))
+        changed = any(not torch.equal(a, b) for a, b in zip(shadow, run.ema.shadow, strict=True))
         moved.append(changed)
         if changed:  # shadow <- shadow + (1 - min((1 + n)/(10 + n), 0.9)) (weights - shadow), n = global steps
             n = run.optimizer_steps
             weight = 1 - min((1 + n) / (10 + n), 0.9)
-            for old, new, p in zip(shadow, run.ema.shadow, run.trainable):
+            for old, new, p in zip(shadow, run.ema.shadow, run.trainable, strict=True):
                 torch.testing.assert_close(new, old + weight * (p.detach() - old))
     assert moved == [False, False, True, False, False, True, False]
     assert run.optimizer_steps == 7
@@ -193,17 +200,22 @@ def test_ema_flow_grpo_rule_in_a_run(root):
     # one optimizer step per iteration: flow_grpo's rule moves after global steps 2 and 5 (ema_every 3),
     # twice each (ema_repeats 2): shadow <- w + d^2 (shadow - w)
     recipe = vector_recipe(
-        root, "train.minibatch_size=0", "train.ema_decay=0.9", "train.ema_every=3", "train.ema_rule=flow_grpo", "train.ema_repeats=2"
+        root,
+        "train.minibatch_size=0",
+        "train.ema_decay=0.9",
+        "train.ema_every=3",
+        "train.ema_rule=flow_grpo",
+        "train.ema_repeats=2",
     )
     run = build_run(recipe, out_dir=None, console=QUIET, quiet=True)
     moved = []
     for it in range(6):
         shadow = [s.clone() for s in run.ema.shadow]
         iteration(run, it)
-        moved.append(any(not torch.equal(a, b) for a, b in zip(shadow, run.ema.shadow)))
+        moved.append(any(not torch.equal(a, b) for a, b in zip(shadow, run.ema.shadow, strict=True)))
         if moved[-1]:
             d = min((1 + run.optimizer_steps) / (10 + run.optimizer_steps), 0.9)
-            for old, new, p in zip(shadow, run.ema.shadow, run.trainable):
+            for old, new, p in zip(shadow, run.ema.shadow, run.trainable, strict=True):
                 torch.testing.assert_close(new, p.detach() + d * d * (old - p.detach()))
     assert moved == [False, True, False, False, True, False]
 
@@ -212,8 +224,21 @@ def test_ema_and_its_count_survive_a_resume(root, tmp_path):
     from safetensors.torch import load_file
 
     recipe = str(root / "recipes" / "vector.yaml")
-    sets = ["--set", "train.minibatch_size=0", "--set", "train.ema_decay=0.9", "--set", "train.ema_every=2",
-            "--set", "train.checkpoint_every=2", "--set", "train.iterations=5", "--set", "eval.every=0", "--quiet"]
+    sets = [
+        "--set",
+        "train.minibatch_size=0",
+        "--set",
+        "train.ema_decay=0.9",
+        "--set",
+        "train.ema_every=2",
+        "--set",
+        "train.checkpoint_every=2",
+        "--set",
+        "train.iterations=5",
+        "--set",
+        "eval.every=0",
+        "--quiet",
+    ]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     assert cli.main(["compose", recipe, "--out", str(straight), *sets]) == 0
 

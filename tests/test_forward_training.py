@@ -51,7 +51,19 @@ def test_an_objective_and_a_sampler_that_cannot_train_together_are_refused_namin
     assert cli.main(["validate", str(root / "recipes" / "vector.yaml"), "--set", ODE]) == 2
     err = capsys.readouterr().err
     assert "sampler.name: got 'ode'" in err and "objective.name 'grpo'" in err
-    assert cli.main(["validate", str(root / "recipes" / "vector.yaml"), "--set", "sampler={name: ode, kernel: sde}", "--set", "objective={name: nft}"]) == 2
+    assert (
+        cli.main(
+            [
+                "validate",
+                str(root / "recipes" / "vector.yaml"),
+                "--set",
+                "sampler={name: ode, kernel: sde}",
+                "--set",
+                "objective={name: nft}",
+            ]
+        )
+        == 2
+    )
     assert "stochastic kernel 'sde'" in capsys.readouterr().err
 
 
@@ -88,7 +100,15 @@ def test_forward_rollouts_keep_only_final_samples_and_conditioning(root):
 
 def first_step(root, objective: str, *overrides: str):
     """(the run before its first iteration's optimizer step, its points, the gradient of that step)."""
-    recipe = vector(root, ODE, objective, "train.minibatch_size=0", "train.max_grad_norm=0", "train.drop_zero_advantage=false", *overrides)
+    recipe = vector(
+        root,
+        ODE,
+        objective,
+        "train.minibatch_size=0",
+        "train.max_grad_norm=0",
+        "train.drop_zero_advantage=false",
+        *overrides,
+    )
     run = built(recipe)
     seen = {}
     update, step = phases.update, phases.optimizer_step
@@ -109,7 +129,7 @@ def first_step(root, objective: str, *overrides: str):
     finally:
         phases.update, phases.optimizer_step = update, step
     with torch.no_grad():
-        for p, w in zip(run.trainable, seen["weights"]):
+        for p, w in zip(run.trainable, seen["weights"], strict=True):
             p.copy_(w)
     points = ForwardPoints(run, seen["traj"], seen["adv"], 0)
     kept = torch.arange(points.items)
@@ -137,7 +157,7 @@ def test_nft_first_step_is_the_advantage_weighted_flow_matching_gradient(root):
         factor = batch.t / (batch.target - batch.velocity.detach()).abs().flatten(1).mean(1)
         return factor * batch.advantages.clamp(-5, 5)
 
-    for got, want in zip(grads, weighted_flow_matching_gradient(run, points, weight)):
+    for got, want in zip(grads, weighted_flow_matching_gradient(run, points, weight), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-7)
 
 
@@ -147,7 +167,7 @@ def test_awm_first_step_is_the_t_weighted_ghuber_flow_matching_gradient(root):
     def weight(batch, error):
         return batch.t * (error.double() + 1e-10) ** (0.25 - 1) * batch.advantages.clamp(-5, 5) / 5
 
-    for got, want in zip(grads, weighted_flow_matching_gradient(run, points, weight)):
+    for got, want in zip(grads, weighted_flow_matching_gradient(run, points, weight), strict=True):
         torch.testing.assert_close(got, want.to(got.dtype), rtol=1e-4, atol=1e-7)
 
 
@@ -157,7 +177,7 @@ def test_dpo_first_step_at_the_reference_is_a_quarter_beta_flow_matching_differe
     def weight(batch, error):  # rows: m preferred then m rejected
         return 2.0 / 4 * batch.advantages * 2  # x2: the loss is a mean over pairs, the check a mean over rows
 
-    for got, want in zip(grads, weighted_flow_matching_gradient(run, points, weight)):
+    for got, want in zip(grads, weighted_flow_matching_gradient(run, points, weight), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-7)
 
 
@@ -205,15 +225,29 @@ def test_micro_batches_and_accumulation_give_the_same_update(root, name):
     7 rows, or as two accumulated half minibatches (the same mean over every point)."""
     base = ["train.drop_zero_advantage=false", "train.shuffle_minibatches=false"]
     whole = final_weights(vector(root, ODE, OBJECTIVES[name], "train.minibatch_size=0", *base))
-    micro = final_weights(vector(root, ODE, OBJECTIVES[name], "train.minibatch_size=0", "train.micro_batch_size=7", "train.reference_batch_size=5", *base))
-    halves = final_weights(vector(root, ODE, OBJECTIVES[name], "train.minibatch_size=32", "train.gradient_accumulation_steps=2", *base))
-    for a, b, c in zip(whole, micro, halves):
+    micro = final_weights(
+        vector(
+            root,
+            ODE,
+            OBJECTIVES[name],
+            "train.minibatch_size=0",
+            "train.micro_batch_size=7",
+            "train.reference_batch_size=5",
+            *base,
+        )
+    )
+    halves = final_weights(
+        vector(root, ODE, OBJECTIVES[name], "train.minibatch_size=32", "train.gradient_accumulation_steps=2", *base)
+    )
+    for a, b, c in zip(whole, micro, halves, strict=True):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
         torch.testing.assert_close(c, a, rtol=1e-4, atol=1e-6)
 
 
 def test_zero_advantage_samples_are_dropped_when_asked(root):
-    run = built(vector(root, ODE, OBJECTIVES["nft"], "train.drop_zero_advantage=true", "train.prompts_per_iteration=2"))
+    run = built(
+        vector(root, ODE, OBJECTIVES["nft"], "train.drop_zero_advantage=true", "train.prompts_per_iteration=2")
+    )
     traj = phases.rollout(run, 0)
     adv = torch.tensor([1.0, -1.0, 0.0, 0.0, 0.5, 0.0, -0.5, 0.0] * 2)
     stats = phases.update(run, traj, adv, 0)
@@ -231,19 +265,24 @@ def test_nft_rolls_out_from_its_old_policy_and_moves_it_by_the_decay(root):
     old = [s.detach().clone() for s in run.old.shadow]
     d = run.objective.old_decay(run.optimizer_steps)
     assert 0 < d < 1
-    assert any(not torch.equal(a, b) for a, b in zip(current, old))
+    assert any(not torch.equal(a, b) for a, b in zip(current, old, strict=True))
     traj = phases.rollout(run, 1)
     with run.old.swapped_in():  # the rollout is the old policy's
-        again = run.sampler.rollout(run.policy, [p for _, p in run.schedule.local(1)], run.recipe.train.group_size, generator=torch.Generator().manual_seed(0))
+        again = run.sampler.rollout(
+            run.policy,
+            [p for _, p in run.schedule.local(1)],
+            run.recipe.train.group_size,
+            generator=torch.Generator().manual_seed(0),
+        )
     by_hand = phases.rollout(run, 1)
     assert torch.equal(traj.final, by_hand.final)
-    for p, c in zip(run.trainable, current):
+    for p, c in zip(run.trainable, current, strict=True):
         assert torch.equal(p, c), "the rollout left the old weights in the policy"
     assert again.final.shape == traj.final.shape
     before = [s.detach().clone() for s in run.old.shadow]
     iteration(run, 1)
     d = run.objective.old_decay(run.optimizer_steps)
-    for s, b, p in zip(run.old.shadow, before, run.trainable):
+    for s, b, p in zip(run.old.shadow, before, run.trainable, strict=True):
         torch.testing.assert_close(s, d * b + (1 - d) * p.detach(), rtol=0, atol=1e-7)
 
 
@@ -274,7 +313,10 @@ def strip(rows):
 def weights(folder: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    out = {f"trainable.{k}": v for k, v in load_file(str(folder / "checkpoints" / "last" / "trainable.safetensors")).items()}
+    out = {
+        f"trainable.{k}": v
+        for k, v in load_file(str(folder / "checkpoints" / "last" / "trainable.safetensors")).items()
+    }
     old = folder / "checkpoints" / "last" / "old.safetensors"
     if old.exists():
         out.update({f"old.{k}": v for k, v in load_file(str(old)).items()})
@@ -286,9 +328,27 @@ def test_stop_and_resume_is_bit_exact(root, tmp_path, name):
     """Stopped after iteration 5 with the checkpoint of iteration 3 as the newest, then resumed: the
     weights, the old policy's and every metric equal an uninterrupted run's (in-process; the
     kill -9 and two-process variants are slow tests)."""
-    sets = ["--set", ODE, "--set", OBJECTIVES[name], "--set", "train.iterations=8", "--set", "train.checkpoint_every=3",
-            "--set", "train.ema_decay=0.9", "--set", "eval.every=4", "--set", "train.inner_epochs=2",
-            "--set", "log.plots=false", "--set", "log.trackers=[]", "--quiet"]
+    sets = [
+        "--set",
+        ODE,
+        "--set",
+        OBJECTIVES[name],
+        "--set",
+        "train.iterations=8",
+        "--set",
+        "train.checkpoint_every=3",
+        "--set",
+        "train.ema_decay=0.9",
+        "--set",
+        "eval.every=4",
+        "--set",
+        "train.inner_epochs=2",
+        "--set",
+        "log.plots=false",
+        "--set",
+        "log.trackers=[]",
+        "--quiet",
+    ]
     recipe = str(root / "recipes" / "vector.yaml")
     assert cli.main(["compose", recipe, "--out", str(tmp_path / "a"), *sets]) == 0
     assert cli.main(["compose", recipe, "--out", str(tmp_path / "b"), *sets, "--set", "train.iterations=5"]) == 0
@@ -310,7 +370,17 @@ def _free_port() -> int:
 
 
 def _torchrun() -> list[str]:
-    return [str(BIN / "torchrun"), "--nnodes", "1", "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(_free_port())]
+    return [
+        str(BIN / "torchrun"),
+        "--nnodes",
+        "1",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(_free_port()),
+    ]
 
 
 @pytest.mark.slow
@@ -320,20 +390,47 @@ def test_sigkill_then_resume_is_bit_exact_in_one_and_two_processes(root, tmp_pat
     """kill -9 at random moments, then --resume: the same weights (old policy included) and metrics
     as an uninterrupted run, in one process and under torchrun with two."""
     recipe = str(root / "recipes" / "vector.yaml")
-    sets = ["--set", ODE, "--set", OBJECTIVES[name], "--set", "train.iterations=60", "--set", "train.checkpoint_every=7",
-            "--set", "train.ema_decay=0.9", "--set", "eval.every=20", "--set", "train.prompts_per_iteration=4",
-            "--set", "train.rollout_prompts=1", "--quiet"]
+    sets = [
+        "--set",
+        ODE,
+        "--set",
+        OBJECTIVES[name],
+        "--set",
+        "train.iterations=60",
+        "--set",
+        "train.checkpoint_every=7",
+        "--set",
+        "train.ema_decay=0.9",
+        "--set",
+        "eval.every=20",
+        "--set",
+        "train.prompts_per_iteration=4",
+        "--set",
+        "train.rollout_prompts=1",
+        "--quiet",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     rng = random.Random(hash(name) % 1000)
     for launch in ([str(BIN / "fgrpo")], [*_torchrun(), "-m", "fgrpo.core.cli"]):
         tag = "one" if len(launch) == 1 else "two"
         reference, interrupted = tmp_path / f"{tag}-reference", tmp_path / f"{tag}-interrupted"
-        done = subprocess.run([*launch, "compose", recipe, "--out", str(reference), *sets], env=env, capture_output=True, text=True, timeout=900)
+        done = subprocess.run(
+            [*launch, "compose", recipe, "--out", str(reference), *sets],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
         assert done.returncode == 0, done.stderr[-3000:]
         kills = 0
         for _ in range(2):
-            proc = subprocess.Popen([*launch, "compose", recipe, "--out", str(interrupted), *sets, "--resume"], env=env,
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+            proc = subprocess.Popen(
+                [*launch, "compose", recipe, "--out", str(interrupted), *sets, "--resume"],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+            )
             target = rng.randint(9, 50)
             metrics = interrupted / "metrics.jsonl"
             deadline = time.time() + 600
@@ -345,7 +442,13 @@ def test_sigkill_then_resume_is_bit_exact_in_one_and_two_processes(root, tmp_pat
                 time.sleep(0.005)
             proc.wait()
         assert kills >= 1
-        finish = subprocess.run([*launch, "compose", recipe, "--out", str(interrupted), *sets, "--resume"], env=env, capture_output=True, text=True, timeout=900)
+        finish = subprocess.run(
+            [*launch, "compose", recipe, "--out", str(interrupted), *sets, "--resume"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
         assert finish.returncode == 0, finish.stderr[-3000:]
         a, b = weights(reference), weights(interrupted)
         assert a.keys() == b.keys()
@@ -362,8 +465,16 @@ def test_two_processes_draw_the_same_points_as_one(root, tmp_path, name):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     recipe = str(root / "recipes" / "vector.yaml")
     one, two = tmp_path / "one.json", tmp_path / "two.json"
-    subprocess.run([sys.executable, str(HERE / "dp_worker.py"), recipe, str(one), "4", *sets], check=True, env=env, timeout=300)
-    done = subprocess.run([*_torchrun(), str(HERE / "dp_worker.py"), recipe, str(two), "4", *sets], env=env, timeout=300, capture_output=True, text=True)
+    subprocess.run(
+        [sys.executable, str(HERE / "dp_worker.py"), recipe, str(one), "4", *sets], check=True, env=env, timeout=300
+    )
+    done = subprocess.run(
+        [*_torchrun(), str(HERE / "dp_worker.py"), recipe, str(two), "4", *sets],
+        env=env,
+        timeout=300,
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     a, b = json.loads(one.read_text()), json.loads(two.read_text())
     assert all(b["identical"]) and a["rewards"][0] == b["rewards"][0]
@@ -385,13 +496,30 @@ def test_objectives_bench_prints_the_tables_and_the_target_line(root, capsys, tm
         spec.loader.exec_module(bench)
     finally:
         sys.path.remove(str(path.parent))
-    tiny = "train.iterations=2; train.prompts_per_iteration=1; train.group_size=2; train.minibatch_size=0; eval.max_prompts=2; eval.samples_per_prompt=1; eval.steps=4"
+    tiny = (
+        "train.iterations=2; train.prompts_per_iteration=1; train.group_size=2; train.minibatch_size=0; "
+        "eval.max_prompts=2; eval.samples_per_prompt=1; eval.steps=4"
+    )
     out = tmp_path / "runs.json"
-    args = ["--only", "grpo,nft", "--every", "0.001", "--json", str(out),
-            "--variant", f"grpo: recipes/shapes.yaml; {tiny}", "--variant", f"nft: recipes/shapes-nft.yaml; {tiny}"]
+    args = [
+        "--only",
+        "grpo,nft",
+        "--every",
+        "0.001",
+        "--json",
+        str(out),
+        "--variant",
+        f"grpo: recipes/shapes.yaml; {tiny}",
+        "--variant",
+        f"nft: recipes/shapes-nft.yaml; {tiny}",
+    ]
     assert bench.main(args) == 0
     text = capsys.readouterr().out
-    assert "at equal cpu time" in text and "at equal NFE" in text and "main job: recipes/shapes.yaml, 2 iterations" in text
+    assert (
+        "at equal cpu time" in text
+        and "at equal NFE" in text
+        and "main job: recipes/shapes.yaml, 2 iterations" in text
+    )
     runs = json.loads(out.read_text())
     assert [r["name"] for r in runs] == ["grpo", "nft"]
     assert [p["iteration"] for p in runs[0]["points"]] == [0, 1, 2]
@@ -402,4 +530,7 @@ def test_objectives_bench_prints_the_tables_and_the_target_line(root, capsys, tm
     cut = [{**runs[0], "points": runs[0]["points"][:2]}, runs[1]]
     seconds = cut[0]["points"][1]["seconds"]
     lines = bench.report(cut, 0.001, target_accuracy=0.75)
-    assert any(f"T = {2 * seconds:.0f} cpu s (extrapolated from 1 of its 2 iterations); accuracy to reach 0.750" in line for line in lines)
+    assert any(
+        f"T = {2 * seconds:.0f} cpu s (extrapolated from 1 of its 2 iterations); accuracy to reach 0.750" in line
+        for line in lines
+    )

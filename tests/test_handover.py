@@ -41,24 +41,34 @@ def short_run(tmp_path_factory):
     model = tmp / "tiny-sd3"
     build_tiny_sd3_pipeline(model)
     recipe = tmp / "recipe.yaml"
-    recipe.write_text(textwrap.dedent(f"""
+    recipe.write_text(
+        textwrap.dedent(f"""
         seed: 0
         model: {{name: sd3, path: {model}, device: cpu, max_sequence_length: {SEQ}, lora: {{rank: 4}}}}
         sampler: {{name: full, steps: 2, kernel: {{name: sde, eta: 0.7}}}}
         reward: {{name: jpeg-compressibility}}
         objective: {{name: grpo, clip_range: 1.0e-3}}
         prompts: {{name: list, train: ["a red circle", "a blue square"], test: ["a green circle"]}}
-        train: {{iterations: {ITERATIONS}, group_size: 2, prompts_per_iteration: 2, lr: 0.05, ema_decay: 0.9, ema_every: 8}}
+        train: {{iterations: {ITERATIONS}, group_size: 2, prompts_per_iteration: 2, lr: 0.05, ema_decay: 0.9,
+                 ema_every: 8}}
         eval: {{every: {ITERATIONS}, steps: 2}}
         log: {{trackers: [tensorboard], plots: false}}
-    """))
+    """)
+    )
     run = tmp / "run"
     log = tmp / "run.log"
     env = {k: v for k, v in os.environ.items() if k not in logs.LIBRARY_ENV and k != logs.ENV}
     env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     with log.open("w") as fh:
-        done = subprocess.run([str(FGRPO), "compose", str(recipe), "--out", str(run)], stdout=fh, stderr=subprocess.STDOUT,
-                              env=env, cwd=tmp, timeout=600, preexec_fn=lambda: os.umask(UMASK))
+        done = subprocess.run(
+            [str(FGRPO), "compose", str(recipe), "--out", str(run)],
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=tmp,
+            timeout=600,
+            preexec_fn=lambda: os.umask(UMASK),
+        )
     text = log.read_text()
     assert done.returncode == 0, text[-3000:]
     return run, text, model
@@ -87,12 +97,17 @@ def test_the_run_warns_that_its_ema_never_moved_and_its_export_is_empty(short_ru
     evals = [line for line in log.splitlines() if line.startswith("eval at iteration")]
     assert [line.split(":")[0] for line in evals] == [
         f"eval at iteration {i}/{ITERATIONS} ({s}, EMA weights after 0 updates)"
-        for i, s in zip((0, ITERATIONS), re.findall(r"\((\d+\.\d s), EMA", log))
+        for i, s in zip((0, ITERATIONS), re.findall(r"\((\d+\.\d s), EMA", log), strict=True)
     ]
     assert all(not torch.any(b) for b in up_projections(run / "checkpoints" / "last" / "export"))
     report = (run / "report.html").read_text()  # the report says it too, and which weights were evaluated
-    assert '<p class="warning">warning: the EMA received no update' in report and "is empty: every up-projection" in report
-    assert "evaluated with</th><td>the EMA of the trained weights (decay 0.9, updated every 8 optimizer steps)" in report
+    assert (
+        '<p class="warning">warning: the EMA received no update' in report
+        and "is empty: every up-projection" in report
+    )
+    assert (
+        "evaluated with</th><td>the EMA of the trained weights (decay 0.9, updated every 8 optimizer steps)" in report
+    )
 
 
 def test_export_warns_and_no_ema_exports_the_trained_weights(short_run, tmp_path, capsys, umask):
@@ -109,7 +124,8 @@ def test_export_warns_and_no_ema_exports_the_trained_weights(short_run, tmp_path
     assert any(torch.any(b) for b in up_projections(tmp_path / "raw"))
     for folder in (tmp_path / "ema", tmp_path / "raw"):
         assert {p.name: oct(p.stat().st_mode & 0o777) for p in folder.iterdir()} == {
-            name: oct(0o640) for name in ("adapter_config.json", "adapter_model.safetensors", "pytorch_lora_weights.safetensors")
+            name: oct(0o640)
+            for name in ("adapter_config.json", "adapter_model.safetensors", "pytorch_lora_weights.safetensors")
         }
 
 
@@ -136,7 +152,9 @@ def test_peft_loads_every_export_with_the_outputs_of_load_lora_weights(short_run
 
     diffusers_pipe = StableDiffusion3Pipeline.from_pretrained(str(model))
     diffusers_pipe.load_lora_weights(str(export))
-    peft_model = PeftModel.from_pretrained(StableDiffusion3Pipeline.from_pretrained(str(model)).transformer, str(export))
+    peft_model = PeftModel.from_pretrained(
+        StableDiffusion3Pipeline.from_pretrained(str(model)).transformer, str(export)
+    )
     base = StableDiffusion3Pipeline.from_pretrained(str(model)).transformer
     g = torch.Generator().manual_seed(0)
     inputs = {
@@ -158,7 +176,7 @@ def test_the_log_file_holds_fgrpo_lines_and_no_progress_bar(short_run):
     _, log, _ = short_run
     assert "\r" not in log and "it/s]" not in log and "%|" not in log
     assert "Loading pipeline components" not in log and "Loading weights" not in log
-    shapes = ("training ", f"iter ", "eval at iteration ", "warning: ", "done: ", "report: ")
+    shapes = ("training ", "iter ", "eval at iteration ", "warning: ", "done: ", "report: ")
     assert [line for line in log.splitlines() if not line.startswith(shapes)] == []
     assert sum(line.startswith("iter ") for line in log.splitlines()) == ITERATIONS
 
@@ -186,6 +204,10 @@ def test_debug_gives_the_libraries_their_bars_back(monkeypatch):
 
 def test_every_file_of_the_run_follows_the_umask(short_run):
     run, _, _ = short_run
-    modes = {str(p.relative_to(run)): oct(p.stat().st_mode & 0o777) for p in run.rglob("*") if p.is_file() and not p.is_symlink()}
+    modes = {
+        str(p.relative_to(run)): oct(p.stat().st_mode & 0o777)
+        for p in run.rglob("*")
+        if p.is_file() and not p.is_symlink()
+    }
     assert any(name.endswith(".safetensors") for name in modes)
     assert {name: mode for name, mode in modes.items() if mode != oct(0o640)} == {}

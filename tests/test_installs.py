@@ -13,10 +13,10 @@ import re
 import shutil
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from fgrpo.core import cli, shipped
 
@@ -35,8 +35,12 @@ def readme(root: Path, package: str) -> str:
 def test_each_readme_lists_every_component_and_extra(root, package):
     meta, text = pyproject(root, package), readme(root, package)
     named = set(re.findall(r"`([\w.-]+)`", text))
-    components = {name for group, eps in meta["project"].get("entry-points", {}).items() for name in eps
-                  if group != "fgrpo.plugins"}
+    components = {
+        name
+        for group, eps in meta["project"].get("entry-points", {}).items()
+        for name in eps
+        if group != "fgrpo.plugins"
+    }
     assert sorted(components - named) == []
     commands = {f"fgrpo {name}" for name in meta["project"].get("entry-points", {}).get("fgrpo.plugins", {})}
     assert all(c in text for c in commands), commands
@@ -50,7 +54,9 @@ def test_the_repository_readme_names_them_too(root, package):
     meta = pyproject(root, package)
     (row,) = [line for line in (root / "README.md").read_text().splitlines() if line.startswith(f"| `{package}` |")]
     named = set(re.findall(r"`([\w.-]+)`", row))
-    components = {n for group, eps in meta["project"].get("entry-points", {}).items() if group != "fgrpo.plugins" for n in eps}
+    components = {
+        n for group, eps in meta["project"].get("entry-points", {}).items() if group != "fgrpo.plugins" for n in eps
+    }
     assert sorted(components - named) == []
     assert sorted(e for e in meta["project"].get("optional-dependencies", {}) if f"[{e}]" not in row) == []
 
@@ -71,7 +77,9 @@ def test_install_lines_name_the_local_packages_pip_needs(root, package):
 def test_the_wheel_ships_every_recipe_config_and_bench_file(root):
     data = pyproject(root, "fgrpo-core")["tool"]["setuptools"]["package-data"]
     shipped_files = [p for p in (root / "recipes").rglob("*") if p.is_file() and p.suffix in (".yaml", ".md")]
-    assert any(p.parent.name == "accelerate" for p in shipped_files) and any(p.parent.name == "bench" for p in shipped_files)
+    assert any(p.parent.name == "accelerate" for p in shipped_files) and any(
+        p.parent.name == "bench" for p in shipped_files
+    )
     for path in shipped_files:
         relative = path.relative_to(root / "recipes")
         package = ".".join(["fgrpo.core.recipes", *relative.parent.parts])
@@ -83,11 +91,23 @@ def test_the_wheel_ships_every_recipe_config_and_bench_file(root):
 def test_launch_finds_the_shipped_accelerate_configs_by_name(tmp_path, monkeypatch):
     configs = shipped.accelerate_configs()
     assert sorted(configs) == [
-        "cpu", "ddp", "deepspeed-zero2", "deepspeed-zero2-offload", "deepspeed-zero3", "deepspeed-zero3-offload", "fsdp-full",
-        "fsdp-lora", "multi-node",
+        "cpu",
+        "ddp",
+        "deepspeed-zero2",
+        "deepspeed-zero2-offload",
+        "deepspeed-zero3",
+        "deepspeed-zero3-offload",
+        "fsdp-full",
+        "fsdp-lora",
+        "multi-node",
     ]
     monkeypatch.chdir(tmp_path)
-    assert cli._shipped_config(["--config_file", "ddp", "--num_processes", "2"]) == ["--config_file", str(configs["ddp"]), "--num_processes", "2"]
+    assert cli._shipped_config(["--config_file", "ddp", "--num_processes", "2"]) == [
+        "--config_file",
+        str(configs["ddp"]),
+        "--num_processes",
+        "2",
+    ]
     assert cli._shipped_config(["--config_file=fsdp-lora.yaml"]) == [f"--config_file={configs['fsdp-lora']}"]
     (tmp_path / "ddp").write_text("mine")
     assert cli._shipped_config(["--config_file", "ddp"]) == ["--config_file", "ddp"]  # a file of that name wins
@@ -111,12 +131,19 @@ def test_a_fresh_venv_installs_the_rewards_package_as_its_readme_says(root, tmp_
     shutil.copytree(root / "recipes", checkout / "recipes")
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-           "PATH": f"{venv / 'bin'}:{os.environ['PATH']}"}
+    env = {
+        **os.environ,
+        "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+        "HF_HUB_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+        "PATH": f"{venv / 'bin'}:{os.environ['PATH']}",
+    }
     env.pop("PYTHONPATH", None)
 
     def sh(line: str, **kwargs) -> subprocess.CompletedProcess:
-        return subprocess.run(line, shell=True, cwd=checkout, env=env, capture_output=True, text=True, timeout=1800, **kwargs)
+        return subprocess.run(
+            line, shell=True, cwd=checkout, env=env, capture_output=True, text=True, timeout=1800, **kwargs
+        )
 
     alone = sh('pip install "./packages/fgrpo-rewards[ocr]"')
     assert alone.returncode != 0 and "No matching distribution found for fgrpo-core" in alone.stderr + alone.stdout
@@ -127,14 +154,18 @@ def test_a_fresh_venv_installs_the_rewards_package_as_its_readme_says(root, tmp_
     plugins = json.loads(sh("fgrpo plugins --json").stdout)
     status = {row["name"]: row["status"] for row in plugins["components"] if row["kind"] == "reward"}
     assert status["ocr"] == "ok" and status["shapes"] == "ok" and status["clip-score"] == "missing extra"
-    scored = sh(f"{venv / 'bin' / 'python'} -c \"{OCR_SCORE}\"")
+    scored = sh(f'{venv / "bin" / "python"} -c "{OCR_SCORE}"')
     assert scored.returncode == 0, scored.stderr[-3000:]
     assert float(scored.stdout.split()[-1]) > 0.5
 
     wheel = sh(f"pip wheel -v --no-deps --no-build-isolation -w {tmp_path / 'dist'} ./packages/fgrpo-core")
     assert wheel.returncode == 0 and "would be ignored" not in wheel.stdout + wheel.stderr
-    names = subprocess.run([sys.executable, "-m", "zipfile", "-l", str(next((tmp_path / "dist").glob("fgrpo_core-*.whl")))],
-                           capture_output=True, text=True, check=True).stdout
+    names = subprocess.run(
+        [sys.executable, "-m", "zipfile", "-l", str(next((tmp_path / "dist").glob("fgrpo_core-*.whl")))],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert "fgrpo/core/recipes/accelerate/ddp.yaml" in names and "fgrpo/core/recipes/bench/tiny_sd3_jpeg.yaml" in names
 
 

@@ -16,9 +16,15 @@ QUIET = Console(quiet=True)
 
 
 def run_with(root, *overrides: str):
-    recipe = recipe_mod.load(root / "recipes" / "vector.yaml", [
-        "sampler={name: fast, steps: 8, window: 2, window_range: [0, 4], kernel: {name: sde, eta: 0.7}}",
-        "log.trackers=[]", "eval.every=0", *overrides])
+    recipe = recipe_mod.load(
+        root / "recipes" / "vector.yaml",
+        [
+            "sampler={name: fast, steps: 8, window: 2, window_range: [0, 4], kernel: {name: sde, eta: 0.7}}",
+            "log.trackers=[]",
+            "eval.every=0",
+            *overrides,
+        ],
+    )
     return build_run(recipe, out_dir=None, console=QUIET, quiet=True)
 
 
@@ -41,7 +47,9 @@ def test_every_step_is_recorded_with_the_window_alone_in_the_policy_loss(root):
     i = next(i for i in range(8) if i not in window)
     with torch.no_grad():
         v = run.policy.velocity(traj.latents[:, i], traj.sigmas[traj.step_index[:, i]], traj.cond)
-    again = run.sampler.kernel.step(v, traj.latents[:, i], traj.sigmas, traj.step_index[:, i], prev_sample=traj.next_latents[:, i])
+    again = run.sampler.kernel.step(
+        v, traj.latents[:, i], traj.sigmas, traj.step_index[:, i], prev_sample=traj.next_latents[:, i]
+    )
     assert torch.equal(again.log_prob, traj.log_probs[:, i]) and torch.equal(again.mean, traj.means[:, i])
     scores, _ = decode_and_score(run, traj, "test")
     adv, _ = advantages(run, traj, scores)
@@ -50,11 +58,18 @@ def test_every_step_is_recorded_with_the_window_alone_in_the_policy_loss(root):
 
 def test_without_a_kl_the_update_is_the_windows_and_with_one_it_is_not(root):
     """Adam's steps do not depend on the gradient's scale (the window's loss is averaged over 4x the
-    steps with kl_steps: all), so without a KL both update the same (gradient clipping off, an Adam epsilon too small to matter)."""
+    steps with kl_steps: all), so without a KL both update the same (gradient clipping off, an Adam
+    epsilon too small to matter)."""
     weights = {}
     for kl_steps in ("trained", "all"):
         for beta in (0.0, 0.5):
-            run = run_with(root, f"sampler.kl_steps={kl_steps}", f"objective.beta={beta}", "train.max_grad_norm=0", "train.adam_eps=1e-30")
+            run = run_with(
+                root,
+                f"sampler.kl_steps={kl_steps}",
+                f"objective.beta={beta}",
+                "train.max_grad_norm=0",
+                "train.adam_eps=1e-30",
+            )
             one_update(run)
             weights[kl_steps, beta] = torch.cat([p.detach().reshape(-1) for p in run.policy.trainable_parameters()])
     torch.testing.assert_close(weights["all", 0.0], weights["trained", 0.0], rtol=1e-4, atol=1e-6)

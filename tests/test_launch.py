@@ -26,7 +26,16 @@ def free_port() -> int:
 def test_launch_checks_the_recipe_before_starting_processes(root, tmp_path, capsys, monkeypatch):
     started = []
     monkeypatch.setattr("accelerate.commands.launch.launch_command", lambda args: started.append(args))
-    bad = ["launch", "--cpu", "--num_processes", "1", "compose", str(root / "recipes" / "vector.yaml"), "--set", "train.lr=-1"]
+    bad = [
+        "launch",
+        "--cpu",
+        "--num_processes",
+        "1",
+        "compose",
+        str(root / "recipes" / "vector.yaml"),
+        "--set",
+        "train.lr=-1",
+    ]
     assert cli.main(bad) == 2
     err = capsys.readouterr().err
     assert err.splitlines() == [err.splitlines()[0], "1 error(s); nothing was run."]
@@ -39,7 +48,16 @@ def test_launch_checks_the_recipe_before_starting_processes(root, tmp_path, caps
     assert cli.main(["launch", "--cpu", "--num_processes", "1"]) == 2
     assert "expected accelerate launch options, then compose or check or sample" in capsys.readouterr().err
 
-    good = ["launch", "--cpu", "--num_processes", "1", "compose", str(root / "recipes" / "vector.yaml"), "--out", str(tmp_path / "r")]
+    good = [
+        "launch",
+        "--cpu",
+        "--num_processes",
+        "1",
+        "compose",
+        str(root / "recipes" / "vector.yaml"),
+        "--out",
+        str(tmp_path / "r"),
+    ]
     assert cli.main(good) == 0
     (args,) = started
     assert args.module and args.training_script == "fgrpo.core.cli" and args.num_processes == 1
@@ -64,18 +82,57 @@ def test_an_error_found_in_two_processes_is_one_message_and_exit_code_2(root, tm
     """2 data-parallel processes on the CPU, 3 prompts per iteration: valid as a recipe, refused by
     each process (not a multiple of 2). About 10 s of CPU per launch."""
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
-    command = ["compose", str(root / "recipes" / "vector.yaml"), "--out", str(tmp_path / "run"),
-               "--set", "train.prompts_per_iteration=3", "--set", "train.group_size=2"]
-    flags = ["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    command = [
+        "compose",
+        str(root / "recipes" / "vector.yaml"),
+        "--out",
+        str(tmp_path / "run"),
+        "--set",
+        "train.prompts_per_iteration=3",
+        "--set",
+        "train.group_size=2",
+    ]
+    flags = [
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+    ]
     line = "error: train.prompts_per_iteration: got 3; must be a multiple of the 2 processes"
 
-    ours = subprocess.run([str(BIN / "fgrpo"), "launch", *flags, "--main_process_port", str(free_port()), *command],
-                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    ours = subprocess.run(
+        [str(BIN / "fgrpo"), "launch", *flags, "--main_process_port", str(free_port()), *command],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=600,
+    )
     assert ours.returncode == 2
     assert ours.stderr.splitlines() == [line, "1 error(s); nothing was run."] and ours.stdout == ""
 
     # plain accelerate launch: the error once too; accelerate itself then fails with exit 1 and its traceback
-    theirs = subprocess.run([str(BIN / "accelerate"), "launch", *flags, "--main_process_port", str(free_port()), "-m", "fgrpo.core.cli",
-                             *command], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    theirs = subprocess.run(
+        [
+            str(BIN / "accelerate"),
+            "launch",
+            *flags,
+            "--main_process_port",
+            str(free_port()),
+            "-m",
+            "fgrpo.core.cli",
+            *command,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=600,
+    )
     assert theirs.returncode == 1
     assert theirs.stderr.count(line) == 1

@@ -9,10 +9,10 @@ import re
 import subprocess
 import sys
 import tokenize
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
@@ -57,7 +57,9 @@ def _imports(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join([*package.split(".")[: len(package.split(".")) - node.level + 1], *filter(None, [base])])
+                base = ".".join(
+                    [*package.split(".")[: len(package.split(".")) - node.level + 1], *filter(None, [base])]
+                )
             found.add(base)
             found.update(f"{base}.{alias.name}" for alias in node.names)
     return found
@@ -71,7 +73,7 @@ def test_no_import_cycle_between_modules(root):
 
     def visit(name: str, trail: list[str]) -> None:
         if name in trail:
-            raise AssertionError("import cycle: " + " -> ".join([*trail[trail.index(name):], name]))
+            raise AssertionError("import cycle: " + " -> ".join([*trail[trail.index(name) :], name]))
         if name in done:
             return
         for other in sorted(graph[name]):
@@ -87,7 +89,10 @@ def test_a_package_imports_only_what_it_declares(root, package):
     """Every third-party module a package's code imports is one of its dependencies or extras, and
     another fgrpo package only when it depends on it (fgrpo-core depends on none of them)."""
     project = tomllib.loads((root / "packages" / package / "pyproject.toml").read_text())["project"]
-    requirements = [*project["dependencies"], *(r for extra in project.get("optional-dependencies", {}).values() for r in extra)]
+    requirements = [
+        *project["dependencies"],
+        *(r for extra in project.get("optional-dependencies", {}).values() for r in extra),
+    ]
     declared = {canonicalize_name(Requirement(r).name) for r in requirements} | {package}
     undeclared = {}
     for path in (root / "packages" / package / "src").rglob("*.py"):
@@ -98,7 +103,9 @@ def test_a_package_imports_only_what_it_declares(root, package):
             dist = f"fgrpo-{module.split('.')[1]}" if top == "fgrpo" else DISTRIBUTION_OF.get(top, top)
             if canonicalize_name(dist) not in declared:
                 undeclared.setdefault(dist, path.name)
-    assert undeclared == {}, f"{package} imports distributions it does not declare (distribution: a file): {undeclared}"
+    assert undeclared == {}, (
+        f"{package} imports distributions it does not declare (distribution: a file): {undeclared}"
+    )
 
 
 def test_the_registry_imports_no_component_package():
@@ -106,7 +113,9 @@ def test_the_registry_imports_no_component_package():
     imports fgrpo-samplers, -models or -rewards (python -X importtime lists every import)."""
     out = subprocess.run(
         [sys.executable, "-X", "importtime", "-c", "import fgrpo.core.registry"],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stderr
     imported = [line.rsplit("|", 1)[-1].strip() for line in out.splitlines() if line.startswith("import time:")]
     assert "fgrpo.core.registry" in imported

@@ -9,10 +9,10 @@ import re
 import shutil
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from _helpers import run_fgrpo
 from fgrpo.core import registry, shipped
@@ -76,7 +76,9 @@ def test_builtin_component_table_matches_the_pyprojects(root):
                 extras = tuple(re.findall(r"\[(.*)\]", target)[0].replace(" ", "").split(",")) if "[" in target else ()
                 declared[(groups[group], name)] = (package, extras)
     for key, provider in shipped.COMPONENTS.items():
-        assert declared.get(key) == provider, f"shipped.COMPONENTS[{key}] = {provider}; the pyprojects say {declared.get(key)}"
+        assert declared.get(key) == provider, (
+            f"shipped.COMPONENTS[{key}] = {provider}; the pyprojects say {declared.get(key)}"
+        )
     for kind, package in shipped.KIND_PROVIDERS.items():
         assert any(k[0] == kind and p[0] == package for k, p in declared.items()), (kind, package)
 
@@ -88,7 +90,9 @@ def _without(monkeypatch, distribution: str) -> None:
     monkeypatch.setattr(
         registry,
         "_entry_points",
-        lambda kind: {n: ep for n, ep in real_eps(kind).items() if ep.dist is None or ep.dist.metadata["Name"] != distribution},
+        lambda kind: {
+            n: ep for n, ep in real_eps(kind).items() if ep.dist is None or ep.dist.metadata["Name"] != distribution
+        },
     )
     monkeypatch.setattr(registry, "_loaded", {})
 
@@ -101,7 +105,10 @@ def test_unknown_component_of_an_absent_builtin_package_names_it(monkeypatch, ro
         "unknown model 'vector': it comes with fgrpo-models, which is not installed: pip install fgrpo-models; "
         "available: none installed"
     )
-    with pytest.raises(registry.UnknownComponent, match=r"the built-in models come with fgrpo-models, which is not installed: pip install fgrpo-models"):
+    with pytest.raises(
+        registry.UnknownComponent,
+        match=r"the built-in models come with fgrpo-models, which is not installed: pip install fgrpo-models",
+    ):
         registry.entry("model", "my-own-model")
     from fgrpo.core import cli
 
@@ -131,7 +138,9 @@ def test_builtin_recipe_after_a_non_editable_install(root, tmp_path):
     skip = shutil.ignore_patterns("build", "*.egg-info", "__pycache__", "tests")
     shutil.copytree(root / "packages", src / "packages", symlinks=True, ignore=skip)
     shutil.copytree(root / "recipes", src / "recipes")
-    packages = [str(src / "packages" / p) for p in PACKAGES[:3]] + [str(src / "packages" / "fgrpo-models") + "[diffusers]"]
+    packages = [str(src / "packages" / p) for p in PACKAGES[:3]] + [
+        str(src / "packages" / "fgrpo-models") + "[diffusers]"
+    ]
     subprocess.run(pip + packages, check=True, env=env)
     work = tmp_path / "elsewhere"
     work.mkdir()
@@ -143,12 +152,29 @@ def test_builtin_recipe_after_a_non_editable_install(root, tmp_path):
 
     version = run("--version")
     assert version.stdout.split() == [w for p in PACKAGES for w in (p, "0.1.0")], version.stdout
-    location = subprocess.run([str(venv / "bin" / "python"), "-c", "import fgrpo.core, sys; print(fgrpo.core.__file__)"],
-                              capture_output=True, text=True, check=True).stdout
+    location = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", "import fgrpo.core, sys; print(fgrpo.core.__file__)"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert str(venv) in location and str(root) not in location  # not the repository's sources
     assert run("validate", "shapes").returncode == 0
-    composed = run("compose", "shapes", "--out", "run", "--quiet", "--set", "train.iterations=1",
-                   "--set", "train.prompts_per_iteration=2", "--set", "eval.every=1", "--set", "eval.max_prompts=4")
+    composed = run(
+        "compose",
+        "shapes",
+        "--out",
+        "run",
+        "--quiet",
+        "--set",
+        "train.iterations=1",
+        "--set",
+        "train.prompts_per_iteration=2",
+        "--set",
+        "eval.every=1",
+        "--set",
+        "eval.max_prompts=4",
+    )
     assert composed.returncode == 0, composed.stderr
     assert (work / "run" / "report.html").is_file()
     assert composed.stdout.strip().splitlines()[-1] == "report: run/report.html"

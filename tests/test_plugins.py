@@ -47,7 +47,10 @@ def test_listing_imports_no_component(third_party):
 
 
 def test_broken_plugin_is_reported_and_others_work(third_party):
-    with pytest.raises(registry.PluginImportError, match=r"reward 'broken' from fgrpo-broken failed to import: RuntimeError: boom at import"):
+    with pytest.raises(
+        registry.PluginImportError,
+        match=r"reward 'broken' from fgrpo-broken failed to import: RuntimeError: boom at import",
+    ):
         registry.load("reward", "broken")
     state, detail = registry.status(registry.entry("reward", "broken"))
     assert state == "import error" and "boom at import" in detail
@@ -58,7 +61,7 @@ def test_broken_plugin_is_reported_and_others_work(third_party):
 def test_missing_extra_names_the_install_line(third_party):
     with pytest.raises(registry.MissingExtra) as info:
         registry.load("reward", "needy")
-    assert str(info.value) == 'reward \'needy\' needs fgrpo-no-such-package: pip install "fgrpo-broken[fancy]"'
+    assert str(info.value) == "reward 'needy' needs fgrpo-no-such-package: pip install \"fgrpo-broken[fancy]\""
 
 
 def test_unknown_name_lists_available_and_closest():
@@ -82,11 +85,11 @@ def test_plugins_json_lists_builtins_example_and_broken(third_party):
     result = run_fgrpo("plugins", "--json", env={"PYTHONPATH": str(third_party)})
     assert result.returncode == 0, result.stderr
     rows = {(r["kind"], r["name"]): r for r in json.loads(result.stdout)["components"]}
-    builtins = {
-        ("kernel", n) for n in ("ode", "sde", "wan-sde", "dance", "cps", "dpmpp2m", "dpmpp3m")
-    } | {("sampler", n) for n in ("full", "fast", "mixgrpo")} | {
-        ("objective", "grpo"), ("objective", "grpo-guard"), ("model", "vector"), ("prompts", "list")
-    }
+    builtins = (
+        {("kernel", n) for n in ("ode", "sde", "wan-sde", "dance", "cps", "dpmpp2m", "dpmpp3m")}
+        | {("sampler", n) for n in ("full", "fast", "mixgrpo")}
+        | {("objective", "grpo"), ("objective", "grpo-guard"), ("model", "vector"), ("prompts", "list")}
+    )
     for key in builtins:
         assert rows[key]["status"] == "ok", rows[key]
         assert rows[key]["distribution"].startswith("fgrpo-")
@@ -114,7 +117,10 @@ def exiting(tmp_path):
     (tmp_path / "exiting_hooks.py").write_text("import sys\nsys.exit('bye')\n")
     (tmp_path / "rival_reward.py").write_text("class Brightness:\n    pass\n")
     for name, entry_points in (
-        ("fgrpo_exiting", "[fgrpo.rewards]\nexiting = exiting_reward:Exiting\n[fgrpo.plugins]\nexiting-hooks = exiting_hooks\n"),
+        (
+            "fgrpo_exiting",
+            "[fgrpo.rewards]\nexiting = exiting_reward:Exiting\n[fgrpo.plugins]\nexiting-hooks = exiting_hooks\n",
+        ),
         ("fgrpo_rival", "[fgrpo.rewards]\nbrightness = rival_reward:Brightness\n"),
     ):
         info = tmp_path / f"{name}-0.1.dist-info"
@@ -153,7 +159,12 @@ def test_a_name_two_distributions_register_is_refused_in_a_recipe(exiting, monke
 
     monkeypatch.syspath_prepend(str(exiting))
     monkeypatch.setattr(registry, "_loaded", {})
-    code = cli.main(["validate", str(root / "recipes" / "vector.yaml"), "--set", "reward={name: brightness, target: 0.5}"])
+    code = cli.main(
+        ["validate", str(root / "recipes" / "vector.yaml"), "--set", "reward={name: brightness, target: 0.5}"]
+    )
     assert code == 2
     err = capsys.readouterr().err
-    assert "reward.name: reward 'brightness' is registered by fgrpo-reward-example and fgrpo-rival; fgrpo will not pick one" in err
+    assert (
+        "reward.name: reward 'brightness' is registered by fgrpo-reward-example and fgrpo-rival; fgrpo will not pick "
+        "one" in err
+    )

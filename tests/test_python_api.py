@@ -22,8 +22,14 @@ def test_the_documented_example_runs_as_written(root, tmp_path):
     blocks = re.findall(r"```python\n(.*?)```", (root / "docs" / "python-api.md").read_text(), re.S)
     script = tmp_path / "example.py"
     script.write_text(blocks[0])
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, timeout=600,
-                          env={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=600,
+        env={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     before, after = map(float, re.search(r"held-out reward (-?[\d.]+) -> (-?[\d.]+)", done.stdout).groups())
     assert after > before  # the registered reward was optimised
@@ -91,13 +97,18 @@ def test_a_registered_component_is_checked_built_and_listed_like_an_entry_point(
 
 
 def test_registration_is_refused_in_one_line_when_it_cannot_work():
-    with pytest.raises(registry.ComponentError, match=r"^unknown component kind 'rewards'; kinds: kernel, sampler, reward"):
+    with pytest.raises(
+        registry.ComponentError, match=r"^unknown component kind 'rewards'; kinds: kernel, sampler, reward"
+    ):
         registry.register("rewards", "x", Brightness)
     with pytest.raises(registry.ComponentError, match=r"a component name is letters, digits"):
         registry.register("reward", "my reward", Brightness)
     with pytest.raises(registry.ComponentError, match=r"expected a component class or factory, got int"):
         registry.register("reward", "seven", 7)
-    with pytest.raises(registry.AmbiguousComponent, match=r"reward 'target-distance' is already registered by fgrpo-rewards; register yours under another name"):
+    with pytest.raises(
+        registry.AmbiguousComponent,
+        match=r"reward 'target-distance' is already registered by fgrpo-rewards; register yours under another name",
+    ):
         registry.register("reward", "target-distance", Brightness)
     assert "seven" not in registry.names("reward")
 

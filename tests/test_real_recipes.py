@@ -1,5 +1,5 @@
-"""The real-scale recipes (SD3.5-M, FLUX.1-dev, FLUX.2, Qwen-Image, Z-Image, Wan 2.1/2.2, HunyuanVideo 1.5) validate: every component
-exists, every key is known and in range. They are not run here (no GPU, no weights).
+"""The real-scale recipes (SD3.5-M, FLUX.1-dev, FLUX.2, Qwen-Image, Z-Image, Wan 2.1/2.2, HunyuanVideo 1.5)
+validate: every component exists, every key is known and in range. They are not run here (no GPU, no weights).
 
 The datasets they read (flow_grpo's dataset/ocr, dataset/geneval, dataset/pickscore) are not
 in the repository; each test writes a tiny stand-in of the same layout into a temporary working
@@ -14,12 +14,33 @@ import pytest
 from fgrpo.core import cli
 
 RECIPES = [
-    "sd35m-ocr", "sd35m-geneval", "sd35m-pickscore", "flux-pickscore", "qwen-image-ocr", "qwen-image-pickscore", "wan-ocr",
-    "sd35m-preference-mix", "sd35m-vlm-judge", "sd35m-geneval-remote",
-    "flux2-t2i", "flux2-klein-pickscore", "z-image-pickscore", "z-image-turbo-pickscore", "wan22-t2v-pickscore",
-    "wan22-i2v-pickscore", "hunyuan-video-1.5-pickscore", "flux-kontext-counting-edit", "qwen-image-edit-counting-edit",
-    "sd35m-nft-geneval", "sd35m-nft-ocr", "sd35m-nft-pickscore", "sd35m-nft-multi-reward",
-    "sd35m-awm-geneval", "sd35m-awm-ocr", "sd35m-awm-pickscore", "sd35m-pref-grpo",
+    "sd35m-ocr",
+    "sd35m-geneval",
+    "sd35m-pickscore",
+    "flux-pickscore",
+    "qwen-image-ocr",
+    "qwen-image-pickscore",
+    "wan-ocr",
+    "sd35m-preference-mix",
+    "sd35m-vlm-judge",
+    "sd35m-geneval-remote",
+    "flux2-t2i",
+    "flux2-klein-pickscore",
+    "z-image-pickscore",
+    "z-image-turbo-pickscore",
+    "wan22-t2v-pickscore",
+    "wan22-i2v-pickscore",
+    "hunyuan-video-1.5-pickscore",
+    "flux-kontext-counting-edit",
+    "qwen-image-edit-counting-edit",
+    "sd35m-nft-geneval",
+    "sd35m-nft-ocr",
+    "sd35m-nft-pickscore",
+    "sd35m-nft-multi-reward",
+    "sd35m-awm-geneval",
+    "sd35m-awm-ocr",
+    "sd35m-awm-pickscore",
+    "sd35m-pref-grpo",
 ]
 
 
@@ -31,16 +52,28 @@ def stand_in_datasets(folder):
         for split in ("train", "test"):
             (folder / "dataset" / task / f"{split}.txt").write_text('a sign that says "fgrpo"\na cat on a mat\n')
     (folder / "dataset" / "geneval").mkdir(parents=True)
-    row = {"prompt": "a photo of a cat", "tag": "single_object", "include": [{"class": "cat", "count": 1}], "exclude": []}
+    row = {
+        "prompt": "a photo of a cat",
+        "tag": "single_object",
+        "include": [{"class": "cat", "count": 1}],
+        "exclude": [],
+    }
     for split in ("train", "test"):
         (folder / "dataset" / "geneval" / f"{split}_metadata.jsonl").write_text(json.dumps(row) + "\n")
     from PIL import Image  # the source images of the editing and image-to-video datasets
 
     (folder / "dataset" / "counting_edit" / "generated_images").mkdir(parents=True)
-    Image.new("RGB", (64, 64), (120, 80, 40)).save(folder / "dataset" / "counting_edit" / "generated_images" / "image_0.jpg")
-    edit = {"tag": "counting", "include": [{"class": "cat", "count": 2}], "exclude": [{"class": "cat", "count": 3}],
-            "t2i_prompt": "a photo of one cat", "prompt": "Change the number of cat in the image to two.",
-            "image": "generated_images/image_0.jpg"}
+    Image.new("RGB", (64, 64), (120, 80, 40)).save(
+        folder / "dataset" / "counting_edit" / "generated_images" / "image_0.jpg"
+    )
+    edit = {
+        "tag": "counting",
+        "include": [{"class": "cat", "count": 2}],
+        "exclude": [{"class": "cat", "count": 3}],
+        "t2i_prompt": "a photo of one cat",
+        "prompt": "Change the number of cat in the image to two.",
+        "image": "generated_images/image_0.jpg",
+    }
     for split in ("train", "test"):
         (folder / "dataset" / "counting_edit" / f"{split}_metadata.jsonl").write_text(json.dumps(edit) + "\n")
     (folder / "dataset" / "t2is").mkdir(parents=True)
@@ -49,7 +82,9 @@ def stand_in_datasets(folder):
         (folder / "dataset" / "t2is" / f"{split}.jsonl").write_text(json.dumps({"prompt": "a cat on a mat"}) + "\n")
         edit = {"prompt": "the same room in watercolour", "image": "v2v_0.png"}
         (folder / "dataset" / "sharegpt4o_image_mini" / f"{split}.jsonl").write_text(json.dumps(edit) + "\n")
-    Image.new("RGB", (64, 64), (40, 80, 120)).save(folder / "dataset" / "sharegpt4o_image_mini" / "images" / "v2v_0.png")
+    Image.new("RGB", (64, 64), (40, 80, 120)).save(
+        folder / "dataset" / "sharegpt4o_image_mini" / "images" / "v2v_0.png"
+    )
 
 
 @pytest.mark.parametrize("name", RECIPES)
@@ -89,7 +124,7 @@ def test_run_line_launches_with_the_recipes_mixed_precision(name, root):
     import yaml
 
     text = (root / "recipes" / f"{name}.yaml").read_text()
-    run = shlex.split(next(line for line in text.splitlines() if line.startswith("# Run: "))[len("# Run: "):])
+    run = shlex.split(next(line for line in text.splitlines() if line.startswith("# Run: "))[len("# Run: ") :])
     launched = yaml.safe_load((root / run[run.index("--config_file") + 1]).read_text())["mixed_precision"]
     if "--mixed_precision" in run:
         launched = run[run.index("--mixed_precision") + 1]

@@ -17,9 +17,13 @@ def test_resolved_recipe_fills_defaults_and_round_trips(root):
 
 
 def test_weighted_reward_list(root):
-    text = (root / "recipes" / "vector.yaml").read_text().replace(
-        "reward: {name: target-distance}",
-        "reward: [{name: target-distance, weight: 0.7}, {name: target-distance, weight: 0.3, label: t2}]",
+    text = (
+        (root / "recipes" / "vector.yaml")
+        .read_text()
+        .replace(
+            "reward: {name: target-distance}",
+            "reward: [{name: target-distance, weight: 0.7}, {name: target-distance, weight: 0.3, label: t2}]",
+        )
     )
     recipe = recipe_mod.from_text(text)
     assert [(r.label, r.weight) for r in recipe.rewards] == [("target-distance", 0.7), ("t2", 0.3)]
@@ -31,7 +35,9 @@ def test_a_bare_no_is_the_word_no_where_a_choice_allows_it(root):
     recipe = recipe_mod.load(root / "recipes" / "vector.yaml", ["train.mixed_precision=no"])
     assert recipe.train.mixed_precision == "no"
     text = (root / "recipes" / "vector.yaml").read_text()
-    assert recipe_mod.from_text(text.replace("train: {", "train: {mixed_precision: no, ")).train.mixed_precision == "no"
+    assert (
+        recipe_mod.from_text(text.replace("train: {", "train: {mixed_precision: no, ")).train.mixed_precision == "no"
+    )
     try:
         recipe_mod.load(root / "recipes" / "vector.yaml", ["train.lr_schedule=no"])
     except recipe_mod.RecipeError as exc:

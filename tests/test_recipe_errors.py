@@ -13,7 +13,9 @@ BAD = Path(__file__).parent / "bad_recipes"
 
 # file -> the error lines expected (substrings, one per reported error, in any order)
 EXPECTED = {
-    "unknown_component.yaml": ["sampler.name: unknown sampler 'ful' (did you mean 'full'?); available: fast, full, mixgrpo"],
+    "unknown_component.yaml": [
+        "sampler.name: unknown sampler 'ful' (did you mean 'full'?); available: fast, full, mixgrpo"
+    ],
     "wrong_type.yaml": ["train.iterations: expected an integer, got 'many'"],
     "missing_section.yaml": ["objective: missing required section"],
     "unknown_key.yaml": ["sampler.kernel.etta: unknown key (did you mean 'eta'?)"],
@@ -35,7 +37,9 @@ EXPECTED = {
     "alias_bomb.yaml": ["alias_bomb.yaml: YAML aliases (*name) expand it by more than 100000 values"],
     "adam_betas_out_of_range.yaml": ["train.adam_betas: got 2.0 at item 0 of (2.0, 3.0); allowed: >= 0 and < 1"],
     "adam_betas_nan.yaml": ["train.adam_betas: got nan at item 0 of (nan, 0.999); must be a finite number"],
-    "kernel_eta_zero.yaml": ["sampler.kernel: got {'eta': 0.0, 'name': 'sde'}, which adds no noise at any step (std 0)"],
+    "kernel_eta_zero.yaml": [
+        "sampler.kernel: got {'eta': 0.0, 'name': 'sde'}, which adds no noise at any step (std 0)"
+    ],
     "reward_weights.yaml": [
         "reward.0.weight: got nan; must be a finite number",
         "reward.1.weight: got inf; must be a finite number",
@@ -43,22 +47,26 @@ EXPECTED = {
     ],
     "empty_section.yaml": ["train: expected a mapping of train keys, got an empty section"],
     "duplicate_keys.yaml": [
-        "train: duplicate section (", "duplicate_keys.yaml:9, first at line 7)",
+        "train: duplicate section (",
+        "duplicate_keys.yaml:9, first at line 7)",
         "train.lr: duplicate key (",
     ],
     "not_utf8.yaml": ["not_utf8.yaml: not UTF-8 text (byte 0xe9 at offset"],
     # issue 22: tracker options passed `validate`, then `compose` died with a TypeError traceback
     # after writing recipe.resolved.yaml; a 1e8-wide MLP passed it, then an OOM traceback
     "tracker_unknown_option.yaml": [
-        "log.init_kwargs.tensorboard.flush_sec: unknown option of the tensorboard tracker (did you mean 'flush_secs'?); allowed: comment, filename_suffix, flush_secs, max_queue",
+        "log.init_kwargs.tensorboard.flush_sec: unknown option of the tensorboard tracker (did you mean "
+        "'flush_secs'?); allowed: comment, filename_suffix, flush_secs, max_queue",
         "log.init_kwargs.neptune: unknown tracker 'neptune' (accelerate knows: ",
     ],
     "tracker_owned_option.yaml": [
         "log.init_kwargs.tensorboard.logging_dir: fgrpo sets it (TensorBoard writes to RUN/tensorboard); remove it",
-        "log.init_kwargs.tensorboard.purge_step: fgrpo sets it (a resumed run hides the events past its checkpoint); remove it",
+        "log.init_kwargs.tensorboard.purge_step: fgrpo sets it (a resumed run hides the events past its checkpoint); "
+        "remove it",
     ],
     "tracker_not_listed.yaml": [
-        "log.init_kwargs.tensorboard: options for a tracker that log.trackers does not list ([]); they would be ignored: add it to log.trackers or remove them",
+        "log.init_kwargs.tensorboard: options for a tracker that log.trackers does not list ([]); they would be "
+        "ignored: add it to log.trackers or remove them",
     ],
     "model_too_large.yaml": ["model.hidden: got 100000000; allowed: >= 1 and <= 65536"],
 }

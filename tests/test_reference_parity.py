@@ -19,14 +19,23 @@ import yaml
 
 from fgrpo.core import cli, parity, registry
 from fgrpo.core import recipe as recipe_mod
-
 from test_real_recipes import stand_in_datasets
 
 TABLE = parity.load_table()
 #: the diffusers backbones: a recipe on one is a real-scale recipe
 BACKBONES = {
-    "sd3", "flux", "flux2", "flux2-klein", "qwen-image", "z-image", "wan", "wan-i2v", "hunyuan-video-1.5",
-    "flux-kontext", "qwen-image-edit", "qwen-image-edit-plus",
+    "sd3",
+    "flux",
+    "flux2",
+    "flux2-klein",
+    "qwen-image",
+    "z-image",
+    "wan",
+    "wan-i2v",
+    "hunyuan-video-1.5",
+    "flux-kontext",
+    "qwen-image-edit",
+    "qwen-image-edit-plus",
 }
 
 
@@ -91,10 +100,17 @@ def test_a_key_the_recipe_lacks_needs_a_reason(root, datasets, monkeypatch):
     by = {r.name: r for r in rows}
     assert problems == [] and by["eta"].status == parity.STATUS_UNUSED and by["eta"].recipe is None
     assert by["clip_range"].status == parity.STATUS_UNUSED
-    awm = {r.name: r for r in parity.compare("sd35m-awm-geneval", resolved(root, "sd35m-awm-geneval", datasets, monkeypatch), TABLE)[0]}
+    awm = {
+        r.name: r
+        for r in parity.compare(
+            "sd35m-awm-geneval", resolved(root, "sd35m-awm-geneval", datasets, monkeypatch), TABLE
+        )[0]
+    }
     assert awm["eta"].status == parity.STATUS_DEVIATION and "SA-Solver" in awm["eta"].note
     del data["objective"]["adv_mode"]
-    assert any("adv_mode" in p and "has no objective.adv_mode" in p for p in parity.compare("sd35m-nft-ocr", data, TABLE)[1])
+    assert any(
+        "adv_mode" in p and "has no objective.adv_mode" in p for p in parity.compare("sd35m-nft-ocr", data, TABLE)[1]
+    )
 
 
 def test_validate_against_reference_prints_the_table(root, datasets, monkeypatch, capsys):
@@ -122,19 +138,34 @@ def tiny_pipeline(backbone: str):
         from diffusers import UniPCMultistepScheduler
 
         pipe = testing.build_tiny_wan_pipeline()
-        pipe.scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
+        pipe.scheduler = UniPCMultistepScheduler(
+            prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0
+        )
         return pipe  # Wan 2.1's released scheduler
     return {
-        "flux": testing.build_tiny_flux_pipeline, "qwen-image": testing.build_tiny_qwen_image_pipeline,
-        "flux-kontext": testing.build_tiny_flux_kontext_pipeline, "qwen-image-edit": testing.build_tiny_qwen_image_edit_pipeline,
+        "flux": testing.build_tiny_flux_pipeline,
+        "qwen-image": testing.build_tiny_qwen_image_pipeline,
+        "flux-kontext": testing.build_tiny_flux_kontext_pipeline,
+        "qwen-image-edit": testing.build_tiny_qwen_image_edit_pipeline,
     }[backbone]()
 
 
 #: one recipe per distinct model section (the sd35m-* recipes share theirs, as the qwen-image-* do)
-MODEL_RECIPES = ["sd35m-ocr", "flux-pickscore", "qwen-image-pickscore", "wan-ocr", "flux-kontext-counting-edit", "qwen-image-edit-counting-edit"]
+MODEL_RECIPES = [
+    "sd35m-ocr",
+    "flux-pickscore",
+    "qwen-image-pickscore",
+    "wan-ocr",
+    "flux-kontext-counting-edit",
+    "qwen-image-edit-counting-edit",
+]
 SMALL = {
-    "sd3": {"resolution": 64}, "flux": {"resolution": 64}, "qwen-image": {"resolution": 64}, "wan": {"resolution": 32, "num_frames": 5},
-    "flux-kontext": {"resolution": 64}, "qwen-image-edit": {"resolution": 64, "source_resolution": [64, 64]},
+    "sd3": {"resolution": 64},
+    "flux": {"resolution": 64},
+    "qwen-image": {"resolution": 64},
+    "wan": {"resolution": 32, "num_frames": 5},
+    "flux-kontext": {"resolution": 64},
+    "qwen-image-edit": {"resolution": 64, "source_resolution": [64, 64]},
 }
 
 
@@ -144,7 +175,9 @@ def sample_prompt(policy):
     from fgrpo.core.testing import SyntheticImage
 
     text = "a sign that says fgrpo"
-    return Prompt(text, images=(SyntheticImage(0, 48, 32),)) if getattr(policy, "source_image_count", (0, 0))[0] else text
+    return (
+        Prompt(text, images=(SyntheticImage(0, 48, 32),)) if getattr(policy, "source_image_count", (0, 0))[0] else text
+    )
 
 
 def test_the_model_recipes_cover_every_model_section(root):
@@ -152,6 +185,7 @@ def test_the_model_recipes_cover_every_model_section(root):
     backbones (FLUX.2, Z-Image, Wan 2.2, HunyuanVideo 1.5) are checked against their pipelines by
     their conformance classes (packages/fgrpo-models/tests), their LoRA rank, alpha, init and
     targets by the table."""
+
     def section(name):
         return yaml.safe_dump(yaml.safe_load((root / "recipes" / f"{name}.yaml").read_text())["model"], sort_keys=True)
 
@@ -181,8 +215,10 @@ def reference_adapter(backbone: str, values):
 
     transformer = tiny_pipeline(backbone).transformer
     config = LoraConfig(
-        r=values["lora_rank"]["value"], lora_alpha=values["lora_alpha"]["value"],
-        init_lora_weights=values["lora_init"]["value"], target_modules=values["lora_targets"]["value"],
+        r=values["lora_rank"]["value"],
+        lora_alpha=values["lora_alpha"]["value"],
+        init_lora_weights=values["lora_init"]["value"],
+        target_modules=values["lora_targets"]["value"],
     )
     return get_peft_model(transformer, config).base_model.model
 
@@ -205,7 +241,9 @@ def test_lora_is_placed_and_initialised_as_the_references(built):
     ours, theirs = adapted(policy.transformer), adapted(reference_adapter(checked["name"], values))
     assert ours == theirs, name
     if checked["name"] == "sd3":
-        assert not any(".attn2." in n for n in ours) and any(".attn2." in n for n, _ in policy.transformer.named_modules())
+        assert not any(".attn2." in n for n in ours) and any(
+            ".attn2." in n for n, _ in policy.transformer.named_modules()
+        )
     rank = values["lora_rank"]["value"]
     a = torch.cat([p.detach().flatten() for n, p in policy.transformer.named_parameters() if "lora_A" in n])
     b = torch.cat([p.detach().flatten() for n, p in policy.transformer.named_parameters() if "lora_B" in n])
@@ -218,7 +256,9 @@ def test_text_is_encoded_to_the_references_length(built):
     name, checked, values, policy = built
     width = policy.encode([sample_prompt(policy)])["prompt_embeds"].shape[1]
     deviation = (TABLE["recipes"][name].get("deviations") or {}).get("text_length")
-    length = deviation["recipe"] if deviation else values["text_length"]["value"]  # Qwen-Image-Edit: room for its image tokens
+    length = (
+        deviation["recipe"] if deviation else values["text_length"]["value"]
+    )  # Qwen-Image-Edit: room for its image tokens
     assert width == (77 + length if checked["name"] == "sd3" else length), name
 
 

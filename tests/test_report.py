@@ -29,11 +29,25 @@ def shapes_run(root, tmp_path_factory):
     out = tmp_path_factory.mktemp("report") / "run"
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        code = cli.main([
-            "compose", "shapes", "--out", str(out), "--quiet",
-            "--set", f"train.iterations={ITERATIONS}", "--set", "train.prompts_per_iteration=2",
-            "--set", f"eval.every={EVERY}", "--set", f"eval.max_prompts={PROMPTS}", "--set", "eval.samples_per_prompt=2",
-        ])
+        code = cli.main(
+            [
+                "compose",
+                "shapes",
+                "--out",
+                str(out),
+                "--quiet",
+                "--set",
+                f"train.iterations={ITERATIONS}",
+                "--set",
+                "train.prompts_per_iteration=2",
+                "--set",
+                f"eval.every={EVERY}",
+                "--set",
+                f"eval.max_prompts={PROMPTS}",
+                "--set",
+                "eval.samples_per_prompt=2",
+            ]
+        )
     assert code == 0
     return out, printed.getvalue()
 
@@ -87,7 +101,14 @@ class Page(HTMLParser):
             if self._grid_depth:
                 self.in_grid.append(a["id"])
         elif tag == "svg" and self._figure is not None:
-            self._svg = {"label": a.get("aria-label"), "series": {}, "axes": {}, "faint": set(), "legend": [], "texts": []}
+            self._svg = {
+                "label": a.get("aria-label"),
+                "series": {},
+                "axes": {},
+                "faint": set(),
+                "legend": [],
+                "texts": [],
+            }
             self.figures[self._figure].append(self._svg)
         elif tag == "g" and self._svg is not None:
             self._axis = a["class"].removeprefix("x-")
@@ -179,13 +200,28 @@ def test_report_holds_every_figure_and_image_it_claims(shapes_run):
     assert evaluations == [0, 1, 2]
     # every metric the issue names is either drawn or named in the one line of constants
     drawn, constant = page.drawn(), page.constant
-    for key in ["eval/reward_mean", "eval/reward/shapes", "gold/shapes-gold/gold_error", "ratio_mean", "clipfrac", "kl",
-                "time_rollout_s", "time_eval_s"]:
-        assert key in drawn or re.search(rf"(: |, |; ){re.escape(key)}( \(and its \d+ categor(y|ies)\))?(, | = )", constant), key
+    for key in [
+        "eval/reward_mean",
+        "eval/reward/shapes",
+        "gold/shapes-gold/gold_error",
+        "ratio_mean",
+        "clipfrac",
+        "kl",
+        "time_rollout_s",
+        "time_eval_s",
+    ]:
+        assert key in drawn or re.search(
+            rf"(: |, |; ){re.escape(key)}( \(and its \d+ categor(y|ies)\))?(, | = )", constant
+        ), key
     train = page.figures["fig-reward"][0]
     assert train["label"] == "train reward" and train["series"]["reward_mean, each iteration"] == ITERATIONS
     assert train["faint"] == {"reward_mean, each iteration"}
-    phases = {k for r in rows for k in r if k.startswith("time_") and k.endswith("_s") and k not in ("time_iteration_s", "time_eval_s")}
+    phases = {
+        k
+        for r in rows
+        for k in r
+        if k.startswith("time_") and k.endswith("_s") and k not in ("time_iteration_s", "time_eval_s")
+    }
     per_iteration, per_evaluation = page.figures["fig-time"]
     assert set(per_iteration["series"]) <= phases and "time_eval_s" not in per_iteration["series"]
     assert per_evaluation["series"] == {"time_eval_s": len(evaluations)}
@@ -200,13 +236,15 @@ def test_report_holds_every_figure_and_image_it_claims(shapes_run):
     for row in rows:
         if "gold/shapes-gold/gold_error" in row:
             assert row["gold/shapes-gold/gold_error"] == row["eval/shapes/gold_error"]
-            assert all(row[f"gold/shapes-gold/gold_error/{c}"] == row[f"eval/shapes/gold_error/{c}"] for c in categories)
+            assert all(
+                row[f"gold/shapes-gold/gold_error/{c}"] == row[f"eval/shapes/gold_error/{c}"] for c in categories
+            )
     tiles = {it: json.loads((out / "samples" / f"eval_{it:06d}" / "index.json").read_text()) for it in evaluations}
     assert all(len(t) == PROMPTS for t in tiles.values())
     strip = [row for row in page._filmstrip_rows if row]
     assert len(strip) == PROMPTS and all(len(row) == len(evaluations) for row in strip)
     for i, row in enumerate(strip):
-        for img, it in zip(row, evaluations):
+        for img, it in zip(row, evaluations, strict=True):
             assert img["alt"].startswith(tiles[it][i]["prompt"])  # the same prompt along the row
             data = base64.b64decode(img["src"].split(",", 1)[1])
             assert data == (out / "samples" / f"eval_{it:06d}" / tiles[it][i]["file"]).read_bytes()
@@ -214,8 +252,10 @@ def test_report_holds_every_figure_and_image_it_claims(shapes_run):
     verdicts = [("pass" if t["score"] == 1 else "fail") for it in evaluations for t in tiles[it]]
     assert sorted(page.scores) == sorted(f"score {v}" for v in verdicts)  # strict scores: pass/fail
     text = (out / "report.html").read_text()
-    assert f"({PROMPTS * len(evaluations)} images)" in text and "green: passed (score 1), red: failed (score 0)" in text
-    assert text.count('<tr><th>') - text.count('class="prompt"') >= len(evaluations)  # the evaluation table
+    assert (
+        f"({PROMPTS * len(evaluations)} images)" in text and "green: passed (score 1), red: failed (score 0)" in text
+    )
+    assert text.count("<tr><th>") - text.count('class="prompt"') >= len(evaluations)  # the evaluation table
     assert "evaluated with</th><td>the raw trained weights (no EMA)" in text
 
 
@@ -246,12 +286,25 @@ def synthetic_rows(n=60, every=10):
     for it in range(n + 1):
         row = {"iteration": it}
         if it:
-            row.update({"reward_mean": 0.3 + 0.004 * it + (0.2 if it % 2 else -0.2), "time_iteration_s": 1.5,
-                        "time_rollout_s": 1.0 + 0.01 * (it % 3), "time_train_s": 0.4 + 0.01 * (it % 2), "kl": 0.0,
-                        "ratio_mean": 1.0 + 1e-3 * it})
+            row.update(
+                {
+                    "reward_mean": 0.3 + 0.004 * it + (0.2 if it % 2 else -0.2),
+                    "time_iteration_s": 1.5,
+                    "time_rollout_s": 1.0 + 0.01 * (it % 3),
+                    "time_train_s": 0.4 + 0.01 * (it % 2),
+                    "kl": 0.0,
+                    "ratio_mean": 1.0 + 1e-3 * it,
+                }
+            )
         if it % every == 0:
-            row.update({"eval/reward_mean": 0.4 + 0.002 * it, "eval/shapes/clean": 1.0, "eval/shapes/accuracy": 0.4 + 0.002 * it,
-                        "time_eval_s": 39.0 + it / 10})
+            row.update(
+                {
+                    "eval/reward_mean": 0.4 + 0.002 * it,
+                    "eval/shapes/clean": 1.0,
+                    "eval/shapes/accuracy": 0.4 + 0.002 * it,
+                    "time_eval_s": 39.0 + it / 10,
+                }
+            )
         rows.append(row)
     return rows
 
@@ -262,20 +315,31 @@ def test_train_reward_is_smoothed_with_the_raw_points_faint_and_eval_on_its_own(
     rows = synthetic_rows()
     figs = report.figures(rows, {"train": {"group_size": 8, "prompts_per_iteration": 8}})
     anchor, _, (train, held_out) = figs.items[0]
-    assert anchor == "fig-reward" and 'aria-label="train reward"' in train and 'aria-label="held-out reward"' in held_out
+    assert (
+        anchor == "fig-reward" and 'aria-label="train reward"' in train and 'aria-label="held-out reward"' in held_out
+    )
     page = Page()
     page.feed(f'<figure id="f">{train}{held_out}</figure>')
     train_chart, held_chart = page.figures["f"]
     window = report.smoothing_window(60)
     assert window == 5
-    assert train_chart["series"] == {"reward_mean, each iteration": 60, f"reward_mean, mean of {window} iterations": 60}
+    assert train_chart["series"] == {
+        "reward_mean, each iteration": 60,
+        f"reward_mean, mean of {window} iterations": 60,
+    }
     assert train_chart["faint"] == {"reward_mean, each iteration"} and held_chart["series"] == {"eval/reward_mean": 7}
     raw = report.series(rows, "reward_mean")
     smooth = report.smoothed(raw, window, "s")
     ys = [y for _, y in raw.points]
     assert smooth.points[10][1] == pytest.approx(sum(ys[8:13]) / 5)  # centred: no lag
     assert smooth.points[0][1] == pytest.approx(sum(ys[:3]) / 3)
-    assert max(abs(a[1] - b) for a, b in zip(smooth.points[5:-5], [0.3 + 0.004 * x for x, _ in raw.points[5:-5]])) < 0.05
+    assert (
+        max(
+            abs(a[1] - b)
+            for a, b in zip(smooth.points[5:-5], [0.3 + 0.004 * x for x, _ in raw.points[5:-5]], strict=True)
+        )
+        < 0.05
+    )
 
 
 def test_constant_metrics_are_one_line_and_eval_time_has_its_own_chart():
@@ -287,10 +351,14 @@ def test_constant_metrics_are_one_line_and_eval_time_has_its_own_chart():
     assert figs.constant == {"eval/shapes/clean": 1.0, "kl": 0.0}  # a metric without categories: its own entry
     assert "eval/shapes/clean" not in page.drawn() and "kl" not in page.drawn() and "ratio_mean" in page.drawn()
     per_iteration, per_evaluation = page.figures["fig-time"]
-    assert set(per_iteration["series"]) == {"time_rollout_s", "time_train_s"} and set(per_evaluation["series"]) == {"time_eval_s"}
+    assert set(per_iteration["series"]) == {"time_rollout_s", "time_train_s"} and set(per_evaluation["series"]) == {
+        "time_eval_s"
+    }
     axes = report.x_axes(synthetic_rows(), {"train": {"group_size": 8, "prompts_per_iteration": 8}})
     assert axes["samples"][10] == 640 and axes["iteration"][10] == 10
-    assert axes["time"][0] == 0 and axes["time"][10] == pytest.approx((10 * 1.5 + 39) / 60)  # the eval at 0 came before
+    assert axes["time"][0] == 0 and axes["time"][10] == pytest.approx(
+        (10 * 1.5 + 39) / 60
+    )  # the eval at 0 came before
     assert axes["time"][11] == pytest.approx((11 * 1.5 + 39 + 40) / 60)
 
 
@@ -327,14 +395,19 @@ def test_one_line_per_evaluation_when_not_a_terminal(shapes_run):
     _, printed = shapes_run
     lines = [line for line in printed.splitlines() if line.startswith("eval at iteration")]
     assert [line.split(" ")[3].split("/")[0] for line in lines] == ["0", "1", "2"]  # the base's too
-    assert all(re.search(r"\(\d+\.\d s, (raw weights|EMA weights after \d+ updates?)\): reward_mean [\d.]+ .*shapes/accuracy [\d.]+", line) for line in lines)
+    shown = (
+        r"\(\d+\.\d s, (raw weights|EMA weights after \d+ updates?)\): reward_mean [\d.]+ " r".*shapes/accuracy [\d.]+"
+    )
+    assert all(re.search(shown, line) for line in lines)
 
 
 def test_grid_has_separators_scores_and_what_was_read():
     images = torch.zeros(3, 3, 8, 8)
     images[:, 0] = 1.0  # three red squares
     plain = np.asarray(visuals.grid_image(images, ["a", "b", "c"], cell=32, columns=3, gap=2))
-    noted = np.asarray(visuals.grid_image(images, ["a", "b", "c"], ["score 1 · read: red square"] * 3, cell=32, columns=3, gap=2))
+    noted = np.asarray(
+        visuals.grid_image(images, ["a", "b", "c"], ["score 1 · read: red square"] * 3, cell=32, columns=3, gap=2)
+    )
     assert plain.shape[1] == 3 * 32 + 2 * 2
     assert (plain[:32, 32:34] == visuals.SEPARATOR).all() and (plain[:32, 66:68] == visuals.SEPARATOR).all()
     assert (plain[:32, :32] == (255, 0, 0)).all()
@@ -351,8 +424,11 @@ def test_evaluation_bar_with_eta_in_a_terminal(root):
 
     screen = io.StringIO()
     console = Console(file=screen, force_terminal=True, width=120, color_system=None)
-    run = build_run(recipe_mod.load(root / "recipes" / "vector.yaml", ["eval.every=1", "eval.batch_size=8"]),
-                    out_dir=None, console=console)
+    run = build_run(
+        recipe_mod.load(root / "recipes" / "vector.yaml", ["eval.every=1", "eval.batch_size=8"]),
+        out_dir=None,
+        console=console,
+    )
     assert not run.display.quiet
     with run.display:
         metrics = run_evaluation(run, 0)
@@ -364,10 +440,17 @@ def test_evaluation_bar_with_eta_in_a_terminal(root):
 def test_without_matplotlib_curves_png_is_one_line_of_notice(root, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(visuals, "have_matplotlib", lambda: False)
     out = tmp_path / "run"
-    assert cli.main(["compose", "vector", "--out", str(out), "--quiet", "--set", "train.iterations=2", "--set", "eval.every=2"]) == 0
+    assert (
+        cli.main(
+            ["compose", "vector", "--out", str(out), "--quiet", "--set", "train.iterations=2", "--set", "eval.every=2"]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     notices = [line for line in printed.splitlines() if "matplotlib is" in line]
-    assert notices == ['curves.png skipped: matplotlib is not installed (pip install "fgrpo-core[plots]"); report.html has the curves']
+    assert notices == [
+        'curves.png skipped: matplotlib is not installed (pip install "fgrpo-core[plots]"); report.html has the curves'
+    ]
     assert not (out / "curves.png").exists() and (out / "report.html").is_file()
 
 

@@ -33,8 +33,17 @@ RECIPE = str(ROOT / "recipes" / "vector.yaml")
 BIN = Path(sys.executable).parent
 QUIET = Console(quiet=True)
 # the smallest run: no evaluation, no plots, no TensorBoard; a checkpoint every 2 iterations
-FAST = ["--quiet", "--set", "eval.every=0", "--set", "log.plots=false", "--set", "log.trackers=[]",
-        "--set", "train.checkpoint_every=2"]
+FAST = [
+    "--quiet",
+    "--set",
+    "eval.every=0",
+    "--set",
+    "log.plots=false",
+    "--set",
+    "log.trackers=[]",
+    "--set",
+    "train.checkpoint_every=2",
+]
 LOCK_NAME = ".fgrpo.lock"
 
 
@@ -111,9 +120,16 @@ def test_1_the_lock_dies_with_its_process(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from fgrpo.core.rundir import FolderLock; "
-         "FolderLock(__import__('pathlib').Path(sys.argv[1])).acquire(); print('locked', flush=True); time.sleep(600)", str(out)],
-        stdout=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from fgrpo.core.rundir import FolderLock; "
+            "FolderLock(__import__('pathlib').Path(sys.argv[1])).acquire(); print('locked', flush=True); "
+            "time.sleep(600)",
+            str(out),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert holder.stdout.readline().strip() == "locked"
@@ -235,7 +251,7 @@ def test_3_a_run_that_fails_to_build_leaves_no_folder(tmp_path, capsys):
     prompts.write_text("target 1 1\n")
     recipe = recipe_mod.load(RECIPE, [f"prompts={{name: text-file, train: {prompts}}}", "eval.every=0"])
     prompts.unlink()
-    with pytest.raises(Exception):
+    with pytest.raises(RecipeError):
         trainer.open_run(recipe, out=str(out), resume=False, console=QUIET, quiet=True)
     assert not out.exists()
 
@@ -287,23 +303,48 @@ def test_6_sample_uses_the_checkpoints_recipe(lora_run, tmp_path):
     assert cli.main(["sample", "--checkpoint", last, "--prompts", str(prompts), "--n", "4", "--out", str(a)]) == 0
     # the same checkpoint sampled with the recipe it was trained with: the same samples
     same = [RECIPE, "--set", "model.lora.rank=4", "--set", "model.hidden=32", "--set", "eval.every=0"]
-    assert cli.main(["sample", *same, "--checkpoint", last, "--prompts", str(prompts), "--n", "4", "--out", str(b)]) == 0
+    assert (
+        cli.main(["sample", *same, "--checkpoint", last, "--prompts", str(prompts), "--n", "4", "--out", str(b)]) == 0
+    )
     for name in ("00000_00.pt", "00000_03.pt"):
         assert torch.equal(torch.load(a / name), torch.load(b / name))
         assert torch.load(a / name).abs().max() < 10
 
 
-@pytest.mark.parametrize("sets, keys", [
-    (["--set", "model.hidden=32"], ["model.lora: {'rank': 4, 'alpha': 8, 'target_modules': None, 'init': 'default'} in the checkpoint, None now"]),
-    ([], ["model.lora: {'rank': 4", "model.hidden: 32 in the checkpoint, 64 now"]),
-    (["--set", "model.lora.rank=4", "--set", "model.hidden=32", "--set", "seed=3"], ["seed: 0 in the checkpoint, 3 now"]),
-])
+@pytest.mark.parametrize(
+    "sets, keys",
+    [
+        (
+            ["--set", "model.hidden=32"],
+            [
+                "model.lora: {'rank': 4, 'alpha': 8, 'target_modules': None, 'init': 'default'} in the checkpoint, "
+                "None now"
+            ],
+        ),
+        ([], ["model.lora: {'rank': 4", "model.hidden: 32 in the checkpoint, 64 now"]),
+        (
+            ["--set", "model.lora.rank=4", "--set", "model.hidden=32", "--set", "seed=3"],
+            ["seed: 0 in the checkpoint, 3 now"],
+        ),
+    ],
+)
 def test_6_sample_refuses_a_conflicting_recipe_listing_the_keys(lora_run, tmp_path, sets, keys, capsys):
     prompts = tmp_path / "p.txt"
     prompts.write_text("target 1 1\n")
     out = tmp_path / "s"
-    code = cli.main(["sample", RECIPE, *sets, "--checkpoint", str(lora_run / "checkpoints" / "last"),
-                     "--prompts", str(prompts), "--out", str(out)])
+    code = cli.main(
+        [
+            "sample",
+            RECIPE,
+            *sets,
+            "--checkpoint",
+            str(lora_run / "checkpoints" / "last"),
+            "--prompts",
+            str(prompts),
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 2  # before: exit 0 with samples of the wrong model, or a size-mismatch traceback
     lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error: ")]
     assert len(lines) == len(keys), lines
@@ -357,10 +398,21 @@ def test_7_read_only_out_is_refused(tmp_path, capsys, monkeypatch):
 
 # --- the property: random sequences of compose / kill -9 / resume / concurrent starts ------------
 
-SEQUENCE_SETS = [*FAST, "--set", "train.iterations=24", "--set", "train.checkpoint_every=3",
-                 "--set", "train.keep_checkpoints=100"]  # nothing pruned: every checkpoint must stay
-REFUSALS = ("is in use by another run", "already holds a run", "holds a run but no complete checkpoint",
-            "holds complete checkpoints")
+SEQUENCE_SETS = [
+    *FAST,
+    "--set",
+    "train.iterations=24",
+    "--set",
+    "train.checkpoint_every=3",
+    "--set",
+    "train.keep_checkpoints=100",
+]  # nothing pruned: every checkpoint must stay
+REFUSALS = (
+    "is in use by another run",
+    "already holds a run",
+    "holds a run but no complete checkpoint",
+    "holds complete checkpoints",
+)
 VOLATILE = ("time_", "samples_per_s")
 
 
@@ -482,14 +534,22 @@ def test_random_sequences_long(tmp_path, reference, seed):
 # planted to lead out of them. Nothing outside the run folder is read (every open of the commands
 # is audited) or written, and every refusal is one line with exit code 2.
 
-from _helpers import OpenAudit  # noqa: E402
+from _helpers import OpenAudit  # noqa: E402 - the audit belongs to the section below
 
 SHORT_SEED = 1  # its plant: an index naming a file outside the run
 
 AUDITED = Path(__file__).parent / "audited_fgrpo.py"
-HOSTILE_REFUSALS = REFUSALS + ("is a link;", "is a folder where fgrpo keeps its link", "is not a valid checkpoint",
-                               "which is not a file of", "points to", "has no export()", "no complete checkpoint",
-                               "holds no state.json", "is not a checkpoint folder")
+HOSTILE_REFUSALS = REFUSALS + (
+    "is a link;",
+    "is a folder where fgrpo keeps its link",
+    "is not a valid checkpoint",
+    "which is not a file of",
+    "points to",
+    "has no export()",
+    "no complete checkpoint",
+    "holds no state.json",
+    "is not a checkpoint folder",
+)
 
 
 class Hostile:
@@ -513,7 +573,16 @@ class Hostile:
 
     def spawn(self, flag: str) -> subprocess.Popen:
         env = {**os.environ, "FGRPO_FORBIDDEN": str(self.outside), "FGRPO_FORBIDDEN_LOG": str(self.log)}
-        args = [sys.executable, str(AUDITED), "compose", RECIPE, *SEQUENCE_SETS, "--out", str(self.folder), *([flag] if flag else [])]
+        args = [
+            sys.executable,
+            str(AUDITED),
+            "compose",
+            RECIPE,
+            *SEQUENCE_SETS,
+            "--out",
+            str(self.folder),
+            *([flag] if flag else []),
+        ]
         return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
 
     def in_process(self, args: list[str], capsys) -> tuple[int, str]:
@@ -577,7 +646,11 @@ class Hostile:
         if not path.is_file() or path.is_symlink() or path.stat().st_size < 10:
             return "cut metrics (none)"
         rows = _rows(self.folder)
-        written = [int(p.name[5:]) for p in (self.folder / "checkpoints").glob("iter_*") if p.name[5:].isdigit()] if (self.folder / "checkpoints").is_dir() else []
+        written = (
+            [int(p.name[5:]) for p in (self.folder / "checkpoints").glob("iter_*") if p.name[5:].isdigit()]
+            if (self.folder / "checkpoints").is_dir()
+            else []
+        )
         if not rows or rows[-1]["iteration"] <= max(written, default=0):
             return "cut metrics (its last line is behind a checkpoint: a full disk would have stopped the run first)"
         data = path.read_bytes()
@@ -675,11 +748,25 @@ class Hostile:
             assert rows == self.reference["rows"][: len(rows)]
 
 
-OPERATIONS = ["start", "resume", "kill", "concurrent", "report", "export", "sample", "damage", "cut", "plant", "plant",
-              "export-folder"]
+OPERATIONS = [
+    "start",
+    "resume",
+    "kill",
+    "concurrent",
+    "report",
+    "export",
+    "sample",
+    "damage",
+    "cut",
+    "plant",
+    "plant",
+    "export-folder",
+]
 
 
-def run_hostile_sequence(seed: int, length: int, root: Path, reference: dict, capsys, ops: list[str] | None = None) -> list[str]:
+def run_hostile_sequence(
+    seed: int, length: int, root: Path, reference: dict, capsys, ops: list[str] | None = None
+) -> list[str]:
     """``length`` operations drawn from OPERATIONS with ``seed`` (or ``ops`` in order; their
     details still drawn), each followed by the checks of :meth:`Hostile.check`."""
     rng = random.Random(seed)
@@ -708,8 +795,11 @@ def run_hostile_sequence(seed: int, length: int, root: Path, reference: dict, ca
             op = "report" if outcomes else "report (no run yet)"
         elif op in ("export", "sample"):
             out, target = h.new_out(op), h.target()
-            args = (["export", target, "--out", str(out)] if op == "export" else
-                    ["sample", "--checkpoint", target, "--prompts", str(h.prompts), "--steps", "2", "--out", str(out)])
+            args = (
+                ["export", target, "--out", str(out)]
+                if op == "export"
+                else ["sample", "--checkpoint", target, "--prompts", str(h.prompts), "--steps", "2", "--out", str(out)]
+            )
             code, err = h.in_process(args + (["--no-ema"] if rng.random() < 0.3 else []), capsys)
             outcomes = [(code, err)]
             assert out.is_dir() == (code == 0), (code, err)  # whole, or not there at all
@@ -744,8 +834,12 @@ def test_hostile_sequences_leak_nothing_and_refuse_in_one_line(tmp_path, referen
     # the default run affords one short sequence in a fixed order (its details drawn from the
     # seed): a run, a link planted to lead out of it, then report, export and sample on it; the
     # slow variant below draws long sequences of every operation
-    done = run_hostile_sequence(SHORT_SEED, 5, tmp_path, reference, capsys, ops=["start", "plant", "report", "export", "sample"])
-    assert done == ["start", "plant escape", "report", "export run -> 2", "sample run/checkpoints/iter_000024 -> 0"], done
+    done = run_hostile_sequence(
+        SHORT_SEED, 5, tmp_path, reference, capsys, ops=["start", "plant", "report", "export", "sample"]
+    )
+    assert done == ["start", "plant escape", "report", "export run -> 2", "sample run/checkpoints/iter_000024 -> 0"], (
+        done
+    )
 
 
 def test_the_judge_of_complete_sees_every_damage_the_sequences_do(tmp_path):

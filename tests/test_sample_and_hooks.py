@@ -15,10 +15,27 @@ def test_sample_writes_outputs_and_index(root, tmp_path):
     assert cli.main(["compose", recipe, "--out", str(run_dir), "--quiet", "--set", "train.iterations=2"]) == 0
     base, tuned = tmp_path / "base", tmp_path / "tuned"
     assert cli.main(["sample", recipe, "--prompts", str(prompts), "--n", "3", "--out", str(base)]) == 0
-    assert cli.main(["sample", recipe, "--prompts", str(prompts), "--n", "3", "--out", str(tuned),
-                     "--checkpoint", str(run_dir / "checkpoints" / "last")]) == 0
+    assert (
+        cli.main(
+            [
+                "sample",
+                recipe,
+                "--prompts",
+                str(prompts),
+                "--n",
+                "3",
+                "--out",
+                str(tuned),
+                "--checkpoint",
+                str(run_dir / "checkpoints" / "last"),
+            ]
+        )
+        == 0
+    )
     rows = [json.loads(line) for line in (base / "index.jsonl").read_text().splitlines()]
-    assert [(r["prompt"], r["index"]) for r in rows] == [(p, k) for p in ("target 1 1", "target -1 0.5") for k in range(3)]
+    assert [(r["prompt"], r["index"]) for r in rows] == [
+        (p, k) for p in ("target 1 1", "target -1 0.5") for k in range(3)
+    ]
     assert all((base / r["file"]).is_file() for r in rows)
     # same seed, different weights: different samples; same weights and seed: identical samples
     again = tmp_path / "again"
@@ -30,14 +47,26 @@ def test_sample_writes_outputs_and_index(root, tmp_path):
 def test_sample_bad_checkpoint_exits_2(root, tmp_path, capsys):
     prompts = tmp_path / "p.txt"
     prompts.write_text("target 1 1\n")
-    code = cli.main(["sample", str(root / "recipes" / "vector.yaml"), "--prompts", str(prompts), "--out", str(tmp_path / "o"), "--checkpoint", str(tmp_path)])
+    code = cli.main(
+        [
+            "sample",
+            str(root / "recipes" / "vector.yaml"),
+            "--prompts",
+            str(prompts),
+            "--out",
+            str(tmp_path / "o"),
+            "--checkpoint",
+            str(tmp_path),
+        ]
+    )
     assert code == 2
     assert "--checkpoint:" in capsys.readouterr().err
 
 
 def test_hook_plugin_sees_iterations_and_adds_a_command(root, tmp_path):
-    (tmp_path / "my_hooks.py").write_text(textwrap.dedent(
-        """
+    (tmp_path / "my_hooks.py").write_text(
+        textwrap.dedent(
+            """
         import json, os
         from fgrpo.core.hookspecs import hookimpl
 
@@ -58,7 +87,8 @@ def test_hook_plugin_sees_iterations_and_adds_a_command(root, tmp_path):
             p = subparsers.add_parser("hello", help="say hello")
             p.set_defaults(handler=lambda args: print("hello from a plugin") or 0)
         """
-    ))
+        )
+    )
     info = tmp_path / "my_hooks-0.1.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: my-hooks\nVersion: 0.1\n")
@@ -67,13 +97,23 @@ def test_hook_plugin_sees_iterations_and_adds_a_command(root, tmp_path):
     env = {"PYTHONPATH": str(tmp_path), "HOOK_LOG": str(log)}
     hello = run_fgrpo("hello", env=env)
     assert hello.returncode == 0 and "hello from a plugin" in hello.stdout
-    done = run_fgrpo("compose", str(root / "recipes" / "vector.yaml"), "--out", str(tmp_path / "run"), "--quiet",
-                     "--set", "train.iterations=3", env=env)
+    done = run_fgrpo(
+        "compose",
+        str(root / "recipes" / "vector.yaml"),
+        "--out",
+        str(tmp_path / "run"),
+        "--quiet",
+        "--set",
+        "train.iterations=3",
+        env=env,
+    )
     assert done.returncode == 0, done.stderr
     events = [json.loads(line) for line in log.read_text().splitlines()]
     assert events == [
-        {"hook": "iteration", "iteration": 1}, {"hook": "iteration", "iteration": 2},
-        {"hook": "iteration", "iteration": 3}, {"hook": "checkpoint", "iteration": 3},
+        {"hook": "iteration", "iteration": 1},
+        {"hook": "iteration", "iteration": 2},
+        {"hook": "iteration", "iteration": 3},
+        {"hook": "checkpoint", "iteration": 3},
     ]
     listing = run_fgrpo("plugins", "--json", env=env)
     assert {"name": "my-hooks", "status": "ok"} in json.loads(listing.stdout)["hook_plugins"]

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import math
 
-import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -16,21 +15,51 @@ from fgrpo.core.runlog import read_metrics
 
 #: a tiny randomly initialised editing network (the shipped base is tested by the recipe's own checks)
 TINY = [
-    "--set", "model.random_init=true", "--set", "model.hidden=32", "--set", "model.heads=1", "--set", "model.layers=1",
-    "--set", "model.text_width=32", "--set", "model.lora.rank=4", "--set", "train.prompts_per_iteration=2",
-    "--set", "train.group_size=2", "--set", "train.minibatch_size=0", "--set", "sampler.steps=3",
-    "--set", "prompts.train_size=20", "--set", "prompts.test_per_category=1", "--set", "eval.samples_per_prompt=2",
-    "--set", "eval.steps=3", "--set", "log.plots=false",
+    "--set",
+    "model.random_init=true",
+    "--set",
+    "model.hidden=32",
+    "--set",
+    "model.heads=1",
+    "--set",
+    "model.layers=1",
+    "--set",
+    "model.text_width=32",
+    "--set",
+    "model.lora.rank=4",
+    "--set",
+    "train.prompts_per_iteration=2",
+    "--set",
+    "train.group_size=2",
+    "--set",
+    "train.minibatch_size=0",
+    "--set",
+    "sampler.steps=3",
+    "--set",
+    "prompts.train_size=20",
+    "--set",
+    "prompts.test_per_category=1",
+    "--set",
+    "eval.samples_per_prompt=2",
+    "--set",
+    "eval.steps=3",
+    "--set",
+    "log.plots=false",
 ]
 
 
 def compose(root, out, *sets):
-    return cli.main(["compose", str(root / "recipes" / "shapes-edit.yaml"), "--out", str(out), "--quiet", *TINY, *sets])
+    return cli.main(
+        ["compose", str(root / "recipes" / "shapes-edit.yaml"), "--out", str(out), "--quiet", *TINY, *sets]
+    )
 
 
 def test_shapes_edit_smoke_run_with_sources(root, tmp_path):
     out = tmp_path / "run"
-    assert compose(root, out, "--set", "train.iterations=2", "--set", "eval.every=2", "--set", "train.rollout_prompts=1") == 0
+    assert (
+        compose(root, out, "--set", "train.iterations=2", "--set", "eval.every=2", "--set", "train.rollout_prompts=1")
+        == 0
+    )
     rows = read_metrics(out)
     assert [r["iteration"] for r in rows] == [0, 1, 2]
     for key in ("eval/shapes-edit/edit", "eval/shapes-edit/preserved", "eval/shapes-edit/gold_preservation_error"):

@@ -11,8 +11,14 @@ from fgrpo.core import cli
 from fgrpo.core.runlog import read_metrics
 
 SHAPES = [
-    "shapes.yaml", "shapes-fast.yaml", "shapes-mixgrpo.yaml", "shapes-guard.yaml",
-    "shapes-nft.yaml", "shapes-awm.yaml", "shapes-dpo.yaml", "shapes-pairwise.yaml",
+    "shapes.yaml",
+    "shapes-fast.yaml",
+    "shapes-mixgrpo.yaml",
+    "shapes-guard.yaml",
+    "shapes-nft.yaml",
+    "shapes-awm.yaml",
+    "shapes-dpo.yaml",
+    "shapes-pairwise.yaml",
 ]
 
 
@@ -26,11 +32,25 @@ def test_shapes_recipes_validate_and_pass_the_on_policy_check(root, name, capsys
 
 def test_shapes_smoke_run(root, tmp_path):
     out = tmp_path / "run"
-    code = cli.main([
-        "compose", str(root / "recipes" / "shapes.yaml"), "--out", str(out), "--quiet",
-        "--set", "train.iterations=2", "--set", "train.prompts_per_iteration=2",
-        "--set", "eval.every=2", "--set", "eval.max_prompts=6", "--set", "eval.samples_per_prompt=2",
-    ])
+    code = cli.main(
+        [
+            "compose",
+            str(root / "recipes" / "shapes.yaml"),
+            "--out",
+            str(out),
+            "--quiet",
+            "--set",
+            "train.iterations=2",
+            "--set",
+            "train.prompts_per_iteration=2",
+            "--set",
+            "eval.every=2",
+            "--set",
+            "eval.max_prompts=6",
+            "--set",
+            "eval.samples_per_prompt=2",
+        ]
+    )
     assert code == 0
     rows = read_metrics(out)
     assert [r["iteration"] for r in rows] == [0, 1, 2]
@@ -48,12 +68,25 @@ def test_shapes_smoke_run(root, tmp_path):
 
 @pytest.mark.slow
 def test_shapes_fast_raises_held_out_accuracy(root, tmp_path):
-    """About 5 minutes on 2 cores: `pytest -m slow`. The 400-iteration recipe measured 0.406 -> 0.536 at iteration 200 (issue 8: independent noise)."""
+    """About 5 minutes on 2 cores: `pytest -m slow`. The 400-iteration recipe measured 0.406 -> 0.536 at
+    iteration 200 (issue 8: independent noise)."""
     out = tmp_path / "run"
-    assert cli.main([
-        "compose", str(root / "recipes" / "shapes-fast.yaml"), "--out", str(out), "--quiet",
-        "--set", "train.iterations=200", "--set", "eval.every=200",
-    ]) == 0
+    assert (
+        cli.main(
+            [
+                "compose",
+                str(root / "recipes" / "shapes-fast.yaml"),
+                "--out",
+                str(out),
+                "--quiet",
+                "--set",
+                "train.iterations=200",
+                "--set",
+                "eval.every=200",
+            ]
+        )
+        == 0
+    )
     rows = [r for r in read_metrics(out) if "eval/shapes/accuracy" in r]
     before, after = rows[0]["eval/shapes/accuracy"], rows[-1]["eval/shapes/accuracy"]
     assert after >= before + 0.08, (before, after)

@@ -50,14 +50,32 @@ def sd3_recipe(folder: Path, pipeline: str, *, lora: bool) -> Path:
     evaluation at the start and every 2 iterations, a checkpoint every iteration."""
     data = {
         "seed": 0,
-        "model": {"name": "sd3", "path": pipeline, "device": "cpu", "max_sequence_length": 16, "lora": {"rank": 4} if lora else None},
+        "model": {
+            "name": "sd3",
+            "path": pipeline,
+            "device": "cpu",
+            "max_sequence_length": 16,
+            "lora": {"rank": 4} if lora else None,
+        },
         "sampler": {"name": "full", "steps": 2, "kernel": {"name": "sde", "eta": 0.7}},
         "reward": {"name": "target-distance"},  # continuous in the pixels: tiny weight differences stay tiny
         "objective": {"name": "grpo", "clip_range": 1e-3, "beta": 0.01 if lora else 0.0},
-        "prompts": {"name": "list", "train": ["a red circle", "two blue squares", "a green triangle", "one yellow star"],
-                    "test": ["a red square", "a blue circle"]},
-        "train": {"iterations": 3, "group_size": 2, "prompts_per_iteration": 2, "micro_batch_size": 1,
-                  "lr": 1e-2 if lora else 1e-3, "adam_eps": 1e-6, "drop_zero_advantage": False, "checkpoint_every": 1, "ema_decay": 0.9},
+        "prompts": {
+            "name": "list",
+            "train": ["a red circle", "two blue squares", "a green triangle", "one yellow star"],
+            "test": ["a red square", "a blue circle"],
+        },
+        "train": {
+            "iterations": 3,
+            "group_size": 2,
+            "prompts_per_iteration": 2,
+            "micro_batch_size": 1,
+            "lr": 1e-2 if lora else 1e-3,
+            "adam_eps": 1e-6,
+            "drop_zero_advantage": False,
+            "checkpoint_every": 1,
+            "ema_decay": 0.9,
+        },
         "eval": {"every": 2, "samples_per_prompt": 1, "steps": 2},
         "log": {"plots": False, "quiet": True, "sample_grid": False},
     }
@@ -117,10 +135,23 @@ def test_sharded_run_equals_data_parallel_and_resumes_exactly(kind, variant, tin
     and full fine-tuning."""
     needs(kind)
     recipe = sd3_recipe(tmp_path, tiny_sd3, lora=variant == "lora")
-    launcher = [str(BIN / "torchrun"), "--nnodes", "1", "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(free_port())]
+    launcher = [
+        str(BIN / "torchrun"),
+        "--nnodes",
+        "1",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+    ]
     done = subprocess.run(
         [*launcher, str(HERE / "sharded_worker.py"), kind, str(recipe), str(tmp_path / "runs"), "3"],
-        env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}, timeout=900, capture_output=True, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
+        timeout=900,
+        capture_output=True,
+        text=True,
     )
     assert done.returncode == 0, done.stderr[-4000:]
     runs = tmp_path / "runs"
@@ -128,7 +159,11 @@ def test_sharded_run_equals_data_parallel_and_resumes_exactly(kind, variant, tin
     ddp, sharded = report[0]["ddp"], report[0]["sharded"]
     assert not ddp["sharded"] and ddp["stepped_numel"] == ddp["trainable_numel"]
     # sharded for real: each process holds and steps about half of the optimizer state
-    assert sharded["kind"] == ("FSDP" if kind == "fsdp" else "DEEPSPEED") and sharded["sharded"] and sharded["dtensor"] == (kind == "fsdp")
+    assert (
+        sharded["kind"] == ("FSDP" if kind == "fsdp" else "DEEPSPEED")
+        and sharded["sharded"]
+        and sharded["dtensor"] == (kind == "fsdp")
+    )
     assert sharded["description"] == DESCRIPTIONS[kind]
     assert sharded["trainable_numel"] / 2 <= sharded["stepped_numel"] < sharded["trainable_numel"]
     # ZeRO-3: no process holds any weight of the network (trained or frozen) between forwards
@@ -145,17 +180,21 @@ def test_sharded_run_equals_data_parallel_and_resumes_exactly(kind, variant, tin
         deviations = [r["first_ratio_deviation"] for r in rows(runs / name) if "first_ratio_deviation" in r]
         assert len(deviations) == 3 and max(deviations) <= 1e-6, (name, deviations)
     # the same run: weights, EMA, optimizer moments and metrics within float tolerance
-    files = ["trainable.safetensors", "ema.safetensors"] + (["export/pytorch_lora_weights.safetensors"] if variant == "lora" else [])
+    files = ["trainable.safetensors", "ema.safetensors"] + (
+        ["export/pytorch_lora_weights.safetensors"] if variant == "lora" else []
+    )
     for name in files:
         a, b = load_file(str(last(runs / "ddp") / name)), load_file(str(last(runs / "sharded") / name))
         assert a.keys() == b.keys() and a, name
         for key in a:
-            torch.testing.assert_close(b[key], a[key], rtol=0, atol=1e-5, msg=lambda m: f"{name} {key}: {m}")
+            torch.testing.assert_close(
+                b[key], a[key], rtol=0, atol=1e-5, msg=lambda m, name=name, key=key: f"{name} {key}: {m}"
+            )
     a, b = optimizer_tensors(runs / "ddp"), optimizer_tensors(runs / "sharded")
     assert a.keys() == b.keys()
     for key in a:
         torch.testing.assert_close(b[key], a[key], rtol=0, atol=1e-5)
-    for x, y in zip(rows(runs / "ddp"), rows(runs / "sharded")):
+    for x, y in zip(rows(runs / "ddp"), rows(runs / "sharded"), strict=True):
         assert x.keys() == y.keys()
         for key, value in x.items():
             if isinstance(value, float) and not key.startswith(("time_", "samples_per_s")):
@@ -185,20 +224,39 @@ def test_sharded_run_equals_data_parallel_and_resumes_exactly(kind, variant, tin
 
 def launch(config: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [str(BIN / "accelerate"), "launch", "--config_file", str(CONFIGS / config), "--num_processes", "2",
-         "--main_process_port", str(free_port()), "-m", "fgrpo.core.cli", *args],
-        capture_output=True, text=True, timeout=900, cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
+        [
+            str(BIN / "accelerate"),
+            "launch",
+            "--config_file",
+            str(CONFIGS / config),
+            "--num_processes",
+            "2",
+            "--main_process_port",
+            str(free_port()),
+            "-m",
+            "fgrpo.core.cli",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=cwd,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
     )
 
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-@pytest.mark.parametrize("config, shown", [
-    ("fsdp-lora.yaml", "FSDP2"), ("deepspeed-zero2.yaml", "DeepSpeed ZeRO-2"),
-    # DeepSpeed's default persistence threshold keeps the tiny network's weights whole between forwards
-    ("deepspeed-zero3.yaml", "DeepSpeed ZeRO-3"),
-    ("deepspeed-zero3-offload.yaml", "DeepSpeed ZeRO-3, optimizer offloaded to cpu, param offloaded to cpu"),
-])
+@pytest.mark.parametrize(
+    "config, shown",
+    [
+        ("fsdp-lora.yaml", "FSDP2"),
+        ("deepspeed-zero2.yaml", "DeepSpeed ZeRO-2"),
+        # DeepSpeed's default persistence threshold keeps the tiny network's weights whole between forwards
+        ("deepspeed-zero3.yaml", "DeepSpeed ZeRO-3"),
+        ("deepspeed-zero3-offload.yaml", "DeepSpeed ZeRO-3, optimizer offloaded to cpu, param offloaded to cpu"),
+    ],
+)
 def test_shipped_config_launches_bf16_on_policy_and_resumes_exactly(config, shown, tiny_sd3, tmp_path):
     """`accelerate launch --config_file recipes/accelerate/CONFIG` (bf16) on a machine without GPUs:
     two sharded processes over gloo; `fgrpo check` finds the first ratio exactly 1; a run resumed
@@ -212,7 +270,18 @@ def test_shipped_config_launches_bf16_on_policy_and_resumes_exactly(config, show
     assert f"2 process(es), sharded ({shown})" in check.stdout and "mixed precision bf16" in check.stdout
     assert "largest |ratio - 1| before the first optimizer step: 0.000e+00" in check.stdout
     for out, iterations, more in (("straight", 3, []), ("resumed", 2, []), ("resumed", 3, ["--resume"])):
-        done = launch(config, "compose", str(recipe), "--out", str(tmp_path / out), "--quiet", "--set", f"train.iterations={iterations}", *more, cwd=tmp_path)
+        done = launch(
+            config,
+            "compose",
+            str(recipe),
+            "--out",
+            str(tmp_path / out),
+            "--quiet",
+            "--set",
+            f"train.iterations={iterations}",
+            *more,
+            cwd=tmp_path,
+        )
         assert done.returncode == 0, done.stderr[-3000:]
     for name in ("trainable.safetensors", "ema.safetensors", "export/pytorch_lora_weights.safetensors"):
         a, b = load_file(str(last(tmp_path / "straight") / name)), load_file(str(last(tmp_path / "resumed") / name))
@@ -220,8 +289,13 @@ def test_shipped_config_launches_bf16_on_policy_and_resumes_exactly(config, show
     a = torch.load(last(tmp_path / "straight") / "optimizer.pt", weights_only=True)["optimizer"]
     b = torch.load(last(tmp_path / "resumed") / "optimizer.pt", weights_only=True)["optimizer"]
     assert a.keys() == b.keys()  # DeepSpeed's bf16 keeps float32 master weights: saved with the moments
-    flat = lambda o: [t for per_param in o["state"].values() for t in per_param.values()] + list(o.get("fp32_weights", {}).values())
-    assert all(torch.equal(x, y) for x, y in zip(flat(a), flat(b)))
+
+    def flat(o):
+        return [t for per_param in o["state"].values() for t in per_param.values()] + list(
+            o.get("fp32_weights", {}).values()
+        )
+
+    assert all(torch.equal(x, y) for x, y in zip(flat(a), flat(b), strict=True))
     assert without_timing(rows(tmp_path / "straight")) == without_timing(rows(tmp_path / "resumed"))
 
 
@@ -229,7 +303,9 @@ def test_shipped_config_launches_bf16_on_policy_and_resumes_exactly(config, show
 
 
 def fsdp_accelerator(version: int = 2) -> SimpleNamespace:
-    return SimpleNamespace(state=SimpleNamespace(fsdp_plugin=SimpleNamespace(fsdp_version=version, mixed_precision_policy=None)))
+    return SimpleNamespace(
+        state=SimpleNamespace(fsdp_plugin=SimpleNamespace(fsdp_version=version, mixed_precision_policy=None))
+    )
 
 
 def test_a_policy_without_trainable_module_is_refused():
@@ -263,7 +339,9 @@ def test_whole_optimizer_state_of_an_unsharded_run_is_its_state_dict():
     optimizer.step()
     data_parallel = SimpleNamespace(distributed_type="MULTI_CPU")
     saved = DataParallel(data_parallel).optimizer_state(optimizer, [p])
-    torch.testing.assert_close(saved["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"], rtol=0, atol=0)
+    torch.testing.assert_close(
+        saved["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"], rtol=0, atol=0
+    )
     q = torch.nn.Parameter(torch.ones(3))
     other = torch.optim.AdamW([q], lr=0.1)
     DataParallel(data_parallel).load_optimizer_state(other, [q], saved)
@@ -271,11 +349,29 @@ def test_whole_optimizer_state_of_an_unsharded_run_is_its_state_dict():
 
 
 def deepspeed_accelerator(stage: int, optimizer: str = "none", param: str = "none") -> SimpleNamespace:
-    config = {"zero_optimization": {"stage": stage, "offload_optimizer": {"device": optimizer}, "offload_param": {"device": param}}}
-    return SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=stage, deepspeed_config=config)))
+    config = {
+        "zero_optimization": {
+            "stage": stage,
+            "offload_optimizer": {"device": optimizer},
+            "offload_param": {"device": param},
+        }
+    }
+    return SimpleNamespace(
+        state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=stage, deepspeed_config=config))
+    )
 
 
-@pytest.mark.parametrize("stage, optimizer, param", [(2, "none", "none"), (2, "cpu", "none"), (3, "none", "none"), (3, "cpu", "none"), (3, "cpu", "cpu"), (3, "none", "cpu")])
+@pytest.mark.parametrize(
+    "stage, optimizer, param",
+    [
+        (2, "none", "none"),
+        (2, "cpu", "none"),
+        (3, "none", "none"),
+        (3, "cpu", "none"),
+        (3, "cpu", "cpu"),
+        (3, "none", "cpu"),
+    ],
+)
 def test_deepspeed_zero2_and_zero3_with_cpu_offloading_run(stage, optimizer, param, monkeypatch):
     from fgrpo.core.launch.deepspeed import DeepSpeedZeRO2, DeepSpeedZeRO3, stage_class
 
@@ -285,7 +381,11 @@ def test_deepspeed_zero2_and_zero3_with_cpu_offloading_run(stage, optimizer, par
     assert stage_class(accelerator) is (DeepSpeedZeRO3 if stage == 3 else DeepSpeedZeRO2)
     served = stage_class(accelerator)(accelerator)
     assert served.sharded and served.sharded_weights == (stage == 3)
-    offloads = "".join(f", {what} offloaded to cpu" for what, device in (("optimizer", optimizer), ("param", param)) if device == "cpu")
+    offloads = "".join(
+        f", {what} offloaded to cpu"
+        for what, device in (("optimizer", optimizer), ("param", param))
+        if device == "cpu"
+    )
     assert served.description == f"sharded (DeepSpeed ZeRO-{stage}{offloads})"
 
 
@@ -298,7 +398,10 @@ def test_what_deepspeed_runs_not_is_refused_all_at_once(monkeypatch):
     assert "offload_param to 'cpu' needs zero_stage 3 (got 1)" in message
     assert [e.key for e in info.value.errors] == ["accelerate"] * 3
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO3_INIT", "true")
-    with pytest.raises(RecipeError, match="zero3_init_flag true is not supported: transformers would load the frozen text encoders partitioned"):
+    with pytest.raises(
+        RecipeError,
+        match="zero3_init_flag true is not supported: transformers would load the frozen text encoders partitioned",
+    ):
         check_deepspeed(deepspeed_accelerator(3))
     check_deepspeed(deepspeed_accelerator(2))  # the flag means nothing below stage 3
 

@@ -20,19 +20,34 @@ from fgrpo.core import media, registry, scoring
 from fgrpo.core import recipe as recipe_mod
 from fgrpo.core.config import RecipeError
 from fgrpo.core.media import Prompt
-from fgrpo.core.protocols import RewardResult
 from fgrpo.core.prompts import read_prompt_file
+from fgrpo.core.protocols import RewardResult
 
 ROWS = [  # flow_grpo's dataset/counting_edit/train_metadata.jsonl, first rows (two share an instruction)
-    {"tag": "counting", "include": [{"class": "airplane", "count": 2}], "exclude": [{"class": "airplane", "count": 3}],
-     "t2i_prompt": "a photo of one airplanes", "prompt": "Change the number of airplane in the image to two.",
-     "image": "generated_images/image_66.jpg"},
-    {"tag": "counting", "include": [{"class": "airplane", "count": 2}], "exclude": [{"class": "airplane", "count": 3}],
-     "t2i_prompt": "a photo of four airplanes", "prompt": "Change the number of airplane in the image to two.",
-     "image": "generated_images/image_12.jpg"},
-    {"tag": "counting", "include": [{"class": "banana", "count": 4}], "exclude": [{"class": "banana", "count": 5}],
-     "t2i_prompt": "a photo of three bananas", "prompt": "Change the number of banana in the image to four.",
-     "image": "generated_images/image_169.jpg"},
+    {
+        "tag": "counting",
+        "include": [{"class": "airplane", "count": 2}],
+        "exclude": [{"class": "airplane", "count": 3}],
+        "t2i_prompt": "a photo of one airplanes",
+        "prompt": "Change the number of airplane in the image to two.",
+        "image": "generated_images/image_66.jpg",
+    },
+    {
+        "tag": "counting",
+        "include": [{"class": "airplane", "count": 2}],
+        "exclude": [{"class": "airplane", "count": 3}],
+        "t2i_prompt": "a photo of four airplanes",
+        "prompt": "Change the number of airplane in the image to two.",
+        "image": "generated_images/image_12.jpg",
+    },
+    {
+        "tag": "counting",
+        "include": [{"class": "banana", "count": 4}],
+        "exclude": [{"class": "banana", "count": 5}],
+        "t2i_prompt": "a photo of three bananas",
+        "prompt": "Change the number of banana in the image to four.",
+        "image": "generated_images/image_169.jpg",
+    },
 ]
 
 
@@ -52,6 +67,7 @@ def editing_folder(root: Path, rows: list[dict] = ROWS, size: tuple[int, int] = 
 
 def png_header(path: Path, width: int, height: int) -> None:
     """A PNG whose header claims width x height and holds no pixel data (a decompression bomb's shape)."""
+
     def chunk(kind: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
 
@@ -85,7 +101,9 @@ def test_folder_reads_flow_grpo_editing_layout(tmp_path):
     assert train[0].images == (str((root / ROWS[0]["image"]).resolve()),)
     assert train[1].origin == f"{root / 'train_metadata.jsonl'}:2"
     meta = source.metadata(train[1])
-    assert {k: meta[k] for k in ("tag", "include", "exclude", "t2i_prompt")} == {k: ROWS[1][k] for k in ("tag", "include", "exclude", "t2i_prompt")}
+    assert {k: meta[k] for k in ("tag", "include", "exclude", "t2i_prompt")} == {
+        k: ROWS[1][k] for k in ("tag", "include", "exclude", "t2i_prompt")
+    }
     assert meta["image"] == train[1].images[0]
     assert source.test_prompts() == [train[2]]
     assert media.load_image(train[2].images[0]).size == (20, 12)
@@ -106,7 +124,10 @@ def test_several_images_and_the_images_subfolder(tmp_path):
 
 def test_bad_source_images_are_one_line_each_at_validation(tmp_path):
     root = tmp_path / "data"
-    rows = [dict(ROWS[0], image=name) for name in ("missing.png", "text.png", "zero.png", "cmyk.jpg", "deep.png", "bomb.png", "ok.png")]
+    rows = [
+        dict(ROWS[0], image=name)
+        for name in ("missing.png", "text.png", "zero.png", "cmyk.jpg", "deep.png", "bomb.png", "ok.png")
+    ]
     root.mkdir()
     (root / "text.png").write_text("not an image")
     png_header(root / "zero.png", 0, 0)
@@ -119,11 +140,19 @@ def test_bad_source_images_are_one_line_each_at_validation(tmp_path):
         registry.create("prompts", "folder", path=str(root), test=None)
     lines = [str(e) for e in info.value.errors]
     assert len(lines) == 6, lines
-    expected = ["does not exist", "is not an image", "is 0x0: no pixels", "is CMYK", "has 16 or more bits per channel",
-                "is 20000x20000 (400.0 M pixels), more than the decompression-bomb limit"]
-    for number, (line, what) in enumerate(zip(lines, expected), 1):
+    expected = [
+        "does not exist",
+        "is not an image",
+        "is 0x0: no pixels",
+        "is CMYK",
+        "has 16 or more bits per channel",
+        "is 20000x20000 (400.0 M pixels), more than the decompression-bomb limit",
+    ]
+    for number, (line, what) in enumerate(zip(lines, expected, strict=True), 1):
         assert line.startswith(f"prompts.train: {root / 'train_metadata.jsonl'}:{number}: source image "), line
-        assert what in line and "allowed: an 8-bit" in line and "89.5 M pixels (the decompression-bomb limit)" in line, line
+        assert (
+            what in line and "allowed: an 8-bit" in line and "89.5 M pixels (the decompression-bomb limit)" in line
+        ), line
         assert "\n" not in line
 
 
@@ -136,7 +165,9 @@ def test_bad_images_exit_2_without_traceback(tmp_path):
         "sampler: {name: full, steps: 2}\nreward: {name: jpeg-compressibility}\nobjective: {name: grpo}\n"
         f"prompts: {{name: folder, path: {root}}}\n"
     )
-    done = subprocess.run([sys.executable, "-m", "fgrpo.core.cli", "validate", str(recipe)], capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "fgrpo.core.cli", "validate", str(recipe)], capture_output=True, text=True
+    )
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr
     bad = [line for line in done.stderr.splitlines() if "source image" in line]
@@ -158,12 +189,18 @@ class MultiEditor:
 def test_count_problems_say_what_the_model_takes():
     edit = Prompt("make it red", images=("/x.png",), origin="d/train_metadata.jsonl:4")
     [t2i] = media.count_problems(object(), [edit, "plain"], name="flux")
-    assert t2i.startswith("'make it red' (d/train_metadata.jsonl:4) has 1 source image, but the model flux generates from text only")
+    assert t2i.startswith(
+        "'make it red' (d/train_metadata.jsonl:4) has 1 source image, but the model flux generates from text only"
+    )
     [missing] = media.count_problems(Editor, [edit, "plain", "plain"], name="flux-kontext")
-    assert missing.startswith("'plain' has no source image, but the model flux-kontext edits images: it takes exactly 1 per prompt")
+    assert missing.startswith(
+        "'plain' has no source image, but the model flux-kontext edits images: it takes exactly 1 per prompt"
+    )
     four = Prompt("combine", images=("/a", "/b", "/c", "/d"))
     assert media.count_problems(MultiEditor, [edit, Prompt("two", images=("/a", "/b"))]) == []
-    assert media.count_problems(MultiEditor, [four]) == ["'combine' has 4 source images; the model MultiEditor takes 1 to 3 per prompt"]
+    assert media.count_problems(MultiEditor, [four]) == [
+        "'combine' has 4 source images; the model MultiEditor takes 1 to 3 per prompt"
+    ]
 
 
 def test_validation_refuses_text_to_image_models_given_sources(tmp_path, monkeypatch):
@@ -183,8 +220,10 @@ def test_validation_refuses_text_to_image_models_given_sources(tmp_path, monkeyp
     monkeypatch.setattr(registry, "load", lambda kind, name: Editor if kind == "model" else real_load(kind, name))
     _, errors = recipe_mod.validate({**data, "prompts": {"name": "list", "train": ["a", "b"]}})
     assert [str(e) for e in errors] == [
-        "prompts: 'a' has no source image, but the model shapes-dit edits images: it takes exactly 1 per prompt (an 'image' key in the prompt's row)",
-        "prompts: 'b' has no source image, but the model shapes-dit edits images: it takes exactly 1 per prompt (an 'image' key in the prompt's row)",
+        "prompts: 'a' has no source image, but the model shapes-dit edits images: it takes exactly 1 per prompt (an "
+        "'image' key in the prompt's row)",
+        "prompts: 'b' has no source image, but the model shapes-dit edits images: it takes exactly 1 per prompt (an "
+        "'image' key in the prompt's row)",
     ]
     assert recipe_mod.validate(data)[1] == []  # editing prompts for the editing model
 
@@ -237,7 +276,11 @@ class SourceReward:
 
     def __call__(self, outputs, prompts, metadata, *, sources):
         self.calls.append((outputs.shape, list(prompts), sources))
-        return RewardResult(scores=torch.stack([(o - s[0]).abs().mean() if s else o.mean() for o, s in zip(outputs, sources)]))
+        return RewardResult(
+            scores=torch.stack(
+                [(o - s[0]).abs().mean() if s else o.mean() for o, s in zip(outputs, sources, strict=True)]
+            )
+        )
 
 
 class Spec:
@@ -250,8 +293,10 @@ def test_rewards_that_accept_sources_get_them_at_the_outputs_size(tmp_path):
     prompts = [p for p in source.train_prompts() for _ in range(2)] + ["no source"]
     outputs = torch.rand(len(prompts), 3, 6, 10)
     reward = SourceReward()
-    scores, _ = scoring.score([(Spec(), reward)], outputs, prompts, [source.metadata(p) for p in prompts], where="test")
-    (_, _, sources), = reward.calls
+    scores, _ = scoring.score(
+        [(Spec(), reward)], outputs, prompts, [source.metadata(p) for p in prompts], where="test"
+    )
+    ((_, _, sources),) = reward.calls
     assert [len(s) for s in sources] == [1, 1, 1, 1, 1, 1, 0]
     first = sources[0][0]
     assert first.shape == (3, 6, 10) and first.dtype == torch.float32 and 0 <= first.min() and first.max() <= 1
@@ -273,7 +318,9 @@ def test_plain_rewards_are_called_as_before():
         calls.append(len(prompts))
         return RewardResult(scores=torch.zeros(len(prompts)))
 
-    scoring.score([(Spec(), plain)], torch.rand(2, 3, 4, 4), [Prompt("e", images=("/missing.png",)), "p"], [{}, {}], where="test")
+    scoring.score(
+        [(Spec(), plain)], torch.rand(2, 3, 4, 4), [Prompt("e", images=("/missing.png",)), "p"], [{}, {}], where="test"
+    )
     assert calls == [2]  # nothing loaded for a reward that does not ask
 
 

@@ -54,7 +54,13 @@ def test_clock_sums_sections_and_counts_nested_ones_once():
 
 def test_accounting_is_the_rest_of_the_wall_time():
     out = timing.accounting({"model": 1.0, "reward": 0.5}, 2.0)
-    assert out == {"time_model_s": 1.0, "time_reward_s": 0.5, "time_decode_s": 0.0, "time_overhead_s": 0.5, "time_iteration_s": 2.0}
+    assert out == {
+        "time_model_s": 1.0,
+        "time_reward_s": 0.5,
+        "time_decode_s": 0.0,
+        "time_overhead_s": 0.5,
+        "time_iteration_s": 2.0,
+    }
 
 
 def test_timed_policy_counts_network_calls_and_passes_everything_else():
@@ -130,7 +136,12 @@ def test_governor_gives_cores_back_to_other_processes():
     t = {"wall": 0.0, "busy": 0.0, "own": 0.0}
     applied = []
     gov = threads.ThreadGovernor(
-        usable=4, environ={}, busy=lambda: t["busy"], own=lambda: t["own"], clock=lambda: t["wall"], apply=applied.append
+        usable=4,
+        environ={},
+        busy=lambda: t["busy"],
+        own=lambda: t["own"],
+        clock=lambda: t["wall"],
+        apply=applied.append,
     )
     assert gov.active
 
@@ -155,7 +166,22 @@ def test_governor_gives_cores_back_to_other_processes():
 def test_iteration_bench_prints_the_breakdown_and_ratios(root, capsys):
     bench = _tool(root, "bench/iteration.py")
     recipe = str(root / "recipes" / "vector.yaml")
-    assert bench.main([recipe, "--iterations", "2", "--set", "train.iterations=5", "--variant", "a", "--variant", "b: train.minibatch_size=0"]) == 0
+    assert (
+        bench.main(
+            [
+                recipe,
+                "--iterations",
+                "2",
+                "--set",
+                "train.iterations=5",
+                "--variant",
+                "a",
+                "--variant",
+                "b: train.minibatch_size=0",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "model+reward" in out and "time per iteration b/a:" in out
 
@@ -184,7 +210,13 @@ def _shapes_run(root, *overrides):
 def test_reference_pass_runs_once_per_stored_state_and_is_the_base_model(root):
     from fgrpo.core import phases
 
-    run = _shapes_run(root, "train.inner_epochs=2", "train.minibatch_size=4", "train.reference_batch_size=5", "train.drop_zero_advantage=false")
+    run = _shapes_run(
+        root,
+        "train.inner_epochs=2",
+        "train.minibatch_size=4",
+        "train.reference_batch_size=5",
+        "train.drop_zero_advantage=false",
+    )
     run.sampler.advance(0)
     traj = phases.rollout(run, 0)
     samples = torch.arange(traj.batch_size)
@@ -230,7 +262,23 @@ def test_sample_batches_prompts_without_changing_their_samples(root, tmp_path):
 def test_real_size_bench_runs_shrunk_on_the_cpu(root, capsys):
     pytest.importorskip("diffusers")
     tool = _tool(root, "gpu/bench_real_size.py")
-    argv = ["--small", "--resolution", "64", "--group", "2", "--steps", "3", "--iterations", "1", "--repeats", "1", "--micro-batch", "2", "--settings", "cfg"]
+    argv = [
+        "--small",
+        "--resolution",
+        "64",
+        "--group",
+        "2",
+        "--steps",
+        "3",
+        "--iterations",
+        "1",
+        "--repeats",
+        "1",
+        "--micro-batch",
+        "2",
+        "--settings",
+        "cfg",
+    ]
     assert tool.main(argv) == 0
     out = capsys.readouterr().out
     assert "ms/NFE" in out and "floor" in out and "ratio" in out
@@ -242,7 +290,12 @@ def test_compile_key_compiles_the_transformer_or_says_why_not(root):
     run = _shapes_run(root, "train.compile=true")
     assert run.policy.transformer._compiled_call_impl is not None  # compiled lazily, at the first forward
     with pytest.raises(RecipeError, match="train.compile"):
-        build_run(recipe_mod.load(root / "recipes" / "vector.yaml", ["train.compile=true"]), out_dir=None, console=QUIET, quiet=True)
+        build_run(
+            recipe_mod.load(root / "recipes" / "vector.yaml", ["train.compile=true"]),
+            out_dir=None,
+            console=QUIET,
+            quiet=True,
+        )
 
 
 @pytest.mark.slow  # inductor's first compilation of these graphs takes about 110 s on 2 cores (20 s from its cache)
@@ -252,7 +305,9 @@ def test_a_compiled_transformer_computes_what_the_eager_one_does_and_stays_on_po
     cond = eager.policy.encode(eager.prompts.train_prompts()[:2])
     x, sigma = torch.randn(2, 3, 24, 24, generator=torch.Generator().manual_seed(0)), torch.tensor([0.7, 0.3])
     with torch.no_grad():
-        torch.testing.assert_close(run.policy.velocity(x, sigma, cond), eager.policy.velocity(x, sigma, cond), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(
+            run.policy.velocity(x, sigma, cond), eager.policy.velocity(x, sigma, cond), rtol=1e-4, atol=1e-5
+        )
     # the rollout (a no-grad graph) and the update (a training graph) give the same log-probabilities
     metrics = iteration(run, 0)
     assert metrics["first_ratio_deviation"] <= 1e-6

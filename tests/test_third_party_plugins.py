@@ -60,7 +60,9 @@ class LastStepsSampler(GroupSampler):
     def program(self, sigmas: torch.Tensor, generator: torch.Generator | None) -> Plan:
         first = self.steps - self.last
         euler = [Step(EULER, sigmas, i, "ode") for i in range(first)]
-        return Plan(euler + [Step(self.kernel, sigmas, i, "sde") for i in range(first, self.steps)], phases=("ode", "sde"))
+        return Plan(
+            euler + [Step(self.kernel, sigmas, i, "sde") for i in range(first, self.steps)], phases=("ode", "sde")
+        )
 
 
 class TestLastStepsSampler(SamplerConformance):

@@ -27,10 +27,10 @@ def test_relation_probe_reads_objects_and_relation_separately(root):
     scenes = [world.place(p, rng) for p in position]
     assert probe.rates(world.render_batch(scenes), position) == (1.0, 1.0)
 
-    swapped = [world.perturb(s, p, rng, kind="position") for s, p in zip(scenes, position)]
+    swapped = [world.perturb(s, p, rng, kind="position") for s, p in zip(scenes, position, strict=True)]
     assert probe.rates(world.render_batch(swapped), position) == (1.0, 0.0)  # right objects, wrong place
 
-    recoloured = [world.perturb(s, p, rng, kind="color") for s, p in zip(scenes, position)]
+    recoloured = [world.perturb(s, p, rng, kind="color") for s, p in zip(scenes, position, strict=True)]
     objects, relation = probe.rates(world.render_batch(recoloured), position)
     assert objects == 0.0 and math.isnan(relation)  # no image has the objects: nothing to condition on
 
@@ -44,8 +44,8 @@ def test_relation_outcomes_per_image(root):
     position = [p for p in test if world.parse_prompt(p).category == "position"][:6]
     rng = np.random.default_rng(1)
     scenes = [world.place(p, rng) for p in position]
-    swapped = [world.perturb(s, p, rng, kind="position") for s, p in zip(scenes, position)]
-    recoloured = [world.perturb(s, p, rng, kind="color") for s, p in zip(scenes, position)]
+    swapped = [world.perturb(s, p, rng, kind="position") for s, p in zip(scenes, position, strict=True)]
+    recoloured = [world.perturb(s, p, rng, kind="color") for s, p in zip(scenes, position, strict=True)]
     images = world.render_batch(scenes[:2] + swapped[2:4] + recoloured[4:])
     assert probe.outcomes(images, position) == [1, 1, 0, 0, None, None]
     single = [p for p in test if world.parse_prompt(p).category == "single"][:1]
@@ -54,8 +54,12 @@ def test_relation_outcomes_per_image(root):
 
 def test_text_probe_compares_opposite_relations(root):
     probe = _load(root, "shapes_relation_probe")
-    prompts = ["a red square to the left of a blue circle", "a red square to the right of a blue circle",
-               "a blue circle to the left of a red square", "a red square above a blue circle"]
+    prompts = [
+        "a red square to the left of a blue circle",
+        "a red square to the right of a blue circle",
+        "a blue circle to the left of a red square",
+        "a red square above a blue circle",
+    ]
     codes = torch.tensor([[0.0, 0.0], [3.0, 4.0], [6.0, 8.0], [0.0, 1.0]])
 
     def encode(batch):  # one row per prompt; pooled is twice the tokens
@@ -63,11 +67,14 @@ def test_text_probe_compares_opposite_relations(root):
         return {"prompt_embeds": rows[:, None, :], "pooled_prompt_embeds": 2 * rows}
 
     found = probe.text_distances(encode, prompts, pairs=8)
-    assert found["relation word flipped"] == pytest.approx((5.0, 10.0))  # left<->right both ways; "above" has no "below"
+    assert found["relation word flipped"] == pytest.approx(
+        (5.0, 10.0)
+    )  # left<->right both ways; "above" has no "below"
     assert found["objects swapped"] == pytest.approx((10.0, 20.0))
     assert set(found) == {"relation word flipped", "objects swapped", "random pair"}
     assert probe.opposites(prompts[3]) == {
-        "relation word flipped": "a red square below a blue circle", "objects swapped": "a blue circle above a red square"
+        "relation word flipped": "a red square below a blue circle",
+        "objects swapped": "a blue circle above a red square",
     }
 
 
@@ -81,8 +88,15 @@ def test_reference_parity_sizes_lora_counts_on_the_real_configs(root):
     from fgrpo.models.wan import WAN_LORA_TARGETS
 
     sizes = _load(root, "reference_parity_sizes")
-    old, new = (sizes.lora_parameters(SD3Transformer2DModel, sizes.SD35_MEDIUM, t) for t in (sizes.OLD_JOINT, JOINT_ATTENTION_LORA_TARGETS))
-    assert (old[0] - new[0], new[0]) == (52, 191) and round((old[1] - new[1]) / 1e6, 2) == 5.11 and round(old[1] / new[1] - 1, 2) == 0.27
+    old, new = (
+        sizes.lora_parameters(SD3Transformer2DModel, sizes.SD35_MEDIUM, t)
+        for t in (sizes.OLD_JOINT, JOINT_ATTENTION_LORA_TARGETS)
+    )
+    assert (
+        (old[0] - new[0], new[0]) == (52, 191)
+        and round((old[1] - new[1]) / 1e6, 2) == 5.11
+        and round(old[1] / new[1] - 1, 2) == 0.27
+    )
     wan_old = ("to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2")
     old, new = (sizes.lora_parameters(WanTransformer3DModel, sizes.WAN21_1_3B, t) for t in (wan_old, WAN_LORA_TARGETS))
     assert new[0] == 240 and round(old[1] / new[1] - 1, 2) == 0.85
@@ -103,8 +117,15 @@ def test_memory_estimate_counts_the_pipelines_own_sizes(root, tmp_path, capsys, 
     memory = _load(root, "memory")
     pipe = build_tiny_wan22_pipeline(tmp_path / "tiny")
     recipe = {
-        "model": {"name": "wan", "path": str(tmp_path / "tiny"), "resolution": 32, "num_frames": 5, "lora": {"rank": 4},
-                  "max_sequence_length": 16, "guidance_scale": 4.0},
+        "model": {
+            "name": "wan",
+            "path": str(tmp_path / "tiny"),
+            "resolution": 32,
+            "num_frames": 5,
+            "lora": {"rank": 4},
+            "max_sequence_length": 16,
+            "guidance_scale": 4.0,
+        },
         "sampler": {"name": "fast", "steps": 4, "window": 2},
         "train": {"prompts_per_iteration": 4, "group_size": 4, "micro_batch_size": 2, "ema_decay": 0.9},
     }
@@ -113,17 +134,29 @@ def test_memory_estimate_counts_the_pipelines_own_sizes(root, tmp_path, capsys, 
     assert memory.main([str(tmp_path / "r.yaml"), "--gpus", "2", "--json"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     sizes = result["sizes"]
-    assert sizes["exact"] and sizes["transformers"] == [sum(p.numel() for p in m.parameters()) for m in (pipe.transformer, pipe.transformer_2)]
+    assert sizes["exact"] and sizes["transformers"] == [
+        sum(p.numel() for p in m.parameters()) for m in (pipe.transformer, pipe.transformer_2)
+    ]
     assert sizes["text"] == sum(p.numel() for p in pipe.text_encoder.parameters())
     policy = registry.create("model", "wan", **{k: v for k, v in recipe["model"].items() if k != "name"}, device="cpu")
-    assert sum(sizes["lora"]) == sum(p.numel() for p in policy.trainable_parameters())  # peft's adapter on both experts
+    assert sum(sizes["lora"]) == sum(
+        p.numel() for p in policy.trainable_parameters()
+    )  # peft's adapter on both experts
     assert result["tokens"] == [2 * 2 * 2, 16]
     kinds = result["kinds"]
-    assert kinds["fsdp"]["weights"] < kinds["ddp"]["weights"] and kinds["deepspeed-zero2"]["weights"] == kinds["ddp"]["weights"]
+    assert (
+        kinds["fsdp"]["weights"] < kinds["ddp"]["weights"]
+        and kinds["deepspeed-zero2"]["weights"] == kinds["ddp"]["weights"]
+    )
     assert kinds["deepspeed-zero2"]["grads+adamw"] == kinds["ddp"]["grads+adamw"] / 2
     assert kinds["zero2-offload"]["grads+adamw"] == kinds["deepspeed-zero2"]["grads+adamw"] / 3
-    assert kinds["deepspeed-zero3"]["weights"] == kinds["fsdp"]["weights"] and kinds["deepspeed-zero3"]["ema"] == kinds["fsdp"]["ema"]
-    assert kinds["zero3-offload"]["weights"] < kinds["deepspeed-zero3"]["weights"] and kinds["zero3-offload"]["ema"] == 0
+    assert (
+        kinds["deepspeed-zero3"]["weights"] == kinds["fsdp"]["weights"]
+        and kinds["deepspeed-zero3"]["ema"] == kinds["fsdp"]["ema"]
+    )
+    assert (
+        kinds["zero3-offload"]["weights"] < kinds["deepspeed-zero3"]["weights"] and kinds["zero3-offload"]["ema"] == 0
+    )
     assert kinds["zero3-offload"]["grads+adamw"] == kinds["zero2-offload"]["grads+adamw"]
     assert result["activations"]["checkpointing"] < result["activations"]["none"]
     assert memory.main([str(tmp_path / "r.yaml"), "--gpus", "0"]) == 2

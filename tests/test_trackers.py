@@ -15,14 +15,19 @@ from accelerate.tracking import GeneralTracker
 from accelerate.utils import LoggerType
 from rich.console import Console
 
-from fgrpo.core import cli, recipe as recipe_mod
+from fgrpo.core import cli
+from fgrpo.core import recipe as recipe_mod
 from fgrpo.core.runlog import read_metrics
 from fgrpo.core.trainer import open_run, train
 
 QUIET = Console(quiet=True)
 SMALL_SHAPES = [
-    "train.iterations=2", "train.prompts_per_iteration=2", "eval.every=2", "eval.max_prompts=6",
-    "eval.samples_per_prompt=2", "log.project=my-project",
+    "train.iterations=2",
+    "train.prompts_per_iteration=2",
+    "eval.every=2",
+    "eval.max_prompts=6",
+    "eval.samples_per_prompt=2",
+    "log.project=my-project",
 ]
 
 
@@ -111,7 +116,9 @@ def test_a_tracker_receives_config_scalars_and_sample_grids(root, tmp_path, monk
     assert len(logged.data.params) == len(config)
     assert [m.step for m in client.get_metric_history(logged.info.run_id, "reward_mean")] == [1, 2]
     assert [a.path for a in client.list_artifacts(logged.info.run_id, "eval/samples")] == [
-        "eval/samples/iteration_000000.png", "eval/samples/iteration_000002.png"]
+        "eval/samples/iteration_000000.png",
+        "eval/samples/iteration_000002.png",
+    ]
     stored = Path(client.download_artifacts(logged.info.run_id, "eval/samples/iteration_000002.png", str(tmp_path)))
     assert np.array_equal(np.asarray(Image.open(stored).convert("RGB")), grid[0])
     assert str(out / "mlflow" / "artifacts") in experiment.artifact_location
@@ -122,8 +129,19 @@ def test_mlflow_resumes_its_run_and_takes_another_store(root, tmp_path, monkeypa
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     team = f"sqlite:///{tmp_path / 'team.db'}"
-    base = ["compose", str(root / "recipes" / "vector.yaml"), "--out", str(tmp_path / "run"), "--quiet", "--set", "log.trackers=[mlflow]",
-            "--set", f"log.init_kwargs={{mlflow: {{tracking_uri: '{team}', tags: {{team: vision}}}}}}", "--set", "eval.every=0"]
+    base = [
+        "compose",
+        str(root / "recipes" / "vector.yaml"),
+        "--out",
+        str(tmp_path / "run"),
+        "--quiet",
+        "--set",
+        "log.trackers=[mlflow]",
+        "--set",
+        f"log.init_kwargs={{mlflow: {{tracking_uri: '{team}', tags: {{team: vision}}}}}}",
+        "--set",
+        "eval.every=0",
+    ]
     assert cli.main([*base, "--set", "train.iterations=1"]) == 0
     assert cli.main([*base, "--set", "train.iterations=2", "--resume"]) == 0
     assert not (tmp_path / "run" / "mlflow").exists() and not (tmp_path / "mlflow.db").exists()
@@ -135,14 +153,32 @@ def test_mlflow_resumes_its_run_and_takes_another_store(root, tmp_path, monkeypa
 
 def test_no_trackers_writes_no_events(root, tmp_path):
     out = tmp_path / "run"
-    assert cli.main(["compose", str(root / "recipes" / "vector.yaml"), "--out", str(out), "--quiet",
-                     "--set", "train.iterations=1", "--set", "log.trackers=[]"]) == 0
+    assert (
+        cli.main(
+            [
+                "compose",
+                str(root / "recipes" / "vector.yaml"),
+                "--out",
+                str(out),
+                "--quiet",
+                "--set",
+                "train.iterations=1",
+                "--set",
+                "log.trackers=[]",
+            ]
+        )
+        == 0
+    )
     assert not (out / "tensorboard").exists() and read_metrics(out)
 
 
 def test_wandb_chosen_but_not_installed_is_a_recipe_error(root, monkeypatch, capsys):
-    monkeypatch.setattr(tracking, "_available_trackers", [t for t in tracking._available_trackers if t != LoggerType.WANDB])
-    code = cli.main(["validate", str(root / "recipes" / "vector.yaml"), "--set", "log.trackers=[tensorboard, wandb, mlfow]"])
+    monkeypatch.setattr(
+        tracking, "_available_trackers", [t for t in tracking._available_trackers if t != LoggerType.WANDB]
+    )
+    code = cli.main(
+        ["validate", str(root / "recipes" / "vector.yaml"), "--set", "log.trackers=[tensorboard, wandb, mlfow]"]
+    )
     err = capsys.readouterr().err
     assert code == 2
     assert "log.trackers: got ['tensorboard', 'wandb', 'mlfow']: " in err
@@ -169,15 +205,40 @@ def test_wandb_gets_project_run_name_folder_and_options(root, tmp_path, monkeypa
         return FakeRun()
 
     fake.init = init
-    fake.config = types.SimpleNamespace(update=lambda values, allow_val_change: calls.setdefault("config", dict(values)))
+    fake.config = types.SimpleNamespace(
+        update=lambda values, allow_val_change: calls.setdefault("config", dict(values))
+    )
     fake.Image = lambda image: ("image", np.asarray(image).shape)
     monkeypatch.setitem(sys.modules, "wandb", fake)
     monkeypatch.setattr(tracking, "_available_trackers", [*tracking._available_trackers, LoggerType.WANDB])
     out = tmp_path / "run"
-    assert cli.main(["compose", str(root / "recipes" / "vector.yaml"), "--out", str(out), "--quiet",
-                     "--set", "train.iterations=2", "--set", "log.trackers=[wandb]", "--set", "log.project=fgrpo-tests",
-                     "--set", "log.init_kwargs={wandb: {mode: offline, tags: [ci]}}"]) == 0
-    assert calls["init"] == {"project": "fgrpo-tests", "name": "run", "dir": str(out), "mode": "offline", "tags": ["ci"]}
+    assert (
+        cli.main(
+            [
+                "compose",
+                str(root / "recipes" / "vector.yaml"),
+                "--out",
+                str(out),
+                "--quiet",
+                "--set",
+                "train.iterations=2",
+                "--set",
+                "log.trackers=[wandb]",
+                "--set",
+                "log.project=fgrpo-tests",
+                "--set",
+                "log.init_kwargs={wandb: {mode: offline, tags: [ci]}}",
+            ]
+        )
+        == 0
+    )
+    assert calls["init"] == {
+        "project": "fgrpo-tests",
+        "name": "run",
+        "dir": str(out),
+        "mode": "offline",
+        "tags": ["ci"],
+    }
     assert calls["config"]["train.iterations"] == 2
     assert [step for step, _ in calls["logs"]] == [0, 1, 2] and "reward_mean" in calls["logs"][1][1]
     assert calls["finished"]
@@ -185,12 +246,23 @@ def test_wandb_gets_project_run_name_folder_and_options(root, tmp_path, monkeypa
 
 def test_tracker_options_must_be_mappings(root, capsys):
     assert cli.main(["validate", str(root / "recipes" / "vector.yaml"), "--set", "log.init_kwargs={wandb: 3}"]) == 2
-    assert "log.init_kwargs: got {'wandb': 3}; expected a mapping of options per tracker (not for wandb)" in capsys.readouterr().err
+    assert (
+        "log.init_kwargs: got {'wandb': 3}; expected a mapping of options per tracker (not for wandb)"
+        in capsys.readouterr().err
+    )
 
 
 @pytest.mark.parametrize("change", ["log.trackers=[]", "log.project=other"])
 def test_changing_trackers_on_resume_is_allowed(root, tmp_path, change):
-    base = ["compose", str(root / "recipes" / "vector.yaml"), "--out", str(tmp_path), "--quiet", "--set", "train.iterations=1"]
+    base = [
+        "compose",
+        str(root / "recipes" / "vector.yaml"),
+        "--out",
+        str(tmp_path),
+        "--quiet",
+        "--set",
+        "train.iterations=1",
+    ]
     assert cli.main(base) == 0
     assert cli.main(base + ["--resume", "--set", "train.iterations=2", "--set", change]) == 0
 
@@ -202,14 +274,38 @@ def test_bad_tracker_options_on_resume_write_nothing(root, tmp_path, capsys):
     import hashlib
 
     recipe = str(root / "recipes" / "vector.yaml")
-    base = ["compose", recipe, "--out", str(tmp_path), "--quiet", "--set", "train.iterations=1", "--set", "eval.every=0"]
+    base = [
+        "compose",
+        recipe,
+        "--out",
+        str(tmp_path),
+        "--quiet",
+        "--set",
+        "train.iterations=1",
+        "--set",
+        "eval.every=0",
+    ]
     assert cli.main(base) == 0
-    before = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in tmp_path.rglob("*") if p.is_file() and p.name != ".fgrpo.lock"}
+    before = {
+        p: hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in tmp_path.rglob("*")
+        if p.is_file() and p.name != ".fgrpo.lock"
+    }
     # before: a TypeError traceback after recipe.resolved.yaml was rewritten with the bad options
-    assert cli.main(base + ["--resume", "--set", "train.iterations=2", "--set", "log.init_kwargs={tensorboard: {logging_dir: x}}"]) == 2
+    assert (
+        cli.main(
+            base
+            + ["--resume", "--set", "train.iterations=2", "--set", "log.init_kwargs={tensorboard: {logging_dir: x}}"]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "error: log.init_kwargs.tensorboard.logging_dir: fgrpo sets it" in err and "Traceback" not in err
-    after = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in tmp_path.rglob("*") if p.is_file() and p.name != ".fgrpo.lock"}
+    after = {
+        p: hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in tmp_path.rglob("*")
+        if p.is_file() and p.name != ".fgrpo.lock"
+    }
     assert after == before
 
 
@@ -224,9 +320,24 @@ def test_good_tracker_options_reach_the_tracker(root, tmp_path, monkeypatch):
         real(self, *args, **kwargs)
 
     monkeypatch.setattr(tensorboard.SummaryWriter, "__init__", spy)
-    assert cli.main(["compose", str(root / "recipes" / "vector.yaml"), "--out", str(tmp_path / "run"), "--quiet",
-                     "--set", "train.iterations=1", "--set", "eval.every=0",
-                     "--set", "log.init_kwargs={tensorboard: {flush_secs: 7, filename_suffix: .mine}}"]) == 0
+    assert (
+        cli.main(
+            [
+                "compose",
+                str(root / "recipes" / "vector.yaml"),
+                "--out",
+                str(tmp_path / "run"),
+                "--quiet",
+                "--set",
+                "train.iterations=1",
+                "--set",
+                "eval.every=0",
+                "--set",
+                "log.init_kwargs={tensorboard: {flush_secs: 7, filename_suffix: .mine}}",
+            ]
+        )
+        == 0
+    )
     assert seen[0] == {"purge_step": 0, "flush_secs": 7, "filename_suffix": ".mine"}  # the run's writer
 
 
@@ -240,10 +351,31 @@ def test_options_are_checked_against_the_libraries_own_signature(root, monkeypat
     monkeypatch.setitem(sys.modules, "wandb", fake)
     monkeypatch.setattr(tracking, "_available_trackers", [*tracking._available_trackers, LoggerType.WANDB])
     recipe = str(root / "recipes" / "vector.yaml")
-    good = cli.main(["validate", recipe, "--set", "log.trackers=[wandb]", "--set", "log.init_kwargs={wandb: {mode: offline, tags: [a]}}"])
+    good = cli.main(
+        [
+            "validate",
+            recipe,
+            "--set",
+            "log.trackers=[wandb]",
+            "--set",
+            "log.init_kwargs={wandb: {mode: offline, tags: [a]}}",
+        ]
+    )
     assert good == 0
-    bad = cli.main(["validate", recipe, "--set", "log.trackers=[wandb]", "--set", "log.init_kwargs={wandb: {mood: offline, project: p}}"])
+    bad = cli.main(
+        [
+            "validate",
+            recipe,
+            "--set",
+            "log.trackers=[wandb]",
+            "--set",
+            "log.init_kwargs={wandb: {mood: offline, project: p}}",
+        ]
+    )
     assert bad == 2
     err = capsys.readouterr().err
-    assert "log.init_kwargs.wandb.mood: unknown option of the wandb tracker (did you mean 'mode'?); allowed: dir, entity, mode, name, tags" in err
+    assert (
+        "log.init_kwargs.wandb.mood: unknown option of the wandb tracker (did you mean 'mode'?); allowed: dir, "
+        "entity, mode, name, tags" in err
+    )
     assert "log.init_kwargs.wandb.project: fgrpo sets it (log.project); remove it" in err

@@ -9,13 +9,14 @@ import pytest
 import torch
 from rich.console import Console
 
-from fgrpo.core import cli, recipe as recipe_mod
+from fgrpo.core import cli
+from fgrpo.core import recipe as recipe_mod
 from fgrpo.core.hookspecs import hookimpl, plugin_manager
-from fgrpo.core.scoring import RewardError, score
-from fgrpo.core.recipe import RewardSpec
 from fgrpo.core.protocols import RewardResult
+from fgrpo.core.recipe import RewardSpec
 from fgrpo.core.runlog import read_metrics
-from fgrpo.core.trainer import build_run, iteration, train
+from fgrpo.core.scoring import RewardError, score
+from fgrpo.core.trainer import build_run, iteration
 
 QUIET = Console(quiet=True)
 REQUIRED_METRICS = (
@@ -67,8 +68,19 @@ def test_check_fails_with_a_diagnosis_on_a_dtype_mismatch(root, capsys):
 def test_run_directory_contents(root, tmp_path):
     out = tmp_path / "run"
     code = cli.main(
-        ["compose", str(root / "recipes" / "vector.yaml"), "--out", str(out), "--quiet",
-         "--set", "train.iterations=4", "--set", "train.checkpoint_every=2", "--set", "eval.every=2"]
+        [
+            "compose",
+            str(root / "recipes" / "vector.yaml"),
+            "--out",
+            str(out),
+            "--quiet",
+            "--set",
+            "train.iterations=4",
+            "--set",
+            "train.checkpoint_every=2",
+            "--set",
+            "eval.every=2",
+        ]
     )
     assert code == 0
     rows = read_metrics(out)
@@ -87,16 +99,34 @@ def test_run_directory_contents(root, tmp_path):
 
 
 def test_existing_run_is_not_overwritten(root, tmp_path, capsys):
-    args = ["compose", str(root / "recipes" / "vector.yaml"), "--out", str(tmp_path), "--quiet", "--set", "train.iterations=1"]
+    args = [
+        "compose",
+        str(root / "recipes" / "vector.yaml"),
+        "--out",
+        str(tmp_path),
+        "--quiet",
+        "--set",
+        "train.iterations=1",
+    ]
     assert cli.main(args) == 0
     assert cli.main(args) == 2
     assert "already holds a run; pass --resume" in capsys.readouterr().err
 
 
 def test_resume_against_a_different_recipe_is_refused(root, tmp_path, capsys):
-    base = ["compose", str(root / "recipes" / "vector.yaml"), "--out", str(tmp_path), "--quiet", "--set", "train.iterations=2"]
+    base = [
+        "compose",
+        str(root / "recipes" / "vector.yaml"),
+        "--out",
+        str(tmp_path),
+        "--quiet",
+        "--set",
+        "train.iterations=2",
+    ]
     assert cli.main(base) == 0
-    code = cli.main(base + ["--resume", "--set", "train.lr=0.01", "--set", "sampler.kernel.eta=0.5", "--set", "train.iterations=3"])
+    code = cli.main(
+        base + ["--resume", "--set", "train.lr=0.01", "--set", "sampler.kernel.eta=0.5", "--set", "train.iterations=3"]
+    )
     err = capsys.readouterr().err
     assert code == 2
     assert "train.lr: 0.003 in the checkpoint, 0.01 now" in err
@@ -116,11 +146,20 @@ class _Broken:
         return RewardResult(scores=scores)
 
 
-@pytest.mark.parametrize("value, message", [
-    (float("nan"), "reward 'bad' returned nan for the batch of iteration 7 (sample 3, prompt 'p3'; 1 non-finite of 6)"),
-    (float("inf"), "reward 'bad' returned inf for the batch of iteration 7"),
-    ("shape", "reward 'bad' returned scores of shape (5,) for the batch of iteration 7 of 6 samples; expected (6,)"),
-])
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        (
+            float("nan"),
+            "reward 'bad' returned nan for the batch of iteration 7 (sample 3, prompt 'p3'; 1 non-finite of 6)",
+        ),
+        (float("inf"), "reward 'bad' returned inf for the batch of iteration 7"),
+        (
+            "shape",
+            "reward 'bad' returned scores of shape (5,) for the batch of iteration 7 of 6 samples; expected (6,)",
+        ),
+    ],
+)
 def test_bad_reward_output_is_refused_before_the_update(value, message):
     spec = RewardSpec("bad", "bad", 1.0, {})
     prompts = [f"p{i}" for i in range(6)]
@@ -141,15 +180,30 @@ def test_objective_kl_uses_the_reference_with_gradient(root):
     assert metrics["nfe_train"] == 2 * 9 * 64
 
 
-@pytest.mark.parametrize("sampler", [
-    "sampler={name: mixgrpo, steps: 8, window: 2, shift_every: 2, strategy: random, flash: true, kernel: {name: sde, eta: 0.7}}",
-    "sampler={name: fast, steps: 8, window: 2, kernel: {name: dance, eta: 0.3}}",
-])
+@pytest.mark.parametrize(
+    "sampler",
+    [
+        "sampler={name: mixgrpo, steps: 8, window: 2, shift_every: 2, strategy: random, flash: true, kernel: {name: "
+        "sde, eta: 0.7}}",
+        "sampler={name: fast, steps: 8, window: 2, kernel: {name: dance, eta: 0.3}}",
+    ],
+)
 def test_resume_restores_ema_schedule_and_sampler_state_exactly(root, tmp_path, sampler):
     from safetensors.torch import load_file
 
-    sets = ["--set", sampler, "--set", "train.ema_decay=0.9", "--set", "train.lr_schedule=cosine",
-            "--set", "train.warmup_iterations=2", "--set", "train.checkpoint_every=3", "--quiet"]
+    sets = [
+        "--set",
+        sampler,
+        "--set",
+        "train.ema_decay=0.9",
+        "--set",
+        "train.lr_schedule=cosine",
+        "--set",
+        "train.warmup_iterations=2",
+        "--set",
+        "train.checkpoint_every=3",
+        "--quiet",
+    ]
     recipe = str(root / "recipes" / "vector.yaml")
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     assert cli.main(["compose", recipe, "--out", str(straight), "--set", "train.iterations=9", *sets]) == 0
@@ -205,5 +259,6 @@ def test_detail_means_overall_is_the_unweighted_mean_of_the_categories():
     means = detail_means({"strict": torch.tensor([1.0, 0.0, 1.0]), "category": ["a", "a", "b"]})
     assert means == pytest.approx({"strict": 2 / 3, "strict/a": 0.5, "strict/b": 1.0, "strict/overall": 0.75})
     assert "strict/overall" not in detail_means({"strict": torch.tensor([1.0, 0.0]), "category": ["a", "a"]})
-    assert detail_means({"strict": torch.tensor([1.0, 0.0]), "category": ["a", "b"]}, by_category=False) == {"strict": 0.5}
-
+    assert detail_means({"strict": torch.tensor([1.0, 0.0]), "category": ["a", "b"]}, by_category=False) == {
+        "strict": 0.5
+    }

@@ -33,11 +33,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("recipe")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--steps", type=float, nargs="+", default=[1e-4, 3e-4, 1e-3, 3e-3], help="step sizes h (weight-space norm)")
+    parser.add_argument(
+        "--steps", type=float, nargs="+", default=[1e-4, 3e-4, 1e-3, 3e-3], help="step sizes h (weight-space norm)"
+    )
     parser.add_argument("--batches", type=int, default=3, help="fresh batches per measurement")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    recipe = recipe_mod.load(args.recipe, [*args.overrides, "eval.every=0", "log.trackers=[]", "train.drop_zero_advantage=false"])
+    recipe = recipe_mod.load(
+        args.recipe, [*args.overrides, "eval.every=0", "log.trackers=[]", "train.drop_zero_advantage=false"]
+    )
     run = build_run(recipe, out_dir=None, console=Console(quiet=True), quiet=True)
     params = run.trainable
 
@@ -66,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def at(direction: list[torch.Tensor], scale: float) -> float:
         with torch.no_grad():
-            for p, s, d in zip(params, saved, direction):
+            for p, s, d in zip(params, saved, direction, strict=True):
                 p.copy_(s + scale * d)
         return reward()
 

@@ -19,8 +19,16 @@ import sys
 from pathlib import Path
 
 KINDS = {
-    "sd3": "sd3", "flux": "flux", "flux2": "flux2", "flux2-klein": "flux2_klein", "qwen-image": "qwen_image",
-    "z-image": "z_image", "wan": "wan", "wan2.2": "wan22", "wan2.2-i2v": "wan22_i2v", "wan2.2-ti2v": "wan22_ti2v",
+    "sd3": "sd3",
+    "flux": "flux",
+    "flux2": "flux2",
+    "flux2-klein": "flux2_klein",
+    "qwen-image": "qwen_image",
+    "z-image": "z_image",
+    "wan": "wan",
+    "wan2.2": "wan22",
+    "wan2.2-i2v": "wan22_i2v",
+    "wan2.2-ti2v": "wan22_ti2v",
     "hunyuan-video-1.5": "hunyuan_video15",
 }
 

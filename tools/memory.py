@@ -41,24 +41,93 @@ BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16"
 #: hub id -> published sizes when no config is at hand: parameters of the transformer (each expert),
 #: the text encoders, the VAE; the transformer's hidden size and block count (approximate)
 PUBLISHED: dict[str, dict[str, Any]] = {
-    "black-forest-labs/FLUX.2-dev": {"transformer": 32.2e9, "text": 24.0e9, "vae": 0.08e9, "hidden": 6144, "layers": 56},
-    "black-forest-labs/FLUX.2-klein-9B": {"transformer": 9.1e9, "text": 8.2e9, "vae": 0.08e9, "hidden": 4096, "layers": 32},
-    "black-forest-labs/FLUX.2-klein-base-9B": {"transformer": 9.1e9, "text": 8.2e9, "vae": 0.08e9, "hidden": 4096, "layers": 32},
+    "black-forest-labs/FLUX.2-dev": {
+        "transformer": 32.2e9,
+        "text": 24.0e9,
+        "vae": 0.08e9,
+        "hidden": 6144,
+        "layers": 56,
+    },
+    "black-forest-labs/FLUX.2-klein-9B": {
+        "transformer": 9.1e9,
+        "text": 8.2e9,
+        "vae": 0.08e9,
+        "hidden": 4096,
+        "layers": 32,
+    },
+    "black-forest-labs/FLUX.2-klein-base-9B": {
+        "transformer": 9.1e9,
+        "text": 8.2e9,
+        "vae": 0.08e9,
+        "hidden": 4096,
+        "layers": 32,
+    },
     "Tongyi-MAI/Z-Image": {"transformer": 6.15e9, "text": 4.0e9, "vae": 0.08e9, "hidden": 3840, "layers": 34},
     "Tongyi-MAI/Z-Image-Turbo": {"transformer": 6.15e9, "text": 4.0e9, "vae": 0.08e9, "hidden": 3840, "layers": 34},
-    "Wan-AI/Wan2.2-T2V-A14B-Diffusers": {"transformer": 14.3e9, "experts": 2, "text": 5.7e9, "vae": 0.13e9, "hidden": 5120, "layers": 40},
-    "Wan-AI/Wan2.2-I2V-A14B-Diffusers": {"transformer": 14.3e9, "experts": 2, "text": 5.7e9, "vae": 0.13e9, "hidden": 5120, "layers": 40},
-    "Wan-AI/Wan2.2-TI2V-5B-Diffusers": {"transformer": 5.0e9, "text": 5.7e9, "vae": 0.7e9, "hidden": 3072, "layers": 30},
-    "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": {"transformer": 1.42e9, "text": 5.7e9, "vae": 0.13e9, "hidden": 1536, "layers": 30},
-    "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v": {"transformer": 8.3e9, "text": 8.5e9, "vae": 0.5e9, "hidden": 2048, "layers": 54},
-    "black-forest-labs/FLUX.1-dev": {"transformer": 11.9e9, "text": 4.9e9, "vae": 0.08e9, "hidden": 3072, "layers": 57},
-    "stabilityai/stable-diffusion-3.5-medium": {"transformer": 2.5e9, "text": 5.6e9, "vae": 0.08e9, "hidden": 1536, "layers": 24},
+    "Wan-AI/Wan2.2-T2V-A14B-Diffusers": {
+        "transformer": 14.3e9,
+        "experts": 2,
+        "text": 5.7e9,
+        "vae": 0.13e9,
+        "hidden": 5120,
+        "layers": 40,
+    },
+    "Wan-AI/Wan2.2-I2V-A14B-Diffusers": {
+        "transformer": 14.3e9,
+        "experts": 2,
+        "text": 5.7e9,
+        "vae": 0.13e9,
+        "hidden": 5120,
+        "layers": 40,
+    },
+    "Wan-AI/Wan2.2-TI2V-5B-Diffusers": {
+        "transformer": 5.0e9,
+        "text": 5.7e9,
+        "vae": 0.7e9,
+        "hidden": 3072,
+        "layers": 30,
+    },
+    "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": {
+        "transformer": 1.42e9,
+        "text": 5.7e9,
+        "vae": 0.13e9,
+        "hidden": 1536,
+        "layers": 30,
+    },
+    "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v": {
+        "transformer": 8.3e9,
+        "text": 8.5e9,
+        "vae": 0.5e9,
+        "hidden": 2048,
+        "layers": 54,
+    },
+    "black-forest-labs/FLUX.1-dev": {
+        "transformer": 11.9e9,
+        "text": 4.9e9,
+        "vae": 0.08e9,
+        "hidden": 3072,
+        "layers": 57,
+    },
+    "stabilityai/stable-diffusion-3.5-medium": {
+        "transformer": 2.5e9,
+        "text": 5.6e9,
+        "vae": 0.08e9,
+        "hidden": 1536,
+        "layers": 24,
+    },
     "Qwen/Qwen-Image": {"transformer": 20.4e9, "text": 8.3e9, "vae": 0.13e9, "hidden": 3072, "layers": 60},
 }
 #: per backbone: (spatial downscale of a token, temporal downscale, extra text tokens)
 GEOMETRY = {
-    "sd3": (16, None, 77), "flux": (16, None, 0), "flux2": (16, None, 0), "flux2-klein": (16, None, 0), "qwen-image": (16, None, 0),
-    "z-image": (16, None, 0), "wan": (16, 4, 0), "wan-i2v": (16, 4, 0), "hunyuan-video-1.5": (16, 4, 256),
+    "sd3": (16, None, 77),
+    "flux": (16, None, 0),
+    "flux2": (16, None, 0),
+    "flux2-klein": (16, None, 0),
+    "qwen-image": (16, None, 0),
+    "z-image": (16, None, 0),
+    "wan": (16, 4, 0),
+    "wan-i2v": (16, 4, 0),
+    "hunyuan-video-1.5": (16, 4, 256),
 }
 #: latent values per token (channels x patch area): 16 VAE channels in 2x2 patches unless said
 VALUES_PER_TOKEN = {"flux2": 128, "flux2-klein": 128, "hunyuan-video-1.5": 32}
@@ -116,7 +185,12 @@ def param_count(module: Any) -> int:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     for tied, target in dict(getattr(module, "_tied_weights_keys", None) or {}).items():
         head = "lm_head" in tied
-        if tied in params and target in params and params[tied] is not params[target] and (not head or getattr(text, "tie_word_embeddings", False)):
+        if (
+            tied in params
+            and target in params
+            and params[tied] is not params[target]
+            and (not head or getattr(text, "tie_word_embeddings", False))
+        ):
             total -= params[tied].numel()
     return total
 
@@ -145,36 +219,62 @@ def sizes(model: Mapping[str, Any]) -> dict[str, Any]:
     folder = _folder(str(model["path"]))
     if folder is not None and (folder / "model_index.json").is_file():
         index = json.loads((folder / "model_index.json").read_text())
-        built = {n: _meta_module(folder, n, spec) for n, spec in index.items()
-                 if isinstance(spec, list) and len(spec) == 2 and spec[0] in ("diffusers", "transformers") and (folder / n / "config.json").is_file()}
+        built = {
+            n: _meta_module(folder, n, spec)
+            for n, spec in index.items()
+            if isinstance(spec, list)
+            and len(spec) == 2
+            and spec[0] in ("diffusers", "transformers")
+            and (folder / n / "config.json").is_file()
+        }
         experts = [built[n] for n in ("transformer", "transformer_2") if n in built]
         texts = [m for n, m in built.items() if n.startswith("text_encoder") or n == "image_encoder"]
         first = experts[0]
-        blocks = [m for m in first.modules() if type(m).__name__ in set(getattr(first, "_no_split_modules", None) or [])]
+        blocks = [
+            m for m in first.modules() if type(m).__name__ in set(getattr(first, "_no_split_modules", None) or [])
+        ]
         config = first.config
-        hidden = int(config.get("num_attention_heads", 1) * config.get("attention_head_dim", 0) or config.get("dim", 0) or config.get("inner_dim", 0))
+        hidden = int(
+            config.get("num_attention_heads", 1) * config.get("attention_head_dim", 0)
+            or config.get("dim", 0)
+            or config.get("inner_dim", 0)
+        )
         trained = _trained_count(model, len(experts))
         return {
             "transformers": [param_count(m) for m in experts],
             "text": sum(param_count(m) for m in texts),
             "vae": param_count(built["vae"]) if "vae" in built else 0,
-            "hidden": hidden, "layers": max(len(blocks), 1),
+            "hidden": hidden,
+            "layers": max(len(blocks), 1),
             "block": max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0),
             "lora": [lora_params(m, rank, targets) for m in experts[:trained]] if rank else [],
             "exact": True,
         }
     known = PUBLISHED.get(str(model["path"]))
     if known is None:
-        raise SystemExit(f"model.path {model['path']!r}: no local folder or cached configs, and no published sizes in tools/memory.py")
+        raise SystemExit(
+            f"model.path {model['path']!r}: no local folder or cached configs, and no published sizes in "
+            f"tools/memory.py"
+        )
     count = int(known.get("experts", 1))
     per_block = known["transformer"] / known["layers"]
     # r x (in + out) per adapted linear: q, k, v, out of the image stream (8 r h), of the text stream
     # too when add_* are targeted, a feed-forward of width 4h when it is (10 r h)
-    per_layer = 8 + (8 if any("add_" in t for t in targets) else 0) + (10 if any(w in t for t in targets for w in ("ff", "mlp", "feed")) else 0)
+    per_layer = (
+        8
+        + (8 if any("add_" in t for t in targets) else 0)
+        + (10 if any(w in t for t in targets for w in ("ff", "mlp", "feed")) else 0)
+    )
     lora_each = rank * known["hidden"] * per_layer * known["layers"]
     return {
-        "transformers": [known["transformer"]] * count, "text": known["text"], "vae": known["vae"], "hidden": known["hidden"],
-        "layers": known["layers"], "block": per_block, "lora": [lora_each] * _trained_count(model, count) if rank else [], "exact": False,
+        "transformers": [known["transformer"]] * count,
+        "text": known["text"],
+        "vae": known["vae"],
+        "hidden": known["hidden"],
+        "layers": known["layers"],
+        "block": per_block,
+        "lora": [lora_each] * _trained_count(model, count) if rank else [],
+        "exact": False,
     }
 
 
@@ -249,8 +349,14 @@ def estimate(data: Mapping[str, Any], gpus: int) -> dict[str, Any]:
         }
         parts["total"] = sum(parts.values())
         kinds[kind] = parts
-    return {"kinds": kinds, "sizes": s, "activations": {"checkpointing": act_ckpt, "none": act_full}, "tokens": (image_tokens, text_tokens),
-            "samples_per_gpu": samples, "trained_steps": trained_steps}
+    return {
+        "kinds": kinds,
+        "sizes": s,
+        "activations": {"checkpointing": act_ckpt, "none": act_full},
+        "tokens": (image_tokens, text_tokens),
+        "samples_per_gpu": samples,
+        "trained_steps": trained_steps,
+    }
 
 
 def _guided(model: Mapping[str, Any]) -> bool:
@@ -277,17 +383,20 @@ def render(result: Mapping[str, Any], gpus: int) -> list[str]:
         "|---|" + "---|" * (len(columns) + 1),
     ]
     for kind, parts in result["kinds"].items():
-        lines.append(f"| {kind} | " + " | ".join(f"{parts[c] / GIB:.1f}" for c in columns) + f" | {LAUNCH_NOTES[kind]} |")
+        lines.append(
+            f"| {kind} | " + " | ".join(f"{parts[c] / GIB:.1f}" for c in columns) + f" | {LAUNCH_NOTES[kind]} |"
+        )
     s = result["sizes"]
     image, text = result["tokens"]
     lines += [
         "",
         f"sizes ({'from the configs, exact' if s['exact'] else 'published, approximate'}): transformer "
         + " + ".join(f"{p / 1e9:.2f}B" for p in s["transformers"])
-        + f", text encoders {s['text'] / 1e9:.2f}B, VAE {s['vae'] / 1e9:.3f}B, trained {sum(s['lora']) / 1e6:.1f}M LoRA"
-        + f" ({len(s['lora'])} network(s)); {image} image + {text} text tokens per sample, {result['samples_per_gpu']} samples"
-        + f" x {result['trained_steps']} trained steps per GPU",
-        f"activations per update pass: {result['activations']['checkpointing'] / GIB:.2f} GiB with gradient checkpointing, "
+        + f", text encoders {s['text'] / 1e9:.2f}B, VAE {s['vae'] / 1e9:.3f}B, trained {sum(s['lora']) / 1e6:.1f}M "
+        f"LoRA" + f" ({len(s['lora'])} network(s)); {image} image + {text} text tokens per sample, "
+        f"{result['samples_per_gpu']} samples" + f" x {result['trained_steps']} trained steps per GPU",
+        f"activations per update pass: {result['activations']['checkpointing'] / GIB:.2f} GiB with gradient "
+        f"checkpointing, "
         f"{result['activations']['none'] / GIB:.2f} GiB without",
     ]
     return lines
@@ -320,7 +429,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("recipe", help="a recipe file")
     parser.add_argument("--gpus", type=int, default=8, help="processes (GPUs) the run is launched on")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a recipe key")
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a recipe key"
+    )
     parser.add_argument("--json", action="store_true", help="print the estimate as JSON (bytes)")
     args = parser.parse_args(argv)
     if args.gpus < 1:

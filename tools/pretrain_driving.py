@@ -49,12 +49,16 @@ def dataset(seeds: int, until: float, chunk: int = 1000) -> tuple[torch.Tensor, 
     return torch.cat(xs), torch.cat(ys)
 
 
-def train(cond: torch.Tensor, plans: torch.Tensor, arch: Architecture, steps: int, batch: int, lr: float, seed: int) -> tuple[PlanVelocity, list[float]]:
+def train(
+    cond: torch.Tensor, plans: torch.Tensor, arch: Architecture, steps: int, batch: int, lr: float, seed: int
+) -> tuple[PlanVelocity, list[float]]:
     torch.manual_seed(seed)
     net = PlanVelocity(arch)
     z = from_waypoints(plans, arch)
     optimizer = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=1e-4)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: min(1.0, (i + 1) / 200) * 0.5 * (1 + math.cos(math.pi * i / steps)))
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda i: min(1.0, (i + 1) / 200) * 0.5 * (1 + math.cos(math.pi * i / steps))
+    )
     g = torch.Generator().manual_seed(seed + 1)
     losses = []
     for i in range(steps):
@@ -92,14 +96,26 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     cond, plans = dataset(args.seeds, args.until)
     t1 = time.perf_counter()
-    print(f"{len(cond)} (scene, plan) pairs from {args.seeds * len(TYPES)} teacher logs in {t1 - t0:.1f} s", flush=True)
+    print(
+        f"{len(cond)} (scene, plan) pairs from {args.seeds * len(TYPES)} teacher logs in {t1 - t0:.1f} s", flush=True
+    )
     arch = Architecture(cond_dim=features.SIZE, hidden=args.hidden, blocks=args.blocks)
     net, losses = train(cond, plans, arch, args.steps, args.batch, args.lr, args.seed)
     t2 = time.perf_counter()
     params = sum(p.numel() for p in net.parameters())
-    made = {"seeds_per_type": args.seeds, "until": args.until, "pairs": len(cond), "steps": args.steps, "batch": args.batch,
-            "lr": args.lr, "seed": args.seed, "final_loss": round(sum(losses[-100:]) / len(losses[-100:]), 5),
-            "data_seconds": round(t1 - t0, 1), "train_seconds": round(t2 - t1, 1), "parameters": params}
+    made = {
+        "seeds_per_type": args.seeds,
+        "until": args.until,
+        "pairs": len(cond),
+        "steps": args.steps,
+        "batch": args.batch,
+        "lr": args.lr,
+        "seed": args.seed,
+        "final_loss": round(sum(losses[-100:]) / len(losses[-100:]), 5),
+        "data_seconds": round(t1 - t0, 1),
+        "train_seconds": round(t2 - t1, 1),
+        "parameters": params,
+    }
     save_network(net, args.out, extra={"trained": json.dumps(made, sort_keys=True)})
     print(f"wrote {args.out} ({params} parameters; data {t1 - t0:.0f} s, training {t2 - t1:.0f} s)")
     return 0

@@ -82,7 +82,9 @@ DEFAULT_OUT = ROOT / "packages/fgrpo-models/src/fgrpo/models/weights/shapes-base
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     a = p.add_argument_group("architecture")
     a.add_argument("--hidden", type=int, default=192, help="transformer width")
     a.add_argument("--layers", type=int, default=4, help="SD3 joint transformer blocks")
@@ -91,7 +93,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.add_argument("--text-layers", type=int, default=1, help="text encoder layers")
     t = p.add_argument_group("training")
     t.add_argument("--steps", type=int, default=12000, help="optimizer steps")
-    t.add_argument("--time-budget", type=float, default=0.0, help="stop after this many seconds of training (0: no limit)")
+    t.add_argument(
+        "--time-budget", type=float, default=0.0, help="stop after this many seconds of training (0: no limit)"
+    )
     t.add_argument("--batch", type=int, default=128)
     t.add_argument("--lr", type=float, default=2e-3)
     t.add_argument("--lr-min", type=float, default=2e-4)
@@ -104,7 +108,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     t.add_argument("--loss-floor", type=float, default=0.05, help="x0-prediction: sigma floor of the v-loss weight")
     t.add_argument("--logit-mean", type=float, default=0.5)
     t.add_argument("--logit-std", type=float, default=1.0)
-    t.add_argument("--caption-noise", type=float, default=0.4, help="fraction of images rendered from a perturbed scene")
+    t.add_argument(
+        "--caption-noise", type=float, default=0.4, help="fraction of images rendered from a perturbed scene"
+    )
     t.add_argument("--prompt-dropout", type=float, default=0.1, help="fraction of prompts replaced by '' (for CFG)")
     t.add_argument("--split-seed", type=int, default=0, help="seed of the train/test split (ShapesPrompts.seed)")
     t.add_argument("--test-per-category", type=int, default=16)
@@ -147,7 +153,7 @@ class PairSampler:
             specs.append(options[int(rng.integers(len(options)))])
         images = world.render_batch([world.sample_scene(s, rng, self.caption_noise) for s in specs])
         drop = rng.random(n) < self.prompt_dropout
-        prompts = ["" if d else s.prompt for s, d in zip(specs, drop)]
+        prompts = ["" if d else s.prompt for s, d in zip(specs, drop, strict=True)]
         return prompts, images * 2 - 1
 
 
@@ -230,7 +236,11 @@ def main(argv: list[str] | None = None) -> int:
     optimizer = torch.optim.AdamW(network.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     gen = torch.Generator(device="cpu").manual_seed(args.seed + 1)
     trained, losses, history = 0.0, [], []
-    meta = {"trained_with": json.dumps({k: v for k, v in vars(args).items() if k not in ("out", "checkpoint_dir")}, sort_keys=True)}
+    meta = {
+        "trained_with": json.dumps(
+            {k: v for k, v in vars(args).items() if k not in ("out", "checkpoint_dir")}, sort_keys=True
+        )
+    }
     if args.checkpoint_dir:
         Path(args.checkpoint_dir).mkdir(parents=True, exist_ok=True)
 
@@ -243,7 +253,11 @@ def main(argv: list[str] | None = None) -> int:
         history.append({"step": step, "train_s": round(trained, 1), **r})
         extra = f" (raw {r['raw_accuracy']:.3f})" if args.eval_raw else ""
         loss = np.mean(losses[-100:]) if losses else float("nan")
-        print(f"step {step:5d} train {trained:6.0f}s loss {loss:.4f} | EMA {line(r)}{extra} [eval {time.perf_counter() - t:.0f}s]", flush=True)
+        print(
+            f"step {step:5d} train {trained:6.0f}s loss {loss:.4f} | EMA {line(r)}{extra} [eval "
+            f"{time.perf_counter() - t:.0f}s]",
+            flush=True,
+        )
         if args.checkpoint_dir:
             save_network(ema, Path(args.checkpoint_dir) / f"step{step:05d}.safetensors", extra=meta)
 
@@ -269,13 +283,17 @@ def main(argv: list[str] | None = None) -> int:
         optimizer.step()
         decay = min(args.ema, (1 + step) / (10 + step))
         with torch.no_grad():
-            for pe, p in zip(ema.parameters(), network.parameters()):
+            for pe, p in zip(ema.parameters(), network.parameters(), strict=True):
                 pe.lerp_(p, 1 - decay)
         losses.append(loss.item())
         step += 1
         trained += time.perf_counter() - t0
         if step % 100 == 0:
-            print(f"step {step:5d} train {trained:6.0f}s ({trained / step:.3f} s/step) loss {np.mean(losses[-100:]):.4f} lr {lr_at(step - 1, args):.2e}", flush=True)
+            print(
+                f"step {step:5d} train {trained:6.0f}s ({trained / step:.3f} s/step) loss "
+                f"{np.mean(losses[-100:]):.4f} lr {lr_at(step - 1, args):.2e}",
+                flush=True,
+            )
         if args.eval_every and step % args.eval_every == 0 and step < args.steps:
             checkpoint(step)
 
@@ -285,7 +303,11 @@ def main(argv: list[str] | None = None) -> int:
     t = time.perf_counter()
     final = evaluate(shipped, test, args, device)
     history.append({"step": step, "train_s": round(trained, 1), **final})
-    print(f"step {step:5d} train {trained:6.0f}s ({trained / max(step, 1):.3f} s/step) | written file: {line(final)} [eval {time.perf_counter() - t:.0f}s]", flush=True)
+    print(
+        f"step {step:5d} train {trained:6.0f}s ({trained / max(step, 1):.3f} s/step) | written file: {line(final)} "
+        f"[eval {time.perf_counter() - t:.0f}s]",
+        flush=True,
+    )
     print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB)")
     print("history " + json.dumps(history))
     return 0

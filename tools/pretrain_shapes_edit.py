@@ -2,20 +2,21 @@
 """Pretrain the ``shapes-edit-dit`` base model: rectified-flow matching on imperfect edit pairs of
 the shapes-edit world (source scene + instruction -> edited scene).
 
-    .venv/bin/python tools/pretrain_shapes_edit.py --checkpoint-dir DIR   # DIR/step01000.safetensors is the shipped file
+    # DIR/step01000.safetensors is the shipped file
+    .venv/bin/python tools/pretrain_shapes_edit.py --checkpoint-dir DIR
 
 What it does (every default is what made packages/fgrpo-models/src/fgrpo/models/weights/
 shapes-edit-base.safetensors, which is this run's EMA checkpoint at step 1000: cut there for the
 session's time, its metadata records these defaults):
 
 - architecture: ``shapes-dit``'s (an SD3 transformer over 24x24 pixels, one token per cell, a
-  word-level text encoder) with ``source_images: 1``: the source image's 9 cell tokens follow the
-  state's in the sequence at the state's positions plus a learned marker (FLUX Kontext's same
-  (h, w) ids), at the same timestep; only the state's tokens are read out. (With positions of their
-  own, the sources' cells to the right of the state's, 3000 steps of this tool left the untouched
-  cells all preserved in 8% of held-out edits: the network had not learned to copy.) Built from scratch (not from the text-to-image base: the
-  instructions have their own vocabulary, and the editing model is smaller so that RL fits in 10
-  minutes on 2 cores).
+word-level text encoder) with ``source_images: 1``: the source image's 9 cell tokens follow the
+state's in the sequence at the state's positions plus a learned marker (FLUX Kontext's same (h, w)
+ids), at the same timestep; only the state's tokens are read out. (With positions of their own, the
+sources' cells to the right of the state's, 3000 steps of this tool left the untouched cells all
+preserved in 8% of held-out edits: the network had not learned to copy.) Built from scratch (not
+from the text-to-image base: the instructions have their own vocabulary, and the editing model is
+smaller so that RL fits in 10 minutes on 2 cores).
 - data: pairs from the TRAINING instructions of ``split_instructions(--split-seed)`` only (the
   held-out instructions are never seen); the category of each example is drawn uniformly, then an
   instruction of it and a random source scene it applies to (:func:`edit_pair`). With probability
@@ -57,8 +58,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pretrain_shapes import lr_at  # noqa: E402  (the same schedule)
 
-from fgrpo.models.shapes_edit import ShapesEditDiT  # noqa: E402
-from fgrpo.models.shapes_network import (  # noqa: E402
+from fgrpo.models.shapes_edit import ShapesEditDiT  # noqa: E402 - with the sibling tool above
+from fgrpo.models.shapes_network import (  # noqa: E402 - with the sibling tool above
     Architecture,
     ShapesNetwork,
     count_parameters,
@@ -67,15 +68,17 @@ from fgrpo.models.shapes_network import (  # noqa: E402
     save_network,
     vocabulary_of,
 )
-from fgrpo.rewards.shapes import edit as world  # noqa: E402
-from fgrpo.rewards.shapes.world import render_batch  # noqa: E402
+from fgrpo.rewards.shapes import edit as world  # noqa: E402 - with the sibling tool above
+from fgrpo.rewards.shapes.world import render_batch  # noqa: E402 - with the sibling tool above
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "packages/fgrpo-models/src/fgrpo/models/weights/shapes-edit-base.safetensors"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     a = p.add_argument_group("architecture")
     a.add_argument("--hidden", type=int, default=64, help="transformer width")
     a.add_argument("--layers", type=int, default=3, help="SD3 joint transformer blocks")
@@ -84,7 +87,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.add_argument("--text-layers", type=int, default=1, help="text encoder layers")
     t = p.add_argument_group("training")
     t.add_argument("--steps", type=int, default=3000, help="optimizer steps")
-    t.add_argument("--time-budget", type=float, default=0.0, help="stop after this many seconds of training (0: no limit)")
+    t.add_argument(
+        "--time-budget", type=float, default=0.0, help="stop after this many seconds of training (0: no limit)"
+    )
     t.add_argument("--batch", type=int, default=64)
     t.add_argument("--lr", type=float, default=2e-3)
     t.add_argument("--lr-min", type=float, default=2e-4)
@@ -97,7 +102,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     t.add_argument("--logit-mean", type=float, default=0.5)
     t.add_argument("--logit-std", type=float, default=1.0)
     t.add_argument("--noise", type=float, default=0.35, help="fraction of targets that are mistaken edits")
-    t.add_argument("--prompt-dropout", type=float, default=0.1, help="fraction of instructions replaced by '' (for CFG)")
+    t.add_argument(
+        "--prompt-dropout", type=float, default=0.1, help="fraction of instructions replaced by '' (for CFG)"
+    )
     t.add_argument("--split-seed", type=int, default=0, help="seed of the instruction split (ShapesEditPrompts.seed)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--device", default="cpu")
@@ -136,7 +143,7 @@ def fresh_train_prompts(train: dict[str, list[world.Edit]], per_category: int, s
     rng = np.random.default_rng([seed, 7])
     out = []
     for category in world.EDIT_CATEGORIES:
-        for i in range(per_category):
+        for _ in range(per_category):
             edit = train[category][int(rng.integers(len(train[category])))]
             out.append(world.make_prompt(edit, world.random_source(edit, rng)))
     return out
@@ -167,7 +174,10 @@ def evaluate(network: ShapesNetwork, prompts: list[str], args: argparse.Namespac
 
 def line(r: dict) -> str:
     cats = " ".join(f"{c}={r[f'edit/{c}']:.2f}" for c in world.EDIT_CATEGORIES if f"edit/{c}" in r)
-    return f"edit {r['edit']:.3f} preserved {r['preserved']:.3f} gold {r['gold_preservation_error']:.2f} clean {r['clean']:.2f} | {cats}"
+    return (
+        f"edit {r['edit']:.3f} preserved {r['preserved']:.3f} gold {r['gold_preservation_error']:.2f} clean "
+        f"{r['clean']:.2f} | {cats}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -202,7 +212,11 @@ def main(argv: list[str] | None = None) -> int:
     optimizer = torch.optim.AdamW(network.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     gen = torch.Generator(device="cpu").manual_seed(args.seed + 1)
     trained, losses, history = 0.0, [], []
-    meta = {"trained_with": json.dumps({k: v for k, v in vars(args).items() if k not in ("out", "checkpoint_dir")}, sort_keys=True)}
+    meta = {
+        "trained_with": json.dumps(
+            {k: v for k, v in vars(args).items() if k not in ("out", "checkpoint_dir")}, sort_keys=True
+        )
+    }
     if args.checkpoint_dir:
         Path(args.checkpoint_dir).mkdir(parents=True, exist_ok=True)
 
@@ -236,13 +250,17 @@ def main(argv: list[str] | None = None) -> int:
         optimizer.step()
         decay = min(args.ema, (1 + step) / (10 + step))
         with torch.no_grad():
-            for pe, p in zip(ema.parameters(), network.parameters()):
+            for pe, p in zip(ema.parameters(), network.parameters(), strict=True):
                 pe.lerp_(p, 1 - decay)
         losses.append(loss.item())
         step += 1
         trained += time.perf_counter() - t0
         if step % 100 == 0:
-            print(f"step {step:5d} train {trained:6.0f}s ({trained / step:.3f} s/step) loss {np.mean(losses[-100:]):.4f} lr {lr_at(step - 1, args):.2e}", flush=True)
+            print(
+                f"step {step:5d} train {trained:6.0f}s ({trained / step:.3f} s/step) loss "
+                f"{np.mean(losses[-100:]):.4f} lr {lr_at(step - 1, args):.2e}",
+                flush=True,
+            )
         if args.eval_every and step % args.eval_every == 0 and step < args.steps:
             checkpoint(step, ema, "EMA")
 

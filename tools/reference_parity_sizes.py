@@ -13,8 +13,6 @@ network is needed: those sizes show the mechanism, not the real model's magnitud
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import torch
 
@@ -22,22 +20,57 @@ from fgrpo.core import registry
 
 #: the transformer configs published with the weights (structure only)
 SD35_MEDIUM = dict(
-    sample_size=128, patch_size=2, in_channels=16, num_layers=24, attention_head_dim=64, num_attention_heads=24,
-    joint_attention_dim=4096, caption_projection_dim=1536, pooled_projection_dim=2048, out_channels=16,
-    pos_embed_max_size=384, dual_attention_layers=tuple(range(13)), qk_norm="rms_norm",
+    sample_size=128,
+    patch_size=2,
+    in_channels=16,
+    num_layers=24,
+    attention_head_dim=64,
+    num_attention_heads=24,
+    joint_attention_dim=4096,
+    caption_projection_dim=1536,
+    pooled_projection_dim=2048,
+    out_channels=16,
+    pos_embed_max_size=384,
+    dual_attention_layers=tuple(range(13)),
+    qk_norm="rms_norm",
 )
 WAN21_1_3B = dict(
-    patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
-    text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
-    eps=1e-6, rope_max_seq_len=1024,
+    patch_size=(1, 2, 2),
+    num_attention_heads=12,
+    attention_head_dim=128,
+    in_channels=16,
+    out_channels=16,
+    text_dim=4096,
+    freq_dim=256,
+    ffn_dim=8960,
+    num_layers=30,
+    cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads",
+    eps=1e-6,
+    rope_max_seq_len=1024,
 )
 FLUX1_DEV = dict(
-    patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128, num_attention_heads=24,
-    joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True, axes_dims_rope=(16, 56, 56),
+    patch_size=1,
+    in_channels=64,
+    num_layers=19,
+    num_single_layers=38,
+    attention_head_dim=128,
+    num_attention_heads=24,
+    joint_attention_dim=4096,
+    pooled_projection_dim=768,
+    guidance_embeds=True,
+    axes_dims_rope=(16, 56, 56),
 )
 QWEN_IMAGE = dict(
-    patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128, num_attention_heads=24,
-    joint_attention_dim=3584, guidance_embeds=False, axes_dims_rope=(16, 56, 56),
+    patch_size=2,
+    in_channels=64,
+    out_channels=16,
+    num_layers=60,
+    attention_head_dim=128,
+    num_attention_heads=24,
+    joint_attention_dim=3584,
+    guidance_embeds=False,
+    axes_dims_rope=(16, 56, 56),
 )
 OLD_JOINT = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
 
@@ -58,20 +91,28 @@ def item1() -> None:
     for steps in (20, 10):
         sigmas = unipc_0_33(steps, 3.0)
         ratio = stds("sde", sigmas, eta=0.7) / stds("wan-sde", sigmas)
-        print(f"1  Wan, {steps} steps (flow shift 3): sde eta 0.7 std / flow_grpo's Wan std = {ratio[0]:.1f}x at step 0, "
-              f"{ratio[1:].min():.2f}-{ratio[1:].max():.2f}x at steps 1-{steps - 1}")
+        print(
+            f"1  Wan, {steps} steps (flow shift 3): sde eta 0.7 std / flow_grpo's Wan std = {ratio[0]:.1f}x at step "
+            f"0, "
+            f"{ratio[1:].min():.2f}-{ratio[1:].max():.2f}x at steps 1-{steps - 1}"
+        )
 
 
 def item2() -> None:
-    from fgrpo.models import _diffusers as dx
-    from fgrpo.models.testing.pipelines import QWEN_IMAGE_SCHEDULER
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    sigmas, _ = dx.scheduler_grid(FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER), 10, shift=None, image_seq_len=1024, explicit_grid=True)
+    from fgrpo.models import _diffusers as dx
+    from fgrpo.models.testing.pipelines import QWEN_IMAGE_SCHEDULER
+
+    sigmas, _ = dx.scheduler_grid(
+        FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER), 10, shift=None, image_seq_len=1024, explicit_grid=True
+    )
     var = stds("sde", sigmas, eta=1.2) ** 2
     full, window = float(var[:9].sum()), float(var[3:5].sum())
-    print(f"2  Qwen-Image 512 px, 10 steps, eta 1.2: injected noise variance of steps 0-8 (before) / of the window 3-4 "
-          f"(flow_grpo's) = {full / window:.1f}x; the configured random window 0-3 would have trained steps 0-4")
+    print(
+        f"2  Qwen-Image 512 px, 10 steps, eta 1.2: injected noise variance of steps 0-8 (before) / of the window 3-4 "
+        f"(flow_grpo's) = {full / window:.1f}x; the configured random window 0-3 would have trained steps 0-4"
+    )
 
 
 def item3() -> None:
@@ -83,7 +124,9 @@ def item3() -> None:
         for init in (True, "gaussian"):
             torch.manual_seed(seed)
             layer = torch.nn.Sequential(torch.nn.Linear(1536, 1536))
-            model = get_peft_model(layer, LoraConfig(r=32, lora_alpha=64, target_modules=["0"], init_lora_weights=init))
+            model = get_peft_model(
+                layer, LoraConfig(r=32, lora_alpha=64, target_modules=["0"], init_lora_weights=init)
+            )
             x, target = torch.randn(64, 1536), torch.randn(64, 1536)
             with torch.no_grad():
                 before = model(x)
@@ -95,8 +138,11 @@ def item3() -> None:
             with torch.no_grad():
                 changes[init] = float((model(x) - before).norm())
         ratios.append(changes["gaussian"] / changes[True])
-    print(f"3  LoRA init (1536 x 1536 linear, r 32, 3 AdamW steps at 3e-4, 5 seeds): output change gaussian / peft default = "
-          f"{min(ratios):.2f}-{max(ratios):.2f}x")
+    print(
+        f"3  LoRA init (1536 x 1536 linear, r 32, 3 AdamW steps at 3e-4, 5 seeds): output change gaussian / peft "
+        f"default = "
+        f"{min(ratios):.2f}-{max(ratios):.2f}x"
+    )
 
 
 def lora_parameters(cls, config: dict, targets) -> tuple[int, int]:
@@ -106,12 +152,21 @@ def lora_parameters(cls, config: dict, targets) -> tuple[int, int]:
     with torch.device("meta"):
         model = cls(**config)
     lora = LoraConfig(r=32, target_modules=list(targets))
-    linears = [m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and check_target_module_exists(lora, name)]
+    linears = [
+        m
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and check_target_module_exists(lora, name)
+    ]
     return len(linears), sum(32 * (m.in_features + m.out_features) for m in linears)
 
 
 def item4() -> None:
-    from diffusers import FluxTransformer2DModel, QwenImageTransformer2DModel, SD3Transformer2DModel, WanTransformer3DModel
+    from diffusers import (
+        FluxTransformer2DModel,
+        QwenImageTransformer2DModel,
+        SD3Transformer2DModel,
+        WanTransformer3DModel,
+    )
 
     from fgrpo.models.flux import FLUX_LORA_TARGETS
     from fgrpo.models.lora import JOINT_ATTENTION_LORA_TARGETS
@@ -120,14 +175,30 @@ def item4() -> None:
 
     cases = [
         ("SD3.5-M", SD3Transformer2DModel, SD35_MEDIUM, OLD_JOINT, JOINT_ATTENTION_LORA_TARGETS),
-        ("Wan 2.1 1.3B", WanTransformer3DModel, WAN21_1_3B, ("to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"), WAN_LORA_TARGETS),
+        (
+            "Wan 2.1 1.3B",
+            WanTransformer3DModel,
+            WAN21_1_3B,
+            ("to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"),
+            WAN_LORA_TARGETS,
+        ),
         ("FLUX.1-dev", FluxTransformer2DModel, FLUX1_DEV, (*OLD_JOINT, *FLUX_LORA_TARGETS[8:]), FLUX_LORA_TARGETS),
-        ("Qwen-Image", QwenImageTransformer2DModel, QWEN_IMAGE, (*OLD_JOINT, *QWEN_IMAGE_LORA_TARGETS[8:]), QWEN_IMAGE_LORA_TARGETS),
+        (
+            "Qwen-Image",
+            QwenImageTransformer2DModel,
+            QWEN_IMAGE,
+            (*OLD_JOINT, *QWEN_IMAGE_LORA_TARGETS[8:]),
+            QWEN_IMAGE_LORA_TARGETS,
+        ),
     ]
     for name, cls, config, old, new in cases:
         (n_old, p_old), (n_new, p_new) = lora_parameters(cls, config, old), lora_parameters(cls, config, new)
-        print(f"4  LoRA targets on {name} (counted at r 32): before {n_old} linears {p_old / 1e6:.2f} M, now (flow_grpo's) "
-              f"{n_new} linears {p_new / 1e6:.2f} M: {n_old - n_new:+d} linears, {(p_old - p_new) / 1e6:+.2f} M ({p_old / p_new - 1:+.0%})")
+        print(
+            f"4  LoRA targets on {name} (counted at r 32): before {n_old} linears {p_old / 1e6:.2f} M, now "
+            f"(flow_grpo's) "
+            f"{n_new} linears {p_new / 1e6:.2f} M: {n_old - n_new:+d} linears, {(p_old - p_new) / 1e6:+.2f} M "
+            f"({p_old / p_new - 1:+.0%})"
+        )
 
 
 @torch.no_grad()
@@ -140,14 +211,20 @@ def item8() -> None:
     half = SD3Policy.from_pipeline(build_tiny_sd3_pipeline(), dtype="bfloat16", **keys)
     x = exact.initial_noise(4, torch.Generator().manual_seed(0))
     gap = (half.decode(x) - exact.decode(x)).abs()
-    print(f"8  decoding with the VAE in bf16 (before: dtype cast the whole pipeline) against float32 (flow_grpo's), tiny SD3 VAE: "
-          f"mean {float(gap.mean()) * 255:.2f} / 255, max {float(gap.max()) * 255:.1f} / 255 per pixel")
+    print(
+        f"8  decoding with the VAE in bf16 (before: dtype cast the whole pipeline) against float32 (flow_grpo's), "
+        f"tiny SD3 VAE: "
+        f"mean {float(gap.mean()) * 255:.2f} / 255, max {float(gap.max()) * 255:.1f} / 255 per pixel"
+    )
 
 
 def item9() -> None:
     for what, repeats in (("SD3 recipes, 8 GPUs", 8), ("SD3, 32 GPUs", 2), ("FLUX, 8 GPUs", 24), ("Wan", 1)):
-        print(f"9  EMA ({what}): flow_grpo applies its update {repeats}x per qualifying step: weight of the new "
-              f"weights {1 - 0.9 ** repeats:.3f} instead of 0.100 (decay 0.9); qualifying steps 7, 15, ... instead of 8, 16, ...")
+        print(
+            f"9  EMA ({what}): flow_grpo applies its update {repeats}x per qualifying step: weight of the new "
+            f"weights {1 - 0.9**repeats:.3f} instead of 0.100 (decay 0.9); qualifying steps 7, 15, ... instead of 8, "
+            f"16, ..."
+        )
 
 
 @torch.no_grad()
@@ -163,8 +240,11 @@ def item10() -> None:
         together = policy.velocity(x, sigma, policy.encode(["hi", "a red circle to the left of a cat"]))[0]
         alone = policy.velocity(x[:1], sigma[:1], policy.encode(["hi"]))[0]
         change = float((together - alone).norm() / alone.norm())
-        print(f"10 Qwen-Image padding {'masked' if masked else 'unmasked (flow_grpo)'}: a short prompt's velocity batched with a "
-              f"longer one moves by {change:.1%} of its norm (tiny random Qwen-Image)")
+        print(
+            f"10 Qwen-Image padding {'masked' if masked else 'unmasked (flow_grpo)'}: a short prompt's velocity "
+            f"batched with a "
+            f"longer one moves by {change:.1%} of its norm (tiny random Qwen-Image)"
+        )
 
 
 @torch.no_grad()
@@ -176,19 +256,33 @@ def item11() -> None:
 
     def policy(**keys):
         pipe = build_tiny_wan_pipeline()
-        pipe.scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
-        return WanPolicy.from_pipeline(pipe, device="cpu", max_sequence_length=16, resolution=32, num_frames=5, guidance_scale=1.0, **keys)
+        pipe.scheduler = UniPCMultistepScheduler(
+            prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0
+        )
+        return WanPolicy.from_pipeline(
+            pipe, device="cpu", max_sequence_length=16, resolution=32, num_frames=5, guidance_scale=1.0, **keys
+        )
 
     ints, floats = policy(), policy(integer_timesteps=False)
     sigmas = ints.sigmas(20)
     cond = ints.encode(["a sign"])
     x = ints.initial_noise(1, torch.Generator().manual_seed(0))
-    rel = [float((ints.velocity(x, s.expand(1), cond) - floats.velocity(x, s.expand(1), cond)).norm() / floats.velocity(x, s.expand(1), cond).norm()) for s in sigmas[:-1]]
+    rel = [
+        float(
+            (ints.velocity(x, s.expand(1), cond) - floats.velocity(x, s.expand(1), cond)).norm()
+            / floats.velocity(x, s.expand(1), cond).norm()
+        )
+        for s in sigmas[:-1]
+    ]
     old = policy(sigma_grid="diffusers-0.33")
     gap = (old.sigmas(20) - sigmas).abs()
-    print(f"11 Wan timesteps: float sigma*1000 (before) against UniPC's int64 (999 at sigma {float(sigmas[0]):.6f}): velocity "
-          f"{min(rel):.2%}-{max(rel):.2%} apart over the 20 steps (tiny random Wan); diffusers 0.33.1's grid (flow_grpo) against "
-          f"0.42.1's: up to {float(gap.max()):.4f} in sigma (step {int(gap.argmax())})")
+    print(
+        f"11 Wan timesteps: float sigma*1000 (before) against UniPC's int64 (999 at sigma {float(sigmas[0]):.6f}): "
+        f"velocity "
+        f"{min(rel):.2%}-{max(rel):.2%} apart over the 20 steps (tiny random Wan); diffusers 0.33.1's grid "
+        f"(flow_grpo) against "
+        f"0.42.1's: up to {float(gap.max()):.4f} in sigma (step {int(gap.argmax())})"
+    )
 
 
 def item12() -> None:
@@ -198,9 +292,14 @@ def item12() -> None:
     dynamic = schedules.flux_shift(schedules.linear(16), tokens)
     fixed = schedules.time_shift(schedules.linear(16), 3.0)
     truncated = torch.floor(fixed * 1000) / 1000
-    print(f"12 FLUX at DanceGRPO/MixGRPO's 720 px, 16 steps: the dynamic mu (fgrpo's default, flow_grpo's) against shift 3 on "
-          f"linspace(1, 0, 17) (theirs: model.shift 3): up to {float((dynamic - fixed).abs().max()):.3f} in sigma; their "
-          f"int(sigma*1000)/1000 timesteps (integer_timesteps: true) move sigma by up to {float((fixed - truncated).abs().max()):.4f}")
+    print(
+        f"12 FLUX at DanceGRPO/MixGRPO's 720 px, 16 steps: the dynamic mu (fgrpo's default, flow_grpo's) against "
+        f"shift 3 on "
+        f"linspace(1, 0, 17) (theirs: model.shift 3): up to {float((dynamic - fixed).abs().max()):.3f} in sigma; "
+        f"their "
+        f"int(sigma*1000)/1000 timesteps (integer_timesteps: true) move sigma by up to "
+        f"{float((fixed - truncated).abs().max()):.4f}"
+    )
 
 
 def main() -> None:

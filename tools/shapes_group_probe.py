@@ -81,7 +81,10 @@ def main() -> None:
             )
             if category == "position":
                 rate = sum(holds) / len(holds) if holds else float("nan")
-                line += f"  relation-informative groups {relation_groups / len(prompts):.3f}  relation | objects {rate:.3f}"
+                line += (
+                    f"  relation-informative groups {relation_groups / len(prompts):.3f}  relation | objects "
+                    f"{rate:.3f}"
+                )
             print(line, flush=True)
 
 

@@ -59,7 +59,9 @@ def rates(images: torch.Tensor, prompts: list[str]) -> tuple[float, float]:
     """(fraction of images holding exactly the required objects, clean; fraction of those whose
     relation holds: NaN when no prompt has a relation or no image has the objects)."""
     found = outcomes(images, prompts)
-    with_relation = [o for o, q in zip(found, prompts) if o is not None and spec_for(q).relation is not None]
+    with_relation = [
+        o for o, q in zip(found, prompts, strict=True) if o is not None and spec_for(q).relation is not None
+    ]
     objects = sum(o is not None for o in found) / len(prompts)
     return objects, sum(with_relation) / len(with_relation) if with_relation else float("nan")
 
@@ -126,7 +128,11 @@ def main() -> None:
         for category, prompts in by_category.items():
             objects, relation = probe(policy, prompts, args.samples, args.steps, args.seed)
             tail = f"  relation given the objects {relation:.3f}" if category == "position" else ""
-            print(f"{label}: {category:10s} objects exactly right {objects:.3f}{tail}  ({len(prompts) * args.samples} samples)", flush=True)
+            print(
+                f"{label}: {category:10s} objects exactly right {objects:.3f}{tail}  ({len(prompts) * args.samples} "
+                f"samples)",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -79,7 +79,7 @@ def spread(values: Sequence[float]) -> str:
 
 def paired_ratio(a: Sequence[float], b: Sequence[float]) -> float:
     """Median of the per-round ratios a_i / b_i (each pair measured moments apart)."""
-    return median([x / y for x, y in zip(a, b) if y > 0])
+    return median([x / y for x, y in zip(a, b, strict=True) if y > 0])
 
 
 def machine_line() -> str:
@@ -89,10 +89,13 @@ def machine_line() -> str:
         load = " ".join(f"{v:.2f}" for v in os.getloadavg())
     except OSError:
         load = "n/a"
-    return f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), load average {load}, python {sys.version.split()[0]}"
+    return (
+        f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), load average {load}, python "
+        f"{sys.version.split()[0]}"
+    )
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     cells = [[str(c) for c in header]] + [[str(c) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)).rstrip() for r in cells)

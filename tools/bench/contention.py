@@ -24,14 +24,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _bench  # noqa: E402
+import _bench  # noqa: E402 - found through the sys.path line above
 
 POLICIES = {
     "fgrpo": {},
@@ -39,7 +38,14 @@ POLICIES = {
     "passive": {"FGRPO_THREADS": "torch", "OMP_WAIT_POLICY": "PASSIVE"},
     "1-thread": {"OMP_NUM_THREADS": "1"},
 }
-THREAD_VARIABLES = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "FGRPO_THREADS", "FGRPO_THREADS_CHOSEN", "MKL_NUM_THREADS", "GOMP_SPINCOUNT")
+THREAD_VARIABLES = (
+    "OMP_NUM_THREADS",
+    "OMP_WAIT_POLICY",
+    "FGRPO_THREADS",
+    "FGRPO_THREADS_CHOSEN",
+    "MKL_NUM_THREADS",
+    "GOMP_SPINCOUNT",
+)
 
 
 def clean_env(extra: dict[str, str]) -> dict[str, str]:
@@ -69,7 +75,9 @@ def stop(procs: list[subprocess.Popen]) -> None:
         p.wait()
 
 
-def measure(command: list[str] | str, env: dict[str, str], times_file: Path, busy: int, skip: int, shell: bool = False) -> float:
+def measure(
+    command: list[str] | str, env: dict[str, str], times_file: Path, busy: int, skip: int, shell: bool = False
+) -> float:
     """Median seconds per iteration of one run of ``command`` beside ``busy`` busy loops."""
     loops = start_busy(busy)
     try:
@@ -103,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     subjects: list[tuple[str, object]] = [(p, POLICIES[p]) for p in args.policies.split(",") if p]
-    subjects += [tuple(e.split("=", 1)) for e in args.external]  # type: ignore[misc]
+    subjects += [(name, command) for name, command in (e.split("=", 1) for e in args.external)]
     results: dict[str, dict[str, list[float]]] = {name: {"quiet": [], "busy": []} for name, _ in subjects}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.repeats):
@@ -120,13 +128,17 @@ def main(argv: list[str] | None = None) -> int:
                         env = clean_env({"BENCH_TIMES": str(times), "BENCH_EPOCHS": str(args.iterations)})
                     seconds = measure(command, env, times, busy, args.skip, shell=shell)
                     results[name]["busy" if busy else "quiet"].append(seconds)
-                    print(f"  round {r + 1} {name} {'busy' if busy else 'quiet'}: {seconds:.3f} s/iteration", flush=True)
+                    print(
+                        f"  round {r + 1} {name} {'busy' if busy else 'quiet'}: {seconds:.3f} s/iteration", flush=True
+                    )
 
     print(f"{args.recipe}: {args.busy} busy loop(s) on {os.cpu_count()} CPUs; {_bench.machine_line()}")
     rows = []
     for name, res in results.items():
         factor = _bench.paired_ratio(res["busy"], res["quiet"])
-        rows.append([name, f"{_bench.median(res['quiet']):.3f}", f"{_bench.median(res['busy']):.3f}", f"x{factor:.2f}"])
+        rows.append(
+            [name, f"{_bench.median(res['quiet']):.3f}", f"{_bench.median(res['busy']):.3f}", f"x{factor:.2f}"]
+        )
     print(_bench.table(["policy", "quiet s/it", "busy s/it", "slowdown"], rows))
     names = list(results)
     if len(names) > 1:

@@ -53,7 +53,9 @@ class MLPPolicy:
         self.time = torch.randn(dim) / dim**0.5
 
     def encode(self, prompts: Sequence[str]) -> torch.Tensor:
-        rows = [torch.randn(self.dim, generator=torch.Generator().manual_seed(zlib.crc32(p.encode()))) for p in prompts]
+        rows = [
+            torch.randn(self.dim, generator=torch.Generator().manual_seed(zlib.crc32(p.encode()))) for p in prompts
+        ]
         return torch.stack(rows)
 
     def initial_noise(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -146,7 +148,8 @@ def main() -> None:
     print(
         f"fast sampler: steps {args.steps}, window {args.window}, window start uniform in [{low}, {high}), "
         f"group {args.group}, prompts {args.prompts}, evaluations/call {epc}, "
-        f"MLP {args.dim}-{args.hidden}-{args.hidden}-{args.dim} on {args.tokens} tokens, {args.threads} thread(s), {args.repeats} rollouts each"
+        f"MLP {args.dim}-{args.hidden}-{args.hidden}-{args.dim} on {args.tokens} tokens, {args.threads} thread(s), "
+        f"{args.repeats} rollouts each"
     )
     print(f"window starts drawn: {starts}")
     print(f"NFE per rollout, share_prefix=false: {plain_nfe:.1f} (always {full_nfe})")
@@ -158,10 +161,14 @@ def main() -> None:
     )
     print(f"NFE ratio shared/recomputed: {shared_nfe / plain_nfe:.3f} (expected {1 - expected_saving / full_nfe:.3f})")
     print(
-        f"wall time: shared {shared_s / args.repeats * 1000:.1f} ms, recomputed {plain_s / args.repeats * 1000:.1f} ms "
+        f"wall time: shared {shared_s / args.repeats * 1000:.1f} ms, recomputed {plain_s / args.repeats * 1000:.1f} "
+        f"ms "
         f"per rollout; ratio shared/recomputed {shared_s / plain_s:.3f}"
     )
-    print(f"max |final(shared) - final(recomputed)|: {max_diff:.3g} (0 when the network's rows do not depend on the batch)")
+    print(
+        f"max |final(shared) - final(recomputed)|: {max_diff:.3g} (0 when the network's rows do not depend on the "
+        f"batch)"
+    )
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _bench  # noqa: E402
+import _bench  # noqa: E402 - found through the sys.path line above
 
 COLUMNS = ("model", "reward", "decode", "overhead")
 
@@ -55,7 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("recipe")
     parser.add_argument("--iterations", type=int, default=8, help="counted iterations per variant")
     parser.add_argument("--skip", type=int, default=1, help="warm-up iterations per variant, not counted")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="for every variant")
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="for every variant"
+    )
     parser.add_argument("--variant", action="append", default=[], metavar="'NAME: K=V; K=V'")
     parser.add_argument("--json", type=Path, default=None, help="write every iteration's metrics here")
     args = parser.parse_args(argv)
@@ -68,7 +70,10 @@ def main(argv: list[str] | None = None) -> int:
         runs[name] = _bench.build(recipe)
         images[name] = recipe.train.prompts_per_iteration * recipe.train.group_size
     rows = _bench.interleave(runs, args.iterations, args.skip)
-    print(f"{args.recipe}: {args.iterations} iterations per variant after {args.skip} warm-up, interleaved; {_bench.machine_line()}")
+    print(
+        f"{args.recipe}: {args.iterations} iterations per variant after {args.skip} warm-up, interleaved; "
+        f"{_bench.machine_line()}"
+    )
     for line in report(rows, images):
         print(line)
     if args.json is not None:

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _bench  # noqa: E402
+import _bench  # noqa: E402 - found through the sys.path line above
 
 
 def explicit_sde(v, x, sigmas, i, x_next, eta):
@@ -109,20 +109,33 @@ def main(argv: list[str] | None = None) -> int:
         d_mean = float((ours.mean - mean).abs().max())
         d_lp = float((ours.log_prob - lp).abs().max())
         a, b = [], []
-        for r in range(args.repeats):  # interleaved
-            a += timed(lambda: kernel.step(v, x, sigmas, i, prev_sample=x_next), 1)
-            b += timed(lambda: explicit(v, x, sigmas, i, x_next, eta), 1)
-        rows.append([name, f"{d_mean:.2g}", f"{d_lp:.2g}", f"{_bench.median(a) * 1e6:.0f}", f"{_bench.median(b) * 1e6:.0f}", f"{_bench.paired_ratio(a, b):.2f}"])
+        for _ in range(args.repeats):  # interleaved
+            a += timed(lambda kernel=kernel, x_next=x_next: kernel.step(v, x, sigmas, i, prev_sample=x_next), 1)
+            b += timed(lambda explicit=explicit, x_next=x_next, eta=eta: explicit(v, x, sigmas, i, x_next, eta), 1)
+        rows.append(
+            [
+                name,
+                f"{d_mean:.2g}",
+                f"{d_lp:.2g}",
+                f"{_bench.median(a) * 1e6:.0f}",
+                f"{_bench.median(b) * 1e6:.0f}",
+                f"{_bench.paired_ratio(a, b):.2f}",
+            ]
+        )
 
     rows.append(dpmpp2m_row(x, v, sigmas, args.repeats))
-    print(f"kernels on a batch of {args.batch} x {tuple(args.shape)}, {args.steps}-step shifted schedule, step {i}; {_bench.machine_line()}")
-    print(_bench.table(["kernel", "max |d mean|", "max |d log-prob|", "fgrpo us", "explicit us", "fgrpo/explicit"], rows))
+    print(
+        f"kernels on a batch of {args.batch} x {tuple(args.shape)}, {args.steps}-step shifted schedule, step {i}; "
+        f"{_bench.machine_line()}"
+    )
+    print(
+        _bench.table(["kernel", "max |d mean|", "max |d log-prob|", "fgrpo us", "explicit us", "fgrpo/explicit"], rows)
+    )
     return 0
 
 
 def dpmpp2m_row(x, v, sigmas, repeats) -> list[str]:
     """Two DPM-Solver++(2M) steps against diffusers' scheduler (velocity turned into its x0)."""
-    import torch
 
     from fgrpo.core import registry
 
@@ -139,8 +152,12 @@ def dpmpp2m_row(x, v, sigmas, repeats) -> list[str]:
         return kernel.step(v, y, sigmas, 1).prev_sample
 
     scheduler = DPMSolverMultistepScheduler(
-        algorithm_type="dpmsolver++", solver_order=2, prediction_type="flow_prediction", use_flow_sigmas=True,
-        final_sigmas_type="zero", lower_order_final=True,
+        algorithm_type="dpmsolver++",
+        solver_order=2,
+        prediction_type="flow_prediction",
+        use_flow_sigmas=True,
+        final_sigmas_type="zero",
+        lower_order_final=True,
     )
 
     def explicit():
@@ -160,7 +177,14 @@ def dpmpp2m_row(x, v, sigmas, repeats) -> list[str]:
     for _ in range(max(1, repeats // 4)):
         a += timed(ours, 1)
         b += timed(explicit, 1)
-    return ["dpmpp2m (2 steps)", f"{diff:.2g}", "-", f"{_bench.median(a) * 1e6:.0f}", f"{_bench.median(b) * 1e6:.0f}", f"{_bench.paired_ratio(a, b):.2f}"]
+    return [
+        "dpmpp2m (2 steps)",
+        f"{diff:.2g}",
+        "-",
+        f"{_bench.median(a) * 1e6:.0f}",
+        f"{_bench.median(b) * 1e6:.0f}",
+        f"{_bench.paired_ratio(a, b):.2f}",
+    ]
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ Pref-GRPO's win rates over the verifier's partial score).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -40,7 +41,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _bench  # noqa: E402
+import _bench  # noqa: E402 - found through the sys.path line above
 
 RECIPES = {
     "grpo": "recipes/shapes.yaml",
@@ -53,6 +54,7 @@ RECIPES = {
     "pairwise": "recipes/shapes-pairwise.yaml",
 }
 MAIN = "grpo"
+LAST_EVALUATION = "the main job's last evaluation"
 
 
 class Clock:
@@ -104,7 +106,11 @@ def train(name: str, path: str, overrides: list[str], budget: float | None, ever
 
     def evaluate(it: int) -> None:
         points.append({"iteration": it, "seconds": round(clock.spent, 2), "nfe": nfe, **held_out(run, it)})
-        print(f"  {name} it {it:4d}  {clock.spent:7.1f} s  NFE {nfe:8d}  accuracy {points[-1]['accuracy']:.3f}  gold {points[-1]['gold_error']:.4f}", flush=True)
+        print(
+            f"  {name} it {it:4d}  {clock.spent:7.1f} s  NFE {nfe:8d}  accuracy {points[-1]['accuracy']:.3f}  gold "
+            f"{points[-1]['gold_error']:.4f}",
+            flush=True,
+        )
 
     evaluate(0)
     for it in range(recipe.train.iterations):
@@ -118,12 +124,19 @@ def train(name: str, path: str, overrides: list[str], budget: float | None, ever
                 mark += every
         if out_of_time:
             break
-    return {"name": name, "recipe": path, "overrides": overrides, "clock": clock_kind, "iterations": recipe.train.iterations, "points": points}
+    return {
+        "name": name,
+        "recipe": path,
+        "overrides": overrides,
+        "clock": clock_kind,
+        "iterations": recipe.train.iterations,
+        "points": points,
+    }
 
 
 def at(points: list[dict], key: str, axis: str, x: float) -> float | None:
     """``key`` at ``axis`` = x, linear between evaluations (None past the last one)."""
-    for a, b in zip(points, points[1:]):
+    for a, b in itertools.pairwise(points):
         if a[axis] <= x <= b[axis]:
             w = 0.0 if b[axis] == a[axis] else (x - a[axis]) / (b[axis] - a[axis])
             return a[key] + w * (b[key] - a[key])
@@ -141,7 +154,9 @@ def main_job_time(main: dict) -> tuple[float, str]:
     planned = main.get("iterations") or last["iteration"]
     if last["iteration"] >= planned or last["iteration"] == 0:
         return last["seconds"], "measured"
-    return last["seconds"] / last["iteration"] * planned, f"extrapolated from {last['iteration']} of its {planned} iterations"
+    return last["seconds"] / last[
+        "iteration"
+    ] * planned, f"extrapolated from {last['iteration']} of its {planned} iterations"
 
 
 def report(runs: list[dict], every: float, target_accuracy: float | None = None) -> list[str]:
@@ -157,12 +172,14 @@ def report(runs: list[dict], every: float, target_accuracy: float | None = None)
     total_nfe = main["points"][-1]["nfe"]
     clock = main["clock"]
     lines.append(
-        f"main job: {main['recipe']}, {main['points'][-1]['iteration']} iterations, {main['points'][-1]['seconds']:.0f} {clock} s, "
-        f"accuracy {main['points'][0]['accuracy']:.3f} -> {main['points'][-1]['accuracy']:.3f}, gold {base_gold:.4f} -> {main['points'][-1]['gold_error']:.4f}"
+        f"main job: {main['recipe']}, {main['points'][-1]['iteration']} iterations, "
+        f"{main['points'][-1]['seconds']:.0f} {clock} s, "
+        f"accuracy {main['points'][0]['accuracy']:.3f} -> {main['points'][-1]['accuracy']:.3f}, gold {base_gold:.4f} "
+        f"-> {main['points'][-1]['gold_error']:.4f}"
     )
     lines.append(
         f"T = {target_time:.0f} {clock} s ({how}); accuracy to reach {target:.3f} "
-        f"({'given: --target-accuracy' if target_accuracy is not None else 'the main job' + chr(39) + 's last evaluation'})"
+        f"({'given: --target-accuracy' if target_accuracy is not None else LAST_EVALUATION})"
     )
     marks = [every * k for k in range(1, int(min(target_time, measured_end) // every) + 1)]
     header = ["recipe"] + [f"{m:.0f} s" for m in marks]
@@ -174,7 +191,12 @@ def report(runs: list[dict], every: float, target_accuracy: float | None = None)
             done = " *" if r["points"][-1]["seconds"] < m - every else ""  # its iterations ended earlier
             cells.append("-" if p is None else f"{p['accuracy']:.3f} / {p['gold_error']:.4f}{done}")
         body.append(cells)
-    lines += ["", f"held-out strict accuracy / gold error at equal {clock} time (the last evaluation at or before each mark; * = the run had ended)", _bench.table(header, body)]
+    lines += [
+        "",
+        f"held-out strict accuracy / gold error at equal {clock} time (the last evaluation at or before each mark; * "
+        f"= the run had ended)",
+        _bench.table(header, body),
+    ]
     nfe_marks = [total_nfe * k / 10 for k in range(1, 11)]
     header = ["recipe"] + [f"{m / 1e3:.0f}k" for m in nfe_marks]
     body = []
@@ -184,16 +206,27 @@ def report(runs: list[dict], every: float, target_accuracy: float | None = None)
             a, g = at(r["points"], "accuracy", "nfe", m), at(r["points"], "gold_error", "nfe", m)
             cells.append("-" if a is None else f"{a:.3f} / {g:.4f}")
         body.append(cells)
-    lines += ["", "held-out strict accuracy / gold error at equal NFE (interpolated between evaluations)", _bench.table(header, body)]
-    lines += ["", f"first evaluation at or above {target:.3f} (T = {target_time:.0f} {clock} s, base gold {base_gold:.4f})"]
+    lines += [
+        "",
+        "held-out strict accuracy / gold error at equal NFE (interpolated between evaluations)",
+        _bench.table(header, body),
+    ]
+    lines += [
+        "",
+        f"first evaluation at or above {target:.3f} (T = {target_time:.0f} {clock} s, base gold {base_gold:.4f})",
+    ]
     for r in runs:
         hit = next((p for p in r["points"][1:] if p["accuracy"] >= target), None)
         best = max(r["points"][1:] or r["points"], key=lambda p: p["accuracy"])
         if hit is None:
-            lines.append(f"  {r['name']:14s} not reached; best {best['accuracy']:.3f} at {best['seconds']:.0f} s (gold {best['gold_error'] / base_gold:.2f}x base)")
+            lines.append(
+                f"  {r['name']:14s} not reached; best {best['accuracy']:.3f} at {best['seconds']:.0f} s (gold "
+                f"{best['gold_error'] / base_gold:.2f}x base)"
+            )
         else:
             lines.append(
-                f"  {r['name']:14s} {hit['seconds']:.0f} s = {hit['seconds'] / target_time:.2f} T, iteration {hit['iteration']}, "
+                f"  {r['name']:14s} {hit['seconds']:.0f} s = {hit['seconds'] / target_time:.2f} T, iteration "
+                f"{hit['iteration']}, "
                 f"gold {hit['gold_error']:.4f} = {hit['gold_error'] / base_gold:.2f}x base"
             )
     return lines
@@ -204,13 +237,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="", help="comma-separated recipe names (default: all)")
     parser.add_argument("--variant", action="append", default=[], metavar="'NAME: RECIPE; K=V; ...'")
     parser.add_argument("--every", type=float, default=60.0, help="seconds of training between evaluations")
-    parser.add_argument("--budget", type=float, default=None, help="seconds of training per recipe (default: the main job's)")
-    parser.add_argument("--main-budget", type=float, default=None, help="stop the main job after this many seconds (T is then extrapolated)")
-    parser.add_argument("--target-accuracy", type=float, default=None, help="the accuracy to reach (default: the main job's last)")
+    parser.add_argument(
+        "--budget", type=float, default=None, help="seconds of training per recipe (default: the main job's)"
+    )
+    parser.add_argument(
+        "--main-budget",
+        type=float,
+        default=None,
+        help="stop the main job after this many seconds (T is then extrapolated)",
+    )
+    parser.add_argument(
+        "--target-accuracy", type=float, default=None, help="the accuracy to reach (default: the main job's last)"
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
     parser.add_argument("--json", type=Path, default=None, help="write the runs here")
-    parser.add_argument("--table", type=Path, nargs="*", default=None, help="print the table of saved runs (no training)")
+    parser.add_argument(
+        "--table", type=Path, nargs="*", default=None, help="print the table of saved runs (no training)"
+    )
     args = parser.parse_args(argv)
 
     if args.table is not None:

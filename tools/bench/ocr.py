@@ -29,7 +29,12 @@ def render(texts: list[str], size: int) -> list[np.ndarray]:
     for i, text in enumerate(texts):
         image = Image.new("RGB", (size, size), (250, 248, 240))
         draw = ImageDraw.Draw(image)
-        draw.text((size // 10, size // 3 + (i % 3) * size // 10), text, fill=(20, 20, 20), font=ImageFont.load_default(size=size // 9))
+        draw.text(
+            (size // 10, size // 3 + (i % 3) * size // 10),
+            text,
+            fill=(20, 20, 20),
+            font=ImageFont.load_default(size=size // 9),
+        )
         out.append(np.array(image))
     return out
 
@@ -74,7 +79,9 @@ def main() -> None:
         assert new == stack, (new, stack)
     a, b, c = (statistics.median(rates[k]) for k in ("before", "now", "stacked"))
     mode = "recognition only" if args.no_detect else "detection + recognition"
-    print(f"ocr, {mode}, {args.images} images {args.size}x{args.size}, {args.threads} thread(s), {args.repeats} repeats")
+    print(
+        f"ocr, {mode}, {args.images} images {args.size}x{args.size}, {args.threads} thread(s), {args.repeats} repeats"
+    )
     print(f"before (one call per image, detector at 736 min side): {a:.2f} images/s   read {old}")
     print(f"now (detector at <= 960, lines recognised together):   {b:.2f} images/s   read {new}")
     print(f"detector stacked over images (det_batch {args.images}):        {c:.2f} images/s")

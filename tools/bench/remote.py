@@ -36,8 +36,20 @@ def main() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("FGRPO_REWARD_TOKEN", None)
     server = subprocess.Popen(
-        [sys.executable, "-m", "fgrpo.core.cli", "serve-reward", args.reward, "--port", "0", "--max-request-mb", "2048"],
-        stdout=subprocess.PIPE, text=True, env=env,
+        [
+            sys.executable,
+            "-m",
+            "fgrpo.core.cli",
+            "serve-reward",
+            args.reward,
+            "--port",
+            "0",
+            "--max-request-mb",
+            "2048",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
     )
     try:
         line = server.stdout.readline()
@@ -62,7 +74,8 @@ def main() -> None:
                 torch.testing.assert_close(a.scores, b.scores)
             h, t = statistics.median(here), statistics.median(there)
             print(
-                f"wire {wire:7s}: in process {1000 * h / args.images:.2f} ms/image, remote {1000 * t / args.images:.2f} "
+                f"wire {wire:7s}: in process {1000 * h / args.images:.2f} ms/image, remote "
+                f"{1000 * t / args.images:.2f} "
                 f"ms/image, overhead {1000 * (t - h) / args.images:.2f} ms/image, remote / in process {t / h:.2f}x"
             )
     finally:

@@ -40,7 +40,10 @@ def start(reward: str, extra: list[str], env: dict | None = None) -> tuple[subpr
     environment.pop("FGRPO_REWARD_TOKEN", None)
     proc = subprocess.Popen(
         [sys.executable, "-m", "fgrpo.core.cli", "serve-reward", reward, "--port", "0", *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=environment,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=environment,
     )
     line = proc.stdout.readline()
     if not line.startswith("serving reward"):
@@ -121,8 +124,10 @@ def slowloris(pid: int, port: int, observe: float) -> dict:
     t0 = time.monotonic()
     cut = wait_closed([sock], observe, tick)
     sock.close()
-    return {"cut off after": f"{cut:.1f} s" if cut is not None else f"not within {observe:.0f} s",
-            "server threads": peak["threads"]}
+    return {
+        "cut off after": f"{cut:.1f} s" if cut is not None else f"not within {observe:.0f} s",
+        "server threads": peak["threads"],
+    }
 
 
 def halfopen(pid: int, port: int, observe: float, n: int = 300) -> dict:
@@ -137,8 +142,12 @@ def halfopen(pid: int, port: int, observe: float, n: int = 300) -> dict:
     cut = wait_closed(socks, observe)
     for s in socks:
         s.close()
-    return {"server threads": during["threads"], "RSS MiB": during["VmRSS"], "a good client meanwhile": answer,
-            "all cut off after": f"{cut + 2:.1f} s" if cut is not None else f"not within {observe + 2:.0f} s"}
+    return {
+        "server threads": during["threads"],
+        "RSS MiB": during["VmRSS"],
+        "a good client meanwhile": answer,
+        "all cut off after": f"{cut + 2:.1f} s" if cut is not None else f"not within {observe + 2:.0f} s",
+    }
 
 
 def declared(pid: int, port: int, observe: float, n: int = 8, declare: int = 500 * MiB, send: int = 64 * MiB) -> dict:
@@ -146,8 +155,10 @@ def declared(pid: int, port: int, observe: float, n: int = 8, declare: int = 500
 
     def feed(s: socket.socket) -> None:
         try:
-            s.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/octet-stream\r\n"
-                      + f"Content-Length: {declare}\r\n\r\n".encode())
+            s.sendall(
+                b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/octet-stream\r\n"
+                + f"Content-Length: {declare}\r\n\r\n".encode()
+            )
             for _ in range(send // MiB):
                 s.sendall(chunk)
         except OSError:
@@ -166,9 +177,13 @@ def declared(pid: int, port: int, observe: float, n: int = 8, declare: int = 500
     cut = wait_closed(socks, max(1.0, observe - (time.monotonic() - t0)))
     for s in socks:
         s.close()
-    return {"RSS MiB": during["VmRSS"], "peak RSS MiB": during["VmHWM"], "virtual MiB": during["VmSize"],
-            "server threads": during["threads"],
-            "all cut off after": f"{time.monotonic() - t0:.1f} s" if cut is not None else f"not within {observe:.0f} s"}
+    return {
+        "RSS MiB": during["VmRSS"],
+        "peak RSS MiB": during["VmHWM"],
+        "virtual MiB": during["VmSize"],
+        "server threads": during["threads"],
+        "all cut off after": f"{time.monotonic() - t0:.1f} s" if cut is not None else f"not within {observe:.0f} s",
+    }
 
 
 CLIENT = """
@@ -195,8 +210,16 @@ def throughput(url: str, clients: int, seconds: float, batch: int, size: int) ->
     processes would be), each a ``remote`` reward sending batches of ``batch`` images of ``size``
     x ``size`` back to back for the same ``seconds`` (started once every client is built and warm)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, "-c", CLIENT, url, str(batch), str(size)], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True, env=env) for _ in range(clients)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", CLIENT, url, str(batch), str(size)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for _ in range(clients)
+    ]
     for p in procs:
         assert p.stdout.readline().strip() == "ready"
     stop = time.time() + seconds
@@ -214,7 +237,6 @@ class GPULike:
     batch_size = 64
 
     def __call__(self, outputs, prompts, metadata):
-        import torch
 
         from fgrpo.core.protocols import RewardResult
 
@@ -272,15 +294,21 @@ def main() -> None:
                 one = throughput(url, 1, args.seconds, 8, 32)
                 eight = throughput(url, 8, args.seconds, 8, 32)
                 one_again = throughput(url, 1, args.seconds, 8, 32)  # the load may have changed meanwhile
-            print(f"{served}: client processes sending batches of 8 images 32x32: 1 client {one:.0f} then {one_again:.0f} "
-                  f"samples/s, 8 clients {eight:.0f} samples/s, ratio {2 * eight / (one + one_again):.2f}x "
-                  f"(load {os.getloadavg()[0]:.1f})", flush=True)
+            print(
+                f"{served}: client processes sending batches of 8 images 32x32: 1 client {one:.0f} then "
+                f"{one_again:.0f} "
+                f"samples/s, 8 clients {eight:.0f} samples/s, ratio {2 * eight / (one + one_again):.2f}x "
+                f"(load {os.getloadavg()[0]:.1f})",
+                flush=True,
+            )
         return
     proc, url, port = start("jpeg-compressibility", extra)
     try:
         print(f"serve-reward jpeg-compressibility {' '.join(extra)} on {url}: at rest {status(proc.pid)}")
         for case in args.cases.split(","):
-            figures = {"slowloris": slowloris, "halfopen": halfopen, "declared": declared}[case](proc.pid, port, args.observe_s)
+            figures = {"slowloris": slowloris, "halfopen": halfopen, "declared": declared}[case](
+                proc.pid, port, args.observe_s
+            )
             print(f"{case}: " + "; ".join(f"{k} {v}" for k, v in figures.items()), flush=True)
             time.sleep(1.0)
         print(f"after: {status(proc.pid)}; a good client {health_ms(port)}")

@@ -28,11 +28,28 @@ def clip_config(vision: tuple[int, int, int, int, int], text: tuple[int, int, in
     w, layers, heads, ff, patch = vision
     tw, tlayers, theads, tff = text
     return CLIPConfig(
-        vision_config=dict(hidden_size=w, num_hidden_layers=layers, num_attention_heads=heads, intermediate_size=ff,
-                           patch_size=patch, image_size=224, projection_dim=projection, hidden_act=act),
-        text_config=dict(hidden_size=tw, num_hidden_layers=tlayers, num_attention_heads=theads, intermediate_size=tff,
-                         vocab_size=len(vocab), max_position_embeddings=77, projection_dim=projection, hidden_act=act,
-                         eos_token_id=vocab["<|endoftext|>"], bos_token_id=vocab["<|startoftext|>"]),
+        vision_config=dict(
+            hidden_size=w,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            intermediate_size=ff,
+            patch_size=patch,
+            image_size=224,
+            projection_dim=projection,
+            hidden_act=act,
+        ),
+        text_config=dict(
+            hidden_size=tw,
+            num_hidden_layers=tlayers,
+            num_attention_heads=theads,
+            intermediate_size=tff,
+            vocab_size=len(vocab),
+            max_position_embeddings=77,
+            projection_dim=projection,
+            hidden_act=act,
+            eos_token_id=vocab["<|endoftext|>"],
+            bos_token_id=vocab["<|startoftext|>"],
+        ),
         projection_dim=projection,
     )
 
@@ -84,9 +101,20 @@ def main() -> None:
 
         from fgrpo.rewards.imagereward import ImageReward, LoadedImageReward
 
-        vision = BlipVisionModel(BlipVisionConfig(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
-                                                  image_size=224, patch_size=16, layer_norm_eps=1e-6)).eval()
-        text = BlipTextModel(BlipTextConfig(vocab_size=30524, encoder_hidden_size=1024), add_pooling_layer=False).eval()
+        vision = BlipVisionModel(
+            BlipVisionConfig(
+                hidden_size=1024,
+                intermediate_size=4096,
+                num_hidden_layers=24,
+                num_attention_heads=16,
+                image_size=224,
+                patch_size=16,
+                layer_norm_eps=1e-6,
+            )
+        ).eval()
+        text = BlipTextModel(
+            BlipTextConfig(vocab_size=30524, encoder_hidden_size=1024), add_pooling_layer=False
+        ).eval()
         vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *"abcdefghijklmnopqrstuvwxyz"]
         import tempfile
         from pathlib import Path
@@ -95,21 +123,43 @@ def main() -> None:
         (folder / "vocab.txt").write_text("\n".join(vocab))
         reward = ImageReward.__new__(ImageReward)
         reward.batch_size = 8
-        reward._model = LoadedImageReward(vision, text, aesthetic_head(768).eval(), BertTokenizerFast(str(folder / "vocab.txt")))
+        reward._model = LoadedImageReward(
+            vision, text, aesthetic_head(768).eval(), BertTokenizerFast(str(folder / "vocab.txt"))
+        )
         return reward
 
     def geneval():
-        from transformers import Mask2FormerConfig, Mask2FormerForUniversalSegmentation, Mask2FormerImageProcessor, SwinConfig
+        from transformers import (
+            Mask2FormerConfig,
+            Mask2FormerForUniversalSegmentation,
+            Mask2FormerImageProcessor,
+            SwinConfig,
+        )
 
         from fgrpo.rewards.geneval import COCO_CLASSES, ColourClassifier, Mask2FormerDetector, Verifier, verdict_result
 
-        backbone = SwinConfig(embed_dim=96, depths=[2, 2, 18, 2], num_heads=[3, 6, 12, 24], window_size=7,
-                              out_features=["stage1", "stage2", "stage3", "stage4"])
-        model = Mask2FormerForUniversalSegmentation(Mask2FormerConfig(backbone_config=backbone, backbone=None, use_pretrained_backbone=False, num_labels=80)).eval()
+        backbone = SwinConfig(
+            embed_dim=96,
+            depths=[2, 2, 18, 2],
+            num_heads=[3, 6, 12, 24],
+            window_size=7,
+            out_features=["stage1", "stage2", "stage3", "stage4"],
+        )
+        model = Mask2FormerForUniversalSegmentation(
+            Mask2FormerConfig(backbone_config=backbone, backbone=None, use_pretrained_backbone=False, num_labels=80)
+        ).eval()
         processor = Mask2FormerImageProcessor(size={"shortest_edge": 384, "longest_edge": 1333})
         detector = Mask2FormerDetector(model, processor, COCO_CLASSES, 0.3)
         verifier = Verifier(detector, ColourClassifier(vit_l()))
-        meta = [{"tag": "color_attr", "include": [{"class": "car", "count": 1, "color": "red"}, {"class": "dog", "count": 1, "color": "blue"}]}] * n
+        meta = [
+            {
+                "tag": "color_attr",
+                "include": [
+                    {"class": "car", "count": 1, "color": "red"},
+                    {"class": "dog", "count": 1, "color": "blue"},
+                ],
+            }
+        ] * n
         return lambda x, p, m: verdict_result(verifier.verdicts(x, meta), ["color_attr"] * n, "partial")
 
     builders = {

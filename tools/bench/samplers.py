@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _bench  # noqa: E402
+import _bench  # noqa: E402 - found through the sys.path line above
 
 
 def variants(steps: int, kernel: str, fast_keys: set[str]) -> dict[str, str]:
@@ -35,11 +35,16 @@ def variants(steps: int, kernel: str, fast_keys: set[str]) -> dict[str, str]:
         "fast-no-share": f"{{name: fast, steps: {steps}, window: 2, share_prefix: false, kernel: {k}}}",
     }
     if "share_noise" in fast_keys:
-        out["fast-indep-noise"] = f"{{name: fast, steps: {steps}, window: 2, share_noise: false, share_prefix: false, kernel: {k}}}"
+        out["fast-indep-noise"] = (
+            f"{{name: fast, steps: {steps}, window: 2, share_noise: false, share_prefix: false, kernel: {k}}}"
+        )
     window_end = max(4, steps - 2)
-    out["mixgrpo"] = f"{{name: mixgrpo, steps: {steps}, window: 4, window_end: {window_end}, shift_every: 1, kernel: {k}}}"
+    out["mixgrpo"] = (
+        f"{{name: mixgrpo, steps: {steps}, window: 4, window_end: {window_end}, shift_every: 1, kernel: {k}}}"
+    )
     out["mixgrpo-flash"] = (
-        f"{{name: mixgrpo, steps: {steps}, window: 4, window_end: {window_end}, shift_every: 1, flash: true, flash_ratio: 0.4, kernel: {k}}}"
+        f"{{name: mixgrpo, steps: {steps}, window: 4, window_end: {window_end}, shift_every: 1, flash: true, "
+        f"flash_ratio: 0.4, kernel: {k}}}"
     )
     return out
 
@@ -71,7 +76,10 @@ def main(argv: list[str] | None = None) -> int:
         group = recipe.train.group_size
     rows = _bench.interleave(runs, args.iterations, args.skip)
 
-    print(f"{args.recipe}: {args.steps} steps, kernel {args.kernel}, group {group}; {args.iterations} iterations each after {args.skip}, interleaved; {_bench.machine_line()}")
+    print(
+        f"{args.recipe}: {args.steps} steps, kernel {args.kernel}, group {group}; {args.iterations} iterations each "
+        f"after {args.skip}, interleaved; {_bench.machine_line()}"
+    )
     base = [m["time_iteration_s"] for m in rows.get("full", [])]
     table = []
     for name, metrics in rows.items():
@@ -83,17 +91,27 @@ def main(argv: list[str] | None = None) -> int:
         it = [m["time_iteration_s"] for m in metrics]
         ratio = f"{_bench.paired_ratio(it, base):.3f}" if base and name != "full" else "1" if name == "full" else "-"
         table.append([name, f"{old:.2f}", split, f"{train:.2f}", _bench.spread(it), ratio])
-    print(_bench.table(["sampler", "old-policy NFE/sample", "by phase", "train NFE/sample", "s/iteration", "time/full"], table))
+    print(
+        _bench.table(
+            ["sampler", "old-policy NFE/sample", "by phase", "train NFE/sample", "s/iteration", "time/full"], table
+        )
+    )
 
     if "fast" in rows and "fast-no-share" in rows:
         shared = statistics.mean(m.get("nfe_rollout/prefix", 0) for m in rows["fast"])
         plain = statistics.mean(m.get("nfe_rollout/prefix", 0) for m in rows["fast-no-share"])
         if plain:
-            print(f"fast: prefix NFE cut by the shared prefix {1 - shared / plain:.4f} (expected (G - 1)/G = {(group - 1) / group:.4f})")
+            print(
+                f"fast: prefix NFE cut by the shared prefix {1 - shared / plain:.4f} (expected (G - 1)/G = "
+                f"{(group - 1) / group:.4f})"
+            )
     for name in ("mixgrpo", "mixgrpo-flash"):
         if name in rows:
             per_sample = [m["nfe_rollout"] / batch[name] for m in rows[name]]
-            print(f"{name}: old-policy NFE per sample {min(per_sample):.2f}-{max(per_sample):.2f} of {args.steps} steps over the windows drawn")
+            print(
+                f"{name}: old-policy NFE per sample {min(per_sample):.2f}-{max(per_sample):.2f} of {args.steps} steps "
+                f"over the windows drawn"
+            )
     return 0
 
 

@@ -35,13 +35,30 @@ from pathlib import Path
 from typing import Any
 
 SD35_MEDIUM = dict(
-    sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=24, attention_head_dim=64,
-    num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536, pooled_projection_dim=2048,
-    pos_embed_max_size=384, qk_norm="rms_norm", dual_attention_layers=tuple(range(13)),
+    sample_size=128,
+    patch_size=2,
+    in_channels=16,
+    out_channels=16,
+    num_layers=24,
+    attention_head_dim=64,
+    num_attention_heads=24,
+    joint_attention_dim=4096,
+    caption_projection_dim=1536,
+    pooled_projection_dim=2048,
+    pos_embed_max_size=384,
+    qk_norm="rms_norm",
+    dual_attention_layers=tuple(range(13)),
 )
 FLUX_DEV = dict(
-    patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
-    num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
+    patch_size=1,
+    in_channels=64,
+    num_layers=19,
+    num_single_layers=38,
+    attention_head_dim=128,
+    num_attention_heads=24,
+    joint_attention_dim=4096,
+    pooled_projection_dim=768,
+    guidance_embeds=True,
     axes_dims_rope=(16, 56, 56),
 )
 
@@ -52,7 +69,9 @@ def small(config: dict[str, Any], flux: bool) -> dict[str, Any]:
     if flux:
         out.update(num_single_layers=2, pooled_projection_dim=32, axes_dims_rope=(4, 6, 6))
     else:
-        out.update(caption_projection_dim=32, pooled_projection_dim=64, dual_attention_layers=(0,), pos_embed_max_size=64)
+        out.update(
+            caption_projection_dim=32, pooled_projection_dim=64, dual_attention_layers=(0,), pos_embed_max_size=64
+        )
     return out
 
 
@@ -78,21 +97,48 @@ def text_stack(flux: bool, width: int, pooled: int) -> dict[str, Any]:
 
     def clip(hidden: int, projection: int | None) -> Any:
         cfg = CLIPTextConfig(
-            bos_token_id=512, eos_token_id=513, pad_token_id=513, hidden_size=hidden, intermediate_size=2 * hidden,
-            num_attention_heads=max(1, hidden // 64), num_hidden_layers=1, vocab_size=514, max_position_embeddings=77,
+            bos_token_id=512,
+            eos_token_id=513,
+            pad_token_id=513,
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            num_attention_heads=max(1, hidden // 64),
+            num_hidden_layers=1,
+            vocab_size=514,
+            max_position_embeddings=77,
             projection_dim=projection or hidden,
         )
         return CLIPTextModelWithProjection(cfg) if projection else CLIPTextModel(cfg)
 
-    t5 = T5EncoderModel(T5Config(vocab_size=98, d_model=width, d_kv=64, d_ff=2 * width, num_layers=1,
-                                 num_heads=max(1, width // 64), relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=1))
+    t5 = T5EncoderModel(
+        T5Config(
+            vocab_size=98,
+            d_model=width,
+            d_kv=64,
+            d_ff=2 * width,
+            num_layers=1,
+            num_heads=max(1, width // 64),
+            relative_attention_num_buckets=8,
+            pad_token_id=0,
+            eos_token_id=1,
+        )
+    )
     if flux:
-        return dict(text_encoder=clip(pooled, None), tokenizer=tiny_clip_tokenizer(), text_encoder_2=t5, tokenizer_2=tiny_t5_tokenizer())
+        return dict(
+            text_encoder=clip(pooled, None),
+            tokenizer=tiny_clip_tokenizer(),
+            text_encoder_2=t5,
+            tokenizer_2=tiny_t5_tokenizer(),
+        )
     # SD3: the pooled vector is [CLIP-L, CLIP-G] projections; their hidden states are padded to width
     half = pooled // 2
     return dict(
-        text_encoder=clip(half, half), tokenizer=tiny_clip_tokenizer(), text_encoder_2=clip(pooled - half, pooled - half),
-        tokenizer_2=tiny_clip_tokenizer(), text_encoder_3=t5, tokenizer_3=tiny_t5_tokenizer(),
+        text_encoder=clip(half, half),
+        tokenizer=tiny_clip_tokenizer(),
+        text_encoder_2=clip(pooled - half, pooled - half),
+        tokenizer_2=tiny_clip_tokenizer(),
+        text_encoder_3=t5,
+        tokenizer_3=tiny_t5_tokenizer(),
     )
 
 
@@ -110,15 +156,26 @@ def build_pipeline(flux: bool, shrink: bool, dtype: Any) -> Any:
             transformer = diffusers.SD3Transformer2DModel(**config)
     transformer.to(dtype)
     vae = diffusers.AutoencoderKL(
-        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-        block_out_channels=(32, 32, 32, 32), layers_per_block=1, latent_channels=16, norm_num_groups=8,
-        scaling_factor=1.5305, shift_factor=0.0609, use_quant_conv=False, use_post_quant_conv=False,
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(32, 32, 32, 32),
+        layers_per_block=1,
+        latent_channels=16,
+        norm_num_groups=8,
+        scaling_factor=1.5305,
+        shift_factor=0.0609,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
     )
     width = config["joint_attention_dim"]
     pooled = config["pooled_projection_dim"]
     parts = text_stack(flux, width, pooled)
     if flux:
-        scheduler = diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15)
+        scheduler = diffusers.FlowMatchEulerDiscreteScheduler(
+            shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15
+        )
         return diffusers.FluxPipeline(transformer=transformer, scheduler=scheduler, vae=vae, **parts)
     return diffusers.StableDiffusion3Pipeline(
         transformer=transformer, scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae, **parts
@@ -166,7 +223,11 @@ def per_nfe_costs(policy: Any, rollout_rows: int, train_rows: int, repeats: int)
 
         return timed(once) / (rows * epc)
 
-    return {"rollout_fwd": forward(rollout_rows, False), "nograd_fwd": forward(train_rows, False), "fwd_bwd": forward(train_rows, True)}
+    return {
+        "rollout_fwd": forward(rollout_rows, False),
+        "nograd_fwd": forward(train_rows, False),
+        "fwd_bwd": forward(train_rows, True),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -192,9 +253,11 @@ def main(argv: list[str] | None = None) -> int:
 
     cuda = torch.cuda.is_available()
     dtype = torch.bfloat16 if cuda else torch.float32
-    print(f"{'FLUX.1-dev' if args.flux else 'SD3.5-Medium'}-size transformer{' (shrunk)' if args.small else ''}, "
-          f"{args.resolution} px, group {args.group} x {args.prompts} prompt(s), {args.steps} steps, LoRA r32, "
-          f"{torch.cuda.get_device_name() if cuda else 'CPU'}, {str(dtype).replace('torch.', '')}")
+    print(
+        f"{'FLUX.1-dev' if args.flux else 'SD3.5-Medium'}-size transformer{' (shrunk)' if args.small else ''}, "
+        f"{args.resolution} px, group {args.group} x {args.prompts} prompt(s), {args.steps} steps, LoRA r32, "
+        f"{torch.cuda.get_device_name() if cuda else 'CPU'}, {str(dtype).replace('torch.', '')}"
+    )
     pipe = build_pipeline(args.flux, args.small, dtype)
     n_params = sum(p.numel() for p in pipe.transformer.parameters())
     print(f"transformer: {n_params / 1e9:.2f}B parameters")
@@ -203,7 +266,9 @@ def main(argv: list[str] | None = None) -> int:
         guidance = 1.0 if "nocfg" in setting else 4.5
         checkpointing = "ckpt" in setting
         keys = dict(
-            dtype=str(dtype).replace("torch.", ""), resolution=args.resolution, gradient_checkpointing=checkpointing,
+            dtype=str(dtype).replace("torch.", ""),
+            resolution=args.resolution,
+            gradient_checkpointing=checkpointing,
             lora={"rank": 32, "alpha": 64, "init": "gaussian"},
             **({"true_cfg_scale": guidance} if args.flux else {"guidance_scale": guidance}),  # FLUX.1-dev: true CFG
         )
@@ -211,12 +276,14 @@ def main(argv: list[str] | None = None) -> int:
         recipe = recipe_mod.from_text(
             f"""
             seed: 0
-            model: {{name: {'flux' if args.flux else 'sd3'}, path: unused}}
+            model: {{name: {"flux" if args.flux else "sd3"}, path: unused}}
             sampler: {{name: full, steps: {args.steps}, timestep_fraction: 0.99, kernel: {{name: sde, eta: 0.7}}}}
             reward: {{name: jpeg-compressibility}}
             objective: {{name: grpo, clip_range: 1.0e-4, beta: 0.04}}
-            prompts: {{name: list, train: ["a cat holding a sign", "a red bicycle", "a bowl of ramen", "a lighthouse at night"]}}
-            train: {{iterations: 100, group_size: {args.group}, prompts_per_iteration: {args.prompts}, lr: 3.0e-4, micro_batch_size: {args.micro_batch}}}
+            prompts: {{name: list, train: ["a cat holding a sign", "a red bicycle", "a bowl of ramen",
+                                          "a lighthouse at night"]}}
+            train: {{iterations: 100, group_size: {args.group}, prompts_per_iteration: {args.prompts}, lr: 3.0e-4,
+                     micro_batch_size: {args.micro_batch}}}
             log: {{quiet: true, trackers: [], sample_grid: false, plots: false}}
             """,
             source="bench_real_size",
@@ -231,12 +298,20 @@ def main(argv: list[str] | None = None) -> int:
         it_s = statistics.median(m["time_iteration_s"] for m in rows)
         m = rows[-1]
         ref = m.get("nfe_reference", 0)
-        floor = m["nfe_rollout"] * costs["rollout_fwd"] + (m["nfe_train"] - ref) * costs["fwd_bwd"] + ref * costs["nograd_fwd"]
+        floor = (
+            m["nfe_rollout"] * costs["rollout_fwd"]
+            + (m["nfe_train"] - ref) * costs["fwd_bwd"]
+            + ref * costs["nograd_fwd"]
+        )
         print(
-            f"{setting:>11}: forward {costs['rollout_fwd'] * 1e3:.2f} ms/NFE (rollout batch), {costs['nograd_fwd'] * 1e3:.2f} (no grad, "
-            f"update batch), forward+backward {costs['fwd_bwd'] * 1e3:.2f} ms/NFE; NFE rollout {m['nfe_rollout']}, train "
-            f"{m['nfe_train'] - ref} + reference {ref}; iteration {it_s:.2f} s, floor {floor:.2f} s, ratio {it_s / floor:.2f} "
-            f"(model {m['time_model_s']:.2f} s, reward {m['time_reward_s']:.2f}, decode {m['time_decode_s']:.2f}, overhead {m['time_overhead_s']:.2f})"
+            f"{setting:>11}: forward {costs['rollout_fwd'] * 1e3:.2f} ms/NFE (rollout batch), "
+            f"{costs['nograd_fwd'] * 1e3:.2f} (no grad, "
+            f"update batch), forward+backward {costs['fwd_bwd'] * 1e3:.2f} ms/NFE; NFE rollout {m['nfe_rollout']}, "
+            f"train "
+            f"{m['nfe_train'] - ref} + reference {ref}; iteration {it_s:.2f} s, floor {floor:.2f} s, ratio "
+            f"{it_s / floor:.2f} "
+            f"(model {m['time_model_s']:.2f} s, reward {m['time_reward_s']:.2f}, decode {m['time_decode_s']:.2f}, "
+            f"overhead {m['time_overhead_s']:.2f})"
         )
         if checkpointing:
             policy.transformer.disable_gradient_checkpointing()

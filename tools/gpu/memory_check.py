@@ -59,7 +59,10 @@ def main(argv: list[str] | None = None) -> int:
             iteration(run, it)
     peak = torch.cuda.max_memory_allocated()
     parts = ", ".join(f"{k} {v / GIB:.2f}" for k, v in estimate.items() if k != "total")
-    print(f"measured peak {peak / GIB:.2f} GiB; estimated {estimate['total'] / GIB:.2f} GiB ({parts}); ratio {estimate['total'] / peak:.2f}")
+    print(
+        f"measured peak {peak / GIB:.2f} GiB; estimated {estimate['total'] / GIB:.2f} GiB ({parts}); ratio "
+        f"{estimate['total'] / peak:.2f}"
+    )
     return 0
 
 

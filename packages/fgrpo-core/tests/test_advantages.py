@@ -171,7 +171,14 @@ def test_combine_passes_the_options():
     r = rewards["a"]
     torch.testing.assert_close(adv, (r - r.mean()) / (r.std() + 1e-8))
     # grouped, unbiased: [0, 1] -> +-0.5 / sqrt(0.5); [2, 4] -> +-1 / sqrt(2)
-    expected = t([-0.5 / (math.sqrt(0.5) + 1e-8), 0.5 / (math.sqrt(0.5) + 1e-8), -1 / (math.sqrt(2) + 1e-8), 1 / (math.sqrt(2) + 1e-8)])
+    expected = t(
+        [
+            -0.5 / (math.sqrt(0.5) + 1e-8),
+            0.5 / (math.sqrt(0.5) + 1e-8),
+            -1 / (math.sqrt(2) + 1e-8),
+            1 / (math.sqrt(2) + 1e-8),
+        ]
+    )
     for mode in ("reward_sum", "advantage_sum"):
         adv, _ = combine(rewards, {"a": 1.0}, idx([0, 0, 1, 1]), mode=mode, unbiased=True, eps=1e-8)
         torch.testing.assert_close(adv, expected)

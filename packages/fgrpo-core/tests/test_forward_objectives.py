@@ -26,7 +26,11 @@ def points(x0, noise, t, velocity, advantages, old=None, ref=None) -> ForwardBat
     x0, noise, t = t64(x0), t64(noise), t64(t)
     tt = t.reshape(-1, *([1] * (x0.dim() - 1)))
     return ForwardBatch(
-        advantages=t64(advantages), t=t, x0=x0, noise=noise, x_t=(1 - tt) * x0 + tt * noise,
+        advantages=t64(advantages),
+        t=t,
+        x0=x0,
+        noise=noise,
+        x_t=(1 - tt) * x0 + tt * noise,
         velocity=t64(velocity, grad=True),
         old_velocity=None if old is None else t64(old),
         ref_velocity=None if ref is None else t64(ref),
@@ -46,7 +50,11 @@ def random_points(seed: int, b: int = 6, shape=(3, 2, 2), pairwise: bool = False
     tt = t.reshape(-1, *([1] * len(shape)))
     velocity = (noise - x0) + 0.5 * torch.randn(b, *shape, generator=g, dtype=D64)
     return ForwardBatch(
-        advantages=adv, t=t, x0=x0, noise=noise, x_t=(1 - tt) * x0 + tt * noise,
+        advantages=adv,
+        t=t,
+        x0=x0,
+        noise=noise,
+        x_t=(1 - tt) * x0 + tt * noise,
         velocity=velocity.requires_grad_(True),
         old_velocity=velocity.detach() + 0.3 * torch.randn(b, *shape, generator=g, dtype=D64),
         ref_velocity=velocity.detach() + 0.2 * torch.randn(b, *shape, generator=g, dtype=D64),
@@ -87,7 +95,16 @@ def test_nft_by_hand_beta_half_and_kl():
     assert out.loss.item() == pytest.approx(5.1, abs=1e-12)
 
 
-@pytest.mark.parametrize("mode, expected", [("positive_only", [2.0, 0.0]), ("negative_only", [0.0, -3.0]), ("one_only", [1.0, 0.0]), ("binary", [1.0, -1.0]), ("all", [2.0, -3.0])])
+@pytest.mark.parametrize(
+    "mode, expected",
+    [
+        ("positive_only", [2.0, 0.0]),
+        ("negative_only", [0.0, -3.0]),
+        ("one_only", [1.0, 0.0]),
+        ("binary", [1.0, -1.0]),
+        ("all", [2.0, -3.0]),
+    ],
+)
 def test_nft_adv_modes(mode, expected):
     from fgrpo.core.objectives.nft import advantage_mode
 
@@ -125,7 +142,10 @@ def naive_nft(batch: ForwardBatch, beta: float, a: float, kl_beta: float, mode: 
     return total / n
 
 
-@pytest.mark.parametrize("seed, beta, mode", [(0, 1.0, "all"), (1, 0.1, "all"), (2, 0.37, "binary"), (3, 1.0, "positive_only"), (4, 0.1, "one_only")])
+@pytest.mark.parametrize(
+    "seed, beta, mode",
+    [(0, 1.0, "all"), (1, 0.1, "all"), (2, 0.37, "binary"), (3, 1.0, "positive_only"), (4, 0.1, "one_only")],
+)
 def test_nft_equals_a_naive_reimplementation(seed, beta, mode):
     batch = random_points(seed)
     out = NFT(beta=beta, kl_beta=0.01, adv_mode=mode)(batch)
@@ -153,11 +173,19 @@ def test_nft_gradient_at_theta_old_is_the_advantage_weighted_flow_matching_gradi
 def test_awm_by_hand():
     # One point, v - u = [1, 0]: m = 0.5; t = 0.5; A = 2.5 -> Â = 2.5 / 5 x 1 = 0.5. ratio = 1, so the policy
     # loss is -Â = -0.5 whatever the weighting; its gradient is Â w'(t, m) dm/dv with dm/dv = 2 (v - u) / 2 = [1, 0]:
-    # Uniform: w' = 1 -> [0.5, 0]; ghuber (p = 1/4): w' = t (m + 1e-10)^(-3/4) = 0.5 x 0.5^-0.75 = 0.840896 -> [0.420448, 0].
-    # KL: v_ref = v + [0, 2] -> mean = 2, beta 0.01 -> 0.02; the lagged policy v_ema = v + [1, 1] -> 1, ema_beta 1 -> 1.
+    # Uniform: w' = 1 -> [0.5, 0]; ghuber (p = 1/4): w' = t (m + 1e-10)^(-3/4) = 0.5 x 0.5^-0.75 = 0.840896 ->
+    # [0.420448, 0].
+    # KL: v_ref = v + [0, 2] -> mean = 2, beta 0.01 -> 0.02; the lagged policy v_ema = v + [1, 1] -> 1, ema_beta 1 ->
+    # 1.
     args = dict(x0=[[0.0, 0.0]], noise=[[1.0, 1.0]], t=[0.5], velocity=[[2.0, 1.0]], advantages=[2.5])
     extra = dict(ref=[[2.0, 3.0]], old=[[3.0, 2.0]])
-    for weighting, grad in (("Uniform", 0.5), ("ghuber", 0.5 * 0.5 * 0.5 ** -0.75), ("t", 0.25), ("t**2", 0.125), ("huber", 0.5 * 0.5 / (2 * math.sqrt(0.5)))):
+    for weighting, grad in (
+        ("Uniform", 0.5),
+        ("ghuber", 0.5 * 0.5 * 0.5**-0.75),
+        ("t", 0.25),
+        ("t**2", 0.125),
+        ("huber", 0.5 * 0.5 / (2 * math.sqrt(0.5))),
+    ):
         batch = points(**args, **extra)
         out = AWM(weighting=weighting, beta=0.0, ema_beta=0.0)(batch)
         assert out.loss.item() == pytest.approx(-0.5, abs=1e-12)
@@ -181,14 +209,22 @@ def naive_awm(batch: ForwardBatch, p: dict) -> float:
         d = len(v)
         m = sum((v[k] - u[k]) ** 2 for k in range(d)) / d
         t = float(batch.t[i])
-        lp = {"Uniform": -m, "t": -m * t, "t**2": -m * t * t, "huber": -(math.sqrt(m + 1e-10) - 1e-5) * t,
-              "ghuber": -((m + 1e-10) ** p["ghuber_power"] - 1e-10 ** p["ghuber_power"]) * t / p["ghuber_power"]}[p["weighting"]]
+        lp = {
+            "Uniform": -m,
+            "t": -m * t,
+            "t**2": -m * t * t,
+            "huber": -(math.sqrt(m + 1e-10) - 1e-5) * t,
+            "ghuber": -((m + 1e-10) ** p["ghuber_power"] - 1e-10 ** p["ghuber_power"]) * t / p["ghuber_power"],
+        }[p["weighting"]]
         ratio = math.exp(lp - lp)
         adv = max(-p["adv_clip"], min(p["adv_clip"], float(batch.advantages[i]))) / p["adv_clip"] * p["advantage_max"]
         c = p["clip_range"]
         total_policy += max(-adv * ratio, -adv * min(max(ratio, 1 - c), 1 + c))
         s2 = 2 * (0.7 * math.sqrt(t / (1 - min(max(t, 0.0), 0.99)))) ** 2
-        for other, form, key in ((batch.ref_velocity, p["kl_weight"], "kl"), (batch.old_velocity, p["kl_ema_weight"], "ema")):
+        for other, form, key in (
+            (batch.ref_velocity, p["kl_weight"], "kl"),
+            (batch.old_velocity, p["kl_ema_weight"], "ema"),
+        ):
             o = flat(other[i])
             kl = sum((v[k] - o[k]) ** 2 for k in range(d)) / d
             kl = kl / s2 if form == "ELBO" else kl
@@ -199,13 +235,16 @@ def naive_awm(batch: ForwardBatch, p: dict) -> float:
     return total_policy / n + p["beta"] * total_kl / n + p["ema_beta"] * total_ema / n
 
 
-@pytest.mark.parametrize("seed, keys", [
-    (0, {}),
-    (1, {"weighting": "Uniform", "beta": 0.003, "kl_weight": "ELBO"}),
-    (2, {"weighting": "huber", "ema_beta": 0.5, "kl_ema_weight": "ELBO"}),
-    (3, {"weighting": "t**2", "adv_clip": 2.0, "advantage_max": 0.5}),
-    (4, {"weighting": "ghuber", "ghuber_power": 0.5, "clip_range": 0.2}),
-])
+@pytest.mark.parametrize(
+    "seed, keys",
+    [
+        (0, {}),
+        (1, {"weighting": "Uniform", "beta": 0.003, "kl_weight": "ELBO"}),
+        (2, {"weighting": "huber", "ema_beta": 0.5, "kl_ema_weight": "ELBO"}),
+        (3, {"weighting": "t**2", "adv_clip": 2.0, "advantage_max": 0.5}),
+        (4, {"weighting": "ghuber", "ghuber_power": 0.5, "clip_range": 0.2}),
+    ],
+)
 def test_awm_equals_a_naive_reimplementation(seed, keys):
     objective = AWM(**keys)
     batch = random_points(seed)
@@ -223,7 +262,13 @@ def test_awm_gradient_at_theta_old_is_the_weighted_flow_matching_gradient(weight
     v = batch.velocity.detach().clone().requires_grad_(True)
     m = ((v - batch.target) ** 2).flatten(1).mean(1)
     md, t = m.detach(), batch.t
-    slope = {"Uniform": 1.0, "t": t, "t**2": t**2, "huber": t / (2 * torch.sqrt(md + 1e-10)), "ghuber": t * (md + 1e-10) ** (0.25 - 1)}[weighting]
+    slope = {
+        "Uniform": 1.0,
+        "t": t,
+        "t**2": t**2,
+        "huber": t / (2 * torch.sqrt(md + 1e-10)),
+        "ghuber": t * (md + 1e-10) ** (0.25 - 1),
+    }[weighting]
     adv = batch.advantages.clamp(-5, 5) / 5
     (slope * adv * m).mean().backward()
     torch.testing.assert_close(batch.velocity.grad, v.grad, rtol=1e-9, atol=1e-12)
@@ -236,7 +281,10 @@ def test_awm_noise_levels_follow_its_strata():
     for seed in range(20):
         g = torch.Generator().manual_seed(seed)
         index = discrete_indices(1, 9, 6, g, torch.device("cpu"))
-        assert [lo <= i < max(hi, lo + 1) for i, lo, hi in zip(index.tolist(), [1, 2, 3, 5, 6, 7], [2, 3, 5, 6, 7, 9])] == [True] * 6
+        assert [
+            lo <= i < max(hi, lo + 1)
+            for i, lo, hi in zip(index.tolist(), [1, 2, 3, 5, 6, 7], [2, 3, 5, 6, 7, 9], strict=True)
+        ] == [True] * 6
         t = AWM().point_times(sigmas, torch.Generator().manual_seed(seed))
         assert torch.equal(t, sigmas[index])
     t = AWM(time_type="discrete").point_times(sigmas, torch.Generator().manual_seed(0))
@@ -248,7 +296,9 @@ def test_awm_noise_levels_follow_its_strata():
 
 
 def test_awm_lagged_policy_decay():
-    assert [AWM().old_decay(n) for n in (0, 1, 100, 299, 300, 5000)] == pytest.approx([0.0, 0.001, 0.1, 0.299, 0.3, 0.3])
+    assert [AWM().old_decay(n) for n in (0, 1, 100, 299, 300, 5000)] == pytest.approx(
+        [0.0, 0.001, 0.1, 0.299, 0.3, 0.3]
+    )
     assert AWM(kl_ema_decay_type="constant").old_decay(7) == 0.3
 
 
@@ -261,14 +311,23 @@ def test_dpo_by_hand():
     # e_ref(l) = mean([0.8, 0.4]²) = 0.4: inside = -β/2 ((1 - 0.5) - (0.2 - 0.4)) = -0.35 β.
     # β = 1: loss = -log σ(-0.35) = log(1 + e^0.35) = 0.883382 (dpo computes its errors in float32, as flow_grpo)
     x = [[0.3, -0.2], [0.5, 0.1]]
-    batch = points(x0=x, noise=x, t=[0.4, 0.4], velocity=[[1.0, 1.0], [0.6, 0.2]], advantages=[1.0, -1.0], ref=[[1.0, 0.0], [0.8, 0.4]])
+    batch = points(
+        x0=x,
+        noise=x,
+        t=[0.4, 0.4],
+        velocity=[[1.0, 1.0], [0.6, 0.2]],
+        advantages=[1.0, -1.0],
+        ref=[[1.0, 0.0], [0.8, 0.4]],
+    )
     out = DPO(beta=1.0)(batch)
     assert out.loss.item() == pytest.approx(math.log(1 + math.exp(0.35)), abs=1e-7)
     assert out.metrics["implicit_acc"].item() == 0.0
     # gradient: σ(0.35) x β/2 x d(e_w - e_l)/dv: e_w' = (v - u) = [1, 1], e_l' = [0.6, 0.2] (2 (v - u) / 2)
     out.loss.backward()
     s = 1 / (1 + math.exp(-0.35))
-    torch.testing.assert_close(batch.velocity.grad, t64([[0.5 * s, 0.5 * s], [-0.3 * s, -0.1 * s]]), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(
+        batch.velocity.grad, t64([[0.5 * s, 0.5 * s], [-0.3 * s, -0.1 * s]]), rtol=1e-6, atol=1e-7
+    )
 
 
 def naive_dpo(batch: ForwardBatch, beta: float) -> float:
@@ -279,7 +338,9 @@ def naive_dpo(batch: ForwardBatch, beta: float) -> float:
         for row in (i, m + i):
             v, r, u = flat(batch.velocity[row]), flat(batch.ref_velocity[row]), flat(batch.target[row])
             d = len(u)
-            errors.append((sum((v[k] - u[k]) ** 2 for k in range(d)) / d, sum((r[k] - u[k]) ** 2 for k in range(d)) / d))
+            errors.append(
+                (sum((v[k] - u[k]) ** 2 for k in range(d)) / d, sum((r[k] - u[k]) ** 2 for k in range(d)) / d)
+            )
         (ew, rw), (el, rl) = errors
         inside = -0.5 * beta * ((ew - rw) - (el - rl))
         total += math.log1p(math.exp(-inside))  # -log sigmoid(inside)
@@ -289,7 +350,9 @@ def naive_dpo(batch: ForwardBatch, beta: float) -> float:
 @pytest.mark.parametrize("seed, beta", [(0, 100.0), (1, 1.0), (2, 0.05)])
 def test_dpo_equals_a_naive_reimplementation(seed, beta):
     batch = random_points(seed, b=8, pairwise=True)
-    batch = attrs.evolve(batch, ref_velocity=batch.velocity.detach() + 0.01 * (batch.ref_velocity - batch.velocity.detach()))
+    batch = attrs.evolve(
+        batch, ref_velocity=batch.velocity.detach() + 0.01 * (batch.ref_velocity - batch.velocity.detach())
+    )
     assert DPO(beta=beta)(batch).loss.item() == pytest.approx(naive_dpo(batch, beta), abs=1e-6, rel=1e-9)
 
 
@@ -329,8 +392,12 @@ def test_dpo_noise_levels_are_logit_normal_on_the_shifted_training_schedule():
 
 def test_nft_old_policy_decay_schedules():
     # return_decay: type 1 min(0.001 n, 0.5); type 2 0 for 75 steps then min(0.0075 (n - 75), 0.999); type 0 none
-    assert [NFT(decay_type=1).old_decay(n) for n in (0, 1, 250, 500, 501, 10**5)] == pytest.approx([0, 0.001, 0.25, 0.5, 0.5, 0.5])
-    assert [NFT(decay_type=2).old_decay(n) for n in (0, 74, 75, 76, 175, 208, 10**5)] == pytest.approx([0, 0, 0, 0.0075, 0.75, 0.9975, 0.999])
+    assert [NFT(decay_type=1).old_decay(n) for n in (0, 1, 250, 500, 501, 10**5)] == pytest.approx(
+        [0, 0.001, 0.25, 0.5, 0.5, 0.5]
+    )
+    assert [NFT(decay_type=2).old_decay(n) for n in (0, 74, 75, 76, 175, 208, 10**5)] == pytest.approx(
+        [0, 0, 0, 0.0075, 0.75, 0.9975, 0.999]
+    )
     assert {NFT(decay_type=0).old_decay(n) for n in (0, 10, 10**5)} == {0.0}
 
 

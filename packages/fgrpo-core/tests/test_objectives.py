@@ -99,10 +99,17 @@ def test_on_policy_ratio_is_exactly_one():
     g = torch.Generator().manual_seed(0)
     logp = torch.randn(6, generator=g).requires_grad_(True)  # float32, as the kernels produce
     adv = torch.randn(6, generator=g)
-    out = GRPO()(StepBatch(
-        log_prob=logp, old_log_prob=logp.detach().clone(), advantages=adv,
-        mean=torch.zeros(6, 3), old_mean=torch.zeros(6, 3), std=torch.ones(6), dt=-torch.ones(6),
-    ))
+    out = GRPO()(
+        StepBatch(
+            log_prob=logp,
+            old_log_prob=logp.detach().clone(),
+            advantages=adv,
+            mean=torch.zeros(6, 3),
+            old_mean=torch.zeros(6, 3),
+            std=torch.ones(6),
+            dt=-torch.ones(6),
+        )
+    )
     assert out.metrics["ratio_min"].item() == 1.0 and out.metrics["ratio_max"].item() == 1.0
     assert out.metrics["clipfrac"].item() == 0.0 and out.metrics["approx_kl"].item() == 0.0
     assert out.loss.item() == pytest.approx(-adv.mean().item(), abs=1e-7)
@@ -129,9 +136,7 @@ def test_kl_velocity_value_and_gradient():
     v = t([[1.0, 2.0], [0.5, 0.5]], grad=True)
     v_ref = t([[0.0, 2.0], [0.5, -0.5]])
     logp = t([0.0, 0.0], grad=True)
-    out = GRPO(beta=0.1, kl="velocity")(
-        batch(logp, logp.detach(), t([1.0, -1.0]), velocity=v, ref_velocity=v_ref)
-    )
+    out = GRPO(beta=0.1, kl="velocity")(batch(logp, logp.detach(), t([1.0, -1.0]), velocity=v, ref_velocity=v_ref))
     assert out.metrics["kl"].item() == pytest.approx(0.5, abs=1e-12)
     assert out.loss.item() == pytest.approx(0.05, abs=1e-12)
     out.loss.backward()
@@ -159,10 +164,17 @@ def test_guard_ratio_is_exactly_one_on_policy():
     mean = torch.randn(4, 3, 2, generator=g).requires_grad_(True)
     adv = torch.tensor([1.0, -0.5, 2.0, 0.0])
     dt = torch.tensor([-0.1, -0.25, -0.5, -0.05])
-    out = GRPOGuard()(StepBatch(
-        log_prob=logp, old_log_prob=logp.detach().clone(), advantages=adv, mean=mean,
-        old_mean=mean.detach().clone(), std=torch.tensor([0.3, 0.2, 0.1, 0.05]), dt=dt,
-    ))
+    out = GRPOGuard()(
+        StepBatch(
+            log_prob=logp,
+            old_log_prob=logp.detach().clone(),
+            advantages=adv,
+            mean=mean,
+            old_mean=mean.detach().clone(),
+            std=torch.tensor([0.3, 0.2, 0.1, 0.05]),
+            dt=dt,
+        )
+    )
     assert out.metrics["ratio_min"].item() == 1.0 and out.metrics["ratio_max"].item() == 1.0
     assert out.loss.item() == pytest.approx((-adv / -dt).mean().item(), rel=1e-6)
 
@@ -174,9 +186,17 @@ def test_guard_hand_case():
     old_logp = t([0.5])
     logp = t([0.5 - 0.03], grad=True)
     mean = t([[0.1, -0.2]], grad=True)
-    out = GRPOGuard(clip_range=0.1)(batch(
-        logp, old_logp, t([1.0]), mean=mean, old_mean=t([[0.0, 0.0]]), std=t([0.5]), dt=t([-0.25]),
-    ))
+    out = GRPOGuard(clip_range=0.1)(
+        batch(
+            logp,
+            old_logp,
+            t([1.0]),
+            mean=mean,
+            old_mean=t([[0.0, 0.0]]),
+            std=t([0.5]),
+            dt=t([-0.25]),
+        )
+    )
     assert out.metrics["ratio_mean"].item() == pytest.approx(math.exp(0.01), abs=1e-12)
     assert out.metrics["approx_kl"].item() == pytest.approx(0.5 * 0.03**2, abs=1e-12)  # raw log-ratio
     # -A r / (-dt) = -e^0.01 / 0.25
@@ -201,10 +221,17 @@ def test_guard_centring_identity():
         s = c[:, None]
         return (-((x_next - mu) ** 2) / (2 * s**2) - torch.log(s) - 0.5 * math.log(2 * math.pi)).mean(1)
 
-    out = GRPOGuard(clip_range=10.0)(batch(
-        gaussian_log_prob(mean), gaussian_log_prob(old_mean), torch.ones(b, dtype=D64),
-        mean=mean, old_mean=old_mean, std=c, dt=-torch.ones(b, dtype=D64),
-    ))
+    out = GRPOGuard(clip_range=10.0)(
+        batch(
+            gaussian_log_prob(mean),
+            gaussian_log_prob(old_mean),
+            torch.ones(b, dtype=D64),
+            mean=mean,
+            old_mean=old_mean,
+            std=c,
+            dt=-torch.ones(b, dtype=D64),
+        )
+    )
     expected_ratio = torch.exp(((x_next - old_mean) * (mean - old_mean)).mean(1) / c)
     # loss = mean(-ratio) here (A = 1, dt = -1, clip wide open)
     assert out.loss.item() == pytest.approx(-expected_ratio.mean().item(), abs=1e-12)
@@ -233,10 +260,17 @@ def test_guard_equals_grpo_when_c_and_dt_are_one():
 def test_guard_kl_is_not_reweighted():
     mean = t([[0.3, -0.1], [0.0, 0.4]], grad=True)
     logp = t([0.0, 0.0], grad=True)
-    out = GRPOGuard(beta=0.5)(batch(
-        logp, logp.detach(), t([1.0, -1.0]), mean=mean, std=t([0.5, 2.0]), dt=t([-0.1, -0.1]),
-        ref_mean=t([[0.1, 0.1], [0.0, 0.0]]),
-    ))
+    out = GRPOGuard(beta=0.5)(
+        batch(
+            logp,
+            logp.detach(),
+            t([1.0, -1.0]),
+            mean=mean,
+            std=t([0.5, 2.0]),
+            dt=t([-0.1, -0.1]),
+            ref_mean=t([[0.1, 0.1], [0.0, 0.0]]),
+        )
+    )
     assert out.metrics["kl"].item() == pytest.approx(0.045, abs=1e-12)
     assert out.loss.item() == pytest.approx(0.0225, abs=1e-12)
 
@@ -259,9 +293,7 @@ def test_bad_params_raise_recipe_error(name):
     with pytest.raises(RecipeError) as info:
         registry.create("objective", name, clip_range=0.0, adv_clip=-1.0, beta=-0.5, kl="l2", clip=1)
     keys = sorted(e.key for e in info.value.errors)
-    assert keys == [
-        "objective.adv_clip", "objective.beta", "objective.clip", "objective.clip_range", "objective.kl"
-    ]
+    assert keys == ["objective.adv_clip", "objective.beta", "objective.clip", "objective.clip_range", "objective.kl"]
 
 
 # --- flow_grpo's KL scale ---------------------------------------------------------------------
@@ -275,7 +307,9 @@ def test_kl_flow_grpo_is_minus_dt_times_the_exact_kl(objective):
     std, dt = t([0.5, 2.0]), t([-0.25, -0.04])
     logp = t([0.0, 0.0], grad=True)
     exact = objective(beta=0.5)(batch(logp, logp.detach(), t([1.0, -1.0]), mean=mean, std=std, dt=dt, ref_mean=ref))
-    ours = objective(beta=0.5, kl="flow_grpo")(batch(logp, logp.detach(), t([1.0, -1.0]), mean=mean, std=std, dt=dt, ref_mean=ref))
+    ours = objective(beta=0.5, kl="flow_grpo")(
+        batch(logp, logp.detach(), t([1.0, -1.0]), mean=mean, std=std, dt=dt, ref_mean=ref)
+    )
     # per sample exact [0.08, 0.01] (see test_kl_mean_value_and_gradient) times -dt [0.25, 0.04]
     assert ours.metrics["kl"].item() == pytest.approx((0.08 * 0.25 + 0.01 * 0.04) / 2, abs=1e-12)
     g = std / torch.sqrt(-dt)  # what flow_grpo divides by

@@ -11,10 +11,17 @@ from fgrpo.core.config import RecipeError
 from fgrpo.core.protocols import PromptSource
 
 GENEVAL_ROWS = [
-    {"tag": "counting", "include": [{"class": "chair", "count": 4}], "exclude": [{"class": "chair", "count": 5}],
-     "prompt": "a photo of four chairs"},
-    {"tag": "position", "include": [{"class": "cup", "count": 1}, {"class": "couch", "count": 1, "position": ["below", 0]}],
-     "prompt": "a photo of a couch below a cup"},
+    {
+        "tag": "counting",
+        "include": [{"class": "chair", "count": 4}],
+        "exclude": [{"class": "chair", "count": 5}],
+        "prompt": "a photo of four chairs",
+    },
+    {
+        "tag": "position",
+        "include": [{"class": "cup", "count": 1}, {"class": "couch", "count": 1, "position": ["below", 0]}],
+        "prompt": "a photo of a couch below a cup",
+    },
 ]
 
 
@@ -57,13 +64,18 @@ def test_folder_errors_are_reported_at_validation(tmp_path):
     with pytest.raises(RecipeError) as info:
         registry.create("prompts", "folder", path=str(tmp_path), train="dev")
     messages = [str(e) for e in info.value.errors]
-    assert any(m.startswith("prompts.train: got 'dev'") and "dev_metadata.jsonl or dev.jsonl or dev.txt" in m for m in messages)
+    assert any(
+        m.startswith("prompts.train: got 'dev'") and "dev_metadata.jsonl or dev.jsonl or dev.txt" in m
+        for m in messages
+    )
     assert any(m.startswith("prompts.test: got 'test'") for m in messages)
 
 
 def test_same_prompt_with_two_metadata_is_an_error(tmp_path):
     write_jsonl(tmp_path / "train.jsonl", [{"prompt": "p", "tag": "a"}, {"prompt": "p", "tag": "b"}])
-    with pytest.raises(RecipeError, match="prompts.path: .*appears twice with different metadata"):  # found by `validate` too
+    with pytest.raises(
+        RecipeError, match="prompts.path: .*appears twice with different metadata"
+    ):  # found by `validate` too
         registry.create("prompts", "folder", path=str(tmp_path), test=None)
     write_jsonl(tmp_path / "train.jsonl", [{"prompt": "p", "tag": "a"}, {"prompt": "p", "tag": "a"}])
     assert registry.create("prompts", "folder", path=str(tmp_path), test=None).train_prompts() == ["p", "p"]

@@ -24,14 +24,17 @@ def test_every_diffusers_backbone_takes_the_key(policy):
     assert check_params(policy, {"path": "x"}, "model")[0]["context_parallel"] is None
 
 
-@pytest.mark.parametrize("value, message", [
-    ({"ulysses": 2}, "got unknown key(s) 'ulysses'; allowed keys: ulysses_degree, ring_degree"),
-    ({"ulysses_degree": 0}, "got ulysses_degree 0; allowed: a positive integer"),
-    ({"ring_degree": 1.5}, "got ring_degree 1.5; allowed: a positive integer"),
-    ({"ulysses_degree": True}, "got ulysses_degree True; allowed: a positive integer"),
-    ({"ulysses_degree": 1, "ring_degree": 1}, "one process per sample is no context parallelism"),
-    (4, "expected a mapping or null, got 4"),
-])
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ({"ulysses": 2}, "got unknown key(s) 'ulysses'; allowed keys: ulysses_degree, ring_degree"),
+        ({"ulysses_degree": 0}, "got ulysses_degree 0; allowed: a positive integer"),
+        ({"ring_degree": 1.5}, "got ring_degree 1.5; allowed: a positive integer"),
+        ({"ulysses_degree": True}, "got ulysses_degree True; allowed: a positive integer"),
+        ({"ulysses_degree": 1, "ring_degree": 1}, "one process per sample is no context parallelism"),
+        (4, "expected a mapping or null, got 4"),
+    ],
+)
 def test_bad_values_are_one_line_naming_the_key(value, message):
     _, errors = check_params(SD3Policy, {"path": "x", "context_parallel": value}, "model")
     assert [e.key for e in errors] == ["model.context_parallel"] and message in errors[0].message
@@ -39,8 +42,15 @@ def test_bad_values_are_one_line_naming_the_key(value, message):
 
 def recipe(tmp_path, pipeline_path: str) -> str:
     data = {
-        "model": {"name": "sd3", "path": pipeline_path, "device": "cpu", "context_parallel": {"ulysses_degree": 2, "ring_degree": 2}},
-        "sampler": {"name": "full", "steps": 2}, "reward": "jpeg-compressibility", "objective": "grpo",
+        "model": {
+            "name": "sd3",
+            "path": pipeline_path,
+            "device": "cpu",
+            "context_parallel": {"ulysses_degree": 2, "ring_degree": 2},
+        },
+        "sampler": {"name": "full", "steps": 2},
+        "reward": "jpeg-compressibility",
+        "objective": "grpo",
         "prompts": {"name": "list", "train": ["a cat", "a dog"], "test": ["a cat"]},
         "train": {"iterations": 1, "group_size": 2, "prompts_per_iteration": 1},
     }

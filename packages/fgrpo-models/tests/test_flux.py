@@ -66,19 +66,28 @@ def test_dancegrpo_and_mixgrpo_flux_schedule_and_timesteps():
     from fgrpo.models.flux import FluxPolicy
 
     policy = FluxPolicy.from_pipeline(
-        build_tiny_flux_pipeline(), device="cpu", resolution=64, max_sequence_length=SEQ, shift=3.0, integer_timesteps=True
+        build_tiny_flux_pipeline(),
+        device="cpu",
+        resolution=64,
+        max_sequence_length=SEQ,
+        shift=3.0,
+        integer_timesteps=True,
     )
     sigma_schedule = torch.linspace(1, 0, 17)
     sigma_schedule = (3.0 * sigma_schedule) / (1 + 2.0 * sigma_schedule)
     sigmas = policy.sigmas(16)
     torch.testing.assert_close(sigmas, sigma_schedule, rtol=0, atol=1e-7)
     seen = []
-    policy.transformer.register_forward_pre_hook(lambda _m, _a, kw: seen.append(kw["timestep"].clone()), with_kwargs=True)
+    policy.transformer.register_forward_pre_hook(
+        lambda _m, _a, kw: seen.append(kw["timestep"].clone()), with_kwargs=True
+    )
     cond = policy.encode(["a cat"])
     x = policy.initial_noise(1, torch.Generator().manual_seed(0))
     for i in range(16):
         policy.velocity(x, sigmas[i].expand(1), cond)
     expected = torch.tensor([int(s * 1000) for s in sigma_schedule[:16]]) / 1000
     torch.testing.assert_close(torch.cat(seen), expected.float(), rtol=0, atol=0)
-    default = FluxPolicy.from_pipeline(build_tiny_flux_pipeline(), device="cpu", resolution=64, max_sequence_length=SEQ)
+    default = FluxPolicy.from_pipeline(
+        build_tiny_flux_pipeline(), device="cpu", resolution=64, max_sequence_length=SEQ
+    )
     assert not default._integer_timesteps and not torch.allclose(default.sigmas(16), sigmas)

@@ -32,7 +32,13 @@ class TestFluxKontext(EditingBackboneConformance):
 
     def pipeline_kwargs(self, policy):
         h, w = policy.size
-        return {"height": h, "width": w, "max_area": h * w, "max_sequence_length": SEQ, "guidance_scale": policy.guidance_scale}
+        return {
+            "height": h,
+            "width": w,
+            "max_area": h * w,
+            "max_sequence_length": SEQ,
+            "guidance_scale": policy.guidance_scale,
+        }
 
     def source_kwargs(self, policy, prompts):
         # source_resolution output: the sources at the output's size (flow_grpo resizes its reference
@@ -69,7 +75,9 @@ def test_preferred_resolution_is_the_pipelines_auto_resize(tmp_path):
 
     pipe = build_tiny_flux_kontext_pipeline()
     policy = FluxKontextPolicy.from_pipeline(pipe, device="cpu", resolution=32, max_sequence_length=SEQ, lora=None)
-    prompt = Prompt("make it red", images=(SyntheticImage(5, 90, 50),))  # 80 x 48 after rounding to 16: 1328 x 800, the nearest of 17
+    prompt = Prompt(
+        "make it red", images=(SyntheticImage(5, 90, 50),)
+    )  # 80 x 48 after rounding to 16: 1328 x 800, the nearest of 17
     assert policy._source_size(media.load_image(prompt.images[0])) == (800, 1328)
     cond = policy.encode([prompt])
     assert cond["image_latents"].shape == (1, 16, 100, 166)
@@ -77,9 +85,18 @@ def test_preferred_resolution_is_the_pipelines_auto_resize(tmp_path):
     start, sigmas = x.clone(), policy.sigmas(2)
     for i in range(2):
         x = x + (sigmas[i + 1] - sigmas[i]) * policy.velocity(x, sigmas[i].expand(1), cond)
-    out = pipe(prompt=["make it red"], image=media.load_image(prompt.images[0]), latents=policy.to_pipeline_latents(start),
-               height=32, width=32, max_area=32 * 32, num_inference_steps=2, guidance_scale=policy.guidance_scale,
-               max_sequence_length=SEQ, output_type="latent")[0]
+    out = pipe(
+        prompt=["make it red"],
+        image=media.load_image(prompt.images[0]),
+        latents=policy.to_pipeline_latents(start),
+        height=32,
+        width=32,
+        max_area=32 * 32,
+        num_inference_steps=2,
+        guidance_scale=policy.guidance_scale,
+        max_sequence_length=SEQ,
+        output_type="latent",
+    )[0]
     torch.testing.assert_close(x, policy.from_pipeline_latents(out).float(), rtol=0, atol=1e-4)
     other = Prompt("make it blue", images=(SyntheticImage(6, 50, 90),))  # tall: another preferred size
     [problem] = policy.check_prompts([prompt, other])

@@ -38,8 +38,13 @@ def test_the_filter_drops_nothing_else():
     logger = logging.getLogger("transformers.utils.import_utils")
     keep = logging.LogRecord(logger.name, logging.WARNING, __file__, 1, "something else is wrong", None, None)
     drop = logging.LogRecord(
-        logger.name, logging.WARNING, __file__, 1,
-        "`CLIPImageProcessor` requires torchvision (not installed); falling back to `CLIPImageProcessorPil`", None, None,
+        logger.name,
+        logging.WARNING,
+        __file__,
+        1,
+        "`CLIPImageProcessor` requires torchvision (not installed); falling back to `CLIPImageProcessorPil`",
+        None,
+        None,
     )
     assert logger.filter(keep) and not logger.filter(drop)
     assert logging.getLogger("transformers").filters == []  # nothing global

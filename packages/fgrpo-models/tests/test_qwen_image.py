@@ -30,8 +30,10 @@ class TestQwenImage(DiffusersBackboneConformance):
         mask = cond["prompt_embeds_mask"]
         assert cond["prompt_embeds"].shape[:2] == mask.shape == (2, SEQ)  # fixed width: batches concatenate
         lengths = mask.sum(dim=1)
-        assert lengths[0] > lengths[1] and torch.all(cond["prompt_embeds"][1, int(lengths[1]):] == 0)
-        embeds, pipe_mask = policy.pipeline.encode_prompt([self.prompts[1]], device=policy.device, max_sequence_length=SEQ)
+        assert lengths[0] > lengths[1] and torch.all(cond["prompt_embeds"][1, int(lengths[1]) :] == 0)
+        embeds, pipe_mask = policy.pipeline.encode_prompt(
+            [self.prompts[1]], device=policy.device, max_sequence_length=SEQ
+        )
         torch.testing.assert_close(cond["prompt_embeds"][1:, : embeds.shape[1]], embeds, rtol=0, atol=1e-5)
 
 

@@ -30,7 +30,9 @@ def source_area_is_the_output(pipe, height, width):
     module = sys.modules[type(pipe).__module__]
     real = module.calculate_dimensions
     # (the Edit module's returns (width, height, None), the Plus module's (width, height))
-    module.calculate_dimensions = lambda area, ratio: (width, height, *real(area, ratio)[2:]) if area == VAE_IMAGE_AREA else real(area, ratio)
+    module.calculate_dimensions = lambda area, ratio: (
+        (width, height, *real(area, ratio)[2:]) if area == VAE_IMAGE_AREA else real(area, ratio)
+    )
     try:
         yield
     finally:
@@ -85,7 +87,9 @@ class TestQwenImageEdit(EditConformance):
     def test_the_vl_encoder_sees_the_source(self, policy):
         same_text = [self.prompts[0], Prompt(self.prompts[0].text, images=(SyntheticImage(9, 48, 32),))]
         cond = policy.encode(same_text)
-        assert not torch.equal(cond["prompt_embeds"][0], cond["prompt_embeds"][1])  # text embeddings depend on the image
+        assert not torch.equal(
+            cond["prompt_embeds"][0], cond["prompt_embeds"][1]
+        )  # text embeddings depend on the image
         assert not torch.equal(cond["image_latents"][0], cond["image_latents"][1])
 
     def test_a_prompt_longer_than_max_sequence_length_is_an_error(self, model_keys):
@@ -106,7 +110,9 @@ class TestQwenImageEditPlus(EditConformance):
         assert type(policy).source_image_count == (1, 3)
         cond = policy.encode(list(self.prompts))
         assert set(cond) == {"prompt_embeds", "prompt_embeds_mask", "image_latents_0", "image_latents_1"}
-        assert cond["image_latents_0"].shape == cond["image_latents_1"].shape == (2, 16, 8, 8)  # both at the output's size
+        assert (
+            cond["image_latents_0"].shape == cond["image_latents_1"].shape == (2, 16, 8, 8)
+        )  # both at the output's size
         [problem] = policy.check_prompts([self.prompts[0], Prompt("one", images=(SyntheticImage(5),))])
         assert "the prompts have [1, 2] source images" in problem
 
@@ -120,9 +126,18 @@ class TestQwenImageEditPlus(EditConformance):
 def test_preferred_source_size_is_the_pipelines():
     from fgrpo.models.qwen_image_edit import QwenImageEditPolicy
 
-    policy = QwenImageEditPolicy.from_pipeline(build_tiny_qwen_image_edit_pipeline(), device="cpu", resolution=32, lora=None)
-    assert policy._source_size(SyntheticImage(0, 90, 50).to_pil()) == (768, 1376)  # 1024^2 pixels at 9:5, multiples of 32
+    policy = QwenImageEditPolicy.from_pipeline(
+        build_tiny_qwen_image_edit_pipeline(), device="cpu", resolution=32, lora=None
+    )
+    assert policy._source_size(SyntheticImage(0, 90, 50).to_pil()) == (
+        768,
+        1376,
+    )  # 1024^2 pixels at 9:5, multiples of 32
     assert policy._source_size(SyntheticImage(0, 64, 64).to_pil()) == (1024, 1024)
-    fixed = QwenImageEditPolicy.from_pipeline(build_tiny_qwen_image_edit_pipeline(), device="cpu", resolution=32, lora=None,
-                                              source_resolution=[1024, 1024])
-    assert fixed._source_size(SyntheticImage(0, 90, 50).to_pil()) == (1024, 1024)  # flow_grpo: squashed square, then 1024^2
+    fixed = QwenImageEditPolicy.from_pipeline(
+        build_tiny_qwen_image_edit_pipeline(), device="cpu", resolution=32, lora=None, source_resolution=[1024, 1024]
+    )
+    assert fixed._source_size(SyntheticImage(0, 90, 50).to_pil()) == (
+        1024,
+        1024,
+    )  # flow_grpo: squashed square, then 1024^2

@@ -37,9 +37,10 @@ class TestSD3(DiffusersBackboneConformance):
         for steps in (1, 10):
             scheduler.set_timesteps(steps)
             assert torch.equal(policy.sigmas(steps), scheduler.sigmas.float())
-        flat = self.make_policy({"path": policy.path, "device": "cpu", "max_sequence_length": SEQ}, shift=1.0).sigmas(4)
+        flat = self.make_policy({"path": policy.path, "device": "cpu", "max_sequence_length": SEQ}, shift=1.0).sigmas(
+            4
+        )
         assert torch.all(flat[1:-1] < policy.sigmas(4)[1:-1])  # the pipeline's shift 3 keeps more noise
-
 
     @torch.no_grad()
     def test_text_encoders_elsewhere_and_decoding_in_chunks(self, policy, model_keys):
@@ -60,7 +61,11 @@ def test_from_pipeline_and_resolution():
     with torch.no_grad():
         v = policy.velocity(policy.initial_noise(2), torch.tensor([0.5, 0.5]), policy.encode(["a", "b"]))
     assert v.shape == (2, 16, 4, 4)
-    assert SD3Policy.from_pipeline(build_tiny_sd3_pipeline(), device="cpu", resolution=[32, 48]).latent_shape == (16, 4, 6)
+    assert SD3Policy.from_pipeline(build_tiny_sd3_pipeline(), device="cpu", resolution=[32, 48]).latent_shape == (
+        16,
+        4,
+        6,
+    )
     with pytest.raises(ValueError, match="multiples of 16"):
         SD3Policy.from_pipeline(build_tiny_sd3_pipeline(), device="cpu", resolution=40)
 
@@ -72,7 +77,9 @@ def test_vae_and_text_encoders_keep_their_own_dtype_and_run_without_autocast():
     keys, and an autocast around decoding or encoding changes nothing (the pipeline runs neither
     under one)."""
     keys = {"device": "cpu", "max_sequence_length": SEQ, "lora": None}
-    policy = SD3Policy.from_pipeline(build_tiny_sd3_pipeline(), dtype="float32", vae_dtype="float32", text_encoder_dtype="bfloat16", **keys)
+    policy = SD3Policy.from_pipeline(
+        build_tiny_sd3_pipeline(), dtype="float32", vae_dtype="float32", text_encoder_dtype="bfloat16", **keys
+    )
     assert policy.transformer.dtype == torch.float32 and policy.pipeline.vae.dtype == torch.float32
     assert [m.dtype for m in policy.text_encoders()] == [torch.bfloat16] * 3
     x = policy.initial_noise(2, torch.Generator().manual_seed(0))
@@ -81,7 +88,9 @@ def test_vae_and_text_encoders_keep_their_own_dtype_and_run_without_autocast():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert torch.equal(policy.decode(x), plain)
         assert all(torch.equal(v, cond[k]) for k, v in policy.encode(["a cat"]).items())
-    whole = SD3Policy.from_pipeline(build_tiny_sd3_pipeline(), dtype="bfloat16", **keys)  # dtype alone: everything bf16
+    whole = SD3Policy.from_pipeline(
+        build_tiny_sd3_pipeline(), dtype="bfloat16", **keys
+    )  # dtype alone: everything bf16
     assert whole.pipeline.vae.dtype == torch.bfloat16 and (whole.decode(x) - plain).abs().max() > 1e-3
 
 
@@ -92,11 +101,21 @@ def test_recipe_keys_are_checked():
     assert out["lora"] == {"rank": 8, "alpha": 16, "target_modules": list(SD3_LORA_TARGETS), "init": "gaussian"}
     _, errors = check_params(
         SD3Policy,
-        {"path": "x", "lora": {"rnak": 8}, "dtype": "float64", "device": "gpu", "guidance_scale": 0.5,
-         "pipeline": 1, "resolution": [64], "text_encoder_device": "tpu"},
+        {
+            "path": "x",
+            "lora": {"rnak": 8},
+            "dtype": "float64",
+            "device": "gpu",
+            "guidance_scale": 0.5,
+            "pipeline": 1,
+            "resolution": [64],
+            "text_encoder_device": "tpu",
+        },
     )
     keys = sorted(e.key for e in errors)
-    assert keys == ["device", "dtype", "guidance_scale", "lora", "pipeline", "resolution", "text_encoder_device"], errors
+    assert keys == ["device", "dtype", "guidance_scale", "lora", "pipeline", "resolution", "text_encoder_device"], (
+        errors
+    )
     assert "rnak" in next(str(e) for e in errors if e.key == "lora")
     _, errors = check_params(SD3Policy, {})
     assert [e.key for e in errors] == ["path"]
@@ -104,7 +123,8 @@ def test_recipe_keys_are_checked():
 
 def test_importing_the_backbones_does_not_import_diffusers():
     code = (
-        "import sys, fgrpo.models.sd3, fgrpo.models.flux, fgrpo.models.qwen_image, fgrpo.models.wan, fgrpo.models.testing; "
+        "import sys, fgrpo.models.sd3, fgrpo.models.flux, fgrpo.models.qwen_image, fgrpo.models.wan, "
+        "fgrpo.models.testing; "
         "assert 'diffusers' not in sys.modules and 'peft' not in sys.modules and 'transformers' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -8,7 +8,14 @@ import torch
 
 from fgrpo.core import registry
 from fgrpo.core.testing import PolicyConformance
-from fgrpo.models.trajectory import Architecture, TrajectoryPolicy, default_weights_path, from_waypoints, load_network, to_waypoints
+from fgrpo.models.trajectory import (
+    Architecture,
+    TrajectoryPolicy,
+    default_weights_path,
+    from_waypoints,
+    load_network,
+    to_waypoints,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -59,8 +66,10 @@ def test_normalisation_round_trip_and_3d_plans():
 def test_bad_prompts_and_weights_are_one_line(tmp_path):
     policy = registry.create("model", "trajectory", path="random", hidden=16, blocks=1)
     assert policy.check_prompts(["free 1", "a red circle"]) == [
-        "'a red circle' is not a driving scene; expected '<type> <seed> [t<seconds>] [tag]' with a type of free, slow-lead, "
-        "stopped, cut-in, dense, e.g. 'cut-in 42 t2.5'"]
+        "'a red circle' is not a driving scene; expected '<type> <seed> [t<seconds>] [tag]' with a type of free, "
+        "slow-lead, "
+        "stopped, cut-in, dense, e.g. 'cut-in 42 t2.5'"
+    ]
     bad = tmp_path / "x.safetensors"
     from safetensors.torch import save_file
 

@@ -65,8 +65,9 @@ def test_shapes_and_dtypes():
     torch.testing.assert_close(noise, policy.initial_noise(5, torch.Generator().manual_seed(0)))
     v = policy.velocity(noise[:2], torch.tensor([1.0, 0.5]), cond)
     assert v.shape == (2, 3) and v.dtype == torch.float32 and torch.isfinite(v).all()
-    torch.testing.assert_close(policy.velocity(noise[:2], torch.tensor(0.5), cond),
-                               policy.velocity(noise[:2], torch.tensor([0.5, 0.5]), cond))
+    torch.testing.assert_close(
+        policy.velocity(noise[:2], torch.tensor(0.5), cond), policy.velocity(noise[:2], torch.tensor([0.5, 0.5]), cond)
+    )
     assert policy.decode(noise) is not None and torch.equal(policy.decode(noise), noise)
     assert policy.encode([]).shape == (0, 3)
 

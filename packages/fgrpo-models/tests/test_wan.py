@@ -111,7 +111,11 @@ def test_diffusers_0_33_grid_is_flow_grpos():
 
 # --- Wan 2.2 ------------------------------------------------------------------------------------
 
-from fgrpo.models.testing import build_tiny_wan22_i2v_pipeline, build_tiny_wan22_pipeline, build_tiny_wan22_ti2v_pipeline  # noqa: E402
+from fgrpo.models.testing import (  # noqa: E402 - the Wan 2.2 section's own imports
+    build_tiny_wan22_i2v_pipeline,
+    build_tiny_wan22_pipeline,
+    build_tiny_wan22_ti2v_pipeline,
+)
 
 WAN_KWARGS = {"height": 32, "width": 32, "num_frames": 5, "max_sequence_length": SEQ}
 
@@ -125,6 +129,7 @@ def expert_calls(policy, fn):
         def hook(_module, _args, kwargs, name=name):
             t = kwargs["timestep"].flatten()
             calls.append((name, tuple(round(float(v), 2) for v in t.unique())))
+
         handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
     try:
         fn()
@@ -152,11 +157,17 @@ class TestWan22(DiffusersBackboneConformance):
         import os
 
         assert sorted(os.path.relpath(f, folder) for f in written) == [
-            "adapter_config.json", "adapter_model.safetensors", "pytorch_lora_weights.safetensors",
-            "pytorch_lora_weights_transformer_2.safetensors", "transformer_2/adapter_config.json", "transformer_2/adapter_model.safetensors",
+            "adapter_config.json",
+            "adapter_model.safetensors",
+            "pytorch_lora_weights.safetensors",
+            "pytorch_lora_weights_transformer_2.safetensors",
+            "transformer_2/adapter_config.json",
+            "transformer_2/adapter_model.safetensors",
         ]
         pipe.load_lora_weights(folder)  # the high-noise expert, as for any pipeline
-        pipe.load_lora_weights(folder, weight_name="pytorch_lora_weights_transformer_2.safetensors", load_into_transformer_2=True)
+        pipe.load_lora_weights(
+            folder, weight_name="pytorch_lora_weights_transformer_2.safetensors", load_into_transformer_2=True
+        )
 
     @torch.no_grad()
     def test_each_expert_runs_at_the_pipelines_timesteps(self, policy):
@@ -170,7 +181,11 @@ class TestWan22(DiffusersBackboneConformance):
 
         theirs = expert_calls(policy, lambda: self.run_pipeline(policy, policy.pipeline, x))
         assert expert_calls(policy, ours) == theirs
-        assert [(name, t[0] >= 875) for name, t in theirs] == [("transformer", True), ("transformer_2", False), ("transformer_2", False)]
+        assert [(name, t[0] >= 875) for name, t in theirs] == [
+            ("transformer", True),
+            ("transformer_2", False),
+            ("transformer_2", False),
+        ]
         assert policy.high_noise(sigmas[:-1]).tolist() == [True, False, False]
 
     @torch.no_grad()
@@ -182,32 +197,48 @@ class TestWan22(DiffusersBackboneConformance):
             both = policy.velocity(x, mixed, cond)
             calls = expert_calls(policy, lambda: policy.velocity(x, mixed, cond))
             for row in range(2):
-                alone = policy.velocity(x[row : row + 1], mixed[row : row + 1], {k: v[row : row + 1] for k, v in cond.items()})
+                alone = policy.velocity(
+                    x[row : row + 1], mixed[row : row + 1], {k: v[row : row + 1] for k, v in cond.items()}
+                )
                 torch.testing.assert_close(both[row : row + 1], alone, rtol=0, atol=1e-6)
         assert [name for name, _ in calls] == ["transformer", "transformer_2"]  # one forward per expert
 
     @torch.no_grad()
     def test_the_low_noise_experts_own_guidance_scale(self, model_keys):
         """guidance_scale for the high-noise expert, guidance_scale_2 for the low-noise one, as the pipeline."""
-        policy = self.make_policy({**model_keys, "lora": {**self.lora, "init": "random"}}, guidance_scale=4.0, guidance_scale_2=2.0)
+        policy = self.make_policy(
+            {**model_keys, "lora": {**self.lora, "init": "random"}}, guidance_scale=4.0, guidance_scale_2=2.0
+        )
         x = policy.initial_noise(2, torch.Generator().manual_seed(3))
         start, sigmas, cond = x.clone(), policy.sigmas(3), self.cond(policy)
         for i in range(3):
             x = x + (sigmas[i + 1] - sigmas[i]) * policy.velocity(x, sigmas[i].expand(2), cond)
         reference = policy.pipeline(
-            prompt=list(self.prompts), negative_prompt=["", ""], latents=start.clone(), num_inference_steps=3, output_type="latent",
-            guidance_scale=4.0, guidance_scale_2=2.0, **WAN_KWARGS,
+            prompt=list(self.prompts),
+            negative_prompt=["", ""],
+            latents=start.clone(),
+            num_inference_steps=3,
+            output_type="latent",
+            guidance_scale=4.0,
+            guidance_scale_2=2.0,
+            **WAN_KWARGS,
         )[0]
-        assert_matches(self.label, "euler loop vs pipeline, guidance_scale_2", x, reference.float(), self.pipeline_atol)
+        assert_matches(
+            self.label, "euler loop vs pipeline, guidance_scale_2", x, reference.float(), self.pipeline_atol
+        )
 
     def test_state_names_the_expert(self, policy, model_keys):
         state = policy.trainable_state_dict()
         assert {k.split(".", 1)[0] for k in state} == {"transformer", "transformer_2"}
         low_only = self.make_policy(model_keys, train_experts=["low_noise"])
         assert {k.split(".", 1)[0] for k in low_only.trainable_state_dict()} == {"transformer_2"}
-        assert not any("lora" in n for n, _ in low_only.pipeline.transformer.named_parameters())  # the other stays the base
+        assert not any(
+            "lora" in n for n, _ in low_only.pipeline.transformer.named_parameters()
+        )  # the other stays the base
         assert low_only.trainable_module is low_only.trainable_module  # the experts' container
-        assert {id(p) for p in low_only.trainable_module.parameters()} >= {id(p) for p in low_only.trainable_parameters()}
+        assert {id(p) for p in low_only.trainable_module.parameters()} >= {
+            id(p) for p in low_only.trainable_parameters()
+        }
 
     @pytest.mark.parametrize(
         "experts, window_range, moved",
@@ -220,11 +251,20 @@ class TestWan22(DiffusersBackboneConformance):
     )
     def test_experts_train_per_the_recipe_and_the_window(self, model_keys, tmp_path, experts, window_range, moved):
         keys = {**model_keys, "train_experts": experts}
-        sampler = {"name": "fast", "steps": 3, "window": 2, "window_range": window_range, "kernel": {"name": "sde", "eta": 0.7}}
+        sampler = {
+            "name": "fast",
+            "steps": 3,
+            "window": 2,
+            "window_range": window_range,
+            "kernel": {"name": "sde", "eta": 0.7},
+        }
         run, row, before = self.run_iteration(self.iteration_recipe(keys, tmp_path, sampler=sampler), tmp_path / "run")
         assert row["first_ratio_deviation"] <= 1e-6
         after = run.policy.trainable_state_dict()
-        expert = lambda key: key.split(".", 1)[0] if key.startswith(("transformer.", "transformer_2.")) else "transformer"  # noqa: E731
+
+        def expert(key):
+            return key.split(".", 1)[0] if key.startswith(("transformer.", "transformer_2.")) else "transformer"
+
         changed = {expert(k) for k in before if not torch.equal(before[k], after[k])}
         assert changed == moved  # one expert alone keeps the plain one-transformer keys
 
@@ -301,7 +341,9 @@ class TestWan22ImageToVideo(DiffusersBackboneConformance):
         import shutil
 
         shutil.copytree(self._folder, tmp_path / "data")
-        (tmp_path / "data" / "train.jsonl").write_text("".join((tmp_path / "data" / "train.jsonl").read_text().splitlines(True)[:2]))
+        (tmp_path / "data" / "train.jsonl").write_text(
+            "".join((tmp_path / "data" / "train.jsonl").read_text().splitlines(True)[:2])
+        )
         return {"name": "folder", "path": str(tmp_path / "data"), "test": None}
 
     def pipeline_kwargs(self, policy):
@@ -324,8 +366,12 @@ class TestWan22ImageToVideo(DiffusersBackboneConformance):
         for i in range(len(x)):
             prompt = self.prompts[i % len(self.prompts)]
             out = pipe(
-                prompt=[prompt], image=Image.open(images[prompt]).convert("RGB"), latents=x[i : i + 1].clone(),
-                num_inference_steps=steps or self.steps, output_type=output_type, **kwargs,
+                prompt=[prompt],
+                image=Image.open(images[prompt]).convert("RGB"),
+                latents=x[i : i + 1].clone(),
+                num_inference_steps=steps or self.steps,
+                output_type=output_type,
+                **kwargs,
             )[0]
             rows.append(out)
         return torch.cat(rows) if output_type == "latent" else torch.cat(rows)

@@ -30,7 +30,10 @@ class TestZImage(DiffusersBackboneConformance):
         """cfg_normalization caps the guided norm per sample; cfg_truncation drops guidance at the
         low-noise steps (per row): the Euler loop still equals the pipeline's output."""
         policy = self.make_policy(
-            {**model_keys, "lora": {**self.lora, "init": "random"}}, guidance_scale=4.0, cfg_normalization=1.0, cfg_truncation=0.2
+            {**model_keys, "lora": {**self.lora, "init": "random"}},
+            guidance_scale=4.0,
+            cfg_normalization=1.0,
+            cfg_truncation=0.2,
         )
         x = policy.initial_noise(2, torch.Generator().manual_seed(3))
         start, steps = x.clone(), 4
@@ -39,14 +42,29 @@ class TestZImage(DiffusersBackboneConformance):
         for i in range(steps):
             x = x + (sigmas[i + 1] - sigmas[i]) * policy.velocity(x, sigmas[i].expand(len(x)), cond)
         reference = policy.pipeline(
-            prompt=list(self.prompts), latents=start.clone(), num_inference_steps=steps, output_type="latent",
-            guidance_scale=4.0, cfg_normalization=1.0, cfg_truncation=0.2, negative_prompt=["", ""], **self.pipeline_kwargs(policy),
+            prompt=list(self.prompts),
+            latents=start.clone(),
+            num_inference_steps=steps,
+            output_type="latent",
+            guidance_scale=4.0,
+            cfg_normalization=1.0,
+            cfg_truncation=0.2,
+            negative_prompt=["", ""],
+            **self.pipeline_kwargs(policy),
         )[0]
-        assert_matches(self.label or self.model_name, "euler loop vs pipeline, cfg_normalization + cfg_truncation", x, reference.float(), self.pipeline_atol)
+        assert_matches(
+            self.label or self.model_name,
+            "euler loop vs pipeline, cfg_normalization + cfg_truncation",
+            x,
+            reference.float(),
+            self.pipeline_atol,
+        )
         mixed = torch.stack([sigmas[0], sigmas[-2]])  # a batch with a guided and a truncated row
         both = policy.velocity(start, mixed, cond)
         for row in range(2):
-            alone = policy.velocity(start[row : row + 1], mixed[row : row + 1], {k: v[row : row + 1] for k, v in cond.items()})
+            alone = policy.velocity(
+                start[row : row + 1], mixed[row : row + 1], {k: v[row : row + 1] for k, v in cond.items()}
+            )
             torch.testing.assert_close(both[row : row + 1], alone, rtol=0, atol=1e-5)
 
     def test_captions_keep_their_own_length(self, policy):

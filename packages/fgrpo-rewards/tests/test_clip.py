@@ -46,7 +46,9 @@ def test_scores_are_clips_logits_over_the_divisor(clip_folder, offline):
     processor = CLIPProcessor.from_pretrained(clip_folder)
     batch = images()
     pil = [Image.fromarray((img.permute(1, 2, 0) * 255).round().byte().numpy()) for img in batch]
-    inputs = processor(text=PROMPTS, images=pil, padding="max_length", truncation=True, max_length=77, return_tensors="pt")
+    inputs = processor(
+        text=PROMPTS, images=pil, padding="max_length", truncation=True, max_length=77, return_tensors="pt"
+    )
     with torch.no_grad():
         logits = model(**inputs).logits_per_image.diagonal()
     result = reward(batch, PROMPTS, [{}] * 4)
@@ -173,7 +175,9 @@ class TestAesthetic(RewardConformance):
 
 def test_aesthetic_head_by_hand(clip_folder, aesthetic_head, offline):
     """The five linear layers without activations on the unit-norm image embedding, by hand."""
-    reward = registry.create("reward", "aesthetic", head=str(aesthetic_head), path=str(clip_folder), device="cpu", batch_size=3)
+    reward = registry.create(
+        "reward", "aesthetic", head=str(aesthetic_head), path=str(clip_folder), device="cpu", batch_size=3
+    )
     _, image, _ = reference_embeddings(clip_folder, images(), PROMPTS)
     state = torch.load(aesthetic_head, weights_only=True)
     x = image

@@ -26,8 +26,14 @@ def one_thread():
 
 def custom(name: str, lanes: int = 3, limit: float = 30.0, ego: tuple[int, float] = (1, 20.0), agents=()) -> str:
     """Register a hand-made scene (the scenario-file format) under a prompt of its own."""
-    row = {"type": "free", "seed": 0, "lanes": lanes, "speed_limit": limit, "ego": {"lane": ego[0], "speed": ego[1]},
-           "agents": [{"lane": lane, "x": x, "speed": v} for lane, x, v in agents]}
+    row = {
+        "type": "free",
+        "seed": 0,
+        "lanes": lanes,
+        "speed_limit": limit,
+        "ego": {"lane": ego[0], "speed": ego[1]},
+        "agents": [{"lane": lane, "x": x, "speed": v} for lane, x, v in agents],
+    }
     problems = prompts._scenario_problems(row)
     assert not problems, problems
     _, scene = prompts._build([row])
@@ -65,7 +71,9 @@ def test_scenario_types_set_up_what_they_name():
     s = generate(list(range(len(TYPES))), [3] * len(TYPES))
     ego_y = s.ego[:, 1]
     lead = s.agents[:, 0]
-    assert s.valid[1, 0] and (lead[1, 1] - ego_y[1]).abs() < 1e-5 and lead[1, 3] < s.ego[1, 3]  # slow lead in the ego's lane
+    assert (
+        s.valid[1, 0] and (lead[1, 1] - ego_y[1]).abs() < 1e-5 and lead[1, 3] < s.ego[1, 3]
+    )  # slow lead in the ego's lane
     assert s.valid[2, 0] and lead[2, 3] == 0 and s.idm[2, 0, 0] == 0  # stopped car, stays stopped
     cut = s.lane_change[3, 0]
     assert (cut[1] - ego_y[3]).abs() < 1e-5 and cut[3] > 0  # the cut-in car heads into the ego's lane
@@ -146,10 +154,16 @@ def test_time_to_collision_of_two_cars_closing_at_known_speeds():
 
 def test_boxes_overlap_by_hand():
     a = torch.tensor([0.0, 0.0, 0.0])
-    assert sim.boxes_overlap(a, torch.tensor([4.4, 0.0, 0.0])) and not sim.boxes_overlap(a, torch.tensor([4.6, 0.0, 0.0]))
-    assert sim.boxes_overlap(a, torch.tensor([0.0, 1.7, 0.0])) and not sim.boxes_overlap(a, torch.tensor([0.0, 1.9, 0.0]))
+    assert sim.boxes_overlap(a, torch.tensor([4.4, 0.0, 0.0])) and not sim.boxes_overlap(
+        a, torch.tensor([4.6, 0.0, 0.0])
+    )
+    assert sim.boxes_overlap(a, torch.tensor([0.0, 1.7, 0.0])) and not sim.boxes_overlap(
+        a, torch.tensor([0.0, 1.9, 0.0])
+    )
     # rotated 90 degrees: its half-length now lies across; 0.9 + 2.25 = 3.15 along x
-    assert sim.boxes_overlap(a, torch.tensor([3.1, 0.0, math.pi / 2])) and not sim.boxes_overlap(a, torch.tensor([3.2, 0.0, math.pi / 2]))
+    assert sim.boxes_overlap(a, torch.tensor([3.1, 0.0, math.pi / 2])) and not sim.boxes_overlap(
+        a, torch.tensor([3.2, 0.0, math.pi / 2])
+    )
 
 
 # --- the reward terms -------------------------------------------------------------------------------
@@ -203,7 +217,9 @@ def test_a_log_scene_is_the_teacher_driven_from_t0_and_its_plan_the_log_future()
 
 def test_every_term_is_deterministic_and_per_type():
     batch = [scenes.prompt_of(t, s, 1.0) for t in TYPES for s in range(2)]
-    plans = scenes.teacher_plans(batch) + 0.3 * torch.randn(len(batch), HORIZON_STEPS, 2, generator=torch.Generator().manual_seed(0))
+    plans = scenes.teacher_plans(batch) + 0.3 * torch.randn(
+        len(batch), HORIZON_STEPS, 2, generator=torch.Generator().manual_seed(0)
+    )
     for name in ("driving-safety", "driving-pdms", "driving-carl", "driving-comfort"):
         a, b = score(name, plans, batch), score(name, plans.clone(), batch)
         assert torch.equal(a.scores, b.scores) and a.scores.shape == (len(batch),)
@@ -245,14 +261,18 @@ def test_bad_scenario_files_and_prompts(tmp_path):
     path = tmp_path / "scenarios.jsonl"
     path.write_text(
         '{"type": "free", "seed": 1, "lanes": 0, "speed_limit": 30, "ego": {"lane": 0, "speed": 20}}\n'
-        '{"type": "free", "seed": 2, "lanes": 2, "speed_limit": 30, "ego": {"lane": 0, "speed": -3}, "agents": [{"lane": 5, "x": 10, "speed": NaN}]}\n'
+        '{"type": "free", "seed": 2, "lanes": 2, "speed_limit": 30, "ego": {"lane": 0, "speed": -3}, "agents": '
+        '[{"lane": 5, "x": 10, "speed": NaN}]}\n'
     )
     with pytest.raises(ValueError) as info:
         prompts.read_scenario_file(path)
     text = str(info.value)
     assert f"{path}:1: lanes: got 0; allowed: 1 to 6 (a scene needs a lane)" in text
     assert f"{path}:2: ego.speed: got -3; allowed: a finite number >= 0 (m/s)" in text
-    assert f"{path}:2: agents.0.speed: got nan" in text and f"{path}:2: agents.0.lane: got 5; allowed: an integer from 0 to 1" in text
+    assert (
+        f"{path}:2: agents.0.speed: got nan" in text
+        and f"{path}:2: agents.0.lane: got 5; allowed: an integer from 0 to 1" in text
+    )
     assert "\n" not in text
     with pytest.raises(ValueError, match="is not a driving scene"):
         scenes.parse("a red circle")

@@ -56,8 +56,13 @@ def test_relative_position_by_hand():
 
 
 def test_select_objects_thresholds_orders_caps_and_suppresses():
-    dets = [det("cat", score=0.5), det("cat", (11, 11, 31, 31), 0.9), det("cat", (50, 50, 70, 70), 0.31),
-            det("cat", score=0.3), det("dog", score=0.99)]
+    dets = [
+        det("cat", score=0.5),
+        det("cat", (11, 11, 31, 31), 0.9),
+        det("cat", (50, 50, 70, 70), 0.31),
+        det("cat", score=0.3),
+        det("dog", score=0.99),
+    ]
     kept = select_objects(dets, threshold=0.3, max_objects=16, nms_threshold=1.0)
     assert [d.score for d in kept["cat"]] == [0.9, 0.5, 0.31]  # 0.3 is not above 0.3
     assert len(kept["dog"]) == 1
@@ -77,30 +82,88 @@ CASES = [
     (meta("single_object", [{"class": "dog", "count": 1}]), [det("dog"), det("dog", RIGHT)], {}, (True, False, 0.0)),
     # three dogs for one: partial 1 - 2 = -1 (flow_grpo's formula is not clipped)
     (meta("single_object", [{"class": "dog", "count": 1}]), [det("dog")] * 3, {}, (True, False, -1.0)),
-    (meta("counting", [{"class": "chair", "count": 3}], [{"class": "chair", "count": 4}]),
-     [det("chair")] * 2, {}, (False, False, 1 - 1 / 3)),
-    (meta("counting", [{"class": "chair", "count": 3}], [{"class": "chair", "count": 4}]),
-     [det("chair")] * 3, {}, (True, True, 1.0)),
+    (
+        meta("counting", [{"class": "chair", "count": 3}], [{"class": "chair", "count": 4}]),
+        [det("chair")] * 2,
+        {},
+        (False, False, 1 - 1 / 3),
+    ),
+    (
+        meta("counting", [{"class": "chair", "count": 3}], [{"class": "chair", "count": 4}]),
+        [det("chair")] * 3,
+        {},
+        (True, True, 1.0),
+    ),
     # four chairs for three: the exclusion fails GenEval; strict and partial see the count
-    (meta("counting", [{"class": "chair", "count": 3}], [{"class": "chair", "count": 4}]),
-     [det("chair")] * 4, {}, (False, False, 1 - 1 / 3)),
-    (meta("two_object", [{"class": "tie", "count": 1}, {"class": "pizza", "count": 1}]),
-     [det("tie")], {}, (False, False, 0.5)),
-    (meta("colors", [{"class": "car", "count": 1, "color": "red"}]), [det("car")], {"car": ["red"]}, (True, True, 1.0)),
-    (meta("colors", [{"class": "car", "count": 1, "color": "red"}]), [det("car")], {"car": ["blue"]}, (False, False, 0.5)),
+    (
+        meta("counting", [{"class": "chair", "count": 3}], [{"class": "chair", "count": 4}]),
+        [det("chair")] * 4,
+        {},
+        (False, False, 1 - 1 / 3),
+    ),
+    (
+        meta("two_object", [{"class": "tie", "count": 1}, {"class": "pizza", "count": 1}]),
+        [det("tie")],
+        {},
+        (False, False, 0.5),
+    ),
+    (
+        meta("colors", [{"class": "car", "count": 1, "color": "red"}]),
+        [det("car")],
+        {"car": ["red"]},
+        (True, True, 1.0),
+    ),
+    (
+        meta("colors", [{"class": "car", "count": 1, "color": "red"}]),
+        [det("car")],
+        {"car": ["blue"]},
+        (False, False, 0.5),
+    ),
     # missing car: count part 0 and one 0 for the colour
     (meta("colors", [{"class": "car", "count": 1, "color": "red"}]), [], {}, (False, False, 0.0)),
-    (meta("color_attr", [{"class": "laptop", "count": 1, "color": "red"}, {"class": "car", "count": 1, "color": "brown"}]),
-     [det("laptop"), det("car", RIGHT)], {"laptop": ["red"], "car": ["blue"]}, (False, False, 0.75)),
-    (meta("position", [{"class": "teddy bear", "count": 1}, {"class": "dog", "count": 1, "position": ["right of", 0]}]),
-     [det("teddy bear", LEFT), det("dog", RIGHT)], {}, (True, True, 1.0)),
-    (meta("position", [{"class": "teddy bear", "count": 1}, {"class": "dog", "count": 1, "position": ["right of", 0]}]),
-     [det("teddy bear", RIGHT), det("dog", LEFT)], {}, (False, False, 2 / 3)),
+    (
+        meta(
+            "color_attr",
+            [{"class": "laptop", "count": 1, "color": "red"}, {"class": "car", "count": 1, "color": "brown"}],
+        ),
+        [det("laptop"), det("car", RIGHT)],
+        {"laptop": ["red"], "car": ["blue"]},
+        (False, False, 0.75),
+    ),
+    (
+        meta(
+            "position",
+            [{"class": "teddy bear", "count": 1}, {"class": "dog", "count": 1, "position": ["right of", 0]}],
+        ),
+        [det("teddy bear", LEFT), det("dog", RIGHT)],
+        {},
+        (True, True, 1.0),
+    ),
+    (
+        meta(
+            "position",
+            [{"class": "teddy bear", "count": 1}, {"class": "dog", "count": 1, "position": ["right of", 0]}],
+        ),
+        [det("teddy bear", RIGHT), det("dog", LEFT)],
+        {},
+        (False, False, 2 / 3),
+    ),
     # no target: the teddy's count part is 0, the dog's 1, its position 0
-    (meta("position", [{"class": "teddy bear", "count": 1}, {"class": "dog", "count": 1, "position": ["right of", 0]}]),
-     [det("dog", RIGHT)], {}, (False, False, 1 / 3)),
-    (meta("position", [{"class": "cup", "count": 1}, {"class": "couch", "count": 1, "position": ["below", 0]}]),
-     [det("cup", TOP), det("couch", BOTTOM)], {}, (True, True, 1.0)),
+    (
+        meta(
+            "position",
+            [{"class": "teddy bear", "count": 1}, {"class": "dog", "count": 1, "position": ["right of", 0]}],
+        ),
+        [det("dog", RIGHT)],
+        {},
+        (False, False, 1 / 3),
+    ),
+    (
+        meta("position", [{"class": "cup", "count": 1}, {"class": "couch", "count": 1, "position": ["below", 0]}]),
+        [det("cup", TOP), det("couch", BOTTOM)],
+        {},
+        (True, True, 1.0),
+    ),
 ]
 
 
@@ -136,8 +199,12 @@ def test_verifier_uses_the_counting_threshold_for_counting_prompts():
     stub = StubDetector(scenes)
     verifier = Verifier(stub, lambda image, dets, cls: ["red"] * len(dets), threshold=0.3, counting_threshold=0.9)
     images = torch.zeros(2, 3, 8, 8)
-    metas = [meta("counting", [{"class": "cat", "count": 2}], [{"class": "cat", "count": 3}]),
-             meta("two_object", [{"class": "cat", "count": 2}, {"class": "dog", "count": 1}], [{"class": "bird", "count": 1}])]
+    metas = [
+        meta("counting", [{"class": "cat", "count": 2}], [{"class": "cat", "count": 3}]),
+        meta(
+            "two_object", [{"class": "cat", "count": 2}, {"class": "dog", "count": 1}], [{"class": "bird", "count": 1}]
+        ),
+    ]
     counting, two = verifier.verdicts(images, metas)
     assert not counting.strict and counting.partial == pytest.approx(0.5)  # the 0.5 cat is not counted
     assert two.partial == pytest.approx(0.5)  # both cats count (0.5 > 0.3), no dog
@@ -160,9 +227,12 @@ def test_verdict_result_feeds_per_category_means():
 
 @pytest.mark.parametrize(
     ("bad", "message"),
-    [({}, "no GenEval 'tag'"), ({"tag": "x", "include": [{"class": "dog"}]}, "positive 'count'"),
-     ({"tag": "x", "include": [{"class": "dog", "count": 1, "color": "mauve"}]}, "colour 'mauve'"),
-     ({"tag": "x", "include": [{"class": "dog", "count": 1, "position": ["near", 0]}]}, "position")],
+    [
+        ({}, "no GenEval 'tag'"),
+        ({"tag": "x", "include": [{"class": "dog"}]}, "positive 'count'"),
+        ({"tag": "x", "include": [{"class": "dog", "count": 1, "color": "mauve"}]}, "colour 'mauve'"),
+        ({"tag": "x", "include": [{"class": "dog", "count": 1, "position": ["near", 0]}]}, "position"),
+    ],
 )
 def test_bad_metadata_is_a_clear_error(bad, message):
     verifier = Verifier(StubDetector({0: []}), lambda *a: [])
@@ -197,9 +267,8 @@ def owl_folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def mask2former_folder(tmp_path_factory):
-    from fgrpo.rewards.testing import save_tiny_mask2former
-
     from fgrpo.rewards.geneval import COCO_CLASSES
+    from fgrpo.rewards.testing import save_tiny_mask2former
 
     favour = tuple(COCO_CLASSES.index(c) for c in ("dog", "cat", "car", "cup"))
     return save_tiny_mask2former(tmp_path_factory.mktemp("tiny-mask2former"), favour=favour)
@@ -215,7 +284,9 @@ class TestGenEvalOwl(RewardConformance):
 
     @pytest.fixture
     def reward(self, owl_folder, clip_folder, offline):
-        return registry.create("reward", "geneval", detector=str(owl_folder), clip=str(clip_folder), device="cpu", **OWL)
+        return registry.create(
+            "reward", "geneval", detector=str(owl_folder), clip=str(clip_folder), device="cpu", **OWL
+        )
 
     def make_inputs(self):
         return scenes(), list(PROMPTS), [dict(m) for m in METADATA]
@@ -230,7 +301,10 @@ class TestGenEvalOwl(RewardConformance):
         for b in range(4):
             limit = OWL["counting_threshold"] if METADATA[b]["tag"] == "counting" else OWL["threshold"]
             kept = select_objects(found[b], limit, 16, 1.0)
-            colour = lambda cls, b=b, kept=kept: verifier.colours(images[b], kept.get(cls, []), cls)
+
+            def colour(cls, b=b, kept=kept):
+                return verifier.colours(images[b], kept.get(cls, []), cls)
+
             expected = judge(kept, METADATA[b], colour)
             assert result.details["partial"][b].item() == pytest.approx(expected.partial)
             assert result.details["strict"][b].item() == float(expected.strict)
@@ -241,7 +315,9 @@ class TestGenEvalOwl(RewardConformance):
 class TestGenEvalMask2Former(TestGenEvalOwl):
     @pytest.fixture
     def reward(self, mask2former_folder, clip_folder, offline):
-        return registry.create("reward", "geneval", detector=str(mask2former_folder), clip=str(clip_folder), device="cpu", **M2F)
+        return registry.create(
+            "reward", "geneval", detector=str(mask2former_folder), clip=str(clip_folder), device="cpu", **M2F
+        )
 
     def test_scores_follow_the_detections(self, reward):
         found = reward._verifier.detector(scenes(), [[]] * 4)
@@ -252,9 +328,13 @@ class TestGenEvalMask2Former(TestGenEvalOwl):
 
 
 def test_batch_equals_one_by_one(owl_folder, clip_folder, offline):
-    reward = registry.create("reward", "geneval", detector=str(owl_folder), clip=str(clip_folder), device="cpu", batch_size=4, **OWL)
+    reward = registry.create(
+        "reward", "geneval", detector=str(owl_folder), clip=str(clip_folder), device="cpu", batch_size=4, **OWL
+    )
     together = reward(scenes(), PROMPTS, METADATA).details["partial"]
-    alone = torch.cat([reward(scenes()[i : i + 1], PROMPTS[i : i + 1], METADATA[i : i + 1]).details["partial"] for i in range(4)])
+    alone = torch.cat(
+        [reward(scenes()[i : i + 1], PROMPTS[i : i + 1], METADATA[i : i + 1]).details["partial"] for i in range(4)]
+    )
     torch.testing.assert_close(together, alone)
 
 
@@ -293,10 +373,22 @@ def test_counting_edit_rows_are_scored_on_the_edited_images(tmp_path):
     from PIL import Image
 
     rows = [
-        {"tag": "counting", "include": [{"class": "cat", "count": 2}], "exclude": [{"class": "cat", "count": 3}],
-         "t2i_prompt": "a photo of one cat", "prompt": "Change the number of cat in the image to two.", "image": "a.png"},
-        {"tag": "counting", "include": [{"class": "cat", "count": 2}], "exclude": [{"class": "cat", "count": 3}],
-         "t2i_prompt": "a photo of three cats", "prompt": "Change the number of cat in the image to two.", "image": "b.png"},
+        {
+            "tag": "counting",
+            "include": [{"class": "cat", "count": 2}],
+            "exclude": [{"class": "cat", "count": 3}],
+            "t2i_prompt": "a photo of one cat",
+            "prompt": "Change the number of cat in the image to two.",
+            "image": "a.png",
+        },
+        {
+            "tag": "counting",
+            "include": [{"class": "cat", "count": 2}],
+            "exclude": [{"class": "cat", "count": 3}],
+            "t2i_prompt": "a photo of three cats",
+            "prompt": "Change the number of cat in the image to two.",
+            "image": "b.png",
+        },
     ]
     for name in ("a.png", "b.png"):
         Image.new("RGB", (8, 8)).save(tmp_path / name)
@@ -304,7 +396,9 @@ def test_counting_edit_rows_are_scored_on_the_edited_images(tmp_path):
     source = registry.create("prompts", "folder", path=str(tmp_path), test=None)
     prompts = source.train_prompts()
     assert prompts[0] != prompts[1]
-    stub = StubDetector({0: [det("cat"), det("cat", RIGHT)], 1: [det("cat"), det("cat", RIGHT), det("cat", (40, 40, 60, 60))]})
+    stub = StubDetector(
+        {0: [det("cat"), det("cat", RIGHT)], 1: [det("cat"), det("cat", RIGHT), det("cat", (40, 40, 60, 60))]}
+    )
     verifier = Verifier(stub, lambda image, dets, cls: ["red"] * len(dets), threshold=0.3, counting_threshold=0.9)
     images = torch.zeros(2, 3, 8, 8)
     images[1] += 0.1  # the stub's scene 1: three cats

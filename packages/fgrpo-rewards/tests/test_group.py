@@ -54,7 +54,7 @@ class Comparer:
         raise NotImplementedError
 
     def compare(self, first, second, prompts, metadata):
-        self.pairs += list(zip(first[:, 0].tolist(), second[:, 0].tolist()))
+        self.pairs += list(zip(first[:, 0].tolist(), second[:, 0].tolist(), strict=True))
         if self.biased:
             return RewardResult(scores=torch.ones(len(first)))
         a, b = first[:, 0], second[:, 0]
@@ -72,7 +72,9 @@ def test_a_comparing_judge_sees_every_pair_once_lower_index_first():
 
 def test_both_orders_cancels_a_position_bias_at_twice_the_calls():
     judge = Comparer(biased=True)
-    once = registry.create("reward", "pairwise", judge=judge)(outputs([3, 1, 2]), ["p"] * 3, [{}] * 3, groups=torch.zeros(3, dtype=torch.long))
+    once = registry.create("reward", "pairwise", judge=judge)(
+        outputs([3, 1, 2]), ["p"] * 3, [{}] * 3, groups=torch.zeros(3, dtype=torch.long)
+    )
     assert once.scores.tolist() == [1.0, 0.5, 0.0]  # the first image always "wins"
     both = registry.create("reward", "pairwise", judge=Comparer(biased=True), both_orders=True)
     result = both(outputs([3, 1, 2]), ["p"] * 3, [{}] * 3, groups=torch.zeros(3, dtype=torch.long))
@@ -82,20 +84,26 @@ def test_both_orders_cancels_a_position_bias_at_twice_the_calls():
 def test_rank_by_hand_with_both_tie_rules():
     # scores [3, 1, 3, 0]: stable order 0 (3), 1 (1), 3 (0), 3 (2) -> ranks [2, 1, 3, 0] / 4; average: 2 and 3 -> 2.5
     groups = torch.zeros(4, dtype=torch.long)
-    order = registry.create("reward", "rank", reward=Fixed())(outputs([3, 1, 3, 0]), ["p"] * 4, [{}] * 4, groups=groups)
+    order = registry.create("reward", "rank", reward=Fixed())(
+        outputs([3, 1, 3, 0]), ["p"] * 4, [{}] * 4, groups=groups
+    )
     torch.testing.assert_close(order.scores, torch.tensor([0.5, 0.25, 0.75, 0.0]))
-    average = registry.create("reward", "rank", reward=Fixed(), ties="average")(outputs([3, 1, 3, 0]), ["p"] * 4, [{}] * 4, groups=groups)
+    average = registry.create("reward", "rank", reward=Fixed(), ties="average")(
+        outputs([3, 1, 3, 0]), ["p"] * 4, [{}] * 4, groups=groups
+    )
     torch.testing.assert_close(average.scores, torch.tensor([0.625, 0.25, 0.625, 0.0]))
     assert order.details["judge_calls"].tolist() == [4] * 4
 
 
 def test_a_group_aware_reward_needs_the_groups():
-    from fgrpo.core.scoring import RewardError, score
     from fgrpo.core.recipe import RewardSpec
+    from fgrpo.core.scoring import RewardError, score
 
     spec = RewardSpec("pairwise", "pairwise", 1.0, {})
     reward = registry.create("reward", "pairwise", judge=Fixed())
-    scores, details = score([(spec, reward)], outputs([1, 2]), ["p", "p"], [{}, {}], where="a test", groups=torch.tensor([0, 0]))
+    scores, details = score(
+        [(spec, reward)], outputs([1, 2]), ["p", "p"], [{}, {}], where="a test", groups=torch.tensor([0, 0])
+    )
     assert scores["pairwise"].tolist() == [0.0, 1.0]
     with pytest.raises(RewardError, match="judges whole prompt groups"):
         score([(spec, reward)], outputs([1, 2]), ["p", "p"], [{}, {}], where="a test")

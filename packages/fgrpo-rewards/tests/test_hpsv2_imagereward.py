@@ -44,10 +44,14 @@ def open_clip_state(vocab: int) -> dict[str, torch.Tensor]:
     """A random state dict with open_clip's CLIP key names and shapes."""
     torch.manual_seed(3)
     state = {
-        "visual.conv1.weight": randn(WIDTH, 3, PATCH, PATCH), "visual.class_embedding": randn(WIDTH),
-        "visual.positional_embedding": randn((SIZE // PATCH) ** 2 + 1, WIDTH), "visual.proj": randn(WIDTH, EMBED),
-        "token_embedding.weight": randn(vocab, WIDTH), "positional_embedding": randn(CONTEXT, WIDTH),
-        "text_projection": randn(WIDTH, EMBED), "logit_scale": torch.tensor(math.log(100.0)),
+        "visual.conv1.weight": randn(WIDTH, 3, PATCH, PATCH),
+        "visual.class_embedding": randn(WIDTH),
+        "visual.positional_embedding": randn((SIZE // PATCH) ** 2 + 1, WIDTH),
+        "visual.proj": randn(WIDTH, EMBED),
+        "token_embedding.weight": randn(vocab, WIDTH),
+        "positional_embedding": randn(CONTEXT, WIDTH),
+        "text_projection": randn(WIDTH, EMBED),
+        "logit_scale": torch.tensor(math.log(100.0)),
         "attn_mask": torch.full((CONTEXT, CONTEXT), float("-inf")).triu(1),
     }
     for name in ("visual.ln_pre", "visual.ln_post", "ln_final"):
@@ -57,7 +61,10 @@ def open_clip_state(vocab: int) -> dict[str, torch.Tensor]:
             p = f"{tower}.resblocks.{i}."
             for ln in ("ln_1", "ln_2"):
                 state[p + ln + ".weight"], state[p + ln + ".bias"] = 1 + randn(WIDTH), randn(WIDTH)
-            state[p + "attn.in_proj_weight"], state[p + "attn.in_proj_bias"] = randn(3 * WIDTH, WIDTH), randn(3 * WIDTH)
+            state[p + "attn.in_proj_weight"], state[p + "attn.in_proj_bias"] = (
+                randn(3 * WIDTH, WIDTH),
+                randn(3 * WIDTH),
+            )
             state[p + "attn.out_proj.weight"], state[p + "attn.out_proj.bias"] = randn(WIDTH, WIDTH), randn(WIDTH)
             state[p + "mlp.c_fc.weight"], state[p + "mlp.c_fc.bias"] = randn(FF, WIDTH), randn(FF)
             state[p + "mlp.c_proj.weight"], state[p + "mlp.c_proj.bias"] = randn(WIDTH, FF), randn(WIDTH)
@@ -70,23 +77,45 @@ def open_clip_blocks(x, state, tower, mask=None):
         p = f"{tower}.resblocks.{i}."
         h = F.layer_norm(x, (WIDTH,), state[p + "ln_1.weight"], state[p + "ln_1.bias"])
         attn, _ = F.multi_head_attention_forward(
-            h.transpose(0, 1), h.transpose(0, 1), h.transpose(0, 1), WIDTH, HEADS,
-            state[p + "attn.in_proj_weight"], state[p + "attn.in_proj_bias"], None, None, False, 0.0,
-            state[p + "attn.out_proj.weight"], state[p + "attn.out_proj.bias"], need_weights=False, attn_mask=mask,
+            h.transpose(0, 1),
+            h.transpose(0, 1),
+            h.transpose(0, 1),
+            WIDTH,
+            HEADS,
+            state[p + "attn.in_proj_weight"],
+            state[p + "attn.in_proj_bias"],
+            None,
+            None,
+            False,
+            0.0,
+            state[p + "attn.out_proj.weight"],
+            state[p + "attn.out_proj.bias"],
+            need_weights=False,
+            attn_mask=mask,
         )
         x = x + attn.transpose(0, 1)
         h = F.layer_norm(x, (WIDTH,), state[p + "ln_2.weight"], state[p + "ln_2.bias"])
-        h = F.linear(F.gelu(F.linear(h, state[p + "mlp.c_fc.weight"], state[p + "mlp.c_fc.bias"])), state[p + "mlp.c_proj.weight"], state[p + "mlp.c_proj.bias"])
+        h = F.linear(
+            F.gelu(F.linear(h, state[p + "mlp.c_fc.weight"], state[p + "mlp.c_fc.bias"])),
+            state[p + "mlp.c_proj.weight"],
+            state[p + "mlp.c_proj.bias"],
+        )
         x = x + h
     return x
 
 
 def open_clip_encode_image(state, pixels):
     x = F.conv2d(pixels, state["visual.conv1.weight"], stride=PATCH).flatten(2).transpose(1, 2)
-    x = torch.cat([state["visual.class_embedding"].expand(x.shape[0], 1, WIDTH), x], dim=1) + state["visual.positional_embedding"]
+    x = (
+        torch.cat([state["visual.class_embedding"].expand(x.shape[0], 1, WIDTH), x], dim=1)
+        + state["visual.positional_embedding"]
+    )
     x = F.layer_norm(x, (WIDTH,), state["visual.ln_pre.weight"], state["visual.ln_pre.bias"])
     x = open_clip_blocks(x, state, "visual.transformer")
-    return F.layer_norm(x[:, 0], (WIDTH,), state["visual.ln_post.weight"], state["visual.ln_post.bias"]) @ state["visual.proj"]
+    return (
+        F.layer_norm(x[:, 0], (WIDTH,), state["visual.ln_post.weight"], state["visual.ln_post.bias"])
+        @ state["visual.proj"]
+    )
 
 
 def open_clip_encode_text(state, ids):
@@ -162,29 +191,67 @@ def test_hpsv2_checkpoint_errors_name_the_key(hps_files, tmp_path, offline):
 
 V_WIDTH, V_LAYERS, V_HEADS = 64, 2, 1  # BLIP's heads are 64 wide
 T_WIDTH, T_LAYERS, T_HEADS, T_FF = 32, 2, 4, 48
-WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *"abcdefghijklmnopqrstuvwxyz", "red", "blue", "green", "square",
-         "circle", "triangle", "the", "word", "grp", "##o", "a"]
-MED = {"vocab_size": len(WORDS) + 2, "hidden_size": T_WIDTH, "num_hidden_layers": T_LAYERS, "num_attention_heads": T_HEADS,
-       "intermediate_size": T_FF, "max_position_embeddings": 40, "hidden_act": "gelu", "layer_norm_eps": 1e-12,
-       "add_cross_attention": True, "encoder_width": 768, "pad_token_id": 0}
+WORDS = [
+    "[PAD]",
+    "[UNK]",
+    "[CLS]",
+    "[SEP]",
+    "[MASK]",
+    *"abcdefghijklmnopqrstuvwxyz",
+    "red",
+    "blue",
+    "green",
+    "square",
+    "circle",
+    "triangle",
+    "the",
+    "word",
+    "grp",
+    "##o",
+    "a",
+]
+MED = {
+    "vocab_size": len(WORDS) + 2,
+    "hidden_size": T_WIDTH,
+    "num_hidden_layers": T_LAYERS,
+    "num_attention_heads": T_HEADS,
+    "intermediate_size": T_FF,
+    "max_position_embeddings": 40,
+    "hidden_act": "gelu",
+    "layer_norm_eps": 1e-12,
+    "add_cross_attention": True,
+    "encoder_width": 768,
+    "pad_token_id": 0,
+}
 
 
 def blip_state() -> dict[str, torch.Tensor]:
     torch.manual_seed(4)
     state = {
-        "blip.visual_encoder.cls_token": randn(1, 1, V_WIDTH), "blip.visual_encoder.pos_embed": randn(1, 17, V_WIDTH),
-        "blip.visual_encoder.patch_embed.proj.weight": randn(V_WIDTH, 3, 8, 8), "blip.visual_encoder.patch_embed.proj.bias": randn(V_WIDTH),
-        "blip.visual_encoder.norm.weight": 1 + randn(V_WIDTH), "blip.visual_encoder.norm.bias": randn(V_WIDTH),
+        "blip.visual_encoder.cls_token": randn(1, 1, V_WIDTH),
+        "blip.visual_encoder.pos_embed": randn(1, 17, V_WIDTH),
+        "blip.visual_encoder.patch_embed.proj.weight": randn(V_WIDTH, 3, 8, 8),
+        "blip.visual_encoder.patch_embed.proj.bias": randn(V_WIDTH),
+        "blip.visual_encoder.norm.weight": 1 + randn(V_WIDTH),
+        "blip.visual_encoder.norm.bias": randn(V_WIDTH),
         "blip.text_encoder.embeddings.word_embeddings.weight": randn(MED["vocab_size"], T_WIDTH),
         "blip.text_encoder.embeddings.position_embeddings.weight": randn(40, T_WIDTH),
-        "blip.text_encoder.embeddings.LayerNorm.weight": 1 + randn(T_WIDTH), "blip.text_encoder.embeddings.LayerNorm.bias": randn(T_WIDTH),
-        "blip.vision_proj.weight": randn(16, V_WIDTH), "blip.vision_proj.bias": randn(16),  # unused by ImageReward
+        "blip.text_encoder.embeddings.LayerNorm.weight": 1 + randn(T_WIDTH),
+        "blip.text_encoder.embeddings.LayerNorm.bias": randn(T_WIDTH),
+        "blip.vision_proj.weight": randn(16, V_WIDTH),
+        "blip.vision_proj.bias": randn(16),  # unused by ImageReward
         "blip.text_encoder.embeddings.position_ids": torch.arange(40)[None],  # a buffer the real file holds
     }
     for i in range(V_LAYERS):
         p = f"blip.visual_encoder.blocks.{i}."
-        for name, shape in (("norm1", None), ("norm2", None), ("attn.qkv", (3 * V_WIDTH, V_WIDTH)), ("attn.proj", (V_WIDTH, V_WIDTH)),
-                            ("mlp.fc1", (4 * V_WIDTH, V_WIDTH)), ("mlp.fc2", (V_WIDTH, 4 * V_WIDTH))):
+        for name, shape in (
+            ("norm1", None),
+            ("norm2", None),
+            ("attn.qkv", (3 * V_WIDTH, V_WIDTH)),
+            ("attn.proj", (V_WIDTH, V_WIDTH)),
+            ("mlp.fc1", (4 * V_WIDTH, V_WIDTH)),
+            ("mlp.fc2", (V_WIDTH, 4 * V_WIDTH)),
+        ):
             out = shape[0] if shape else V_WIDTH
             state[p + name + ".weight"] = 1 + randn(V_WIDTH) if shape is None else randn(*shape)
             state[p + name + ".bias"] = randn(out)
@@ -192,14 +259,31 @@ def blip_state() -> dict[str, torch.Tensor]:
         p = f"blip.text_encoder.encoder.layer.{i}."
         for block, source in (("attention", T_WIDTH), ("crossattention", V_WIDTH)):
             for proj, width in (("query", T_WIDTH), ("key", source), ("value", source)):
-                state[f"{p}{block}.self.{proj}.weight"], state[f"{p}{block}.self.{proj}.bias"] = randn(T_WIDTH, width), randn(T_WIDTH)
-            state[f"{p}{block}.output.dense.weight"], state[f"{p}{block}.output.dense.bias"] = randn(T_WIDTH, T_WIDTH), randn(T_WIDTH)
-            state[f"{p}{block}.output.LayerNorm.weight"], state[f"{p}{block}.output.LayerNorm.bias"] = 1 + randn(T_WIDTH), randn(T_WIDTH)
-        state[p + "intermediate.dense.weight"], state[p + "intermediate.dense.bias"] = randn(T_FF, T_WIDTH), randn(T_FF)
+                state[f"{p}{block}.self.{proj}.weight"], state[f"{p}{block}.self.{proj}.bias"] = (
+                    randn(T_WIDTH, width),
+                    randn(T_WIDTH),
+                )
+            state[f"{p}{block}.output.dense.weight"], state[f"{p}{block}.output.dense.bias"] = (
+                randn(T_WIDTH, T_WIDTH),
+                randn(T_WIDTH),
+            )
+            state[f"{p}{block}.output.LayerNorm.weight"], state[f"{p}{block}.output.LayerNorm.bias"] = (
+                1 + randn(T_WIDTH),
+                randn(T_WIDTH),
+            )
+        state[p + "intermediate.dense.weight"], state[p + "intermediate.dense.bias"] = (
+            randn(T_FF, T_WIDTH),
+            randn(T_FF),
+        )
         state[p + "output.dense.weight"], state[p + "output.dense.bias"] = randn(T_WIDTH, T_FF), randn(T_WIDTH)
         state[p + "output.LayerNorm.weight"], state[p + "output.LayerNorm.bias"] = 1 + randn(T_WIDTH), randn(T_WIDTH)
-    for i, (n_in, n_out) in zip((0, 2, 4, 6, 7), ((T_WIDTH, 1024), (1024, 128), (128, 64), (64, 16), (16, 1))):
-        state[f"mlp.layers.{i}.weight"], state[f"mlp.layers.{i}.bias"] = randn(n_out, n_in, scale=n_in**-0.5), randn(n_out)
+    for i, (n_in, n_out) in zip(
+        (0, 2, 4, 6, 7), ((T_WIDTH, 1024), (1024, 128), (128, 64), (64, 16), (16, 1)), strict=True
+    ):
+        state[f"mlp.layers.{i}.weight"], state[f"mlp.layers.{i}.bias"] = (
+            randn(n_out, n_in, scale=n_in**-0.5),
+            randn(n_out),
+        )
     return state
 
 
@@ -218,17 +302,29 @@ def attention(q_in, kv_in, s, p, heads, mask=None):
 def blip_vit(s, pixels):
     """BLIP's ViT (timm's VisionTransformer): pre-norm blocks, eps 1e-6, the final norm on all tokens."""
     p = "blip.visual_encoder."
-    x = F.conv2d(pixels, s[p + "patch_embed.proj.weight"], s[p + "patch_embed.proj.bias"], stride=8).flatten(2).transpose(1, 2)
+    x = (
+        F.conv2d(pixels, s[p + "patch_embed.proj.weight"], s[p + "patch_embed.proj.bias"], stride=8)
+        .flatten(2)
+        .transpose(1, 2)
+    )
     x = torch.cat([s[p + "cls_token"].expand(x.shape[0], -1, -1), x], dim=1) + s[p + "pos_embed"]
     for i in range(V_LAYERS):
         q = f"{p}blocks.{i}."
         h = F.layer_norm(x, (V_WIDTH,), s[q + "norm1.weight"], s[q + "norm1.bias"], eps=1e-6)
         b, n, _ = h.shape
-        qkv = F.linear(h, s[q + "attn.qkv.weight"], s[q + "attn.qkv.bias"]).reshape(b, n, 3, V_HEADS, -1).permute(2, 0, 3, 1, 4)
+        qkv = (
+            F.linear(h, s[q + "attn.qkv.weight"], s[q + "attn.qkv.bias"])
+            .reshape(b, n, 3, V_HEADS, -1)
+            .permute(2, 0, 3, 1, 4)
+        )
         a = ((qkv[0] @ qkv[1].transpose(-2, -1)) * qkv[0].shape[-1] ** -0.5).softmax(-1) @ qkv[2]
         x = x + F.linear(a.transpose(1, 2).reshape(b, n, -1), s[q + "attn.proj.weight"], s[q + "attn.proj.bias"])
         h = F.layer_norm(x, (V_WIDTH,), s[q + "norm2.weight"], s[q + "norm2.bias"], eps=1e-6)
-        x = x + F.linear(F.gelu(F.linear(h, s[q + "mlp.fc1.weight"], s[q + "mlp.fc1.bias"])), s[q + "mlp.fc2.weight"], s[q + "mlp.fc2.bias"])
+        x = x + F.linear(
+            F.gelu(F.linear(h, s[q + "mlp.fc1.weight"], s[q + "mlp.fc1.bias"])),
+            s[q + "mlp.fc2.weight"],
+            s[q + "mlp.fc2.bias"],
+        )
     return F.layer_norm(x, (V_WIDTH,), s[p + "norm.weight"], s[p + "norm.bias"], eps=1e-6)
 
 
@@ -237,13 +333,19 @@ def blip_bert(s, ids, mask, image):
     every image token, feed-forward; the [CLS] output."""
     p = "blip.text_encoder."
     ln = lambda x, k: F.layer_norm(x, (T_WIDTH,), s[k + ".weight"], s[k + ".bias"], eps=1e-12)  # noqa: E731
-    x = s[p + "embeddings.word_embeddings.weight"][ids] + s[p + "embeddings.position_embeddings.weight"][: ids.shape[1]]
+    x = (
+        s[p + "embeddings.word_embeddings.weight"][ids]
+        + s[p + "embeddings.position_embeddings.weight"][: ids.shape[1]]
+    )
     x = ln(x, p + "embeddings.LayerNorm")
     for i in range(T_LAYERS):
         q = f"{p}encoder.layer.{i}."
         for block, source, m in (("attention", None, mask), ("crossattention", image, None)):
             a = attention(x, x if source is None else source, s, f"{q}{block}.self.", T_HEADS, m)
-            x = ln(F.linear(a, s[f"{q}{block}.output.dense.weight"], s[f"{q}{block}.output.dense.bias"]) + x, f"{q}{block}.output.LayerNorm")
+            x = ln(
+                F.linear(a, s[f"{q}{block}.output.dense.weight"], s[f"{q}{block}.output.dense.bias"]) + x,
+                f"{q}{block}.output.LayerNorm",
+            )
         h = F.gelu(F.linear(x, s[q + "intermediate.dense.weight"], s[q + "intermediate.dense.bias"]))
         x = ln(F.linear(h, s[q + "output.dense.weight"], s[q + "output.dense.bias"]) + x, q + "output.LayerNorm")
     return x[:, 0]
@@ -266,8 +368,13 @@ def ir_files(tmp_path_factory):
 def image_reward(ir_files, offline):
     folder, _ = ir_files
     return registry.create(
-        "reward", "imagereward", checkpoint=str(folder / "ImageReward.pt"), med_config=str(folder / "med_config.json"),
-        tokenizer=str(folder / "tokenizer"), device="cpu", batch_size=3,
+        "reward",
+        "imagereward",
+        checkpoint=str(folder / "ImageReward.pt"),
+        med_config=str(folder / "med_config.json"),
+        tokenizer=str(folder / "tokenizer"),
+        device="cpu",
+        batch_size=3,
     )
 
 
@@ -287,7 +394,9 @@ def test_imagereward_is_its_formula_on_blips_forward(image_reward, ir_files):
     from transformers import AutoTokenizer
 
     folder, state = ir_files
-    tokens = AutoTokenizer.from_pretrained(folder / "tokenizer")(PROMPTS, padding="max_length", truncation=True, max_length=35, return_tensors="pt")
+    tokens = AutoTokenizer.from_pretrained(folder / "tokenizer")(
+        PROMPTS, padding="max_length", truncation=True, max_length=35, return_tensors="pt"
+    )
     with torch.no_grad():
         cls = blip_bert(state, tokens["input_ids"], tokens["attention_mask"], blip_vit(state, normalised(images())))
         x = cls
@@ -311,4 +420,6 @@ def test_imagereward_wrong_files_name_the_key(ir_files, tmp_path, offline):
     other = tmp_path / "med.json"
     other.write_text(json.dumps({**MED, "intermediate_size": 64}))
     with pytest.raises(registry.ComponentError, match=r"reward.checkpoint: the text weights .* do not fit"):
-        registry.create("reward", "imagereward", checkpoint=str(folder / "ImageReward.pt"), **{**common, "med_config": str(other)})
+        registry.create(
+            "reward", "imagereward", checkpoint=str(folder / "ImageReward.pt"), **{**common, "med_config": str(other)}
+        )

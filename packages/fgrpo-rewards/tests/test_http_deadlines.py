@@ -97,8 +97,16 @@ def test_remote_and_vlm_judge_calls_are_bounded_by_their_timeout():
         start = time.monotonic()
         with pytest.raises(ServiceError, match=r"no answer within 0.4 s"):
             registry.create("reward", "remote", url=server.url, timeout=0.4, retries=0, token_env=None)
-        judge = registry.create("reward", "vlm-judge", model="m", url=server.url + "/v1", timeout=0.4, retries=0,
-                                api_key_env=None, image_size=8)
+        judge = registry.create(
+            "reward",
+            "vlm-judge",
+            model="m",
+            url=server.url + "/v1",
+            timeout=0.4,
+            retries=0,
+            api_key_env=None,
+            image_size=8,
+        )
         with pytest.raises(ServiceError, match=r"no answer within 0.4 s"):
             judge(torch.rand(1, 3, 8, 8), ["a"], [{}])
         elapsed = time.monotonic() - start
@@ -127,8 +135,16 @@ def test_an_answer_larger_than_the_cap_is_refused_unheld(declare):
         try:
             # before: all 300 MB read (+1.2 GiB RSS in the judge once decoded)
             with pytest.raises(ServiceError, match=r"answered more than 8 MiB \(the limit\)"):
-                post(server.url + "/v1/chat/completions", b"{}", headers={}, timeout=30, retries=0, backoff=0,
-                     what="vlm-judge m", limit=8 * MiB)
+                post(
+                    server.url + "/v1/chat/completions",
+                    b"{}",
+                    headers={},
+                    timeout=30,
+                    retries=0,
+                    backoff=0,
+                    what="vlm-judge m",
+                    limit=8 * MiB,
+                )
             peak = tracemalloc.get_traced_memory()[1]
         finally:
             tracemalloc.stop()

@@ -12,10 +12,19 @@ from PIL import Image, ImageDraw, ImageFont
 from fgrpo.core.testing import RewardConformance
 from fgrpo.rewards.ocr import INSTALL, OCRReward, edit_distance, ocr_score, text_to_render
 
+
 @pytest.mark.parametrize(
     ("a", "b", "d"),
-    [("", "", 0), ("abc", "", 3), ("", "abc", 3), ("kitten", "sitting", 3), ("flaw", "lawn", 2),
-     ("grpo", "grpo", 0), ("abc", "cba", 2), ("intention", "execution", 5)],
+    [
+        ("", "", 0),
+        ("abc", "", 3),
+        ("", "abc", 3),
+        ("kitten", "sitting", 3),
+        ("flaw", "lawn", 2),
+        ("grpo", "grpo", 0),
+        ("abc", "cba", 2),
+        ("intention", "execution", 5),
+    ],
 )
 def test_edit_distance(a, b, d):
     assert edit_distance(a, b) == d == edit_distance(b, a)

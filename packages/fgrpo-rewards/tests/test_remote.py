@@ -28,7 +28,10 @@ def start_server(*args, env=None):
     environment = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     proc = subprocess.Popen(
         [sys.executable, "-m", "fgrpo.core.cli", "serve-reward", *args, "--port", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=environment,
     )
     line = proc.stdout.readline()
     if not line.startswith("serving reward"):
@@ -82,8 +85,12 @@ def test_remote_equals_the_reward_in_process(remote, wire):
 
 def test_wire_format_round_trip():
     batch = images(2)
-    outputs, prompts, metadata, sources = decode_request(encode_request(batch, ["x", "y"], [{"tag": "a"}, {}], "uint8"))
-    assert torch.equal(outputs, (batch * 255).round() / 255) and prompts == ["x", "y"] and metadata == [{"tag": "a"}, {}]
+    outputs, prompts, metadata, sources = decode_request(
+        encode_request(batch, ["x", "y"], [{"tag": "a"}, {}], "uint8")
+    )
+    assert (
+        torch.equal(outputs, (batch * 255).round() / 255) and prompts == ["x", "y"] and metadata == [{"tag": "a"}, {}]
+    )
     assert sources is None
     src = torch.rand(3, 8, 8)
     *_, sources = decode_request(encode_request(batch, ["x", "y"], [{}, {}], "uint8", sources=[(src, src), ()]))
@@ -195,7 +202,9 @@ def test_request_size_limit_and_reward_errors_come_back_as_messages():
         assert reward(images(1)[:, :, :8, :8], ["a"], [{}]).scores.shape == (1,)  # 192 bytes of pixels
         with pytest.raises(ServiceError, match=r"HTTP 413: request of \d+ bytes; the limit is 2000"):
             reward(images(4), list("abcd"), [{}] * 4)  # 3 kB of pixels
-        with pytest.raises(ServiceError, match=r"HTTP 500: reward 'jpeg-compressibility' failed: ValueError: expected images"):
+        with pytest.raises(
+            ServiceError, match=r"HTTP 500: reward 'jpeg-compressibility' failed: ValueError: expected images"
+        ):
             reward(torch.rand(2, 5), ["a", "b"], [{}, {}])
     finally:
         server.shutdown()
@@ -222,7 +231,9 @@ def test_a_served_edit_reward_gets_the_sources(clip_folder, offline):
     from fgrpo.core.media import Prompt
     from fgrpo.core.testing import SyntheticImage
 
-    server = make_server("image-similarity", {"path": str(clip_folder), "device": "cpu"}, "127.0.0.1", 0, None, 1 << 26)
+    server = make_server(
+        "image-similarity", {"path": str(clip_folder), "device": "cpu"}, "127.0.0.1", 0, None, 1 << 26
+    )
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:

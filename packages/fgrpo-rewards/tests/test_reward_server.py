@@ -53,7 +53,14 @@ def serve():
     servers = []
 
     def start(name="recording", **options):
-        options = {"host": "127.0.0.1", "port": 0, "token": None, "max_bytes": 64 * MiB, "read_timeout_s": 0.5, **options}
+        options = {
+            "host": "127.0.0.1",
+            "port": 0,
+            "token": None,
+            "max_bytes": 64 * MiB,
+            "read_timeout_s": 0.5,
+            **options,
+        }
         server = make_server(name, {}, **options)
         thread = threading.Thread(target=server.serve_forever, daemon=True)
         thread.start()
@@ -78,7 +85,7 @@ def answer_of(sock: socket.socket, limit: float = 5.0) -> bytes:
     try:
         while chunk := sock.recv(65536):
             data += chunk
-    except (TimeoutError, socket.timeout):
+    except TimeoutError:
         raise AssertionError(f"still open after {limit} s; got {data[:200]!r}") from None
     except ConnectionResetError:
         pass
@@ -146,17 +153,28 @@ def test_many_half_open_requests_take_no_threads_and_are_all_cut_off(recording, 
     assert reward(torch.ones(2, 3, 4, 4), ["a", "b"], [{}, {}]).scores.tolist() == [1.0, 1.0]  # still serving
 
 
-@pytest.mark.parametrize("length, status, message", [
-    ("\u00b2", 400, b"Content-Length must be a decimal number of bytes, got '\\u00b2'"),  # before: ValueError in the log, dropped
-    ("1e3", 400, b"Content-Length must be a decimal number of bytes, got '1e3'"),
-    ("-5", 400, b"Content-Length must be a decimal number of bytes"),
-    (None, 411, b"a Content-Length is required"),
-    (str(65 * MiB), 413, b"request of 68157440 bytes; the limit is 67108864 (--max-request-mb)"),
-])
+@pytest.mark.parametrize(
+    "length, status, message",
+    [
+        (
+            "\u00b2",
+            400,
+            b"Content-Length must be a decimal number of bytes, got '\\u00b2'",
+        ),  # before: ValueError in the log, dropped
+        ("1e3", 400, b"Content-Length must be a decimal number of bytes, got '1e3'"),
+        ("-5", 400, b"Content-Length must be a decimal number of bytes"),
+        (None, 411, b"a Content-Length is required"),
+        (str(65 * MiB), 413, b"request of 68157440 bytes; the limit is 67108864 (--max-request-mb)"),
+    ],
+)
 def test_request_sizes_are_checked_before_anything_is_read(recording, serve, length, status, message):
     server, _ = serve()
     sock = connect(server)
-    head = "POST /score HTTP/1.1\r\nHost: x\r\n" + (f"Content-Length: {length}\r\n" if length is not None else "") + "\r\n"
+    head = (
+        "POST /score HTTP/1.1\r\nHost: x\r\n"
+        + (f"Content-Length: {length}\r\n" if length is not None else "")
+        + "\r\n"
+    )
     sock.sendall(head.encode("utf-8"))
     data = answer_of(sock)
     sock.close()
@@ -289,6 +307,8 @@ def test_remote_retries_a_busy_server(recording, serve):
     hold.sendall(b"POST /score HTTP/1.1\r\n")
     with pytest.raises(ServiceError, match=r"HTTP 503 \(the server is busy"):
         registry.create("reward", "remote", url=url, retries=0, token_env=None)
-    reward = registry.create("reward", "remote", url=url, retries=4, backoff=0.3, token_env=None)  # the slot frees at 0.5 s
+    reward = registry.create(
+        "reward", "remote", url=url, retries=4, backoff=0.3, token_env=None
+    )  # the slot frees at 0.5 s
     assert reward(torch.ones(1, 3, 4, 4), ["a"], [{}]).scores.tolist() == [1.0]
     hold.close()

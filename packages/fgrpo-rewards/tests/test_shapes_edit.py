@@ -37,11 +37,31 @@ def cells_of(codes):
 @pytest.mark.parametrize(
     "instruction, source, touched, done",
     [
-        ("make the blue square green", SOURCE, {(1, 1)}, (Placed("red", "circle", 0, 0), Placed("green", "square", 1, 1), Placed("red", "circle", 2, 2))),
+        (
+            "make the blue square green",
+            SOURCE,
+            {(1, 1)},
+            (Placed("red", "circle", 0, 0), Placed("green", "square", 1, 1), Placed("red", "circle", 2, 2)),
+        ),
         ("remove the blue square", SOURCE, {(1, 1)}, (SOURCE[0], SOURCE[2])),
-        ("move the blue square to the top", SOURCE, {(1, 1), (0, 1)}, (SOURCE[0], Placed("blue", "square", 0, 1), SOURCE[2])),
-        ("change the number of red circles to one", SOURCE, {(0, 0), (2, 2)} | {c for c in E.ALL_CELLS if c not in {(0, 0), (1, 1), (2, 2)}}, (SOURCE[1], SOURCE[2])),
-        ("add a green triangle", SOURCE, {c for c in E.ALL_CELLS if c not in {(0, 0), (1, 1), (2, 2)}}, SOURCE + (Placed("green", "triangle", 0, 2),)),
+        (
+            "move the blue square to the top",
+            SOURCE,
+            {(1, 1), (0, 1)},
+            (SOURCE[0], Placed("blue", "square", 0, 1), SOURCE[2]),
+        ),
+        (
+            "change the number of red circles to one",
+            SOURCE,
+            {(0, 0), (2, 2)} | {c for c in E.ALL_CELLS if c not in {(0, 0), (1, 1), (2, 2)}},
+            (SOURCE[1], SOURCE[2]),
+        ),
+        (
+            "add a green triangle",
+            SOURCE,
+            {c for c in E.ALL_CELLS if c not in {(0, 0), (1, 1), (2, 2)}},
+            SOURCE + (Placed("green", "triangle", 0, 2),),
+        ),
     ],
 )
 def test_each_category_touches_its_cells_and_is_verified(instruction, source, touched, done):
@@ -75,13 +95,14 @@ def test_preservation_is_scored_apart_from_the_edit():
 def test_mistakes_stay_inside_the_touched_cells_and_pairs_are_seeded():
     rng = np.random.default_rng(0)
     train, _ = E.split_instructions(0)
-    for category, edits in train.items():
+    for edits in train.values():
         for edit in edits[:10]:
             source = E.random_source(edit, rng)
             assert E.applies(edit, source)
             for result in (E.apply(edit, source, rng), E.mistake(edit, source, rng)):
-                changed = {(r, c) for r in range(3) for c in range(3)
-                           if E._codes(result)[r, c] != E._codes(source)[r, c]}
+                changed = {
+                    (r, c) for r in range(3) for c in range(3) if E._codes(result)[r, c] != E._codes(source)[r, c]
+                }
                 assert changed <= E.touched_cells(edit, source)
             images = render_batch([E.apply(edit, source, rng), E.mistake(edit, source, rng)])
             assert E.evaluate(images, [edit, edit], [source, source])["edit"].tolist() == [1.0, 0.0]

@@ -53,7 +53,10 @@ def test_category_subset_and_metadata():
         "category": "position",
         "spec": {
             "category": "position",
-            "objects": [{"color": "red", "shape": "square", "count": 1}, {"color": "green", "shape": "circle", "count": 1}],
+            "objects": [
+                {"color": "red", "shape": "square", "count": 1},
+                {"color": "green", "shape": "circle", "count": 1},
+            ],
             "relation": "left",
         },
     }

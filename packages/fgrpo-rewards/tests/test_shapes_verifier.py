@@ -5,6 +5,7 @@ continuous noise, and the gold metric."""
 from __future__ import annotations
 
 from fractions import Fraction
+from itertools import pairwise
 
 import numpy as np
 import pytest
@@ -51,8 +52,16 @@ NEAR_MISSES = [  # (prompt, scene, exact partial)
         Fraction(2, 3),
     ),
     ("three blue circles", (P("blue", "circle", 0, 0), P("blue", "circle", 0, 1)), Fraction(2, 3)),
-    ("three blue circles", tuple(P("blue", "circle", 0, c) for c in range(3)) + (P("blue", "circle", 2, 2),), Fraction(3, 4)),
-    ("three blue circles", tuple(P("blue", "circle", 0, c) for c in range(3)) + (P("red", "circle", 2, 2),), Fraction(3, 4)),
+    (
+        "three blue circles",
+        tuple(P("blue", "circle", 0, c) for c in range(3)) + (P("blue", "circle", 2, 2),),
+        Fraction(3, 4),
+    ),
+    (
+        "three blue circles",
+        tuple(P("blue", "circle", 0, c) for c in range(3)) + (P("red", "circle", 2, 2),),
+        Fraction(3, 4),
+    ),
     ("three blue circles", tuple(P("blue", "square", 0, c) for c in range(3)), Fraction(0)),
     (RS_LEFT_GC, (P("red", "square", 1, 2), P("green", "circle", 0, 0)), Fraction(2, 3)),  # swapped
     (RS_LEFT_GC, (P("red", "square", 0, 1), P("green", "circle", 2, 1)), Fraction(2, 3)),  # same column
@@ -157,25 +166,27 @@ def test_gold_error_is_zero_when_clean_and_grows_with_drift():
     clean = _batch([_uint8(s) for s in GOOD.values()])
     assert gold_error(clean).tolist() == [0.0] * len(GOOD)
     shifts = gold_error(_batch([_shift(d) for d in (0, 5, 10, 20, 21, 30, 60, 120)])).tolist()
-    assert shifts[0] == 0.0 and all(a < b for a, b in zip(shifts, shifts[1:]))
+    assert shifts[0] == 0.0 and all(a < b for a, b in pairwise(shifts))
     speckles = gold_error(_batch([_speckle(v) for v in (0, 10, 20, 21, 40, 80)])).tolist()
-    assert speckles[0] == 0.0 and all(a < b for a, b in zip(speckles, speckles[1:]))
+    assert speckles[0] == 0.0 and all(a < b for a, b in pairwise(speckles))
     broken = []
     for k in range(6):
         image = _uint8(CIRCLE)
         image[8 + 3, 8 + 1 : 8 + 1 + k] = 0
         broken.append(image)
     errors = gold_error(_batch(broken)).tolist()
-    assert errors[0] == 0.0 and all(a < b for a, b in zip(errors, errors[1:]))
+    assert errors[0] == 0.0 and all(a < b for a, b in pairwise(errors))
 
 
 def test_reward_component_strict_partial_fidelity_and_gold():
     prompts = ["a red circle", "a red circle", "three blue circles"]
-    images = torch.cat([
-        _images([CIRCLE]),
-        _batch([_speckle(40)]),
-        _images([(P("blue", "circle", 0, 0), P("blue", "circle", 0, 1))]),
-    ])
+    images = torch.cat(
+        [
+            _images([CIRCLE]),
+            _batch([_speckle(40)]),
+            _images([(P("blue", "circle", 0, 0), P("blue", "circle", 0, 1))]),
+        ]
+    )
     partial = ShapesVerifier()
     assert isinstance(partial, Reward)
     result = partial(images, prompts, [{}] * 3)
@@ -200,7 +211,7 @@ def test_prompt_source_metadata_drives_the_reward():
     source = ShapesPrompts(test_per_category=4)
     prompts = source.test_prompts()
     metadata = [source.metadata(p) for p in prompts]
-    assert all(m["spec"] == parse_prompt(p).to_dict() for p, m in zip(prompts, metadata))
+    assert all(m["spec"] == parse_prompt(p).to_dict() for p, m in zip(prompts, metadata, strict=True))
     clean = sample_images(prompts, 0, caption_noise=0.0)
     wrong = sample_images(prompts, 0, caption_noise=1.0)
     verifier = ShapesVerifier(score="strict")
@@ -214,14 +225,15 @@ def test_prompt_source_metadata_drives_the_reward():
 def _conformance_inputs():
     gen = torch.Generator().manual_seed(3)
     prompts = ["a red circle", "three blue circles", RS_LEFT_GC, "a red circle"]
-    images = torch.cat([
-        _images([GOOD["a red circle"], GOOD["three blue circles"], GOOD[RS_LEFT_GC]]),
-        _batch([_speckle(40)]),
-    ])
+    images = torch.cat(
+        [
+            _images([GOOD["a red circle"], GOOD["three blue circles"], GOOD[RS_LEFT_GC]]),
+            _batch([_speckle(40)]),
+        ]
+    )
     images = (images + torch.rand(images.shape, generator=gen) * 6 / 255).clamp(0, 1)
     source = ShapesPrompts()
     return images, prompts, [source.metadata(p) for p in prompts]
-
 
 
 class TestShapesConformance(RewardConformance):

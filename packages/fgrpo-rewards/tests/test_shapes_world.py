@@ -146,9 +146,9 @@ def test_every_perturbation_breaks_the_caption():
 def test_caption_noise_rate_and_determinism():
     prompts = split(0)[0][:200]
     clean = [sample_scene(p, np.random.default_rng(i), caption_noise=0.0) for i, p in enumerate(prompts)]
-    assert all(satisfies(s, parse_prompt(p)) for s, p in zip(clean, prompts))
+    assert all(satisfies(s, parse_prompt(p)) for s, p in zip(clean, prompts, strict=True))
     noisy = [sample_scene(p, np.random.default_rng(i), caption_noise=1.0) for i, p in enumerate(prompts)]
-    assert not any(satisfies(s, parse_prompt(p)) for s, p in zip(noisy, prompts))
+    assert not any(satisfies(s, parse_prompt(p)) for s, p in zip(noisy, prompts, strict=True))
     rng = np.random.default_rng(7)
     half = [satisfies(sample_scene(p, rng, caption_noise=0.5), parse_prompt(p)) for p in prompts]
     assert 70 <= sum(half) <= 130

@@ -70,8 +70,12 @@ def test_dino_backbone_and_the_source_index(dino_folder, offline):
     batch = torch.stack([media.to_tensor(SyntheticImage(2).to_pil()), media.to_tensor(SyntheticImage(1).to_pil())])
     first = reward(batch, two, [{}, {}], sources=media.reward_sources(two, batch)).scores
     assert first[1].item() == pytest.approx(1.0, abs=1e-5) and first[0].item() < 1 - 1e-4
-    second = registry.create("reward", "image-similarity", backbone="dino", path=str(dino_folder), device="cpu", source=1)
-    assert second(batch, two, [{}, {}], sources=media.reward_sources(two, batch)).scores[0].item() == pytest.approx(1.0, abs=1e-5)
+    second = registry.create(
+        "reward", "image-similarity", backbone="dino", path=str(dino_folder), device="cpu", source=1
+    )
+    assert second(batch, two, [{}, {}], sources=media.reward_sources(two, batch)).scores[0].item() == pytest.approx(
+        1.0, abs=1e-5
+    )
     with pytest.raises(ValueError, match=r"image-similarity: prompt 'plain' has 0 source image\(s\)"):
         reward(batch[:1], ["plain"], [{}], sources=[()])
 
@@ -81,8 +85,12 @@ def test_bilinear_resize_is_flow_grpos(clip_folder, offline):
 
     config = {"size": {"shortest_edge": 16}, "crop_size": {"height": 16, "width": 16}, "do_normalize": False}
     x = torch.rand(1, 3, 48, 48)
-    torch.testing.assert_close(preprocess(x, config, mode="bilinear"),
-                               torch.nn.functional.interpolate(x, size=(16, 16), mode="bilinear", antialias=True, align_corners=False).clamp(0, 1))
+    torch.testing.assert_close(
+        preprocess(x, config, mode="bilinear"),
+        torch.nn.functional.interpolate(x, size=(16, 16), mode="bilinear", antialias=True, align_corners=False).clamp(
+            0, 1
+        ),
+    )
     a = registry.create("reward", "image-similarity", path=str(clip_folder), device="cpu", resize="bilinear")
     big = torch.rand(2, 3, 64, 64)
     prompts = PROMPTS[:2]

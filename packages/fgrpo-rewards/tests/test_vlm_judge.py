@@ -38,7 +38,9 @@ class JudgeHandler(BaseHTTPRequestHandler):
         if self.headers.get("Authorization") != f"Bearer {KEY}":
             return self.reply(401, {"error": {"message": "invalid api key"}})
         content = body["messages"][0]["content"]
-        if "Image 1 is better" in content[-1]["text"]:  # a comparison: the brighter image is better; "tie" answers neither
+        if (
+            "Image 1 is better" in content[-1]["text"]
+        ):  # a comparison: the brighter image is better; "tie" answers neither
             first, second = (brightness(c["image_url"]["url"]) for c in content[:2])
             if "「tie」" in content[-1]["text"]:
                 return self.answer("<think>equal</think><answer>They are equally good</answer>")
@@ -48,8 +50,12 @@ class JudgeHandler(BaseHTTPRequestHandler):
         if caption.startswith("good"):
             return self.answer(f"Sharp and faithful. Final Score: {caption.split()[1]}")
         if caption == "likely yes":
-            top = [{"token": "Yes", "logprob": math.log(0.6)}, {"token": " yes", "logprob": math.log(0.2)},
-                   {"token": "No", "logprob": math.log(0.1)}, {"token": "Maybe", "logprob": math.log(0.1)}]
+            top = [
+                {"token": "Yes", "logprob": math.log(0.6)},
+                {"token": " yes", "logprob": math.log(0.2)},
+                {"token": "No", "logprob": math.log(0.1)},
+                {"token": "Maybe", "logprob": math.log(0.1)},
+            ]
             return self.answer("Yes", {"content": [{"token": "Yes", "logprob": math.log(0.6), "top_logprobs": top}]})
         if caption == "plain no":
             return self.answer("No, it shows a cat.")
@@ -105,7 +111,14 @@ def judge(judge_server, monkeypatch):
     url = f"http://127.0.0.1:{judge_server.server_address[1]}/v1"
 
     def make(**params):
-        base = {"model": "judge-7b", "url": url, "api_key_env": "JUDGE_KEY", "image_size": 16, "backoff": 0.01, "timeout": 5.0}
+        base = {
+            "model": "judge-7b",
+            "url": url,
+            "api_key_env": "JUDGE_KEY",
+            "image_size": 16,
+            "backoff": 0.01,
+            "timeout": 5.0,
+        }
         return registry.create("reward", "vlm-judge", **{**base, **params})
 
     return make
@@ -149,7 +162,9 @@ def test_yes_no_reads_logprobs_then_text(judge, judge_server):
 
 
 def test_malformed_answer_is_an_error_or_a_counted_fallback(judge, caplog):
-    with pytest.raises(ServiceError, match=r"1 of 2 answers hold no score \(sample 1, prompt 'malformed'.*reward.fallback"):
+    with pytest.raises(
+        ServiceError, match=r"1 of 2 answers hold no score \(sample 1, prompt 'malformed'.*reward.fallback"
+    ):
         judge()(images(2), ["good 3", "malformed"], [{}, {}])
     with pytest.raises(ServiceError, match="hold no score.*not a chat completion"):
         judge()(images(1), ["garbage"], [{}])
@@ -180,7 +195,9 @@ def test_server_down(judge):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # free once closed: nothing listens there
-    with pytest.raises(ServiceError, match=rf"cannot reach http://127.0.0.1:{port}/v1/chat/completions .*after 2 retries"):
+    with pytest.raises(
+        ServiceError, match=rf"cannot reach http://127.0.0.1:{port}/v1/chat/completions .*after 2 retries"
+    ):
         judge(url=f"http://127.0.0.1:{port}/v1", retries=2)(images(1), ["good 1"], [{}])
 
 
@@ -221,8 +238,12 @@ def test_pairwise_judge_compares_two_images_for_win_rates(judge, judge_server):
     content = judge_server.requests[0][2]["messages"][0]["content"]
     assert [c["type"] for c in content] == ["image_url", "image_url", "text"] and "「a caption」" in content[2]["text"]
     with pytest.raises(ServiceError, match="hold no score"):
-        registry.create("reward", "pairwise", judge=judge(parse="pairwise"))(levels, ["tie"] * 3, [{}] * 3, groups=torch.zeros(3, dtype=torch.long))
-    tied = registry.create("reward", "pairwise", judge=judge(parse="pairwise", fallback=0.5))(levels, ["tie"] * 3, [{}] * 3, groups=torch.zeros(3, dtype=torch.long))
+        registry.create("reward", "pairwise", judge=judge(parse="pairwise"))(
+            levels, ["tie"] * 3, [{}] * 3, groups=torch.zeros(3, dtype=torch.long)
+        )
+    tied = registry.create("reward", "pairwise", judge=judge(parse="pairwise", fallback=0.5))(
+        levels, ["tie"] * 3, [{}] * 3, groups=torch.zeros(3, dtype=torch.long)
+    )
     assert tied.scores.tolist() == [0.5, 0.5, 0.5] and tied.details["ties"].tolist() == [2, 2, 2]
     with pytest.raises(ValueError, match="judge of a pairwise reward"):
         judge(parse="pairwise")(levels, ["a caption"] * 3, [{}] * 3)
@@ -246,7 +267,9 @@ def test_edits_send_the_source_then_the_output_with_the_edit_template(judge, jud
     torch.testing.assert_close(scores["judge"], torch.tensor([0.6, 1.0]))
     bodies = sorted((r[2] for r in judge_server.requests), key=lambda b: len(b["messages"][0]["content"]))
     plain, edit = (b["messages"][0]["content"] for b in bodies)
-    assert [c["type"] for c in plain] == ["image_url", "text"] and plain[-1]["text"].startswith("You are shown an image generated")
+    assert [c["type"] for c in plain] == ["image_url", "text"] and plain[-1]["text"].startswith(
+        "You are shown an image generated"
+    )
     assert [c["type"] for c in edit] == ["image_url", "image_url", "text"]
     assert edit[-1]["text"].startswith("You are shown two images: the first is the original")
     assert edit[-1]["text"].endswith("Instruction: good 3")

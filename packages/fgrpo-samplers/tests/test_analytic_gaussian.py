@@ -103,8 +103,9 @@ def test_exact_velocity_is_the_regression_of_eps_minus_x0():
         xc = x - x.mean(0)
         slope = (xc * (target - target.mean(0))).mean(0) / (xc * xc).mean(0)
         intercept = target.mean(0) - slope * x.mean(0)
-        v0, v1 = exact_velocity(torch.zeros(2, dtype=torch.float64), sigma), exact_velocity(
-            torch.ones(2, dtype=torch.float64), sigma
+        v0, v1 = (
+            exact_velocity(torch.zeros(2, dtype=torch.float64), sigma),
+            exact_velocity(torch.ones(2, dtype=torch.float64), sigma),
         )
         torch.testing.assert_close(slope, v1 - v0, atol=0.02, rtol=0)
         torch.testing.assert_close(intercept, v0, atol=0.02, rtol=0)

@@ -11,12 +11,14 @@ import torch
 
 from fgrpo.core import registry
 from fgrpo.core.testing import KernelConformance
-from fgrpo.samplers.kernels.correlated import CorrelatedKernel, correlation_factor
+from fgrpo.samplers.kernels.correlated import correlation_factor
 
 
 def _covariance(steps: int, length: float, white: float, growth: float) -> torch.Tensor:
     k = torch.arange(steps, dtype=torch.float64)
-    r = (1 - white) * torch.exp(-((k[:, None] - k[None]) ** 2) / (2 * length**2)) + white * torch.eye(steps, dtype=torch.float64)
+    r = (1 - white) * torch.exp(-((k[:, None] - k[None]) ** 2) / (2 * length**2)) + white * torch.eye(
+        steps, dtype=torch.float64
+    )
     s = ((k + 1) / steps) ** growth
     s = s / s.pow(2).mean().sqrt()
     return s[:, None] * r * s[None]

@@ -43,7 +43,9 @@ def flow_grpo_wan_step(sigmas, velocity, sample, index, prev_sample):
     sigma_max, sigma_min = sigmas[1].item(), sigmas[-1].item()
     dt = sigma_prev - sigma
     std_dev_t = sigma_min + (sigma_max - sigma_min) * sigma
-    mean = sample * (1 + std_dev_t**2 / (2 * sigma) * dt) + velocity * (1 + std_dev_t**2 * (1 - sigma) / (2 * sigma)) * dt
+    mean = (
+        sample * (1 + std_dev_t**2 / (2 * sigma) * dt) + velocity * (1 + std_dev_t**2 * (1 - sigma) / (2 * sigma)) * dt
+    )
     log_prob = (
         -((prev_sample.detach() - mean) ** 2) / (2 * ((std_dev_t * torch.sqrt(-1 * dt)) ** 2))
         - torch.log(std_dev_t * torch.sqrt(-1 * dt))
@@ -100,11 +102,19 @@ def test_kl_mean_is_flow_grpos_wan_kl():
     cur = k.step(v, x, sigmas, index, noise=torch.zeros_like(x))
     ref = k.step(v_ref, x, sigmas, index, prev_sample=cur.prev_sample)
     _, _, g, sqrt_dt = flow_grpo_wan_step(sigmas, v.flatten(1), x.flatten(1), index, cur.prev_sample.flatten(1))
-    expected = (((cur.mean - ref.mean) ** 2).mean(dim=(1, 2, 3), keepdim=True) / (2 * (g * sqrt_dt).view(-1, 1, 1, 1, 1) ** 2)).mean()
+    expected = (
+        ((cur.mean - ref.mean) ** 2).mean(dim=(1, 2, 3), keepdim=True) / (2 * (g * sqrt_dt).view(-1, 1, 1, 1, 1) ** 2)
+    ).mean()
     b = x.shape[0]
     batch = StepBatch(
-        log_prob=cur.log_prob, old_log_prob=cur.log_prob, advantages=torch.zeros(b), mean=cur.mean, old_mean=cur.mean,
-        std=cur.std.flatten(), dt=(sigmas[index + 1] - sigmas[index]), ref_mean=ref.mean,
+        log_prob=cur.log_prob,
+        old_log_prob=cur.log_prob,
+        advantages=torch.zeros(b),
+        mean=cur.mean,
+        old_mean=cur.mean,
+        std=cur.std.flatten(),
+        dt=(sigmas[index + 1] - sigmas[index]),
+        ref_mean=ref.mean,
     )
     torch.testing.assert_close(kl_term(batch, "mean"), expected, rtol=1e-5, atol=0)
 

@@ -32,7 +32,12 @@ class TestFull(SamplerConformance):
 
 class TestFullDanceRandomSubset(SamplerConformance):
     sampler_name = "full"
-    sampler_params = {"steps": 6, "timestep_fraction": 0.5, "random_subset": True, "kernel": {"name": "dance", "eta": 0.3}}
+    sampler_params = {
+        "steps": 6,
+        "timestep_fraction": 0.5,
+        "random_subset": True,
+        "kernel": {"name": "dance", "eta": 0.3},
+    }
 
 
 class TestFullCPSSharedNoise(SamplerConformance):
@@ -67,7 +72,14 @@ class TestMixGRPOFlashDance(SamplerConformance):
 
 class TestMixGRPORandomFlash3(SamplerConformance):
     sampler_name = "mixgrpo"
-    sampler_params = {"steps": 10, "window": 2, "strategy": "random", "shift_every": 2, "flash": True, "flash_order": 3}
+    sampler_params = {
+        "steps": 10,
+        "window": 2,
+        "strategy": "random",
+        "shift_every": 2,
+        "flash": True,
+        "flash_order": 3,
+    }
 
 
 # NFE = sum over velocity calls of rows x evaluations_per_call; P = 2 prompts, G = 3, B = 6.
@@ -197,7 +209,9 @@ PLUGIN_CASES = [
 
 @pytest.mark.parametrize("how", ["beside", "instead"])
 @pytest.mark.parametrize(("name", "keys", "iteration"), PLUGIN_CASES)
-def test_a_plugin_registering_ode_does_not_change_the_builtin_samplers(tmp_path, monkeypatch, how, name, keys, iteration):
+def test_a_plugin_registering_ode_does_not_change_the_builtin_samplers(
+    tmp_path, monkeypatch, how, name, keys, iteration
+):
     """The Euler prefix/suffix and the Flash solver are the built-in kernels, whatever is registered
     under their names: ``beside`` = the plugin and fgrpo-samplers both register ``ode`` (a recipe
     naming it is refused as ambiguous); ``instead`` = the name resolves to the plugin's kernel."""

@@ -110,5 +110,7 @@ def test_final_ode_makes_the_last_step_deterministic_and_untrained(make_policy):
     v = policy.velocity(x4, sigma, traj.cond)
     torch.testing.assert_close(traj.final, x4 - traj.sigmas[4] * v)
     # the sde kernel's reference is the noisy sample
-    default = registry.create("sampler", "full", steps=5, timestep_fraction=1.0).rollout(policy, ["a"], 2, generator=gen(2))
+    default = registry.create("sampler", "full", steps=5, timestep_fraction=1.0).rollout(
+        policy, ["a"], 2, generator=gen(2)
+    )
     assert default.info["final"] == "sample" and torch.equal(default.final, default.next_latents[:, -1])

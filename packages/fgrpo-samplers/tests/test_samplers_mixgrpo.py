@@ -188,7 +188,12 @@ def test_exp_decay_strategy():
     sampler = make(steps=25, window=4, shift_every=5, strategy="exp_decay", decay_threshold=13, decay_rate=0.1)
     import math
 
-    assert [sampler.dwell(p) for p in (0, 13, 14, 19)] == [5, 5, math.ceil(5 * math.exp(-0.1)), math.ceil(5 * math.exp(-0.6))]
+    assert [sampler.dwell(p) for p in (0, 13, 14, 19)] == [
+        5,
+        5,
+        math.ceil(5 * math.exp(-0.1)),
+        math.ceil(5 * math.exp(-0.6)),
+    ]
     seq = starts(sampler, range(200))
     assert seq[:65] == [p for p in range(13) for _ in range(5)]
     assert seq[65:70] == [13] * 5 and seq[70:75] == [14] * 5  # ceil(4.52) = 5

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from typing import Literal
+from typing import Any, Literal, cast
 
 import torch
 
@@ -134,13 +134,12 @@ def combine(
     if not rewards:
         raise ValueError("no rewards to combine")
     if set(rewards) != set(weights):
-        raise ValueError(
-            f"rewards {sorted(rewards)} and weights {sorted(weights)} must name the same rewards"
-        )
+        raise ValueError(f"rewards {sorted(rewards)} and weights {sorted(weights)} must name the same rewards")
     names = sorted(rewards)
     out_dtype = functools.reduce(torch.promote_types, (_out_dtype(rewards[k]) for k in names))
-    total = sum(weights[k] * rewards[k].detach().to(torch.float64) for k in names)
-    options = {"global_std": global_std, "eps": eps, "per_prompt": per_prompt, "unbiased": unbiased}
+    # a tensor, not sum()'s start 0: rewards is not empty
+    total = cast(torch.Tensor, sum(weights[k] * rewards[k].detach().to(torch.float64) for k in names))
+    options: dict[str, Any] = {"global_std": global_std, "eps": eps, "per_prompt": per_prompt, "unbiased": unbiased}
     advantages, stats = group_advantages(total, group_index, **options)
     if mode == "advantage_sum":
         advantages = torch.zeros_like(total)
@@ -149,6 +148,7 @@ def combine(
             adv_k, flat_k = _normalise(rewards[k], group_index, **options)
             advantages = advantages + weights[k] * adv_k
             all_flat = flat_k if all_flat is None else all_flat & flat_k
+        assert all_flat is not None  # names is not empty
         stats["zero_std_ratio"] = all_flat.double().mean().item()
     for k in names:
         r = rewards[k].detach().to(torch.float64)

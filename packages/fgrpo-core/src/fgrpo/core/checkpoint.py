@@ -52,8 +52,10 @@ BEST = "best"  # a link like last: the checkpoint of the best gold metric (eval.
 # recipe keys that may differ on resume (fnmatch patterns): extending a run, how it is shown,
 # how long to wait for a reward or for the other processes
 RESUMABLE_CHANGES = (
-    "train.iterations", "log.*",
-    "train.process_group_timeout_s", "reward.*.timeout_s",
+    "train.iterations",
+    "log.*",
+    "train.process_group_timeout_s",
+    "reward.*.timeout_s",
 )
 ITER_NAME = re.compile(r"iter_(\d{6,})")
 TMP_NAME = re.compile(r"\.tmp-iter_\d{6,}-\d+")
@@ -122,8 +124,8 @@ def write(
     export: Callable[[str], Any] | None = None,
 ) -> Path:
     """Write checkpoint ``iteration`` under ``root`` (checkpoints/) and point ``last`` at it; then
-    prune the older checkpoints of the same run (``state["run_id"]``) down to ``keep``. ``export(folder)`` writes extra files into ``export/`` before the
-    folder becomes visible."""
+    prune the older checkpoints of the same run (``state["run_id"]``) down to ``keep``.
+    ``export(folder)`` writes extra files into ``export/`` before the folder becomes visible."""
     final = root / folder_name(iteration)
     tmp = root / f".tmp-{folder_name(iteration)}-{os.getpid()}"
     try:
@@ -169,7 +171,8 @@ class _Recording:
     (a RuntimeError), which hides the reason (a full disk, a file-size limit)."""
 
     def __init__(self, fh: Any):
-        self.fh, self.error = fh, None
+        self.fh = fh
+        self.error: OSError | None = None
 
     def write(self, data: Any) -> int:
         try:
@@ -186,7 +189,8 @@ def _save_torch(obj: Any, path: Path) -> None:
     with path.open("wb") as fh:
         recording = _Recording(fh)
         try:
-            torch.save(obj, recording)
+            # torch.save only writes to and flushes a file object: _Recording is one, not an IO subclass
+            torch.save(obj, recording)  # type: ignore[arg-type]
         except RuntimeError:
             if recording.error is not None:
                 raise recording.error from None
@@ -290,16 +294,26 @@ def problem(folder: Path, *, ema: bool = True) -> str | None:
     odd = confine.links_below(folder)
     if odd:
         path, why = odd[0]
-        return f"{path.relative_to(folder)} {why}" + (" (its files are read where they are, never through links)" if why == "is a link" else "")
+        return f"{path.relative_to(folder)} {why}" + (
+            " (its files are read where they are, never through links)" if why == "is a link" else ""
+        )
     try:
         state = json.loads((folder / STATE).read_text())
     except FileNotFoundError:
         return f"{STATE} is missing"
     except (OSError, ValueError) as exc:
         return f"{STATE} is not valid JSON ({first_line(exc, 80)})"
-    if not isinstance(state, dict) or not isinstance(state.get("iteration"), int) or not isinstance(state.get("recipe"), dict):
+    if (
+        not isinstance(state, dict)
+        or not isinstance(state.get("iteration"), int)
+        or not isinstance(state.get("recipe"), dict)
+    ):
         return f"{STATE} lacks the iteration or the recipe"
-    files = [_safetensors_problem(folder / TRAINABLE), _torch_file_problem(folder / OPTIMIZER), _torch_file_problem(folder / "rng-rank0.pt")]
+    files = [
+        _safetensors_problem(folder / TRAINABLE),
+        _torch_file_problem(folder / OPTIMIZER),
+        _torch_file_problem(folder / "rng-rank0.pt"),
+    ]
     decay = ema_decay(state)
     if (folder / EMA).exists():
         files.append(_safetensors_problem(folder / EMA))
@@ -344,12 +358,17 @@ def verify(folder: Path, *, ema: bool = True) -> None:
         raise CheckpointError(f"{folder} is not a valid checkpoint: {why}{hint}")
 
 
+def _numbered(root: Path) -> list[Path]:
+    """The real folders named ``iter_NNNNNN`` under ``root``, oldest first."""
+    found = [(n, p) for p in root.iterdir() if (n := iteration_of(p)) is not None and _is_real_dir(p)]
+    return [p for _, p in sorted(found, key=lambda pair: pair[0])]
+
+
 def complete(root: Path) -> list[Path]:
     """The complete checkpoints under ``root``, oldest first: real folders named ``iter_NNNNNN``."""
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if iteration_of(p) is not None and _is_real_dir(p)]
-    return [p for p in sorted(found, key=iteration_of) if problem(p) is None]
+    return [p for p in _numbered(root) if problem(p) is None]
 
 
 def newest(root: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
@@ -358,7 +377,7 @@ def newest(root: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
     each with why."""
     if not root.is_dir():
         return None, []
-    found = sorted((p for p in root.iterdir() if iteration_of(p) is not None and _is_real_dir(p)), key=iteration_of)
+    found = _numbered(root)
     skipped: list[tuple[Path, str]] = []
     for folder in reversed(found):
         why = problem(folder)
@@ -408,7 +427,11 @@ def read_state(folder: Path) -> dict[str, Any]:
         raise _invalid(path, f"cannot be read ({exc.strerror})") from None
     except ValueError as exc:
         raise _invalid(path, f"is not valid JSON ({first_line(exc, 80)})") from None
-    if not isinstance(state, dict) or not isinstance(state.get("iteration"), int) or not isinstance(state.get("recipe"), dict):
+    if (
+        not isinstance(state, dict)
+        or not isinstance(state.get("iteration"), int)
+        or not isinstance(state.get("recipe"), dict)
+    ):
         raise _invalid(path, "lacks the iteration or the recipe")
     return state
 
@@ -453,7 +476,7 @@ def recipe_differences(
             for key in sorted(set(a) | set(b), key=str):
                 walk(a.get(key, "<absent>"), b.get(key, "<absent>"), f"{prefix}.{key}" if prefix else str(key))
         elif isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
-            for i, (x, y) in enumerate(zip(a, b)):
+            for i, (x, y) in enumerate(zip(a, b, strict=True)):
                 walk(x, y, f"{prefix}.{i}")
         elif a != b and matches(prefix, only) and not matches(prefix, ignore):
             diffs.append(f"{prefix}: {a!r} in the checkpoint, {b!r} now")

@@ -14,7 +14,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from rich.console import Console
 from rich.table import Table
@@ -59,7 +59,7 @@ def _add_recipe_args(p: argparse.ArgumentParser, optional: bool = False) -> None
 class _Parser(argparse.ArgumentParser):
     """argparse, with a bad argument reported like every other bad input: one line, exit 2."""
 
-    def error(self, message: str) -> None:  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         self.exit(EXIT_USAGE, f"error: {message} (see {self.prog} --help)\n")
 
 
@@ -87,7 +87,9 @@ def finite_number(low: float, *, strict: bool = False) -> Any:
         except ValueError:
             value = math.nan
         if not math.isfinite(value) or value < low or (strict and value == low):
-            raise argparse.ArgumentTypeError(f"expected a finite number {'>' if strict else '>='} {low:g}, got {text!r}")
+            raise argparse.ArgumentTypeError(
+                f"expected a finite number {'>' if strict else '>='} {low:g}, got {text!r}"
+            )
         return value
 
     return parse
@@ -114,8 +116,17 @@ def _add_log_args(p: argparse.ArgumentParser) -> None:
     from fgrpo.core import logs
 
     options = (
-        (("--log-level",), dict(type=_log_level, metavar="LEVEL", help=(
-            f"{', '.join(logs.LEVELS)} (default: ${logs.ENV} or info); debug also shows diffusers' and transformers' own output"))),
+        (
+            ("--log-level",),
+            dict(
+                type=_log_level,
+                metavar="LEVEL",
+                help=(
+                    f"{', '.join(logs.LEVELS)} (default: ${logs.ENV} or info); debug also shows diffusers' and "
+                    f"transformers' own output"
+                ),
+            ),
+        ),
         (("-v", "--verbose"), dict(action="store_const", const="debug", help="--log-level debug")),
     )
     for flags, kwargs in options:
@@ -137,7 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Online RL for flow-matching generators.",
         formatter_class=argparse.RawDescriptionHelpFormatter,  # --version prints one line per distribution
     )
-    parser.add_argument("--version", action="version", version=versions_text(), help="the fgrpo distributions' versions")
+    parser.add_argument(
+        "--version", action="version", version=versions_text(), help="the fgrpo distributions' versions"
+    )
     _add_log_args(parser)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -165,10 +178,16 @@ def build_parser() -> argparse.ArgumentParser:
     again = p.add_mutually_exclusive_group()
     again.add_argument("--resume", action="store_true", help="continue OUT from its newest complete checkpoint")
     again.add_argument(
-        "--start-over", action="store_true", help="train OUT again from iteration 0 when it holds no complete checkpoint"
+        "--start-over",
+        action="store_true",
+        help="train OUT again from iteration 0 when it holds no complete checkpoint",
     )
     p.add_argument("--dry-run", action="store_true", help="build and show the components, do not train")
-    p.add_argument("--quiet", action="store_true", help="no progress bars and no line per iteration (evaluations, warnings and the end are shown)")
+    p.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no progress bars and no line per iteration (evaluations, warnings and the end are shown)",
+    )
     p.set_defaults(handler=cmd_compose)
 
     p = sub.add_parser("report", help="write a run's self-contained HTML report (curves, evaluations, filmstrip)")
@@ -178,7 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("check", help="on-policy check: the first ratio must be exactly 1")
     _add_recipe_args(p)
-    p.add_argument("--tolerance", type=finite_number(0), default=1e-6, help="largest |ratio - 1| accepted (default 1e-6)")
+    p.add_argument(
+        "--tolerance", type=finite_number(0), default=1e-6, help="largest |ratio - 1| accepted (default 1e-6)"
+    )
     p.set_defaults(handler=cmd_check)
 
     p = sub.add_parser("sample", help="write images from the base model or a checkpoint")
@@ -198,7 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=cmd_sample)
 
     p = sub.add_parser("export", help="a checkpoint's trained weights in the backbone's own format (diffusers LoRA)")
-    p.add_argument("checkpoint", help="a checkpoint folder (RUN/checkpoints/iter_N) or a run folder (its newest checkpoint)")
+    p.add_argument(
+        "checkpoint", help="a checkpoint folder (RUN/checkpoints/iter_N) or a run folder (its newest checkpoint)"
+    )
     p.add_argument("--out", required=True, help="folder to write (e.g. for pipe.load_lora_weights(OUT))")
     p.add_argument("--no-ema", action="store_true", help="the raw trained weights even when the run keeps an EMA")
     p.set_defaults(handler=cmd_export)
@@ -211,7 +234,11 @@ def build_parser() -> argparse.ArgumentParser:
         "(e.g. fgrpo launch --config_file recipes/accelerate/ddp.yaml compose recipe.yaml). A bad recipe is one "
         "message and exit code 2, whether found before the processes start or in them.",
     )
-    p.add_argument("arguments", nargs=argparse.REMAINDER, help=f"accelerate launch options, then one of {', '.join(LAUNCHED)} with its arguments")
+    p.add_argument(
+        "arguments",
+        nargs=argparse.REMAINDER,
+        help=f"accelerate launch options, then one of {', '.join(LAUNCHED)} with its arguments",
+    )
     p.set_defaults(handler=cmd_launch)
 
     from fgrpo.core.hookspecs import register_commands
@@ -231,7 +258,7 @@ def plugin_rows(with_keys: bool = False) -> list[dict[str, Any]]:
     for kind in registry.GROUPS:
         for entry in registry.entries(kind):
             state, detail = registry.status(entry)
-            row = {
+            row: dict[str, Any] = {
                 "kind": kind,
                 "name": entry.name,
                 "target": entry.target,
@@ -258,9 +285,10 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     from fgrpo.core.hookspecs import failures, plugin_manager
 
     rows = plugin_rows(args.keys)
-    hooks = [
-        {"name": name, "status": "ok"} for name, _ in plugin_manager().list_name_plugin()
-    ] + [{"name": f.name, "distribution": f.distribution, "status": "import error", "error": f.error} for f in failures()]
+    hooks = [{"name": name, "status": "ok"} for name, _ in plugin_manager().list_name_plugin()] + [
+        {"name": f.name, "distribution": f.distribution, "status": "import error", "error": f.error}
+        for f in failures()
+    ]
     if args.json:
         out.print_json(json.dumps({"components": rows, "hook_plugins": hooks}))
         return 0
@@ -295,7 +323,9 @@ def _load(args: argparse.Namespace):
 
 def cmd_validate(args: argparse.Namespace) -> int:
     recipe = _load(args)
-    out.print(f"{args.recipe}: ok ({len(recipe.rewards)} reward(s), {recipe.train.iterations} iterations)", markup=False)
+    out.print(
+        f"{args.recipe}: ok ({len(recipe.rewards)} reward(s), {recipe.train.iterations} iterations)", markup=False
+    )
     if args.against_reference is None:
         return 0
     from fgrpo.core import parity
@@ -305,12 +335,16 @@ def cmd_validate(args: argparse.Namespace) -> int:
     name = args.against_reference or Path(find_recipe(args.recipe)).stem
     if name not in table["recipes"]:
         entries = ", ".join(sorted(table["recipes"]))
-        raise RecipeError([ConfigError("--against-reference", f"no entry {name!r} in {parity.table_path()}; entries: {entries}")])
+        raise RecipeError(
+            [ConfigError("--against-reference", f"no entry {name!r} in {parity.table_path()}; entries: {entries}")]
+        )
     rows, problems = parity.compare(name, recipe.data, table)
     out.print(parity.render(name, rows, table), markup=False, highlight=False, soft_wrap=True)
     for problem in problems:
         err.print(problem, markup=False, highlight=False)
-    counts = {status: sum(r.status == status for r in rows) for status in (parity.STATUS_SAME, parity.STATUS_DEVIATION)}
+    counts = {
+        status: sum(r.status == status for r in rows) for status in (parity.STATUS_SAME, parity.STATUS_DEVIATION)
+    }
     out.print(
         f"{name}: {counts[parity.STATUS_SAME]} values as the reference, {counts[parity.STATUS_DEVIATION]} intended "
         f"deviations, {len(problems)} problem(s)",
@@ -343,9 +377,7 @@ def composition_tree(recipe: Any, title: str) -> Tree:
 
 def _spec_branch(parent: Tree, kind: str, label: str, spec: dict[str, Any]) -> None:
     entry = registry.entry(kind, spec["name"])
-    node = parent.add(
-        f"{label}: [bold]{spec['name']}[/] -> {entry.target} ({entry.distribution} {entry.version})"
-    )
+    node = parent.add(f"{label}: [bold]{spec['name']}[/] -> {entry.target} ({entry.distribution} {entry.version})")
     for key, value in spec.items():
         if key == "name":
             continue
@@ -366,6 +398,7 @@ def cmd_compose(args: argparse.Namespace) -> int:
 
     run = open_run(recipe, out=args.out, resume=args.resume, start_over=args.start_over, console=out, quiet=args.quiet)
     folder = run.out_dir
+    assert folder is not None  # compose always trains into a run folder
     try:
         run.display.say(f"training {recipe.source} -> {folder} ({accelerate_summary(run)})")
         with run.display:
@@ -449,7 +482,9 @@ def cmd_sample(args: argparse.Namespace) -> int:
     if args.checkpoint:
         checkpoint = rundir.find_checkpoint(Path(args.checkpoint))
         if (checkpoint / ckpt.STATE).is_file():
-            _verify(checkpoint, "--checkpoint", ema=not args.no_ema)  # the check resume makes, before anything is built
+            _verify(
+                checkpoint, "--checkpoint", ema=not args.no_ema
+            )  # the check resume makes, before anything is built
         given = find_recipe(args.recipe) if args.recipe is not None else None
         recipe = rundir.recipe_for_checkpoint(checkpoint, given, args.overrides)
     elif args.recipe is None:
@@ -477,7 +512,15 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     folder = rundir.find_checkpoint(Path(args.checkpoint))
     if not (folder / ckpt.STATE).is_file():
-        raise RecipeError([ConfigError("checkpoint", f"{folder} is not a checkpoint folder (no {ckpt.STATE}); expected RUN, RUN/checkpoints/iter_N or RUN/checkpoints/last")])
+        raise RecipeError(
+            [
+                ConfigError(
+                    "checkpoint",
+                    f"{folder} is not a checkpoint folder (no {ckpt.STATE}); expected RUN, RUN/checkpoints/iter_N or "
+                    f"RUN/checkpoints/last",
+                )
+            ]
+        )
     _verify(folder, "checkpoint", ema=not args.no_ema)
     out_dir = rundir.output_folder(Path(args.out))
     ema_in_use = ckpt.ema_decay(ckpt.read_state(folder)) > 0  # then the checkpoint's export/ holds the EMA's weights
@@ -490,7 +533,15 @@ def cmd_export(args: argparse.Namespace) -> int:
             policy = _build_policy(recipe)
             export = getattr(policy, "export", None)
             if export is None:
-                raise RecipeError([ConfigError("model", f"{recipe.data['model']['name']!r} has no export(): its weights are in {folder / ckpt.TRAINABLE}")])
+                raise RecipeError(
+                    [
+                        ConfigError(
+                            "model",
+                            f"{recipe.data['model']['name']!r} has no export(): its weights are in "
+                            f"{folder / ckpt.TRAINABLE}",
+                        )
+                    ]
+                )
             from fgrpo.core.trainer import load_checkpoint_weights
 
             load_checkpoint_weights(policy, folder, 0.0 if args.no_ema else recipe.train.ema_decay)
@@ -547,7 +598,15 @@ def cmd_launch(args: argparse.Namespace) -> int:
     rest = list(args.arguments)
     at = next((i for i, word in enumerate(rest) if word in LAUNCHED), None)
     if at is None:
-        raise RecipeError([ConfigError("launch", f"got {' '.join(rest) or 'nothing'!r}; expected accelerate launch options, then {' or '.join(LAUNCHED)} with its arguments")])
+        raise RecipeError(
+            [
+                ConfigError(
+                    "launch",
+                    f"got {' '.join(rest) or 'nothing'!r}; expected accelerate launch options, then "
+                    f"{' or '.join(LAUNCHED)} with its arguments",
+                )
+            ]
+        )
     options, command = _shipped_config(rest[:at]), rest[at:]
     checked = build_parser().parse_args(command)
     if getattr(checked, "log_level", None):
@@ -653,8 +712,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as exc:
         if exc.errno not in FULL:
             raise
-        err.print(f"error: cannot write {exc.filename or 'a file'}: {exc.strerror}; what was written before is kept "
-                  "(a run's complete checkpoints: --resume continues from the newest)", markup=False)
+        err.print(
+            f"error: cannot write {exc.filename or 'a file'}: {exc.strerror}; what was written before is kept "
+            "(a run's complete checkpoints: --resume continues from the newest)",
+            markup=False,
+        )
         return EXIT_USAGE
     except RuntimeError as exc:
         lost = _lost_peers(exc)
@@ -671,10 +733,16 @@ def _lost_peers(exc: RuntimeError) -> str | None:
     if dist is None or not dist.is_available() or not dist.is_initialized():
         return None
     text = str(exc)
-    if not (isinstance(exc, getattr(dist, "DistError", ())) or "Timed out" in text or "timeout" in text.lower() or "closed by peer" in text):
+    if not (
+        isinstance(exc, getattr(dist, "DistError", ()))
+        or "Timed out" in text
+        or "timeout" in text.lower()
+        or "closed by peer" in text
+    ):
         return None
     return (
-        f"process {dist.get_rank()} of {dist.get_world_size()} lost the other processes in a collective ({first_line(exc)}): "
+        f"process {dist.get_rank()} of {dist.get_world_size()} lost the other processes in a collective "
+        f"({first_line(exc)}): "
         "one of them is stopped, stuck or dead. The wait is bounded by train.process_group_timeout_s; "
         "the run's checkpoints are kept (--resume continues it)"
     )

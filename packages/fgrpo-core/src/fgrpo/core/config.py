@@ -91,7 +91,15 @@ def open_regular(path: str | os.PathLike, *, follow: bool = True, devices: bool 
         os.set_blocking(fd, True)
         return fd
     os.close(fd)
-    kind = "a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device"
+    kind = (
+        "a folder"
+        if stat.S_ISDIR(mode)
+        else "a FIFO"
+        if stat.S_ISFIFO(mode)
+        else "a socket"
+        if stat.S_ISSOCK(mode)
+        else "a device"
+    )
     raise ValueError(f"{path}: is {kind}, not a regular file")
 
 
@@ -261,7 +269,7 @@ def coerce(value: Any, tp: Any) -> Any:
         if origin is tuple and args and args[-1] is not Ellipsis:
             if len(args) != len(value):
                 raise TypeError(f"expected a list of {len(args)} items, got {shown(value)}")
-            return tuple(coerce(v, a) for v, a in zip(value, args))
+            return tuple(coerce(v, a) for v, a in zip(value, args, strict=True))
         item = args[0] if args else Any
         out = [coerce(v, item) for v in value]
         return tuple(out) if origin is tuple or tp is tuple else out
@@ -277,6 +285,16 @@ def _field_types(cls: type) -> dict[str, Any]:
         return typing.get_type_hints(cls)
     except Exception:  # unresolvable annotations: leave those values unchecked
         return {}
+
+
+#: the class of attrs.Factory(...) defaults (attrs' stubs present Factory as a function returning the
+#: default's type, so that field defaults type-check)
+_FACTORY: Any = type(attrs.Factory(list))
+
+
+def default_value(default: Any) -> Any:
+    """A field's default as a value: a factory default's product, else the default itself."""
+    return default.factory() if isinstance(default, _FACTORY) else default
 
 
 def public_fields(cls: type) -> list[attrs.Attribute]:
@@ -312,8 +330,7 @@ def check_params(cls: type, params: Mapping[str, Any], prefix: str = "") -> tupl
             if field.default is attrs.NOTHING:
                 errors.append(ConfigError(key(name), "missing required key"))
             else:
-                default = field.default
-                out[name] = default.factory() if isinstance(default, attrs.Factory) else default
+                out[name] = default_value(field.default)
                 if field.metadata.get("fgrpo_kind") and isinstance(out[name], (str, Mapping)):
                     out[name], errs = field.metadata["fgrpo_check"](field.metadata["fgrpo_kind"], out[name], key(name))
                     errors.extend(errs)
@@ -328,11 +345,10 @@ def check_params(cls: type, params: Mapping[str, Any], prefix: str = "") -> tupl
             if name in hints:
                 value = coerce(value, hints[name])
             if field.converter is not None:
-                value = field.converter(value)
+                # param() takes plain one-argument converters; attrs' stubs type this as its Converter class
+                value = field.converter(value)  # type: ignore[operator]
             validators = field.validator
-            for validator in getattr(validators, "_validators", None) or (
-                [validators] if validators else []
-            ):
+            for validator in getattr(validators, "_validators", None) or ([validators] if validators else []):
                 validator(None, field, value)
         except (TypeError, ValueError) as exc:
             errors.append(ConfigError(key(name), _clean(str(exc), value)))
@@ -356,12 +372,6 @@ def help_lines(cls: type) -> list[tuple[str, str, str]]:
     """(key, default, help) for every recipe key of ``cls``: used by ``fgrpo plugins --keys``."""
     rows = []
     for field in public_fields(cls):
-        default = field.default
-        if default is attrs.NOTHING:
-            shown = "required"
-        elif isinstance(default, attrs.Factory):
-            shown = repr(default.factory())
-        else:
-            shown = repr(default)
+        shown = "required" if field.default is attrs.NOTHING else repr(default_value(field.default))
         rows.append((field.name, shown, field.metadata.get("fgrpo_help", "")))
     return rows

@@ -33,7 +33,10 @@ class Escape(ComponentError):
 
 
 def link_message(path: Path) -> str:
-    return f"{path} is a link; fgrpo reads and writes a run folder's own files only, never through links (replace the link by what it points to)"
+    return (
+        f"{path} is a link; fgrpo reads and writes a run folder's own files only, never through links (replace the "
+        f"link by what it points to)"
+    )
 
 
 def inside(root: Path, name: Any, *, what: str) -> Path:

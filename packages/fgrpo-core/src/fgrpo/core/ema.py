@@ -18,7 +18,9 @@ class EMA:
     def __init__(self, params: Sequence[torch.nn.Parameter], decay: float):
         self.params = list(params)
         self.decay = decay
-        self.shadow = [local(p).detach().to(torch.promote_types(p.dtype, torch.float32), copy=True) for p in self.params]
+        self.shadow = [
+            local(p).detach().to(torch.promote_types(p.dtype, torch.float32), copy=True) for p in self.params
+        ]
 
     def warmup_decay(self, steps: int) -> float:
         """flow_grpo's warm-up: min((1 + n) / (10 + n), decay) after n optimizer steps, so the
@@ -36,7 +38,7 @@ class EMA:
     def update(self, decay: float | None = None) -> None:
         """shadow <- decay * shadow + (1 - decay) * weights (``decay`` defaults to the EMA's)."""
         weight = 1.0 - (self.decay if decay is None else decay)
-        for s, p in zip(self.shadow, self.params):
+        for s, p in zip(self.shadow, self.params, strict=True):
             s.lerp_(local(p).detach().to(s.dtype), weight)
 
     @contextmanager
@@ -44,24 +46,24 @@ class EMA:
         """Evaluate with the EMA weights; the trained weights come back bit for bit."""
         backup = [local(p).detach().clone() for p in self.params]
         with torch.no_grad():
-            for p, s in zip(self.params, self.shadow):
+            for p, s in zip(self.params, self.shadow, strict=True):
                 write_local(p, s)
         try:
             yield
         finally:
             with torch.no_grad():
-                for p, b in zip(self.params, backup):
+                for p, b in zip(self.params, backup, strict=True):
                     write_local(p, b)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Whole tensors (in a sharded run every process must call this: shards are gathered)."""
-        return {f"ema.{i}": full(s, like=p) for i, (s, p) in enumerate(zip(self.shadow, self.params))}
+        return {f"ema.{i}": full(s, like=p) for i, (s, p) in enumerate(zip(self.shadow, self.params, strict=True))}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Whole tensors, as :meth:`state_dict` gives them (a sharded run keeps its shards)."""
         if len(state) != len(self.shadow):
             raise ValueError(f"EMA state has {len(state)} tensors, the policy {len(self.shadow)}")
-        for i, (s, p) in enumerate(zip(self.shadow, self.params)):
+        for i, (s, p) in enumerate(zip(self.shadow, self.params, strict=True)):
             s.copy_(shard_like(state[f"ema.{i}"], p))
 
 

@@ -16,8 +16,8 @@ from fgrpo.core.config import ConfigError, RecipeError, first_line, shown
 from fgrpo.core.ema import ema_weights
 from fgrpo.core.protocols import EvalContext, EvaluatorResult
 from fgrpo.core.registry import ComponentError
-from fgrpo.core.scoring import detail_means, score
 from fgrpo.core.run import Run
+from fgrpo.core.scoring import detail_means, score
 from fgrpo.core.seeding import generator
 
 
@@ -60,7 +60,14 @@ def guidance(policy: Any, scale: float | None) -> Iterator[None]:
         yield
         return
     if not hasattr(policy, "guidance_scale"):
-        raise RecipeError([ConfigError("eval.guidance_scale", f"got {scale!r}, but the policy {type(policy).__name__} has no guidance_scale")])
+        raise RecipeError(
+            [
+                ConfigError(
+                    "eval.guidance_scale",
+                    f"got {scale!r}, but the policy {type(policy).__name__} has no guidance_scale",
+                )
+            ]
+        )
     trained = policy.guidance_scale
     policy.guidance_scale = scale
     try:
@@ -78,14 +85,19 @@ def evaluate(run: Run, iteration: int, out_dir: Path | None) -> dict[str, float]
         return {}
     outputs, all_prompts = generated
     metadata = [run.prompts.metadata(p) for p in all_prompts]
-    groups = torch.arange(len(all_prompts)) // run.recipe.eval.samples_per_prompt  # prompt-major: a prompt's samples are a group
-    scores, details = score(run.rewards, outputs, all_prompts, metadata, where=f"evaluation at iteration {iteration}", groups=groups)
+    groups = (
+        torch.arange(len(all_prompts)) // run.recipe.eval.samples_per_prompt
+    )  # prompt-major: a prompt's samples are a group
+    scores, details = score(
+        run.rewards, outputs, all_prompts, metadata, where=f"evaluation at iteration {iteration}", groups=groups
+    )
     metrics: dict[str, float] = {}
     total = torch.zeros(len(all_prompts))
     for spec, reward in run.rewards:
-        total += spec.weight * scores[spec.label].cpu()
-        metrics[f"eval/reward/{spec.label}"] = scores[spec.label].mean().item()
-        for key, value in detail_means(details[spec.label]).items():
+        label = spec.label or spec.name  # built specs carry their label (the name when the recipe gives none)
+        total += spec.weight * scores[label].cpu()
+        metrics[f"eval/reward/{label}"] = scores[label].mean().item()
+        for key, value in detail_means(details[label]).items():
             metrics[f"eval/{spec.label}/{key}"] = value
         extra = getattr(reward, "eval_metrics", None)
         if extra is not None:
@@ -93,14 +105,18 @@ def evaluate(run: Run, iteration: int, out_dir: Path | None) -> dict[str, float]
                 metrics[f"eval/{key}"] = float(value)
     metrics["eval/reward_mean"] = total.mean().item()
     if out_dir is not None and run.recipe.log.sample_grid:
-        pictures = outputs if visuals.is_image_batch(outputs) else drawn_outputs(run, outputs, all_prompts, metadata, total)
+        pictures = (
+            outputs if visuals.is_image_batch(outputs) else drawn_outputs(run, outputs, all_prompts, metadata, total)
+        )
         if pictures is not None:
             write_eval_samples(run, iteration, out_dir, pictures, all_prompts, total, details)
     metrics.update(gold_metrics(run, iteration, out_dir, outputs, all_prompts))
     return metrics
 
 
-def drawn_outputs(run: Run, outputs: Any, prompts: Sequence[str], metadata: Sequence[Any], total: torch.Tensor) -> torch.Tensor | None:
+def drawn_outputs(
+    run: Run, outputs: Any, prompts: Sequence[str], metadata: Sequence[Any], total: torch.Tensor
+) -> torch.Tensor | None:
     """Pictures of outputs that are not images (trajectories), for the sample grid and the
     filmstrip: a reward that can draw its outputs offers ``draw(outputs, prompts, metadata,
     scores, per_prompt) -> (B, 3, H, W)`` (each sample's picture may show its whole group, e.g.
@@ -118,7 +134,9 @@ class EvaluatorError(ComponentError):
     """An evaluator failed or returned something that is not metrics."""
 
 
-def gold_metrics(run: Run, iteration: int, out_dir: Path | None, samples: Any, sample_prompts: list[str]) -> dict[str, float]:
+def gold_metrics(
+    run: Run, iteration: int, out_dir: Path | None, samples: Any, sample_prompts: list[str]
+) -> dict[str, float]:
     """Every evaluator of the recipe on the held-out prompts, with the policy as evaluation uses it
     (EMA weights, ``eval.guidance_scale``): its metrics as ``gold/<label>/<key>``; its pictures as
     tiles of the report's gold filmstrip (``samples/gold_N/<label>/``)."""
@@ -138,8 +156,14 @@ def gold_metrics(run: Run, iteration: int, out_dir: Path | None, samples: Any, s
     with ema_weights(run.ema), guidance(run.policy, cfg.guidance_scale), torch.no_grad():
         for spec, evaluator in evaluators:
             ctx = EvalContext(
-                policy=run.policy, prompts=list(prompts), metadata=run.prompts.metadata, generate=sample,
-                samples=samples, sample_prompts=list(sample_prompts), seed=run.recipe.seed, iteration=iteration,
+                policy=run.policy,
+                prompts=list(prompts),
+                metadata=run.prompts.metadata,
+                generate=sample,
+                samples=samples,
+                sample_prompts=list(sample_prompts),
+                seed=run.recipe.seed,
+                iteration=iteration,
                 device=run.policy.device,
             )
             with run.display.phase(f"gold {spec.label} at {iteration}", total=1) as advance:
@@ -161,16 +185,32 @@ def _call_evaluator(spec: Any, evaluator: Any, ctx: EvalContext, iteration: int)
         raise EvaluatorError(f"{where} raised {type(exc).__name__}: {first_line(exc)}") from exc
     metrics = getattr(result, "metrics", None)
     if not isinstance(metrics, Mapping):
-        raise EvaluatorError(f"{where} returned {shown(result)}; expected an EvaluatorResult(metrics={{name: number}})")
-    bad = [k for k, v in metrics.items() if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, (int, float))]
+        raise EvaluatorError(
+            f"{where} returned {shown(result)}; expected an EvaluatorResult(metrics={{name: number}})"
+        )
+    bad = [
+        k
+        for k, v in metrics.items()
+        if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, (int, float))
+    ]
     if bad:
         raise EvaluatorError(f"{where} returned metrics that are not numbers: {shown(bad)}")
-    return EvaluatorResult(metrics={k: float(v) for k, v in metrics.items()}, pictures=list(getattr(result, "pictures", []) or []))
+    return EvaluatorResult(
+        metrics={k: float(v) for k, v in metrics.items()}, pictures=list(getattr(result, "pictures", []) or [])
+    )
 
 
 def write_gold_pictures(pictures: Sequence[Any], folder: Path) -> None:
     images = torch.stack([torch.as_tensor(p.image).float() for p in pictures])
-    rows = [{"prompt": p.prompt, "sample": 0, "score": None if p.score is None else round(float(p.score), 4), "read": p.read} for p in pictures]
+    rows = [
+        {
+            "prompt": p.prompt,
+            "sample": 0,
+            "score": None if p.score is None else round(float(p.score), 4),
+            "read": p.read,
+        }
+        for p in pictures
+    ]
     visuals.write_tiles(images, rows, folder)
 
 
@@ -186,9 +226,12 @@ def evaluation_samples(run: Run, iteration: int) -> tuple[Any, list[str]] | None
     per_call = max(1, cfg.batch_size // cfg.samples_per_prompt)
     outputs, all_prompts = [], []
     sigmas = evaluation_sigmas(run)
-    with ema_weights(run.ema), guidance(run.policy, cfg.guidance_scale), run.accelerator.autocast(), run.display.phase(
-        f"evaluation at {iteration}", total=len(prompts)
-    ) as advance:
+    with (
+        ema_weights(run.ema),
+        guidance(run.policy, cfg.guidance_scale),
+        run.accelerator.autocast(),
+        run.display.phase(f"evaluation at {iteration}", total=len(prompts)) as advance,
+    ):
         for start in range(0, len(prompts), per_call):
             chunk = prompts[start : start + per_call]
             g = generator(run.recipe.seed, "eval", start, device=run.policy.device)
@@ -199,23 +242,38 @@ def evaluation_samples(run: Run, iteration: int) -> tuple[Any, list[str]] | None
 
 
 def write_eval_samples(
-    run: Run, iteration: int, out_dir: Path, outputs: torch.Tensor, prompts: Sequence[str], total: torch.Tensor, details: dict[str, Any]
+    run: Run,
+    iteration: int,
+    out_dir: Path,
+    outputs: torch.Tensor,
+    prompts: Sequence[str],
+    total: torch.Tensor,
+    details: dict[str, Any],
 ) -> None:
     """The first sample of (up to) 32 test prompts — the same prompts and noise at every
     evaluation — as a grid with each image's score and what the rewards read
     (``samples/eval_N.png``, also sent to the trackers) and as tiles for the report's filmstrip
     (``samples/eval_N/``)."""
     pick = list(range(0, len(prompts), run.recipe.eval.samples_per_prompt))[:32]
-    reads = [d["read"] for d in details.values() if isinstance(d, dict) and _per_sample_strings(d.get("read"), len(prompts))]
-    rows = [
-        {"prompt": prompts[i], "sample": 0, "score": round(total[i].item(), 4), "read": "; ".join(r[i] for r in reads),
-         **({"sources": len(media.source_images(prompts[i]))} if media.source_images(prompts[i]) else {})}
+    reads = [
+        d["read"] for d in details.values() if isinstance(d, dict) and _per_sample_strings(d.get("read"), len(prompts))
+    ]
+    rows: list[dict[str, Any]] = [
+        {
+            "prompt": prompts[i],
+            "sample": 0,
+            "score": round(total[i].item(), 4),
+            "read": "; ".join(r[i] for r in reads),
+            **({"sources": len(media.source_images(prompts[i]))} if media.source_images(prompts[i]) else {}),
+        }
         for i in pick
     ]
     notes = [f"score {row['score']:.3g}" + (f" · read: {row['read']}" if row["read"] else "") for row in rows]
     name = f"eval_{iteration:06d}"
     shown_images = sources_then_outputs(outputs[pick], [prompts[i] for i in pick])
-    grid = visuals.sample_grid(shown_images, [row["prompt"] for row in rows], out_dir / "samples" / f"{name}.png", notes=notes)
+    grid = visuals.sample_grid(
+        shown_images, [row["prompt"] for row in rows], out_dir / "samples" / f"{name}.png", notes=notes
+    )
     visuals.write_tiles(shown_images, rows, out_dir / "samples" / name)
     trackers.log_image(run.accelerator, "eval/samples", np.asarray(grid), iteration)
 
@@ -230,7 +288,6 @@ def sources_then_outputs(images: torch.Tensor, prompts: Sequence[str]) -> torch.
 
 def _per_sample_strings(value: Any, n: int) -> bool:
     return isinstance(value, (list, tuple)) and len(value) == n and all(isinstance(v, str) for v in value)
-
 
 
 def write_samples(

@@ -20,12 +20,13 @@ gives it for stored transitions; the loop itself is the same for both.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import cast
 
 import torch
 
 from fgrpo.core import tensors
 from fgrpo.core.ema import ema_weights
-from fgrpo.core.protocols import ForwardBatch, Trajectory
+from fgrpo.core.protocols import ForwardBatch, ForwardObjective, Trajectory
 from fgrpo.core.run import Run
 from fgrpo.core.seeding import generator, randn
 from fgrpo.core.timing import TimedPolicy
@@ -54,7 +55,7 @@ class ForwardPoints:
         self.pairwise = bool(getattr(objective, "pairwise", False))
         if self.pairwise:
             # pairs are formed inside groups, and every group lies on one process
-            self.members = objective.pairs(adv, traj.group_index).to(torch.long)
+            self.members = cast(ForwardObjective, objective).pairs(adv, traj.group_index).to(torch.long)
             self.advantages = torch.ones(len(self.members), device=adv.device)  # every pair is informative
             self.sign = torch.tensor([1.0, -1.0], device=adv.device)
         else:
@@ -96,7 +97,7 @@ class ForwardPoints:
         for item in kept.tolist():
             ids = [int(self.ids[m]) for m in self.members[item].tolist()]
             g = generator(seed, "points", self.iteration, epoch, *ids)
-            t = self.run.objective.point_times(traj.sigmas, g)
+            t = cast(ForwardObjective, self.run.objective).point_times(traj.sigmas, g)
             t_rows[item] = t.to(device=device, dtype=torch.float32)
             noise_rows[item] = randn((len(t), *shape), g, device)
         k = len(next(iter(t_rows.values()))) if t_rows else self.units
@@ -118,6 +119,7 @@ class ForwardPoints:
         dev = self.traj.final.device
         samples, items, points = samples.to(dev), items.to(dev), points.to(dev)
         x0 = self.traj.final[samples].float()
+        assert self.t is not None and self.noise is not None  # drawn when the update starts
         t = self.t[items, points]
         noise = self.noise[items, points]
         tt = t.reshape(-1, *([1] * (x0.dim() - 1)))
@@ -157,7 +159,7 @@ class ForwardPoints:
         rows = items.cpu().repeat_interleave(self.units)
         cols = torch.arange(self.units).repeat(len(items))
         size = per_forward or len(rows)
-        return zip(rows.split(size), cols.split(size))
+        return zip(rows.split(size), cols.split(size), strict=True)
 
     def per_forward(self, micro_batch_size: int) -> int:
         """(item, point) pairs per forward for ``train.micro_batch_size`` network rows."""

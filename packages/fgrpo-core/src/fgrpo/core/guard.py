@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, Literal, TypeGuard
 
 import attrs
 
@@ -35,11 +35,19 @@ class GuardConfig:
     """The keys of ``eval.guard``."""
 
     metric: str = param(help="the gold metric watched, a logged key such as gold/driving-closed-loop/cl_score")
-    proxy: str = param("eval/reward_mean", help="the proxy watched, a logged evaluation key (default the held-out reward)")
-    patience: int = param(2, ge=1, help="evaluations in a row where the proxy rose while the gold fell before the guard fires")
-    action: Literal["warn", "stop"] = param("warn", choices=ACTIONS, help="warn: say so and go on; stop: stop the run, checkpoints/best = the best gold")
+    proxy: str = param(
+        "eval/reward_mean", help="the proxy watched, a logged evaluation key (default the held-out reward)"
+    )
+    patience: int = param(
+        2, ge=1, help="evaluations in a row where the proxy rose while the gold fell before the guard fires"
+    )
+    action: Literal["warn", "stop"] = param(
+        "warn", choices=ACTIONS, help="warn: say so and go on; stop: stop the run, checkpoints/best = the best gold"
+    )
     direction: Literal["auto", "higher", "lower"] = param(
-        "auto", choices=DIRECTIONS, help="which way the gold metric is better; auto: the evaluator's declaration (else higher)"
+        "auto",
+        choices=DIRECTIONS,
+        help="which way the gold metric is better; auto: the evaluator's declaration (else higher)",
     )
     min_change: float = param(0.0, ge=0, help="changes of at most this size (either metric) count as no change")
 
@@ -49,7 +57,10 @@ def check_guard(_instance: Any, _attribute: Any, value: Any) -> None:
     if value is None:
         return
     if not isinstance(value, Mapping):
-        raise ValueError(f"expected a mapping such as {{metric: gold/NAME/METRIC, patience: 2, action: stop}} or null, got {value!r}")
+        raise ValueError(
+            f"expected a mapping such as {{metric: gold/NAME/METRIC, patience: 2, action: stop}} or null, got "
+            f"{value!r}"
+        )
     _, errors = check_params(GuardConfig, value, "")
     if errors:
         raise ValueError("; ".join(str(e) for e in errors))
@@ -65,7 +76,9 @@ def guard_recipe_errors(resolved: Mapping[str, Any]) -> list[ConfigError]:
     parts = metric.split("/")
     if len(parts) < 3 or parts[0] != "gold" or parts[1] not in labels:
         known = ", ".join(f"gold/{label}/..." for label in labels) or "none: add an evaluator section"
-        return [ConfigError("eval.guard.metric", f"got {metric!r}; allowed: a metric of the recipe's evaluators ({known})")]
+        return [
+            ConfigError("eval.guard.metric", f"got {metric!r}; allowed: a metric of the recipe's evaluators ({known})")
+        ]
     return []
 
 
@@ -124,9 +137,15 @@ class Guard:
         way = "fell" if self.higher_is_better else "rose"
         what = "stopping the run" if cfg.action == "stop" else "training goes on (eval.guard.action: warn)"
         kept = " (checkpoints/best)" if cfg.action == "stop" else ""
-        best = "" if self.best_iteration is None else f"; the best {cfg.metric} was at iteration {self.best_iteration}{kept}"
-        return (f"over-optimisation guard: {cfg.proxy} rose while {cfg.metric} {way} for {cfg.patience} evaluation(s) "
-                f"in a row (iteration {iteration}); {what}{best}")
+        best = (
+            ""
+            if self.best_iteration is None
+            else f"; the best {cfg.metric} was at iteration {self.best_iteration}{kept}"
+        )
+        return (
+            f"over-optimisation guard: {cfg.proxy} rose while {cfg.metric} {way} for {cfg.patience} evaluation(s) "
+            f"in a row (iteration {iteration}); {what}{best}"
+        )
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -146,5 +165,5 @@ class Guard:
         self.fired_at = list(state.get("fired_at", []))
 
 
-def _finite(value: Any) -> bool:
+def _finite(value: Any) -> TypeGuard[float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

@@ -68,7 +68,9 @@ def plugin_manager() -> pluggy.PluginManager:
             dist = ep.dist.metadata["Name"] if ep.dist is not None else "?"
             try:
                 pm.register(ep.load(), name=ep.name)
-            except BaseException as exc:  # one broken plugin (even sys.exit() or KeyboardInterrupt) must not silence the others
+            except (
+                BaseException
+            ) as exc:  # one broken plugin (even sys.exit() or KeyboardInterrupt) must not silence the others
                 _failures.append(PluginFailure(ep.name, dist, f"{type(exc).__name__}: {exc}"))
         _manager = pm
     return _manager
@@ -87,6 +89,8 @@ def register_commands(subparsers: Any) -> None:
         try:
             impl.function(subparsers=subparsers)
         except BaseException as exc:
-            failure = PluginFailure(pm.get_name(impl.plugin) or "?", "?", f"fgrpo_register_commands: {type(exc).__name__}: {exc}")
+            failure = PluginFailure(
+                pm.get_name(impl.plugin) or "?", "?", f"fgrpo_register_commands: {type(exc).__name__}: {exc}"
+            )
             if failure not in _failures:
                 _failures.append(failure)

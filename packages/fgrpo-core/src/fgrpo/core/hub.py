@@ -90,7 +90,9 @@ def _probe(repo_id: str) -> str | None:
     except RepositoryNotFoundError:
         return "the hub has no such model (or it is private: log in with `hf auth login`)"
     except Exception as exc:  # connection refused, DNS failure, timeout, proxy errors ...
-        return f"the hub cannot be reached ({type(exc).__name__}: {first_line(exc) if str(exc).strip() else 'no detail'})"
+        return (
+            f"the hub cannot be reached ({type(exc).__name__}: {first_line(exc) if str(exc).strip() else 'no detail'})"
+        )
     return None
 
 
@@ -121,7 +123,8 @@ def _within(seconds: float, fn: Any, *args: Any, **kwargs: Any) -> Any:
 
 def unavailable_message(key: str, value: str, why: str) -> str:
     return (
-        f"{key}: {value!r} {why} (and no local folder of that name exists). Use a local folder (the output of save_pretrained, or a hub snapshot "
+        f"{key}: {value!r} {why} (and no local folder of that name exists). Use a local folder (the output of "
+        f"save_pretrained, or a hub snapshot "
         f"downloaded elsewhere with `hf download {value} --local-dir DIR`) as {key}: DIR; or copy a hub cache "
         f"that holds it and set HF_HOME to it (looked in {_cache_dir()}); HF_HUB_OFFLINE=1 then keeps "
         "every load off the network"
@@ -151,7 +154,11 @@ def pretrained_source(value: str, *, key: str) -> PretrainedSource:
     if offline():
         if cached:
             return PretrainedSource(value, {"local_files_only": True}, local=False)
-        raise WeightsUnavailable(unavailable_message(key, value, "is not in the local hub cache and HF_HUB_OFFLINE=1 forbids downloading it"))
+        raise WeightsUnavailable(
+            unavailable_message(
+                key, value, "is not in the local hub cache and HF_HUB_OFFLINE=1 forbids downloading it"
+            )
+        )
     why = _probe(value)
     if why is None:
         return PretrainedSource(value, {}, local=False)

@@ -112,8 +112,10 @@ def count_problems(policy_or_class: Any, prompts: Sequence[str], name: str | Non
             continue
         if most == 0:
             problems.append(
-                f"{where(prompt)} has {n} source image{'s' * (n != 1)}, but the model {model} generates from text only; "
-                "use an editing model (flux-kontext, qwen-image-edit) or prompts without 'image' (a folder or file source: sources: false keeps it as metadata)"
+                f"{where(prompt)} has {n} source image{'s' * (n != 1)}, but the model {model} generates from text "
+                f"only; "
+                "use an editing model (flux-kontext, qwen-image-edit) or prompts without 'image' (a folder or file "
+                "source: sources: false keeps it as metadata)"
             )
         elif n == 0:
             problems.append(
@@ -121,7 +123,9 @@ def count_problems(policy_or_class: Any, prompts: Sequence[str], name: str | Non
                 f"{_count_text(least, most)} per prompt (an 'image' key in the prompt's row)"
             )
         else:
-            problems.append(f"{where(prompt)} has {n} source images; the model {model} takes {_count_text(least, most)} per prompt")
+            problems.append(
+                f"{where(prompt)} has {n} source images; the model {model} takes {_count_text(least, most)} per prompt"
+            )
     return problems
 
 
@@ -180,7 +184,10 @@ def check_image(path: str | os.PathLike[str]) -> str | None:
             width, height = image.size
             mode = image.mode
             if width * height > limit:
-                return f"is {width}x{height} ({width * height / 1e6:.1f} M pixels), more than the decompression-bomb limit"
+                return (
+                    f"is {width}x{height} ({width * height / 1e6:.1f} M pixels), more than the decompression-bomb "
+                    f"limit"
+                )
             if width == 0 or height == 0:
                 return f"is {width}x{height}: no pixels"
             if mode not in ALLOWED_MODES:
@@ -232,7 +239,7 @@ def to_tensor(image: Any, size: tuple[int, int] | None = None) -> torch.Tensor:
     from PIL import Image
 
     if size is not None and (image.height, image.width) != tuple(size):
-        image = image.resize((int(size[1]), int(size[0])), Image.LANCZOS)
+        image = image.resize((int(size[1]), int(size[0])), Image.Resampling.LANCZOS)
     array = np.asarray(image.convert("RGB"), dtype=np.uint8)
     return torch.from_numpy(array.copy()).permute(2, 0, 1).float() / 255.0
 
@@ -276,7 +283,9 @@ def side_by_side(sources: Sequence[tuple[torch.Tensor, ...]], outputs: torch.Ten
     for i, srcs in enumerate(sources):
         for k, src in enumerate(srcs):
             if tuple(src.shape[-2:]) != (h, w):
-                src = torch.nn.functional.interpolate(src[None].float(), size=(h, w), mode="bilinear", antialias=True)[0]
+                src = torch.nn.functional.interpolate(src[None].float(), size=(h, w), mode="bilinear", antialias=True)[
+                    0
+                ]
             canvas[i, :, :, k * (w + gap) : k * (w + gap) + w] = src.to(canvas)
         canvas[i, :, :, count * (w + gap) :] = outputs[i]
     return canvas

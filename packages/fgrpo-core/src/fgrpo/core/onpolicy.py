@@ -44,11 +44,17 @@ def diagnose(run: Run) -> list[str]:
         x, sigma = traj.latents[:, 0], traj.sigmas[traj.step_index[:, 0]]
     else:  # forward-process points: the finished samples half re-noised
         noise = torch.randn(traj.final.shape, generator=torch.Generator().manual_seed(0)).to(traj.final.device)
-        x, sigma = 0.5 * traj.final.float() + 0.5 * noise, torch.full((traj.batch_size,), 0.5, device=traj.final.device)
+        x, sigma = (
+            0.5 * traj.final.float() + 0.5 * noise,
+            torch.full((traj.batch_size,), 0.5, device=traj.final.device),
+        )
     a = run.policy.velocity(x, sigma, traj.cond)
     b = run.policy.velocity(x, sigma, traj.cond)
     if not torch.equal(a, b):
-        found.append("the policy is not deterministic: two identical velocity calls differ (dropout? non-deterministic kernels?)")
+        found.append(
+            "the policy is not deterministic: two identical velocity calls differ (dropout? non-deterministic "
+            "kernels?)"
+        )
     one = run.policy.velocity(x[:1], sigma[:1], tensors.index(traj.cond, slice(0, 1)))
     if not torch.equal(one, a[:1]):
         found.append(
@@ -56,7 +62,13 @@ def diagnose(run: Run) -> list[str]:
             "forward passes of a different size than the rollout (train.micro_batch_size, train.rollout_prompts)"
         )
     if not found and traj.num_trained_steps:
-        found.append("the kernel's log-prob of the stored action disagrees with the rollout: check the sampler's sigmas and step indices")
+        found.append(
+            "the kernel's log-prob of the stored action disagrees with the rollout: check the sampler's sigmas and "
+            "step indices"
+        )
     elif not found:
-        found.append("the old policy's predictions differ from the update's at the same points: check that the objective's old policy starts at the current weights")
+        found.append(
+            "the old policy's predictions differ from the update's at the same points: check that the objective's old "
+            "policy starts at the current weights"
+        )
     return found

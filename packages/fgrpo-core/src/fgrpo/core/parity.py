@@ -30,9 +30,29 @@ import yaml
 
 #: what every entry must record (the issue-21 list): a name missing from an entry is an error
 REQUIRED = (
-    "resolution", "steps", "guidance", "kernel", "eta", "trained_steps", "beta", "kl", "clip_range", "adv_clip",
-    "group_size", "prompts_per_iteration", "optimizer_steps_per_iteration", "lr", "ema_decay", "lora_rank",
-    "lora_alpha", "lora_init", "lora_targets", "text_length", "dtype", "vae_dtype", "text_encoder_dtype",
+    "resolution",
+    "steps",
+    "guidance",
+    "kernel",
+    "eta",
+    "trained_steps",
+    "beta",
+    "kl",
+    "clip_range",
+    "adv_clip",
+    "group_size",
+    "prompts_per_iteration",
+    "optimizer_steps_per_iteration",
+    "lr",
+    "ema_decay",
+    "lora_rank",
+    "lora_alpha",
+    "lora_init",
+    "lora_targets",
+    "text_length",
+    "dtype",
+    "vae_dtype",
+    "text_encoder_dtype",
     "mixed_precision",
 )
 STATUS_SAME, STATUS_DEVIATION, STATUS_DIFFERENT, STATUS_UNUSED = "same", "intended", "DIFFERENT", "n/a"
@@ -63,7 +83,10 @@ def _per_step(data: Mapping[str, Any], processes: int) -> int:
 
 def _optimizer_steps(data: Mapping[str, Any], processes: int) -> int:
     train = data["train"]
-    return math.ceil(train["prompts_per_iteration"] * train["group_size"] / _per_step(data, processes)) * train["inner_epochs"]
+    return (
+        math.ceil(train["prompts_per_iteration"] * train["group_size"] / _per_step(data, processes))
+        * train["inner_epochs"]
+    )
 
 
 def _trained_steps(data: Mapping[str, Any], _processes: int) -> str:
@@ -138,7 +161,7 @@ def same(a: Any, b: Any) -> bool:
     if isinstance(a, (int, float)) and isinstance(b, (int, float)):
         return math.isclose(a, b, rel_tol=1e-9, abs_tol=0.0)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
     return a == b
 
 
@@ -195,13 +218,17 @@ def compare(name: str, data: Mapping[str, Any], table: Mapping[str, Any]) -> tup
 
         if same(norm(actual), norm(expected)):
             if deviation is not None:
-                problems.append(f"{name}: {param}: listed as a deviation but the recipe has the reference's {expected!r}")
+                problems.append(
+                    f"{name}: {param}: listed as a deviation but the recipe has the reference's {expected!r}"
+                )
             rows.append(Row(param, key, expected, at, actual, STATUS_SAME, note))
         elif deviation is None:
             problems.append(f"{name}: {param} ({key}): the reference has {expected!r} ({at}), the recipe {actual!r}")
             rows.append(Row(param, key, expected, at, actual, STATUS_DIFFERENT, note))
         elif not same(norm(actual), norm(deviation.get("recipe"))):
-            problems.append(f"{name}: {param} ({key}): the recipe has {actual!r}, its listed deviation {deviation.get('recipe')!r}")
+            problems.append(
+                f"{name}: {param} ({key}): the recipe has {actual!r}, its listed deviation {deviation.get('recipe')!r}"
+            )
             rows.append(Row(param, key, expected, at, actual, STATUS_DIFFERENT, deviation.get("reason", "")))
         else:
             if not deviation.get("reason"):

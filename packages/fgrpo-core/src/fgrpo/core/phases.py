@@ -11,7 +11,7 @@ import contextlib
 import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import torch
@@ -19,11 +19,10 @@ import torch
 from fgrpo.core import tensors
 from fgrpo.core.advantages import combine
 from fgrpo.core.ema import ema_weights
-from fgrpo.core.protocols import StepBatch, Trajectory
+from fgrpo.core.protocols import ForwardObjective, StepBatch, Trajectory
 from fgrpo.core.run import Run
 from fgrpo.core.seeding import generator
 from fgrpo.core.timing import TimedPolicy
-
 
 # --- rollout -----------------------------------------------------------------------------------
 
@@ -40,11 +39,11 @@ def refresh_prompts(run: Run, iteration: int) -> bool | None:
     return bool(refresh(run.policy, iteration, run.recipe.seed))
 
 
-def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
+def autocast(device: torch.device | str, precision: str) -> contextlib.AbstractContextManager:
     if precision == "same":
         return contextlib.nullcontext()
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[precision]
-    return torch.autocast(device_type=device.type, dtype=dtype)
+    return torch.autocast(device_type=torch.device(device).type, dtype=dtype)
 
 
 def cat_trajectories(parts: Sequence[Trajectory]) -> Trajectory:
@@ -54,7 +53,10 @@ def cat_trajectories(parts: Sequence[Trajectory]) -> Trajectory:
     fields = ("group_index", "step_index", "latents", "next_latents", "log_probs", "means", "stds", "final")
     joined = {name: torch.cat([getattr(p, name) for p in parts]) for name in fields}
     if first.policy_weight is not None:
-        joined["policy_weight"] = torch.cat([p.policy_weight for p in parts])
+        weights = [p.policy_weight for p in parts if p.policy_weight is not None]
+        if len(weights) != len(parts):
+            raise ValueError("trajectories to join: some have a policy_weight and some do not")
+        joined["policy_weight"] = torch.cat(weights)
     return Trajectory(
         prompts=[p for part in parts for p in part.prompts],
         cond=tensors.cat([p.cond for p in parts]),
@@ -77,7 +79,7 @@ def rollout(run: Run, iteration: int, on_chunk: Callable[[Trajectory], None] | N
     policy = TimedPolicy(run.policy, run.clock)
     with run.display.phase("rollout", len(local)) as advance, sampling_policy(run):
         for start in range(0, len(local), chunk):
-            slots, prompts = zip(*local[start : start + chunk])
+            slots, prompts = zip(*local[start : start + chunk], strict=True)
             g = generator(run.recipe.seed, "rollout", iteration, slots[0], device=run.policy.device)
             with run.accelerator.autocast(), autocast(run.policy.device, cfg.rollout_precision):
                 traj = run.sampler.rollout(policy, list(prompts), cfg.group_size, generator=g)
@@ -115,7 +117,7 @@ def advantages(run: Run, traj: Trajectory, scores: dict[str, torch.Tensor]) -> t
     device = run.policy.device
     gathered = {k: acc.gather(v.to(device)) for k, v in scores.items()}
     groups = acc.gather(traj.group_index.to(device))
-    weights = {spec.label: spec.weight for spec in run.recipe.rewards}
+    weights = {spec.label or spec.name: spec.weight for spec in run.recipe.rewards}  # built specs carry their label
     cfg = run.recipe.train
     adv, stats = combine(
         gathered,
@@ -174,7 +176,7 @@ def pair_batches(traj: Trajectory, samples: torch.Tensor, per_forward: int) -> l
     rows = samples.repeat_interleave(steps)
     cols = torch.arange(steps).repeat(len(samples))
     size = per_forward or len(rows)
-    return list(zip(rows.split(size), cols.split(size)))
+    return list(zip(rows.split(size), cols.split(size), strict=True))
 
 
 def step_batch(
@@ -235,7 +237,11 @@ def reference(run: Run, traj: Trajectory, samples: torch.Tensor) -> Reference | 
     mean = torch.zeros_like(traj.means)
     velocity = torch.zeros_like(traj.means)
     nfe = 0
-    passes = pair_batches(traj, samples.to(traj.latents.device), cfg.reference_batch_size or cfg.micro_batch_size) if len(samples) else []
+    passes = (
+        pair_batches(traj, samples.to(traj.latents.device), cfg.reference_batch_size or cfg.micro_batch_size)
+        if len(samples)
+        else []
+    )
     padding = run.parallel.missing_forwards(len(passes))
     with policy.reference():
         for rows, cols in passes:
@@ -248,7 +254,11 @@ def reference(run: Run, traj: Trajectory, samples: torch.Tensor) -> Reference | 
         first = torch.zeros(1, dtype=torch.long, device=traj.latents.device)
         for _ in range(padding):
             with run.accelerator.autocast():
-                policy.velocity(traj.latents[first, first], traj.sigmas[traj.step_index[first, first]], tensors.index(traj.cond, first))
+                policy.velocity(
+                    traj.latents[first, first],
+                    traj.sigmas[traj.step_index[first, first]],
+                    tensors.index(traj.cond, first),
+                )
     return Reference(mean=mean, velocity=velocity, nfe=nfe)
 
 
@@ -260,6 +270,7 @@ def idle_passes(run: Run, traj: Trajectory, adv: torch.Tensor, count: int) -> No
     for _ in range(count):
         with run.accelerator.autocast():
             batch, _ = step_batch(run, traj, adv, one, one)
+        assert batch.velocity is not None  # step_batch always computes it
         run.parallel.backward(batch.velocity.float().sum() * 0.0)
 
 
@@ -277,7 +288,9 @@ def informative(run: Run, adv: torch.Tensor) -> tuple[torch.Tensor, int]:
     return kept, int(counts.max())
 
 
-def minibatches(kept: torch.Tensor, most: int, n: int, per_step: int, order: torch.Tensor | None) -> list[torch.Tensor]:
+def minibatches(
+    kept: torch.Tensor, most: int, n: int, per_step: int, order: torch.Tensor | None
+) -> list[torch.Tensor]:
     """``kept`` (in the order ``order`` permutes them) split into the minibatches of one epoch.
 
     Without dropped samples: minibatches of ``per_step`` samples. When samples were dropped, each
@@ -337,7 +350,9 @@ def training_points(run: Run, traj: Trajectory, adv: torch.Tensor, iteration: in
     return Transitions(run, traj, adv)
 
 
-def epoch_steps(run: Run, points: Any, kept: torch.Tensor, most: int, iteration: int, epoch: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+def epoch_steps(
+    run: Run, points: Any, kept: torch.Tensor, most: int, iteration: int, epoch: int
+) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
     """One epoch's optimizer steps, each as its forward passes of (item, unit) pairs: the kept
     items in minibatches (shuffled per epoch with ``train.shuffle_minibatches``),
     ``gradient_accumulation_steps`` minibatches per step (accelerate's setting by default, 1),
@@ -345,7 +360,11 @@ def epoch_steps(run: Run, points: Any, kept: torch.Tensor, most: int, iteration:
     cfg = run.recipe.train
     n = points.traj.batch_size  # what train.minibatch_size is a share of
     accumulate = max(1, int(run.accelerator.gradient_accumulation_steps))
-    order = torch.randperm(len(kept), generator=generator(run.recipe.seed, "minibatch", iteration, epoch)) if cfg.shuffle_minibatches else None
+    order = (
+        torch.randperm(len(kept), generator=generator(run.recipe.seed, "minibatch", iteration, epoch))
+        if cfg.shuffle_minibatches
+        else None
+    )
     batches = minibatches(kept, most, n, cfg.minibatch_size or n, order)
     per_forward = points.per_forward(cfg.micro_batch_size)
     return [
@@ -362,7 +381,9 @@ def update_steps(run: Run, points: Any, most: int) -> int:
     return cfg.inner_epochs * math.ceil(per_epoch / max(1, int(run.accelerator.gradient_accumulation_steps)))
 
 
-def train_pass(run: Run, points: Any, rows: torch.Tensor, cols: torch.Tensor, weight: float, stats: UpdateStats) -> None:
+def train_pass(
+    run: Run, points: Any, rows: torch.Tensor, cols: torch.Tensor, weight: float, stats: UpdateStats
+) -> None:
     """Forward and backward of the objective on one pass of (item, unit) pairs, its loss weighted
     by ``weight`` (the pass's share of the optimizer step's pairs)."""
     with run.accelerator.autocast():
@@ -419,7 +440,7 @@ def move_old_policy(run: Run) -> None:
     """After an iteration's update: the objective's old policy <- d old + (1 - d) current, with d
     its decay after the run's optimizer steps so far (``Objective.old_decay``)."""
     if run.old is not None:
-        run.old.update(run.objective.old_decay(run.optimizer_steps))
+        run.old.update(cast(ForwardObjective, run.objective).old_decay(run.optimizer_steps))
 
 
 def summarize(stats: UpdateStats) -> dict[str, float]:
@@ -429,14 +450,16 @@ def summarize(stats: UpdateStats) -> dict[str, float]:
     values = []
     for key in keys:
         stacked = torch.stack([v.float().reshape(()) for v in stats.metrics[key]])
-        values.append(stacked.min() if key.endswith("_min") else stacked.max() if key.endswith("_max") else stacked.mean())
+        values.append(
+            stacked.min() if key.endswith("_min") else stacked.max() if key.endswith("_max") else stacked.mean()
+        )
     if stats.grad_norms:
         keys.append("grad_norm")
         values.append(torch.stack([g.float().reshape(()) for g in stats.grad_norms]).mean())
     if stats.first_ratio_deviation is not None:
         keys.append("first_ratio_deviation")
         values.append(torch.as_tensor(stats.first_ratio_deviation).float().reshape(()))
-    out: dict[str, float] = dict(zip(keys, torch.stack(values).double().tolist())) if values else {}
+    out: dict[str, float] = dict(zip(keys, torch.stack(values).double().tolist(), strict=True)) if values else {}
     out["optimizer_steps"] = stats.optimizer_steps
     out["trained_samples"] = stats.samples
     out["nfe_reference"] = stats.reference_nfe

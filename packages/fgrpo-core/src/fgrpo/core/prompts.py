@@ -28,7 +28,10 @@ def _existing_file(_instance, attribute, value):
 
 MAX_PROMPT_FILE_BYTES = 256 << 20
 
-SOURCES_HELP = "rows' 'image' are the prompts' source images (editing, image-to-video); false: prompts are text only, 'image' stays metadata"
+SOURCES_HELP = (
+    "rows' 'image' are the prompts' source images (editing, image-to-video); false: prompts are text only, "
+    "'image' stays metadata"
+)
 
 
 #: metadata keys that name files (the source images of editing and image-to-video): a relative path
@@ -82,7 +85,9 @@ def read_prompt_file(path: str | Path, sources: bool = True) -> list[tuple[str, 
     recipe on a dataset that also lists images)."""
     path = Path(path)
     rows: list[tuple[str, dict[str, Any]]] = []
-    for number, line in enumerate(read_text_file(path, limit=MAX_PROMPT_FILE_BYTES, what="a prompt file").splitlines(), 1):
+    for number, line in enumerate(
+        read_text_file(path, limit=MAX_PROMPT_FILE_BYTES, what="a prompt file").splitlines(), 1
+    ):
         line = line.strip()
         if not line:
             continue
@@ -100,6 +105,7 @@ def read_prompt_file(path: str | Path, sources: bool = True) -> list[tuple[str, 
             meta = resolve_media(obj, path.parent)
             if given and sources:
                 images = _media_of(meta)
+                assert isinstance(images, list)  # resolve_media kept the paths that _media_of accepted
                 rows.append((media.Prompt(text, images, origin=f"{path}:{number}"), meta))
             else:
                 rows.append((text, meta))
@@ -127,7 +133,9 @@ def image_errors(prompts: Sequence[str], key: str) -> list[ConfigError]:
     return errors
 
 
-def index_splits(files: Mapping[str, str | Path | None], sources: bool = True) -> tuple[dict[str, list[str]], dict[str, dict[str, Any]]]:
+def index_splits(
+    files: Mapping[str, str | Path | None], sources: bool = True
+) -> tuple[dict[str, list[str]], dict[str, dict[str, Any]]]:
     """Prompts per split and the metadata of every prompt (a prompt listed twice with different
     metadata is an error: ``metadata(prompt)`` could not tell them apart)."""
     splits: dict[str, list[str]] = {}
@@ -159,7 +167,9 @@ class _IndexedSplits:
         return self._meta.get(prompt, {})
 
 
-def check_split_files(files: Mapping[str, Path | None], prefix: str, key: str | None = None, sources: bool = True) -> list[ConfigError]:
+def check_split_files(
+    files: Mapping[str, Path | None], prefix: str, key: str | None = None, sources: bool = True
+) -> list[ConfigError]:
     """The split files read as building the source would, before a run is built: `validate`
     refuses what `compose` would (a line that is not JSON, an empty file, a prompt in both splits
     with different metadata; named by ``key``, default the split's own), and every source image
@@ -167,7 +177,10 @@ def check_split_files(files: Mapping[str, Path | None], prefix: str, key: str | 
 
     def error(split: str, exc: Exception) -> ConfigError:
         name = key or split
-        return ConfigError(f"{prefix}.{name}" if prefix else name, f"cannot read it: {exc.strerror}" if isinstance(exc, OSError) else str(exc))
+        return ConfigError(
+            f"{prefix}.{name}" if prefix else name,
+            f"cannot read it: {exc.strerror}" if isinstance(exc, OSError) else str(exc),
+        )
 
     errors: list[ConfigError] = []
     for split, path in files.items():
@@ -220,7 +233,10 @@ class TextFilePrompts(_IndexedSplits):
 
 def _existing_folder(_instance, attribute, value):
     if not Path(value).is_dir():
-        raise ValueError(f"got {value!r}; expected an existing folder holding train.txt/test.txt or train_metadata.jsonl/test_metadata.jsonl")
+        raise ValueError(
+            f"got {value!r}; expected an existing folder holding train.txt/test.txt or "
+            f"train_metadata.jsonl/test_metadata.jsonl"
+        )
 
 
 #: the file names a split may have in a dataset folder, in the order they are looked for
@@ -251,7 +267,9 @@ class FolderPrompts(_IndexedSplits):
     prompts. GenEval keys stay metadata (the ``geneval`` reward scores edited images with them).
     """
 
-    path: str = param(validator=_existing_folder, help="dataset folder (flow_grpo layout: dataset/geneval, dataset/ocr, ...)")
+    path: str = param(
+        validator=_existing_folder, help="dataset folder (flow_grpo layout: dataset/geneval, dataset/ocr, ...)"
+    )
     train: str = param("train", help="training split: reads <train>_metadata.jsonl, <train>.jsonl or <train>.txt")
     test: str | None = param("test", help="held-out split for evaluation; null = none")
     sources: bool = param(True, help=SOURCES_HELP)
@@ -265,12 +283,21 @@ class FolderPrompts(_IndexedSplits):
             split = values.get(key)
             if split is not None and split_file(values["path"], split) is None:
                 names = " or ".join(p.format(split=split) for p in SPLIT_FILES)
-                errors.append(ConfigError(f"{prefix}.{key}" if prefix else key, f"got {split!r}; {values['path']} has no {names}"))
-        return errors or check_split_files(cls.split_files(values), prefix, key="path", sources=values.get("sources", True))
+                errors.append(
+                    ConfigError(
+                        f"{prefix}.{key}" if prefix else key, f"got {split!r}; {values['path']} has no {names}"
+                    )
+                )
+        return errors or check_split_files(
+            cls.split_files(values), prefix, key="path", sources=values.get("sources", True)
+        )
 
     @staticmethod
     def split_files(values: Mapping[str, Any]) -> dict[str, Path | None]:
-        return {split: split_file(values["path"], values[split]) if values.get(split) else None for split in ("train", "test")}
+        return {
+            split: split_file(values["path"], values[split]) if values.get(split) else None
+            for split in ("train", "test")
+        }
 
     @classmethod
     def listed_prompts(cls, values: Mapping[str, Any]) -> list[str]:

@@ -48,7 +48,10 @@ class Kernel(Protocol):
     choice) and ``brownian`` (the step's std is g sqrt(-dt), so flow_grpo's KL form applies).
     """
 
-    stochastic: bool
+    # Read-only members are properties here, so a class attribute, an attrs field or a property
+    # all satisfy them (a bare annotation would ask for a settable instance variable).
+    @property
+    def stochastic(self) -> bool: ...
 
     def step(
         self,
@@ -110,8 +113,13 @@ class Policy(Protocol):
     ``load_trainable_state_dict`` takes whole tensors.
     """
 
-    device: torch.device
-    evaluations_per_call: int
+    # a recipe key typed as the recipe gives it ('cpu', 'auto', ...); built-ins resolve it to a
+    # torch.device when they are built
+    @property
+    def device(self) -> torch.device | str: ...
+
+    @property
+    def evaluations_per_call(self) -> int: ...
 
     def encode(self, prompts: Sequence[str]) -> Cond: ...
 
@@ -130,6 +138,13 @@ class Policy(Protocol):
     def trainable_state_dict(self) -> dict[str, torch.Tensor]: ...
 
     def load_trainable_state_dict(self, state: Mapping[str, torch.Tensor]) -> None: ...
+
+
+class Exporting(Protocol):
+    """A policy's optional ``export`` (see :class:`Policy`): the trained weights, or the given
+    ``trainable_state_dict()``, written in the backbone's own format into ``folder``; the files written."""
+
+    def export(self, folder: str, state: Mapping[str, torch.Tensor] | None = None) -> Iterable[str]: ...
 
 
 @attrs.define
@@ -155,7 +170,9 @@ class Trajectory:
     outputs: Any = None  # decoded outputs, filled by the trainer (images (B, 3, H, W) in [0, 1])
     nfe: int = 0  # network evaluations spent on this rollout (CFG doubling included)
     info: dict[str, Any] = attrs.Factory(dict)
-    policy_weight: torch.Tensor | None = None  # (B, S) the policy loss's weight per step; 0: KL only (kl_steps: all); None: 1
+    policy_weight: torch.Tensor | None = (
+        None  # (B, S) the policy loss's weight per step; 0: KL only (kl_steps: all); None: 1
+    )
 
     @property
     def batch_size(self) -> int:
@@ -174,7 +191,8 @@ class Sampler(Protocol):
     ``steps`` steps; evaluation integrates on it (else on ``policy.sigmas(steps)``).
     """
 
-    kernel: Kernel
+    @property
+    def kernel(self) -> Kernel: ...
 
     def rollout(
         self,
@@ -302,9 +320,22 @@ class Objective(Protocol):
     rejected) pairs of samples of one group).
     """
 
-    needs_reference: bool
+    @property
+    def needs_reference(self) -> bool: ...
 
-    def __call__(self, batch: StepBatch | ForwardBatch) -> ObjectiveOutput: ...
+    # a StepBatch or a ForwardBatch, as trains_on says: each objective takes the one it trains on
+    def __call__(self, batch: Any) -> ObjectiveOutput: ...
+
+
+class ForwardObjective(Objective, Protocol):
+    """What the forward-process update calls on an objective with ``trains_on = "forward"``
+    (``pairs`` only when ``pairwise``, ``old_decay`` only when it keeps an old policy)."""
+
+    def point_times(self, sigmas: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor: ...
+
+    def pairs(self, advantages: torch.Tensor, groups: torch.Tensor) -> torch.Tensor: ...
+
+    def old_decay(self, optimizer_steps: int) -> float: ...
 
 
 @runtime_checkable

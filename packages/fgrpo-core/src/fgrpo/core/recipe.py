@@ -37,22 +37,36 @@ class TrainConfig:
         "(accelerate launch --mixed_precision / its config file), else no. Kernel arithmetic stays float32",
     )
     gradient_accumulation_steps: int = param(
-        0, ge=0, help="minibatches per optimizer step; 0: accelerate's (--gradient_accumulation_steps / its config), else 1"
+        0,
+        ge=0,
+        help="minibatches per optimizer step; 0: accelerate's (--gradient_accumulation_steps / its config), else 1",
     )
     inner_epochs: int = param(1, ge=1, help="passes over each iteration's samples")
     minibatch_size: int = param(0, ge=0, help="samples per optimizer step; 0 = the whole batch (on-policy)")
     micro_batch_size: int = param(
-        0, ge=0, help="(sample, step) pairs per forward pass (all trained steps of a sample batched; forward-process objectives: "
-        "(sample, point) pairs, a DPO pair's two rows counting as two); 0 = the whole minibatch"
+        0,
+        ge=0,
+        help="(sample, step) pairs per forward pass (all trained steps of a sample batched; forward-process "
+        "objectives: "
+        "(sample, point) pairs, a DPO pair's two rows counting as two); 0 = the whole minibatch",
     )
     reference_batch_size: int = param(
-        0, ge=0, help="(sample, step) pairs per forward of the passes without gradient (the KL's reference, once per "
-        "iteration; forward-process objectives: the old policy's and the reference's, once per epoch); 0 = micro_batch_size"
+        0,
+        ge=0,
+        help="(sample, step) pairs per forward of the passes without gradient (the KL's reference, once per "
+        "iteration; forward-process objectives: the old policy's and the reference's, once per epoch); 0 = "
+        "micro_batch_size",
     )
     reward_worker: bool = param(
-        False, help="decode and score each rollout chunk (train.rollout_prompts) in a worker thread while the next chunk rolls out"
+        False,
+        help="decode and score each rollout chunk (train.rollout_prompts) in a worker thread while the next chunk "
+        "rolls out",
     )
-    compile: bool = param(False, help="torch.compile the policy's transformer: minutes of first compilation (inductor caches it for later runs), then faster iterations; on the CPU it needs a C++ compiler")
+    compile: bool = param(
+        False,
+        help="torch.compile the policy's transformer: minutes of first compilation (inductor caches it for later "
+        "runs), then faster iterations; on the CPU it needs a C++ compiler",
+    )
     shuffle_minibatches: bool = param(True, help="shuffle samples before splitting into minibatches")
     lr: float = param(1e-4, gt=0, le=1, help="AdamW learning rate")
     weight_decay: float = param(1e-4, ge=0)
@@ -72,7 +86,8 @@ class TrainConfig:
         "(train_sd3.py:959), after optimizer step n when (n + 1) % ema_every == 0",
     )
     ema_repeats: int = param(
-        1, ge=1,
+        1,
+        ge=1,
         help="updates applied at each of those steps: flow_grpo steps its EMA once per training minibatch, so "
         "its gradient_accumulation_steps times per optimizer step (minibatch_size / its train.batch_size)",
     )
@@ -88,7 +103,9 @@ class TrainConfig:
     advantage_std: Literal["population", "unbiased"] = param(
         "population", help="std estimator of the advantages: population (flow_grpo) or unbiased (MixGRPO, DanceGRPO)"
     )
-    advantage_eps: float = param(1e-4, ge=0, help="A = (r - mean) / (std + eps): flow_grpo 1e-4, MixGRPO/DanceGRPO 1e-8")
+    advantage_eps: float = param(
+        1e-4, ge=0, help="A = (r - mean) / (std + eps): flow_grpo 1e-4, MixGRPO/DanceGRPO 1e-8"
+    )
     drop_zero_advantage: bool = param(
         True,
         help="leave samples whose advantage is exactly 0 out of the update, so that the policy loss and the "
@@ -109,7 +126,9 @@ class EvalConfig:
     every: int = param(0, ge=0, help="iterations between evaluations; 0 = off")
     steps: int = param(20, ge=1, help="ODE steps at evaluation, on the sampler's schedule")
     guidance_scale: float | None = param(
-        None, ge=1.0, help="the model's guidance_scale at evaluation (flow_grpo eval_guidance_scale); null = the training one"
+        None,
+        ge=1.0,
+        help="the model's guidance_scale at evaluation (flow_grpo eval_guidance_scale); null = the training one",
     )
     samples_per_prompt: int = param(4, ge=1)
     max_prompts: int = param(0, ge=0, help="test prompts used; 0 = all")
@@ -152,15 +171,18 @@ class LogConfig:
     trackers: list[str] = param(
         factory=lambda: ["tensorboard"],
         validator=lambda _i, _a, names: _trackers().check_names(names),
-        help="experiment trackers through accelerate: tensorboard, wandb, comet_ml, mlflow, aim, clearml, dvclive, swanlab, trackio",
+        help="experiment trackers through accelerate: tensorboard, wandb, comet_ml, mlflow, aim, clearml, dvclive, "
+        "swanlab, trackio",
     )
     project: str = param("fgrpo", help="the trackers' project name (wandb, comet_ml, mlflow ...)")
     init_kwargs: dict[str, dict[str, Any]] = param(
         factory=dict,
         validator=lambda _i, _a, value: _trackers().check_init_kwargs(value),
-        help="per-tracker options for accelerate's init_trackers, e.g. {wandb: {entity: me, tags: [a]}}"
+        help="per-tracker options for accelerate's init_trackers, e.g. {wandb: {entity: me, tags: [a]}}",
     )
-    quiet: bool = param(False, help="no progress bars and no line per iteration: evaluations, warnings and the end only (as --quiet)")
+    quiet: bool = param(
+        False, help="no progress bars and no line per iteration: evaluations, warnings and the end only (as --quiet)"
+    )
     sample_grid: bool = param(True, help="write a PNG grid of evaluation samples")
     plots: bool = param(True, help="write a curve PNG (needs matplotlib)")
 
@@ -175,7 +197,8 @@ SECTIONS: dict[str, str] = {
     "model": "the policy: {name: ..., **params}",
     "sampler": "the rollout sampler with its kernel",
     "reward": "one reward or a list of rewards, each with an optional weight",
-    "evaluator": "gold metrics run at evaluation (not optimised): one evaluator or a list, each {name: ..., label: ..., **params}",
+    "evaluator": "gold metrics run at evaluation (not optimised): one evaluator or a list, each {name: ..., label: "
+    "..., **params}",
     "objective": "the policy-gradient objective",
     "prompts": "the prompt source",
     "train": "trainer settings",
@@ -197,7 +220,9 @@ class RewardSpec:
     weight: float = param(1.0, ge=-1e6, le=1e6, help="weight of this reward in the sum")
     params: dict[str, Any] = attrs.field(factory=dict)
     frame_stride: int = param(1, ge=1, help="videos: score every k-th frame as an image (fgrpo.core.scoring.score)")
-    timeout_s: float | None = param(None, gt=0, help="seconds a call may take before the run ends with an error; null = no limit")
+    timeout_s: float | None = param(
+        None, gt=0, help="seconds a call may take before the run ends with an error; null = no limit"
+    )
 
 
 #: the keys of a reward entry that are the trainer's, not the reward's
@@ -258,9 +283,7 @@ def _yaml_error(source: str, exc: yaml.YAMLError) -> ConfigError:
     problem = getattr(exc, "problem", None) or first_line(exc)
     if isinstance(exc, yaml.constructor.ConstructorError) and "tag" in str(problem):
         tag = problem.split("tag", 1)[1].strip().strip("'")
-        return ConfigError(
-            where, f"the YAML tag {tag} is not allowed: recipes are plain data (yaml.safe_load)"
-        )
+        return ConfigError(where, f"the YAML tag {tag} is not allowed: recipes are plain data (yaml.safe_load)")
     return ConfigError(where, f"malformed YAML: {problem}")
 
 
@@ -312,7 +335,10 @@ def _node_errors(root: yaml.Node, source: str) -> tuple[ConfigError | None, list
             stack.append((child, False))
     distinct = len(size)
     if size[id(root)] - distinct > MAX_ALIAS_EXPANSION:
-        return ConfigError(source, f"YAML aliases (*name) expand it by more than {MAX_ALIAS_EXPANSION} values; a recipe needs far fewer"), errors
+        return ConfigError(
+            source,
+            f"YAML aliases (*name) expand it by more than {MAX_ALIAS_EXPANSION} values; a recipe needs far fewer",
+        ), errors
     return None, errors
 
 
@@ -326,7 +352,11 @@ def _duplicates(node: yaml.MappingNode, where: str, source: str) -> list[ConfigE
         if key.value in first:
             name = f"{where}.{key.value}" if where else key.value
             what = "section" if not where else "key"
-            errors.append(ConfigError(name, f"duplicate {what} ({source}:{line}, first at line {first[key.value]}); write it once"))
+            errors.append(
+                ConfigError(
+                    name, f"duplicate {what} ({source}:{line}, first at line {first[key.value]}); write it once"
+                )
+            )
         else:
             first[key.value] = line
     return errors
@@ -431,13 +461,19 @@ def from_text(text: str, overrides: Sequence[str] = (), source: str = "recipe") 
 
 
 def from_dict(
-    data: Mapping[str, Any], overrides: Sequence[str] = (), source: str = "python", *, _errors: Sequence[ConfigError] = ()
+    data: Mapping[str, Any],
+    overrides: Sequence[str] = (),
+    source: str = "python",
+    *,
+    _errors: Sequence[ConfigError] = (),
 ) -> Recipe:
     """A recipe from a Python mapping (what a recipe file holds), with ``--set``-style
     ``overrides`` (``["train.lr=3e-4"]``); raises :class:`RecipeError` with every problem. The
     mapping is not changed."""
     if not isinstance(data, Mapping):
-        raise RecipeError([*_errors, ConfigError(source, f"a recipe is a mapping of sections, got {type(data).__name__}")])
+        raise RecipeError(
+            [*_errors, ConfigError(source, f"a recipe is a mapping of sections, got {type(data).__name__}")]
+        )
     data, errors = apply_overrides(copy.deepcopy(dict(data)), overrides)
     recipe, more = validate(data, source)
     errors = [*_errors, *errors, *more]
@@ -481,7 +517,13 @@ def validate(data: Mapping[str, Any], source: str = "recipe") -> tuple[Recipe | 
     for section, cls in OWN_SECTIONS.items():
         raw = data.get(section, {})
         if not isinstance(raw, Mapping):  # `train:` or `--set train=` would silently mean "all defaults"
-            errors.append(ConfigError(section, f"expected a mapping of {section} keys, got {'an empty section' if raw is None else shown(raw)}; leave the section out for the defaults"))
+            errors.append(
+                ConfigError(
+                    section,
+                    f"expected a mapping of {section} keys, got {'an empty section' if raw is None else shown(raw)}; "
+                    f"leave the section out for the defaults",
+                )
+            )
             raw = {}
         checked, errs = check_params(cls, raw, section)
         errors.extend(errs)
@@ -543,7 +585,9 @@ def source_image_errors(resolved: Mapping[str, Any], shown_at_most: int = 5) -> 
     problems = media.count_problems(model_cls, listed, name=model["name"])
     errors = [ConfigError("prompts", p) for p in problems[:shown_at_most]]
     if len(problems) > shown_at_most:
-        errors.append(ConfigError("prompts", f"... and {len(problems) - shown_at_most} more prompts the model cannot take"))
+        errors.append(
+            ConfigError("prompts", f"... and {len(problems) - shown_at_most} more prompts the model cannot take")
+        )
     return errors
 
 
@@ -560,20 +604,25 @@ def training_kind_errors(resolved: Mapping[str, Any]) -> list[ConfigError]:
     kernel = sampler.get("kernel")
     kernel_name = kernel.get("name") if isinstance(kernel, Mapping) else kernel
     if kind == "forward" and records:
-        return [ConfigError(
-            "objective.name",
-            f"got {objective['name']!r}, which trains on forward-process points (its rollouts' finished samples, "
-            f"re-noised), with sampler.name {sampler['name']!r}, whose stochastic steps (sampler.kernel "
-            f"{shown(kernel_name)}) it cannot train on; use the deterministic sampler, e.g. sampler: {{name: ode, "
-            "kernel: dpmpp2m}, or an objective that trains on stochastic transitions (grpo, grpo-guard)",
-        )]
+        return [
+            ConfigError(
+                "objective.name",
+                f"got {objective['name']!r}, which trains on forward-process points (its rollouts' finished samples, "
+                f"re-noised), with sampler.name {sampler['name']!r}, whose stochastic steps (sampler.kernel "
+                f"{shown(kernel_name)}) it cannot train on; use the deterministic sampler, e.g. sampler: {{name: ode, "
+                "kernel: dpmpp2m}, or an objective that trains on stochastic transitions (grpo, grpo-guard)",
+            )
+        ]
     if kind == "transitions" and not records:
-        return [ConfigError(
-            "sampler.name",
-            f"got {sampler['name']!r}, whose rollouts record no stochastic transitions, with objective.name "
-            f"{objective['name']!r}, which trains on them; use the full, fast or mixgrpo sampler with a stochastic "
-            "kernel (sde, dance, cps), or an objective that trains on the forward process (nft, awm, dpo)",
-        )]
+        return [
+            ConfigError(
+                "sampler.name",
+                f"got {sampler['name']!r}, whose rollouts record no stochastic transitions, with objective.name "
+                f"{objective['name']!r}, which trains on them; use the full, fast or mixgrpo sampler with a "
+                f"stochastic "
+                "kernel (sde, dance, cps), or an objective that trains on the forward process (nft, awm, dpo)",
+            )
+        ]
     return []
 
 
@@ -589,14 +638,21 @@ def _entries(section: str, value: Any) -> tuple[list[tuple[str, Mapping[str, Any
         if isinstance(item, Mapping):
             entries.append((key, item))
         else:
-            errors.append(ConfigError(key, f"expected {'an' if section[0] in 'aeiou' else 'a'} {section} name or mapping, got {shown(item)}"))
+            errors.append(
+                ConfigError(
+                    key,
+                    f"expected {'an' if section[0] in 'aeiou' else 'a'} {section} name or mapping, got {shown(item)}",
+                )
+            )
     return entries, errors
 
 
 def _duplicate_labels(section: str, resolved: Sequence[Mapping[str, Any]]) -> list[ConfigError]:
     labels = [r["label"] for r in resolved]
-    return [ConfigError(section, f"two {section}s are labelled {shown(label)}; give each a distinct 'label'")
-            for label in sorted({lb for lb in labels if labels.count(lb) > 1})]
+    return [
+        ConfigError(section, f"two {section}s are labelled {shown(label)}; give each a distinct 'label'")
+        for label in sorted({lb for lb in labels if labels.count(lb) > 1})
+    ]
 
 
 def _check_rewards(value: Any) -> tuple[list[RewardSpec], Any, list[ConfigError]]:
@@ -612,10 +668,14 @@ def _check_rewards(value: Any) -> tuple[list[RewardSpec], Any, list[ConfigError]
         # (a key that failed its check is absent from ``extra``)
         weight, stride, timeout = extra.get("weight", 1.0), extra.get("frame_stride", 1), extra.get("timeout_s")
         label = extra.get("label") or str(spec.get("name", "?"))
-        resolved.append({**spec, "weight": float(weight), "label": label, "frame_stride": stride, "timeout_s": timeout})
+        resolved.append(
+            {**spec, "weight": float(weight), "label": label, "frame_stride": stride, "timeout_s": timeout}
+        )
         if not errs and not extra_errs:
             params = {k: v for k, v in spec.items() if k != "name"}
-            specs.append(RewardSpec(spec["name"], label, float(weight), params, frame_stride=stride, timeout_s=timeout))
+            specs.append(
+                RewardSpec(spec["name"], label, float(weight), params, frame_stride=stride, timeout_s=timeout)
+            )
     return specs, resolved, errors + _duplicate_labels("reward", resolved)
 
 
@@ -623,7 +683,17 @@ def _check_evaluators(value: Any) -> tuple[list[EvaluatorSpec], list[dict[str, A
     """The ``evaluator`` section: one evaluator (a name or a mapping) or a list of them; each
     keeps its recipe keys plus ``label`` (default its name), unique across the section."""
     if value is None:
-        return [], [], [ConfigError("evaluator", "expected an evaluator name, a mapping or a list of them, got an empty section; leave it out for none")]
+        return (
+            [],
+            [],
+            [
+                ConfigError(
+                    "evaluator",
+                    "expected an evaluator name, a mapping or a list of them, got an empty section; leave it out for "
+                    "none",
+                )
+            ],
+        )
     specs, resolved = [], []
     entries, errors = _entries("evaluator", value)
     for key, item in entries:

@@ -122,10 +122,13 @@ def register(kind: str, name: str, obj: Any = None) -> Any:
     _check_kind(kind)
     if not isinstance(name, str) or not NAME.fullmatch(name):
         raise ComponentError(
-            f"register({kind!r}, {name!r}): a component name is letters, digits, '.', '_' and '-', starting with a letter or digit"
+            f"register({kind!r}, {name!r}): a component name is letters, digits, '.', '_' and '-', starting with a "
+            f"letter or digit"
         )
     if not callable(obj):
-        raise ComponentError(f"register({kind!r}, {name!r}): expected a component class or factory, got {type(obj).__name__}")
+        raise ComponentError(
+            f"register({kind!r}, {name!r}): expected a component class or factory, got {type(obj).__name__}"
+        )
     installed = sorted({_distribution(ep) for ep in _entry_point_registrations(kind).get(name, [])})
     if installed:
         raise AmbiguousComponent(
@@ -254,16 +257,13 @@ def load(kind: str, name: str) -> Any:
         )
     missing = missing_requirements(info)
     if missing:
-        raise MissingExtra(
-            f"{kind} {name!r} needs {', '.join(missing)}: {info.install_hint}"
-        )
+        raise MissingExtra(f"{kind} {name!r} needs {', '.join(missing)}: {info.install_hint}")
     ep = _entry_points(kind)[name]
     try:
         obj = ep.load()
     except BaseException as exc:  # a plugin's bug (even sys.exit() or KeyboardInterrupt) must not take the others down
         raise PluginImportError(
-            f"{kind} {name!r} from {info.distribution} failed to import: "
-            f"{type(exc).__name__}: {exc}"
+            f"{kind} {name!r} from {info.distribution} failed to import: {type(exc).__name__}: {exc}"
         ) from exc
     _loaded[key] = obj
     return obj
@@ -288,10 +288,19 @@ def split_spec(kind: str, spec: Any, key: str = "") -> tuple[str, dict[str, Any]
         return spec, {}
     if isinstance(spec, Mapping):
         if "name" not in spec:
-            raise RecipeError([ConfigError(f"{key}.name" if key else "name", f"missing required key (the {kind} to use; available: {', '.join(names(kind))})")])
+            raise RecipeError(
+                [
+                    ConfigError(
+                        f"{key}.name" if key else "name",
+                        f"missing required key (the {kind} to use; available: {', '.join(names(kind))})",
+                    )
+                ]
+            )
         name = spec["name"]
         if not isinstance(name, str):
-            raise RecipeError([ConfigError(f"{key}.name", f"expected a string, got {name!r}; available: {', '.join(names(kind))}")])
+            raise RecipeError(
+                [ConfigError(f"{key}.name", f"expected a string, got {name!r}; available: {', '.join(names(kind))}")]
+            )
         return name, {k: v for k, v in spec.items() if k != "name"}
     raise RecipeError([ConfigError(key or kind, f"expected a {kind} name or a mapping with 'name', got {spec!r}")])
 
@@ -362,15 +371,22 @@ def construct(kind: str, cls: type, checked: Mapping[str, Any], name: str = "") 
         if not _out_of_memory(exc):
             raise
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[-1][:200]
-        raise BuildError(f"{kind} {name or cls.__name__!r} could not be built: out of memory ({first}); "
-                         "make it smaller or use a machine with more memory") from None
+        raise BuildError(
+            f"{kind} {name or cls.__name__!r} could not be built: out of memory ({first}); "
+            "make it smaller or use a machine with more memory"
+        ) from None
 
 
 def _out_of_memory(exc: BaseException) -> bool:
     """torch's allocators raise RuntimeError (CPU: "can't allocate memory") or its subclass
     OutOfMemoryError (CUDA); Python raises MemoryError."""
     text = str(exc)
-    return isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError" or "can't allocate memory" in text or "out of memory" in text.lower()
+    return (
+        isinstance(exc, MemoryError)
+        or type(exc).__name__ == "OutOfMemoryError"
+        or "can't allocate memory" in text
+        or "out of memory" in text.lower()
+    )
 
 
 def resolve(kind: str, spec: Any) -> Any:

@@ -50,7 +50,9 @@ def _number(value: Any) -> bool:
 
 
 def series(rows: Sequence[Mapping[str, Any]], key: str, label: str | None = None, **style: Any) -> Series:
-    return Series(label or key, [(r["iteration"], float(r[key])) for r in rows if _number(r.get(key))], key=key, **style)
+    return Series(
+        label or key, [(r["iteration"], float(r[key])) for r in rows if _number(r.get(key))], key=key, **style
+    )
 
 
 def smoothing_window(n: int) -> int:
@@ -90,7 +92,11 @@ def x_axes(rows: Sequence[Mapping[str, Any]], recipe: Mapping[str, Any]) -> dict
         if _number(row.get("time_eval_s")):
             elapsed += row["time_eval_s"]  # after this row's point: it evaluated the weights at its end
     its = {r["iteration"] for r in rows}
-    return {"iteration": {i: float(i) for i in its}, "time": time, "samples": {i: float(i * per_iteration) for i in its}}
+    return {
+        "iteration": {i: float(i) for i in its},
+        "time": time,
+        "samples": {i: float(i * per_iteration) for i in its},
+    }
 
 
 # --- SVG line charts ---------------------------------------------------------------------------
@@ -124,8 +130,14 @@ def _color(line: Series, i: int) -> str:
     return COLORS[(line.color if line.color is not None else i) % len(COLORS)]
 
 
-def line_chart(lines: Sequence[Series], *, title: str, axes: Mapping[str, Mapping[float, float]] | None = None,
-               width: int = 560, height: int = 240) -> str:
+def line_chart(
+    lines: Sequence[Series],
+    *,
+    title: str,
+    axes: Mapping[str, Mapping[float, float]] | None = None,
+    width: int = 560,
+    height: int = 240,
+) -> str:
     """One chart of one or more series: an inline SVG (one group of lines per x axis of
     :data:`AXES`, the chosen one shown, each over the whole run) and an HTML legend under it,
     each series with its last value; ``""`` when nothing to draw."""
@@ -164,7 +176,7 @@ def line_chart(lines: Sequence[Series], *, title: str, axes: Mapping[str, Mappin
         if x1 == x0:
             x0, x1 = x0 - 1, x1 + 1
 
-        def px(x: float) -> float:
+        def px(x: float, x0: float = x0, x1: float = x1) -> float:
             return left + (x - x0) / (x1 - x0) * pw
 
         out.append(f'<g class="x-{axis}">')
@@ -172,17 +184,25 @@ def line_chart(lines: Sequence[Series], *, title: str, axes: Mapping[str, Mappin
         for t in xticks:
             label = _tick_label(t, xticks[1] - xticks[0], max(map(abs, xticks))) if len(xticks) > 1 else _fmt(t)
             if axis == "time" or float(t).is_integer():
-                out.append(f'<text x="{px(t):.1f}" y="{top + ph + 14}" text-anchor="middle">{label if axis == "time" else int(t)}</text>')
+                out.append(
+                    f'<text x="{px(t):.1f}" y="{top + ph + 14}" '
+                    f'text-anchor="middle">{label if axis == "time" else int(t)}</text>'
+                )
         out.append(f'<text x="{left + pw / 2}" y="{height - 3}" text-anchor="middle">{axis_title}</text>')
         for i, line in enumerate(lines):
             pts = [(at[x], y) for x, y in line.points if x in at]
             color = _color(line, i)
             coords = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in pts)
             style = ' stroke-opacity="0.3" stroke-width="1"' if line.faint else ' stroke-width="1.6"'
-            out.append(f'<polyline points="{coords}" fill="none" stroke="{color}"{style} data-series="{html.escape(line.label)}"/>')
+            out.append(
+                f'<polyline points="{coords}" fill="none" stroke="{color}"{style} '
+                f'data-series="{html.escape(line.label)}"/>'
+            )
             if line.faint or len(pts) <= 40:
                 radius, opacity = (1.6, ' fill-opacity="0.3"') if line.faint else (2.2, "")
-                out += [f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="{radius}" fill="{color}"{opacity}/>' for x, y in pts]
+                out += [
+                    f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="{radius}" fill="{color}"{opacity}/>' for x, y in pts
+                ]
         out.append("</g>")
     out.append("</svg>")
     legend = []
@@ -225,7 +245,9 @@ class Figures:
     items: list[tuple[str, str, list[str]]] = attrs.Factory(list)  # (anchor, title, [chart html ...])
     constant: dict[str, float] = attrs.Factory(dict)  # what stayed the same: metric (or chart) -> value
 
-    def chart(self, lines: Sequence[Series], *, title: str, width: int = 560, height: int = 240, categories: bool = False) -> str:
+    def chart(
+        self, lines: Sequence[Series], *, title: str, width: int = 560, height: int = 240, categories: bool = False
+    ) -> str:
         """A chart of the series that vary; the constant ones are noted once, not drawn
         (``categories``: a metric and its per-category series, noted as one entry when all agree)."""
         lines = [line for line in lines if line.points]
@@ -260,12 +282,17 @@ def figures(rows: Sequence[Mapping[str, Any]], recipe: Mapping[str, Any] | None 
     if len(train_rewards) > 1:
         train += [smoothed(series(rows, k, color=i + 1), window, k) for i, k in enumerate(train_rewards)]
     held_out = [series(rows, "eval/reward_mean")] + (
-        [series(rows, f"eval/{k}", color=i + 1) for i, k in enumerate(train_rewards)] if len(train_rewards) > 1 else [])
-    figs.add("fig-reward", "Reward: training batches (smoothed; each iteration faint) and held-out evaluation",
-             chart(train, title="train reward"), chart(held_out, title="held-out reward"))
+        [series(rows, f"eval/{k}", color=i + 1) for i, k in enumerate(train_rewards)] if len(train_rewards) > 1 else []
+    )
+    figs.add(
+        "fig-reward",
+        "Reward: training batches (smoothed; each iteration faint) and held-out evaluation",
+        chart(train, title="train reward"),
+        chart(held_out, title="held-out reward"),
+    )
     categorised = _categorised(keys)
     for base, categories in categorised.items():
-        title = f"Held-out {base[len('eval/'):]} per category"
+        title = f"Held-out {base[len('eval/') :]} per category"
         lines = [series(rows, base, "all")] + [series(rows, f"{base}/{c}", c) for c in categories]
         figs.add(f"fig-{_slug(base)}", title, chart(lines, title=base, categories=True))
     # a reward's own "gold" detail (runs without an evaluator); an evaluator's gold/... metrics
@@ -273,24 +300,45 @@ def figures(rows: Sequence[Mapping[str, Any]], recipe: Mapping[str, Any] | None 
     golds = [k for k in keys if k.startswith("eval/") and k.count("/") == 2 and "gold" in k.split("/")[-1]]
     golds = [] if any(k.startswith("gold/") for k in keys) else golds
     proxies = {f"eval/reward/{g.split('/')[1]}" for g in golds}  # drawn beside their gold metric below
-    plain = [k for k in keys if k.startswith("eval/") and k.count("/") == 2 and k not in categorised and k not in golds and k not in proxies]
+    plain = [
+        k
+        for k in keys
+        if k.startswith("eval/") and k.count("/") == 2 and k not in categorised and k not in golds and k not in proxies
+    ]
     if plain:
-        figs.add("fig-eval", "Held-out metrics", *[chart([series(rows, k)], title=k, width=360, height=210) for k in plain])
+        figs.add(
+            "fig-eval", "Held-out metrics", *[chart([series(rows, k)], title=k, width=360, height=210) for k in plain]
+        )
     for gold in golds:
         label = gold.split("/")[1]
         proxy = f"eval/reward/{label}" if f"eval/reward/{label}" in keys else "eval/reward_mean"
-        figs.add(f"fig-gold-{_slug(gold)}", f"Proxy against gold: {proxy} (optimised) and {gold} (not optimised)",
-                 chart([series(rows, proxy)], title=f"proxy: {proxy}"),
-                 chart([series(rows, gold, color=1)], title=f"gold: {gold}"))
+        figs.add(
+            f"fig-gold-{_slug(gold)}",
+            f"Proxy against gold: {proxy} (optimised) and {gold} (not optimised)",
+            chart([series(rows, proxy)], title=f"proxy: {proxy}"),
+            chart([series(rows, gold, color=1)], title=f"gold: {gold}"),
+        )
     gold_figures(figs, rows, keys)
-    figs.add("fig-ratio", "Importance ratio, clipping and KL",
-             chart([series(rows, k) for k in ("ratio_mean", "ratio_min", "ratio_max")], title="ratio", width=420),
-             chart([series(rows, k) for k in ("clipfrac", "clipfrac_above", "clipfrac_below")], title="clip fraction", width=420),
-             chart([series(rows, k) for k in ("kl", "approx_kl")], title="KL", width=420))
-    phases = [k for k in keys if k.startswith("time_") and k.endswith("_s") and k not in ("time_iteration_s", "time_eval_s")]
-    figs.add("fig-time", "Time per iteration by phase, and per evaluation (seconds)",
-             chart([series(rows, k) for k in phases], title="seconds per iteration, by phase"),
-             chart([series(rows, "time_eval_s", color=len(phases))], title="seconds per evaluation"))
+    figs.add(
+        "fig-ratio",
+        "Importance ratio, clipping and KL",
+        chart([series(rows, k) for k in ("ratio_mean", "ratio_min", "ratio_max")], title="ratio", width=420),
+        chart(
+            [series(rows, k) for k in ("clipfrac", "clipfrac_above", "clipfrac_below")],
+            title="clip fraction",
+            width=420,
+        ),
+        chart([series(rows, k) for k in ("kl", "approx_kl")], title="KL", width=420),
+    )
+    phases = [
+        k for k in keys if k.startswith("time_") and k.endswith("_s") and k not in ("time_iteration_s", "time_eval_s")
+    ]
+    figs.add(
+        "fig-time",
+        "Time per iteration by phase, and per evaluation (seconds)",
+        chart([series(rows, k) for k in phases], title="seconds per iteration, by phase"),
+        chart([series(rows, "time_eval_s", color=len(phases))], title="seconds per evaluation"),
+    )
     return figs
 
 
@@ -315,13 +363,25 @@ def gold_figures(figs: Figures, rows: Sequence[Mapping[str, Any]], keys: Sequenc
     gold metric per category (scenario type) that reports categories."""
     proxy = "eval/reward_mean"
     for label, metrics in gold_metrics(keys).items():
-        gold = [figs.chart([series(rows, f"gold/{label}/{m}", color=1)], title=f"gold: {m}", width=360, height=210) for m in metrics]
+        gold = [
+            figs.chart([series(rows, f"gold/{label}/{m}", color=1)], title=f"gold: {m}", width=360, height=210)
+            for m in metrics
+        ]
         if any(gold):
-            figs.add(f"fig-gold-{_slug(label)}", f"Proxy against gold: {proxy} (optimised) and {label}'s metrics (not optimised)",
-                     figs.chart([series(rows, proxy)], title=f"proxy: {proxy}", width=360, height=210), *gold)
+            figs.add(
+                f"fig-gold-{_slug(label)}",
+                f"Proxy against gold: {proxy} (optimised) and {label}'s metrics (not optimised)",
+                figs.chart([series(rows, proxy)], title=f"proxy: {proxy}", width=360, height=210),
+                *gold,
+            )
         per_category = [
-            figs.chart([series(rows, f"gold/{label}/{m}/{c}", c, color=i) for i, c in enumerate(categories)], title=f"{m} per type", categories=True)
-            for m, categories in metrics.items() if categories
+            figs.chart(
+                [series(rows, f"gold/{label}/{m}/{c}", c, color=i) for i, c in enumerate(categories)],
+                title=f"{m} per type",
+                categories=True,
+            )
+            for m, categories in metrics.items()
+            if categories
         ]
         figs.add(f"fig-gold-{_slug(label)}-types", f"Gold per scenario type: {label}", *per_category)
 
@@ -357,9 +417,14 @@ def gold_filmstrip(run_dir: Path) -> tuple[str, int]:
                 iteration = int(index.parent.parent.name.split("_")[1])
             except (ValueError, json.JSONDecodeError, IndexError):
                 continue
-            evals.append((iteration, [dict(t, path=index.parent / t["file"]) for t in tiles if (index.parent / t["file"]).is_file()]))
+            evals.append(
+                (
+                    iteration,
+                    [dict(t, path=index.parent / t["file"]) for t in tiles if (index.parent / t["file"]).is_file()],
+                )
+            )
         table, n, _ = strip_table(evals)
-        parts.append(f"<h3>{html.escape(label)}</h3><div class=\"wide\">{table}</div>")
+        parts.append(f'<h3>{html.escape(label)}</h3><div class="wide">{table}</div>')
         images += n
     return "\n".join(parts), images
 
@@ -376,8 +441,11 @@ def evaluation_table(rows: Sequence[Mapping[str, Any]]) -> str:
     if not evals:
         return "<p>No evaluation in this run (eval.every is 0).</p>"
     keys = _keys(evals)
-    columns = ["eval/reward_mean"] + [k for k in keys if k.startswith("eval/") and k.count("/") == 2] + (
-        ["time_eval_s"] if "time_eval_s" in keys else [])
+    columns = (
+        ["eval/reward_mean"]
+        + [k for k in keys if k.startswith("eval/") and k.count("/") == 2]
+        + (["time_eval_s"] if "time_eval_s" in keys else [])
+    )
     categorised = _categorised(keys)
     main = next((b for b in categorised if b.endswith("accuracy")), next(iter(categorised), None))
     parts = [f"<div>{_table(evals, columns)}</div>"]
@@ -388,12 +456,15 @@ def evaluation_table(rows: Sequence[Mapping[str, Any]]) -> str:
 
 
 def _table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str], strip: str = "eval/") -> str:
-    head = "".join(f"<th>{html.escape(c[len(strip):] if c.startswith(strip) else c)}</th>" for c in columns)
+    head = "".join(f"<th>{html.escape(c[len(strip) :] if c.startswith(strip) else c)}</th>" for c in columns)
     body = []
     for r in rows:
         cells = "".join(f"<td>{_fmt(r[c]) if _number(r.get(c)) else ''}</td>" for c in columns)
         body.append(f"<tr><th>{r['iteration']}</th>{cells}</tr>")
-    return f'<div class="wide"><table class="evals"><thead><tr><th>iteration</th>{head}</tr></thead><tbody>{"".join(body)}</tbody></table></div>'
+    return (
+        f'<div class="wide"><table '
+        f'class="evals"><thead><tr><th>iteration</th>{head}</tr></thead><tbody>{"".join(body)}</tbody></table></div>'
+    )
 
 
 def _data_uri(path: Path, what: str) -> str:
@@ -411,7 +482,11 @@ def _read(path: Path, what: str) -> bytes:
     except ValueError as exc:
         raise confine.Escape(f"{what}: {exc}") from None
     except OSError as exc:
-        raise confine.Escape(f"{what}: {confine.link_message(path)}" if path.is_symlink() else f"{what}: cannot read {path}: {exc.strerror}") from None
+        raise confine.Escape(
+            f"{what}: {confine.link_message(path)}"
+            if path.is_symlink()
+            else f"{what}: cannot read {path}: {exc.strerror}"
+        ) from None
     with open(fd, "rb") as fh:
         return fh.read(MAX_FILE_BYTES)
 
@@ -448,7 +523,9 @@ def evaluations_with_tiles(run_dir: Path, notes: list[str] | None = None) -> lis
                 continue
             path = confine.inside(folder, tile.get("file"), what=f"{index}: tile {k}")
             if path.is_file():
-                kept.append(dict(tile, path=path, prompt=str(tile.get("prompt", "")), read=str(tile.get("read") or "")))
+                kept.append(
+                    dict(tile, path=path, prompt=str(tile.get("prompt", "")), read=str(tile.get("read") or ""))
+                )
         found.append((int(iteration), kept))
     return found
 
@@ -460,7 +537,7 @@ def tile_class(tile: Mapping[str, Any]) -> str:
     return f"tile edit{min(int(sources), 3)}" if _number(sources) and sources else "tile"
 
 
-def score_style(scores: Sequence[float]) -> Any:
+def score_style(scores: Sequence[Any]) -> Any:
     """How a filmstrip score is coloured: pass (green) / fail (red) when every score is 0 or 1
     (a verifier's strict verdict), else from red (the strip's lowest) to green (its highest)."""
     finite = [s for s in scores if _number(s)]
@@ -493,7 +570,7 @@ def strip_table(evals: Sequence[tuple[int, list[dict[str, Any]]]]) -> tuple[str,
     evaluation; (html, images, whether the scores are pass/fail)."""
     n = max(len(tiles) for _, tiles in evals)
     style, binary = score_style([t.get("score") for _, tiles in evals for t in tiles])
-    head = f'<thead><tr><th>prompt</th>{"".join(f"<th>iter {it}</th>" for it, _ in evals)}</tr></thead>'
+    head = f"<thead><tr><th>prompt</th>{''.join(f'<th>iter {it}</th>' for it, _ in evals)}</tr></thead>"
     body, images = [], 0
     for i in range(n):
         prompt = next((tiles[i]["prompt"] for _, tiles in evals if i < len(tiles)), "")
@@ -507,16 +584,23 @@ def strip_table(evals: Sequence[tuple[int, list[dict[str, Any]]]]) -> tuple[str,
             score = tile.get("score")
             classes, inline = style(score)
             caption = (f'<span class="{classes}"{inline}>{score:.3g}</span>' if _number(score) else "") + (
-                f"<br><span class=read>{html.escape(read)}</span>" if read else "")
+                f"<br><span class=read>{html.escape(read)}</span>" if read else ""
+            )
             alt = html.escape(f"{prompt} (score {score})", quote=True)
-            cells.append(f'<td><img src="{_data_uri(tile["path"], str(tile["path"]))}" alt="{alt}" title="{html.escape(read, quote=True)}" class="{tile_class(tile)}">'
-                         f"<div class=caption>{caption}</div></td>")
+            cells.append(
+                f'<td><img src="{_data_uri(tile["path"], str(tile["path"]))}" alt="{alt}" '
+                f'title="{html.escape(read, quote=True)}" class="{tile_class(tile)}">'
+                f"<div class=caption>{caption}</div></td>"
+            )
             images += 1
         body.append(f'<tr><th class="prompt">{html.escape(prompt)}</th>{"".join(cells)}</tr>')
     # a few evaluations make a narrow table: the prompts then go to two tables side by side
     halves = 2 if len(evals) <= 6 and len(body) > 8 else 1
     size = -(-len(body) // halves)
-    tables = [f'<table class="filmstrip">{head}<tbody>{"".join(body[i : i + size])}</tbody></table>' for i in range(0, len(body), size)]
+    tables = [
+        f'<table class="filmstrip">{head}<tbody>{"".join(body[i : i + size])}</tbody></table>'
+        for i in range(0, len(body), size)
+    ]
     return f'<div class="side">{"".join(tables)}</div>', images, binary
 
 
@@ -533,12 +617,16 @@ nav a{margin-right:12px}
 figure{margin:0;min-width:0}figure.span{grid-column:1/-1}
 figcaption{font-weight:600;margin-bottom:4px}
 .charts{display:grid;grid-template-columns:repeat(auto-fit,minmax(300px,1fr));gap:8px 16px}
-svg.chart{font:11px sans-serif;display:block}svg .title{font-weight:600}svg .frame{fill:none;stroke:#999}svg .grid{stroke:#eee}
+svg.chart{font:11px sans-serif;display:block}svg .title{font-weight:600}svg .frame{fill:none;stroke:#999}
+svg .grid{stroke:#eee}
 .legend{font-size:11px;margin:2px 0 0 58px}.legend span{display:inline-block;margin:0 14px 2px 0;white-space:nowrap}
-.legend i{display:inline-block;width:14px;height:3px;vertical-align:middle;margin-right:5px}.legend i.faint{opacity:.35}
-.constant{color:#555;font-size:12px}.warning{background:#fff4e5;border-left:4px solid #f29900;padding:6px 10px;margin:10px 0}
+.legend i{display:inline-block;width:14px;height:3px;vertical-align:middle;margin-right:5px}
+.legend i.faint{opacity:.35}
+.constant{color:#555;font-size:12px}
+.warning{background:#fff4e5;border-left:4px solid #f29900;padding:6px 10px;margin:10px 0}
 table{border-collapse:collapse;font-size:12px}td,th{border:1px solid #ddd;padding:3px 6px;text-align:right}
-table.filmstrip td{text-align:center;vertical-align:top;width:84px}table.filmstrip th.prompt{text-align:left;max-width:220px;font-weight:normal}
+table.filmstrip td{text-align:center;vertical-align:top;width:84px}
+table.filmstrip th.prompt{text-align:left;max-width:220px;font-weight:normal}
 img.tile{width:72px;height:auto;image-rendering:pixelated;display:block;margin:auto}
 img.tile.edit1{width:146px}img.tile.edit2{width:220px}img.tile.edit3{width:294px}
 .caption{font-size:11px;margin-top:2px}.score{display:inline-block;padding:0 5px;border-radius:3px;font-weight:600}
@@ -546,7 +634,8 @@ img.tile.edit1{width:146px}img.tile.edit2{width:220px}img.tile.edit3{width:294px
 .read{color:#777;font-size:10px}.meta td,.meta th{text-align:left}
 .wide{overflow-x:auto}pre{background:#f6f6f6;padding:8px;overflow:auto;font-size:12px}
 input.axis{position:absolute;opacity:0;pointer-events:none}
-.axis-choice label{border:1px solid #bbb;border-radius:4px;padding:1px 8px;margin-left:4px;cursor:pointer;font-size:12px}
+.axis-choice label{border:1px solid #bbb;border-radius:4px;padding:1px 8px;margin-left:4px;cursor:pointer;
+font-size:12px}
 """ + "".join(
     # the chosen x axis: its groups shown, its button pressed; iteration by default
     f".x-{a}{{display:{'inline' if a == 'iteration' else 'none'}}}"
@@ -563,15 +652,20 @@ def _compact(keys: Sequence[str]) -> list[str]:
     for key in keys:
         head, _, tail = key.rpartition("/")
         groups.setdefault(head if key.count("/") == 3 else key, []).append(tail if key.count("/") == 3 else "")
-    return [f"{head}/{{{', '.join(tails)}}}" if len(tails) > 1 else (f"{head}/{tails[0]}" if tails[0] else head)
-            for head, tails in groups.items()]
+    return [
+        f"{head}/{{{', '.join(tails)}}}" if len(tails) > 1 else (f"{head}/{tails[0]}" if tails[0] else head)
+        for head, tails in groups.items()
+    ]
 
 
 def evaluated_weights(recipe: Mapping[str, Any]) -> str:
     """Which weights the evaluations used, from the recipe (the run's lines say how often the EMA moved)."""
     train = recipe.get("train") or {}
     if train.get("ema_decay"):
-        return f"the EMA of the trained weights (decay {train['ema_decay']}, updated every {train.get('ema_every', 1)} optimizer steps)"
+        return (
+            f"the EMA of the trained weights (decay {train['ema_decay']}, updated every "
+            f"{train.get('ema_every', 1)} optimizer steps)"
+        )
     return "the raw trained weights (no EMA)"
 
 
@@ -584,7 +678,9 @@ def _recipe(run_dir: Path, notes: list[str]) -> tuple[str, dict[str, Any]]:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        notes.append(f"recipe.resolved.yaml does not read as YAML ({first_line(exc, 120)}): its components are not shown")
+        notes.append(
+            f"recipe.resolved.yaml does not read as YAML ({first_line(exc, 120)}): its components are not shown"
+        )
         return text, {}
     if data is not None and not isinstance(data, dict):
         notes.append(f"recipe.resolved.yaml is not a recipe (a {type(data).__name__}): its components are not shown")
@@ -599,8 +695,10 @@ def render(run_dir: Path) -> str:
     notes: list[str] = []
     rows, skipped = metrics_rows(run_dir)
     if skipped:
-        notes.append(f"{skipped} line{'s' if skipped > 1 else ''} of metrics.jsonl {'are' if skipped > 1 else 'is'} not "
-                     f"{'metrics rows' if skipped > 1 else 'a metrics row'} (a line cut by a kill or a full disk?): left out")
+        notes.append(
+            f"{skipped} line{'s' if skipped > 1 else ''} of metrics.jsonl {'are' if skipped > 1 else 'is'} not "
+            f"{'metrics rows' if skipped > 1 else 'a metrics row'} (a line cut by a kill or a full disk?): left out"
+        )
     recipe_text, recipe = _recipe(run_dir, notes)
     figs = figures(rows, recipe)
     strip, n_images, binary = filmstrip(run_dir, notes)
@@ -619,15 +717,28 @@ def render(run_dir: Path) -> str:
     meta = [("run folder", str(run_dir.resolve())), ("iterations", f"{done} of {total}")]
     meta += [(s, component(s)) for s in ("model", "sampler", "reward", "objective", "prompts") if component(s)]
     meta.append(("evaluated with", evaluated_weights(recipe)))
-    meta.append(("written", time.strftime("%Y-%m-%d %H:%M:%S") + " by " + ", ".join(f"{d} {version(d)}" for d in DISTRIBUTIONS if version(d))))
+    meta.append(
+        (
+            "written",
+            time.strftime("%Y-%m-%d %H:%M:%S")
+            + " by "
+            + ", ".join(f"{d} {version(d)}" for d in DISTRIBUTIONS if version(d)),
+        )
+    )
     nav = "".join(f'<a href="#{a}">{html.escape(t.split(":")[0])}</a>' for a, t, _ in figs.items)
     gold = gold_section(run_dir, rows)
-    nav += '<a href="#evaluations">evaluations</a><a href="#filmstrip">filmstrip</a>' + ('<a href="#gold">gold</a>' if gold else "")
+    nav += '<a href="#evaluations">evaluations</a><a href="#filmstrip">filmstrip</a>' + (
+        '<a href="#gold">gold</a>' if gold else ""
+    )
     nav += '<a href="#recipe">recipe</a>'
-    radios = "".join(f'<input type="radio" name="x-axis" id="x-{a}" class="axis"{" checked" if a == "iteration" else ""}>' for a, _ in AXES)
+    radios = "".join(
+        f'<input type="radio" name="x-axis" id="x-{a}" class="axis"{" checked" if a == "iteration" else ""}>'
+        for a, _ in AXES
+    )
     choice = "x axis:" + "".join(f'<label for="x-{a}">{html.escape(t)}</label>' for a, t in AXES)
     fig_html = "\n".join(
-        f'<figure id="{a}" class="curves{" span" if len(charts) > 1 else ""}"><figcaption>{html.escape(t)}</figcaption>'
+        f'<figure id="{a}" '
+        f'class="curves{" span" if len(charts) > 1 else ""}"><figcaption>{html.escape(t)}</figcaption>'
         f'<div class="charts">{"".join(charts)}</div></figure>'
         for a, t, charts in figs.items
     )
@@ -636,11 +747,21 @@ def render(run_dir: Path) -> str:
         by_value.setdefault(value, []).append(key)
     by_value = {value: _compact(keys) for value, keys in by_value.items()}
     constant = (
-        '<p class="constant" id="constant">Constant over the run, not drawn: '
-        + "; ".join(f"{', '.join(html.escape(k) for k in keys)} = {_fmt(value)}" for value, keys in by_value.items()) + "</p>"
-    ) if figs.constant else ""
-    legend = ("green: passed (score 1), red: failed (score 0)" if binary else
-              "coloured from red (the lowest score shown) to green (the highest)")
+        (
+            '<p class="constant" id="constant">Constant over the run, not drawn: '
+            + "; ".join(
+                f"{', '.join(html.escape(k) for k in keys)} = {_fmt(value)}" for value, keys in by_value.items()
+            )
+            + "</p>"
+        )
+        if figs.constant
+        else ""
+    )
+    legend = (
+        "green: passed (score 1), red: failed (score 0)"
+        if binary
+        else "coloured from red (the lowest score shown) to green (the highest)"
+    )
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>fgrpo report: {html.escape(run_dir.name)}</title>
 <style>{STYLE}</style></head><body>
@@ -678,8 +799,10 @@ def gold_section(run_dir: Path, rows: Sequence[Mapping[str, Any]]) -> str:
     strip, n = gold_filmstrip(run_dir)
     if not table and not n:
         return ""
-    return (f'<h2 id="gold">Gold metrics</h2>\n<p>What the evaluators measured (RL does not optimise it).</p>\n{table}\n'
-            + (f"<p>The evaluators' pictures ({n} images).</p>\n{strip}" if n else ""))
+    return (
+        f'<h2 id="gold">Gold metrics</h2>\n<p>What the evaluators measured (RL does not optimise it).</p>\n{table}\n'
+        + (f"<p>The evaluators' pictures ({n} images).</p>\n{strip}" if n else "")
+    )
 
 
 def write(run_dir: Path, out: Path | None = None) -> Path:
@@ -698,7 +821,9 @@ def write(run_dir: Path, out: Path | None = None) -> Path:
     except OSError:  # a name too long: writing it says so below
         folder = False
     if folder:
-        raise RecipeError([ConfigError("--out", f"{target} is a folder; give the report's file name (e.g. {target / REPORT})")])
+        raise RecipeError(
+            [ConfigError("--out", f"{target} is a folder; give the report's file name (e.g. {target / REPORT})")]
+        )
     page = render(run_dir)
     try:
         if not target.parent.exists():

@@ -190,11 +190,20 @@ def _writes_inside(folder: Path, key: str) -> None:
     for name in ("samples", "tensorboard"):
         if (folder / name).is_dir():
             for path, why in confine.links_below(folder / name):
-                raise _refuse(key, confine.link_message(path) if why == "is a link" else f"{path} {why}; a run writes only plain files")
+                raise _refuse(
+                    key,
+                    confine.link_message(path)
+                    if why == "is a link"
+                    else f"{path} {why}; a run writes only plain files",
+                )
     last = folder / "checkpoints" / "last"
     if last.exists() and not last.is_symlink():
         kind = "folder" if last.is_dir() else "file"
-        raise _refuse(key, f"{last} is a {kind} where fgrpo keeps its link to the newest checkpoint; move it away (nothing was written)")
+        raise _refuse(
+            key,
+            f"{last} is a {kind} where fgrpo keeps its link to the newest checkpoint; move it away (nothing was "
+            f"written)",
+        )
 
 
 def default_folder(recipe: Recipe) -> Path:
@@ -291,14 +300,20 @@ def find_checkpoint(path: Path) -> Path:
         newest, _ = ckpt.newest(root)
         if newest is not None:
             return newest
-    raise _refuse("--checkpoint", f"{path} holds no {ckpt.STATE}: not a checkpoint folder, nor a run folder with a complete checkpoint")
+    raise _refuse(
+        "--checkpoint",
+        f"{path} holds no {ckpt.STATE}: not a checkpoint folder, nor a run folder with a complete checkpoint",
+    )
 
 
 def _follow_last(link: Path) -> Path:
     folder = ckpt.last_of(link.parent)
     if folder is None:
-        raise _refuse("--checkpoint", f"{link} points to {os.readlink(link)}, which is not a checkpoint of {link.parent} "
-                                      "(fgrpo's last names a checkpoint folder next to it)")
+        raise _refuse(
+            "--checkpoint",
+            f"{link} points to {os.readlink(link)}, which is not a checkpoint of {link.parent} "
+            "(fgrpo's last names a checkpoint folder next to it)",
+        )
     return folder
 
 
@@ -310,8 +325,12 @@ def output_folder(path: Path, key: str = "--out") -> Path:
         for folder in (resolved, *resolved.parents):
             if (folder / ckpt.STATE).is_file():
                 raise _refuse(key, f"{path} is inside the checkpoint {folder}; choose a folder outside it")
-            if folder.name == "checkpoints" and any((folder.parent / name).exists() for name in (METRICS, RECIPE_FILE)):
-                raise _refuse(key, f"{path} is inside the checkpoints of the run {folder.parent}; choose a folder outside it")
+            if folder.name == "checkpoints" and any(
+                (folder.parent / name).exists() for name in (METRICS, RECIPE_FILE)
+            ):
+                raise _refuse(
+                    key, f"{path} is inside the checkpoints of the run {folder.parent}; choose a folder outside it"
+                )
         if path.exists() and not path.is_dir():
             raise _refuse(key, f"{path} is a file; expected a new or empty folder")
         if path.is_dir() and any(path.iterdir()):
@@ -322,7 +341,7 @@ def output_folder(path: Path, key: str = "--out") -> Path:
     return path
 
 
-def recipe_for_checkpoint(checkpoint: Path, recipe_path: str | None, overrides: Sequence[str]) -> Recipe:
+def recipe_for_checkpoint(checkpoint: Path, recipe_path: str | Path | None, overrides: Sequence[str]) -> Recipe:
     """The recipe to sample ``checkpoint`` with: its own resolved recipe (with ``overrides``), or
     the one given, which must agree with it on every key that decides the policy."""
     try:
@@ -335,9 +354,12 @@ def recipe_for_checkpoint(checkpoint: Path, recipe_path: str | None, overrides: 
         recipe, more = recipe_mod.validate(data, source=str(checkpoint / ckpt.STATE))
         if errors or more:
             raise RecipeError(errors + more)
+        assert recipe is not None  # validate returns a recipe when it finds no error
     else:
         recipe = recipe_mod.load(recipe_path, overrides)
     conflicts = ckpt.recipe_differences(saved, recipe.data, only=POLICY_KEYS, ignore=RUNTIME_KEYS)
     if conflicts:
-        raise RecipeError([ConfigError("--checkpoint", f"the recipe conflicts with the checkpoint's: {c}") for c in conflicts])
+        raise RecipeError(
+            [ConfigError("--checkpoint", f"the recipe conflicts with the checkpoint's: {c}") for c in conflicts]
+        )
     return recipe

@@ -7,16 +7,16 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from fgrpo.core import confine
 from fgrpo.core.registry import ComponentError
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 METRICS = "metrics.jsonl"
 
@@ -117,8 +117,10 @@ def evaluation_line(iteration: int, total: int, metrics: Mapping[str, Any], weig
     seconds = metrics.get("time_eval_s")
     notes = ([f"{seconds:.1f} s"] if isinstance(seconds, (int, float)) else []) + ([weights] if weights else [])
     head = f"eval at iteration {iteration}/{total}" + (f" ({', '.join(notes)})" if notes else "")
-    keys = ["eval/reward_mean"] + sorted(k for k in metrics if k.startswith("eval/") and k.count("/") <= 2 and k != "eval/reward_mean")
-    parts = [f"{k[len('eval/'):]} {metrics[k]:.4g}" for k in keys if isinstance(metrics.get(k), (int, float))]
+    keys = ["eval/reward_mean"] + sorted(
+        k for k in metrics if k.startswith("eval/") and k.count("/") <= 2 and k != "eval/reward_mean"
+    )
+    parts = [f"{k[len('eval/') :]} {metrics[k]:.4g}" for k in keys if isinstance(metrics.get(k), (int, float))]
     return f"{head}: " + "  ".join(parts)
 
 
@@ -142,7 +144,7 @@ class Display:
         self.enabled = enabled
         self.progress: Progress | None = None
 
-    def __enter__(self) -> "Display":
+    def __enter__(self) -> Display:
         if self.enabled and not self.quiet:
             self.progress = Progress(
                 TextColumn("{task.description}"),
@@ -158,7 +160,7 @@ class Display:
             self.iterations = self.progress.add_task("iterations", total=self.total)
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, *exc: Any) -> None:
         if self.progress is not None:
             self.progress.__exit__(*exc)
 

@@ -24,10 +24,8 @@ from fgrpo.core.registry import ComponentError
 from fgrpo.core.run import Run
 
 
-
 class RewardError(ComponentError):
     """A reward returned something the update must not use (NaN, inf, a wrong shape)."""
-
 
 
 @torch.no_grad()
@@ -52,7 +50,9 @@ def score_frames(
     b, t = frames.shape[:2]
     per_frame = {k: [s for s in v for _ in range(t)] for k, v in sources.items()}
     result = reward(
-        frames.reshape(b * t, *frames.shape[2:]), [p for p in prompts for _ in range(t)], [m for m in metadata for _ in range(t)],
+        frames.reshape(b * t, *frames.shape[2:]),
+        [p for p in prompts for _ in range(t)],
+        [m for m in metadata for _ in range(t)],
         **per_frame,
     )
     scores = torch.as_tensor(result.scores).detach()
@@ -60,7 +60,11 @@ def score_frames(
         return result  # malformed: reported by score() with the shape it has
     details: dict[str, Any] = {}
     for key, value in result.details.items():
-        if isinstance(value, torch.Tensor) and value.shape[:1] == (b * t,) and (value.is_floating_point() or value.dtype == torch.bool):
+        if (
+            isinstance(value, torch.Tensor)
+            and value.shape[:1] == (b * t,)
+            and (value.is_floating_point() or value.dtype == torch.bool)
+        ):
             details[key] = value.float().reshape(b, t, *value.shape[1:]).mean(dim=1)
         elif isinstance(value, (list, tuple)) and len(value) == b * t:
             details[key] = [list(value[i * t : (i + 1) * t]) for i in range(b)]
@@ -184,19 +188,28 @@ def detail_means(details: dict[str, Any], by_category: bool = True) -> dict[str,
     (GenEval's overall score: every task counts the same, however many prompts it has)."""
     numeric = {}
     for key, value in details.items():
-        t = torch.as_tensor(value) if isinstance(value, (list, tuple)) and value and isinstance(value[0], (int, float, bool)) else value
+        t = (
+            torch.as_tensor(value)
+            if isinstance(value, (list, tuple)) and value and isinstance(value[0], (int, float, bool))
+            else value
+        )
         if isinstance(t, torch.Tensor) and t.numel() and (t.dtype.is_floating_point or t.dtype == torch.bool):
             numeric[key] = t.float().reshape(-1).cpu()
     out = {key: t.mean().item() for key, t in numeric.items()}
     categories = details.get("category")
-    if by_category and isinstance(categories, (list, tuple)) and categories and all(isinstance(c, str) for c in categories):
+    if (
+        by_category
+        and isinstance(categories, (list, tuple))
+        and categories
+        and all(isinstance(c, str) for c in categories)
+    ):
         names = sorted(set(categories))
         masks = [torch.tensor([c == name for c in categories]) for name in names]
         for key, t in numeric.items():
             if len(t) != len(categories):
                 continue
             per_category = [t[mask].mean().item() for mask in masks]
-            out.update({f"{key}/{name}": m for name, m in zip(names, per_category)})
+            out.update({f"{key}/{name}": m for name, m in zip(names, per_category, strict=True)})
             if len(names) > 1:
                 out[f"{key}/overall"] = sum(per_category) / len(per_category)
     return out
@@ -208,10 +221,12 @@ def cat_details(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
     joined: dict[str, Any] = {}
     for key in parts[0] if parts else ():
         values = [part.get(key) for part in parts]
-        if all(isinstance(v, torch.Tensor) and v.dim() for v in values):
-            joined[key] = torch.cat([v.reshape(len(v), -1).squeeze(1) for v in values])
-        elif all(isinstance(v, (list, tuple)) for v in values):
-            joined[key] = [item for v in values for item in v]
+        tensors = [v for v in values if isinstance(v, torch.Tensor) and v.dim()]
+        sequences = [v for v in values if isinstance(v, (list, tuple))]
+        if len(tensors) == len(values):
+            joined[key] = torch.cat([v.reshape(len(v), -1).squeeze(1) for v in tensors])
+        elif len(sequences) == len(values):
+            joined[key] = [item for v in sequences for item in v]
     return joined
 
 

@@ -10,7 +10,6 @@ copies as package data (setuptools follows the link) — one set of files, nothi
 from __future__ import annotations
 
 import difflib
-
 import importlib.metadata as md
 from importlib import resources
 from pathlib import Path
@@ -23,15 +22,44 @@ DISTRIBUTIONS = ("fgrpo-core", "fgrpo-samplers", "fgrpo-rewards", "fgrpo-models"
 #: (a name missing here still gets the per-kind hint below); tests check every entry against the
 #: packages' pyproject.toml.
 COMPONENTS: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
-    **{("kernel", n): ("fgrpo-samplers", ()) for n in ("ode", "sde", "wan-sde", "dance", "cps", "dpmpp2m", "dpmpp3m", "correlated")},
+    **{
+        ("kernel", n): ("fgrpo-samplers", ())
+        for n in ("ode", "sde", "wan-sde", "dance", "cps", "dpmpp2m", "dpmpp3m", "correlated")
+    },
     **{("sampler", n): ("fgrpo-samplers", ()) for n in ("full", "fast", "mixgrpo", "ode")},
-    **{("reward", n): ("fgrpo-rewards", ()) for n in (
-        "jpeg-compressibility", "jpeg-incompressibility", "target-distance", "shapes", "shapes-gold", "vlm-judge",
-        "remote", "pairwise", "rank", *(f"driving-{term}" for term in ("safety", "drivable", "rules", "comfort", "progress", "imitation",
-                                                   "consistency", "pdms", "carl")))},
+    **{
+        ("reward", n): ("fgrpo-rewards", ())
+        for n in (
+            "jpeg-compressibility",
+            "jpeg-incompressibility",
+            "target-distance",
+            "shapes",
+            "shapes-gold",
+            "vlm-judge",
+            "remote",
+            "pairwise",
+            "rank",
+            *(
+                f"driving-{term}"
+                for term in (
+                    "safety",
+                    "drivable",
+                    "rules",
+                    "comfort",
+                    "progress",
+                    "imitation",
+                    "consistency",
+                    "pdms",
+                    "carl",
+                )
+            ),
+        )
+    },
     ("reward", "ocr"): ("fgrpo-rewards", ("ocr",)),
-    **{("reward", n): ("fgrpo-rewards", ("clip",)) for n in (
-        "clip-score", "pickscore", "aesthetic", "hpsv2", "imagereward")},
+    **{
+        ("reward", n): ("fgrpo-rewards", ("clip",))
+        for n in ("clip-score", "pickscore", "aesthetic", "hpsv2", "imagereward")
+    },
     ("reward", "geneval"): ("fgrpo-rewards", ("geneval",)),
     ("prompts", "shapes"): ("fgrpo-rewards", ()),
     ("prompts", "driving"): ("fgrpo-rewards", ()),
@@ -45,7 +73,10 @@ COMPONENTS: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
 #: the distribution that provides most components of a kind (fgrpo-core provides objectives and
 #: the list/text-file prompt sources itself)
 KIND_PROVIDERS = {
-    "kernel": "fgrpo-samplers", "sampler": "fgrpo-samplers", "reward": "fgrpo-rewards", "model": "fgrpo-models",
+    "kernel": "fgrpo-samplers",
+    "sampler": "fgrpo-samplers",
+    "reward": "fgrpo-rewards",
+    "model": "fgrpo-models",
     "evaluator": "fgrpo-rewards",
 }
 
@@ -74,9 +105,9 @@ def missing_provider_hint(kind: str, name: str) -> str | None:
         if version(dist) is None:
             return f"it comes with {dist}, which is not installed: {install_line(dist, extras)}"
         return None
-    dist = KIND_PROVIDERS.get(kind)
-    if dist is not None and version(dist) is None:
-        return f"the built-in {kind}s come with {dist}, which is not installed: {install_line(dist)}"
+    provider = KIND_PROVIDERS.get(kind)
+    if provider is not None and version(provider) is None:
+        return f"the built-in {kind}s come with {provider}, which is not installed: {install_line(provider)}"
     return None
 
 
@@ -117,7 +148,13 @@ def find_recipe(arg: str) -> Path:
     shipped = recipes_folder() / (arg if arg.endswith(".yaml") else f"{arg}.yaml")
     if shipped.is_file():
         return shipped
-    raise RecipeError([ConfigError(arg, f"no such recipe file, and no built-in recipe of that name; built-in recipes: {recipes_like(arg)}")])
+    raise RecipeError(
+        [
+            ConfigError(
+                arg, f"no such recipe file, and no built-in recipe of that name; built-in recipes: {recipes_like(arg)}"
+            )
+        ]
+    )
 
 
 def recipes_like(arg: str, room: int = 300) -> str:

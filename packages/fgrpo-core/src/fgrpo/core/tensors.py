@@ -34,7 +34,7 @@ def cat(trees: list[Any]) -> Any:
     if isinstance(first, dict):
         return {k: cat([t[k] for t in trees]) for k in first}
     if isinstance(first, (list, tuple)):
-        return type(first)(cat(list(parts)) for parts in zip(*trees))
+        return type(first)(cat(list(parts)) for parts in zip(*trees, strict=True))
     return first
 
 

@@ -48,9 +48,9 @@ def cgroup_cpu_limit(root: Path = Path("/sys/fs/cgroup")) -> float | None:
     except (OSError, ValueError):
         pass
     try:
-        quota = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
-        period = int((root / "cpu" / "cpu.cfs_period_us").read_text())
-        return quota / period if quota > 0 and period > 0 else None
+        cfs_quota = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
+        cfs_period = int((root / "cpu" / "cpu.cfs_period_us").read_text())
+        return cfs_quota / cfs_period if cfs_quota > 0 and cfs_period > 0 else None
     except (OSError, ValueError):
         return None
 
@@ -133,7 +133,9 @@ class ThreadGovernor:
         apply: Callable[[int], None] | None = None,
     ):
         env = os.environ if environ is None else environ
-        user_fixed = ("OMP_NUM_THREADS" in env and env.get("FGRPO_THREADS_CHOSEN") != "1") or env.get("FGRPO_THREADS") == "torch"
+        user_fixed = ("OMP_NUM_THREADS" in env and env.get("FGRPO_THREADS_CHOSEN") != "1") or env.get(
+            "FGRPO_THREADS"
+        ) == "torch"
         self._busy, self._own, self._clock = busy or _total_busy_seconds, own, clock
         self._apply = apply or _set_torch_threads
         self.usable = usable or usable_cpus()

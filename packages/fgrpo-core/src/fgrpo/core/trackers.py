@@ -13,7 +13,7 @@ rule).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -76,9 +76,12 @@ _PROJECT = "log.project"
 _FOLDER = "the run folder"
 #: options fgrpo sets itself (or accelerate's tracker sets from log.project), with why
 OWNED: dict[str, dict[str, str]] = {
-    "tensorboard": {"run_name": "TensorBoard writes to RUN/tensorboard", "logging_dir": "TensorBoard writes to RUN/tensorboard",
-                    "log_dir": "TensorBoard writes to RUN/tensorboard",
-                    "purge_step": "a resumed run hides the events past its checkpoint"},
+    "tensorboard": {
+        "run_name": "TensorBoard writes to RUN/tensorboard",
+        "logging_dir": "TensorBoard writes to RUN/tensorboard",
+        "log_dir": "TensorBoard writes to RUN/tensorboard",
+        "purge_step": "a resumed run hides the events past its checkpoint",
+    },
     "wandb": {"run_name": _PROJECT, "project": _PROJECT},
     "comet_ml": {"run_name": _PROJECT, "project_name": _PROJECT},
     "aim": {"run_name": _PROJECT, "logging_dir": _FOLDER, "repo": _FOLDER},
@@ -157,8 +160,13 @@ def init_kwargs_errors(names: Sequence[str], options: Mapping[str, Mapping[str, 
             errors.append(ConfigError(key, f"unknown tracker {tracker!r} (accelerate knows: {', '.join(known)})"))
             continue
         if tracker not in names:
-            errors.append(ConfigError(key, f"options for a tracker that log.trackers does not list ({list(names)!r}); "
-                                           "they would be ignored: add it to log.trackers or remove them"))
+            errors.append(
+                ConfigError(
+                    key,
+                    f"options for a tracker that log.trackers does not list ({list(names)!r}); "
+                    "they would be ignored: add it to log.trackers or remove them",
+                )
+            )
             continue
         allowed = tracker_options(tracker)
         owned = OWNED.get(tracker, {})
@@ -168,7 +176,12 @@ def init_kwargs_errors(names: Sequence[str], options: Mapping[str, Mapping[str, 
             elif allowed is not None and option not in allowed:
                 close = difflib.get_close_matches(str(option), sorted(allowed), n=1)
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
-                errors.append(ConfigError(f"{key}.{option}", f"unknown option of the {tracker} tracker{hint}; allowed: {', '.join(sorted(allowed))}"))
+                errors.append(
+                    ConfigError(
+                        f"{key}.{option}",
+                        f"unknown option of the {tracker} tracker{hint}; allowed: {', '.join(sorted(allowed))}",
+                    )
+                )
     return errors
 
 
@@ -252,8 +265,17 @@ class RunFolderMLflow(MLflowTracker):
     """
 
     STORE = "mlflow"
+    run_id: str | None  # accelerate's MLflowTracker attribute: the run to continue (None: a new run)
 
-    def __init__(self, experiment_name: str, run_dir: Path, *, tracking_uri: str | None = None, resume: bool = False, **options: Any):
+    def __init__(
+        self,
+        experiment_name: str,
+        run_dir: Path,
+        *,
+        tracking_uri: str | None = None,
+        resume: bool = False,
+        **options: Any,
+    ):
         import os
 
         if tracking_uri is None and not os.environ.get("MLFLOW_TRACKING_URI"):
@@ -288,8 +310,13 @@ class RunFolderMLflow(MLflowTracker):
         experiment = mlflow.get_experiment_by_name(self.experiment_name)
         if experiment is None:
             return None
-        found = mlflow.search_runs([experiment.experiment_id], filter_string=f"tags.mlflow.runName = '{name}'",
-                                   order_by=["start_time DESC"], max_results=1, output_format="list")
+        found = mlflow.search_runs(
+            [experiment.experiment_id],
+            filter_string=f"tags.mlflow.runName = '{name}'",
+            order_by=["start_time DESC"],
+            max_results=1,
+            output_format="list",
+        )
         return found[0].info.run_id if found else None
 
     def log_images(self, values: dict, step: int | None = None, **kwargs: Any) -> None:
@@ -331,6 +358,7 @@ def start(accelerator: Any, recipe: Any, out_dir: Path, *, resume_from: int | No
 def flat_config(data: Any, prefix: str = "") -> dict[str, Any]:
     """Nested recipe data as ``{"sampler.kernel.eta": 0.7, "reward.0.name": "shapes", ...}``:
     scalars only, which every tracker (TensorBoard's hparams too) accepts; None as "null"."""
+    items: Iterable[tuple[Any, Any]]
     if isinstance(data, Mapping):
         items = data.items()
     elif isinstance(data, (list, tuple)):

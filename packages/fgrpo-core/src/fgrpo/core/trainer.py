@@ -12,7 +12,7 @@ import random
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from rich.console import Console
@@ -24,14 +24,13 @@ from fgrpo.core.data import PromptSchedule
 from fgrpo.core.ema import EMA, ema_weights
 from fgrpo.core.guard import Guard
 from fgrpo.core.hookspecs import plugin_manager
-from fgrpo.core.protocols import Policy
-from fgrpo.core.registry import ComponentError
+from fgrpo.core.protocols import Exporting, Policy
 from fgrpo.core.recipe import Recipe
+from fgrpo.core.registry import ComponentError
 from fgrpo.core.run import Run
 from fgrpo.core.runlog import Display, MetricsLog, read_metrics
 from fgrpo.core.seeding import derive_seed
 from fgrpo.core.threads import ThreadGovernor
-
 
 # --- one iteration -----------------------------------------------------------------------------
 
@@ -57,7 +56,11 @@ def iteration(run: Run, it: int) -> dict[str, Any]:
     metrics = {
         **adv_stats,
         **{f"reward/{k}": v.mean().item() for k, v in scores.items()},
-        **{f"reward/{k}/{key}": v for k, d in details.items() for key, v in scoring.detail_means(d, by_category=False).items()},
+        **{
+            f"reward/{k}/{key}": v
+            for k, d in details.items()
+            for key, v in scoring.detail_means(d, by_category=False).items()
+        },
         **phases.summarize(stats),
     }
     t3 = time.perf_counter()
@@ -82,7 +85,9 @@ def train(run: Run) -> dict[str, Any]:
     cfg, hooks = run.recipe.train, plugin_manager().hook
     total = cfg.iterations
     row: dict[str, Any] = {}
-    if run.saved_at is None and run.recipe.eval.every and run.recipe.eval.at_start:  # not resumed (from iteration 0 either)
+    if (
+        run.saved_at is None and run.recipe.eval.every and run.recipe.eval.at_start
+    ):  # not resumed (from iteration 0 either)
         base = run_evaluation(run, 0)
         _, best = watch(run, 0, base)
         row = record(run, 0, base)
@@ -101,7 +106,9 @@ def train(run: Run) -> dict[str, Any]:
         row = record(run, done, metrics)
         hooks.fgrpo_iteration_end(run=run, iteration=done, metrics=row)
         run.display.iteration_done(done, row)
-        if run.out_dir is not None and (stop or best or done == total or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0)):
+        if run.out_dir is not None and (
+            stop or best or done == total or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0)
+        ):
             save_checkpoint(run, done)
             if best:
                 keep_best(run, done)
@@ -115,6 +122,7 @@ def keep_best(run: Run, done: int) -> None:
     """Checkpoint ``done`` (written if not yet) becomes ``checkpoints/best``."""
     save_checkpoint(run, done)
     if run.is_main:
+        assert run.out_dir is not None  # a run that checkpoints has its run folder
         ckpt.point_best(run.out_dir / "checkpoints", ckpt.folder_name(done))
 
 
@@ -181,7 +189,10 @@ def finish(run: Run) -> None:
         if visuals.have_matplotlib():
             visuals.curves(read_metrics(run.out_dir), run.out_dir / "curves.png")
         else:
-            run.display.say('curves.png skipped: matplotlib is not installed (pip install "fgrpo-core[plots]"); report.html has the curves')
+            run.display.say(
+                'curves.png skipped: matplotlib is not installed (pip install "fgrpo-core[plots]"); report.html has '
+                "the curves"
+            )
     close_run(run)
 
 
@@ -241,7 +252,11 @@ def check_prompts(
         problems = check(list(prompts))
     if problems:
         shown = [ConfigError(key, p) for p in problems[:5]]
-        more = [ConfigError(key, f"... and {len(problems) - 5} more prompts the model cannot read")] if len(problems) > 5 else []
+        more = (
+            [ConfigError(key, f"... and {len(problems) - 5} more prompts the model cannot read")]
+            if len(problems) > 5
+            else []
+        )
         raise RecipeError(shown + more)
 
 
@@ -250,8 +265,11 @@ def compile_transformer(policy: Policy, device: torch.device) -> None:
     policy keeps calling the same module. Refused before any work when it cannot succeed: a model
     without a transformer module, or a CPU without the C++ compiler inductor builds its kernels with
     (otherwise the run would fail minutes later, at the first forward, deep inside torch)."""
-    if not isinstance(getattr(policy, "transformer", None), torch.nn.Module):
-        raise RecipeError([ConfigError("train.compile", f"the model {type(policy).__name__} has no transformer module to compile")])
+    transformer = getattr(policy, "transformer", None)
+    if not isinstance(transformer, torch.nn.Module):
+        raise RecipeError(
+            [ConfigError("train.compile", f"the model {type(policy).__name__} has no transformer module to compile")]
+        )
     if device.type == "cpu":
         from torch._inductor import cpp_builder, exc
 
@@ -259,9 +277,15 @@ def compile_transformer(policy: Policy, device: torch.device) -> None:
             cpp_builder.get_cpp_compiler()
         except exc.InvalidCxxCompiler:
             raise RecipeError(
-                [ConfigError("train.compile", "true needs a C++ compiler on the CPU (inductor builds its kernels with g++, or $CXX) and none was found; allowed: false, or install one")]
+                [
+                    ConfigError(
+                        "train.compile",
+                        "true needs a C++ compiler on the CPU (inductor builds its kernels with g++, or $CXX) and "
+                        "none was found; allowed: false, or install one",
+                    )
+                ]
             ) from None
-    policy.transformer.compile()
+    transformer.compile()
 
 
 def build_run(
@@ -294,12 +318,23 @@ def build_run(
         raise RecipeError([ConfigError("model", "the policy has no trainable parameters")])
     cfg = recipe.train
     optimizer = torch.optim.AdamW(
-        trainable, lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps, weight_decay=cfg.weight_decay
+        trainable,
+        lr=cfg.lr,
+        betas=(cfg.adam_betas[0], cfg.adam_betas[1]),
+        eps=cfg.adam_eps,
+        weight_decay=cfg.weight_decay,
     )
     trainable = parallel.prepare(policy, optimizer, cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     if cfg.prompts_per_iteration % parallel.processes:
-        raise RecipeError([ConfigError("train.prompts_per_iteration", f"got {cfg.prompts_per_iteration}; must be a multiple of the {parallel.processes} processes")])
+        raise RecipeError(
+            [
+                ConfigError(
+                    "train.prompts_per_iteration",
+                    f"got {cfg.prompts_per_iteration}; must be a multiple of the {parallel.processes} processes",
+                )
+            ]
+        )
     schedule = PromptSchedule(
         prompts.train_prompts(), cfg.prompts_per_iteration, recipe.seed, acc.process_index, parallel.processes
     )
@@ -320,7 +355,9 @@ def build_run(
         display=display,
         out_dir=out_dir,
         evaluators=evaluators,
-        guard=Guard.from_recipe(recipe.eval.guard, dict((s.label, e) for s, e in evaluators)) if recipe.eval.guard else None,
+        guard=Guard.from_recipe(recipe.eval.guard, dict((s.label, e) for s, e in evaluators))
+        if recipe.eval.guard
+        else None,
         old=old_policy(objective, trainable),
     )
 
@@ -346,7 +383,9 @@ def save_checkpoint(run: Run, done: int) -> None:
     run.parallel.wait()
     parts = run.parallel.gathered(lambda: checkpoint_parts(run))
     if parts is not None:
+        assert run.out_dir is not None  # a run that checkpoints has its run folder
         ema_summary = parts.pop("ema_summary")
+        prompts_state = getattr(run.prompts, "state_dict", None)  # an optional PromptSource method
         path = ckpt.write(
             run.out_dir / "checkpoints",
             done,
@@ -362,7 +401,7 @@ def save_checkpoint(run: Run, done: int) -> None:
                 "run_id": run.folder.run_id if run.folder is not None else None,
                 weights.STATE_KEY: ema_summary,
                 **({"guard": run.guard.state_dict()} if run.guard is not None else {}),
-                **({"prompts": run.prompts.state_dict()} if callable(getattr(run.prompts, "state_dict", None)) else {}),
+                **({"prompts": prompts_state()} if callable(prompts_state) else {}),
             },
             keep=run.recipe.train.keep_checkpoints,
         )
@@ -379,14 +418,27 @@ def checkpoint_parts(run: Run) -> dict[str, Any]:
         trainable = run.policy.trainable_state_dict()
     ema = run.ema.state_dict() if run.ema is not None else None
     old = run.old.state_dict() if run.old is not None else None
-    optimizer = {"optimizer": run.parallel.optimizer_state(run.optimizer, run.trainable), "scheduler": run.scheduler.state_dict()}
+    optimizer = {
+        "optimizer": run.parallel.optimizer_state(run.optimizer, run.trainable),
+        "scheduler": run.scheduler.state_dict(),
+    }
     export = None
     if getattr(run.policy, "export_in_checkpoints", False):
         with ema_weights(run.ema), run.parallel.whole_weights(run.trainable):
             exported = run.policy.trainable_state_dict()
-        export = functools.partial(run.policy.export, state=exported)
-    ema_summary = weights.ema_summary(run.ema, run.optimizer_steps, run.recipe.train.ema_every) if run.ema is not None else None
-    return {"trainable": trainable, "ema": ema, "old": old, "optimizer": optimizer, "export": export, "ema_summary": ema_summary}
+        # export_in_checkpoints: the policy has export()
+        export = functools.partial(cast(Exporting, run.policy).export, state=exported)
+    ema_summary = (
+        weights.ema_summary(run.ema, run.optimizer_steps, run.recipe.train.ema_every) if run.ema is not None else None
+    )
+    return {
+        "trainable": trainable,
+        "ema": ema,
+        "old": old,
+        "optimizer": optimizer,
+        "export": export,
+        "ema_summary": ema_summary,
+    }
 
 
 def restore(run: Run, folder: Path) -> int:
@@ -407,8 +459,9 @@ def restore(run: Run, folder: Path) -> int:
     run.optimizer_steps = int(state.get("optimizer_steps", 0))  # absent before it was saved: EMA counts restart
     if run.guard is not None and "guard" in state:
         run.guard.load_state_dict(state["guard"])
-    if "prompts" in state and callable(getattr(run.prompts, "load_state_dict", None)):
-        run.prompts.load_state_dict(state["prompts"])
+    load_prompts = getattr(run.prompts, "load_state_dict", None)  # an optional PromptSource method
+    if "prompts" in state and callable(load_prompts):
+        load_prompts(state["prompts"])
     return int(state["iteration"])
 
 
@@ -432,7 +485,9 @@ def open_run(
     releases the folder. ``console``: where the run's lines go (default: the terminal)."""
     console = Console(highlight=False, soft_wrap=True) if console is None else console
     mode = rundir.RESUME if resume else rundir.START_OVER if start_over else rundir.NEW
-    parallel = launch.start(train=recipe.train, log_with=trackers.log_with(recipe.log.trackers, extra_trackers) or None)
+    parallel = launch.start(
+        train=recipe.train, log_with=trackers.log_with(recipe.log.trackers, extra_trackers) or None
+    )
     folder, out_dir, resume_from = claim_folder(parallel, recipe, out, mode)
     try:
         run = build_run(recipe, out_dir=out_dir, console=console, quiet=quiet, parallel=parallel)
@@ -449,7 +504,9 @@ def open_run(
     return run
 
 
-def claim_folder(parallel: launch.Launch, recipe: Recipe, out: str | None, mode: str) -> tuple[rundir.RunFolder | None, Path, Path | None]:
+def claim_folder(
+    parallel: launch.Launch, recipe: Recipe, out: str | Path | None, mode: str
+) -> tuple[rundir.RunFolder | None, Path, Path | None]:
     """The run folder, claimed by the main process (None on the others), its path and the checkpoint
     to resume from, on every process."""
     folder, failure = None, None
@@ -458,7 +515,9 @@ def claim_folder(parallel: launch.Launch, recipe: Recipe, out: str | None, mode:
             folder = rundir.claim(recipe, out, mode)
         except RecipeError as exc:
             failure = exc
-    plan = parallel.share(None if folder is None else (str(folder.path), folder.resume_from and str(folder.resume_from)))
+    plan = parallel.share(
+        None if folder is None else (str(folder.path), folder.resume_from and str(folder.resume_from))
+    )
     if failure is not None:
         raise failure
     if plan is None:
@@ -473,7 +532,9 @@ def resume_from_checkpoint(run: Run, folder: Path) -> int:
     except ckpt.CheckpointError as exc:
         raise RecipeError([ConfigError("--resume", str(exc))]) from None
     except (KeyError, ValueError, TypeError, RuntimeError) as exc:  # files that read but do not fit
-        raise RecipeError([ConfigError("--resume", f"{folder} is not a valid checkpoint of this run: {first_line(exc)}")]) from None
+        raise RecipeError(
+            [ConfigError("--resume", f"{folder} is not a valid checkpoint of this run: {first_line(exc)}")]
+        ) from None
 
 
 def start_writing(run: Run, folder: rundir.RunFolder, *, resumed: bool) -> None:
@@ -484,7 +545,9 @@ def start_writing(run: Run, folder: rundir.RunFolder, *, resumed: bool) -> None:
     try:
         trackers.start(run.accelerator, run.recipe, folder.path, resume_from=at)
     except Exception as exc:  # noqa: BLE001 - any tracker library's own error
-        raise RecipeError([ConfigError("log.trackers", f"a tracker could not start: {type(exc).__name__}: {first_line(exc, 300)}")]) from None
+        raise RecipeError(
+            [ConfigError("log.trackers", f"a tracker could not start: {type(exc).__name__}: {first_line(exc, 300)}")]
+        ) from None
     folder.write_recipe(run.recipe)
     run.log = MetricsLog(folder.path, resume_from=at)
 
@@ -492,7 +555,9 @@ def start_writing(run: Run, folder: rundir.RunFolder, *, resumed: bool) -> None:
 def say_where_it_starts(run: Run, folder: rundir.RunFolder | None, resume_from: Path | None, resume: bool) -> None:
     if folder is not None:
         for skipped, why in folder.skipped:
-            run.display.say(f"{skipped.name} is not complete ({why}): kept, set aside if the run writes its iteration again")
+            run.display.say(
+                f"{skipped.name} is not complete ({why}): kept, set aside if the run writes its iteration again"
+            )
     if resume_from:
         run.display.say(f"resuming {run.out_dir} from {resume_from.name} (iteration {run.start_iteration})")
     elif folder is not None and folder.started_over:
@@ -515,11 +580,13 @@ def load_checkpoint_weights(policy: Policy, folder: Path, ema_decay: float) -> N
             ema = EMA(params, ema_decay)
             ema.load_state_dict(ckpt.read_tensors(folder / ckpt.EMA, policy.device))
             with torch.no_grad():
-                for p, s in zip(params, ema.shadow):
+                for p, s in zip(params, ema.shadow, strict=True):
                     p.copy_(s)
         else:
             policy.load_trainable_state_dict(ckpt.read_tensors(folder / ckpt.TRAINABLE, policy.device))
     except ckpt.CheckpointError as exc:
         raise RecipeError([ConfigError("--checkpoint", str(exc))]) from None
     except (ValueError, RuntimeError, KeyError) as exc:  # shapes or names that do not fit the model
-        raise RecipeError([ConfigError("--checkpoint", f"{folder} does not fit the model: {first_line(exc)}")]) from None
+        raise RecipeError(
+            [ConfigError("--checkpoint", f"{folder} does not fit the model: {first_line(exc)}")]
+        ) from None

@@ -26,9 +26,7 @@ from typing import Any
 import torch
 
 _NUMBER = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
-_TARGET = re.compile(
-    rf"\btarget\b\s*[:=]?\s*[\(\[]?\s*((?:{_NUMBER})(?:\s*,?\s*{_NUMBER})*)", re.IGNORECASE
-)
+_TARGET = re.compile(rf"\btarget\b\s*[:=]?\s*[\(\[]?\s*((?:{_NUMBER})(?:\s*,?\s*{_NUMBER})*)", re.IGNORECASE)
 _NUMBERS = re.compile(_NUMBER)
 
 
@@ -49,9 +47,7 @@ def hashed_vector(text: str, n: int, *, salt: str = "") -> torch.Tensor:
     return (ints.to(torch.float32) / 65535.0) * 2.0 - 1.0
 
 
-def target_vector(
-    prompt: str, dim: int, metadata: Mapping[str, Any] | None = None
-) -> torch.Tensor:
+def target_vector(prompt: str, dim: int, metadata: Mapping[str, Any] | None = None) -> torch.Tensor:
     """The (dim,) float32 target of a prompt; raises ``ValueError`` on a malformed one."""
     if metadata is not None and metadata.get("target") is not None:
         value = torch.as_tensor(metadata["target"], dtype=torch.float32).flatten()
@@ -81,7 +77,7 @@ def target_vectors(
         raise ValueError(f"got {len(prompts)} prompts but {len(metas)} metadata entries")
     if not prompts:
         return torch.zeros(0, dim)
-    return torch.stack([target_vector(p, dim, m) for p, m in zip(prompts, metas)])
+    return torch.stack([target_vector(p, dim, m) for p, m in zip(prompts, metas, strict=True)])
 
 
 def condition_vector(prompt: str, dim: int, cond_dim: int) -> torch.Tensor:

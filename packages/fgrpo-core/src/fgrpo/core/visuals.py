@@ -60,7 +60,7 @@ def grid_image(
     width = max(8, cell_w // 6)
     texts = [_wrap(c, width, 3) for c in captions]
     extra = [_wrap(note, width, 3) for note in notes] if notes is not None else [[] for _ in range(n)]
-    text_h = LINE_HEIGHT * max(len(a) + len(b) for a, b in zip(texts, extra)) + 4
+    text_h = LINE_HEIGHT * max(len(a) + len(b) for a, b in zip(texts, extra, strict=True)) + 4
     tile_w, tile_h = cell_w + gap, cell + text_h + gap
     grid = Image.new("RGB", (columns * tile_w - gap, rows * tile_h - gap), SEPARATOR)
     draw = ImageDraw.Draw(grid)
@@ -71,7 +71,7 @@ def grid_image(
     for i, pic in enumerate(pics):
         x, y = (i % columns) * tile_w, (i // columns) * tile_h
         draw.rectangle((x, y + cell, x + cell_w - 1, y + cell + text_h - 1), fill="white")
-        grid.paste(Image.fromarray(pic).resize((cell_w, cell), Image.NEAREST), (x, y))
+        grid.paste(Image.fromarray(pic).resize((cell_w, cell), Image.Resampling.NEAREST), (x, y))
         for k, line in enumerate(texts[i]):
             draw.text((x + 2, y + cell + 1 + k * LINE_HEIGHT), line, fill="black", font=font)
         for k, line in enumerate(extra[i], start=len(texts[i])):
@@ -98,10 +98,10 @@ def write_tiles(images: torch.Tensor, rows: Sequence[dict[str, Any]], folder: Pa
     what the run report's filmstrip shows, evaluation by evaluation."""
     folder.mkdir(parents=True, exist_ok=True)
     index = []
-    for i, (pic, row) in enumerate(zip(to_uint8(images), rows)):
+    for i, (pic, row) in enumerate(zip(to_uint8(images), rows, strict=True)):
         image = Image.fromarray(pic)
         if max(image.size) > THUMBNAIL:
-            image.thumbnail((THUMBNAIL, THUMBNAIL), Image.LANCZOS)
+            image.thumbnail((THUMBNAIL, THUMBNAIL), Image.Resampling.LANCZOS)
             name = f"{i:03d}.jpg"
             image.save(folder / name, quality=85)
         else:
@@ -145,7 +145,7 @@ def curves(rows: Sequence[dict], path: Path) -> Path | None:
     if not keys:
         return None
     fig, axes = plt.subplots(len(keys), 1, figsize=(7, 2.2 * len(keys)), sharex=True, squeeze=False)
-    for ax, key in zip(axes[:, 0], keys):
+    for ax, key in zip(axes[:, 0], keys, strict=True):
         pts = [(r["iteration"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="." if len(pts) < 50 else None)
         ax.set_ylabel(key, fontsize=8)

@@ -29,10 +29,18 @@ def ema_summary(ema: Any, optimizer_steps: int, every: int) -> dict[str, Any]:
     from fgrpo.core.launch.shards import full
 
     difference = 0.0
-    for shadow, param in zip(ema.shadow, ema.params):
-        d = (full(shadow, like=param).float() - full(param).detach().float()).abs().max().item() if shadow.numel() else 0.0
+    for shadow, param in zip(ema.shadow, ema.params, strict=True):
+        d = (
+            (full(shadow, like=param).float() - full(param).detach().float()).abs().max().item()
+            if shadow.numel()
+            else 0.0
+        )
         difference = max(difference, d)
-    return {"updates": ema_updates(optimizer_steps, every), "optimizer_steps": optimizer_steps, "max_abs_difference": difference}
+    return {
+        "updates": ema_updates(optimizer_steps, every),
+        "optimizer_steps": optimizer_steps,
+        "max_abs_difference": difference,
+    }
 
 
 def ema_warnings(summary: Mapping[str, Any] | None, every: int) -> list[str]:
@@ -97,7 +105,6 @@ def lora_warnings(folder: Path) -> list[str]:
         f"the exported LoRA in {folder} is empty: every up-projection weight (lora_B) of {names} is 0, so a pipeline "
         "that loads it gives exactly the base model's output"
     ]
-
 
 
 def checkpoint_warnings(checkpoint: Path) -> list[str]:

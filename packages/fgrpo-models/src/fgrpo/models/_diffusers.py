@@ -26,7 +26,6 @@ import torch
 
 from fgrpo.core.config import first_line
 
-
 # --- import-time messages a user cannot act on --------------------------------------------------
 
 
@@ -137,10 +136,12 @@ def load_pipeline(pipeline_class: Any, path: str, torch_dtype: torch.dtype, *, k
 
     logs.quiet_libraries()  # diffusers' "Loading pipeline components" bars follow fgrpo's log level
     try:
-        return pipeline_class.from_pretrained(source.location, **source.kwargs, **from_pretrained_dtype_kwargs(torch_dtype))
+        return pipeline_class.from_pretrained(
+            source.location, **source.kwargs, **from_pretrained_dtype_kwargs(torch_dtype)
+        )
     except WeightsUnavailable:
         raise
-    except (OSError, ValueError, EnvironmentError) as exc:
+    except (OSError, ValueError) as exc:
         raise OSError(f"{key}: cannot load a {pipeline_class.__name__} from {path!r}: {first_line(exc)}") from exc
 
 
@@ -166,8 +167,14 @@ SIGMA_GRIDS = ("diffusers", "diffusers-0.33")
 
 
 def scheduler_grid(
-    scheduler: Any, steps: int, *, shift: float | None, image_seq_len: int | None = None, explicit_grid: bool = False,
-    sigma_grid: str = "diffusers", mu: float | None = None,
+    scheduler: Any,
+    steps: int,
+    *,
+    shift: float | None,
+    image_seq_len: int | None = None,
+    explicit_grid: bool = False,
+    sigma_grid: str = "diffusers",
+    mu: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(sigmas, timesteps) of ``pipe(num_inference_steps=steps)``, from a copy of the pipeline's
     scheduler: the sigmas (steps + 1 values, 1 -> 0, float32 on the CPU), and the integer
@@ -208,13 +215,17 @@ def scheduler_grid(
     if shift is not None and (config.get("use_dynamic_shifting") or shift != float(config.get(shift_key, 1.0))):
         overrides = {shift_key: float(shift), "use_dynamic_shifting": False}
     elif config.get("use_dynamic_shifting"):
-        if mu is None and image_seq_len is None:
-            raise ValueError("this scheduler shifts by resolution: scheduler_grid needs image_seq_len")
-        kwargs["mu"] = dynamic_shift_mu(config, image_seq_len) if mu is None else float(mu)
+        if mu is None:
+            if image_seq_len is None:
+                raise ValueError("this scheduler shifts by resolution: scheduler_grid needs image_seq_len")
+            mu = dynamic_shift_mu(config, image_seq_len)
+        kwargs["mu"] = float(mu)
     config.update(overrides)
     if shift_key == "flow_shift" and sigma_grid == "diffusers-0.33":
         if config.get("use_dynamic_shifting") or config.get("shift_terminal"):
-            raise ValueError("sigma_grid 'diffusers-0.33': that grid has no dynamic shifting or terminal stretch; set model.shift")
+            raise ValueError(
+                "sigma_grid 'diffusers-0.33': that grid has no dynamic shifting or terminal stretch; set model.shift"
+            )
         sigmas_np, ints = _unipc_flow_grid_0_33(config, steps)
         sigmas, timesteps = torch.from_numpy(sigmas_np), torch.from_numpy(ints)
     else:
@@ -250,12 +261,25 @@ def _unipc_flow_grid_0_33(config: Mapping[str, Any], steps: int) -> tuple[Any, A
 
 
 def scheduler_sigmas(
-    scheduler: Any, steps: int, *, shift: float | None, device: torch.device, image_seq_len: int | None = None,
-    explicit_grid: bool = False, sigma_grid: str = "diffusers", mu: float | None = None,
+    scheduler: Any,
+    steps: int,
+    *,
+    shift: float | None,
+    device: torch.device,
+    image_seq_len: int | None = None,
+    explicit_grid: bool = False,
+    sigma_grid: str = "diffusers",
+    mu: float | None = None,
 ) -> torch.Tensor:
     """The sigmas of :func:`scheduler_grid`, float32 on ``device``."""
     sigmas, _ = scheduler_grid(
-        scheduler, steps, shift=shift, image_seq_len=image_seq_len, explicit_grid=explicit_grid, sigma_grid=sigma_grid, mu=mu
+        scheduler,
+        steps,
+        shift=shift,
+        image_seq_len=image_seq_len,
+        explicit_grid=explicit_grid,
+        sigma_grid=sigma_grid,
+        mu=mu,
     )
     return sigmas.to(device)
 
@@ -280,7 +304,9 @@ def video_frames(video: torch.Tensor) -> torch.Tensor:
     return (video.float().permute(0, 2, 1, 3, 4) / 2 + 0.5).clamp(0, 1)
 
 
-def video_latent_shape(pipe: Any, channels: int, num_frames: int, height: int, width: int) -> tuple[int, int, int, int]:
+def video_latent_shape(
+    pipe: Any, channels: int, num_frames: int, height: int, width: int
+) -> tuple[int, int, int, int]:
     """(C, (T - 1) / temporal + 1, H / spatial, W / spatial) of a video pipeline's latent."""
     spatial, temporal = int(pipe.vae_scale_factor_spatial), int(pipe.vae_scale_factor_temporal)
     return (int(channels), (num_frames - 1) // temporal + 1, height // spatial, width // spatial)

@@ -10,20 +10,22 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 from torch import nn
 
 from fgrpo.models.lora import lora_config
 
+Net = TypeVar("Net", bound=nn.Module)
 
-class SmallNet:
+
+class SmallNet(Generic[Net]):
     """``network`` (frozen on entry) made trainable: every weight (``lora`` None) or a LoRA adapter."""
 
-    def __init__(self, network: nn.Module, lora: Mapping[str, Any] | None, *, seed: int, device: torch.device):
+    def __init__(self, network: Net, lora: Mapping[str, Any] | None, *, seed: int, device: torch.device | str):
         self.trained = network
-        self._reference: nn.Module | None = None
+        self._reference: Net | None = None
         self._adapters: list[Any] = []
         self._depth = 0
         if lora is None:
@@ -34,7 +36,9 @@ class SmallNet:
                 from peft import inject_adapter_in_model
                 from peft.tuners.tuners_utils import BaseTunerLayer
             except ImportError as exc:  # peft ships with the [diffusers] extra
-                raise ImportError('model.lora needs peft: pip install "fgrpo-models[diffusers]" (or pip install peft)') from exc
+                raise ImportError(
+                    'model.lora needs peft: pip install "fgrpo-models[diffusers]" (or pip install peft)'
+                ) from exc
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)
                 inject_adapter_in_model(lora_config(lora), network)
@@ -44,12 +48,12 @@ class SmallNet:
             self._adapters = [m for m in network.modules() if isinstance(m, BaseTunerLayer)]
         self._trainable = {n: p for n, p in network.named_parameters() if p.requires_grad}
 
-    def to(self, device: torch.device) -> None:
+    def to(self, device: torch.device | str) -> None:
         self.trained.to(device)
         if self._reference is not None:
             self._reference.to(device)
 
-    def module(self) -> nn.Module:
+    def module(self) -> Net:
         """The network ``velocity`` calls now (the frozen base inside :meth:`reference`)."""
         return self._reference if (self._depth and self._reference is not None) else self.trained
 
@@ -79,21 +83,26 @@ class SmallNet:
         missing = sorted(set(self._trainable) - set(state))
         unexpected = sorted(set(state) - set(self._trainable))
         if missing or unexpected:
-            raise ValueError(f"trainable state does not fit {what}: missing {missing[:4] or 'none'}, unexpected {unexpected[:4] or 'none'}")
+            raise ValueError(
+                f"trainable state does not fit {what}: missing {missing[:4] or 'none'}, unexpected "
+                f"{unexpected[:4] or 'none'}"
+            )
         with torch.no_grad():
             for name, p in self._trainable.items():
                 value = state[name]
                 if tuple(value.shape) != tuple(p.shape):
-                    raise ValueError(f"trainable state {name!r} has shape {tuple(value.shape)}, the policy has {tuple(p.shape)}")
+                    raise ValueError(
+                        f"trainable state {name!r} has shape {tuple(value.shape)}, the policy has {tuple(p.shape)}"
+                    )
                 p.copy_(value.to(device=p.device, dtype=p.dtype))
 
-    def base(self) -> nn.Module:
+    def base(self) -> Net:
         """The base network (a copy with the adapters left out, or the frozen copy)."""
         if self._reference is not None:
             return self._reference
         return self.merged(copy.deepcopy, keep_adapter=False)
 
-    def merged(self, clone: Callable[[nn.Module], nn.Module], keep_adapter: bool = True) -> nn.Module:
+    def merged(self, clone: Callable[[Net], Net], keep_adapter: bool = True) -> Net:
         """A plain network (no peft layers) computing what :meth:`module` computes now (the adapter
         merged into the weights; ``keep_adapter`` False: the base)."""
         out = clone(self.trained)

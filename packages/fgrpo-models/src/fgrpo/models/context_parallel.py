@@ -46,7 +46,10 @@ def convert(value: Any) -> dict[str, int] | None:
         if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
             raise ValueError(f"got {key} {degree!r}; allowed: a positive integer")
     if spec["ulysses_degree"] * spec["ring_degree"] < 2:
-        raise ValueError(f"got {dict(spec)}: one process per sample is no context parallelism; allowed: degrees whose product is > 1, or null")
+        raise ValueError(
+            f"got {dict(spec)}: one process per sample is no context parallelism; allowed: degrees whose product is > "
+            f"1, or null"
+        )
     return spec
 
 
@@ -56,14 +59,17 @@ def refusal(spec: Mapping[str, int], accelerators: int) -> str:
     size = spec["ulysses_degree"] * spec["ring_degree"]
     if accelerators == 0:
         return (
-            f"model.context_parallel ({size} processes per sample) needs GPUs: diffusers' enable_parallelism maps each "
+            f"model.context_parallel ({size} processes per sample) needs GPUs: diffusers' enable_parallelism maps "
+            f"each "
             "process to an accelerator device (rank % torch.accelerator.device_count(), which is 0 here: "
             "ZeroDivisionError in diffusers 0.42.1 modeling_utils.py:1719); set model.context_parallel: null on a CPU"
         )
     return (
-        f"model.context_parallel ({size} processes per sample) is not supported yet: fgrpo does not give the processes "
+        f"model.context_parallel ({size} processes per sample) is not supported yet: fgrpo does not give the "
+        f"processes "
         "of a context-parallel group the same prompts, noise and rewards, nor sum their gradients within the group; "
-        "set model.context_parallel: null (for memory: a sharded launch and gradient checkpointing, recipes/accelerate/README.md)"
+        "set model.context_parallel: null (for memory: a sharded launch and gradient checkpointing, "
+        "recipes/accelerate/README.md)"
     )
 
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 import torch
@@ -50,6 +50,9 @@ from fgrpo.models.lora import (
     trainable_state,
 )
 
+if TYPE_CHECKING:  # from its own module: mypy reads diffusers' top-level names as its dummy objects
+    from diffusers.models.modeling_utils import ModelMixin
+
 NEGATIVE = "negative_"
 
 
@@ -61,7 +64,9 @@ def _resolution(_inst: Any, _attribute: Any, value: Any) -> None:
         return
     if isinstance(value, (list, tuple)) and len(value) == 2 and all(map(positive, value)):
         return
-    raise ValueError(f"got {value!r}; allowed: a positive integer (square), [height, width], or null (the pipeline's default)")
+    raise ValueError(
+        f"got {value!r}; allowed: a positive integer (square), [height, width], or null (the pipeline's default)"
+    )
 
 
 def _optional_device(inst: Any, attribute: Any, value: Any) -> None:
@@ -111,40 +116,59 @@ class DiffusersPolicy:
 
     path: str = param(help="hub id or local folder (save_pretrained output) of the diffusers pipeline")
     dtype: str = param(
-        "float32", choices=dx.DTYPE_CHOICES,
-        help="weights dtype of the transformer, and of the VAE and text encoders unless vae_dtype/text_encoder_dtype say (LoRA weights stay float32)",
+        "float32",
+        choices=dx.DTYPE_CHOICES,
+        help="weights dtype of the transformer, and of the VAE and text encoders unless vae_dtype/text_encoder_dtype "
+        "say (LoRA weights stay float32)",
     )
     vae_dtype: str | None = param(
         None, choices=dx.DTYPE_CHOICES, help="weights dtype of the VAE (decoding runs without autocast); null: dtype"
     )
     text_encoder_dtype: str | None = param(
-        None, choices=dx.DTYPE_CHOICES, help="weights dtype of the text encoders (they run without autocast); null: dtype"
+        None,
+        choices=dx.DTYPE_CHOICES,
+        help="weights dtype of the text encoders (they run without autocast); null: dtype",
     )
     device: str | torch.device = param("auto", validator=dx.check_device, help=dx.DEVICE_HELP)
     text_encoder_device: str | None = param(
-        None, validator=_optional_device, help="where the text encoders run (e.g. 'cpu' to keep GPU memory free); null: device"
+        None,
+        validator=_optional_device,
+        help="where the text encoders run (e.g. 'cpu' to keep GPU memory free); null: device",
     )
     resolution: int | list[int] | None = param(
-        None, validator=_resolution, help="output height = width in pixels, or [height, width]; null: the pipeline's default"
+        None,
+        validator=_resolution,
+        help="output height = width in pixels, or [height, width]; null: the pipeline's default",
     )
     negative_prompt: str = param("", help="the unconditional prompt of classifier-free guidance")
     lora: dict | None = lora_param(32, ("to_q", "to_k", "to_v", "to_out.0"))
-    lora_path: str | None = param(None, help="adapter weights to start from (.safetensors file or folder, fgrpo's or diffusers' format)")
-    shift: float | None = param(None, gt=0, help="fixed time shift of sigmas(steps); null: the pipeline scheduler's own (static or by resolution)")
+    lora_path: str | None = param(
+        None, help="adapter weights to start from (.safetensors file or folder, fgrpo's or diffusers' format)"
+    )
+    shift: float | None = param(
+        None,
+        gt=0,
+        help="fixed time shift of sigmas(steps); null: the pipeline scheduler's own (static or by resolution)",
+    )
     sigma_grid: str = param(
-        "diffusers", choices=dx.SIGMA_GRIDS,
+        "diffusers",
+        choices=dx.SIGMA_GRIDS,
         help="a multistep flow scheduler's sigmas (Wan 2.1's UniPC): as the installed diffusers spaces them, or as "
-        "diffusers 0.33.1 did (flow_grpo's pin; 0.0025 apart at 20 steps, shift 3); Euler schedulers: the same either way",
+        "diffusers 0.33.1 did (flow_grpo's pin; 0.0025 apart at 20 steps, shift 3); Euler schedulers: the same either "
+        "way",
     )
     integer_timesteps: bool | None = param(
         None,
-        help="the transformer sees int(sigma * 1000) (scaled as its timestep) instead of sigma * 1000: what a truncating "
+        help="the transformer sees int(sigma * 1000) (scaled as its timestep) instead of sigma * 1000: what a "
+        "truncating "
         "scheduler (Wan 2.1's UniPC) and DanceGRPO/MixGRPO's FLUX do; null: as the pipeline's scheduler does",
     )
     gradient_checkpointing: bool = param(False, help="recompute transformer blocks in backward to save memory")
     prompt_cache_size: int = param(1024, ge=0, help="prompts whose embeddings are kept on device (LRU); 0: no cache")
     decode_batch_size: int = param(0, ge=0, help="samples per VAE decode call; 0: the whole batch at once")
-    vae_tiling: bool = param(False, help="decode in spatial tiles (the VAE's enable_tiling): less memory, large outputs")
+    vae_tiling: bool = param(
+        False, help="decode in spatial tiles (the VAE's enable_tiling): less memory, large outputs"
+    )
     context_parallel: dict | None = param(None, converter=context_parallel.convert, help=context_parallel.HELP)
 
     _pipeline: Any = attrs.field(default=None, repr=False, alias="pipeline")
@@ -184,7 +208,11 @@ class DiffusersPolicy:
         raise NotImplementedError
 
     def _transformer_output(
-        self, hidden_states: torch.Tensor, sigma: torch.Tensor, as_given: Mapping[str, Any] | None = None, **embeds: torch.Tensor
+        self,
+        hidden_states: torch.Tensor,
+        sigma: torch.Tensor,
+        as_given: Mapping[str, Any] | None = None,
+        **embeds: torch.Tensor,
     ) -> torch.Tensor:
         """The transformer's float32 output: ``hidden_states`` and ``embeds`` cast to its dtype, the
         timestep of ``sigma`` (:meth:`_timestep`), the ``as_given`` inputs (ids, masks, guidance) as they are."""
@@ -209,7 +237,8 @@ class DiffusersPolicy:
         if self._timestep_tensors is None:
             table = sorted(self._timestep_table.items())
             self._timestep_tensors = (
-                torch.tensor([k for k, _ in table], dtype=torch.float32), torch.tensor([v for _, v in table], dtype=torch.int64)
+                torch.tensor([k for k, _ in table], dtype=torch.float32),
+                torch.tensor([v for _, v in table], dtype=torch.int64),
             )
         return dx.integer_timesteps(sigma, *self._timestep_tensors) * self.timestep_scale / 1000.0
 
@@ -240,7 +269,10 @@ class DiffusersPolicy:
 
     def _default_size(self) -> tuple[int, int]:
         pipe = self._pipeline
-        side = int(getattr(pipe, "default_sample_size", 0) or self.transformer.config.get("sample_size", 64)) * self.vae_scale_factor
+        side = (
+            int(getattr(pipe, "default_sample_size", 0) or self.transformer.config.get("sample_size", 64))
+            * self.vae_scale_factor
+        )
         return side, side
 
     def _patch(self) -> int:
@@ -332,10 +364,10 @@ class DiffusersPolicy:
         return self._pipeline
 
     @property
-    def transformer(self) -> torch.nn.Module:
+    def transformer(self) -> ModelMixin:
         return self._pipeline.transformer
 
-    def trained_transformers(self) -> list[tuple[str, torch.nn.Module]]:
+    def trained_transformers(self) -> list[tuple[str, ModelMixin]]:
         """(pipeline attribute, module) of every network that trains: the transformer (Wan 2.2 A14B:
         the experts its recipe trains)."""
         return [("transformer", self.transformer)]
@@ -352,13 +384,16 @@ class DiffusersPolicy:
 
     @property
     def text_device(self) -> torch.device:
-        return dx.resolve_device(self.text_encoder_device) if self.text_encoder_device is not None else self.device
+        return dx.resolve_device(self.text_encoder_device if self.text_encoder_device is not None else self.device)
 
     def _module_dtypes(self) -> list[tuple[torch.nn.Module, torch.dtype]]:
         """(module, weights dtype) of the transformer, VAE and text encoders."""
         vae = dx.parse_dtype(self.vae_dtype) if self.vae_dtype is not None else self._torch_dtype
         text = dx.parse_dtype(self.text_encoder_dtype) if self.text_encoder_dtype is not None else self._torch_dtype
-        found = [(getattr(self._pipeline, "transformer", None), self._torch_dtype), (getattr(self._pipeline, "vae", None), vae)]
+        found = [
+            (getattr(self._pipeline, "transformer", None), self._torch_dtype),
+            (getattr(self._pipeline, "vae", None), vae),
+        ]
         found += [(m, text) for m in self.text_encoders()]
         return [(m, d) for m, d in found if isinstance(m, torch.nn.Module)]
 
@@ -442,7 +477,7 @@ class DiffusersPolicy:
             mu=self._shift_mu(steps),
         )
         if self._integer_timesteps and timesteps is not None:
-            grid = dict(zip(sigmas[:-1].tolist(), timesteps.tolist()))
+            grid = dict(zip(sigmas[:-1].tolist(), timesteps.tolist(), strict=False))
             if any(self._timestep_table.get(k) != v for k, v in grid.items()):
                 self._timestep_table.update(grid)
                 self._timestep_tensors = None
@@ -461,9 +496,13 @@ class DiffusersPolicy:
         shared = set(self.shared_condition_keys)
         missing = [k for k in positive if NEGATIVE + k not in cond and k not in shared]
         if missing:
-            raise ValueError(f"guidance (scale {self.cfg_scale}) needs negative embeddings in cond ({NEGATIVE}{missing[0]}): build it with encode()")
+            raise ValueError(
+                f"guidance (scale {self.cfg_scale}) needs negative embeddings in cond ({NEGATIVE}{missing[0]}): build "
+                f"it with encode()"
+            )
         both = {
-            k: torch.cat([(v if k in shared else cond[NEGATIVE + k]).to(self.device), v.to(self.device)]) for k, v in positive.items()
+            k: torch.cat([(v if k in shared else cond[NEGATIVE + k]).to(self.device), v.to(self.device)])
+            for k, v in positive.items()
         }
         out = self._predict(torch.cat([x, x]), torch.cat([sigma, sigma]), both)
         uncond, text = out.chunk(2)
@@ -482,7 +521,7 @@ class DiffusersPolicy:
         videos (B, T, 3, H, W), float32 in [0, 1]; ``decode_batch_size`` samples per VAE call, in
         the VAE's own dtype (``vae_dtype``) whatever autocast is active."""
         chunk = self.decode_batch_size or latents.shape[0]
-        with torch.autocast(self.device.type, enabled=False):
+        with torch.autocast(torch.device(self.device).type, enabled=False):
             parts = [self._decode(part.to(self.device)) for part in latents.split(chunk)]
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
@@ -515,7 +554,11 @@ class DiffusersPolicy:
         lora = self.lora is not None
         if self._single_transformer():
             return trainable_state(self.transformer, lora=lora)
-        return {f"{name}.{k}": v for name, m in self.trained_transformers() for k, v in trainable_state(m, lora=lora).items()}
+        return {
+            f"{name}.{k}": v
+            for name, m in self.trained_transformers()
+            for k, v in trainable_state(m, lora=lora).items()
+        }
 
     def load_trainable_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         lora = self.lora is not None
@@ -525,10 +568,14 @@ class DiffusersPolicy:
         names = [name for name, _ in self.trained_transformers()]
         unknown = sorted(k for k in state if k.split(".", 1)[0] not in names)
         if unknown:
-            raise ValueError(f"trainable state: keys of no trained network {unknown[:3]} (trained: {', '.join(names)})")
+            raise ValueError(
+                f"trainable state: keys of no trained network {unknown[:3]} (trained: {', '.join(names)})"
+            )
         for name, module in self.trained_transformers():
             prefix = name + "."
-            load_trainable_state(module, {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}, lora=lora)
+            load_trainable_state(
+                module, {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}, lora=lora
+            )
 
     def _read_adapter(self, path: str) -> dict[str, torch.Tensor]:
         """``lora_path``'s weights as :meth:`load_trainable_state_dict` takes them: one adapter file
@@ -547,7 +594,9 @@ class DiffusersPolicy:
         for name, _ in self.trained_transformers():
             file = os.path.join(path, lora_file_name(name))
             if not os.path.isfile(file):
-                raise FileNotFoundError(f"lora_path {path!r}: no {lora_file_name(name)} for the {name} this recipe trains")
+                raise FileNotFoundError(
+                    f"lora_path {path!r}: no {lora_file_name(name)} for the {name} this recipe trains"
+                )
             state.update({f"{name}.{k}": v for k, v in read_lora_file(file).items()})
         return state
 
@@ -573,15 +622,21 @@ class DiffusersPolicy:
 
         if self.lora is not None:
             if self._single_transformer():
-                return [save_diffusers_lora(type(self._pipeline), self.transformer, folder, state)] + save_peft_adapter(
-                    self.transformer, folder, state
-                )
+                return [
+                    save_diffusers_lora(type(self._pipeline), self.transformer, folder, state)
+                ] + save_peft_adapter(self.transformer, folder, state)
             written = []
             for name, module in self.trained_transformers():
                 prefix = name + "."
-                part = None if state is None else {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-                written.append(save_diffusers_lora(type(self._pipeline), module, folder, part, weight_name=lora_file_name(name)))
-                written += save_peft_adapter(module, folder if name == "transformer" else os.path.join(folder, name), part)
+                part = (
+                    None if state is None else {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+                )
+                written.append(
+                    save_diffusers_lora(type(self._pipeline), module, folder, part, weight_name=lora_file_name(name))
+                )
+                written += save_peft_adapter(
+                    module, folder if name == "transformer" else os.path.join(folder, name), part
+                )
             return written
         if state is not None:
             raise ValueError("export(state=...) takes LoRA weights; a fully fine-tuned transformer exports its own")

@@ -31,7 +31,11 @@ from fgrpo.models.diffusers_policy import DiffusersPolicy
 from fgrpo.models.lora import JOINT_ATTENTION_LORA_TARGETS, lora_param
 
 FLUX_LORA_TARGETS = (
-    *JOINT_ATTENTION_LORA_TARGETS, "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2"
+    *JOINT_ATTENTION_LORA_TARGETS,
+    "ff.net.0.proj",
+    "ff.net.2",
+    "ff_context.net.0.proj",
+    "ff_context.net.2",
 )
 
 
@@ -62,7 +66,10 @@ class FluxPolicy(DiffusersPolicy):
 
     def _encode_uncached(self, prompts: list[str], device: torch.device) -> dict[str, torch.Tensor]:
         embeds, pooled, _ = self._pipeline.encode_prompt(
-            prompt=prompts, prompt_2=None, device=device, num_images_per_prompt=1,
+            prompt=prompts,
+            prompt_2=None,
+            device=device,
+            num_images_per_prompt=1,
             max_sequence_length=self.max_sequence_length,
         )
         return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
@@ -85,8 +92,11 @@ class FluxPolicy(DiffusersPolicy):
         if self.transformer.config.guidance_embeds:
             guidance = torch.full((x.shape[0],), self.guidance_scale, device=self.device, dtype=torch.float32)
         return self._transformer_output(
-            dx.pack_2x2(x), sigma, {"guidance": guidance, "txt_ids": text_ids, "img_ids": image_ids},
-            pooled_projections=cond["pooled_prompt_embeds"], encoder_hidden_states=embeds,
+            dx.pack_2x2(x),
+            sigma,
+            {"guidance": guidance, "txt_ids": text_ids, "img_ids": image_ids},
+            pooled_projections=cond["pooled_prompt_embeds"],
+            encoder_hidden_states=embeds,
         )
 
 

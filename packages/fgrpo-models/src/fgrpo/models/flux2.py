@@ -43,13 +43,21 @@ from fgrpo.models.lora import JOINT_ATTENTION_LORA_TARGETS, lora_param
 #: double-stream blocks' attention (both streams) and feed-forwards, and the single-stream blocks'
 #: fused projection (their output projection is ``attn.to_out``, which the list does not name)
 FLUX2_LORA_TARGETS = (
-    *JOINT_ATTENTION_LORA_TARGETS, "ff.linear_in", "ff.linear_out", "ff_context.linear_in", "ff_context.linear_out",
+    *JOINT_ATTENTION_LORA_TARGETS,
+    "ff.linear_in",
+    "ff.linear_out",
+    "ff_context.linear_in",
+    "ff_context.linear_out",
     "attn.to_qkv_mlp_proj",
 )
 
 
 def _layers(_inst: Any, _attribute: Any, value: Any) -> None:
-    if not (isinstance(value, (list, tuple)) and value and all(isinstance(v, int) and not isinstance(v, bool) for v in value)):
+    if not (
+        isinstance(value, (list, tuple))
+        and value
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    ):
         raise ValueError(f"got {value!r}; allowed: a non-empty list of hidden-layer indices of the text encoder")
 
 
@@ -67,7 +75,9 @@ class Flux2Policy(DiffusersPolicy):
     )
     max_sequence_length: int = param(512, ge=1, help="text tokens per prompt (the chat template's included)")
     text_encoder_out_layers: list[int] = param(
-        factory=lambda: [10, 20, 30], validator=_layers, help="text-encoder hidden layers stacked into the prompt embedding"
+        factory=lambda: [10, 20, 30],
+        validator=_layers,
+        help="text-encoder hidden layers stacked into the prompt embedding",
     )
     lora: dict | None = lora_param(64, FLUX2_LORA_TARGETS)
 
@@ -77,7 +87,9 @@ class Flux2Policy(DiffusersPolicy):
 
     def _encode_uncached(self, prompts: list[str], device: torch.device) -> dict[str, torch.Tensor]:
         embeds, _ = self._pipeline.encode_prompt(
-            prompt=prompts, device=device, max_sequence_length=self.max_sequence_length,
+            prompt=prompts,
+            device=device,
+            max_sequence_length=self.max_sequence_length,
             text_encoder_out_layers=tuple(self.text_encoder_out_layers),
         )
         return {"prompt_embeds": embeds}
@@ -152,10 +164,14 @@ class Flux2KleinPolicy(Flux2Policy):
     pipeline_class_name = "Flux2KleinPipeline"
 
     guidance_scale: float = param(
-        4.0, ge=1.0, help="classifier-free guidance with negative_prompt (base models); 1 = off; step-distilled models ignore it"
+        4.0,
+        ge=1.0,
+        help="classifier-free guidance with negative_prompt (base models); 1 = off; step-distilled models ignore it",
     )
     text_encoder_out_layers: list[int] = param(
-        factory=lambda: [9, 18, 27], validator=_layers, help="text-encoder hidden layers stacked into the prompt embedding"
+        factory=lambda: [9, 18, 27],
+        validator=_layers,
+        help="text-encoder hidden layers stacked into the prompt embedding",
     )
 
     @property

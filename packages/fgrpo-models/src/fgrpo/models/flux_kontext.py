@@ -42,9 +42,15 @@ SOURCE_RESOLUTIONS = ("preferred", "output")
 def check_source_resolution(_inst: Any, _attribute: Any, value: Any) -> None:
     if value in SOURCE_RESOLUTIONS:
         return
-    if isinstance(value, (list, tuple)) and len(value) == 2 and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value):
+    if (
+        isinstance(value, (list, tuple))
+        and len(value) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)
+    ):
         return
-    raise ValueError(f"got {value!r}; allowed: preferred (the pipeline's own), output (the output's size) or [height, width]")
+    raise ValueError(
+        f"got {value!r}; allowed: preferred (the pipeline's own), output (the output's size) or [height, width]"
+    )
 
 
 def source_resolution_param(help_preferred: str) -> Any:
@@ -61,7 +67,8 @@ SOURCE_RESAMPLES = ("lanczos", "bicubic")
 
 def source_resample_param() -> Any:
     return param(
-        "lanczos", choices=SOURCE_RESAMPLES,
+        "lanczos",
+        choices=SOURCE_RESAMPLES,
         help="how sources are resized: lanczos (the pipelines' image processor) or bicubic (PIL's default resize, "
         "flow_grpo's ref_image.resize before its pipeline)",
     )
@@ -72,6 +79,8 @@ class SourceImages:
     resized, and the check that a run's sources share one size (their latents are batched)."""
 
     source_resample: str
+    source_resolution: Any  # the host policy's recipe key
+    _pipeline: Any  # the host policy's pipeline
 
     def _source_size(self, image: Any) -> tuple[int, int]:
         raise NotImplementedError
@@ -82,7 +91,7 @@ class SourceImages:
         if self.source_resample == "bicubic" and (image.height, image.width) != (height, width):
             from PIL import Image
 
-            image = image.resize((width, height), Image.BICUBIC)
+            image = image.resize((width, height), Image.Resampling.BICUBIC)
         return self._pipeline.image_processor.resize(image, height, width)
 
     def source_sizes(self, prompts: Sequence[str]) -> dict[tuple[int, ...], list[str]]:
@@ -98,13 +107,16 @@ class SourceImages:
         if len(sizes) <= 1:
             return []
         shown = "; ".join(
-            " + ".join(f"{size[i]}x{size[i + 1]}" for i in range(0, len(size), 2)) + f" for {media.where(ps[0])}"
+            " + ".join(f"{size[i]}x{size[i + 1]}" for i in range(0, len(size), 2))
+            + f" for {media.where(ps[0])}"
             + (f" and {len(ps) - 1} more" if len(ps) > 1 else "")
             for size, ps in sizes.items()
         )
         return [
-            f"model.source_resolution {self.source_resolution!r} resizes the sources to {len(sizes)} sizes ({shown}); one run "
-            "batches its sources' latents, so they need one size: set source_resolution to output or [height, width], or "
+            f"model.source_resolution {self.source_resolution!r} resizes the sources to {len(sizes)} sizes ({shown}); "
+            f"one run "
+            "batches its sources' latents, so they need one size: set source_resolution to output or [height, width], "
+            "or "
             "give sources of one aspect ratio"
         ]
 
@@ -156,14 +168,19 @@ class FluxKontextPolicy(SourceImages, FluxPolicy):
         for prompt in prompts:
             refs = media.source_images(prompt)
             if len(refs) != 1:
-                raise ValueError(f"flux-kontext: prompt {media.where(prompt)} has {len(refs)} source images; it takes exactly 1")
+                raise ValueError(
+                    f"flux-kontext: prompt {media.where(prompt)} has {len(refs)} source images; it takes exactly 1"
+                )
             image = media.load_image(refs[0])
             height, width = self._source_size(image)
             pixels.append(pipe.image_processor.preprocess(self._resized(image, height, width), height, width))
         if len({tuple(p.shape) for p in pixels}) > 1:
-            raise ValueError(f"flux-kontext: sources of several sizes in one batch ({sorted({tuple(p.shape[-2:]) for p in pixels})})")
+            raise ValueError(
+                f"flux-kontext: sources of several sizes in one batch "
+                f"({sorted({tuple(p.shape[-2:]) for p in pixels})})"
+            )
         vae = pipe.vae
-        with torch.autocast(self.device.type, enabled=False):
+        with torch.autocast(torch.device(self.device).type, enabled=False):
             latents = pipe._encode_vae_image(torch.cat(pixels).to(self.device, vae.dtype), generator=None)
         return {"image_latents": latents.float()}
 
@@ -180,20 +197,28 @@ class FluxKontextPolicy(SourceImages, FluxPolicy):
 
     def _predict(self, x: torch.Tensor, sigma: torch.Tensor, cond: Mapping[str, torch.Tensor]) -> torch.Tensor:
         embeds, source = cond["prompt_embeds"], cond["image_latents"]
-        text_ids, image_ids = self._kontext_ids(embeds.shape[1], tuple(source.shape[-2:]))
+        text_ids, image_ids = self._kontext_ids(embeds.shape[1], (source.shape[-2], source.shape[-1]))
         guidance = None
         if self.transformer.config.guidance_embeds:
             guidance = torch.full((x.shape[0],), self.guidance_scale, device=self.device, dtype=torch.float32)
         state = dx.pack_2x2(x)
         tokens = torch.cat([state, dx.pack_2x2(source.to(self.device, torch.float32))], dim=1)
         out = self._transformer_output(
-            tokens, sigma, {"guidance": guidance, "txt_ids": text_ids, "img_ids": image_ids},
-            pooled_projections=cond["pooled_prompt_embeds"], encoder_hidden_states=embeds,
+            tokens,
+            sigma,
+            {"guidance": guidance, "txt_ids": text_ids, "img_ids": image_ids},
+            pooled_projections=cond["pooled_prompt_embeds"],
+            encoder_hidden_states=embeds,
         )
         return out[:, : state.shape[1]]
 
 
 __all__ = [
-    "FluxKontextPolicy", "SOURCE_RESAMPLES", "SOURCE_RESOLUTIONS", "SourceImages", "check_source_resolution",
-    "source_resample_param", "source_resolution_param",
+    "FluxKontextPolicy",
+    "SOURCE_RESAMPLES",
+    "SOURCE_RESOLUTIONS",
+    "SourceImages",
+    "check_source_resolution",
+    "source_resample_param",
+    "source_resolution_param",
 ]

@@ -38,7 +38,11 @@ from fgrpo.models.wan import _frames
 
 #: attention (both streams) and the feed-forwards of every double-stream block
 HUNYUAN_VIDEO15_LORA_TARGETS = (
-    *JOINT_ATTENTION_LORA_TARGETS, "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2"
+    *JOINT_ATTENTION_LORA_TARGETS,
+    "ff.net.0.proj",
+    "ff.net.2",
+    "ff_context.net.0.proj",
+    "ff_context.net.2",
 )
 
 
@@ -51,13 +55,25 @@ class HunyuanVideo15Policy(DiffusersPolicy):
     timestep_scale = 1000.0
     explicit_sigma_grid = True  # linspace(1, 0, steps + 1)[:-1] is linspace(1, 1/steps, steps)
 
-    guidance_scale: float | None = param(None, ge=0.0, help="classifier-free guidance scale; null: the pipeline guider's")
-    guidance_rescale: float | None = param(None, ge=0.0, le=1.0, help="rescale of the guided prediction to the conditional std; null: the guider's")
+    guidance_scale: float | None = param(
+        None, ge=0.0, help="classifier-free guidance scale; null: the pipeline guider's"
+    )
+    guidance_rescale: float | None = param(
+        None, ge=0.0, le=1.0, help="rescale of the guided prediction to the conditional std; null: the guider's"
+    )
     num_frames: int = param(121, ge=1, validator=_frames, help="frames per video (4k + 1)")
-    max_sequence_length: int = param(1000, ge=1, help="Qwen2.5-VL tokens per prompt after the template (the pipeline's tokenizer_max_length)")
-    glyph_sequence_length: int = param(256, ge=1, help="ByT5 tokens of a prompt's quoted text (the pipeline's tokenizer_2_max_length)")
+    max_sequence_length: int = param(
+        1000, ge=1, help="Qwen2.5-VL tokens per prompt after the template (the pipeline's tokenizer_max_length)"
+    )
+    glyph_sequence_length: int = param(
+        256, ge=1, help="ByT5 tokens of a prompt's quoted text (the pipeline's tokenizer_2_max_length)"
+    )
     decode_batch_size: int = param(
-        1, ge=1, le=1, help="videos per VAE decode call: 1 (diffusers 0.42's HunyuanVideo 1.5 VAE fails on batches of videos: its causal attention mask)"
+        1,
+        ge=1,
+        le=1,
+        help="videos per VAE decode call: 1 (diffusers 0.42's HunyuanVideo 1.5 VAE fails on batches of videos: its "
+        "causal attention mask)",
     )
     lora: dict | None = lora_param(32, HUNYUAN_VIDEO15_LORA_TARGETS)
 
@@ -65,7 +81,8 @@ class HunyuanVideo15Policy(DiffusersPolicy):
         guider = pipe.guider
         if float(getattr(guider, "_start", 0.0)) != 0.0 or float(getattr(guider, "_stop", 1.0)) != 1.0:
             raise ValueError(
-                "model.path: the pipeline's guider guides only steps start..stop; fgrpo's velocity knows the noise level, "
+                "model.path: the pipeline's guider guides only steps start..stop; fgrpo's velocity knows the noise "
+                "level, "
                 "not the step: use a guider with start 0 and stop 1"
             )
         if self.guidance_scale is None:
@@ -82,6 +99,7 @@ class HunyuanVideo15Policy(DiffusersPolicy):
 
     @property
     def cfg_scale(self) -> float:
+        assert self.guidance_scale is not None  # resolved from the guider by __attrs_post_init__
         return float(self.guidance_scale)
 
     @property
@@ -94,7 +112,12 @@ class HunyuanVideo15Policy(DiffusersPolicy):
         embeds, mask, glyphs, glyph_mask = self._pipeline.encode_prompt(
             prompt=prompts, device=device, dtype=torch.float32, batch_size=len(prompts)
         )
-        return {"prompt_embeds": embeds, "prompt_embeds_mask": mask, "prompt_embeds_2": glyphs, "prompt_embeds_mask_2": glyph_mask}
+        return {
+            "prompt_embeds": embeds,
+            "prompt_embeds_mask": mask,
+            "prompt_embeds_2": glyphs,
+            "prompt_embeds_mask_2": glyph_mask,
+        }
 
     def _predict(self, x: torch.Tensor, sigma: torch.Tensor, cond: Mapping[str, torch.Tensor]) -> torch.Tensor:
         transformer = self.transformer
@@ -102,7 +125,11 @@ class HunyuanVideo15Policy(DiffusersPolicy):
         b, _, frames, h, w = x.shape
         empty = x.new_zeros(b, x.shape[1] + 1, frames, h, w)  # image-to-video's condition latents and mask
         image_embeds = torch.zeros(
-            b, self._pipeline.vision_num_semantic_tokens, transformer.config.image_embed_dim, device=self.device, dtype=dtype
+            b,
+            self._pipeline.vision_num_semantic_tokens,
+            transformer.config.image_embed_dim,
+            device=self.device,
+            dtype=dtype,
         )
         return self._forward(
             hidden_states=torch.cat([x, empty], dim=1).to(dtype),
@@ -120,6 +147,7 @@ class HunyuanVideo15Policy(DiffusersPolicy):
 
         base = cond if self._original_formulation else uncond
         guided = base + self.cfg_scale * (cond - uncond)
+        assert self.guidance_rescale is not None  # resolved from the guider by __attrs_post_init__
         if self.guidance_rescale > 0.0:
             guided = rescale_noise_cfg(guided, cond, self.guidance_rescale)
         return guided
@@ -133,12 +161,15 @@ class HunyuanVideo15Policy(DiffusersPolicy):
         return int(self._pipeline.vae_scale_factor_spatial)
 
     def _latent_shape_for(self, height: int, width: int) -> tuple[int, int, int, int]:
-        return dx.video_latent_shape(self._pipeline, self._pipeline.vae.config.latent_channels, self.num_frames, height, width)
+        return dx.video_latent_shape(
+            self._pipeline, self._pipeline.vae.config.latent_channels, self.num_frames, height, width
+        )
 
     def _default_size(self) -> tuple[int, int]:
         pipe = self._pipeline
         ratio = pipe.default_aspect_ratio
-        return tuple(int(v) for v in pipe.video_processor.calculate_default_height_width(ratio[1], ratio[0], pipe.target_size))
+        height, width = pipe.video_processor.calculate_default_height_width(ratio[1], ratio[0], pipe.target_size)
+        return int(height), int(width)
 
     def _size_multiple(self) -> int:
         return self.vae_scale_factor * int(self.transformer.config.patch_size)

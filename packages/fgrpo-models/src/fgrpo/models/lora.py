@@ -14,12 +14,14 @@ import os
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fgrpo.core.config import param
+if TYPE_CHECKING:  # from its own module: mypy reads diffusers' top-level names as its dummy objects
+    from diffusers.models.modeling_utils import ModelMixin
 
+from fgrpo.core.config import param
 
 # --- the ``lora`` recipe key --------------------------------------------------------------------
 
@@ -29,7 +31,13 @@ from fgrpo.core.config import param
 #: attn.to_q and not SD3.5's second (dual) attention attn2, which "to_q" also matches: on SD3.5-M,
 #: blocks 0-12, 52 more linears and 5.1 M more LoRA parameters at r 32 (+27%).
 JOINT_ATTENTION_LORA_TARGETS = (
-    "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj",
+    "attn.to_q",
+    "attn.to_k",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_q_proj",
+    "attn.add_k_proj",
+    "attn.add_v_proj",
     "attn.to_add_out",
 )
 
@@ -59,7 +67,12 @@ def lora_converter(
     ``target_modules`` None (as a default) means "the backbone decides" (it resolves it when
     it injects the adapter). Raises ``ValueError("got ...; allowed ...")`` for bad values.
     """
-    defaults = {"rank": rank, "alpha": None, "target_modules": None if target_modules is None else list(target_modules), "init": init}
+    defaults = {
+        "rank": rank,
+        "alpha": None,
+        "target_modules": None if target_modules is None else list(target_modules),
+        "init": init,
+    }
 
     def convert(value: Any) -> dict[str, Any] | None:
         if value is None:
@@ -70,7 +83,9 @@ def lora_converter(
             )
         unknown = sorted(set(value) - set(LORA_KEYS))
         if unknown:
-            raise ValueError(f"got unknown key(s) {', '.join(map(repr, unknown))}; allowed keys: {', '.join(LORA_KEYS)}")
+            raise ValueError(
+                f"got unknown key(s) {', '.join(map(repr, unknown))}; allowed keys: {', '.join(LORA_KEYS)}"
+            )
         spec = {**defaults, **dict(value)}
         r = spec["rank"]
         if r is None or (isinstance(r, (int, float)) and not isinstance(r, bool) and r == 0):
@@ -88,7 +103,11 @@ def lora_converter(
         if isinstance(targets, str):
             targets = [targets]
         if targets is not None:
-            if not isinstance(targets, (list, tuple)) or not targets or not all(isinstance(t, str) and t for t in targets):
+            if (
+                not isinstance(targets, (list, tuple))
+                or not targets
+                or not all(isinstance(t, str) and t for t in targets)
+            ):
                 raise ValueError(f"got target_modules {targets!r}; allowed: a non-empty list of module names")
             targets = list(targets)
         spec["target_modules"] = targets
@@ -122,7 +141,9 @@ def lora_config(spec: Mapping[str, Any]) -> Any:
     )
 
 
-def inject_lora(model: torch.nn.Module, spec: Mapping[str, Any], *, trainable_dtype: torch.dtype | None = torch.float32) -> None:
+def inject_lora(
+    model: ModelMixin, spec: Mapping[str, Any], *, trainable_dtype: torch.dtype | None = torch.float32
+) -> None:
     """Freeze ``model`` and add a peft LoRA adapter (named ``"default"``) from a normalised spec.
 
     Only the adapter's weights are trainable afterwards. With ``trainable_dtype`` (float32 by
@@ -154,7 +175,7 @@ def adapters_enabled(model: torch.nn.Module) -> bool:
 
 
 @contextmanager
-def adapters_disabled(model: torch.nn.Module) -> Iterator[None]:
+def adapters_disabled(model: ModelMixin) -> Iterator[None]:
     """Run ``model`` as its base model: LoRA adapters off inside, back on (exactly) afterwards.
 
     Uses diffusers' ``disable_adapters()``/``enable_adapters()`` (peft's ``disable_adapter()``
@@ -242,8 +263,8 @@ def read_lora_file(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     out = {}
     for key, value in state.items():
         for prefix in _LORA_PREFIXES:
-            if key.startswith(prefix) and "lora_" in key[len(prefix):]:
-                key = key[len(prefix):]
+            if key.startswith(prefix) and "lora_" in key[len(prefix) :]:
+                key = key[len(prefix) :]
                 break
         key = re.sub(rf"\.(lora_[AB])\.{ADAPTER_NAME}\.", r".\1.", key)
         out[key] = value
@@ -264,8 +285,12 @@ def lora_file_name(module: str) -> str:
 
 
 def save_diffusers_lora(
-    pipeline_class: Any, model: torch.nn.Module, folder: str | os.PathLike[str], state: Mapping[str, torch.Tensor] | None = None,
-    *, weight_name: str = DIFFUSERS_LORA_FILE,
+    pipeline_class: Any,
+    model: ModelMixin,
+    folder: str | os.PathLike[str],
+    state: Mapping[str, torch.Tensor] | None = None,
+    *,
+    weight_name: str = DIFFUSERS_LORA_FILE,
 ) -> str:
     """Write ``model``'s adapter as ``pipeline_class.save_lora_weights`` does: keys prefixed with the
     pipeline's transformer name, the adapter's LoraConfig (rank, alpha, targets) in the
@@ -297,7 +322,7 @@ PEFT_WEIGHTS_FILE = "adapter_model.safetensors"
 
 
 def save_peft_adapter(
-    model: torch.nn.Module, folder: str | os.PathLike[str], state: Mapping[str, torch.Tensor] | None = None
+    model: ModelMixin, folder: str | os.PathLike[str], state: Mapping[str, torch.Tensor] | None = None
 ) -> list[str]:
     """Write ``model``'s adapter as peft's ``PeftModel.save_pretrained`` does (``adapter_config.json``
     and ``adapter_model.safetensors``, keys under ``base_model.model.``), so that
@@ -332,4 +357,6 @@ def load_trainable_state(model: torch.nn.Module, state: Mapping[str, torch.Tenso
         from fgrpo.core.launch.shards import shard_like
 
         current = model.state_dict()  # a sharded run's module keeps DTensor shards: cut whole tensors to them
-        model.load_state_dict({k: shard_like(v, current[k]) if k in current else v for k, v in state.items()}, strict=True)
+        model.load_state_dict(
+            {k: shard_like(v, current[k]) if k in current else v for k, v in state.items()}, strict=True
+        )

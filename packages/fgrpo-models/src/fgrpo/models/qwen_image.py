@@ -33,7 +33,11 @@ from fgrpo.models.diffusers_policy import DiffusersPolicy
 from fgrpo.models.lora import JOINT_ATTENTION_LORA_TARGETS, lora_param
 
 QWEN_IMAGE_LORA_TARGETS = (
-    *JOINT_ATTENTION_LORA_TARGETS, "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2"
+    *JOINT_ATTENTION_LORA_TARGETS,
+    "img_mlp.net.0.proj",
+    "img_mlp.net.2",
+    "txt_mlp.net.0.proj",
+    "txt_mlp.net.2",
 )
 
 
@@ -51,7 +55,9 @@ class QwenImagePolicy(DiffusersPolicy):
         4.0, ge=1.0, help="classifier-free guidance with negative_prompt (rescaled to the conditional norm); 1 = off"
     )
     negative_prompt: str = param(" ", help="the unconditional prompt of classifier-free guidance")
-    max_sequence_length: int = param(512, ge=1, le=1024, help="prompt tokens after the template (longer prompts are cut)")
+    max_sequence_length: int = param(
+        512, ge=1, le=1024, help="prompt tokens after the template (longer prompts are cut)"
+    )
     text_padding_mask: bool = param(
         True,
         help="mask the padding of shorter prompts in joint attention (diffusers >= 0.36); false: attend to it, as "
@@ -80,7 +86,10 @@ class QwenImagePolicy(DiffusersPolicy):
         embeds, mask = cond["prompt_embeds"][:, :longest], mask[:, :longest]
         h, w = self._latent_shape[-2:]
         masked = self.text_padding_mask and not bool(mask.all())
-        as_given = {"encoder_hidden_states_mask": mask if masked else None, "img_shapes": [[(1, h // 2, w // 2)]] * x.shape[0]}
+        as_given = {
+            "encoder_hidden_states_mask": mask if masked else None,
+            "img_shapes": [[(1, h // 2, w // 2)]] * x.shape[0],
+        }
         return self._transformer_output(dx.pack_2x2(x), sigma, as_given, encoder_hidden_states=embeds)
 
     def _combine(self, uncond: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:

@@ -64,11 +64,16 @@ class QwenImageEditPolicy(SourceImages, QwenImagePolicy):
     shared_condition_keys: ClassVar[tuple[str, ...]] = ("image_latents",)
     text_sees_images = True
 
-    source_resolution: str | list[int] = source_resolution_param("1024 x 1024 pixels of its aspect ratio, the pipeline's")
+    source_resolution: str | list[int] = source_resolution_param(
+        "1024 x 1024 pixels of its aspect ratio, the pipeline's"
+    )
     source_resample: str = source_resample_param()
     max_sequence_length: int = param(
-        1024, ge=1, le=16384,
-        help="prompt tokens after the template: the VL encoder's image tokens and the text's (padded to this; longer is an error)",
+        1024,
+        ge=1,
+        le=16384,
+        help="prompt tokens after the template: the VL encoder's image tokens and the text's (padded to this; longer "
+        "is an error)",
     )
     _images: dx.PromptCache = attrs.field(init=False, repr=False)
 
@@ -98,7 +103,10 @@ class QwenImageEditPolicy(SourceImages, QwenImagePolicy):
         refs = media.source_images(prompt)
         least, most = self.source_image_count
         if not least <= len(refs) <= most:
-            raise ValueError(f"{self._name()}: prompt {media.where(prompt)} has {len(refs)} source images; it takes {least} to {most}")
+            raise ValueError(
+                f"{self._name()}: prompt {media.where(prompt)} has {len(refs)} source images; it takes {least} to "
+                f"{most}"
+            )
         return [media.load_image(ref) for ref in refs]
 
     def _name(self) -> str:
@@ -155,11 +163,16 @@ class QwenImageEditPolicy(SourceImages, QwenImagePolicy):
             raise ValueError(f"{self._name()}: the prompts of one batch must have as many source images each")
         vae = pipe.vae
         out = {}
-        for key, slot in zip(keys, per_slot):
+        for key, slot in zip(keys, per_slot, strict=True):
             if len({tuple(p.shape) for p in slot}) > 1:
-                raise ValueError(f"{self._name()}: sources of several sizes in one batch ({sorted({tuple(p.shape[-2:]) for p in slot})})")
-            with torch.autocast(self.device.type, enabled=False):
-                latents = pipe._encode_vae_image(torch.cat(slot).unsqueeze(2).to(self.device, vae.dtype), generator=None)
+                raise ValueError(
+                    f"{self._name()}: sources of several sizes in one batch "
+                    f"({sorted({tuple(p.shape[-2:]) for p in slot})})"
+                )
+            with torch.autocast(torch.device(self.device).type, enabled=False):
+                latents = pipe._encode_vae_image(
+                    torch.cat(slot).unsqueeze(2).to(self.device, vae.dtype), generator=None
+                )
             out[key] = latents[:, :, 0].float()
         return out
 
@@ -195,12 +208,19 @@ class QwenImageEditPlusPolicy(QwenImageEditPolicy):
     def _vl_images(self, prompt: str) -> list[Any]:
         """Plus's VL input: each source at 384 x 384 pixels of its aspect ratio."""
         pipe = self._pipeline
-        return [pipe.image_processor.resize(image, *calculate_dimensions(pipe, CONDITION_IMAGE_AREA, image.width / image.height))
-                for image in self._sources(prompt)]
+        return [
+            pipe.image_processor.resize(
+                image, *calculate_dimensions(pipe, CONDITION_IMAGE_AREA, image.width / image.height)
+            )
+            for image in self._sources(prompt)
+        ]
 
     def _vl_embeds(self, prompts: list[str], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         # the pipeline numbers a prompt's images ("Picture 1: ..."): one prompt per call
-        rows = [self._pipeline._get_qwen_prompt_embeds([media.text_of(p)], image=self._vl_images(p), device=device) for p in prompts]
+        rows = [
+            self._pipeline._get_qwen_prompt_embeds([media.text_of(p)], image=self._vl_images(p), device=device)
+            for p in prompts
+        ]
         width = max(e.shape[1] for e, _ in rows)
         embeds = torch.cat([torch.nn.functional.pad(e, (0, 0, 0, width - e.shape[1])) for e, _ in rows])
         mask = torch.cat([torch.nn.functional.pad(m, (0, width - m.shape[1])) for _, m in rows])
@@ -212,14 +232,19 @@ class QwenImageEditPlusPolicy(QwenImageEditPolicy):
     def check_prompts(self, prompts: Sequence[str]) -> list[str]:
         counts = {len(media.source_images(p)) for p in prompts}
         if len(counts) > 1:
-            return [f"qwen-image-edit-plus: the prompts have {sorted(counts)} source images; one run batches them, so every prompt needs as many"]
+            return [
+                f"qwen-image-edit-plus: the prompts have {sorted(counts)} source images; one run batches them, so "
+                f"every prompt needs as many"
+            ]
         return super().check_prompts(prompts)
 
     def source_sizes(self, prompts: Sequence[str]) -> dict[tuple[int, ...], list[str]]:
         """(h1, w1, h2, w2, ...): the sizes of every slot (each slot is batched on its own)."""
         sizes: dict[tuple[int, ...], list[str]] = {}
         for prompt in dict.fromkeys(prompts):
-            key = tuple(v for image in map(media.load_image, media.source_images(prompt)) for v in self._source_size(image))
+            key = tuple(
+                v for image in map(media.load_image, media.source_images(prompt)) for v in self._source_size(image)
+            )
             sizes.setdefault(key, []).append(prompt)
         return sizes
 

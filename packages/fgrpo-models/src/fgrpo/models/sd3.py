@@ -48,8 +48,13 @@ class SD3Policy(DiffusersPolicy):
 
     def _encode_uncached(self, prompts: list[str], device: torch.device) -> dict[str, torch.Tensor]:
         embeds, _, pooled, _ = self._pipeline.encode_prompt(
-            prompt=prompts, prompt_2=None, prompt_3=None, device=device, num_images_per_prompt=1,
-            do_classifier_free_guidance=False, max_sequence_length=self.max_sequence_length,
+            prompt=prompts,
+            prompt_2=None,
+            prompt_3=None,
+            device=device,
+            num_images_per_prompt=1,
+            do_classifier_free_guidance=False,
+            max_sequence_length=self.max_sequence_length,
         )
         return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 import torch
@@ -49,6 +49,9 @@ from fgrpo.models.shapes_network import (
     to_velocity,
     transformer_output,
 )
+
+if TYPE_CHECKING:  # from its own module: mypy reads diffusers' top-level names as its dummy objects
+    from diffusers.models.modeling_utils import ModelMixin
 
 #: LoRA on both attention streams of every joint block, as for sd3.
 SHAPES_LORA_TARGETS = JOINT_ATTENTION_LORA_TARGETS
@@ -83,7 +86,9 @@ class ShapesDiT:
     ``random_init: true`` (architecture keys then default to :class:`Architecture`'s).
     """
 
-    path: str | None = param(None, help="shapes-dit safetensors weights; null: the shipped base (weights/shapes-base.safetensors)")
+    path: str | None = param(
+        None, help="shapes-dit safetensors weights; null: the shipped base (weights/shapes-base.safetensors)"
+    )
     hidden: int | None = _arch_key("transformer width")
     layers: int | None = _arch_key("transformer blocks")
     heads: int | None = _arch_key("attention heads")
@@ -95,7 +100,9 @@ class ShapesDiT:
     reference_copy: bool = param(
         True, help="with full fine-tuning keep a frozen copy of the base transformer for reference() (KL)"
     )
-    guidance_scale: float = param(1.0, ge=1.0, help="classifier-free guidance with the empty prompt; 1 = off, > 1: NFE 2 per call")
+    guidance_scale: float = param(
+        1.0, ge=1.0, help="classifier-free guidance with the empty prompt; 1 = off, > 1: NFE 2 per call"
+    )
     shift: float = param(1.0, gt=0, help="time shift s of sigmas(steps): s*t/(1+(s-1)*t)")
     dtype: str = param("float32", choices=dx.DTYPE_CHOICES, help="weights dtype (LoRA weights stay float32)")
     device: str | torch.device = param("auto", validator=dx.check_device, help=dx.DEVICE_HELP)
@@ -148,9 +155,10 @@ class ShapesDiT:
         self._cache = dx.PromptCache(1024)
 
     def _check_architecture(self) -> None:
-        arch = self._network.arch
+        arch = self.network.arch
         wrong = [
-            f"model.{k}: got {getattr(self, k)} but the weights have {getattr(arch, k)}; leave it out (null) to use the file's"
+            f"model.{k}: got {getattr(self, k)} but the weights have {getattr(arch, k)}; leave it out (null) to use "
+            f"the file's"
             for k in ARCH_KEYS
             if getattr(self, k) is not None and getattr(self, k) != getattr(arch, k)
         ]
@@ -163,21 +171,22 @@ class ShapesDiT:
 
     @property
     def network(self) -> ShapesNetwork:
+        assert self._network is not None, "set by __attrs_post_init__"
         return self._network
 
     @property
-    def transformer(self) -> nn.Module:
-        return self._network.transformer
+    def transformer(self) -> ModelMixin:
+        return self.network.transformer
 
     @property
     def trainable_module(self) -> nn.Module:
         """What a sharded (FSDP) run splits over the processes: the transformer (one FSDP unit per
         joint block); the text encoder and the reference copy stay whole on every process."""
-        return self._network.transformer
+        return self.network.transformer
 
     @property
     def architecture(self) -> Architecture:
-        return self._network.arch
+        return self.network.arch
 
     @property
     def cfg(self) -> bool:
@@ -200,7 +209,7 @@ class ShapesDiT:
         problems = []
         for prompt in dict.fromkeys(prompts):
             try:
-                self._network.token_ids([prompt])
+                self.network.token_ids([prompt])
             except ValueError as exc:
                 problems.append(str(exc))
         return problems
@@ -209,9 +218,9 @@ class ShapesDiT:
         """{prompt_embeds (B, tokens, text_width), pooled_prompt_embeds (B, text_width)}, plus
         ``negative_*`` (the empty prompt, an expanded view) with guidance. Frozen and cached."""
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-        cond = self._cache.get(prompts, self._network.encode)
+        cond = self._cache.get(prompts, self.network.encode)
         if self.cfg:
-            neg = self._cache.get([""], self._network.encode)
+            neg = self._cache.get([""], self.network.encode)
             n = len(prompts)
             for key in ("prompt_embeds", "pooled_prompt_embeds"):
                 cond[f"negative_{key}"] = neg[key].expand(n, *neg[key].shape[1:])
@@ -231,7 +240,7 @@ class ShapesDiT:
         sigma = torch.as_tensor(sigma, dtype=torch.float32, device=self.device)
         sigma = sigma.expand(b) if sigma.ndim == 0 else sigma.reshape(b)
         transformer = self._reference if (self._reference_depth and self._reference is not None) else self.transformer
-        dtype = self._network.text.embed.weight.dtype
+        dtype = self.network.text.embed.weight.dtype
         x = x.to(self.device, torch.float32)
         embeds, pooled = cond["prompt_embeds"], cond["pooled_prompt_embeds"]
         if self.cfg:
@@ -246,7 +255,13 @@ class ShapesDiT:
             source = torch.cat([source, source]) if self.cfg else source  # both guidance branches see it
             source = source.to(self.device, dtype)
         out = transformer_output(
-            transformer, self.architecture, x.to(dtype), sigma, embeds.to(self.device, dtype), pooled.to(self.device, dtype), source
+            transformer,
+            self.architecture,
+            x.to(dtype),
+            sigma,
+            embeds.to(self.device, dtype),
+            pooled.to(self.device, dtype),
+            source,
         )
         out = to_velocity(out, x, sigma, self.architecture.prediction)
         if self.cfg:

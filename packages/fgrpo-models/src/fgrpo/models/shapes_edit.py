@@ -57,7 +57,10 @@ class ShapesEditDiT(ShapesDiT):
             for ref in media.source_images(prompt):
                 image = media.load_image(ref)
                 if image.size != (size, size):
-                    problems.append(f"{media.where(prompt)}: its source image is {image.width}x{image.height}; shapes-edit-dit takes {size}x{size}")
+                    problems.append(
+                        f"{media.where(prompt)}: its source image is {image.width}x{image.height}; shapes-edit-dit "
+                        f"takes {size}x{size}"
+                    )
         return problems
 
     def encode(self, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
@@ -72,7 +75,9 @@ class ShapesEditDiT(ShapesDiT):
         if prompt not in self._sources:
             refs = media.source_images(prompt)
             if len(refs) != 1:
-                raise ValueError(f"shapes-edit-dit: prompt {media.where(prompt)} has {len(refs)} source images; it takes exactly 1")
+                raise ValueError(
+                    f"shapes-edit-dit: prompt {media.where(prompt)} has {len(refs)} source images; it takes exactly 1"
+                )
             pixels = media.to_tensor(media.load_image(refs[0])) * 2 - 1
             if len(self._sources) >= 4096:
                 self._sources.pop(next(iter(self._sources)))

@@ -46,7 +46,6 @@ PREDICTIONS = ("x0", "velocity")
 SIGMA_FLOOR = 1e-3
 
 
-
 def vocabulary_of(prompts: Iterable[str]) -> tuple[str, ...]:
     """The token list of a closed prompt set: the special tokens, then every word, sorted."""
     words = sorted({w for p in prompts for w in tokenize_words(p)})
@@ -61,11 +60,15 @@ def tokenize_words(prompt: str) -> list[str]:
 # --- the architecture ---------------------------------------------------------------------------
 
 
+def _words(words: Iterable[str]) -> tuple[str, ...]:
+    return tuple(words)
+
+
 @attrs.frozen
 class Architecture:
     """Everything needed to build the network; stored as JSON in the weights file's metadata."""
 
-    vocab: tuple[str, ...] = attrs.field(converter=tuple)
+    vocab: tuple[str, ...] = attrs.field(converter=_words)
     hidden: int = 192
     layers: int = 4
     heads: int = 3
@@ -189,15 +192,22 @@ def source_tokens_patch_embed(arch: Architecture, embed_dim: int) -> nn.Module:
 
         def forward(self, latent: torch.Tensor) -> torch.Tensor:
             size = latent.shape[-2]
-            state, *sources = (super(SourceTokensPatchEmbed, self).forward(part) for part in latent.split(size, dim=-1))
+            state, *sources = (
+                super(SourceTokensPatchEmbed, self).forward(part) for part in latent.split(size, dim=-1)
+            )
             side = size // self.patch_size
             grids = [state] + [t + self.source_marker[i].to(t.dtype) for i, t in enumerate(sources)]
             b, _, d = state.shape
             return torch.cat([g.reshape(b, side, side, d) for g in grids], dim=2).reshape(b, -1, d)
 
     return SourceTokensPatchEmbed(
-        arch.source_images, height=arch.size, width=arch.size, patch_size=arch.patch, in_channels=arch.channels,
-        embed_dim=embed_dim, pos_embed_max_size=arch.position_grid,
+        arch.source_images,
+        height=arch.size,
+        width=arch.size,
+        patch_size=arch.patch,
+        in_channels=arch.channels,
+        embed_dim=embed_dim,
+        pos_embed_max_size=arch.position_grid,
     )
 
 
@@ -206,7 +216,8 @@ class ShapesNetwork(nn.Module):
 
     def __init__(self, arch: Architecture):
         super().__init__()
-        from diffusers import SD3Transformer2DModel
+        # from its own module: mypy reads diffusers' top-level names as its dummy objects
+        from diffusers.models.transformers.transformer_sd3 import SD3Transformer2DModel
 
         self.arch = arch
         self.word_ids = {w: i for i, w in enumerate(arch.vocab)}
@@ -237,10 +248,12 @@ class ShapesNetwork(nn.Module):
             words = tokenize_words(prompt)
             unknown = [w for w in words if w not in self.word_ids or w in SPECIALS]
             if unknown:
-                known = ", ".join(self.arch.vocab[len(SPECIALS):])
+                known = ", ".join(self.arch.vocab[len(SPECIALS) :])
                 raise ValueError(f"prompt {prompt!r}: word(s) {unknown} not in the shapes-dit vocabulary ({known})")
             if len(words) > self.arch.max_words:
-                raise ValueError(f"prompt {prompt!r} has {len(words)} words; this model reads at most {self.arch.max_words}")
+                raise ValueError(
+                    f"prompt {prompt!r} has {len(words)} words; this model reads at most {self.arch.max_words}"
+                )
             ids = [start] + [self.word_ids[w] for w in words]
             rows.append(ids + [0] * (self.arch.tokens - len(ids)))
         return torch.tensor(rows, dtype=torch.long, device=device)
@@ -251,7 +264,12 @@ class ShapesNetwork(nn.Module):
         return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
 
     def forward(
-        self, x: torch.Tensor, sigma: torch.Tensor, embeds: torch.Tensor, pooled: torch.Tensor, source: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        sigma: torch.Tensor,
+        embeds: torch.Tensor,
+        pooled: torch.Tensor,
+        source: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The transformer's raw output for pixels ``x`` (B, 3, 24, 24) at noise level ``sigma``
         (B,): the clean image x0 (``arch.prediction == "x0"``) or the velocity. An editing
@@ -260,8 +278,13 @@ class ShapesNetwork(nn.Module):
 
 
 def transformer_output(
-    transformer: nn.Module, arch: Architecture, x: torch.Tensor, sigma: torch.Tensor, embeds: torch.Tensor,
-    pooled: torch.Tensor, source: torch.Tensor | None = None,
+    transformer: nn.Module,
+    arch: Architecture,
+    x: torch.Tensor,
+    sigma: torch.Tensor,
+    embeds: torch.Tensor,
+    pooled: torch.Tensor,
+    source: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One call of a shapes network's transformer: the state's tokens, then (editing) the source
     images' tokens to their right in one sequence, at the same timestep; the output of the state's
@@ -269,7 +292,10 @@ def transformer_output(
     if arch.source_images:
         if source is None or source.shape[-1] != arch.size * arch.source_images:
             shape = None if source is None else tuple(source.shape)
-            raise ValueError(f"this editing network needs source pixels (B, 3, {arch.size}, {arch.size * arch.source_images}), got {shape}")
+            raise ValueError(
+                f"this editing network needs source pixels (B, 3, {arch.size}, {arch.size * arch.source_images}), got "
+                f"{shape}"
+            )
         x = torch.cat([x, source.to(x)], dim=-1)
     out = transformer(
         hidden_states=x,
@@ -291,7 +317,12 @@ def to_velocity(output: torch.Tensor, x: torch.Tensor, sigma: torch.Tensor, pred
 
 
 def flow_loss(
-    output: torch.Tensor, x0: torch.Tensor, eps: torch.Tensor, sigma: torch.Tensor, prediction: str, floor: float = 0.05
+    output: torch.Tensor,
+    x0: torch.Tensor,
+    eps: torch.Tensor,
+    sigma: torch.Tensor,
+    prediction: str,
+    floor: float = 0.05,
 ) -> torch.Tensor:
     """The pretraining loss: velocity MSE against eps - x0 for the transformer's ``output`` at
     x_sigma = (1 - sigma) x0 + sigma eps. With x0-prediction (JiT's "v-loss") the velocity implied
@@ -318,7 +349,10 @@ def default_weights_path(resource: str = WEIGHTS_RESOURCE) -> str:
 
 
 def save_network(
-    network: ShapesNetwork, path: str | Path, dtype: torch.dtype = torch.float16, extra: Mapping[str, str] | None = None
+    network: ShapesNetwork,
+    path: str | Path,
+    dtype: torch.dtype = torch.float16,
+    extra: Mapping[str, str] | None = None,
 ) -> None:
     """Write ``network`` as safetensors (floating tensors cast to ``dtype``) with its architecture
     (and ``extra`` strings, e.g. how it was trained) in the metadata."""
@@ -356,7 +390,8 @@ def load_network(path: str | Path) -> ShapesNetwork:
     missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
     if missing or unexpected:
         raise ValueError(
-            f"model.path: {str(file)!r} does not fit its own architecture: missing {missing[:3]}, unexpected {unexpected[:3]}"
+            f"model.path: {str(file)!r} does not fit its own architecture: missing {missing[:3]}, unexpected "
+            f"{unexpected[:3]}"
         )
     network.load_state_dict(state, strict=True)
     return network

@@ -37,14 +37,26 @@ from torch import nn
 
 from fgrpo.core import flow, registry, seeding
 from fgrpo.core.config import param
-from fgrpo.models.lora import lora_param
 from fgrpo.models._small import SmallNet
+from fgrpo.models.lora import lora_param
 from fgrpo.models.vector import DTYPES, _valid_device, time_embedding
 
 WEIGHTS_RESOURCE = "weights/driving-base.safetensors"
 
 #: what a weights file records besides its tensors (the model's architecture and normalisation)
-ARCH_KEYS = ("horizon", "dims", "cond_dim", "hidden", "blocks", "time_dim", "dt", "speed_offset", "speed_scale", "lateral_scale", "heading_scale")
+ARCH_KEYS = (
+    "horizon",
+    "dims",
+    "cond_dim",
+    "hidden",
+    "blocks",
+    "time_dim",
+    "dt",
+    "speed_offset",
+    "speed_scale",
+    "lateral_scale",
+    "heading_scale",
+)
 
 
 @attrs.frozen
@@ -132,13 +144,18 @@ def load_network(path: str | Path) -> PlanVelocity:
     with safe_open(str(file), framework="pt") as f:
         meta = dict(f.metadata() or {})
     if meta.get("fgrpo_model") != "trajectory" or "architecture" not in meta:
-        raise ValueError(f"model.path: {str(file)!r} is not a trajectory weights file (no trajectory architecture in its metadata)")
+        raise ValueError(
+            f"model.path: {str(file)!r} is not a trajectory weights file (no trajectory architecture in its metadata)"
+        )
     network = PlanVelocity(Architecture.from_json(meta["architecture"]))
     state = load_file(str(file))
     expected = network.state_dict()
     missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
     if missing or unexpected:
-        raise ValueError(f"model.path: {str(file)!r} does not fit its own architecture: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        raise ValueError(
+            f"model.path: {str(file)!r} does not fit its own architecture: missing {missing[:3]}, unexpected "
+            f"{unexpected[:3]}"
+        )
     network.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
     return network
 
@@ -154,10 +171,16 @@ class TrajectoryPolicy:
     scene the prompt names (see the module docstring). ``path: null`` loads the shipped BC base;
     ``path: random`` builds a fresh network from the architecture keys (pretraining, tests)."""
 
-    scenes: str = param("driving", help="the prompt source (fgrpo.prompts name) whose encode_prompts gives the scene encoding")
-    path: str | None = param(None, help="trajectory safetensors weights; null: the shipped BC base; 'random': a new network (init seed)")
+    scenes: str = param(
+        "driving", help="the prompt source (fgrpo.prompts name) whose encode_prompts gives the scene encoding"
+    )
+    path: str | None = param(
+        None, help="trajectory safetensors weights; null: the shipped BC base; 'random': a new network (init seed)"
+    )
     horizon: int | None = param(None, ge=1, help="waypoints per plan (null: the weights file's; 'random' default 8)")
-    dims: int | None = param(None, validator=_two_or_three, help="2: (x, y); 3: (x, y, heading) (null: the weights file's)")
+    dims: int | None = param(
+        None, validator=_two_or_three, help="2: (x, y); 3: (x, y, heading) (null: the weights file's)"
+    )
     hidden: int = param(112, ge=1, help="width of a new network (path: random)")
     blocks: int = param(3, ge=1, help="residual blocks of a new network (path: random)")
     shift: float = param(1.0, gt=0, help="time shift s of the default schedule: s*t/(1+(s-1)*t)")
@@ -168,31 +191,50 @@ class TrajectoryPolicy:
 
     evaluations_per_call: int = attrs.field(default=1, init=False)
     arch: Architecture = attrs.field(init=False, default=None, repr=False)
-    _net: SmallNet = attrs.field(init=False, default=None, repr=False)
+    _net: SmallNet[PlanVelocity] = attrs.field(init=False, default=None, repr=False)
     _source: Any = attrs.field(init=False, default=None, repr=False)
 
     def __attrs_post_init__(self) -> None:
         self.device = torch.device(self.device)
         self._source = registry.load("prompts", self.scenes)
         if not callable(getattr(self._source, "encode_prompts", None)):
-            raise ValueError(f"model.scenes: the prompt source {self.scenes!r} has no encode_prompts(prompts): it names no scenes")
+            raise ValueError(
+                f"model.scenes: the prompt source {self.scenes!r} has no encode_prompts(prompts): it names no scenes"
+            )
         if self.path == "random":
             cond = int(getattr(self._source, "encoding_size", 0) or 0)
-            self.arch = Architecture(horizon=self.horizon or 8, dims=self.dims or 2, cond_dim=cond or Architecture.cond_dim,
-                                     hidden=self.hidden, blocks=self.blocks)
+            self.arch = Architecture(
+                horizon=self.horizon or 8,
+                dims=self.dims or 2,
+                cond_dim=cond or Architecture.cond_dim,
+                hidden=self.hidden,
+                blocks=self.blocks,
+            )
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(self.init)
                 network = PlanVelocity(self.arch)
         else:
             network = load_network(self.path or default_weights_path())
             self.arch = network.arch
-            wrong = [(k, getattr(self, k), getattr(self.arch, k)) for k in ("horizon", "dims") if getattr(self, k) not in (None, getattr(self.arch, k))]
+            wrong = [
+                (k, getattr(self, k), getattr(self.arch, k))
+                for k in ("horizon", "dims")
+                if getattr(self, k) not in (None, getattr(self.arch, k))
+            ]
             if wrong:
-                raise ValueError("; ".join(f"model.{k}: got {mine} but the weights have {theirs}; leave it out (null)" for k, mine, theirs in wrong))
+                raise ValueError(
+                    "; ".join(
+                        f"model.{k}: got {mine} but the weights have {theirs}; leave it out (null)"
+                        for k, mine, theirs in wrong
+                    )
+                )
         network.requires_grad_(False)
         network.to(device=self.device, dtype=DTYPES[self.dtype])
         if self.lora is not None and self.lora["target_modules"] is None:
-            self.lora = {**self.lora, "target_modules": [n for n, m in network.named_modules() if isinstance(m, nn.Linear)]}
+            self.lora = {
+                **self.lora,
+                "target_modules": [n for n, m in network.named_modules() if isinstance(m, nn.Linear)],
+            }
         self._net = SmallNet(network, self.lora, seed=self.init + 2, device=self.device)
 
     # --- the Policy protocol --------------------------------------------------------------------
@@ -209,7 +251,10 @@ class TrajectoryPolicy:
         """(B, cond_dim) float32: the scene encoding of each prompt's scene."""
         cond = torch.as_tensor(self._source.encode_prompts(list(prompts)), dtype=torch.float32)
         if cond.dim() != 2 or cond.shape[1] != self.arch.cond_dim:
-            raise ValueError(f"the scene encoding of {self.scenes!r} has shape {tuple(cond.shape)}; the network takes (B, {self.arch.cond_dim})")
+            raise ValueError(
+                f"the scene encoding of {self.scenes!r} has shape {tuple(cond.shape)}; the network takes (B, "
+                f"{self.arch.cond_dim})"
+            )
         return cond.to(self.device)
 
     def initial_noise(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -282,4 +327,13 @@ def from_waypoints(w: torch.Tensor, arch: Architecture) -> torch.Tensor:
     return torch.stack(out, -1)
 
 
-__all__ = ["Architecture", "PlanVelocity", "TrajectoryPolicy", "default_weights_path", "from_waypoints", "load_network", "save_network", "to_waypoints"]
+__all__ = [
+    "Architecture",
+    "PlanVelocity",
+    "TrajectoryPolicy",
+    "default_weights_path",
+    "from_waypoints",
+    "load_network",
+    "save_network",
+    "to_waypoints",
+]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -51,9 +52,7 @@ def _even(_instance: Any, _attribute: Any, value: Any) -> None:
 def time_embedding(sigma: torch.Tensor, size: int) -> torch.Tensor:
     """(B,) noise levels -> (B, size) [cos, sin] features at geometric frequencies 1.._MAX_FREQUENCY."""
     half = size // 2
-    freqs = torch.exp(
-        torch.linspace(0.0, math.log(_MAX_FREQUENCY), half, device=sigma.device, dtype=torch.float32)
-    )
+    freqs = torch.exp(torch.linspace(0.0, math.log(_MAX_FREQUENCY), half, device=sigma.device, dtype=torch.float32))
     args = sigma.to(torch.float32)[:, None] * freqs[None]
     return torch.cat([torch.cos(args), torch.sin(args)], dim=1)
 
@@ -68,10 +67,12 @@ class VelocityMLP(nn.Module):
         super().__init__()
         self.time_dim = time_dim
         sizes = [dim + cond_dim + time_dim] + [hidden] * (layers - 1) + [dim]
-        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:]))
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in pairwise(sizes))
 
     def forward(self, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
-        dtype = self.layers[0].weight.dtype
+        weight = self.layers[0].weight
+        assert isinstance(weight, torch.Tensor)  # a Linear (or peft's LoRA Linear, whose weight is its base's)
+        dtype = weight.dtype
         h = torch.cat([x, cond, time_embedding(sigma, self.time_dim)], dim=1).to(dtype)
         for layer in self.layers[:-1]:
             h = nn.functional.silu(layer(h))
@@ -109,8 +110,10 @@ class VectorPolicy:
 
     dim: int = param(2, ge=1, help="dimension of the generated vectors")
     cond_dim: int | None = param(
-        None, ge=0, help="size of the prompt conditioning: the target, then a hashed code of the "
-        "text; none = dim; 0 = unconditional"
+        None,
+        ge=0,
+        help="size of the prompt conditioning: the target, then a hashed code of the "
+        "text; none = dim; 0 = unconditional",
     )
     hidden: int = param(64, ge=1, le=1 << 16, help="width of the MLP")
     layers: int = param(3, ge=1, help="number of Linear layers")
@@ -119,13 +122,17 @@ class VectorPolicy:
     lora: dict | None = lora_param(8, None, default=False)
     init: int = param(0, help="seed of the initial weights (and of pretraining and LoRA init)")
     path: str | None = param(None, help="safetensors file with the base weights (VectorPolicy.save_base)")
-    pretrain_steps: int = param(0, ge=0, help="flow-matching steps fitting the base to pretrain_data at construction (300: ~1 s)")
-    pretrain_data: str = param("modes", choices=("modes", "gaussian"), help="base distribution: 2*dim modes at +-1 per axis, or N(0, I)")
+    pretrain_steps: int = param(
+        0, ge=0, help="flow-matching steps fitting the base to pretrain_data at construction (300: ~1 s)"
+    )
+    pretrain_data: str = param(
+        "modes", choices=("modes", "gaussian"), help="base distribution: 2*dim modes at +-1 per axis, or N(0, I)"
+    )
     dtype: str = param("float32", choices=tuple(DTYPES), help="dtype of the weights")
     device: str | torch.device = param("cpu", validator=_valid_device, help="torch device of the network")
 
     evaluations_per_call: int = attrs.field(default=1, init=False)
-    _small: SmallNet = attrs.field(init=False, default=None, repr=False)
+    _small: SmallNet[VelocityMLP] = attrs.field(init=False, default=None, repr=False)
 
     def __attrs_post_init__(self) -> None:
         if self.cond_dim is None:
@@ -160,6 +167,7 @@ class VectorPolicy:
 
     def encode(self, prompts: Sequence[str]) -> torch.Tensor:
         """(B, cond_dim) float32: each prompt's target followed by a hashed code of its text."""
+        assert self.cond_dim is not None  # resolved by __attrs_post_init__
         if not prompts:
             return torch.zeros(0, self.cond_dim, device=self.device)
         rows = [condition_vector(p, self.dim, self.cond_dim) for p in prompts]

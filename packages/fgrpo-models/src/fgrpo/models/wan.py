@@ -47,8 +47,8 @@ sampling, outside the state the kernels step).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any, Callable, ClassVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 import torch
@@ -58,6 +58,9 @@ from fgrpo.core.config import param
 from fgrpo.models import _diffusers as dx
 from fgrpo.models.diffusers_policy import NEGATIVE, DiffusersPolicy
 from fgrpo.models.lora import lora_param
+
+if TYPE_CHECKING:  # from its own module: mypy reads diffusers' top-level names as its dummy objects
+    from diffusers.models.modeling_utils import ModelMixin
 
 #: self- and cross-attention of every block (attn1, attn2), no feed-forward: flow_grpo's Wan adapter
 #: (scripts/train_wan2_1.py:451-460; add_* exist only in image-to-video blocks). Adding
@@ -75,8 +78,15 @@ def _frames(_inst: Any, _attribute: Any, value: Any) -> None:
 def _experts(_inst: Any, _attribute: Any, value: Any) -> None:
     if value is None:
         return
-    if not isinstance(value, (list, tuple)) or not value or any(v not in EXPERTS for v in value) or len(set(value)) != len(value):
-        raise ValueError(f"got {value!r}; allowed: null (every expert of the pipeline) or a list of {', '.join(EXPERTS)}")
+    if (
+        not isinstance(value, (list, tuple))
+        or not value
+        or any(v not in EXPERTS for v in value)
+        or len(set(value)) != len(value)
+    ):
+        raise ValueError(
+            f"got {value!r}; allowed: null (every expert of the pipeline) or a list of {', '.join(EXPERTS)}"
+        )
 
 
 class WanExperts(torch.nn.Module):
@@ -99,10 +109,18 @@ class WanPolicy(DiffusersPolicy):
     text_encoder_names = ("text_encoder",)
     timestep_scale = 1000.0
 
-    guidance_scale: float = param(5.0, ge=1.0, help="classifier-free guidance scale (Wan 2.2: of the high-noise expert); 1 = off, > 1: NFE 2 per call")
-    guidance_scale_2: float | None = param(None, ge=1.0, help="Wan 2.2: the low-noise expert's guidance scale; null: guidance_scale")
+    guidance_scale: float = param(
+        5.0,
+        ge=1.0,
+        help="classifier-free guidance scale (Wan 2.2: of the high-noise expert); 1 = off, > 1: NFE 2 per call",
+    )
+    guidance_scale_2: float | None = param(
+        None, ge=1.0, help="Wan 2.2: the low-noise expert's guidance scale; null: guidance_scale"
+    )
     train_experts: list[str] | None = param(
-        None, validator=_experts, help="Wan 2.2 A14B: which experts train (high_noise, low_noise); null: every expert of the pipeline"
+        None,
+        validator=_experts,
+        help="Wan 2.2 A14B: which experts train (high_noise, low_noise); null: every expert of the pipeline",
     )
     num_frames: int = param(81, ge=1, validator=_frames, help="frames per video (4k + 1)")
     max_sequence_length: int = param(512, ge=1, help="UMT5 tokens per prompt (zero-padded)")
@@ -134,7 +152,7 @@ class WanPolicy(DiffusersPolicy):
         boundary = self.boundary_ratio * self._pipeline.scheduler.config.num_train_timesteps
         return self._timestep(sigma.to(torch.float32)) >= boundary
 
-    def trained_transformers(self) -> list[tuple[str, torch.nn.Module]]:
+    def trained_transformers(self) -> list[tuple[str, ModelMixin]]:
         if not self.is_moe:
             return [("transformer", self.transformer)]
         names = [EXPERTS[e] for e in (self.train_experts or EXPERTS)]
@@ -151,15 +169,24 @@ class WanPolicy(DiffusersPolicy):
 
     def _module_dtypes(self) -> list[tuple[torch.nn.Module, torch.dtype]]:
         second = getattr(self._pipeline, "transformer_2", None)
-        return super()._module_dtypes() + ([(second, self._torch_dtype)] if isinstance(second, torch.nn.Module) else [])
+        return super()._module_dtypes() + (
+            [(second, self._torch_dtype)] if isinstance(second, torch.nn.Module) else []
+        )
 
     def _check_pipeline(self, pipe: Any) -> None:
         if getattr(pipe, "transformer", None) is None:
-            raise ValueError("model.path: this Wan pipeline has no transformer (a low-noise expert alone); fgrpo drives it with its transformer")
-        moe = getattr(pipe, "transformer_2", None) is not None and getattr(pipe.config, "boundary_ratio", None) is not None
+            raise ValueError(
+                "model.path: this Wan pipeline has no transformer (a low-noise expert alone); fgrpo drives it with "
+                "its transformer"
+            )
+        moe = (
+            getattr(pipe, "transformer_2", None) is not None
+            and getattr(pipe.config, "boundary_ratio", None) is not None
+        )
         if self.train_experts is not None and not moe and self.train_experts != ["high_noise"]:
             raise ValueError(
-                f"model.train_experts: got {self.train_experts!r} but this pipeline has one transformer (Wan 2.1, TI2V-5B); "
+                f"model.train_experts: got {self.train_experts!r} but this pipeline has one transformer (Wan 2.1, "
+                f"TI2V-5B); "
                 "allowed: null or [high_noise]"
             )
         if moe:
@@ -209,8 +236,11 @@ class WanPolicy(DiffusersPolicy):
 
     def _encode_uncached(self, prompts: list[str], device: torch.device) -> dict[str, torch.Tensor]:
         embeds, _ = self._pipeline.encode_prompt(
-            prompt=prompts, do_classifier_free_guidance=False, num_videos_per_prompt=1,
-            max_sequence_length=self.max_sequence_length, device=device,
+            prompt=prompts,
+            do_classifier_free_guidance=False,
+            num_videos_per_prompt=1,
+            max_sequence_length=self.max_sequence_length,
+            device=device,
         )
         return {"prompt_embeds": embeds}
 
@@ -288,12 +318,14 @@ class WanImageToVideoPolicy(WanPolicy):
         super()._check_pipeline(pipe)
         if getattr(pipe.config, "expand_timesteps", False):
             raise ValueError(
-                "model.path: TI2V-5B image-to-video (expand_timesteps) overwrites the first latent frame with the image after "
+                "model.path: TI2V-5B image-to-video (expand_timesteps) overwrites the first latent frame with the "
+                "image after "
                 "sampling, outside the state fgrpo's kernels step; train TI2V-5B text-to-video with the wan backbone"
             )
         if pipe.transformer.config.get("image_dim") is not None:
             raise ValueError(
-                "model.path: a Wan 2.1 image-to-video pipeline (CLIP image embeddings, image_dim set); wan-i2v drives Wan 2.2 "
+                "model.path: a Wan 2.1 image-to-video pipeline (CLIP image embeddings, image_dim set); wan-i2v drives "
+                "Wan 2.2 "
                 "I2V (the source image through the VAE only)"
             )
 
@@ -319,7 +351,10 @@ class WanImageToVideoPolicy(WanPolicy):
         for prompt in dict.fromkeys(prompts):
             path = self._image_path(prompt)
             if path is None:
-                problems.append(f"{prompt!r} names no source image: image-to-video needs an 'image' key in its metadata (a .jsonl row)")
+                problems.append(
+                    f"{prompt!r} names no source image: image-to-video needs an 'image' key in its metadata (a .jsonl "
+                    f"row)"
+                )
             elif isinstance(path, str) and not os.path.isfile(path):
                 problems.append(f"{prompt!r}: its image {path!r} does not exist")
         return problems
@@ -339,7 +374,9 @@ class WanImageToVideoPolicy(WanPolicy):
         vae = pipe.vae
         rows = []
         for prompt in prompts:
-            image = pipe.video_processor.preprocess(media.load_image(self._image_path(prompt)), height=height, width=width)
+            image = pipe.video_processor.preprocess(
+                media.load_image(self._image_path(prompt)), height=height, width=width
+            )
             image = image.to(self.device, torch.float32).unsqueeze(2)
             video = torch.cat([image, image.new_zeros(1, 3, self.num_frames - 1, height, width)], dim=2)
             latent = retrieve_latents(vae.encode(video.to(vae.dtype)), sample_mode="argmax").float()

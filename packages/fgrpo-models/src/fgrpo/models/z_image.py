@@ -36,8 +36,13 @@ from fgrpo.models.lora import lora_param
 
 #: Flow-Factory's default Z-Image targets (models/z_image/z_image.py ``default_target_modules``)
 Z_IMAGE_LORA_TARGETS = (
-    "attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0",
-    "feed_forward.w1", "feed_forward.w2", "feed_forward.w3",
+    "attention.to_q",
+    "attention.to_k",
+    "attention.to_v",
+    "attention.to_out.0",
+    "feed_forward.w1",
+    "feed_forward.w2",
+    "feed_forward.w3",
 )
 
 
@@ -52,10 +57,16 @@ class ZImagePolicy(DiffusersPolicy):
     packs_2x2 = False  # the transformer patchifies the latent itself
 
     guidance_scale: float = param(
-        5.0, ge=0.0, help="guidance as the pipeline applies it, pos + s (pos - neg); 0 = off (Z-Image-Turbo), > 0: NFE 2"
+        5.0,
+        ge=0.0,
+        help="guidance as the pipeline applies it, pos + s (pos - neg); 0 = off (Z-Image-Turbo), > 0: NFE 2",
     )
-    cfg_normalization: float = param(0.0, ge=0.0, help="cap the guided prediction's norm at this multiple of the conditional one; 0 = off")
-    cfg_truncation: float = param(1.0, ge=0.0, help="no guidance once 1 - sigma exceeds this (1: guidance at every step)")
+    cfg_normalization: float = param(
+        0.0, ge=0.0, help="cap the guided prediction's norm at this multiple of the conditional one; 0 = off"
+    )
+    cfg_truncation: float = param(
+        1.0, ge=0.0, help="no guidance once 1 - sigma exceeds this (1: guidance at every step)"
+    )
     max_sequence_length: int = param(512, ge=1, help="prompt tokens after the chat template (longer prompts are cut)")
     lora: dict | None = lora_param(64, Z_IMAGE_LORA_TARGETS)
 
@@ -68,7 +79,9 @@ class ZImagePolicy(DiffusersPolicy):
         return self.guidance_scale > 0.0
 
     def _encode_uncached(self, prompts: list[str], device: torch.device) -> dict[str, torch.Tensor]:
-        rows = self._pipeline._encode_prompt(list(prompts), device=device, max_sequence_length=self.max_sequence_length)
+        rows = self._pipeline._encode_prompt(
+            list(prompts), device=device, max_sequence_length=self.max_sequence_length
+        )
         width, dim = self.max_sequence_length, rows[0].shape[-1]
         embeds = rows[0].new_zeros(len(rows), width, dim)
         mask = torch.zeros(len(rows), width, dtype=torch.long, device=rows[0].device)
@@ -80,7 +93,10 @@ class ZImagePolicy(DiffusersPolicy):
     def _predict(self, x: torch.Tensor, sigma: torch.Tensor, cond: Mapping[str, torch.Tensor]) -> torch.Tensor:
         transformer = self.transformer
         dtype = transformer.dtype
-        captions = [row[mask.bool()].to(dtype) for row, mask in zip(cond["prompt_embeds"], cond["prompt_embeds_mask"])]
+        captions = [
+            row[mask.bool()].to(dtype)
+            for row, mask in zip(cond["prompt_embeds"], cond["prompt_embeds_mask"], strict=True)
+        ]
         latents = list(x.to(dtype).unsqueeze(2).unbind(0))
         out = transformer(latents, 1.0 - sigma, captions, return_dict=False)[0]
         return -torch.stack([o.float() for o in out]).squeeze(2)
@@ -96,7 +112,9 @@ class ZImagePolicy(DiffusersPolicy):
         if bool(truncated.any()):  # those rows: the conditional prediction alone, as the pipeline runs them
             positive = {k: v for k, v in cond.items() if not k.startswith("negative_")}
             rows = truncated.nonzero().flatten()
-            alone = self._predict(x[rows].to(self.device, torch.float32), sigma[rows], {k: v[rows] for k, v in positive.items()})
+            alone = self._predict(
+                x[rows].to(self.device, torch.float32), sigma[rows], {k: v[rows] for k, v in positive.items()}
+            )
             guided = guided.index_copy(0, rows, alone)
         return guided
 

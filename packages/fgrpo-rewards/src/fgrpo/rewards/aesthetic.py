@@ -19,13 +19,20 @@ from fgrpo.core.protocols import RewardResult
 from fgrpo.rewards.clip import check_images, device_key, dtype_key, image_embeddings, load_clip, shared
 from fgrpo.rewards.weights import read_state_dict
 
+
 def aesthetic_head(width: int) -> nn.Sequential:
     """The predictor's MLP with the published module indices (layers.0, .2, .4, .6, .7): widths
     1024, 128, 64, 16, 1 after the input (768 for ViT-L/14), no activations between them, exactly
     as the published predictor (its dropouts are identities at inference)."""
     return nn.Sequential(
-        nn.Linear(width, 1024), nn.Dropout(0.2), nn.Linear(1024, 128), nn.Dropout(0.2),
-        nn.Linear(128, 64), nn.Dropout(0.1), nn.Linear(64, 16), nn.Linear(16, 1),
+        nn.Linear(width, 1024),
+        nn.Dropout(0.2),
+        nn.Linear(1024, 128),
+        nn.Dropout(0.2),
+        nn.Linear(128, 64),
+        nn.Dropout(0.1),
+        nn.Linear(64, 16),
+        nn.Linear(16, 1),
     )
 
 
@@ -71,7 +78,9 @@ class Aesthetic:
             )
 
     @torch.no_grad()
-    def __call__(self, outputs: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> RewardResult:
+    def __call__(
+        self, outputs: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
+    ) -> RewardResult:
         check_images(outputs, prompts, "aesthetic")
         embedding = image_embeddings(self._clip, outputs, self.batch_size)
         return RewardResult(scores=self._head(embedding).squeeze(-1).float().cpu())

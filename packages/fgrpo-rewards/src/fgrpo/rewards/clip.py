@@ -107,13 +107,16 @@ def load_clip(path: str, processor_path: str | None, dtype: str, device: str | N
         from fgrpo.core.hub import pretrained_source  # absent weights: one message at once, no retries
 
         model_from = pretrained_source(path, key=key)
-        processor_from = pretrained_source(processor_path, key="reward.processor_path") if processor_path else model_from
+        processor_from = (
+            pretrained_source(processor_path, key="reward.processor_path") if processor_path else model_from
+        )
         try:
             model = CLIPModel.from_pretrained(model_from.location, **model_from.kwargs)
             processor = CLIPProcessor.from_pretrained(processor_from.location, **processor_from.kwargs)
         except OSError as exc:
             raise loading_error(key, processor_path or path, "a CLIP model and processor", exc) from exc
-        model = model.to(device=dev, dtype=DTYPES[dtype]).eval().requires_grad_(False)
+        # transformers wraps PreTrainedModel.to in functools.wraps, which mypy does not bind as a method
+        model = model.to(device=dev, dtype=DTYPES[dtype]).eval().requires_grad_(False)  # type: ignore[call-arg]
         return CLIP(model, processor.tokenizer, processor.image_processor.to_dict())
 
     return shared(("clip", path, processor_path or path, dtype, str(dev)), build)
@@ -147,7 +150,8 @@ def preprocess(images: torch.Tensor, config: Mapping[str, Any], mode: str = "bic
         if tuple(x.shape[-2:]) != tuple(size):
             x = F.interpolate(x, size=size, mode=mode, antialias=True, align_corners=False).clamp(0, 1)
     if config.get("do_center_crop", True) and config.get("crop_size") is not None:
-        ch, cw = _size(config["crop_size"], "crop_size")
+        crop = _size(config["crop_size"], "crop_size")
+        ch, cw = (crop, crop) if isinstance(crop, int) else crop  # a single number crops a square
         h, w = x.shape[-2:]
         top, left = max((h - ch) // 2, 0), max((w - cw) // 2, 0)
         x = x[..., top : top + ch, left : left + cw]
@@ -187,15 +191,20 @@ def text_embeddings(clip: CLIP, texts: Sequence[str], batch_size: int) -> torch.
     parts = []
     for start in range(0, len(texts), batch_size):
         tokens = clip.tokenizer(
-            list(texts[start : start + batch_size]), padding="max_length", truncation=True,
-            max_length=clip.max_length, return_tensors="pt",
+            list(texts[start : start + batch_size]),
+            padding="max_length",
+            truncation=True,
+            max_length=clip.max_length,
+            return_tensors="pt",
         ).to(clip.device)
         out = clip.model.get_text_features(input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"])
         parts.append(_features(out).float())
     return F.normalize(torch.cat(parts), dim=-1)
 
 
-def similarity_reward(clip: CLIP, outputs: Any, prompts: Sequence[str], batch_size: int, divisor: float, name: str) -> RewardResult:
+def similarity_reward(
+    clip: CLIP, outputs: Any, prompts: Sequence[str], batch_size: int, divisor: float, name: str
+) -> RewardResult:
     """score = cos(image, prompt) x exp(logit_scale) / divisor; details ``cosine``."""
     check_images(outputs, prompts, name)
     cosine = (image_embeddings(clip, outputs, batch_size) * text_embeddings(clip, prompts, batch_size)).sum(-1).cpu()
@@ -227,9 +236,12 @@ class _Similarity(HoldsCLIP):
     device: str | None
 
     def __attrs_post_init__(self) -> None:
-        self._clip = load_clip(self.path, self.processor_path, self.dtype, self.device)
+        # the attrs classes built on this mixin declare the _clip slot
+        self._clip = load_clip(self.path, self.processor_path, self.dtype, self.device)  # type: ignore[misc]
 
-    def __call__(self, outputs: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> RewardResult:
+    def __call__(
+        self, outputs: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
+    ) -> RewardResult:
         return similarity_reward(self._clip, outputs, prompts, self.batch_size, self.divisor, self.reward_name)
 
 

@@ -27,17 +27,47 @@ def fgrpo_register_commands(subparsers: Any) -> None:
         "environment variable named by --token-env.",
     )
     p.add_argument("name", help="the reward to serve (fgrpo plugins lists them)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="a recipe key of the reward, e.g. --set path=/models/PickScore_v1 (repeatable)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind, IPv4 or IPv6 (default 127.0.0.1: this machine only)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a recipe key of the reward, e.g. --set path=/models/PickScore_v1 (repeatable)",
+    )
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to bind, IPv4 or IPv6 (default 127.0.0.1: this machine only)"
+    )
     p.add_argument("--port", type=port_number, default=8765, help="port (0 = any free one; the chosen one is printed)")
     p.add_argument("--token-env", default="FGRPO_REWARD_TOKEN", help="environment variable holding the shared token")
-    p.add_argument("--max-request-mb", type=finite_number(0, strict=True), default=512.0, help="larger requests are refused unread")
-    p.add_argument("--max-inflight-mb", type=finite_number(0, strict=True), default=1024.0,
-                   help="requests being read or scored share this much; past it a request is told to retry (503)")
-    p.add_argument("--max-connections", type=integer_at_least(1), default=512, help="connections open at once; more are told to retry (503)")
-    p.add_argument("--read-timeout-s", type=finite_number(0, strict=True), default=30.0,
-                   help="seconds a request (head and body) may take to arrive, and its answer to be taken")
-    p.add_argument("--batch-size", type=integer_at_least(1), default=None,
-                   help="samples scored together, from all waiting requests (default: the reward's batch_size, else 64)")
+    p.add_argument(
+        "--max-request-mb",
+        type=finite_number(0, strict=True),
+        default=512.0,
+        help="larger requests are refused unread",
+    )
+    p.add_argument(
+        "--max-inflight-mb",
+        type=finite_number(0, strict=True),
+        default=1024.0,
+        help="requests being read or scored share this much; past it a request is told to retry (503)",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=integer_at_least(1),
+        default=512,
+        help="connections open at once; more are told to retry (503)",
+    )
+    p.add_argument(
+        "--read-timeout-s",
+        type=finite_number(0, strict=True),
+        default=30.0,
+        help="seconds a request (head and body) may take to arrive, and its answer to be taken",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=integer_at_least(1),
+        default=None,
+        help="samples scored together, from all waiting requests (default: the reward's batch_size, else 64)",
+    )
     p.set_defaults(handler=_serve)

@@ -38,13 +38,13 @@ from fgrpo.core.config import param
 from fgrpo.core.protocols import RewardResult
 from fgrpo.core.visuals import to_uint8
 from fgrpo.rewards.clip import (
-    device_key,
-    dtype_key,
     CLIP,
     DTYPES,
     check_images,
-    loading_error,
+    device_key,
+    dtype_key,
     load_clip,
+    loading_error,
     preprocess,
     require_transformers,
     resolve_device,
@@ -54,15 +54,86 @@ from fgrpo.rewards.clip import (
 
 #: GenEval's names of the 80 COCO classes, in COCO's order (evaluation/object_names.txt)
 COCO_CLASSES = (
-    "person", "bicycle", "car", "motorcycle", "airplane", "bus", "train", "truck", "boat", "traffic light",
-    "fire hydrant", "stop sign", "parking meter", "bench", "bird", "cat", "dog", "horse", "sheep", "cow",
-    "elephant", "bear", "zebra", "giraffe", "backpack", "umbrella", "handbag", "tie", "suitcase", "frisbee",
-    "skis", "snowboard", "sports ball", "kite", "baseball bat", "baseball glove", "skateboard", "surfboard",
-    "tennis racket", "bottle", "wine glass", "cup", "fork", "knife", "spoon", "bowl", "banana", "apple",
-    "sandwich", "orange", "broccoli", "carrot", "hot dog", "pizza", "donut", "cake", "chair", "couch",
-    "potted plant", "bed", "dining table", "toilet", "tv", "laptop", "computer mouse", "tv remote",
-    "computer keyboard", "cell phone", "microwave", "oven", "toaster", "sink", "refrigerator", "book", "clock",
-    "vase", "scissors", "teddy bear", "hair drier", "toothbrush",
+    "person",
+    "bicycle",
+    "car",
+    "motorcycle",
+    "airplane",
+    "bus",
+    "train",
+    "truck",
+    "boat",
+    "traffic light",
+    "fire hydrant",
+    "stop sign",
+    "parking meter",
+    "bench",
+    "bird",
+    "cat",
+    "dog",
+    "horse",
+    "sheep",
+    "cow",
+    "elephant",
+    "bear",
+    "zebra",
+    "giraffe",
+    "backpack",
+    "umbrella",
+    "handbag",
+    "tie",
+    "suitcase",
+    "frisbee",
+    "skis",
+    "snowboard",
+    "sports ball",
+    "kite",
+    "baseball bat",
+    "baseball glove",
+    "skateboard",
+    "surfboard",
+    "tennis racket",
+    "bottle",
+    "wine glass",
+    "cup",
+    "fork",
+    "knife",
+    "spoon",
+    "bowl",
+    "banana",
+    "apple",
+    "sandwich",
+    "orange",
+    "broccoli",
+    "carrot",
+    "hot dog",
+    "pizza",
+    "donut",
+    "cake",
+    "chair",
+    "couch",
+    "potted plant",
+    "bed",
+    "dining table",
+    "toilet",
+    "tv",
+    "laptop",
+    "computer mouse",
+    "tv remote",
+    "computer keyboard",
+    "cell phone",
+    "microwave",
+    "oven",
+    "toaster",
+    "sink",
+    "refrigerator",
+    "book",
+    "clock",
+    "vase",
+    "scissors",
+    "teddy bear",
+    "hair drier",
+    "toothbrush",
 )
 COLORS = ("red", "orange", "yellow", "green", "blue", "purple", "pink", "brown", "black", "white")
 COLOR_TEMPLATES = ("a photo of a {c} {cls}", "a photo of a {c}-colored {cls}", "a photo of a {c} object")
@@ -156,7 +227,9 @@ class Verdict:
     reason: str
 
 
-def _positions_hold(objects: Sequence[Detection], targets: Sequence[Detection], relation: str, threshold: float) -> bool:
+def _positions_hold(
+    objects: Sequence[Detection], targets: Sequence[Detection], relation: str, threshold: float
+) -> bool:
     return all(relation in relative_position(o.box, t.box, threshold) for o in objects for t in targets)
 
 
@@ -174,13 +247,17 @@ def judge(
 
 
 def geneval_rule(
-    objects: Mapping[str, Sequence[Detection]], metadata: Mapping[str, Any], colours_of: Callable[[str], list[str]], threshold: float
+    objects: Mapping[str, Sequence[Detection]],
+    metadata: Mapping[str, Any],
+    colours_of: Callable[[str], list[str]],
+    threshold: float,
 ) -> tuple[bool, list[str]]:
     """GenEval's verdict: at least ``count`` objects of each included class (the first ``count`` of
     them with the colour and the position asked for), fewer than ``count`` of each excluded one;
     and why not."""
     reasons: list[str] = []
-    correct, groups = True, []
+    correct = True
+    groups: list[Any] = []  # per requirement: the objects found, or None
     for req in metadata.get("include", []):
         cls, count = req["class"], int(req["count"])
         found = list(objects.get(cls, []))[:count]
@@ -211,12 +288,16 @@ def geneval_rule(
 
 
 def flow_grpo_scores(
-    objects: Mapping[str, Sequence[Detection]], metadata: Mapping[str, Any], colours_of: Callable[[str], list[str]], threshold: float
+    objects: Mapping[str, Sequence[Detection]],
+    metadata: Mapping[str, Any],
+    colours_of: Callable[[str], list[str]],
+    threshold: float,
 ) -> tuple[bool, float]:
     """flow_grpo's strict verdict (exactly ``count`` objects of each included class, all of them
     with the colour and position asked for) and its partial score (the mean of the count, colour
     and position parts)."""
-    strict, parts, groups = True, [], []
+    strict, parts = True, []
+    groups: list[Any] = []  # per requirement: the objects found, or None
     for req in metadata.get("include", []):
         cls, count = req["class"], int(req["count"])
         found = list(objects.get(cls, []))
@@ -248,16 +329,29 @@ def check_metadata(metadata: Any, index: int) -> None:
     """A clear error for rows that are not GenEval metadata (a text prompt source, a typo)."""
     where = f"geneval: metadata of sample {index}"
     if not isinstance(metadata, Mapping) or "tag" not in metadata or not isinstance(metadata.get("include"), list):
-        raise ValueError(f"{where} has no GenEval 'tag' and 'include' (got {metadata!r}); use a prompt source with GenEval metadata, e.g. prompts: {{name: folder, path: <geneval dataset>}}")
+        raise ValueError(
+            f"{where} has no GenEval 'tag' and 'include' (got {metadata!r}); use a prompt source with GenEval "
+            f"metadata, e.g. prompts: {{name: folder, path: <geneval dataset>}}"
+        )
     for req in metadata["include"] + list(metadata.get("exclude", [])):
-        if not isinstance(req, Mapping) or not isinstance(req.get("class"), str) or not isinstance(req.get("count"), int) or req["count"] < 1:
-            raise ValueError(f"{where}: every include/exclude entry needs a 'class' and a positive 'count', got {req!r}")
+        if (
+            not isinstance(req, Mapping)
+            or not isinstance(req.get("class"), str)
+            or not isinstance(req.get("count"), int)
+            or req["count"] < 1
+        ):
+            raise ValueError(
+                f"{where}: every include/exclude entry needs a 'class' and a positive 'count', got {req!r}"
+            )
         if "color" in req and req["color"] not in COLORS:
             raise ValueError(f"{where}: colour {req['color']!r} is not one of {', '.join(COLORS)}")
         if "position" in req:
             relation, target = req["position"]
             if relation not in RELATIONS or not 0 <= int(target) < metadata["include"].index(req):
-                raise ValueError(f"{where}: position {req['position']!r} needs one of {', '.join(RELATIONS)} and an earlier include index")
+                raise ValueError(
+                    f"{where}: position {req['position']!r} needs one of {', '.join(RELATIONS)} and an earlier "
+                    f"include index"
+                )
 
 
 # --- colour by CLIP on the crop ----------------------------------------------------------------
@@ -294,7 +388,9 @@ class ColourClassifier:
     def __call__(self, image: torch.Tensor, detections: Sequence[Detection], cls: str) -> list[str]:
         if not detections:
             return []
-        crops = [preprocess(object_crop(image, d)[None].to(self.clip.device), self.clip.image_config) for d in detections]
+        crops = [
+            preprocess(object_crop(image, d)[None].to(self.clip.device), self.clip.image_config) for d in detections
+        ]
         pixels = torch.cat(crops).to(self.clip.dtype)
         out = self.clip.model.get_image_features(pixel_values=pixels)
         feats = F.normalize((out if isinstance(out, torch.Tensor) else out.pooler_output).float(), dim=-1)
@@ -377,7 +473,9 @@ class OwlDetector:
         return batch
 
 
-def load_detector(path: str, threshold: float, dtype: str, device: str | None, key: str = "reward.detector") -> Detector:
+def load_detector(
+    path: str, threshold: float, dtype: str, device: str | None, key: str = "reward.detector"
+) -> Detector:
     """A detector from a hub id or folder, chosen by its config's model type; once per process."""
     require_transformers()
     dev = resolve_device(device)
@@ -410,7 +508,9 @@ def load_detector(path: str, threshold: float, dtype: str, device: str | None, k
                 processor = AutoProcessor.from_pretrained(where, **kw)
                 made = OwlDetector(model, processor, threshold, padded_square=kind == "owlv2")
             else:
-                raise ValueError(f"{key}: {path!r} is a {kind!r} model; supported: mask2former, maskformer, owlv2, owlvit")
+                raise ValueError(
+                    f"{key}: {path!r} is a {kind!r} model; supported: mask2former, maskformer, owlv2, owlvit"
+                )
         except OSError as exc:
             raise loading_error(key, path, f"a {kind} detector and its processor", exc) from exc
         made.model = made.model.to(device=dev, dtype=DTYPES[dtype]).eval().requires_grad_(False)
@@ -439,7 +539,7 @@ class Verifier:
             check_metadata(meta, i)
         detections = self.detector(images, [mentioned_classes(m) for m in metadata])
         out = []
-        for image, dets, meta in zip(images, detections, metadata):
+        for image, dets, meta in zip(images, detections, metadata, strict=True):
             limit = self.counting_threshold if meta["tag"] == "counting" else self.threshold
             objects = select_objects(dets, limit, self.max_objects, self.nms_threshold)
             memo: dict[str, list[str]] = {}
@@ -463,14 +563,23 @@ class GenEval:
     0.1-0.3).
     """
 
-    detector: str = param("facebook/mask2former-swin-small-coco-instance", help="hub id or folder of a Mask2Former, OWLv2 or OWL-ViT detector")
+    detector: str = param(
+        "facebook/mask2former-swin-small-coco-instance",
+        help="hub id or folder of a Mask2Former, OWLv2 or OWL-ViT detector",
+    )
     clip: str = param("openai/clip-vit-large-patch14", help="hub id or folder of the CLIP that names colours")
     score: str = param("partial", choices=("partial", "strict", "geneval"), help="which verdict is the score")
     threshold: float = param(0.3, ge=0, le=1, help="detection confidence kept (GenEval: 0.3)")
-    counting_threshold: float = param(0.9, ge=0, le=1, help="detection confidence kept for counting prompts (GenEval: 0.9)")
+    counting_threshold: float = param(
+        0.9, ge=0, le=1, help="detection confidence kept for counting prompts (GenEval: 0.9)"
+    )
     max_objects: int = param(16, ge=1, help="most confident detections kept per class")
-    nms_threshold: float = param(1.0, gt=0, le=1, help="drop a box overlapping a kept one of its class by this IoU; 1 = off (GenEval)")
-    position_threshold: float = param(0.1, ge=0, help="GenEval's relative-position margin, a fraction of the boxes' sizes")
+    nms_threshold: float = param(
+        1.0, gt=0, le=1, help="drop a box overlapping a kept one of its class by this IoU; 1 = off (GenEval)"
+    )
+    position_threshold: float = param(
+        0.1, ge=0, help="GenEval's relative-position margin, a fraction of the boxes' sizes"
+    )
     batch_size: int = param(16, ge=1, help="images per detector forward pass")
     dtype: str = dtype_key("the detector and CLIP weights")
     device: str | None = device_key()
@@ -479,14 +588,23 @@ class GenEval:
     def __attrs_post_init__(self) -> None:
         lowest = min(self.threshold, self.counting_threshold)
         detector = load_detector(self.detector, lowest, self.dtype, self.device)
-        colours = shared(("colours", self.clip, self.dtype, str(resolve_device(self.device))),
-                         lambda: ColourClassifier(load_clip(self.clip, None, self.dtype, self.device, key="reward.clip")))
+        colours = shared(
+            ("colours", self.clip, self.dtype, str(resolve_device(self.device))),
+            lambda: ColourClassifier(load_clip(self.clip, None, self.dtype, self.device, key="reward.clip")),
+        )
         self._verifier = Verifier(
-            detector, colours, self.threshold, self.counting_threshold, self.max_objects, self.nms_threshold,
+            detector,
+            colours,
+            self.threshold,
+            self.counting_threshold,
+            self.max_objects,
+            self.nms_threshold,
             self.position_threshold,
         )
 
-    def __call__(self, outputs: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> RewardResult:
+    def __call__(
+        self, outputs: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
+    ) -> RewardResult:
         check_images(outputs, prompts, "geneval")
         verdicts = []
         for start in range(0, len(prompts), self.batch_size):
@@ -496,7 +614,7 @@ class GenEval:
 
 
 def verdict_result(verdicts: Sequence[Verdict], tags: Sequence[str], score: str) -> RewardResult:
-    details = {
+    details: dict[str, Any] = {
         "geneval": torch.tensor([float(v.geneval) for v in verdicts]),
         "strict": torch.tensor([float(v.strict) for v in verdicts]),
         "partial": torch.tensor([v.partial for v in verdicts], dtype=torch.float32),

@@ -45,14 +45,18 @@ def members_of(groups: torch.Tensor | None, n: int) -> list[list[int]]:
 
 def take(outputs: Any, index: list[int]) -> Any:
     picked = torch.as_tensor(index, dtype=torch.long)
-    return tensors.index(outputs, picked) if not isinstance(outputs, torch.Tensor) else outputs[picked.to(outputs.device)]
+    return (
+        tensors.index(outputs, picked) if not isinstance(outputs, torch.Tensor) else outputs[picked.to(outputs.device)]
+    )
 
 
 def pointwise_details(details: Mapping[str, Any], n: int) -> dict[str, Any]:
     """The judge's per-sample details (shown beside the group reward's, e.g. a verifier's accuracy)."""
     kept = {}
     for key, value in details.items():
-        if (isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == n) or (isinstance(value, (list, tuple)) and len(value) == n):
+        if (isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == n) or (
+            isinstance(value, (list, tuple)) and len(value) == n
+        ):
             kept[key] = value
     return kept
 
@@ -63,12 +67,24 @@ class Pairwise:
     docstring). Details: ``win_rate``, ``judge_calls`` (of the sample's group), ``ties`` (the
     sample's tied comparisons) and a pointwise judge's own per-sample details."""
 
-    judge: Any = component("reward", help="the judge: a reward that compares two outputs (vlm-judge with parse: pairwise) or a pointwise reward used as a comparator (the higher score wins)")
-    both_orders: bool = param(False, help="also judge every pair with the other sample first (a position-biased judge; twice the calls); Pref-GRPO asks each pair once")
+    judge: Any = component(
+        "reward",
+        help="the judge: a reward that compares two outputs (vlm-judge with parse: pairwise) or a pointwise reward "
+        "used as a comparator (the higher score wins)",
+    )
+    both_orders: bool = param(
+        False,
+        help="also judge every pair with the other sample first (a position-biased judge; twice the calls); Pref-GRPO "
+        "asks each pair once",
+    )
     groupwise: ClassVar[bool] = True
 
     def __call__(
-        self, outputs: Any, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]], groups: torch.Tensor | None = None
+        self,
+        outputs: Any,
+        prompts: Sequence[str],
+        metadata: Sequence[Mapping[str, Any]],
+        groups: torch.Tensor | None = None,
     ) -> RewardResult:
         n = len(prompts)
         members = members_of(groups, n)
@@ -79,19 +95,33 @@ class Pairwise:
             first, second = [], []
             for group in members:
                 for i, j in itertools.combinations(group, 2):
-                    first.append(i), second.append(j)
+                    first.append(i)
+                    second.append(j)
                     if self.both_orders:
-                        first.append(j), second.append(i)
-            outcome = torch.as_tensor(self.judge.compare(take(outputs, first), take(outputs, second), [prompts[i] for i in first], [metadata[i] for i in first]).scores, dtype=torch.float32).cpu() if first else torch.zeros(0)
+                        first.append(j)
+                        second.append(i)
+            outcome = (
+                torch.as_tensor(
+                    self.judge.compare(
+                        take(outputs, first),
+                        take(outputs, second),
+                        [prompts[i] for i in first],
+                        [metadata[i] for i in first],
+                    ).scores,
+                    dtype=torch.float32,
+                ).cpu()
+                if first
+                else torch.zeros(0)
+            )
         else:
             result = self.judge(outputs, list(prompts), list(metadata))
             scores = torch.as_tensor(result.scores, dtype=torch.float64).cpu()
             extra = pointwise_details(getattr(result, "details", {}) or {}, n)
-            first, second = zip(*[(i, j) for group in members for i, j in itertools.combinations(group, 2)]) if n > 1 else ((), ())
-            first, second = list(first), list(second)
+            pairs = [(i, j) for group in members for i, j in itertools.combinations(group, 2)] if n > 1 else []
+            first, second = [i for i, _ in pairs], [j for _, j in pairs]
             a, b = scores[first], scores[second]
             outcome = torch.where(a > b, 1.0, torch.where(a < b, 0.0, 0.5)).float()
-        for k, (i, j) in enumerate(zip(first, second)):
+        for k, (i, j) in enumerate(zip(first, second, strict=True)):
             o = float(outcome[k])
             wins[i] += o
             wins[j] += 1.0 - o
@@ -101,10 +131,16 @@ class Pairwise:
                 ties[i] += 1
                 ties[j] += 1
         for group in members:
-            asked = sum(1 for _ in itertools.combinations(group, 2)) * (2 if self.both_orders else 1) if comparing else len(group)
+            asked = (
+                sum(1 for _ in itertools.combinations(group, 2)) * (2 if self.both_orders else 1)
+                if comparing
+                else len(group)
+            )
             calls[group] = float(asked)
         win_rate = torch.where(counts > 0, wins / counts.clamp(min=1), torch.zeros(n))
-        return RewardResult(scores=win_rate, details={**extra, "win_rate": win_rate, "judge_calls": calls, "ties": ties})
+        return RewardResult(
+            scores=win_rate, details={**extra, "win_rate": win_rate, "judge_calls": calls, "ties": ties}
+        )
 
 
 @attrs.define
@@ -114,11 +150,20 @@ class Rank:
     ``judge_calls`` (samples scored in the sample's group) and the ranked reward's own details."""
 
     reward: Any = component("reward", help="the pointwise reward whose scores are ranked inside each group")
-    ties: Literal["order", "average"] = param("order", choices=("order", "average"), help="tied scores: order = ranked by sample order (argsort of argsort, as Flow-Factory's), average = they share their mean rank")
+    ties: Literal["order", "average"] = param(
+        "order",
+        choices=("order", "average"),
+        help="tied scores: order = ranked by sample order (argsort of argsort, as Flow-Factory's), average = they "
+        "share their mean rank",
+    )
     groupwise: ClassVar[bool] = True
 
     def __call__(
-        self, outputs: Any, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]], groups: torch.Tensor | None = None
+        self,
+        outputs: Any,
+        prompts: Sequence[str],
+        metadata: Sequence[Mapping[str, Any]],
+        groups: torch.Tensor | None = None,
     ) -> RewardResult:
         n = len(prompts)
         result = self.reward(outputs, list(prompts), list(metadata))
@@ -131,5 +176,9 @@ class Rank:
                 order = torch.stack([order[s == value].mean() for value in s])
             rank[group] = order.float()
             size[group] = float(len(group))
-        details = {**pointwise_details(getattr(result, "details", {}) or {}, n), "rank": rank, "judge_calls": size.clone()}
+        details = {
+            **pointwise_details(getattr(result, "details", {}) or {}, n),
+            "rank": rank,
+            "judge_calls": size.clone(),
+        }
         return RewardResult(scores=rank / size, details=details)

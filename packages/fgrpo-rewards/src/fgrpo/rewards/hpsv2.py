@@ -21,12 +21,12 @@ import torch
 from fgrpo.core.config import param
 from fgrpo.core.protocols import RewardResult
 from fgrpo.rewards.clip import (
-    device_key,
-    dtype_key,
     CLIP,
     DTYPES,
     HoldsCLIP,
     check_images,
+    device_key,
+    dtype_key,
     image_embeddings,
     loading_error,
     require_transformers,
@@ -38,8 +38,11 @@ from fgrpo.rewards.weights import read_state_dict
 
 _TOWERS = {"visual.transformer.": "vision_model.encoder.", "transformer.": "text_model.encoder."}
 _BLOCK = {
-    "ln_1": "layer_norm1", "ln_2": "layer_norm2", "attn.out_proj": "self_attn.out_proj",
-    "mlp.c_fc": "mlp.fc1", "mlp.c_proj": "mlp.fc2",
+    "ln_1": "layer_norm1",
+    "ln_2": "layer_norm2",
+    "attn.out_proj": "self_attn.out_proj",
+    "mlp.c_fc": "mlp.fc1",
+    "mlp.c_proj": "mlp.fc2",
 }
 _DIRECT = {
     "visual.conv1.weight": "vision_model.embeddings.patch_embedding.weight",
@@ -84,7 +87,7 @@ def open_clip_to_hf(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor
             prefix = f"{_TOWERS[tower]}layers.{layer}."
             if rest.startswith("attn.in_proj_"):
                 kind = rest.rsplit("_", 1)[1]  # weight or bias
-                for name, part in zip(("q_proj", "k_proj", "v_proj"), value.chunk(3, dim=0)):
+                for name, part in zip(("q_proj", "k_proj", "v_proj"), value.chunk(3, dim=0), strict=True):
                     out[f"{prefix}self_attn.{name}.{kind}"] = part.contiguous()
                 continue
             module, _, kind = rest.rpartition(".")
@@ -129,7 +132,8 @@ def load_hps(checkpoint: str, path: str, dtype: str, device: str | None) -> CLIP
                 f"reward.checkpoint: {checkpoint!r} does not fit the CLIP of {path!r}: missing "
                 f"{missing[:4]}, unexpected {unexpected[:4]}"
             )
-        model = model.to(device=dev, dtype=DTYPES[dtype]).eval().requires_grad_(False)
+        # transformers wraps PreTrainedModel.to in functools.wraps, which mypy does not bind as a method
+        model = model.to(device=dev, dtype=DTYPES[dtype]).eval().requires_grad_(False)  # type: ignore[call-arg]
         return CLIP(model, processor.tokenizer, processor.image_processor.to_dict())
 
     return shared(("hpsv2", checkpoint, path, dtype, str(dev)), build)
@@ -146,7 +150,8 @@ class HPSv2(HoldsCLIP):
         help="the open_clip checkpoint: a file or owner/repo:filename (HPS_v2_compressed.pt for v2.0)",
     )
     path: str = param(
-        "laion/CLIP-ViT-H-14-laion2B-s32B-b79K", help="hub id or folder giving the CLIP config, tokenizer and processor"
+        "laion/CLIP-ViT-H-14-laion2B-s32B-b79K",
+        help="hub id or folder giving the CLIP config, tokenizer and processor",
     )
     batch_size: int = param(32, ge=1, help="images scored per forward pass")
     dtype: str = dtype_key("the weights")
@@ -156,7 +161,9 @@ class HPSv2(HoldsCLIP):
     def __attrs_post_init__(self) -> None:
         self._clip = load_hps(self.checkpoint, self.path, self.dtype, self.device)
 
-    def __call__(self, outputs: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> RewardResult:
+    def __call__(
+        self, outputs: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
+    ) -> RewardResult:
         check_images(outputs, prompts, "hpsv2")
         image = image_embeddings(self._clip, outputs, self.batch_size)
         text = text_embeddings(self._clip, prompts, self.batch_size)

@@ -106,9 +106,11 @@ class _Watched:
 
     def __init__(self, *args: Any, deadline: float, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self.deadline, self.watches = deadline, []
+        self.deadline = deadline
+        self.watches: list[int] = []  # this connection's watch ids
 
     def connect(self) -> None:
+        # a mixin of http.client.HTTPConnection (_HTTP, _HTTPS below): connect() and sock are its
         super().connect()  # type: ignore[misc]
         sock: Any = self.sock  # type: ignore[attr-defined]
         sock.settimeout(max(0.001, self.deadline - time.monotonic()))
@@ -172,7 +174,9 @@ def _read(response: http.client.HTTPResponse, limit: int, deadline: float) -> by
     return b"".join(chunks)
 
 
-def _request(url: str, body: bytes | None, headers: Mapping[str, str], deadline: float, limit: int) -> tuple[int, bytes, str]:
+def _request(
+    url: str, body: bytes | None, headers: Mapping[str, str], deadline: float, limit: int
+) -> tuple[int, bytes, str]:
     """(status, body, reason) of one request within ``deadline``."""
     conn, target, more = _connection(url, deadline)
     try:

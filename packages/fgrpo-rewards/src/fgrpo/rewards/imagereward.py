@@ -50,7 +50,14 @@ _VISION = {
     "norm.weight": "post_layernorm.weight",
     "norm.bias": "post_layernorm.bias",
 }
-_VISION_BLOCK = {"norm1": "layer_norm1", "norm2": "layer_norm2", "attn.qkv": "self_attn.qkv", "attn.proj": "self_attn.projection", "mlp.fc1": "mlp.fc1", "mlp.fc2": "mlp.fc2"}
+_VISION_BLOCK = {
+    "norm1": "layer_norm1",
+    "norm2": "layer_norm2",
+    "attn.qkv": "self_attn.qkv",
+    "attn.proj": "self_attn.projection",
+    "mlp.fc1": "mlp.fc1",
+    "mlp.fc2": "mlp.fc2",
+}
 
 
 def blip_to_hf(state: Mapping[str, torch.Tensor]) -> tuple[dict, dict, dict]:
@@ -78,7 +85,9 @@ def blip_to_hf(state: Mapping[str, torch.Tensor]) -> tuple[dict, dict, dict]:
         elif key.startswith("mlp.layers."):
             head[key.removeprefix("mlp.layers.")] = value
     if not vision or not text or "0.weight" not in head:
-        raise KeyError("not an ImageReward state dict (needs blip.visual_encoder.*, blip.text_encoder.*, mlp.layers.*)")
+        raise KeyError(
+            "not an ImageReward state dict (needs blip.visual_encoder.*, blip.text_encoder.*, mlp.layers.*)"
+        )
     return vision, text, head
 
 
@@ -91,9 +100,14 @@ def vision_config(vision: Mapping[str, torch.Tensor]) -> Any:
     tokens = int(vision["embeddings.position_embedding"].shape[-2]) - 1
     layers = 1 + max(int(k.split(".")[2]) for k in vision if k.startswith("encoder.layers."))
     return BlipVisionConfig(
-        hidden_size=width, intermediate_size=int(vision["encoder.layers.0.mlp.fc1.weight"].shape[0]),
-        num_hidden_layers=layers, num_attention_heads=max(1, width // 64), image_size=patch * int(round(tokens**0.5)),
-        patch_size=patch, layer_norm_eps=1e-6, hidden_act="gelu",
+        hidden_size=width,
+        intermediate_size=int(vision["encoder.layers.0.mlp.fc1.weight"].shape[0]),
+        num_hidden_layers=layers,
+        num_attention_heads=max(1, width // 64),
+        image_size=patch * int(round(tokens**0.5)),
+        patch_size=patch,
+        layer_norm_eps=1e-6,
+        hidden_act="gelu",
     )
 
 
@@ -102,11 +116,18 @@ def text_config(med: Mapping[str, Any], encoder_width: int) -> Any:
     from transformers import BlipTextConfig
 
     return BlipTextConfig(
-        vocab_size=med["vocab_size"], hidden_size=med["hidden_size"], encoder_hidden_size=encoder_width,
-        intermediate_size=med["intermediate_size"], num_hidden_layers=med["num_hidden_layers"],
-        num_attention_heads=med["num_attention_heads"], max_position_embeddings=med["max_position_embeddings"],
-        hidden_act=med.get("hidden_act", "gelu"), layer_norm_eps=med.get("layer_norm_eps", 1e-12),
-        pad_token_id=med.get("pad_token_id", 0), bos_token_id=med.get("bos_token_id"), sep_token_id=med.get("sep_token_id"),
+        vocab_size=med["vocab_size"],
+        hidden_size=med["hidden_size"],
+        encoder_hidden_size=encoder_width,
+        intermediate_size=med["intermediate_size"],
+        num_hidden_layers=med["num_hidden_layers"],
+        num_attention_heads=med["num_attention_heads"],
+        max_position_embeddings=med["max_position_embeddings"],
+        hidden_act=med.get("hidden_act", "gelu"),
+        layer_norm_eps=med.get("layer_norm_eps", 1e-12),
+        pad_token_id=med.get("pad_token_id", 0),
+        bos_token_id=med.get("bos_token_id"),
+        sep_token_id=med.get("sep_token_id"),
         is_decoder=True,  # is_decoder: transformers builds the cross-attention
     )
 
@@ -123,7 +144,9 @@ class LoadedImageReward:
         return next(self.head.parameters()).device
 
 
-def load_imagereward(checkpoint: str, med_config: str, tokenizer: str, dtype: str, device: str | None) -> LoadedImageReward:
+def load_imagereward(
+    checkpoint: str, med_config: str, tokenizer: str, dtype: str, device: str | None
+) -> LoadedImageReward:
     require_transformers()
     dev = resolve_device(device)
 
@@ -152,14 +175,21 @@ def load_imagereward(checkpoint: str, med_config: str, tokenizer: str, dtype: st
         vision = BlipVisionModel(vision_config(vision_state))
         text = BlipTextModel(text_config(med, vision.config.hidden_size), add_pooling_layer=False)
         head = aesthetic_head(int(head_state["0.weight"].shape[1]))  # ImageReward's MLP is the same stack
-        for part, weights, name in ((vision, vision_state, "vision"), (text, text_state, "text"), (head, head_state, "head")):
+        for part, weights, name in (
+            (vision, vision_state, "vision"),
+            (text, text_state, "text"),
+            (head, head_state, "head"),
+        ):
             try:
                 part.load_state_dict(weights, strict=True)
             except RuntimeError as exc:
                 first = " ".join(str(exc).split())[:400]
-                raise OSError(f"reward.checkpoint: the {name} weights of {checkpoint!r} do not fit {med_config!r}: {first}") from exc
-        parts = [m.to(device=dev, dtype=DTYPES[dtype]).eval().requires_grad_(False) for m in (vision, text)]
-        return LoadedImageReward(*parts, head.to(dev).eval().requires_grad_(False), words)
+                raise OSError(
+                    f"reward.checkpoint: the {name} weights of {checkpoint!r} do not fit {med_config!r}: {first}"
+                ) from exc
+        # transformers wraps PreTrainedModel.to in functools.wraps, which mypy does not bind as a method
+        vision, text = [m.to(device=dev, dtype=DTYPES[dtype]).eval().requires_grad_(False) for m in (vision, text)]  # type: ignore[call-arg]
+        return LoadedImageReward(vision, text, head.to(dev).eval().requires_grad_(False), words)
 
     return shared(("imagereward", checkpoint, med_config, tokenizer, dtype, str(dev)), build)
 
@@ -170,7 +200,9 @@ class ImageReward:
     its training images). Details: none beyond the score."""
 
     checkpoint: str = param("THUDM/ImageReward:ImageReward.pt", help="ImageReward.pt: a file or owner/repo:filename")
-    med_config: str = param("THUDM/ImageReward:med_config.json", help="its BLIP text-encoder config: a file or owner/repo:filename")
+    med_config: str = param(
+        "THUDM/ImageReward:med_config.json", help="its BLIP text-encoder config: a file or owner/repo:filename"
+    )
     tokenizer: str = param("bert-base-uncased", help="hub id or folder of the BERT tokenizer")
     batch_size: int = param(32, ge=1, help="images scored per forward pass")
     dtype: str = dtype_key("the BLIP weights (the head runs in float32)")
@@ -181,21 +213,34 @@ class ImageReward:
         self._model = load_imagereward(self.checkpoint, self.med_config, self.tokenizer, self.dtype, self.device)
 
     @torch.no_grad()
-    def __call__(self, outputs: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> RewardResult:
+    def __call__(
+        self, outputs: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
+    ) -> RewardResult:
         check_images(outputs, prompts, "imagereward")
         m = self._model
         size = int(m.vision.config.image_size)
-        config = {"size": {"shortest_edge": size}, "crop_size": {"height": size, "width": size},
-                  "image_mean": OPENAI_MEAN, "image_std": OPENAI_STD}
+        config = {
+            "size": {"shortest_edge": size},
+            "crop_size": {"height": size, "width": size},
+            "image_mean": OPENAI_MEAN,
+            "image_std": OPENAI_STD,
+        }
         dtype = next(m.vision.parameters()).dtype
         raw = []
         for start in range(0, len(prompts), self.batch_size):
             pixels = preprocess(outputs[start : start + self.batch_size].to(m.device), config).to(dtype)
             image = m.vision(pixel_values=pixels).last_hidden_state
-            tokens = m.tokenizer(list(prompts[start : start + self.batch_size]), padding="max_length", truncation=True,
-                                 max_length=MAX_LENGTH, return_tensors="pt").to(m.device)
+            tokens = m.tokenizer(
+                list(prompts[start : start + self.batch_size]),
+                padding="max_length",
+                truncation=True,
+                max_length=MAX_LENGTH,
+                return_tensors="pt",
+            ).to(m.device)
             text = m.text(
-                input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"], encoder_hidden_states=image,
+                input_ids=tokens["input_ids"],
+                attention_mask=tokens["attention_mask"],
+                encoder_hidden_states=image,
                 encoder_attention_mask=torch.ones(image.shape[:-1], dtype=torch.long, device=m.device),
             ).last_hidden_state[:, 0, :]
             raw.append(m.head(text.float()).squeeze(-1))

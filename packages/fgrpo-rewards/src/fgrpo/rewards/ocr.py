@@ -94,11 +94,17 @@ class OCRReward:
     """
 
     accepts_video = True  # whole videos, not frames: flow_grpo's video rule needs all frames of a sample
-    detect: bool = param(True, help="detect text boxes first; false = recognise the whole image as one line (much faster)")
-    min_confidence: float = param(0.0, ge=0.0, le=1.0, help="drop recognised lines below this confidence (flow_grpo: 0)")
+    detect: bool = param(
+        True, help="detect text boxes first; false = recognise the whole image as one line (much faster)"
+    )
+    min_confidence: float = param(
+        0.0, ge=0.0, le=1.0, help="drop recognised lines below this confidence (flow_grpo: 0)"
+    )
     frame_interval: int = param(4, ge=1, help="for videos: score every n-th frame")
     batch_size: int = param(16, ge=1, help="images whose text lines go through the recogniser together")
-    det_side: int = param(960, ge=32, help="the detector reads images at most this many pixels on their longer side (PaddleOCR: 960)")
+    det_side: int = param(
+        960, ge=32, help="the detector reads images at most this many pixels on their longer side (PaddleOCR: 960)"
+    )
     det_batch: int = param(1, ge=1, help="images stacked per detector call (>1 pays off on a GPU, not on a CPU)")
     threads: int = param(0, ge=0, help="onnxruntime threads per call; 0 = onnxruntime's default (all cores)")
     _engine: Any = attrs.field(init=False, default=None, repr=False)
@@ -110,8 +116,12 @@ class OCRReward:
         except ImportError as exc:
             raise ImportError(INSTALL) from exc
         params = {
-            "Global.log_level": "error", "Global.use_cls": False, "Global.text_score": self.min_confidence,
-            "Rec.rec_batch_num": max(6, self.batch_size), "Det.limit_type": "max", "Det.limit_side_len": self.det_side,
+            "Global.log_level": "error",
+            "Global.use_cls": False,
+            "Global.text_score": self.min_confidence,
+            "Rec.rec_batch_num": max(6, self.batch_size),
+            "Det.limit_type": "max",
+            "Det.limit_side_len": self.det_side,
         }
         if self.threads:
             params["EngineConfig.onnxruntime.intra_op_num_threads"] = self.threads
@@ -123,9 +133,11 @@ class OCRReward:
         rapidocr's own single-image pipeline (the reference the batched path is tested against)."""
         if self._engine is None:  # pragma: no cover - only if __attrs_post_init__ was bypassed
             raise ImportError(INSTALL)
-        result = self._engine(image, use_cls=False) if self.detect else self._engine(image, use_det=False, use_cls=False)
+        result = (
+            self._engine(image, use_cls=False) if self.detect else self._engine(image, use_det=False, use_cls=False)
+        )
         texts, scores = result.txts or (), result.scores or ()
-        return "".join(t for t, s in zip(texts, scores) if s >= self.min_confidence)
+        return "".join(t for t, s in zip(texts, scores, strict=False) if s >= self.min_confidence)
 
     def read_batch(self, arrays: Sequence[np.ndarray]) -> list[str]:
         """The text read in each (H, W, 3) uint8 RGB image: rapidocr's steps (load, resize within
@@ -135,7 +147,8 @@ class OCRReward:
         prepared = [engine.preprocess_img(engine.load_img(Image.fromarray(a)))[0] for a in arrays]
         lines = self._detect_lines(prepared) if self.detect else [[img] for img in prepared]
         flat = [crop for crops in lines for crop in crops]
-        texts, scores = (), ()
+        texts: Sequence[str] = ()
+        scores: Sequence[float] = ()
         if flat:
             rec = engine._load_rec_model()
             from rapidocr.ch_ppocr_rec import TextRecInput
@@ -144,7 +157,7 @@ class OCRReward:
             texts, scores = out.txts or (), out.scores or ()
         read, k = [], 0
         for crops in lines:
-            pairs = list(zip(texts[k : k + len(crops)], scores[k : k + len(crops)]))
+            pairs = list(zip(texts[k : k + len(crops)], scores[k : k + len(crops)], strict=False))
             k += len(crops)
             read.append("".join(t for t, s in pairs if t.strip() and s >= self.min_confidence))
         return read
@@ -155,7 +168,9 @@ class OCRReward:
         engine = self._engine
         det = engine._load_det_model()
         if engine.cfg.Global.use_vertical_padding:
-            images = [apply_vertical_padding(img, {}, engine.width_height_ratio, engine.min_height)[0] for img in images]
+            images = [
+                apply_vertical_padding(img, {}, engine.width_height_ratio, engine.min_height)[0] for img in images
+            ]
         pre = det.get_preprocess()
         inputs = [pre(img) for img in images]
         preds: list[Any] = [None] * len(images)
@@ -170,7 +185,7 @@ class OCRReward:
                 for row, i in enumerate(members):
                     preds[i] = out[row : row + 1]
         lines = []
-        for img, pred in zip(images, preds):
+        for img, pred in zip(images, preds, strict=True):
             boxes = det.postprocess_op(pred, img.shape[:2])[0] if pred is not None else []
             lines.append(engine.crop_text_regions(img, det.sorted_boxes(boxes)) if len(boxes) else [])
         return lines
@@ -181,7 +196,7 @@ class OCRReward:
         if not isinstance(outputs, torch.Tensor) or outputs.dim() not in (4, 5):
             raise ValueError("ocr reward expects images (B, 3, H, W) or videos (B, F, 3, H, W) in [0, 1]")
         metas: Sequence[Mapping[str, Any] | None] = metadata if metadata else [None] * len(prompts)
-        wanted = [text_to_render(p, m) for p, m in zip(prompts, metas)]
+        wanted = [text_to_render(p, m) for p, m in zip(prompts, metas, strict=True)]
         video = outputs.dim() == 5
         frames = [outputs[b, :: self.frame_interval] if video else outputs[b : b + 1] for b in range(outputs.shape[0])]
         arrays = [array for f in frames for array in to_uint8(f)]
@@ -198,7 +213,7 @@ class OCRReward:
         for b, f in enumerate(frames):
             frame_texts = texts[k : k + f.shape[0]]
             k += f.shape[0]
-            frame_scores, frame_distances = zip(*(ocr_score(t, wanted[b]) for t in frame_texts))
+            frame_scores, frame_distances = zip(*(ocr_score(t, wanted[b]) for t in frame_texts), strict=True)
             if video:
                 positive = [s for s in frame_scores if s > 0]
                 scores.append(sum(positive) / len(positive) if positive else 0.0)

@@ -52,7 +52,10 @@ def _on_wire(images: torch.Tensor, wire: str) -> tuple[torch.Tensor, str]:
 
 
 def encode_request(
-    outputs: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]], wire: str,
+    outputs: torch.Tensor,
+    prompts: Sequence[str],
+    metadata: Sequence[Mapping[str, Any]],
+    wire: str,
     sources: Sequence[Sequence[torch.Tensor]] | None = None,
 ) -> bytes:
     """The request body; ``sources`` (edits: each sample's source images, (3, H, W) in [0, 1])
@@ -67,7 +70,11 @@ def encode_request(
         for k, image in enumerate(row):
             tensors[f"source/{i}/{k}"] = _on_wire(image[None], wire)[0][0].cpu().contiguous()
     try:
-        header = {"prompts": json.dumps([str(p) for p in prompts]), "metadata": json.dumps([dict(m) for m in metadata]), "wire": used}
+        header = {
+            "prompts": json.dumps([str(p) for p in prompts]),
+            "metadata": json.dumps([dict(m) for m in metadata]),
+            "wire": used,
+        }
     except TypeError as exc:
         raise ValueError(f"remote: prompts and metadata travel as JSON: {exc}") from None
     if sources is not None:
@@ -75,14 +82,20 @@ def encode_request(
     return save(tensors, metadata=header)
 
 
-def decode_request(body: bytes) -> tuple[torch.Tensor, list[str], list[dict[str, Any]], list[tuple[torch.Tensor, ...]] | None]:
+def decode_request(
+    body: bytes,
+) -> tuple[torch.Tensor, list[str], list[dict[str, Any]], list[tuple[torch.Tensor, ...]] | None]:
     """(outputs, prompts, metadata, sources or None); raises ValueError on anything that is not a
     well-formed request."""
     from safetensors.torch import load
 
     tensors = load(body)
     header = _header(body)
-    if "outputs" not in tensors or header is None or any(k != "outputs" and not k.startswith("source/") for k in tensors):
+    if (
+        "outputs" not in tensors
+        or header is None
+        or any(k != "outputs" and not k.startswith("source/") for k in tensors)
+    ):
         raise ValueError("expected a safetensors body with one tensor 'outputs' and prompts/metadata in its header")
     prompts, metadata = json.loads(header.get("prompts", "null")), json.loads(header.get("metadata", "null"))
     outputs = tensors["outputs"]
@@ -98,7 +111,9 @@ def decode_request(body: bytes) -> tuple[torch.Tensor, list[str], list[dict[str,
         if not (isinstance(counts, list) and len(counts) == n and all(isinstance(c, int) and c >= 0 for c in counts)):
             raise ValueError(f"expected {n} source counts, got {str(counts)[:200]}")
         try:
-            sources = [tuple(tensors[f"source/{i}/{k}"].float() / scale for k in range(c)) for i, c in enumerate(counts)]
+            sources = [
+                tuple(tensors[f"source/{i}/{k}"].float() / scale for k in range(c)) for i, c in enumerate(counts)
+            ]
         except KeyError as exc:
             raise ValueError(f"a source image the header announces is missing: {exc}") from None
     outputs = outputs.float()
@@ -151,20 +166,34 @@ class RemoteReward:
     token_env: str | None = param(TOKEN_ENV, help="environment variable holding the shared token; unset = no token")
     wire: str = param("uint8", choices=WIRES, help="how images travel (uint8 = as saved images; float32 = exact)")
     batch_size: int = param(64, ge=1, help="samples per request")
-    timeout: float = param(300.0, gt=0, help="seconds one request may take in all (connect, send the batch, read its scores)")
+    timeout: float = param(
+        300.0, gt=0, help="seconds one request may take in all (connect, send the batch, read its scores)"
+    )
     max_answer_mb: float = param(256.0, gt=0, help="a larger answer is refused unread")
-    retries: int = param(3, ge=0, help="retries of a request that failed to arrive (no connection, timeout, HTTP 429/5xx)")
+    retries: int = param(
+        3, ge=0, help="retries of a request that failed to arrive (no connection, timeout, HTTP 429/5xx)"
+    )
     backoff: float = param(1.0, ge=0, help="seconds before the first retry; doubled for each next one")
     _served: dict = attrs.field(init=False, factory=dict, repr=False)
 
     def __attrs_post_init__(self) -> None:
-        raw = post(self.url.rstrip("/") + "/health", None, headers=self._headers(), timeout=min(self.timeout, 30.0),
-                   retries=self.retries, backoff=self.backoff, what="remote reward", limit=1 << 20)
+        raw = post(
+            self.url.rstrip("/") + "/health",
+            None,
+            headers=self._headers(),
+            timeout=min(self.timeout, 30.0),
+            retries=self.retries,
+            backoff=self.backoff,
+            what="remote reward",
+            limit=1 << 20,
+        )
         try:
             self._served = json.loads(raw)
             served = self._served["reward"]
         except (ValueError, KeyError, TypeError):
-            raise ServiceError(f"remote reward: {self.url} is not fgrpo serve-reward (health answer {raw[:200]!r})") from None
+            raise ServiceError(
+                f"remote reward: {self.url} is not fgrpo serve-reward (health answer {raw[:200]!r})"
+            ) from None
         if self.serves is not None and served != self.serves:
             raise ServiceError(f"reward.serves: {self.url} serves {served!r}, not {self.serves!r}")
 
@@ -181,7 +210,11 @@ class RemoteReward:
         return headers
 
     def __call__(
-        self, outputs: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]], sources: Sequence[Any] | None = None
+        self,
+        outputs: torch.Tensor,
+        prompts: Sequence[str],
+        metadata: Sequence[Mapping[str, Any]],
+        sources: Sequence[Any] | None = None,
     ) -> RewardResult:
         metas = list(metadata) if metadata else [{} for _ in prompts]
         parts = []
@@ -189,13 +222,22 @@ class RemoteReward:
             stop = start + self.batch_size
             part = None if sources is None else sources[start:stop]
             body = encode_request(outputs[start:stop], prompts[start:stop], metas[start:stop], self.wire, part)
-            raw = post(self.url.rstrip("/") + "/score", body, headers=self._headers(), timeout=self.timeout,
-                       retries=self.retries, backoff=self.backoff, what=f"remote reward {self._served.get('reward')}",
-                       limit=int(self.max_answer_mb * 2**20))
+            raw = post(
+                self.url.rstrip("/") + "/score",
+                body,
+                headers=self._headers(),
+                timeout=self.timeout,
+                retries=self.retries,
+                backoff=self.backoff,
+                what=f"remote reward {self._served.get('reward')}",
+                limit=int(self.max_answer_mb * 2**20),
+            )
             try:
                 parts.append(decode_result(raw))
             except Exception as exc:
-                raise ServiceError(f"remote reward: {self.url} answered something that is not a reward result ({exc})") from None
+                raise ServiceError(
+                    f"remote reward: {self.url} answered something that is not a reward result ({exc})"
+                ) from None
         return _concat(parts)
 
 
@@ -205,5 +247,7 @@ def _concat(parts: list[RewardResult]) -> RewardResult:
     details: dict[str, Any] = {}
     for key in parts[0].details:
         values = [p.details[key] for p in parts]
-        details[key] = torch.cat(values) if isinstance(values[0], torch.Tensor) else [v for chunk in values for v in chunk]
+        details[key] = (
+            torch.cat(values) if isinstance(values[0], torch.Tensor) else [v for chunk in values for v in chunk]
+        )
     return RewardResult(scores=torch.cat([p.scores for p in parts]), details=details)

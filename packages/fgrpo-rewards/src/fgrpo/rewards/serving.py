@@ -42,6 +42,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from itertools import pairwise
 from typing import Any
 
 import attrs
@@ -89,18 +90,39 @@ class _Answer(Exception):
         self.status, self.message, self.retry_after = status, message, retry_after
 
 
-REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
-           408: "Request Timeout", 411: "Length Required", 413: "Content Too Large", 431: "Request Header Fields Too Large",
-           500: "Internal Server Error", 503: "Service Unavailable"}
+REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    401: "Unauthorized",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    408: "Request Timeout",
+    411: "Length Required",
+    413: "Content Too Large",
+    431: "Request Header Fields Too Large",
+    500: "Internal Server Error",
+    503: "Service Unavailable",
+}
 
 
 class RewardServer:
     """The server of one reward: bound when made, serving from :meth:`serve_forever` (in the thread
     that calls it) until :meth:`shutdown` (from any thread)."""
 
-    def __init__(self, sock: socket.socket, reward: Any, name: str, params: Mapping[str, Any], token: str | None, *,
-                 max_bytes: int, max_connections: int = 512, read_timeout_s: float = 30.0,
-                 max_inflight_bytes: int | None = None, batch_size: int | None = None):
+    def __init__(
+        self,
+        sock: socket.socket,
+        reward: Any,
+        name: str,
+        params: Mapping[str, Any],
+        token: str | None,
+        *,
+        max_bytes: int,
+        max_connections: int = 512,
+        read_timeout_s: float = 30.0,
+        max_inflight_bytes: int | None = None,
+        batch_size: int | None = None,
+    ):
         self.socket, self.reward, self.name, self.params = sock, reward, name, dict(params)
         self.token = f"Bearer {token}".encode() if token else None
         self.max_bytes, self.max_connections, self.read_timeout_s = max_bytes, max_connections, read_timeout_s
@@ -137,11 +159,21 @@ class RewardServer:
         async with server:
             await self._stop
 
+    def _now(self) -> float:
+        """The serving loop's clock (the deadlines' time base)."""
+        assert self._loop is not None  # set when serving starts
+        return self._loop.time()
+
     def shutdown(self) -> None:
         """Stop serving (from another thread) and wait until :meth:`serve_forever` returns."""
         loop, stop = self._loop, self._stop
         if loop is not None and stop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(lambda: stop.done() or stop.set_result(None))
+
+            def finish() -> None:
+                if not stop.done():
+                    stop.set_result(None)
+
+            loop.call_soon_threadsafe(finish)
             self._stopped.wait(30)
 
     def server_close(self) -> None:
@@ -157,10 +189,14 @@ class RewardServer:
         self._open += 1
         reserved = 0
         try:
-            deadline = self._loop.time() + self.read_timeout_s
+            deadline = self._now() + self.read_timeout_s
             try:
                 if self._open > self.max_connections:
-                    raise _Answer(503, f"the server is busy: {self.max_connections} connections are open (--max-connections); retry", 1)
+                    raise _Answer(
+                        503,
+                        f"the server is busy: {self.max_connections} connections are open (--max-connections); retry",
+                        1,
+                    )
                 method, path, headers = await self._head(reader, deadline)
                 what = f"{method} {path}"
                 if self.token is not None and not hmac.compare_digest(headers.get("authorization", b""), self.token):
@@ -170,7 +206,11 @@ class RewardServer:
                 if (method, path) not in (("POST", "/score"), ("GET", "/health")):
                     raise _Answer(405, f"{method} {path} is not served; POST /score, GET /health")
                 if path == "/health":
-                    health = {"reward": self.name, "params": self.params, "accepts_sources": bool(getattr(self.reward, "accepts_sources", False))}
+                    health = {
+                        "reward": self.name,
+                        "params": self.params,
+                        "accepts_sources": bool(getattr(self.reward, "accepts_sources", False)),
+                    }
                     status, payload, kind = 200, json.dumps(health).encode(), "application/json"
                 else:
                     size = reserved = self._admit(headers)
@@ -187,7 +227,9 @@ class RewardServer:
             except _Answer as answer:
                 status, note = answer.status, ""
                 message = json.dumps({"error": answer.message}).encode()
-                await self._send(writer, answer.status, message, "application/json", self._loop.time() + LINGER_S, answer.retry_after)
+                await self._send(
+                    writer, answer.status, message, "application/json", self._now() + LINGER_S, answer.retry_after
+                )
                 if answer.status != 408:  # a slow client is not waited for again
                     await self._linger(reader, writer)
         except (ConnectionError, asyncio.IncompleteReadError, OSError):
@@ -201,9 +243,11 @@ class RewardServer:
 
     async def _head(self, reader: asyncio.StreamReader, deadline: float) -> tuple[str, str, dict[str, bytes]]:
         try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), max(0.0, deadline - self._loop.time()))
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), max(0.0, deadline - self._now()))
         except asyncio.TimeoutError:
-            raise _Answer(408, f"the request did not arrive within {self.read_timeout_s:g} s (--read-timeout-s)") from None
+            raise _Answer(
+                408, f"the request did not arrive within {self.read_timeout_s:g} s (--read-timeout-s)"
+            ) from None
         except asyncio.LimitOverrunError:
             raise _Answer(431, f"the request head is larger than {HEAD_LIMIT // 1024} KiB") from None
         except ValueError:  # asyncio's "chunk exceed the limit" when the separator is never found
@@ -231,32 +275,43 @@ class RewardServer:
         if raw is None:
             raise _Answer(411, "a Content-Length is required")
         if DECIMAL.fullmatch(raw) is None:
-            raise _Answer(400, f"Content-Length must be a decimal number of bytes, got {raw.decode('utf-8', 'replace')!r}")
+            raise _Answer(
+                400, f"Content-Length must be a decimal number of bytes, got {raw.decode('utf-8', 'replace')!r}"
+            )
         size = int(raw)
         if size > self.max_bytes:
             raise _Answer(413, f"request of {size} bytes; the limit is {self.max_bytes} (--max-request-mb)")
         if self._inflight and self._inflight + size > self.max_inflight_bytes:
-            raise _Answer(503, f"the server is busy: {self._inflight} bytes of requests are being read or scored "
-                               f"(--max-inflight-mb); retry", 1)
+            raise _Answer(
+                503,
+                f"the server is busy: {self._inflight} bytes of requests are being read or scored "
+                f"(--max-inflight-mb); retry",
+                1,
+            )
         return size
 
     async def _body(self, reader: asyncio.StreamReader, size: int, deadline: float) -> bytes:
         body = bytearray()
         try:
             while len(body) < size:
-                chunk = await asyncio.wait_for(reader.read(min(MiB, size - len(body))), max(0.0, deadline - self._loop.time()))
+                chunk = await asyncio.wait_for(
+                    reader.read(min(MiB, size - len(body))), max(0.0, deadline - self._now())
+                )
                 if not chunk:
-                    raise asyncio.IncompleteReadError(bytes(), size)
+                    raise asyncio.IncompleteReadError(b"", size)
                 body += chunk
         except asyncio.TimeoutError:
-            raise _Answer(408, f"the request did not arrive within {self.read_timeout_s:g} s (--read-timeout-s); "
-                               f"{len(body)} of {size} bytes came") from None
+            raise _Answer(
+                408,
+                f"the request did not arrive within {self.read_timeout_s:g} s (--read-timeout-s); "
+                f"{len(body)} of {size} bytes came",
+            ) from None
         return bytes(body)
 
     async def _score(self, body: bytes) -> tuple[bytes, dict[str, int]]:
         """The encoded result of the request ``body``, and what it was scored with, once the
         reward's thread has scored it (with the other requests waiting then)."""
-        loop = self._loop
+        loop = asyncio.get_running_loop()  # the server's own loop (self._loop)
         try:
             outputs, prompts, metadata, sources = await loop.run_in_executor(self._decoders, decode_request, body)
         except Exception as exc:  # noqa: BLE001 - any malformed body
@@ -271,13 +326,24 @@ class RewardServer:
             raise _Answer(status, payload)
         return payload, job.batch
 
-    async def _send(self, writer: asyncio.StreamWriter, status: int, payload: bytes, kind: str, deadline: float,
-                    retry_after: int | None = None) -> None:
-        head = [f"HTTP/1.1 {status} {REASONS.get(status, '')}", f"Content-Type: {kind}", f"Content-Length: {len(payload)}",
-                "Connection: close"] + ([f"Retry-After: {retry_after}"] if retry_after else [])
+    async def _send(
+        self,
+        writer: asyncio.StreamWriter,
+        status: int,
+        payload: bytes,
+        kind: str,
+        deadline: float,
+        retry_after: int | None = None,
+    ) -> None:
+        head = [
+            f"HTTP/1.1 {status} {REASONS.get(status, '')}",
+            f"Content-Type: {kind}",
+            f"Content-Length: {len(payload)}",
+            "Connection: close",
+        ] + ([f"Retry-After: {retry_after}"] if retry_after else [])
         writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + payload)
         try:
-            await asyncio.wait_for(writer.drain(), max(0.0, deadline - self._loop.time()))
+            await asyncio.wait_for(writer.drain(), max(0.0, deadline - self._now()))
         except asyncio.TimeoutError:  # a client that does not take its answer
             writer.transport.abort()
 
@@ -287,8 +353,8 @@ class RewardServer:
         try:
             if writer.can_write_eof():
                 writer.write_eof()
-            end = self._loop.time() + LINGER_S
-            while await asyncio.wait_for(reader.read(256 * 1024), max(0.0, end - self._loop.time())):
+            end = self._now() + LINGER_S
+            while await asyncio.wait_for(reader.read(256 * 1024), max(0.0, end - self._now())):
                 pass
         except (asyncio.TimeoutError, ConnectionError, OSError):
             pass
@@ -303,10 +369,11 @@ class RewardServer:
                 self._wake.wait()
             if self._pending[0] is None:
                 return None
-            batch = [self._pending.popleft()]
-            samples = batch[0].n
-            while self._pending and self._pending[0] is not None and samples + self._pending[0].n <= self.batch_size:
-                job = self._pending.popleft()
+            first = self._pending.popleft()
+            assert first is not None  # checked above
+            batch, samples = [first], first.n
+            while self._pending and (job := self._pending[0]) is not None and samples + job.n <= self.batch_size:
+                self._pending.popleft()
                 batch.append(job)
                 samples += job.n
             return batch
@@ -327,7 +394,9 @@ class RewardServer:
             metadata = [m for job in jobs for m in job.metadata]
             extra = {}
             if getattr(self.reward, "accepts_sources", False):  # edits: the sources the client sent (none: empty)
-                extra["sources"] = [s for job in jobs for s in (job.sources if job.sources is not None else [()] * job.n)]
+                extra["sources"] = [
+                    s for job in jobs for s in (job.sources if job.sources is not None else [()] * job.n)
+                ]
             result = self.reward(outputs, prompts, metadata, **extra)
             payloads = [encode_result(part) for part in split_result(result, sizes)]
         except Exception as exc:  # the reward's own error, sent to every trainer that asked
@@ -335,7 +404,7 @@ class RewardServer:
             for job in jobs:
                 job.done.set_result((500, f"reward {self.name!r} failed: {type(exc).__name__}: {exc}"))
             return
-        for job, payload in zip(jobs, payloads):
+        for job, payload in zip(jobs, payloads, strict=True):
             job.batch.update(requests=len(jobs), samples=sum(sizes))
             job.done.set_result((200, payload))
 
@@ -353,10 +422,10 @@ def split_result(result: RewardResult, sizes: Sequence[int]) -> list[RewardResul
             pieces: list[Any] = list(value.split(list(sizes)))
         elif isinstance(value, (list, tuple)) and len(value) == total:
             offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
-            pieces = [list(value[a:b]) for a, b in zip(offsets, offsets[1:])]
+            pieces = [list(value[a:b]) for a, b in pairwise(offsets)]
         else:
             pieces = [value] * len(sizes)
-        for part, piece in zip(parts, pieces):
+        for part, piece in zip(parts, pieces, strict=True):
             part.details[key] = piece
     return parts
 
@@ -373,19 +442,35 @@ def _listen(host: str, port: int) -> socket.socket:
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
             shown = f"[{host}]" if ":" in host else host
-            raise RecipeError([ConfigError("--port", f"{shown}:{port} is in use (another server?); choose another port, or 0 for any free one")]) from None
+            raise RecipeError(
+                [
+                    ConfigError(
+                        "--port",
+                        f"{shown}:{port} is in use (another server?); choose another port, or 0 for any free one",
+                    )
+                ]
+            ) from None
         raise RecipeError([ConfigError("--host", f"cannot listen on {host!r} port {port}: {exc.strerror}")]) from None
 
 
-def make_server(name: str, params: Mapping[str, Any], host: str, port: int, token: str | None, max_bytes: int,
-                **options: Any) -> RewardServer:
+def make_server(
+    name: str, params: Mapping[str, Any], host: str, port: int, token: str | None, max_bytes: int, **options: Any
+) -> RewardServer:
     """Check the token rule, bind, then build the reward (which may take minutes): a port in use is
     known at once. ``options``: :class:`RewardServer`'s limits."""
     from fgrpo.core import registry
     from fgrpo.core.config import ConfigError, RecipeError
 
     if token is None and not is_loopback(host):
-        raise RecipeError([ConfigError("--host", f"got {host!r}, reachable from other machines; set a shared token in ${TOKEN_ENV} (or --token-env NAME) first")])
+        raise RecipeError(
+            [
+                ConfigError(
+                    "--host",
+                    f"got {host!r}, reachable from other machines; set a shared token in ${TOKEN_ENV} (or --token-env "
+                    f"NAME) first",
+                )
+            ]
+        )
     sock = _listen(host, port)
     try:
         reward = registry.create("reward", name, **params)
@@ -412,7 +497,12 @@ def _descriptors_for(connections: int) -> int:
         except (ValueError, OSError):
             pass
     if soft != resource.RLIM_INFINITY and soft < wanted:
-        log.warning("--max-connections %d lowered to %d: this process may open %d files (ulimit -n)", connections, soft - 64, soft)
+        log.warning(
+            "--max-connections %d lowered to %d: this process may open %d files (ulimit -n)",
+            connections,
+            soft - 64,
+            soft,
+        )
         return max(1, soft - 64)
     return connections
 
@@ -440,14 +530,25 @@ def serve(args: Any) -> int:
         log.setLevel(logging.INFO)
     token = token_from_env(args.token_env)
     server = make_server(
-        args.name, params, args.host, args.port, token, int(args.max_request_mb * MiB),
-        max_connections=args.max_connections, read_timeout_s=args.read_timeout_s,
-        max_inflight_bytes=int(args.max_inflight_mb * MiB), batch_size=args.batch_size,
+        args.name,
+        params,
+        args.host,
+        args.port,
+        token,
+        int(args.max_request_mb * MiB),
+        max_connections=args.max_connections,
+        read_timeout_s=args.read_timeout_s,
+        max_inflight_bytes=int(args.max_inflight_mb * MiB),
+        batch_size=args.batch_size,
     )
     host, port = server.server_address
     shown = f"[{host}]" if ":" in host else host
     guard = "token required" if token else "no token: this machine only"
-    print(f"serving reward {args.name!r} on http://{shown}:{port} ({guard}; batches of up to {server.batch_size} samples)", flush=True)
+    print(
+        f"serving reward {args.name!r} on http://{shown}:{port} ({guard}; batches of up to {server.batch_size} "
+        f"samples)",
+        flush=True,
+    )
     try:
         server.serve_forever()
     except KeyboardInterrupt:

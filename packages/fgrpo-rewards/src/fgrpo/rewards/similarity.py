@@ -56,7 +56,12 @@ def load_features(backbone: str, path: str, processor_path: str | None, dtype: s
     """CLIP's projected image embedding or DINOv2's class token (after its layer norm), once per process."""
     if backbone == "clip":
         clip = load_clip(path, processor_path, dtype, device)
-        return Features(lambda pixels: clip.model.get_image_features(pixel_values=pixels), clip.image_config, clip.device, clip.dtype)
+        return Features(
+            lambda pixels: clip.model.get_image_features(pixel_values=pixels),
+            clip.image_config,
+            clip.device,
+            clip.dtype,
+        )
     require_transformers()
     dev = resolve_device(device)
 
@@ -66,14 +71,20 @@ def load_features(backbone: str, path: str, processor_path: str | None, dtype: s
         from fgrpo.core.hub import pretrained_source
 
         model_from = pretrained_source(path, key="reward.path")
-        processor_from = pretrained_source(processor_path, key="reward.processor_path") if processor_path else model_from
+        processor_from = (
+            pretrained_source(processor_path, key="reward.processor_path") if processor_path else model_from
+        )
         try:
             model = AutoModel.from_pretrained(model_from.location, **model_from.kwargs)
             processor = AutoImageProcessor.from_pretrained(processor_from.location, **processor_from.kwargs)
         except (OSError, ValueError) as exc:
-            raise loading_error("reward.path", processor_path or path, "a DINOv2 model and image processor", exc) from exc
+            raise loading_error(
+                "reward.path", processor_path or path, "a DINOv2 model and image processor", exc
+            ) from exc
         model = model.to(device=dev, dtype=DTYPES[dtype]).eval().requires_grad_(False)
-        return Features(lambda pixels: model(pixel_values=pixels).pooler_output, processor.to_dict(), dev, DTYPES[dtype])
+        return Features(
+            lambda pixels: model(pixel_values=pixels).pooler_output, processor.to_dict(), dev, DTYPES[dtype]
+        )
 
     return shared(("dino", path, processor_path or path, dtype, str(dev)), build)
 
@@ -87,18 +98,32 @@ class ImageSimilarity:
 
     accepts_sources = True
 
-    backbone: str = param("clip", choices=("clip", "dino"), help="clip: CLIP's image embedding (flow_grpo's); dino: DINOv2's class token")
-    path: str | None = param(None, help="hub id or folder of the model; none = openai/clip-vit-large-patch14 (clip) or facebook/dinov2-base (dino)")
+    backbone: str = param(
+        "clip", choices=("clip", "dino"), help="clip: CLIP's image embedding (flow_grpo's); dino: DINOv2's class token"
+    )
+    path: str | None = param(
+        None,
+        help="hub id or folder of the model; none = openai/clip-vit-large-patch14 (clip) or facebook/dinov2-base "
+        "(dino)",
+    )
     processor_path: str | None = param(None, help="hub id or folder of its image processor; none = path")
-    source: int = param(0, ge=0, help="which source image of a prompt to compare with (Qwen-Image-Edit-Plus prompts have several)")
-    resize: str = param("bicubic", choices=("bicubic", "bilinear"), help="resampling before the crop: the processor's bicubic, or flow_grpo's bilinear (torchvision on tensors)")
+    source: int = param(
+        0, ge=0, help="which source image of a prompt to compare with (Qwen-Image-Edit-Plus prompts have several)"
+    )
+    resize: str = param(
+        "bicubic",
+        choices=("bicubic", "bilinear"),
+        help="resampling before the crop: the processor's bicubic, or flow_grpo's bilinear (torchvision on tensors)",
+    )
     batch_size: int = param(32, ge=1, help="images embedded per forward pass")
     dtype: str = dtype_key("the weights")
     device: str | None = device_key()
     _features: Any = attrs.field(init=False, default=None, repr=False)
 
     def __attrs_post_init__(self) -> None:
-        self._features = load_features(self.backbone, self.path or DEFAULT_PATHS[self.backbone], self.processor_path, self.dtype, self.device)
+        self._features = load_features(
+            self.backbone, self.path or DEFAULT_PATHS[self.backbone], self.processor_path, self.dtype, self.device
+        )
 
     @torch.no_grad()
     def embed(self, images: torch.Tensor) -> torch.Tensor:
@@ -111,14 +136,24 @@ class ImageSimilarity:
         return F.normalize(torch.cat(parts), dim=-1)
 
     def __call__(
-        self, outputs: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]], *, sources: Sequence[Sequence[torch.Tensor]]
+        self,
+        outputs: torch.Tensor,
+        prompts: Sequence[str],
+        metadata: Sequence[Mapping[str, Any]],
+        *,
+        sources: Sequence[Sequence[torch.Tensor]] | None = None,
     ) -> RewardResult:
         check_images(outputs, prompts, "image-similarity")
+        if sources is None:  # the Reward protocol's call: scoring passes sources (accepts_sources)
+            raise ValueError(
+                "image-similarity compares each output with its prompt's source image: call it with sources="
+            )
         missing = [i for i, s in enumerate(sources) if len(s) <= self.source]
         if missing:
             i = missing[0]
             raise ValueError(
-                f"image-similarity: prompt {str(prompts[i])!r} has {len(sources[i])} source image(s); the reward compares "
+                f"image-similarity: prompt {str(prompts[i])!r} has {len(sources[i])} source image(s); the reward "
+                f"compares "
                 f"with source {self.source} (an editing dataset's 'image')"
             )
         reference = torch.stack([s[self.source] for s in sources]).to(outputs.device)

@@ -42,18 +42,39 @@ def tiny_clip_config(projection_dim: int = 16, hidden: int = 32, image_size: int
     tokenizer = clip_tokenizer()
     vocab = tokenizer.get_vocab()
     text = dict(
-        vocab_size=len(vocab), hidden_size=hidden, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
-        max_position_embeddings=77, projection_dim=projection_dim, hidden_act=hidden_act,
-        bos_token_id=vocab["<|startoftext|>"], eos_token_id=vocab["<|endoftext|>"], pad_token_id=vocab["<|endoftext|>"],
+        vocab_size=len(vocab),
+        hidden_size=hidden,
+        intermediate_size=37,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=77,
+        projection_dim=projection_dim,
+        hidden_act=hidden_act,
+        bos_token_id=vocab["<|startoftext|>"],
+        eos_token_id=vocab["<|endoftext|>"],
+        pad_token_id=vocab["<|endoftext|>"],
     )
     vision = dict(
-        hidden_size=hidden, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4, image_size=image_size,
-        patch_size=8, projection_dim=projection_dim, hidden_act=hidden_act,
+        hidden_size=hidden,
+        intermediate_size=37,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        image_size=image_size,
+        patch_size=8,
+        projection_dim=projection_dim,
+        hidden_act=hidden_act,
     )
     return CLIPConfig(text_config=text, vision_config=vision, projection_dim=projection_dim)
 
 
-def save_tiny_clip(folder: str | Path, *, seed: int = 0, projection_dim: int = 16, image_size: int = 32, hidden_act: str = "quick_gelu") -> Path:
+def save_tiny_clip(
+    folder: str | Path,
+    *,
+    seed: int = 0,
+    projection_dim: int = 16,
+    image_size: int = 32,
+    hidden_act: str = "quick_gelu",
+) -> Path:
     """A random 2-layer CLIP (hidden 32, ``image_size`` square images), its byte-level tokenizer
     and processor (resize shortest edge, centre crop), saved to ``folder``."""
     from transformers import CLIPImageProcessor, CLIPModel
@@ -76,11 +97,24 @@ def save_tiny_dinov2(folder: str | Path, *, seed: int = 0, image_size: int = 32)
 
     folder = Path(folder)
     torch.manual_seed(seed)
-    config = Dinov2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37, patch_size=8, image_size=image_size)
+    # transformers' @strict dataclass configs take keys beyond their fields through
+    # __post_init__(**kwargs); the dataclass signature mypy sees omits them
+    config = Dinov2Config(  # type: ignore[call-arg]
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=37,
+        patch_size=8,
+        image_size=image_size,
+    )
     Dinov2Model(config).save_pretrained(folder)
     BitImageProcessor(
-        size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size}, do_convert_rgb=True,
-        image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225], resample=3,
+        size={"shortest_edge": image_size},
+        crop_size={"height": image_size, "width": image_size},
+        do_convert_rgb=True,
+        image_mean=[0.485, 0.456, 0.406],
+        image_std=[0.229, 0.224, 0.225],
+        resample=3,
     ).save_pretrained(folder)
     return folder
 
@@ -93,15 +127,30 @@ def save_tiny_owlv2(folder: str | Path, *, seed: int = 0, image_size: int = 32) 
     tokenizer = clip_tokenizer(max_length=16)
     vocab = tokenizer.get_vocab()
     text = dict(
-        vocab_size=len(vocab), hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
-        max_position_embeddings=16, bos_token_id=vocab["<|startoftext|>"], eos_token_id=vocab["<|endoftext|>"],
+        vocab_size=len(vocab),
+        hidden_size=32,
+        intermediate_size=37,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=16,
+        bos_token_id=vocab["<|startoftext|>"],
+        eos_token_id=vocab["<|endoftext|>"],
         pad_token_id=vocab["<|endoftext|>"],
     )
-    vision = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4, image_size=image_size, patch_size=8)
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=37,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        image_size=image_size,
+        patch_size=8,
+    )
     torch.manual_seed(seed)
     model = Owlv2ForObjectDetection(Owlv2Config(text_config=text, vision_config=vision, projection_dim=32))
     model.save_pretrained(folder)
-    processor = Owlv2Processor(image_processor=Owlv2ImageProcessor(size={"height": image_size, "width": image_size}), tokenizer=tokenizer)
+    processor = Owlv2Processor(
+        image_processor=Owlv2ImageProcessor(size={"height": image_size, "width": image_size}), tokenizer=tokenizer
+    )
     processor.save_pretrained(folder)
     return folder
 
@@ -112,22 +161,47 @@ def save_tiny_mask2former(
     """A random Mask2Former (a 4-stage Swin with one block a stage, 8 queries) with its image
     processor, saved to ``folder``; 80 labels, as COCO's instance models have. ``favour``: label
     ids whose logits get a bias of 6, so that a random model mostly names those."""
-    from transformers import Mask2FormerConfig, Mask2FormerForUniversalSegmentation, Mask2FormerImageProcessor, SwinConfig
+    from transformers import (
+        Mask2FormerConfig,
+        Mask2FormerForUniversalSegmentation,
+        Mask2FormerImageProcessor,
+        SwinConfig,
+    )
 
     folder = Path(folder)
-    backbone = SwinConfig(
-        image_size=image_size, patch_size=4, embed_dim=16, depths=[1, 1, 1, 1], num_heads=[1, 1, 2, 2], window_size=4,
+    # transformers' @strict dataclass configs take keys beyond their fields through
+    # __post_init__(**kwargs); the dataclass signature mypy sees omits them
+    backbone = SwinConfig(  # type: ignore[call-arg]
+        image_size=image_size,
+        patch_size=4,
+        embed_dim=16,
+        depths=[1, 1, 1, 1],
+        num_heads=[1, 1, 2, 2],
+        window_size=4,
         out_features=["stage1", "stage2", "stage3", "stage4"],
     )
-    config = Mask2FormerConfig(
-        backbone_config=backbone, backbone=None, use_pretrained_backbone=False, hidden_dim=32, mask_feature_size=32,
-        feature_size=32, encoder_layers=1, decoder_layers=2, num_attention_heads=2, dim_feedforward=64,
-        encoder_feedforward_dim=64, num_queries=8, num_labels=num_labels, id2label={i: f"class {i}" for i in range(num_labels)},
+    config = Mask2FormerConfig(  # type: ignore[call-arg]
+        backbone_config=backbone,
+        backbone=None,
+        use_pretrained_backbone=False,
+        hidden_dim=32,
+        mask_feature_size=32,
+        feature_size=32,
+        encoder_layers=1,
+        decoder_layers=2,
+        num_attention_heads=2,
+        dim_feedforward=64,
+        encoder_feedforward_dim=64,
+        num_queries=8,
+        num_labels=num_labels,
+        id2label={i: f"class {i}" for i in range(num_labels)},
     )
     torch.manual_seed(seed)
     model = Mask2FormerForUniversalSegmentation(config)
     with torch.no_grad():
         model.class_predictor.bias[list(favour)] += 6.0
     model.save_pretrained(folder)
-    Mask2FormerImageProcessor(size={"shortest_edge": image_size, "longest_edge": image_size}, size_divisor=32).save_pretrained(folder)
+    Mask2FormerImageProcessor(
+        size={"shortest_edge": image_size, "longest_edge": image_size}, size_divisor=32
+    ).save_pretrained(folder)
     return folder

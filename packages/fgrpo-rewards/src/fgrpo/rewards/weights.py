@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -34,6 +35,7 @@ def read_state_dict(spec: str, key: str) -> dict[str, torch.Tensor]:
     """The tensors of a weights file; a checkpoint that wraps them in ``state_dict`` or ``model``
     is unwrapped, and a ``module.`` prefix (DataParallel) is dropped."""
     path = resolve_file(spec, key)
+    state: Any  # a mapping of tensors, perhaps wrapped: checked below
     try:
         if path.suffix == ".safetensors":
             from safetensors.torch import load_file

@@ -25,11 +25,10 @@ writes it), and :func:`run` does the rest, identically for all three:
 Everything runs under ``torch.no_grad()`` in float32 latents (the policy casts to its own dtype).
 """
 
-
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import torch
@@ -85,7 +84,9 @@ class Plan:
         """Refuse a plan :func:`run` cannot run for ``batch`` samples (a sampler bug)."""
         trained = self.trained
         if trained is None or trained.dim() != 2 or trained.shape[0] != batch:
-            raise ValueError(f"trained steps must be (B={batch}, S), got {None if trained is None else tuple(trained.shape)}")
+            raise ValueError(
+                f"trained steps must be (B={batch}, S), got {None if trained is None else tuple(trained.shape)}"
+            )
         if trained.shape[1] == 0 and any(step.kernel.stochastic for step in self.steps):
             raise ValueError("a rollout with stochastic steps trains at least one of them")
         if self.prefix and not self.share_noise:
@@ -179,6 +180,7 @@ def run(
     if plan.trained is not None:
         plan = attrs.evolve(plan, trained=torch.as_tensor(plan.trained, dtype=torch.long))
     plan.check(batch)
+    assert plan.trained is not None  # check() refuses a plan without trained steps
     device = torch.device(policy.device)
     epc = int(policy.evaluations_per_call)
 
@@ -218,15 +220,25 @@ def booked(plan: Plan, position: int, velocity: torch.Tensor, x: torch.Tensor, o
     """A recorded deterministic step (``kl_steps: all``) as ``plan.kl_kernel``'s step to the same
     next state."""
     if plan.kl_kernel is None:
-        raise RuntimeError(f"step {position} is deterministic and recorded without a kernel to book it (a sampler bug)")
+        raise RuntimeError(
+            f"step {position} is deterministic and recorded without a kernel to book it (a sampler bug)"
+        )
     step = plan.steps[position]
     return plan.kl_kernel.step(velocity, x, step.sigmas, step.index, prev_sample=out.prev_sample)
 
 
 def trajectory(
-    prompts: list[str], group: int, plan: Plan, cond: Any, record: Record, final: torch.Tensor, nfe: dict[str, int], epc: int
+    prompts: list[str],
+    group: int,
+    plan: Plan,
+    cond: Any,
+    record: Record,
+    final: torch.Tensor,
+    nfe: dict[str, int],
+    epc: int,
 ) -> Trajectory:
     """The rollout's :class:`Trajectory`: its trained steps, its final samples and its NFE."""
+    assert plan.trained is not None  # run() checked the plan
     batch, total = len(prompts) * group, sum(nfe.values())
     device = record.latents.device
     info = {
@@ -243,7 +255,7 @@ def trajectory(
         prompts=[p for p in prompts for _ in range(group)],
         group_index=torch.arange(len(prompts), device=device).repeat_interleave(group),
         cond=cond,
-        sigmas=plan.sigmas,
+        sigmas=cast(torch.Tensor, plan.sigmas),  # the sampler's schedule: set when it completed the Plan
         step_index=plan.trained.to(device),
         latents=record.latents,
         next_latents=record.next_latents,
@@ -253,5 +265,7 @@ def trajectory(
         final=final,
         nfe=total,
         info=info,
-        policy_weight=None if plan.policy_weight is None else torch.as_tensor(plan.policy_weight, dtype=torch.float32).to(device),
+        policy_weight=None
+        if plan.policy_weight is None
+        else torch.as_tensor(plan.policy_weight, dtype=torch.float32).to(device),
     )

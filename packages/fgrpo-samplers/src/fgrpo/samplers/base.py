@@ -191,7 +191,9 @@ def kl_steps_param() -> Any:
     )
 
 
-def kl_everywhere(trained: torch.Tensor, program: Sequence[Step], stds: torch.Tensor, prefix: int) -> tuple[torch.Tensor, torch.Tensor]:
+def kl_everywhere(
+    trained: torch.Tensor, program: Sequence[Step], stds: torch.Tensor, prefix: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``kl_steps: all``: the trained positions (B, S) plus every other position of the program
     after the shared prefix where the kernel has a std (``stds``: its std at every step of the
     schedule; each visited state's KL to the reference is then part of the update), sorted; and
@@ -239,7 +241,9 @@ class GroupSampler:
     nothing_to_train: ClassVar[str] = "the kernel has std 0 at every step of {sigmas}: nothing to train"
 
     def __attrs_post_init__(self) -> None:
-        errors = self.check_keys({f.name: getattr(self, f.name) for f in attrs.fields(type(self)) if f.init})
+        # GroupSampler is a mixin; the samplers built on it are attrs classes
+        fields = attrs.fields(type(self))  # type: ignore[arg-type]
+        errors = self.check_keys({f.name: getattr(self, f.name) for f in fields if f.init})
         if errors:
             raise RecipeError(errors)
 
@@ -279,7 +283,10 @@ class GroupSampler:
         final = resolve_final(self.final, self.kernel)
         steps = with_final(plan.steps, final)
         batch = len(prompts) * group_size
-        trained, weight = torch.zeros((batch, 0), dtype=torch.long), None  # the final samples and their conditioning only
+        trained, weight = (
+            torch.zeros((batch, 0), dtype=torch.long),
+            None,
+        )  # the final samples and their conditioning only
         if self.transitions:
             stds = self.kernel_stds(sigmas)
             candidates = [p for p in stochastic_steps(steps, self.kernel) if stds[p] > 0]
@@ -289,8 +296,14 @@ class GroupSampler:
             if getattr(self, "kl_steps", "trained") == "all":
                 trained, weight = kl_everywhere(trained, steps, stds, plan.prefix)
         plan = attrs.evolve(
-            plan, steps=steps, sigmas=sigmas, trained=trained, share_noise=self.share_noise, final=final,
-            kl_kernel=self.kernel if weight is not None else None, policy_weight=weight,
+            plan,
+            steps=steps,
+            sigmas=sigmas,
+            trained=trained,
+            share_noise=self.share_noise,
+            final=final,
+            kl_kernel=self.kernel if weight is not None else None,
+            policy_weight=weight,
         )
         return _rollout.run(policy, prompts, group_size, plan, generator)
 
@@ -314,6 +327,20 @@ class GroupSampler:
 
 
 __all__ = [
-    "EULER", "GroupSampler", "Plan", "Step", "check_schedule", "final_param", "kernel_error", "kl_everywhere", "kl_steps_param",
-    "main_sigmas", "randint", "resolve_final", "schedule_param", "step_stds", "stochastic_steps", "with_final",
+    "EULER",
+    "GroupSampler",
+    "Plan",
+    "Step",
+    "check_schedule",
+    "final_param",
+    "kernel_error",
+    "kl_everywhere",
+    "kl_steps_param",
+    "main_sigmas",
+    "randint",
+    "resolve_final",
+    "schedule_param",
+    "step_stds",
+    "stochastic_steps",
+    "with_final",
 ]

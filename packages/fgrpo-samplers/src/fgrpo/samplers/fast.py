@@ -30,7 +30,17 @@ import torch
 
 from fgrpo.core.config import ConfigError, param
 from fgrpo.core.registry import component
-from fgrpo.samplers.base import EULER, GroupSampler, Plan, Step, final_param, key, kl_steps_param, randint, schedule_param
+from fgrpo.samplers.base import (
+    EULER,
+    GroupSampler,
+    Plan,
+    Step,
+    final_param,
+    key,
+    kl_steps_param,
+    randint,
+    schedule_param,
+)
 
 
 @attrs.define
@@ -98,7 +108,9 @@ class FastSampler(GroupSampler):
         start = randint(first, last + 1, generator)
         window = range(start, start + self.window)
         steps = [
-            Step(self.kernel, sigmas, i, "window") if i in window else Step(EULER, sigmas, i, "prefix" if i < start else "suffix")
+            Step(self.kernel, sigmas, i, "window")
+            if i in window
+            else Step(EULER, sigmas, i, "prefix" if i < start else "suffix")
             for i in range(self.steps)
         ]
         return Plan(

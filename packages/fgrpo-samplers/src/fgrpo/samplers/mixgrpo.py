@@ -32,9 +32,10 @@ visits the positions 0, stride, 2 stride, ... up to the last allowed start and s
 A frozen window (MixGRPO-Flash*, window fixed at [0, 4)) is ``shift_every`` larger than the run.
 
 ``flash: true`` (MixGRPO-Flash) replaces the Euler steps after the window by DPM-Solver++
-(``flash_order`` 2: kernel ``dpmpp2m``, MixGRPO-Flash's setting; 3: ``dpmpp3m``) on a compressed schedule: ``int((steps - last) * flash_ratio)`` points from
-the sigma reached after the window down to 0, ``last`` being the window's last step (the MixGRPO
-rule), at least 2 points (one step) and never more steps than the Euler steps it replaces. The
+(``flash_order`` 2: kernel ``dpmpp2m``, MixGRPO-Flash's setting; 3: ``dpmpp3m``) on a compressed
+schedule: ``int((steps - last) * flash_ratio)`` points from the sigma reached after the window down
+to 0, ``last`` being the window's last step (the MixGRPO rule), at least 2 points (one step) and
+never more steps than the Euler steps it replaces. The
 points are the main schedule's tail resampled by linear interpolation in step index, so the
 compressed schedule keeps the shape (shift, flux, explicit) of the main one. The multistep
 history starts fresh after the window (its first step is first order; the reference feeds the
@@ -95,23 +96,23 @@ class MixGRPOSampler(GroupSampler):
     window: int = param(4, ge=1, help="consecutive stochastic (trained) steps")
     stride: int = param(1, ge=1, help="steps the window moves at each shift")
     shift_every: int = param(25, ge=1, help="iterations between two shifts of the window")
-    strategy: str = param(
-        "progressive", choices=STRATEGIES, help="how the window moves (MixGRPO sample_strategy)"
-    )
+    strategy: str = param("progressive", choices=STRATEGIES, help="how the window moves (MixGRPO sample_strategy)")
     min_shift_every: int | None = param(
-        None, ge=1, help="decay: the dwell at window_end; null = max(1, shift_every // 4) (MixGRPO min_iters_per_group)"
+        None,
+        ge=1,
+        help="decay: the dwell at window_end; null = max(1, shift_every // 4) (MixGRPO min_iters_per_group)",
     )
     decay_threshold: int = param(13, ge=0, help="exp_decay: the start after which the dwell decays")
-    decay_rate: float = param(0.1, ge=0, help="exp_decay: dwell = ceil(shift_every * exp(-rate * (start - threshold)))")
+    decay_rate: float = param(
+        0.1, ge=0, help="exp_decay: dwell = ceil(shift_every * exp(-rate * (start - threshold)))"
+    )
     shrink: bool = param(
         False, help="the window shrinks near window_end instead of stopping at full size (as MixGRPO)"
     )
     window_end: int | None = param(
         None, ge=1, help="the window stays inside [0, window_end); null = steps - 2 (MixGRPO)"
     )
-    at_end: str = param(
-        "rollback", choices=("rollback", "stay"), help="progressive, past the end: back to 0, or stay"
-    )
+    at_end: str = param("rollback", choices=("rollback", "stay"), help="progressive, past the end: back to 0, or stay")
     flash: bool = param(False, help="DPM-Solver++ on a compressed schedule after the window")
     flash_order: int = param(2, choices=(2, 3), help="order of the Flash DPM-Solver++ (MixGRPO dpm_solver_order)")
     flash_ratio: float = param(0.4, gt=0.0, le=1.0, help="compression of the steps after the window")
@@ -200,7 +201,7 @@ class MixGRPOSampler(GroupSampler):
             if self.at_end == "stay":
                 return positions[-1]
             iteration %= cycle
-        for position, dwell in zip(positions, dwells):
+        for position, dwell in zip(positions, dwells, strict=True):
             if iteration < dwell:
                 return position
             iteration -= dwell

@@ -29,11 +29,16 @@ class ODESampler(GroupSampler):
     docstring)."""
 
     steps: int = param(10, ge=1, help="solver steps")
-    share_noise: bool = param(False, help="the G samples of a prompt start from the same initial noise (then they are identical: a deterministic solver)")
+    share_noise: bool = param(
+        False,
+        help="the G samples of a prompt start from the same initial noise (then they are identical: a deterministic "
+        "solver)",
+    )
     schedule: dict | None = schedule_param()
     kernel: Any = component("kernel", default="ode", help="the deterministic solver: ode (Euler), dpmpp2m, dpmpp3m")
 
-    final: ClassVar[str] = "sample"  # the state after the last step (a deterministic step: x0 at sigma' = 0)
+    # the state after the last step (a deterministic step: x0 at sigma' = 0); fixed here, a recipe key elsewhere
+    final: ClassVar[str] = "sample"  # type: ignore[misc]
     #: the rollout records no stochastic transitions (objectives that need them refuse this sampler)
     transitions: ClassVar[bool] = False
 

@@ -149,11 +149,11 @@ class Schedule:
         elif self.type == "shift":
             sigmas = time_shift(linear(steps), self.shift)
         elif self.type == "flux":
+            assert self.image_seq_len is not None  # checked when built
             sigmas = flux_shift(linear(steps), int(self.image_seq_len))
         else:
+            assert self.values is not None  # checked when built
             sigmas = explicit(self.values)
             if sigmas.shape[0] != steps + 1:
-                raise ValueError(
-                    f"values: expected steps + 1 = {steps + 1} sigmas, got {sigmas.shape[0]}"
-                )
+                raise ValueError(f"values: expected steps + 1 = {steps + 1} sigmas, got {sigmas.shape[0]}")
         return check_sigmas(sigmas)

@@ -127,5 +127,8 @@ def trainable_module(policy: Any, optimizer: torch.optim.Optimizer) -> torch.nn.
         )
     owned = {id(p) for p in module.parameters()}
     if any(id(p) not in owned for p in trainable_of(optimizer)):
-        raise refuse("model", f"{name} trains parameters outside its trainable_module, which cannot be sharded; launch it data parallel")
+        raise refuse(
+            "model",
+            f"{name} trains parameters outside its trainable_module, which cannot be sharded; launch it data parallel",
+        )
     return module

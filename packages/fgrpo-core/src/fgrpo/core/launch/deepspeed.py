@@ -40,7 +40,14 @@ import attrs
 import torch
 
 from fgrpo.core.config import ConfigError, RecipeError
-from fgrpo.core.launch.common import Processes, broadcast_parameters, passes_behind, refuse, trainable_module, trainable_of
+from fgrpo.core.launch.common import (
+    Processes,
+    broadcast_parameters,
+    passes_behind,
+    refuse,
+    trainable_module,
+    trainable_of,
+)
 from fgrpo.core.launch.shards import full, shard_like
 
 T = TypeVar("T")
@@ -84,7 +91,9 @@ class DeepSpeedZeRO2(Processes):
         buffers an offloaded optimizer allocates once (``optimizer.zero_grad`` would drop them)."""
         self.engine.optimizer.zero_grad(set_to_none=True)
 
-    def step(self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], max_grad_norm: float) -> torch.Tensor | None:
+    def step(
+        self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], max_grad_norm: float
+    ) -> torch.Tensor | None:
         """``engine.step()``: clipping (to ``train.max_grad_norm``, set at prepare) included."""
         engine = self.engine
         engine.step()
@@ -158,7 +167,7 @@ def load_models_whole() -> None:
         integration.unset_hf_deepspeed_config()
 
 
-def stage_class(accelerator: Any) -> type:
+def stage_class(accelerator: Any) -> type[DeepSpeedZeRO2] | type[DeepSpeedZeRO3]:
     """The class of a DeepSpeed launch's ZeRO stage (the others are refused by :func:`check_deepspeed`)."""
     return DeepSpeedZeRO3 if accelerator.state.deepspeed_plugin.zero_stage == 3 else DeepSpeedZeRO2
 
@@ -208,19 +217,47 @@ def check_deepspeed(accelerator: Any) -> None:
     plugin = accelerator.state.deepspeed_plugin
     errors = []
     if plugin.zero_stage not in (2, 3):
-        errors.append(ConfigError("accelerate", f"DeepSpeed zero_stage {plugin.zero_stage} is not supported: fgrpo runs ZeRO-2 (recipes/accelerate/deepspeed-zero2.yaml) and ZeRO-3 (deepspeed-zero3.yaml); FSDP shards the weights too (fsdp-lora.yaml, fsdp-full.yaml)"))
+        errors.append(
+            ConfigError(
+                "accelerate",
+                f"DeepSpeed zero_stage {plugin.zero_stage} is not supported: fgrpo runs ZeRO-2 "
+                f"(recipes/accelerate/deepspeed-zero2.yaml) and ZeRO-3 (deepspeed-zero3.yaml); FSDP shards the "
+                f"weights too (fsdp-lora.yaml, fsdp-full.yaml)",
+            )
+        )
     for key, device in offload_devices(accelerator).items():
         if device != "cpu":
-            errors.append(ConfigError("accelerate", f"DeepSpeed {key} to {device!r} is not supported (NVMe swapping is not tested with fgrpo); allowed: none, cpu"))
+            errors.append(
+                ConfigError(
+                    "accelerate",
+                    f"DeepSpeed {key} to {device!r} is not supported (NVMe swapping is not tested with fgrpo); "
+                    f"allowed: none, cpu",
+                )
+            )
         elif key == "offload_param" and plugin.zero_stage != 3:
-            errors.append(ConfigError("accelerate", f"DeepSpeed offload_param to 'cpu' needs zero_stage 3 (got {plugin.zero_stage}): only ZeRO-3 partitions the weights (recipes/accelerate/deepspeed-zero3-offload.yaml)"))
+            errors.append(
+                ConfigError(
+                    "accelerate",
+                    f"DeepSpeed offload_param to 'cpu' needs zero_stage 3 (got {plugin.zero_stage}): only ZeRO-3 "
+                    f"partitions the weights (recipes/accelerate/deepspeed-zero3-offload.yaml)",
+                )
+            )
     if plugin.zero_stage == 3 and os.environ.get("ACCELERATE_DEEPSPEED_ZERO3_INIT", "").lower() in ("true", "1"):
-        errors.append(ConfigError("accelerate", "DeepSpeed zero3_init_flag true is not supported: transformers would load the frozen text encoders partitioned, outside any DeepSpeed engine that gathers them; set zero3_init_flag: false (fgrpo partitions the trained network when the run is prepared)"))
+        errors.append(
+            ConfigError(
+                "accelerate",
+                "DeepSpeed zero3_init_flag true is not supported: transformers would load the frozen text encoders "
+                "partitioned, outside any DeepSpeed engine that gathers them; set zero3_init_flag: false (fgrpo "
+                "partitions the trained network when the run is prepared)",
+            )
+        )
     if errors:
         raise RecipeError(errors)
 
 
-def prepare_deepspeed(accelerator: Any, policy: Any, optimizer: torch.optim.Optimizer, train: Any) -> list[torch.nn.Parameter]:
+def prepare_deepspeed(
+    accelerator: Any, policy: Any, optimizer: torch.optim.Optimizer, train: Any
+) -> list[torch.nn.Parameter]:
     """Give the policy's ``trainable_module`` and the optimizer to DeepSpeed through
     ``accelerator.prepare``. The policy keeps calling the module itself (ZeRO-2 leaves it whole,
     ZeRO-3's hooks gather its weights in place); fgrpo's update owns the batching: DeepSpeed's
@@ -257,7 +294,9 @@ def _group_of(zero: Any, param: torch.nn.Parameter) -> int:
     return next(g for g, group in enumerate(zero.bit16_groups) if any(p is param for p in group))
 
 
-def _optimizer_state(engine: Any, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> dict[str, Any]:
+def _optimizer_state(
+    engine: Any, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]
+) -> dict[str, Any]:
     """AdamW's per-parameter state assembled from every process's partition (DeepSpeed's tensor
     fragment API; collective), in ``torch.optim`` format; the float32 master weights too when
     the module computes in lower precision (bf16), so a resume is exact."""
@@ -289,7 +328,7 @@ def _load_optimizer_state(
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
     zero = engine.optimizer
-    for group, saved_group in zip(optimizer.param_groups, state["param_groups"]):
+    for group, saved_group in zip(optimizer.param_groups, state["param_groups"], strict=True):
         group.update({k: v for k, v in saved_group.items() if k != "params"})
     per_param = state["state"]
     masters = state.get("fp32_weights")
@@ -300,7 +339,11 @@ def _load_optimizer_state(
     for g, flat in enumerate(zero.single_partition_of_fp32_groups):
         first = next(i for i, p in enumerate(params) if _group_of(zero, p) == g)
         optimizer.state[flat] = {
-            k: (torch.zeros_like(flat) if torch.is_tensor(v) and v.dim() > 0 else (v.clone() if torch.is_tensor(v) else v))
+            k: (
+                torch.zeros_like(flat)
+                if torch.is_tensor(v) and v.dim() > 0
+                else (v.clone() if torch.is_tensor(v) else v)
+            )
             for k, v in per_param[first].items()
         }
     zero._hp_optimizer_states_linked = False
@@ -327,7 +370,9 @@ def _zero3_flat(zero: Any, param: torch.nn.Parameter) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _zero3_optimizer_state(zero: Any, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> dict[str, Any]:
+def _zero3_optimizer_state(
+    zero: Any, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]
+) -> dict[str, Any]:
     """AdamW's per-parameter state gathered from every process's partition (collective), in
     ``torch.optim`` format (each original group lists its parameters in the optimizer's order);
     the float32 master weights too when the module computes in lower precision (bf16)."""
@@ -343,14 +388,17 @@ def _zero3_optimizer_state(zero: Any, optimizer: torch.optim.Optimizer, params: 
     for i, p in enumerate(params):
         flat_state = optimizer.state.get(_zero3_flat(zero, p), {})
         state[i] = {
-            k: full(_zero3_partition(zero, p, k), like=p).detach().cpu() if torch.is_tensor(v) and v.dim() > 0 else
-            (v.detach().clone().cpu() if torch.is_tensor(v) else v)
+            k: full(_zero3_partition(zero, p, k), like=p).detach().cpu()
+            if torch.is_tensor(v) and v.dim() > 0
+            else (v.detach().clone().cpu() if torch.is_tensor(v) else v)
             for k, v in flat_state.items()
         }
     state = {i: s for i, s in state.items() if s}
     saved: dict[str, Any] = {"state": state, "param_groups": groups}
     if any(p.dtype != torch.float32 for p in params):
-        saved["fp32_weights"] = {i: full(_zero3_partition(zero, p), like=p).detach().cpu() for i, p in enumerate(params)}
+        saved["fp32_weights"] = {
+            i: full(_zero3_partition(zero, p), like=p).detach().cpu() for i, p in enumerate(params)
+        }
     return saved
 
 
@@ -360,7 +408,7 @@ def _zero3_load_optimizer_state(
 ) -> None:
     """After the weights are loaded (:meth:`DeepSpeedZeRO3.whole_weights`): the float32 masters
     from the file (bf16) or the loaded weights, the moments cut to this process's partitions."""
-    for group, saved_group in zip(optimizer.param_groups, state["param_groups"]):
+    for group, saved_group in zip(optimizer.param_groups, state["param_groups"], strict=True):
         group.update({k: v for k, v in saved_group.items() if k != "params"})
     masters = state.get("fp32_weights")
     per_param = state["state"]
@@ -372,7 +420,11 @@ def _zero3_load_optimizer_state(
     for flat in zero.fp32_partitioned_groups_flat:
         first = next(i for i, p in enumerate(params) if _zero3_flat(zero, p) is flat)
         optimizer.state[flat] = {
-            k: (torch.zeros_like(flat) if torch.is_tensor(v) and v.dim() > 0 else (v.clone() if torch.is_tensor(v) else v))
+            k: (
+                torch.zeros_like(flat)
+                if torch.is_tensor(v) and v.dim() > 0
+                else (v.clone() if torch.is_tensor(v) else v)
+            )
             for k, v in per_param[first].items()
         }
     for i, p in enumerate(params):

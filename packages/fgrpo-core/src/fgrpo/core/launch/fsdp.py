@@ -54,7 +54,9 @@ class FSDP2(Processes):
     def backward(self, loss: torch.Tensor) -> None:
         scaled_backward(self.accelerator, loss)
 
-    def step(self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], max_grad_norm: float) -> torch.Tensor | None:
+    def step(
+        self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], max_grad_norm: float
+    ) -> torch.Tensor | None:
         return unscale_clip_step(self.accelerator, optimizer, params, max_grad_norm)  # averaged in backward
 
     def missing_forwards(self, passes: int) -> int:
@@ -103,7 +105,8 @@ def shard_policy(accelerator: Any, policy: Any, optimizer: torch.optim.Optimizer
     if plugin.fsdp_version != 2:
         raise refuse(
             "accelerate",
-            f"fsdp_version {plugin.fsdp_version} is not supported: fgrpo shards with FSDP2 (fully_shard keeps the policy's "
+            f"fsdp_version {plugin.fsdp_version} is not supported: fgrpo shards with FSDP2 (fully_shard keeps the "
+            f"policy's "
             "module in place); set fsdp_version: 2 (recipes/accelerate/fsdp-lora.yaml, fsdp-full.yaml)",
         )
     _as_data_parallel(plugin)

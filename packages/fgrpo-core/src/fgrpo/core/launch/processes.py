@@ -33,7 +33,9 @@ class DataParallel(Processes):
     def backward(self, loss: torch.Tensor) -> None:
         scaled_backward(self.accelerator, loss)
 
-    def step(self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], max_grad_norm: float) -> torch.Tensor | None:
+    def step(
+        self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], max_grad_norm: float
+    ) -> torch.Tensor | None:
         if self.processes > 1:
             average_gradients(self.accelerator, params)
         return unscale_clip_step(self.accelerator, optimizer, params, max_grad_norm)
@@ -53,7 +55,7 @@ def average_gradients(accelerator: Any, params: Sequence[torch.nn.Parameter]) ->
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     flat = accelerator.reduce(torch.cat([g.reshape(-1) for g in grads]), reduction="mean")
     offset = 0
-    for p, g in zip(params, grads):
+    for p, g in zip(params, grads, strict=True):
         n = g.numel()
         p.grad = flat[offset : offset + n].view_as(p).clone()
         offset += n

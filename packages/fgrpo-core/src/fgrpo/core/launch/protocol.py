@@ -18,20 +18,31 @@ class Launch(Protocol):
     :mod:`.fsdp`, :mod:`.deepspeed`), chosen by :func:`fgrpo.core.launch.of`.
 
     The update clears the gradients with :meth:`zero_grad`, calls :meth:`backward` for every pass
-    (any loss: it knows nothing of what the pass computed), pads with :meth:`missing_backwards` (or :meth:`missing_forwards` for passes
-    without backward) zero-weighted passes so that every process makes as many collective passes,
-    and ends each optimizer step with :meth:`step`. Checkpoints gather what they write with
-    :meth:`gathered` and :meth:`optimizer_state`, and load with :meth:`load_optimizer_state`.
+    (any loss: it knows nothing of what the pass computed), pads with :meth:`missing_backwards` (or
+    :meth:`missing_forwards` for passes without backward) zero-weighted passes so that every process
+    makes as many collective passes, and ends each optimizer step with :meth:`step`. Checkpoints
+    gather what they write with :meth:`gathered` and :meth:`optimizer_state`, and load with
+    :meth:`load_optimizer_state`.
     """
 
     accelerator: Any
-    #: the training state is split over the processes: every backward and every checkpoint
-    #: involves every process
-    sharded: bool
-    #: the weights themselves are split: every forward involves every process
-    sharded_weights: bool
-    #: how the start-up line names the kind beyond the process count ("" when unsharded)
-    description: str
+
+    # read-only: properties here, so that the kinds' class attributes satisfy them
+    @property
+    def sharded(self) -> bool:
+        """The training state is split over the processes: every backward and every checkpoint
+        involves every process."""
+        ...
+
+    @property
+    def sharded_weights(self) -> bool:
+        """The weights themselves are split: every forward involves every process."""
+        ...
+
+    @property
+    def description(self) -> str:
+        """How the start-up line names the kind beyond the process count ("" when unsharded)."""
+        ...
 
     @staticmethod
     def check(accelerator: Any) -> None:
@@ -57,7 +68,9 @@ class Launch(Protocol):
         """Clear the gradients before an optimizer step's first pass."""
         ...
 
-    def step(self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], max_grad_norm: float) -> torch.Tensor | None:
+    def step(
+        self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], max_grad_norm: float
+    ) -> torch.Tensor | None:
         """One optimizer step on the gradients accumulated since the last: averaged over the
         processes, unscaled (fp16), clipped to ``max_grad_norm`` (0: no clipping); the gradient
         norm before clipping (None without clipping)."""
@@ -91,7 +104,9 @@ class Launch(Protocol):
         """Load :meth:`optimizer_state`'s dict, of any kind of run (after the weights are loaded)."""
         ...
 
-    def whole_weights(self, params: Sequence[torch.nn.Parameter], modify: bool = False) -> AbstractContextManager[None]:
+    def whole_weights(
+        self, params: Sequence[torch.nn.Parameter], modify: bool = False
+    ) -> AbstractContextManager[None]:
         """Inside, ``params`` hold their whole values for code that reads them outside a forward
         (a policy's state dicts; collective where the weights are partitioned: ZeRO-3); with
         ``modify``, what is written into them inside (the same on every process) is kept."""

@@ -32,12 +32,14 @@ def is_sharded_tensor(t: Any) -> bool:
     return dtensor is not None and isinstance(t, dtensor)
 
 
+# A ZeRO-3 parameter carries DeepSpeed's ds_tensor / ds_numel / ds_shape (deepspeed is untyped): the
+# functions that read them take Any.
 def is_partitioned(p: Any) -> bool:
     """Whether ``p`` is a parameter DeepSpeed ZeRO-3 split over the processes."""
     return isinstance(p, torch.Tensor) and hasattr(p, "ds_tensor") and hasattr(p, "ds_shape")
 
 
-def local(p: torch.Tensor) -> torch.Tensor:
+def local(p: Any) -> torch.Tensor:
     """What this process holds of ``p``: a ZeRO-3 parameter's flat partition, else ``p`` itself
     (a DTensor is its own shard)."""
     return p.ds_tensor if is_partitioned(p) else p
@@ -53,7 +55,7 @@ def full(t: Any, like: Any = None) -> Any:
     return t.full_tensor() if is_sharded_tensor(t) else t
 
 
-def _gathered_partitions(part: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+def _gathered_partitions(part: torch.Tensor, param: Any) -> torch.Tensor:
     import torch.distributed as dist
 
     group = getattr(param, "ds_process_group", None)
@@ -71,7 +73,7 @@ def _communication_device(t: torch.Tensor) -> torch.device:
     return torch.device(get_accelerator().current_device_name())
 
 
-def _partition_of(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+def _partition_of(value: torch.Tensor, param: Any) -> torch.Tensor:
     """This process's partition of the whole tensor ``value`` of the ZeRO-3 parameter ``param``."""
     import torch.distributed as dist
 
@@ -83,7 +85,7 @@ def _partition_of(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     return part
 
 
-def write_local(p: torch.Tensor, value: torch.Tensor) -> None:
+def write_local(p: Any, value: torch.Tensor) -> None:
     """Set what this process holds of ``p`` to ``value`` (a :func:`local` of the same layout); a
     ZeRO-3 parameter whose whole data is held between forwards too (DeepSpeed keeps small ones,
     under ``stage3_param_persistence_threshold``) gets it gathered again (collective)."""
@@ -108,8 +110,9 @@ def shard_like(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         return _partition_of(value, like)
     if not is_sharded_tensor(like):
         return value
-    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor import DTensor, distribute_tensor
 
+    assert isinstance(like, DTensor)  # is_sharded_tensor
     return distribute_tensor(value.to(like.device), like.device_mesh, like.placements, src_data_rank=None)
 
 

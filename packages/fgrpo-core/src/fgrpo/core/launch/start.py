@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from fgrpo.core.config import ConfigError, RecipeError
-from fgrpo.core.launch.deepspeed import DeepSpeedZeRO2, accelerator_options, stage_class
+from fgrpo.core.launch.deepspeed import DeepSpeedZeRO2, DeepSpeedZeRO3, accelerator_options, stage_class
 from fgrpo.core.launch.deepspeed import launched as deepspeed_launched
 from fgrpo.core.launch.fsdp import FSDP2, enable_on_cpu
 from fgrpo.core.launch.fsdp import launched as fsdp_launched
@@ -18,9 +18,19 @@ from fgrpo.core.launch.processes import DataParallel
 from fgrpo.core.launch.protocol import Launch
 
 #: accelerate's distributed types that run data parallel (:class:`DataParallel`)
-DATA_PARALLEL = ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_MUSA", "MULTI_HPU", "MULTI_SDAA")
+DATA_PARALLEL = (
+    "NO",
+    "MULTI_CPU",
+    "MULTI_GPU",
+    "MULTI_XPU",
+    "MULTI_NPU",
+    "MULTI_MLU",
+    "MULTI_MUSA",
+    "MULTI_HPU",
+    "MULTI_SDAA",
+)
 #: the other kinds, by accelerate's distributed type (DeepSpeed's by its ZeRO stage: :func:`launch_class`)
-SHARDED = {"FSDP": FSDP2, "DEEPSPEED": DeepSpeedZeRO2}
+SHARDED: dict[str, type[FSDP2] | type[DeepSpeedZeRO2]] = {"FSDP": FSDP2, "DEEPSPEED": DeepSpeedZeRO2}
 
 
 def kind(accelerator: Any) -> str:
@@ -33,7 +43,9 @@ def of(accelerator: Any) -> Launch:
     return launch_class(kind(accelerator), accelerator)(accelerator)
 
 
-def launch_class(name: str, accelerator: Any = None) -> type:
+def launch_class(
+    name: str, accelerator: Any = None
+) -> type[DataParallel] | type[FSDP2] | type[DeepSpeedZeRO2] | type[DeepSpeedZeRO3]:
     """The class of accelerate's distributed type ``name`` (of ``accelerator``'s ZeRO stage for
     DeepSpeed); the types fgrpo does not run are refused."""
     if name == "DEEPSPEED" and accelerator is not None:
@@ -42,13 +54,19 @@ def launch_class(name: str, accelerator: Any = None) -> type:
         return SHARDED[name]
     if name in DATA_PARALLEL:
         return DataParallel
-    raise RecipeError([ConfigError(
-        "accelerate",
-        f"distributed type {name} (from the accelerate config or launch flags) is not supported: fgrpo runs data "
-        "parallel (recipes/accelerate/ddp.yaml), sharded with FSDP2 (fsdp-lora.yaml, fsdp-full.yaml) or with "
-        "DeepSpeed ZeRO-2 or ZeRO-3 (deepspeed-zero2.yaml, deepspeed-zero3.yaml, their -offload variants); to fit "
-        "memory also use LoRA, gradient checkpointing, model.text_encoder_device: cpu and bf16 weights",
-    )])
+    raise RecipeError(
+        [
+            ConfigError(
+                "accelerate",
+                f"distributed type {name} (from the accelerate config or launch flags) is not supported: fgrpo runs "
+                f"data "
+                "parallel (recipes/accelerate/ddp.yaml), sharded with FSDP2 (fsdp-lora.yaml, fsdp-full.yaml) or with "
+                "DeepSpeed ZeRO-2 or ZeRO-3 (deepspeed-zero2.yaml, deepspeed-zero3.yaml, their -offload variants); to "
+                "fit "
+                "memory also use LoRA, gradient checkpointing, model.text_encoder_device: cpu and bf16 weights",
+            )
+        ]
+    )
 
 
 def start(cpu: bool | None = None, train: Any = None, **options: Any) -> Launch:
@@ -71,25 +89,36 @@ def accelerate_settings(train: Any = None, env: Any = None) -> tuple[str, int]:
     else:
         precision = wanted_precision
         if launched_precision not in (None, "no", precision):
-            errors.append(ConfigError(
-                "train.mixed_precision",
-                f"got {precision!r} but accelerate was launched with mixed precision {launched_precision!r}; "
-                "set one of them (train.mixed_precision: auto follows accelerate)",
-            ))
+            errors.append(
+                ConfigError(
+                    "train.mixed_precision",
+                    f"got {precision!r} but accelerate was launched with mixed precision {launched_precision!r}; "
+                    "set one of them (train.mixed_precision: auto follows accelerate)",
+                )
+            )
     if precision not in ("no", "bf16", "fp16"):
-        errors.append(ConfigError("train.mixed_precision", f"accelerate asks for {precision!r}; allowed: no, bf16, fp16"))
+        errors.append(
+            ConfigError("train.mixed_precision", f"accelerate asks for {precision!r}; allowed: no, bf16, fp16")
+        )
     try:
         steps_from_launcher = int(launched_steps) if launched_steps is not None else None
     except ValueError:
         steps_from_launcher = None
-        errors.append(ConfigError("train.gradient_accumulation_steps", f"accelerate passed {launched_steps!r}; expected an integer"))
+        errors.append(
+            ConfigError(
+                "train.gradient_accumulation_steps", f"accelerate passed {launched_steps!r}; expected an integer"
+            )
+        )
     if wanted_steps:
         steps = wanted_steps
         if steps_from_launcher not in (None, 1, steps):
-            errors.append(ConfigError(
-                "train.gradient_accumulation_steps",
-                f"got {steps} but accelerate was launched with {steps_from_launcher}; set one of them (0 follows accelerate)",
-            ))
+            errors.append(
+                ConfigError(
+                    "train.gradient_accumulation_steps",
+                    f"got {steps} but accelerate was launched with {steps_from_launcher}; set one of them (0 follows "
+                    f"accelerate)",
+                )
+            )
     else:
         steps = steps_from_launcher or 1
     if errors:
@@ -113,23 +142,35 @@ def make_accelerator(cpu: bool | None = None, train: Any = None, **options: Any)
         cpu = not torch.cuda.is_available()
     precision, steps = accelerate_settings(train)
     if precision == "fp16" and (cpu or not torch.cuda.is_available()):
-        raise RecipeError([ConfigError(
-            "train.mixed_precision",
-            "fp16 mixed precision needs a GPU (accelerate ignores it on the CPU); use bf16 or no",
-        )])
+        raise RecipeError(
+            [
+                ConfigError(
+                    "train.mixed_precision",
+                    "fp16 mixed precision needs a GPU (accelerate ignores it on the CPU); use bf16 or no",
+                )
+            ]
+        )
     if AcceleratorState._shared_state.get("_mixed_precision") not in (None, precision):
         AcceleratorState._reset_state()  # a new run in the same process (tests, tools): its own precision
     timeout = getattr(train, "process_group_timeout_s", None)
     cpu, handlers = accelerator_options(cpu, timedelta(seconds=timeout) if timeout else None)
-    acc = Accelerator(cpu=cpu, mixed_precision=precision, gradient_accumulation_steps=steps, kwargs_handlers=handlers, **options)
+    acc = Accelerator(
+        cpu=cpu, mixed_precision=precision, gradient_accumulation_steps=steps, kwargs_handlers=handlers, **options
+    )
     if kind(acc) == "MULTI_CPU" and fsdp_launched():
         enable_on_cpu(acc)
     served = launch_class(kind(acc), acc)
     if deepspeed_launched() and not issubclass(served, DeepSpeedZeRO2):
-        raise RecipeError([ConfigError(
-            "accelerate",
-            f"the launch asks for DeepSpeed but accelerate set up {kind(acc)} (a DeepSpeed run needs processes started by "
-            "accelerate launch or torchrun, and the deepspeed package); fgrpo does not run it as something else",
-        )])
+        raise RecipeError(
+            [
+                ConfigError(
+                    "accelerate",
+                    f"the launch asks for DeepSpeed but accelerate set up {kind(acc)} (a DeepSpeed run needs "
+                    f"processes started by "
+                    "accelerate launch or torchrun, and the deepspeed package); fgrpo does not run it as something "
+                    "else",
+                )
+            ]
+        )
     served.check(acc)
     return acc

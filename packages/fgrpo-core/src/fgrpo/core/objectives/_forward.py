@@ -78,7 +78,9 @@ def discrete_indices(
     return lower + (u * (upper - lower)).long()
 
 
-def logit_normal(count: int, mean: float, std: float, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+def logit_normal(
+    count: int, mean: float, std: float, generator: torch.Generator | None, device: torch.device
+) -> torch.Tensor:
     """sigmoid(N(mean, std^2)) draws (diffusers' compute_density_for_timestep_sampling 'logit_normal')."""
     return torch.sigmoid(mean + std * torch.randn(count, generator=generator, device=device))
 

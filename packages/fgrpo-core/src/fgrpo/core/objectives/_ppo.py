@@ -8,7 +8,7 @@ averaging (GRPO-Guard divides each sample's loss by its own -dt).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import attrs
 import torch
@@ -115,9 +115,7 @@ def kl_term(batch: StepBatch, form: str) -> torch.Tensor:
         return exact.mean()
     if form == "velocity":
         if batch.velocity is None or batch.ref_velocity is None:
-            raise ValueError(
-                "beta > 0 with kl='velocity' needs StepBatch.velocity and ref_velocity"
-            )
+            raise ValueError("beta > 0 with kl='velocity' needs StepBatch.velocity and ref_velocity")
         return sq_dist(batch.velocity, batch.ref_velocity.detach()).mean()
     raise ValueError(f"unknown kl form {form!r}; allowed: {', '.join(map(repr, KL_FORMS))}")
 
@@ -130,6 +128,8 @@ class ClippedObjective:
     ``clip_range`` key (its own default) and writes :meth:`surrogate`."""
 
     trains_on: ClassVar[str] = "transitions"
+    if TYPE_CHECKING:  # each subclass's own recipe key (its own default); not a field here
+        clip_range: float
     adv_clip: float = adv_clip_param()
     beta: float = beta_param()
     kl: KlForm = kl_param()
@@ -142,7 +142,9 @@ class ClippedObjective:
     def check_recipe(resolved: Mapping[str, Any]) -> list[ConfigError]:
         return kl_recipe_errors(resolved)
 
-    def surrogate(self, batch: StepBatch, advantages: torch.Tensor, log_ratio: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def surrogate(
+        self, batch: StepBatch, advantages: torch.Tensor, log_ratio: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the (b,) ratios the clip acts on, the scalar policy loss)."""
         raise NotImplementedError
 

@@ -81,21 +81,41 @@ class AWM(ForwardObjective):
     linear decay capped at 0.3, 6 stratified discrete points per sample from the first 90% of the
     rollout's steps without the first one (PickScore: ``discrete``, with it)."""
 
-    weighting: Weighting = param("ghuber", choices=WEIGHTINGS, help="w(t, m) of the flow-matching error: Uniform, t, t**2, huber, ghuber")
+    weighting: Weighting = param(
+        "ghuber", choices=WEIGHTINGS, help="w(t, m) of the flow-matching error: Uniform, t, t**2, huber, ghuber"
+    )
     ghuber_power: float = param(0.25, gt=0, help="p of the ghuber weighting -((m + 1e-10)^p - 1e-10^p) t / p")
     adv_clip: float = adv_clip_param()
     advantage_max: float = param(1.0, gt=0, help="advantages are clipped to ±adv_clip, then scaled to ±advantage_max")
     clip_range: float = param(1.0, gt=0, help="PPO clip of the ratio (1 = the reference's; the ratio is 1 on-policy)")
-    beta: float = param(0.001, ge=0, help="weight of the KL to the adapter-disabled reference (config.train.beta); 0 = none")
-    kl_weight: str = param("Uniform", choices=KL_WEIGHTS, help="KL form: Uniform = mean (v - v_ref)², ELBO = that / (2 s²)")
-    ema_beta: float = param(1.0, ge=0, help="weight of the KL to AWM's lagged 'ema' policy (config.train.ema_beta); 0 = none")
-    kl_ema_weight: str = param("Uniform", choices=KL_WEIGHTS, help="form of the KL to the lagged policy (Uniform or ELBO)")
-    kl_ema_decay: float = param(0.3, ge=0, lt=1, help="the lagged policy's decay: at most this (linear) or this (constant)")
-    kl_ema_decay_type: str = param("linear", choices=("linear", "constant"), help="linear: min(kl_ema_decay, 0.001 n) after n optimizer steps")
-    time_type: str = param("discrete_wo_init", choices=TIME_TYPES, help="how the points' noise levels are drawn (config.time_type)")
+    beta: float = param(
+        0.001, ge=0, help="weight of the KL to the adapter-disabled reference (config.train.beta); 0 = none"
+    )
+    kl_weight: str = param(
+        "Uniform", choices=KL_WEIGHTS, help="KL form: Uniform = mean (v - v_ref)², ELBO = that / (2 s²)"
+    )
+    ema_beta: float = param(
+        1.0, ge=0, help="weight of the KL to AWM's lagged 'ema' policy (config.train.ema_beta); 0 = none"
+    )
+    kl_ema_weight: str = param(
+        "Uniform", choices=KL_WEIGHTS, help="form of the KL to the lagged policy (Uniform or ELBO)"
+    )
+    kl_ema_decay: float = param(
+        0.3, ge=0, lt=1, help="the lagged policy's decay: at most this (linear) or this (constant)"
+    )
+    kl_ema_decay_type: str = param(
+        "linear", choices=("linear", "constant"), help="linear: min(kl_ema_decay, 0.001 n) after n optimizer steps"
+    )
+    time_type: str = param(
+        "discrete_wo_init", choices=TIME_TYPES, help="how the points' noise levels are drawn (config.time_type)"
+    )
     train_timesteps: int = param(6, ge=1, help="points per sample (config.train.train_timesteps)")
-    timestep_fraction: float = timestep_fraction_param(0.9, "discrete types draw from the first int(steps x fraction) steps; AWM 0.9")
-    time_shift: float = param(3.0, gt=0, help="uniform and logit_normal: the time shift of the drawn t (config.time_shift)")
+    timestep_fraction: float = timestep_fraction_param(
+        0.9, "discrete types draw from the first int(steps x fraction) steps; AWM 0.9"
+    )
+    time_shift: float = param(
+        3.0, gt=0, help="uniform and logit_normal: the time shift of the drawn t (config.time_shift)"
+    )
 
     @property
     def needs_reference(self) -> bool:
@@ -141,7 +161,9 @@ class AWM(ForwardObjective):
         ratio = torch.exp(log_prob - log_prob.detach())
         policy_loss = clipped_surrogate(ratio, advantages, self.clip_range).mean()
         kl = self._kl(batch, batch.ref_velocity, self.kl_weight) if self.beta > 0 else policy_loss.new_zeros(())
-        ema_kl = self._kl(batch, batch.old_velocity, self.kl_ema_weight) if self.ema_beta > 0 else policy_loss.new_zeros(())
+        ema_kl = (
+            self._kl(batch, batch.old_velocity, self.kl_ema_weight) if self.ema_beta > 0 else policy_loss.new_zeros(())
+        )
         loss = policy_loss + self.beta * kl + self.ema_beta * ema_kl
         with torch.no_grad():
             metrics = {
@@ -157,7 +179,9 @@ class AWM(ForwardObjective):
     @staticmethod
     def _kl(batch: ForwardBatch, other: torch.Tensor | None, form: str) -> torch.Tensor:
         if other is None:
-            raise ValueError("awm's KL terms need ForwardBatch.ref_velocity / old_velocity (see needs_reference, needs_old)")
+            raise ValueError(
+                "awm's KL terms need ForwardBatch.ref_velocity / old_velocity (see needs_reference, needs_old)"
+            )
         kl = dims_mean((batch.velocity.double() - other.detach().double()) ** 2)
         if form == "ELBO":
             kl = kl / (2 * elbo_std(as_float(batch.t).double()) ** 2)

@@ -27,7 +27,14 @@ import attrs
 import torch
 
 from fgrpo.core.config import param
-from fgrpo.core.objectives._forward import ForwardObjective, dims_mean, fraction_count, logit_normal, shift, timestep_fraction_param
+from fgrpo.core.objectives._forward import (
+    ForwardObjective,
+    dims_mean,
+    fraction_count,
+    logit_normal,
+    shift,
+    timestep_fraction_param,
+)
 from fgrpo.core.protocols import ForwardBatch, ObjectiveOutput
 
 Pairing = Literal["best_worst", "all"]
@@ -62,12 +69,20 @@ class DPO(ForwardObjective):
     0.99) and ``train_sd3_dpo.py`` (logit-normal t with mean 0, std 1 on SD3.5's shift-3 schedule)."""
 
     beta: float = param(100.0, gt=0, help="β of -log σ(-β/2 ((e_w - e_ref,w) - (e_l - e_ref,l))) (config.train.beta)")
-    pairing: Pairing = param("best_worst", choices=("best_worst", "all"), help="pairs of a group: its best and worst sample, or every pair with different advantages")
+    pairing: Pairing = param(
+        "best_worst",
+        choices=("best_worst", "all"),
+        help="pairs of a group: its best and worst sample, or every pair with different advantages",
+    )
     timestep_fraction: float = timestep_fraction_param(0.99, "flow_grpo num_train_timesteps = int(40 x 0.99)")
     logit_mean: float = param(0.0, help="mean of the logit-normal t density")
     logit_std: float = param(1.0, gt=0, help="std of the logit-normal t density")
-    shift: float = param(3.0, gt=0, help="time shift of the 1000-step training schedule t is drawn on (SD3.5's scheduler: 3)")
-    train_timesteps: int = param(1000, ge=1, help="steps of the training schedule (FlowMatchEulerDiscreteScheduler num_train_timesteps)")
+    shift: float = param(
+        3.0, gt=0, help="time shift of the 1000-step training schedule t is drawn on (SD3.5's scheduler: 3)"
+    )
+    train_timesteps: int = param(
+        1000, ge=1, help="steps of the training schedule (FlowMatchEulerDiscreteScheduler num_train_timesteps)"
+    )
 
     pairwise: ClassVar[bool] = True
     needs_reference: ClassVar[bool] = True

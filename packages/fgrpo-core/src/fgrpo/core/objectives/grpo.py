@@ -27,6 +27,8 @@ class GRPO(ClippedObjective):
 
     clip_range: float = clip_range_param(1e-4)
 
-    def surrogate(self, batch: StepBatch, advantages: torch.Tensor, log_ratio: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def surrogate(
+        self, batch: StepBatch, advantages: torch.Tensor, log_ratio: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         ratio = torch.exp(log_ratio)
         return ratio, clipped_surrogate(ratio, advantages, self.clip_range).mean()

@@ -17,10 +17,11 @@ steps' gradient sizes.
 Source: GRPO-Guard's "RatioNorm + Gradient Reweight" (the ratio exp[Δlogp·c + ‖δ‖²/(2c)] and the
 loss divided by (sqrt Δt)²), which is the same expression as above, and the official flow_grpo
 training script that implements it (``config.rationorm``), where c = std_dev_t·sqrt(-dt) with
-std_dev_t the SDE noise g = η·sqrt(σ/(1-σ)). Written derivations of the method call σ_t "the
-forward noise σ, not g"; the official code uses g, and so does docs/method.md; we follow the code. The official code uses
-minibatch means of g and sqrt(-dt) (all its samples share a step); we use each sample's own c and
--dt, which is identical when they share a step and still right when a minibatch mixes steps.
+std_dev_t the SDE noise g = η·sqrt(σ/(1-σ)). Written derivations of the method call σ_t "the forward
+noise σ, not g"; the official code uses g, and so does docs/method.md; we follow the code. The
+official code uses minibatch means of g and sqrt(-dt) (all its samples share a step); we use each
+sample's own c and -dt, which is identical when they share a step and still right when a minibatch
+mixes steps.
 
 Needs the kernel's normalised Gaussian log-prob (``sde``, ``dance``, ``cps`` with
 ``normalized_logprob: true``) and std > 0: with CPS's default unnormalised log-prob -(x' - mu)^2
@@ -29,6 +30,9 @@ SD, at step 8 of 10), so a recipe that combines them is refused when it is valid
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
 
 import attrs
 import torch
@@ -57,7 +61,7 @@ class GRPOGuard(ClippedObjective):
     clip_range: float = clip_range_param(2e-6)
 
     @staticmethod
-    def check_recipe(resolved: dict) -> list[ConfigError]:
+    def check_recipe(resolved: Mapping[str, Any]) -> list[ConfigError]:
         errors = kl_recipe_errors(resolved)
         kernel = kernel_spec(resolved)
         if kernel is not None and kernel.get("normalized_logprob") is False:
@@ -71,7 +75,9 @@ class GRPOGuard(ClippedObjective):
             )
         return errors
 
-    def surrogate(self, batch: StepBatch, advantages: torch.Tensor, log_ratio: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def surrogate(
+        self, batch: StepBatch, advantages: torch.Tensor, log_ratio: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         b = batch.log_prob.shape[0]
         c = per_sample(batch.std, b).detach()
         neg_dt = -per_sample(batch.dt, b).detach()

@@ -81,9 +81,22 @@ class NFT(ForwardObjective):
 
     beta: float = param(1.0, gt=0, help="β of v⁺ = β v_θ + (1 - β) v_old, v⁻ = (1 + β) v_old - β v_θ (config.beta)")
     adv_clip: float = adv_clip_param()
-    adv_mode: AdvMode = param("all", choices=ADV_MODES, help="which advantages count: all, positive_only, negative_only, one_only (A > 0 -> 1, else 0), binary (sign)")
-    kl_beta: float = param(1e-4, ge=0, help="weight of mean (v_θ - v_ref)² to the adapter-disabled reference (config.train.beta); 0 = none")
-    decay_type: int = param(1, choices=(0, 1, 2), help="the old policy's decay after n optimizer steps: 0 = none (old = current), 1 = min(0.001 n, 0.5), 2 = min(0.0075 (n - 75), 0.999) after 75 flat steps")
+    adv_mode: AdvMode = param(
+        "all",
+        choices=ADV_MODES,
+        help="which advantages count: all, positive_only, negative_only, one_only (A > 0 -> 1, else 0), binary (sign)",
+    )
+    kl_beta: float = param(
+        1e-4,
+        ge=0,
+        help="weight of mean (v_θ - v_ref)² to the adapter-disabled reference (config.train.beta); 0 = none",
+    )
+    decay_type: int = param(
+        1,
+        choices=(0, 1, 2),
+        help="the old policy's decay after n optimizer steps: 0 = none (old = current), 1 = min(0.001 n, 0.5), 2 = "
+        "min(0.0075 (n - 75), 0.999) after 75 flat steps",
+    )
     timestep_fraction: float = timestep_fraction_param(0.99, "DiffusionNFT config.train.timestep_fraction 0.99")
 
     samples_from_old: ClassVar[bool] = True
@@ -101,7 +114,9 @@ class NFT(ForwardObjective):
         """int(T x fraction) distinct levels of the rollout's schedule sigmas[:-1], in random order."""
         steps = sigmas.shape[0] - 1
         device = generator.device if generator is not None else torch.device("cpu")
-        order = torch.randperm(steps, generator=generator, device=device)[: fraction_count(steps, self.timestep_fraction)]
+        order = torch.randperm(steps, generator=generator, device=device)[
+            : fraction_count(steps, self.timestep_fraction)
+        ]
         return sigmas[:-1][order.to(sigmas.device)]
 
     def __call__(self, batch: ForwardBatch) -> ObjectiveOutput:

@@ -190,8 +190,10 @@ class KernelConformance:
                 other = out.mean + 2 * out.std * torch.randn(shape, generator=torch.Generator().manual_seed(9))
                 ev = self.step(kernel, velocity, sample, sigmas, index, prev_sample=other)
                 torch.testing.assert_close(
-                    ev.log_prob.double(), self.expected_log_prob(other, ev.mean, ev.std),
-                    atol=self.logprob_atol, rtol=1e-5,
+                    ev.log_prob.double(),
+                    self.expected_log_prob(other, ev.mean, ev.std),
+                    atol=self.logprob_atol,
+                    rtol=1e-5,
                 )
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

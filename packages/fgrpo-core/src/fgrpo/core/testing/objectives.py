@@ -68,7 +68,9 @@ class ObjectiveConformance:
 
     @property
     def forward(self) -> bool:
-        target = _component.component_class("objective", self.objective_name, self.objective_class, "ObjectiveConformance")
+        target = _component.component_class(
+            "objective", self.objective_name, self.objective_class, "ObjectiveConformance"
+        )
         return getattr(target, "trains_on", "transitions") == "forward"
 
     def make_batch(self, *, seed: int = 0, on_policy: bool = True, reference: bool = True) -> StepBatch | ForwardBatch:
@@ -76,7 +78,9 @@ class ObjectiveConformance:
             return self.make_forward_batch(seed=seed, on_policy=on_policy, reference=reference)
         return self.make_step_batch(seed=seed, on_policy=on_policy, reference=reference)
 
-    def make_forward_batch(self, *, seed: int = 0, on_policy: bool = True, reference: bool = True, old: bool = True) -> ForwardBatch:
+    def make_forward_batch(
+        self, *, seed: int = 0, on_policy: bool = True, reference: bool = True, old: bool = True
+    ) -> ForwardBatch:
         """Forward-process points: advantages of both signs (none zero; a pairwise objective's rows
         are m preferred then m rejected, +1 and -1), t in [0.1, 0.9]; ``on_policy``: the old
         policy's prediction equals the current one (θ = θ_old). The velocity is a leaf with gradient."""
@@ -139,15 +143,19 @@ class ObjectiveConformance:
             ref_velocity=(velocity.detach() + 0.05 * randn(b, *self.shape)) if reference else None,
         )
 
-    def call(self, objective: Any, batch: StepBatch) -> ObjectiveOutput:
+    def call(self, objective: Any, batch: StepBatch | ForwardBatch) -> ObjectiveOutput:
         out = objective(batch)
-        assert isinstance(out, ObjectiveOutput), f"the objective returned {type(out).__name__}, expected ObjectiveOutput"
+        assert isinstance(out, ObjectiveOutput), (
+            f"the objective returned {type(out).__name__}, expected ObjectiveOutput"
+        )
         return out
 
     # --- construction ---------------------------------------------------------------------------
 
     def test_registered_with_documented_keys(self) -> None:
-        _component.check_registered_and_documented("objective", self.objective_name, self.objective_class, docstring=True)
+        _component.check_registered_and_documented(
+            "objective", self.objective_name, self.objective_class, docstring=True
+        )
 
     def test_satisfies_protocol(self) -> None:
         objective = self.make_objective()
@@ -171,7 +179,7 @@ class ObjectiveConformance:
             assert torch.isfinite(value), f"metric {name!r} = {value}"
         out.loss.backward()
         leaves = (batch.velocity,) if isinstance(batch, ForwardBatch) else (batch.log_prob, batch.mean, batch.velocity)
-        grads = [t.grad for t in leaves if t.grad is not None]
+        grads = [t.grad for t in leaves if t is not None and t.grad is not None]
         assert grads and all(torch.isfinite(g).all() for g in grads)
 
     def test_deterministic(self) -> None:
@@ -190,10 +198,11 @@ class ObjectiveConformance:
             half = torch.roll(torch.arange(m), 1)
             order = torch.cat([half, half + m])
         kind = type(batch)
-        moved = kind(**{
+        fields: dict[str, Any] = {
             f.name: None if getattr(batch, f.name) is None else getattr(batch, f.name).detach()[order]
             for f in attrs.fields(kind)
-        })
+        }
+        moved = kind(**fields)
         a, b = self.call(objective, batch), self.call(objective, moved)
         torch.testing.assert_close(b.loss, a.loss.detach(), atol=self.atol, rtol=0)
         for name, value in a.metrics.items():
@@ -205,19 +214,25 @@ class ObjectiveConformance:
         = θ_ref, descent moves the velocity toward the target for A > 0, away from it for A < 0."""
         if self.forward:
             batch = self.make_forward_batch(seed=3)
-            batch = attrs.evolve(batch, ref_velocity=batch.velocity.detach().clone(), old_velocity=batch.velocity.detach().clone())
+            batch = attrs.evolve(
+                batch, ref_velocity=batch.velocity.detach().clone(), old_velocity=batch.velocity.detach().clone()
+            )
             self.call(self.make_objective(), batch).loss.backward()
             grad = batch.velocity.grad
             assert grad is not None, "the loss does not depend on the velocity"
             toward = (-grad * (batch.target - batch.velocity.detach())).flatten(1).sum(1)
             adv = batch.advantages
-            assert torch.all(torch.sign(toward) == torch.sign(adv)), f"descent . (target - v) = {toward.tolist()} for advantages {adv.tolist()}"
+            assert torch.all(torch.sign(toward) == torch.sign(adv)), (
+                f"descent . (target - v) = {toward.tolist()} for advantages {adv.tolist()}"
+            )
             return
-        batch = self.make_batch(seed=3)
-        self.call(self.make_objective(), batch).loss.backward()
-        grad, adv = batch.log_prob.grad, batch.advantages
+        steps = self.make_step_batch(seed=3)
+        self.call(self.make_objective(), steps).loss.backward()
+        grad, adv = steps.log_prob.grad, steps.advantages
         assert grad is not None, "the loss does not depend on the new log-probs"
-        assert torch.all(torch.sign(grad) == -torch.sign(adv)), f"gradient {grad.tolist()} for advantages {adv.tolist()}"
+        assert torch.all(torch.sign(grad) == -torch.sign(adv)), (
+            f"gradient {grad.tolist()} for advantages {adv.tolist()}"
+        )
 
     # --- the reference --------------------------------------------------------------------------
 
@@ -229,11 +244,16 @@ class ObjectiveConformance:
             assert torch.equal(with_ref, without), "the loss depends on a reference the objective did not ask for"
             return
         batch = self.make_batch(seed=4, on_policy=False)
+        assert batch.ref_velocity is not None  # make_batch's reference
+        moved: StepBatch | ForwardBatch
         if isinstance(batch, ForwardBatch):
             moved = attrs.evolve(batch, ref_velocity=batch.ref_velocity + 0.5)
         else:
+            assert batch.ref_mean is not None
             moved = attrs.evolve(batch, ref_mean=batch.ref_mean + 0.5, ref_velocity=batch.ref_velocity + 0.5)
-        assert not torch.equal(self.call(objective, moved).loss, with_ref), "moving the reference did not move the loss"
+        assert not torch.equal(self.call(objective, moved).loss, with_ref), (
+            "moving the reference did not move the loss"
+        )
 
     # --- forward-process objectives ---------------------------------------------------------------
 
@@ -251,6 +271,7 @@ class ObjectiveConformance:
             without = self.call(objective, self.make_forward_batch(seed=5, on_policy=False, old=False)).loss
             assert torch.equal(loss, without), "the loss depends on an old policy the objective does not keep"
             return
+        assert batch.old_velocity is not None  # make_forward_batch's old policy
         moved = attrs.evolve(batch, old_velocity=batch.old_velocity + 0.5)
         assert not torch.equal(self.call(objective, moved).loss, loss), "moving the old policy did not move the loss"
         for steps in (0, 1, 10, 100, 1000, 10**6):
@@ -284,7 +305,11 @@ class ObjectiveConformance:
         check = getattr(self.make_objective(), "check_recipe", None)
         if check is None:
             pytest.skip("no check_recipe")
-        sampler = {"name": "ode", "kernel": {"name": "dpmpp2m"}} if self.forward else {"name": "full", "kernel": {"name": "sde", "eta": 0.7}}
+        sampler = (
+            {"name": "ode", "kernel": {"name": "dpmpp2m"}}
+            if self.forward
+            else {"name": "full", "kernel": {"name": "sde", "eta": 0.7}}
+        )
         resolved: Mapping[str, Any] = {
             "objective": {"name": self.objective_name or "objective", **self.objective_params},
             "sampler": sampler,

@@ -162,15 +162,16 @@ class PolicyConformance:
         batch repeated per group (as the trainer does) matches row by row."""
         x, sigma = self.state(policy)
         cond = self.cond(policy)
-        leaves: list[torch.Tensor] = []
-        tensors.tree_map(lambda t: leaves.append(t) or t, cond)
+        leaves = _leaves(cond)
         assert leaves, "encode() returned no tensors"
         for leaf in leaves:
             assert leaf.dim() >= 1 and leaf.shape[0] == 2, f"a cond tensor of shape {tuple(leaf.shape)} for 2 prompts"
         both = policy.velocity(x, sigma, cond)
         alone = policy.velocity(x[1:], sigma[1:], tensors.index(cond, slice(1, 2)))
         torch.testing.assert_close(alone, both[1:], rtol=0, atol=self.batch_atol)
-        grouped = policy.velocity(x.repeat_interleave(2, 0), sigma.repeat_interleave(2), tensors.repeat_interleave(cond, 2))
+        grouped = policy.velocity(
+            x.repeat_interleave(2, 0), sigma.repeat_interleave(2), tensors.repeat_interleave(cond, 2)
+        )
         torch.testing.assert_close(grouped[::2], both, rtol=0, atol=self.batch_atol)
         assert not torch.allclose(both[0], both[1]), "two prompts and two noises gave the same velocity"
 
@@ -178,8 +179,7 @@ class PolicyConformance:
     def test_encode_is_per_prompt(self, policy: Any) -> None:
         a, b = self.prompts[:2]
         cond = policy.encode([a, b, a])
-        for i, j in ((0, 2),):
-            tensors.tree_map(lambda t: _assert_rows_equal(t, i, j), cond)
+        tensors.tree_map(lambda t: _assert_rows_equal(t, 0, 2), cond)  # rows 0 and 2 encode the same prompt
         single = policy.encode([b])
         pair = tensors.index(cond, slice(1, 2))
         _assert_trees_close(single, pair, atol=self.batch_atol)
@@ -199,14 +199,18 @@ class PolicyConformance:
                 with policy.reference():
                     pass
                 assert torch.equal(policy.velocity(x, sigma, cond), base), "a nested reference() ended the outer one"
-            assert torch.equal(policy.velocity(x, sigma, cond), trained), "leaving reference() did not restore the weights"
+            assert torch.equal(policy.velocity(x, sigma, cond), trained), (
+                "leaving reference() did not restore the weights"
+            )
         assert all(p.requires_grad for p in policy.trainable_parameters())
 
     @torch.no_grad()
     def test_trainable_state_round_trip(self, policy: Any) -> None:
         state = policy.trainable_state_dict()
         assert state and all(isinstance(v, torch.Tensor) for v in state.values())
-        assert all(not v.requires_grad and v.device.type == "cpu" for v in state.values()), "state must be detached CPU copies"
+        assert all(not v.requires_grad and v.device.type == "cpu" for v in state.values()), (
+            "state must be detached CPU copies"
+        )
         x, sigma = self.state(policy)
         cond = self.cond(policy)
         before = policy.velocity(x, sigma, cond)
@@ -231,7 +235,9 @@ class PolicyConformance:
             policy.velocity(x, sigma, self.cond(policy)).square().mean().backward()
             try:
                 reached = [p for p in params if p.grad is not None]
-                assert len(reached) >= len(params) / 2, f"only {len(reached)} of {len(params)} trainable tensors got a gradient"
+                assert len(reached) >= len(params) / 2, (
+                    f"only {len(reached)} of {len(params)} trainable tensors got a gradient"
+                )
                 for p in reached:
                     assert torch.isfinite(p.grad).all() and p.grad.dtype == p.dtype
                 assert any(p.grad.abs().sum() > 0 for p in reached)
@@ -253,7 +259,12 @@ class PolicyConformance:
             for k, ref in enumerate(media.source_images(prompt)):
                 names.append(f"source_{i}_{k}.png")
                 media.load_image(ref).save(folder / names[-1])
-            rows.append({"prompt": media.text_of(prompt), **({"image": names if len(names) > 1 else names[0]} if names else {})})
+            rows.append(
+                {
+                    "prompt": media.text_of(prompt),
+                    **({"image": names if len(names) > 1 else names[0]} if names else {}),
+                }
+            )
         (folder / "train_metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         return {"name": "folder", "path": str(folder), "test": None}
 
@@ -266,8 +277,14 @@ class PolicyConformance:
             "reward": self.reward,
             "objective": {"name": "grpo", "clip_range": 1e-3, "beta": 0.01 if self.has_reference else 0.0},
             "prompts": self.prompt_source(tmp_path),
-            "train": {"iterations": 1, "group_size": 2, "prompts_per_iteration": 2, "lr": 1e-2, "drop_zero_advantage": False,
-                      "mixed_precision": self.mixed_precision},
+            "train": {
+                "iterations": 1,
+                "group_size": 2,
+                "prompts_per_iteration": 2,
+                "lr": 1e-2,
+                "drop_zero_advantage": False,
+                "mixed_precision": self.mixed_precision,
+            },
             "eval": {"every": 0},
             "log": {"trackers": [], "plots": False, "quiet": True, "sample_grid": False},
         }
@@ -282,7 +299,7 @@ class PolicyConformance:
         from fgrpo.core.trainer import open_run, train
 
         recipe, errors = recipe_mod.validate(dict(data), "conformance")
-        assert not errors, [str(e) for e in errors]
+        assert recipe is not None and not errors, [str(e) for e in errors]
         run = open_run(recipe, out=str(out), resume=False, console=Console(quiet=True), quiet=True)
         before = {k: v.clone() for k, v in run.policy.trainable_state_dict().items()}
         return run, train(run), before
@@ -312,13 +329,22 @@ def _assert_rows_equal(t: torch.Tensor, i: int, j: int) -> torch.Tensor:
     return t
 
 
+def _leaves(tree: Any) -> list[torch.Tensor]:
+    """The tensors of a (nested) conditioning, in tree_map's order."""
+    found: list[torch.Tensor] = []
+
+    def collect(t: torch.Tensor) -> torch.Tensor:
+        found.append(t)
+        return t
+
+    tensors.tree_map(collect, tree)
+    return found
+
+
 def _assert_trees_close(a: Any, b: Any, atol: float) -> None:
-    left: list[torch.Tensor] = []
-    right: list[torch.Tensor] = []
-    tensors.tree_map(lambda t: left.append(t) or t, a)
-    tensors.tree_map(lambda t: right.append(t) or t, b)
+    left, right = _leaves(a), _leaves(b)
     assert len(left) == len(right)
-    for x, y in zip(left, right):
+    for x, y in zip(left, right, strict=True):
         torch.testing.assert_close(x.float(), y.float(), rtol=0, atol=atol)
 
 

@@ -49,7 +49,7 @@ def take(batch: Any, order: Sequence[int]) -> Any:
 def batch_length(value: Any) -> int | None:
     if isinstance(value, torch.Tensor):
         return int(value.shape[0]) if value.dim() else None
-    if hasattr(value, "shape") and getattr(value, "shape"):
+    if hasattr(value, "shape") and value.shape:
         return int(value.shape[0])
     if isinstance(value, (list, tuple)):
         return len(value)
@@ -117,7 +117,9 @@ class RewardConformance:
     def score(self, reward: Any, outputs: Any, prompts: list[str], metadata: list) -> RewardResult:
         """The reward on a batch, as the trainer calls it (with ``sources=`` when it accepts them,
         ``groups=`` when it judges whole groups)."""
-        extra = {"sources": media.reward_sources(prompts, outputs)} if getattr(reward, "accepts_sources", False) else {}
+        extra: dict[str, Any] = (
+            {"sources": media.reward_sources(prompts, outputs)} if getattr(reward, "accepts_sources", False) else {}
+        )
         if getattr(reward, "groupwise", False):
             extra["groups"] = self.groups_of(prompts)
         result = reward(outputs, prompts, metadata, **extra)
@@ -146,7 +148,9 @@ class RewardConformance:
         scores = self.score(reward, outputs, prompts, metadata).scores
         assert isinstance(scores, torch.Tensor), f"scores must be a tensor, got {type(scores).__name__}"
         assert scores.is_floating_point(), f"scores must be floating point, got {scores.dtype}"
-        assert tuple(scores.shape) == (len(prompts),), f"scores shape {tuple(scores.shape)}, expected ({len(prompts)},)"
+        assert tuple(scores.shape) == (len(prompts),), (
+            f"scores shape {tuple(scores.shape)}, expected ({len(prompts)},)"
+        )
         assert torch.isfinite(scores).all(), f"non-finite scores: {scores}"
 
     def test_deterministic(self, reward: Any) -> None:
@@ -160,9 +164,11 @@ class RewardConformance:
         n = len(prompts)
         order = [(i + 1) % n for i in range(n)]  # a rotation: no sample keeps its place
         base = self.score(reward, outputs, prompts, metadata).scores.detach().cpu()
-        shuffled = self.score(
-            reward, take(outputs, order), take(list(prompts), order), take(list(metadata), order)
-        ).scores.detach().cpu()
+        shuffled = (
+            self.score(reward, take(outputs, order), take(list(prompts), order), take(list(metadata), order))
+            .scores.detach()
+            .cpu()
+        )
         torch.testing.assert_close(shuffled, base[order], atol=self.atol, rtol=0)
 
     def test_details_have_batch_length(self, reward: Any) -> None:
@@ -192,5 +198,7 @@ class RewardConformance:
         groups = self.groups_of(prompts)
         for g in groups.unique().tolist():
             index = (groups == g).nonzero().squeeze(1).tolist()
-            alone = self.score(reward, take(outputs, index), take(list(prompts), index), take(list(metadata), index)).scores
+            alone = self.score(
+                reward, take(outputs, index), take(list(prompts), index), take(list(metadata), index)
+            ).scores
             torch.testing.assert_close(alone.detach().cpu(), base[index], atol=self.atol, rtol=0)

@@ -96,9 +96,13 @@ class SamplerConformance:
         sampler = self.make_sampler()
         assert isinstance(sampler, Sampler)
         if self.transitions:
-            assert getattr(sampler.kernel, "stochastic", False), "a sampler trains its kernel's steps: a stochastic one"
+            assert getattr(sampler.kernel, "stochastic", False), (
+                "a sampler trains its kernel's steps: a stochastic one"
+            )
         else:
-            assert not getattr(sampler.kernel, "stochastic", False), "a sampler without transitions takes deterministic steps"
+            assert not getattr(sampler.kernel, "stochastic", False), (
+                "a sampler without transitions takes deterministic steps"
+            )
 
     def test_bad_params_raise_recipe_error(self) -> None:
         with pytest.raises(RecipeError):

@@ -101,7 +101,6 @@ class GaussianPolicy:
             self.gain.copy_(state["gain"])
 
 
-
 class SyntheticImage:
     """An in-memory source image for tests of editing backbones and rewards: a smooth random RGB
     image of ``width`` x ``height`` drawn from ``seed``; hashable and picklable, an image

@@ -13,13 +13,13 @@ diffusers backbone owes its users, on a tiny random pipeline saved and loaded li
         def pipeline_kwargs(self, policy):               # what pipe(...) needs to match the policy
             return {"height": 64, "width": 64, "max_sequence_length": 16}
 
-Added checks: our Euler loop over ``sigmas(steps)`` with our ``velocity`` reproduces
-``pipe(..., output_type="latent")`` (with and without guidance); ``decode`` is the pipeline's
-decoding; the exported adapter loads into the plain pipeline with diffusers'
-``load_lora_weights`` and gives the same velocity (and back through ``lora_path``); the trainer
-iteration runs under bf16 autocast and stays on-policy; the prompt cache encodes each prompt once; bf16 weights keep float32 LoRA weights, velocities and
-gradients; gradient checkpointing leaves gradients unchanged; full fine-tuning trains the
-whole transformer and exports it with ``save_pretrained``.
+Added checks: our Euler loop over ``sigmas(steps)`` with our ``velocity`` reproduces ``pipe(...,
+output_type="latent")`` (with and without guidance); ``decode`` is the pipeline's decoding; the
+exported adapter loads into the plain pipeline with diffusers' ``load_lora_weights`` and gives the
+same velocity (and back through ``lora_path``); the trainer iteration runs under bf16 autocast and
+stays on-policy; the prompt cache encodes each prompt once; bf16 weights keep float32 LoRA weights,
+velocities and gradients; gradient checkpointing leaves gradients unchanged; full fine-tuning trains
+the whole transformer and exports it with ``save_pretrained``.
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ import torch
 
 from fgrpo.core import media
 from fgrpo.core.testing.policies import PolicyConformance
-
 
 #: set to a file path: every pipeline comparison appends its largest error there as a JSON line
 #: ({"model", "check", "max_abs_error", "atol"}), which ``tools/conformance_errors.py`` tabulates
@@ -90,7 +89,10 @@ class DiffusersBackboneConformance(PolicyConformance):
         """Load ``policy.export(folder)``'s files into the plain pipeline ``pipe`` as a user would
         (default: ``pipe.load_lora_weights(folder)``; Wan 2.2 loads its second expert's file too)."""
         assert sorted(os.path.basename(f) for f in written) == [
-            "adapter_config.json", "adapter_model.safetensors", "pytorch_lora_weights.safetensors"]
+            "adapter_config.json",
+            "adapter_model.safetensors",
+            "pytorch_lora_weights.safetensors",
+        ]
         pipe.load_lora_weights(folder)
 
     def guidance_kwargs(self, policy: Any) -> dict[str, Any]:
@@ -115,9 +117,15 @@ class DiffusersBackboneConformance(PolicyConformance):
 
     # --- helpers --------------------------------------------------------------------------------
 
-    def run_pipeline(self, policy: Any, pipe: Any, x: torch.Tensor, *, output_type: str = "latent", steps: int | None = None) -> Any:
+    def run_pipeline(
+        self, policy: Any, pipe: Any, x: torch.Tensor, *, output_type: str = "latent", steps: int | None = None
+    ) -> Any:
         prompts = [self.prompts[i % len(self.prompts)] for i in range(len(x))]
-        kwargs = {**self.pipeline_kwargs(policy), **self.guidance_kwargs(policy), **self.source_kwargs(policy, prompts)}
+        kwargs = {
+            **self.pipeline_kwargs(policy),
+            **self.guidance_kwargs(policy),
+            **self.source_kwargs(policy, prompts),
+        }
         if policy.cfg and self.pipeline_takes_negative_prompt:
             kwargs["negative_prompt"] = [policy.negative_prompt] * len(x)
         out = pipe(
@@ -158,10 +166,14 @@ class DiffusersBackboneConformance(PolicyConformance):
         x = policy.initial_noise(2, torch.Generator().manual_seed(4))
         latents = self.run_pipeline(policy, policy.pipeline, x, steps=2)
         pixels = self.run_pipeline(policy, policy.pipeline, x, output_type="pt", steps=2)
-        assert_matches(self.label or self.model_name, "decode vs pipeline", policy.decode(latents), pixels.float(), 1e-5)
+        assert_matches(
+            self.label or self.model_name, "decode vs pipeline", policy.decode(latents), pixels.float(), 1e-5
+        )
 
     @torch.no_grad()
-    def test_export_loads_with_diffusers_load_lora_weights(self, policy: Any, model_keys: dict[str, Any], tmp_path: Path) -> None:
+    def test_export_loads_with_diffusers_load_lora_weights(
+        self, policy: Any, model_keys: dict[str, Any], tmp_path: Path
+    ) -> None:
         """The exported adapter, loaded by the plain pipeline's ``load_lora_weights`` or by peft's
         ``PeftModel.from_pretrained`` (the same folder), gives the policy's velocity (keys, rank
         and alpha all understood), and loads back via ``lora_path``."""
@@ -186,7 +198,13 @@ class DiffusersBackboneConformance(PolicyConformance):
         plain = type(policy).pipeline_class().from_pretrained(model_keys["path"])
         self.load_export(plain, str(tmp_path / "lora"), written)
         reloaded = type(policy).from_pipeline(plain, **{**model_keys, "lora": None})
-        assert_matches(self.label or self.model_name, "exported LoRA in the plain pipeline", reloaded.velocity(x, sigma, cond), trained, 1e-5)
+        assert_matches(
+            self.label or self.model_name,
+            "exported LoRA in the plain pipeline",
+            reloaded.velocity(x, sigma, cond),
+            trained,
+            1e-5,
+        )
 
         again = self.make_policy(model_keys, lora_path=str(tmp_path / "lora"))
         torch.testing.assert_close(again.velocity(x, sigma, cond), trained, rtol=0, atol=1e-6)
@@ -201,7 +219,9 @@ class DiffusersBackboneConformance(PolicyConformance):
     def test_prompt_cache_encodes_each_prompt_once(self, model_keys: dict[str, Any]) -> None:
         a, b = self.prompts[:2]
         probe = self.make_policy(model_keys)
-        negatives = len(set(probe._negative_prompts([a, b])))  # 1, or one per prompt (Qwen-Image-Edit: with its images)
+        negatives = len(
+            set(probe._negative_prompts([a, b]))
+        )  # 1, or one per prompt (Qwen-Image-Edit: with its images)
         size = 2 + negatives
         policy = self.make_policy(model_keys, **{self.guidance_key: self.guidance_value}, prompt_cache_size=size)
         first = policy.encode([a, b, a])
@@ -213,7 +233,9 @@ class DiffusersBackboneConformance(PolicyConformance):
             assert not value.requires_grad
         assert any(k.startswith("negative_") for k in first)
         policy.encode([media.Prompt("something new", images=media.source_images(a))])  # its negative is a's
-        assert policy.prompt_cache.encoded == size + 1 and len(policy.prompt_cache) == size  # bounded: least recently used out
+        assert (
+            policy.prompt_cache.encoded == size + 1 and len(policy.prompt_cache) == size
+        )  # bounded: least recently used out
 
     def test_bfloat16_weights_keep_float32_training(self, model_keys: dict[str, Any]) -> None:
         policy = self.make_policy(model_keys, dtype="bfloat16")
@@ -235,16 +257,20 @@ class DiffusersBackboneConformance(PolicyConformance):
         grads = []
         for checkpointing in (False, True):
             torch.manual_seed(0)
-            policy = self.make_policy(model_keys, gradient_checkpointing=checkpointing, lora={**self.lora, "init": "random"})
+            policy = self.make_policy(
+                model_keys, gradient_checkpointing=checkpointing, lora={**self.lora, "init": "random"}
+            )
             policy.transformer.train()  # checkpointing only acts in training mode
             x, sigma = self.state(policy)
             policy.velocity(x, sigma, self.cond(policy)).square().mean().backward()
             grads.append([p.grad for p in policy.trainable_parameters()])
-        for a, b in zip(*grads):
+        for a, b in zip(*grads, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
     @pytest.mark.slow
-    def test_fgrpo_check_is_exact(self, model_keys: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    def test_fgrpo_check_is_exact(
+        self, model_keys: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    ) -> None:
         """``fgrpo check`` on a recipe of this tiny pipeline, in float32: the first ratio is exactly 1
         (tolerance 0), through the CLI a user runs."""
         import json
@@ -263,8 +289,19 @@ class DiffusersBackboneConformance(PolicyConformance):
             import re
 
             found = re.search(r"largest \|ratio - 1\| before the first optimizer step: (\S+)", printed)
+            assert found is not None, printed
             with open(path, "a", encoding="utf-8") as f:
-                f.write(json.dumps({"model": self.label or self.model_name, "check": "fgrpo check |ratio - 1|", "max_abs_error": float(found.group(1)), "atol": 0.0}) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "model": self.label or self.model_name,
+                            "check": "fgrpo check |ratio - 1|",
+                            "max_abs_error": float(found.group(1)),
+                            "atol": 0.0,
+                        }
+                    )
+                    + "\n"
+                )
 
     def test_full_fine_tuning(self, model_keys: dict[str, Any], tmp_path: Path) -> None:
         policy = self.make_policy(model_keys, lora=None)
@@ -295,7 +332,7 @@ class EditingBackboneConformance(DiffusersBackboneConformance):
         data = self.iteration_recipe(model_keys, tmp_path)
         data["train"] = {**data["train"], "mixed_precision": "no"}
         recipe, errors = recipe_mod.validate(data)
-        assert not errors, errors
+        assert recipe is not None and not errors, errors
         deviation, _ = first_ratio_check(recipe)
         assert deviation == 0.0
 

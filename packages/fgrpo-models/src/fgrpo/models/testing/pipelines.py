@@ -30,6 +30,7 @@ import os
 import string
 import tempfile
 from collections.abc import Sequence
+from itertools import pairwise
 from typing import Any
 
 import torch
@@ -41,13 +42,24 @@ SD3_VAE_SHIFT_FACTOR = 0.0609
 FLUX_VAE_SCALING_FACTOR = 0.3611
 FLUX_VAE_SHIFT_FACTOR = 0.1159
 FLUX_SCHEDULER = {
-    "base_image_seq_len": 256, "base_shift": 0.5, "max_image_seq_len": 4096, "max_shift": 1.15,
-    "num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": True,
+    "base_image_seq_len": 256,
+    "base_shift": 0.5,
+    "max_image_seq_len": 4096,
+    "max_shift": 1.15,
+    "num_train_timesteps": 1000,
+    "shift": 3.0,
+    "use_dynamic_shifting": True,
 }
 #: Qwen-Image's scheduler: exponential resolution-dependent shift, stretched to a terminal sigma
 QWEN_IMAGE_SCHEDULER = {
-    "base_image_seq_len": 256, "base_shift": 0.5, "max_image_seq_len": 8192, "max_shift": 0.9,
-    "num_train_timesteps": 1000, "shift": 1.0, "shift_terminal": 0.02, "time_shift_type": "exponential",
+    "base_image_seq_len": 256,
+    "base_shift": 0.5,
+    "max_image_seq_len": 8192,
+    "max_shift": 0.9,
+    "num_train_timesteps": 1000,
+    "shift": 1.0,
+    "shift_terminal": 0.02,
+    "time_shift_type": "exponential",
     "use_dynamic_shifting": True,
 }
 #: Qwen-Image's prompt template (the pipeline's ``prompt_template_encode``); its part before the
@@ -62,9 +74,7 @@ QWEN_IMAGE_TEMPLATE = (
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character table (CLIP's BPE alphabet)."""
     bs = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("¡"), ord("¬") + 1))
-        + list(range(ord("®"), ord("ÿ") + 1))
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     )
     cs = bs[:]
     n = 0
@@ -73,7 +83,7 @@ def _bytes_to_unicode() -> dict[int, str]:
             bs.append(b)
             cs.append(256 + n)
             n += 1
-    return dict(zip(bs, map(chr, cs)))
+    return dict(zip(bs, map(chr, cs), strict=True))
 
 
 def tiny_clip_tokenizer(model_max_length: int = 77) -> Any:
@@ -121,44 +131,82 @@ def tiny_qwen_tokenizer() -> Any:
     for special in ("<|endoftext|>", "<|im_start|>", "<|im_end|>"):
         vocab[special] = len(vocab)
     return Qwen2Tokenizer(
-        vocab=vocab, merges=merges, unk_token=None, bos_token=None, eos_token="<|im_end|>",
-        pad_token="<|endoftext|>", additional_special_tokens=["<|im_start|>"],
+        vocab=vocab,
+        merges=merges,  # type: ignore[arg-type]  # (a, b) pairs, which tokenizers' BPE takes; annotated as str
+        unk_token=None,  # type: ignore[arg-type]  # no unknown token (every byte has one); annotated as str
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
     )
 
 
 def _clip_config(**overrides: Any) -> Any:
     from transformers import CLIPTextConfig
 
-    return CLIPTextConfig(**{
-        "bos_token_id": 512, "eos_token_id": 513, "pad_token_id": 513, "hidden_size": 32, "intermediate_size": 37,
-        "layer_norm_eps": 1e-5, "num_attention_heads": 4, "num_hidden_layers": 2, "projection_dim": 32,
-        "vocab_size": 514, "max_position_embeddings": 77, "hidden_act": "gelu", **overrides,
-    })
+    return CLIPTextConfig(
+        **{
+            "bos_token_id": 512,
+            "eos_token_id": 513,
+            "pad_token_id": 513,
+            "hidden_size": 32,
+            "intermediate_size": 37,
+            "layer_norm_eps": 1e-5,
+            "num_attention_heads": 4,
+            "num_hidden_layers": 2,
+            "projection_dim": 32,
+            "vocab_size": 514,
+            "max_position_embeddings": 77,
+            "hidden_act": "gelu",
+            **overrides,
+        }
+    )
 
 
 def _t5_encoder(d_model: int, *, umt5: bool = False) -> Any:
     from transformers import T5Config, T5EncoderModel, UMT5Config, UMT5EncoderModel
 
-    config_class, model_class = (UMT5Config, UMT5EncoderModel) if umt5 else (T5Config, T5EncoderModel)
-    config = config_class(
-        vocab_size=98, d_model=d_model, d_kv=d_model // 4, d_ff=2 * d_model, num_layers=2, num_heads=4,
-        relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+    keys: dict[str, Any] = dict(
+        vocab_size=98,
+        d_model=d_model,
+        d_kv=d_model // 4,
+        d_ff=2 * d_model,
+        num_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        pad_token_id=0,
+        eos_token_id=1,
+        decoder_start_token_id=0,
     )
-    return model_class(config)
+    return UMT5EncoderModel(UMT5Config(**keys)) if umt5 else T5EncoderModel(T5Config(**keys))
 
 
 def _kl_vae(blocks: Sequence[int], latent_channels: int, sample_size: int, scaling: float, shift: float) -> Any:
     from diffusers import AutoencoderKL
 
     return AutoencoderKL(
-        in_channels=3, out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * len(blocks), up_block_types=("UpDecoderBlock2D",) * len(blocks),
-        block_out_channels=tuple(blocks), layers_per_block=1, latent_channels=latent_channels,
-        norm_num_groups=min(8, min(blocks)), sample_size=sample_size, scaling_factor=scaling, shift_factor=shift,
-        use_quant_conv=False, use_post_quant_conv=False,
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * len(blocks),
+        up_block_types=("UpDecoderBlock2D",) * len(blocks),
+        block_out_channels=tuple(blocks),
+        layers_per_block=1,
+        latent_channels=latent_channels,
+        norm_num_groups=min(8, min(blocks)),
+        sample_size=sample_size,
+        scaling_factor=scaling,
+        shift_factor=shift,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
     )
 
 
+# STRICT_CONFIGS: transformers' @strict dataclass configs take keys beyond their fields through
+# __post_init__(**kwargs); the dataclass signature mypy sees omits them, hence the call-arg ignores.
+
+
+# The networks handed to _randomise are imported from their own modules: mypy reads diffusers'
+# top-level names as its dummy objects, which are no torch.nn.Module.
 def _randomise(module: torch.nn.Module, std: float = 0.05) -> None:
     """Every weight random (diffusers zero-initialises output projections and modulation gates,
     which would make a tiny transformer's output ignore its inputs)."""
@@ -213,9 +261,17 @@ def build_tiny_sd3_pipeline(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         transformer = SD3Transformer2DModel(
-            sample_size=sample_size, patch_size=patch_size, in_channels=16, out_channels=16, num_layers=num_layers,
-            attention_head_dim=16, num_attention_heads=4, joint_attention_dim=64, caption_projection_dim=64,
-            pooled_projection_dim=64, pos_embed_max_size=max(16, sample_size // patch_size),
+            sample_size=sample_size,
+            patch_size=patch_size,
+            in_channels=16,
+            out_channels=16,
+            num_layers=num_layers,
+            attention_head_dim=16,
+            num_attention_heads=4,
+            joint_attention_dim=64,
+            caption_projection_dim=64,
+            pooled_projection_dim=64,
+            pos_embed_max_size=max(16, sample_size // patch_size),
             **({"qk_norm": "rms_norm", "dual_attention_layers": (0,)} if sd35 else {}),
         )
         text_encoder = CLIPTextModelWithProjection(_clip_config())
@@ -223,10 +279,15 @@ def build_tiny_sd3_pipeline(
         text_encoder_3 = _t5_encoder(64)
         vae = _kl_vae(blocks, 16, sample_size * 2 ** (len(blocks) - 1), SD3_VAE_SCALING_FACTOR, SD3_VAE_SHIFT_FACTOR)
     pipe = StableDiffusion3Pipeline(
-        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=shift), vae=vae,
-        text_encoder=text_encoder, tokenizer=tiny_clip_tokenizer(),
-        text_encoder_2=text_encoder_2, tokenizer_2=tiny_clip_tokenizer(),
-        text_encoder_3=text_encoder_3, tokenizer_3=tiny_t5_tokenizer(),
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=shift),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tiny_clip_tokenizer(),
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=tiny_clip_tokenizer(),
+        text_encoder_3=text_encoder_3,
+        tokenizer_3=tiny_t5_tokenizer(),
     )
     return _finish(pipe, path, torch_dtype)
 
@@ -249,15 +310,25 @@ def build_tiny_flux_pipeline(
     image side stays FluxPipeline's 1024: pass ``height``/``width`` (``resolution``) of 64.
     """
     import diffusers
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
-    from transformers import CLIPTextModel, T5TokenizerFast
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.models.transformers.transformer_flux import FluxTransformer2DModel
+
+    # T5TokenizerFast: an alias in transformers 5 (T5Tokenizer is the fast one), absent from its typing
+    from transformers import CLIPTextModel, T5TokenizerFast  # type: ignore[attr-defined]
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         transformer = FluxTransformer2DModel(
-            patch_size=1, in_channels=64, num_layers=1, num_single_layers=2, attention_head_dim=16,
-            num_attention_heads=4, joint_attention_dim=64, pooled_projection_dim=32,
-            guidance_embeds=guidance_embeds, axes_dims_rope=(4, 6, 6),
+            patch_size=1,
+            in_channels=64,
+            num_layers=1,
+            num_single_layers=2,
+            attention_head_dim=16,
+            num_attention_heads=4,
+            joint_attention_dim=64,
+            pooled_projection_dim=32,
+            guidance_embeds=guidance_embeds,
+            axes_dims_rope=(4, 6, 6),
         )
         _randomise(transformer)
         text_encoder = CLIPTextModel(_clip_config())
@@ -267,9 +338,13 @@ def build_tiny_flux_pipeline(
         tiny_t5_tokenizer().save_pretrained(tmp)
         tokenizer_2 = T5TokenizerFast.from_pretrained(tmp)
     pipe = getattr(diffusers, pipeline_class)(
-        scheduler=FlowMatchEulerDiscreteScheduler(**FLUX_SCHEDULER), vae=vae,
-        text_encoder=text_encoder, tokenizer=tiny_clip_tokenizer(),
-        text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(**FLUX_SCHEDULER),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tiny_clip_tokenizer(),
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=tokenizer_2,
+        transformer=transformer,
     )
     return _finish(pipe, path, torch_dtype)
 
@@ -282,25 +357,45 @@ def build_tiny_flux_kontext_pipeline(path: str | os.PathLike[str] | None = None,
 
 def _tiny_qwen_networks(tokenizer: Any, seed: int, **vl_config: Any) -> tuple[Any, Any, Any]:
     """(transformer, Qwen2.5-VL text encoder, VAE) of the tiny Qwen-Image pipelines."""
-    from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
+    from diffusers import AutoencoderKLQwenImage
+    from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformer2DModel
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         transformer = QwenImageTransformer2DModel(
-            patch_size=2, in_channels=64, out_channels=16, num_layers=2, attention_head_dim=16,
-            num_attention_heads=4, joint_attention_dim=32, axes_dims_rope=(4, 6, 6),
+            patch_size=2,
+            in_channels=64,
+            out_channels=16,
+            num_layers=2,
+            attention_head_dim=16,
+            num_attention_heads=4,
+            joint_attention_dim=32,
+            axes_dims_rope=(4, 6, 6),
         )
         _randomise(transformer)
-        config = Qwen2_5_VLConfig(
+        config = Qwen2_5_VLConfig(  # type: ignore[call-arg]  # extra keys: see STRICT_CONFIGS
             text_config={
-                "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
-                "num_key_value_heads": 2, "vocab_size": len(tokenizer), "max_position_embeddings": 1024,
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 2,
+                "vocab_size": len(tokenizer),
+                "max_position_embeddings": 1024,
                 "rope_scaling": {"type": "mrope", "mrope_section": [2, 2, 4], "rope_type": "default"},
                 "rope_theta": 1000000.0,
             },
-            vision_config={"depth": 1, "hidden_size": 32, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": 32},
-            pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+            vision_config={
+                "depth": 1,
+                "hidden_size": 32,
+                "intermediate_size": 32,
+                "num_heads": 2,
+                "out_hidden_size": 32,
+            },
+            pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
             **vl_config,
         )
         text_encoder = Qwen2_5_VLForConditionalGeneration(config)
@@ -324,8 +419,11 @@ def build_tiny_qwen_image_pipeline(
     tokenizer = tiny_qwen_tokenizer()
     transformer, text_encoder, vae = _tiny_qwen_networks(tokenizer, seed)
     pipe = QwenImagePipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER), vae=vae, text_encoder=text_encoder,
-        tokenizer=tokenizer, transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        transformer=transformer,
     )
     return _finish(pipe, path, torch_dtype)
 
@@ -356,7 +454,12 @@ def tiny_qwen_edit_tokenizer() -> Any:
     for special in specials:
         vocab[special] = len(vocab)
     tokenizer = Qwen2Tokenizer(
-        vocab=vocab, merges=[], unk_token=None, bos_token=None, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        vocab=vocab,
+        merges=[],
+        unk_token=None,  # type: ignore[arg-type]  # no unknown token (every byte has one); annotated as str
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
         additional_special_tokens=list(specials[1:]),
     )
     pieces = [QWEN_IMAGE_EDIT_SYSTEM[:7]] + [" " + w for w in QWEN_IMAGE_EDIT_SYSTEM[7:].split(" ")]
@@ -365,8 +468,16 @@ def tiny_qwen_edit_tokenizer() -> Any:
     missing = QWEN_IMAGE_EDIT_PREFIX_TOKENS - fixed - len(pieces)
     # words left as bytes make up the difference: a word of n bytes is n tokens instead of 1
     once = [w for w in pieces[2:] if pieces.count(w) == 1 and w[1:].isalpha()]
-    bytewise = next(set(c) for k in range(1, 5) for c in itertools.combinations(once, k) if sum(len(w) - 1 for w in c) == missing)
-    tokenizer.add_tokens([AddedToken(piece, normalized=False, special=False) for piece in dict.fromkeys(pieces) if piece not in bytewise])
+    bytewise = next(
+        set(c) for k in range(1, 5) for c in itertools.combinations(once, k) if sum(len(w) - 1 for w in c) == missing
+    )
+    tokenizer.add_tokens(
+        [
+            AddedToken(piece, normalized=False, special=False)
+            for piece in dict.fromkeys(pieces)
+            if piece not in bytewise
+        ]
+    )
     prefix = "<|im_start|>" + QWEN_IMAGE_EDIT_SYSTEM + "<|im_end|>\n<|im_start|>user\n"
     count = len(tokenizer(prefix).input_ids)
     if count != QWEN_IMAGE_EDIT_PREFIX_TOKENS:  # pragma: no cover - a tokenizers change would show here
@@ -384,7 +495,9 @@ def _image_only_processor_class() -> Any:
         exactly as by ``Qwen2VLProcessor``; it saves and loads with the pipeline
         (``model_index.json`` names this module)."""
 
-        def __init__(self, image_processor: Any = None, tokenizer: Any = None, chat_template: Any = None, **kwargs: Any):
+        def __init__(
+            self, image_processor: Any = None, tokenizer: Any = None, chat_template: Any = None, **kwargs: Any
+        ):
             self.image_token = getattr(tokenizer, "image_token", "<|image_pad|>")
             self.video_token = getattr(tokenizer, "video_token", "<|video_pad|>")
             self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
@@ -411,7 +524,11 @@ def __getattr__(name: str) -> Any:
 
 
 def build_tiny_qwen_image_edit_pipeline(
-    path: str | os.PathLike[str] | None = None, *, plus: bool = False, seed: int = 0, torch_dtype: torch.dtype = torch.float32
+    path: str | os.PathLike[str] | None = None,
+    *,
+    plus: bool = False,
+    seed: int = 0,
+    torch_dtype: torch.dtype = torch.float32,
 ) -> Any:
     """A tiny random ``QwenImageEditPipeline`` (``plus``: ``QwenImageEditPlusPipeline``, 2509's
     several source images), saved to ``path`` if given: the networks of
@@ -420,15 +537,23 @@ def build_tiny_qwen_image_edit_pipeline(
     vision tower's input small (16 to 64 patches of 14 px; Qwen2.5-VL's patch and merge sizes)."""
     import diffusers
     from diffusers import FlowMatchEulerDiscreteScheduler
+
+    ImageProcessor: Any
     try:  # transformers >= 5 without torchvision: the PIL image processor (what Qwen2VLImageProcessor falls back to)
         from transformers import Qwen2VLImageProcessorPil as ImageProcessor
     except ImportError:  # pragma: no cover
         from transformers import Qwen2VLImageProcessor as ImageProcessor
 
     tokenizer = tiny_qwen_edit_tokenizer()
-    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in
-           (("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"),
-            ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"))}
+    ids = {
+        name: tokenizer.convert_tokens_to_ids(token)
+        for name, token in (
+            ("vision_start_token_id", "<|vision_start|>"),
+            ("vision_end_token_id", "<|vision_end|>"),
+            ("image_token_id", "<|image_pad|>"),
+            ("video_token_id", "<|video_pad|>"),
+        )
+    }
     transformer, text_encoder, vae = _tiny_qwen_networks(tokenizer, seed, **ids)
     image_processor = ImageProcessor(size={"shortest_edge": 56 * 56, "longest_edge": 112 * 112})
     import fgrpo.models.testing.pipelines as this
@@ -436,19 +561,32 @@ def build_tiny_qwen_image_edit_pipeline(
     processor = this.ImageOnlyQwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer)
     name = "QwenImageEditPlusPipeline" if plus else "QwenImageEditPipeline"
     pipe = getattr(diffusers, name)(
-        scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER), vae=vae, text_encoder=text_encoder,
-        tokenizer=tokenizer, processor=processor, transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        processor=processor,
+        transformer=transformer,
     )
     return _finish(pipe, path, torch_dtype)
 
 
 def _wan_transformer(in_channels: int = 16, out_channels: int = 16) -> Any:
     """A tiny random ``WanTransformer3DModel``: patch (1, 2, 2), 2 heads x 12, 2 layers, text_dim 32."""
-    from diffusers import WanTransformer3DModel
+    from diffusers.models.transformers.transformer_wan import WanTransformer3DModel
 
     transformer = WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=in_channels, out_channels=out_channels,
-        text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=12,
+        in_channels=in_channels,
+        out_channels=out_channels,
+        text_dim=32,
+        freq_dim=256,
+        ffn_dim=32,
+        num_layers=2,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
         rope_max_seq_len=32,
     )
     _randomise(transformer)
@@ -465,7 +603,14 @@ def _wan_tokenizer() -> Any:
 
 #: Wan 2.2's VAE (TI2V-5B): 48 latent channels, 16x spatial compression (a 2x2 patchify around
 #: the 8x network), residual blocks; per-channel statistics drawn for the tiny one
-WAN22_VAE = {"z_dim": 48, "is_residual": True, "patch_size": 2, "scale_factor_spatial": 16, "in_channels": 12, "out_channels": 12}
+WAN22_VAE = {
+    "z_dim": 48,
+    "is_residual": True,
+    "patch_size": 2,
+    "scale_factor_spatial": 16,
+    "in_channels": 12,
+    "out_channels": 12,
+}
 
 
 def _wan_vae(z_dim: int = 16, **overrides: Any) -> Any:
@@ -480,7 +625,11 @@ def _wan_vae(z_dim: int = 16, **overrides: Any) -> Any:
 
 
 def build_tiny_wan_pipeline(
-    path: str | os.PathLike[str] | None = None, *, shift: float = 3.0, seed: int = 0, torch_dtype: torch.dtype = torch.float32
+    path: str | os.PathLike[str] | None = None,
+    *,
+    shift: float = 3.0,
+    seed: int = 0,
+    torch_dtype: torch.dtype = torch.float32,
 ) -> Any:
     """A tiny random ``WanPipeline`` (Wan 2.1 text-to-video), saved to ``path`` if given.
 
@@ -497,7 +646,10 @@ def build_tiny_wan_pipeline(
         text_encoder = _t5_encoder(32, umt5=True)
         vae = _wan_vae()
     pipe = WanPipeline(
-        tokenizer=_wan_tokenizer(), text_encoder=text_encoder, vae=vae, transformer=transformer,
+        tokenizer=_wan_tokenizer(),
+        text_encoder=text_encoder,
+        vae=vae,
+        transformer=transformer,
         scheduler=FlowMatchEulerDiscreteScheduler(shift=shift),
     )
     return _finish(pipe, path, torch_dtype)
@@ -514,13 +666,22 @@ def _two_expert_wan(pipeline_class: Any, in_channels: int, boundary_ratio: float
         text_encoder = _t5_encoder(32, umt5=True)
         vae = _wan_vae()
     return pipeline_class(
-        tokenizer=_wan_tokenizer(), text_encoder=text_encoder, vae=vae, transformer=transformer, transformer_2=transformer_2,
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=shift), boundary_ratio=boundary_ratio,
+        tokenizer=_wan_tokenizer(),
+        text_encoder=text_encoder,
+        vae=vae,
+        transformer=transformer,
+        transformer_2=transformer_2,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=shift),
+        boundary_ratio=boundary_ratio,
     )
 
 
 def build_tiny_wan22_pipeline(
-    path: str | os.PathLike[str] | None = None, *, boundary_ratio: float = 0.875, shift: float = 3.0, seed: int = 0,
+    path: str | os.PathLike[str] | None = None,
+    *,
+    boundary_ratio: float = 0.875,
+    shift: float = 3.0,
+    seed: int = 0,
     torch_dtype: torch.dtype = torch.float32,
 ) -> Any:
     """A tiny random Wan 2.2 T2V-A14B ``WanPipeline``: two experts (``transformer`` for timesteps
@@ -532,7 +693,11 @@ def build_tiny_wan22_pipeline(
 
 
 def build_tiny_wan22_i2v_pipeline(
-    path: str | os.PathLike[str] | None = None, *, boundary_ratio: float = 0.9, shift: float = 3.0, seed: int = 0,
+    path: str | os.PathLike[str] | None = None,
+    *,
+    boundary_ratio: float = 0.9,
+    shift: float = 3.0,
+    seed: int = 0,
     torch_dtype: torch.dtype = torch.float32,
 ) -> Any:
     """A tiny random Wan 2.2 I2V-A14B ``WanImageToVideoPipeline``: two experts with 36 input
@@ -544,7 +709,11 @@ def build_tiny_wan22_i2v_pipeline(
 
 
 def build_tiny_wan22_ti2v_pipeline(
-    path: str | os.PathLike[str] | None = None, *, shift: float = 5.0, seed: int = 0, torch_dtype: torch.dtype = torch.float32
+    path: str | os.PathLike[str] | None = None,
+    *,
+    shift: float = 5.0,
+    seed: int = 0,
+    torch_dtype: torch.dtype = torch.float32,
 ) -> Any:
     """A tiny random Wan 2.2 TI2V-5B ``WanPipeline`` (text-to-video): one transformer with 48
     channels, the Wan 2.2 VAE (:data:`WAN22_VAE`, 16x spatial), timesteps per token
@@ -557,11 +726,14 @@ def build_tiny_wan22_ti2v_pipeline(
         text_encoder = _t5_encoder(32, umt5=True)
         vae = _wan_vae(**WAN22_VAE)
     pipe = WanPipeline(
-        tokenizer=_wan_tokenizer(), text_encoder=text_encoder, vae=vae, transformer=transformer,
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=shift), expand_timesteps=True,
+        tokenizer=_wan_tokenizer(),
+        text_encoder=text_encoder,
+        vae=vae,
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=shift),
+        expand_timesteps=True,
     )
     return _finish(pipe, path, torch_dtype)
-
 
 
 # --- chat-template tokenizers of the current text encoders (Mistral 3, Qwen3) -----------------
@@ -570,15 +742,18 @@ def build_tiny_wan22_ti2v_pipeline(
 #: type "text" joined; a system message in [SYSTEM_PROMPT], a user turn in [INST])
 MISTRAL_CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}{% if m['content'] is string %}{% set text = m['content'] %}{% else %}"
-    "{% set text = m['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('') %}{% endif %}"
-    "{% if m['role'] == 'system' %}[SYSTEM_PROMPT]{{ text }}[/SYSTEM_PROMPT]{% elif m['role'] == 'user' %}[INST]{{ text }}[/INST]"
+    "{% set text = m['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('') %}{% endif "
+    "%}"
+    "{% if m['role'] == 'system' %}[SYSTEM_PROMPT]{{ text }}[/SYSTEM_PROMPT]{% elif m['role'] == 'user' %}[INST]{{ "
+    "text }}[/INST]"
     "{% else %}{{ text }}{{ eos_token }}{% endif %}{% endfor %}"
 )
 #: Qwen3's chat format for the turns the pipelines render (a user message and the generation
 #: prompt; ``enable_thinking=False`` adds the empty think block, as Qwen3's own template does)
 QWEN3_CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and enable_thinking is false %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and enable_thinking is "
+    "false %}"
     "<think>\n\n</think>\n\n{% endif %}{% endif %}"
 )
 
@@ -596,14 +771,30 @@ def tiny_byte_tokenizer(specials: Sequence[str], chat_template: str | None = Non
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     backend.decoder = decoders.ByteLevel()
     others = [s for s in specials if s not in set(named.values())]
-    return PreTrainedTokenizerFast(tokenizer_object=backend, additional_special_tokens=others, chat_template=chat_template, **named)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, additional_special_tokens=others, chat_template=chat_template, **named
+    )
 
 
 def tiny_mistral_tokenizer() -> Any:
     """Mistral's special tokens and chat format (FLUX.2 [dev] uses a Pixtral processor, whose
     ``apply_chat_template`` the pipeline calls; a tokenizer takes the same call)."""
-    specials = ["<unk>", "<s>", "</s>", "<pad>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[IMG]", "[IMG_BREAK]", "[IMG_END]"]
-    return tiny_byte_tokenizer(specials, MISTRAL_CHAT_TEMPLATE, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    specials = [
+        "<unk>",
+        "<s>",
+        "</s>",
+        "<pad>",
+        "[INST]",
+        "[/INST]",
+        "[SYSTEM_PROMPT]",
+        "[/SYSTEM_PROMPT]",
+        "[IMG]",
+        "[IMG_BREAK]",
+        "[IMG_END]",
+    ]
+    return tiny_byte_tokenizer(
+        specials, MISTRAL_CHAT_TEMPLATE, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
 
 
 def tiny_qwen3_tokenizer() -> Any:
@@ -616,15 +807,28 @@ def _qwen3_config(tokenizer: Any, layers: int = 2) -> Any:
     from transformers import Qwen3Config
 
     return Qwen3Config(
-        hidden_size=16, intermediate_size=32, num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
-        head_dim=8, vocab_size=len(tokenizer), max_position_embeddings=512, pad_token_id=tokenizer.pad_token_id,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        vocab_size=len(tokenizer),
+        max_position_embeddings=512,
+        pad_token_id=tokenizer.pad_token_id,
     )
 
 
 #: FLUX.2's scheduler: the exponential time shift, by an ``mu`` the pipeline computes itself
 FLUX2_SCHEDULER = {
-    "base_image_seq_len": 256, "base_shift": 0.5, "max_image_seq_len": 4096, "max_shift": 1.15,
-    "num_train_timesteps": 1000, "shift": 3.0, "time_shift_type": "exponential", "use_dynamic_shifting": True,
+    "base_image_seq_len": 256,
+    "base_shift": 0.5,
+    "max_image_seq_len": 4096,
+    "max_shift": 1.15,
+    "num_train_timesteps": 1000,
+    "shift": 3.0,
+    "time_shift_type": "exponential",
+    "use_dynamic_shifting": True,
 }
 
 
@@ -632,15 +836,25 @@ def _flux2_parts(guidance_embeds: bool, text_hidden: int, layers_stacked: int = 
     """A tiny ``Flux2Transformer2DModel`` (1 double + 1 single block, 2 heads x 16, rope (4, 4, 4, 4),
     128 input channels = 4 x 32 VAE channels) and ``AutoencoderKLFlux2`` (scale 8, 32 channels,
     random batch-norm statistics so that decoding exercises them)."""
-    from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
+    from diffusers.models.autoencoders.autoencoder_kl_flux2 import AutoencoderKLFlux2
+    from diffusers.models.transformers.transformer_flux2 import Flux2Transformer2DModel
 
     transformer = Flux2Transformer2DModel(
-        patch_size=1, in_channels=128, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
-        joint_attention_dim=layers_stacked * text_hidden, timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4),
+        patch_size=1,
+        in_channels=128,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=layers_stacked * text_hidden,
+        timestep_guidance_channels=32,
+        axes_dims_rope=(4, 4, 4, 4),
         guidance_embeds=guidance_embeds,
     )
     _randomise(transformer)
-    vae = AutoencoderKLFlux2(block_out_channels=(8, 16, 16, 16), layers_per_block=1, latent_channels=32, norm_num_groups=8, sample_size=64)
+    vae = AutoencoderKLFlux2(
+        block_out_channels=(8, 16, 16, 16), layers_per_block=1, latent_channels=32, norm_num_groups=8, sample_size=64
+    )
     with torch.no_grad():
         vae.bn.running_mean.normal_(0.0, 0.5)
         vae.bn.running_var.uniform_(0.5, 2.0)
@@ -667,27 +881,46 @@ def build_tiny_flux2_pipeline(
         torch.manual_seed(seed)
         config = Mistral3Config(
             text_config={
-                "model_type": "mistral", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
-                "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8, "vocab_size": len(tokenizer),
-                "max_position_embeddings": 512, "pad_token_id": tokenizer.pad_token_id,
+                "model_type": "mistral",
+                "hidden_size": 16,
+                "intermediate_size": 32,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 1,
+                "head_dim": 8,
+                "vocab_size": len(tokenizer),
+                "max_position_embeddings": 512,
+                "pad_token_id": tokenizer.pad_token_id,
             },
             vision_config={
-                "model_type": "pixtral", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
-                "num_attention_heads": 2, "head_dim": 8, "image_size": 32, "patch_size": 8,
+                "model_type": "pixtral",
+                "hidden_size": 16,
+                "intermediate_size": 32,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "head_dim": 8,
+                "image_size": 32,
+                "patch_size": 8,
             },
             image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"),
         )
         text_encoder = Mistral3ForConditionalGeneration(config)
         transformer, vae = _flux2_parts(guidance_embeds=True, text_hidden=16)
     pipe = Flux2Pipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(**FLUX2_SCHEDULER), vae=vae, text_encoder=text_encoder,
-        tokenizer=tokenizer, transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(**FLUX2_SCHEDULER),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        transformer=transformer,
     )
     return _finish(pipe, path, torch_dtype)
 
 
 def build_tiny_flux2_klein_pipeline(
-    path: str | os.PathLike[str] | None = None, *, is_distilled: bool = False, seed: int = 0,
+    path: str | os.PathLike[str] | None = None,
+    *,
+    is_distilled: bool = False,
+    seed: int = 0,
     torch_dtype: torch.dtype = torch.float32,
 ) -> Any:
     """A tiny random ``Flux2KleinPipeline`` (FLUX.2 [klein] base: Qwen3 text encoder, true CFG, no
@@ -703,14 +936,22 @@ def build_tiny_flux2_klein_pipeline(
         text_encoder = Qwen3ForCausalLM(_qwen3_config(tokenizer))
         transformer, vae = _flux2_parts(guidance_embeds=False, text_hidden=16)
     pipe = Flux2KleinPipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(**FLUX2_SCHEDULER), vae=vae, text_encoder=text_encoder,
-        tokenizer=tokenizer, transformer=transformer, is_distilled=is_distilled,
+        scheduler=FlowMatchEulerDiscreteScheduler(**FLUX2_SCHEDULER),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        transformer=transformer,
+        is_distilled=is_distilled,
     )
     return _finish(pipe, path, torch_dtype)
 
 
 def build_tiny_z_image_pipeline(
-    path: str | os.PathLike[str] | None = None, *, shift: float = 3.0, seed: int = 0, torch_dtype: torch.dtype = torch.float32
+    path: str | os.PathLike[str] | None = None,
+    *,
+    shift: float = 3.0,
+    seed: int = 0,
+    torch_dtype: torch.dtype = torch.float32,
 ) -> Any:
     """A tiny random ``ZImagePipeline`` (Z-Image / Z-Image-Turbo: the same architecture; Turbo is
     run without guidance and with fewer steps), saved to ``path`` if given.
@@ -721,7 +962,8 @@ def build_tiny_z_image_pipeline(
     ``AutoencoderKL`` normalisation. Scheduler: ``FlowMatchEulerDiscreteScheduler(shift=shift)``
     (Z-Image-Turbo's: a fixed shift 3).
     """
-    from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline
+    from diffusers.models.transformers.transformer_z_image import ZImageTransformer2DModel
     from transformers import Qwen3Model
 
     tokenizer = tiny_qwen3_tokenizer()
@@ -729,14 +971,26 @@ def build_tiny_z_image_pipeline(
         torch.manual_seed(seed)
         text_encoder = Qwen3Model(_qwen3_config(tokenizer))
         transformer = ZImageTransformer2DModel(
-            all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=32, n_layers=2, n_refiner_layers=1,
-            n_heads=2, n_kv_heads=2, cap_feat_dim=16, axes_dims=[4, 6, 6], axes_lens=[256, 32, 32],
+            all_patch_size=(2,),
+            all_f_patch_size=(1,),
+            in_channels=16,
+            dim=32,
+            n_layers=2,
+            n_refiner_layers=1,
+            n_heads=2,
+            n_kv_heads=2,
+            cap_feat_dim=16,
+            axes_dims=[4, 6, 6],
+            axes_lens=[256, 32, 32],
         )
         _randomise(transformer)
         vae = _kl_vae((8, 16, 16, 16), 16, 64, FLUX_VAE_SCALING_FACTOR, FLUX_VAE_SHIFT_FACTOR)
     pipe = ZImagePipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=shift), vae=vae, text_encoder=text_encoder,
-        tokenizer=tokenizer, transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=shift),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        transformer=transformer,
     )
     return _finish(pipe, path, torch_dtype)
 
@@ -754,15 +1008,23 @@ def tiny_hunyuan_video15_tokenizer(system_message: str, template_tokens: int = 1
     crops its fixed ``prompt_template_encode_start_idx`` = 108): the system message is cut into
     added tokens so that ``<|im_start|>system\n`` + message + ``<|im_end|>\n<|im_start|>user\n``
     comes to that count."""
+
     def build(pieces: int) -> Any:
         cuts = [len(system_message) * i // pieces for i in range(pieces + 1)]
-        tokenizer = tiny_byte_tokenizer(["<|endoftext|>", "<|im_start|>", "<|im_end|>"], QWEN_CHAT_TEMPLATE, pad_token="<|endoftext|>", eos_token="<|im_end|>")
-        tokenizer.add_tokens([system_message[a:b] for a, b in zip(cuts, cuts[1:])])
+        tokenizer = tiny_byte_tokenizer(
+            ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+            QWEN_CHAT_TEMPLATE,
+            pad_token="<|endoftext|>",
+            eos_token="<|im_end|>",
+        )
+        tokenizer.add_tokens([system_message[a:b] for a, b in pairwise(cuts)])
         return tokenizer
 
     def prefix(tokenizer: Any) -> int:  # tokens before the prompt "~"
         messages = [{"role": "system", "content": system_message}, {"role": "user", "content": "~"}]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)[
+            "input_ids"
+        ]
         return list(ids).index(tokenizer.convert_tokens_to_ids("~"))
 
     pieces = template_tokens - (1 + len("system\n") + 1 + 1 + 1 + len("user\n"))
@@ -775,7 +1037,11 @@ def tiny_hunyuan_video15_tokenizer(system_message: str, template_tokens: int = 1
 
 
 def build_tiny_hunyuan_video15_pipeline(
-    path: str | os.PathLike[str] | None = None, *, guidance_scale: float = 6.0, shift: float = 5.0, seed: int = 0,
+    path: str | os.PathLike[str] | None = None,
+    *,
+    guidance_scale: float = 6.0,
+    shift: float = 5.0,
+    seed: int = 0,
     torch_dtype: torch.dtype = torch.float32,
 ) -> Any:
     """A tiny random ``HunyuanVideo15Pipeline`` (text-to-video), saved to ``path`` if given.
@@ -794,8 +1060,8 @@ def build_tiny_hunyuan_video15_pipeline(
         ClassifierFreeGuidance,
         FlowMatchEulerDiscreteScheduler,
         HunyuanVideo15Pipeline,
-        HunyuanVideo15Transformer3DModel,
     )
+    from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15Transformer3DModel
     from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, T5Config, T5EncoderModel
 
     # the pipeline's own system message and crop (instance attributes its encoder's defaults repeat)
@@ -804,27 +1070,65 @@ def build_tiny_hunyuan_video15_pipeline(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         transformer = HunyuanVideo15Transformer3DModel(
-            in_channels=65, out_channels=32, num_attention_heads=2, attention_head_dim=16, num_layers=1, num_refiner_layers=1,
-            text_embed_dim=16, text_embed_2_dim=16, image_embed_dim=16, rope_axes_dim=(4, 6, 6), target_size=64, task_type="t2v",
+            in_channels=65,
+            out_channels=32,
+            num_attention_heads=2,
+            attention_head_dim=16,
+            num_layers=1,
+            num_refiner_layers=1,
+            text_embed_dim=16,
+            text_embed_2_dim=16,
+            image_embed_dim=16,
+            rope_axes_dim=(4, 6, 6),
+            target_size=64,
+            task_type="t2v",
         )
         _randomise(transformer)
-        vae = AutoencoderKLHunyuanVideo15(latent_channels=32, block_out_channels=(8, 16, 32, 32, 32), layers_per_block=1)
-        text_encoder_2 = T5EncoderModel(T5Config(
-            vocab_size=len(byt5), d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=4, relative_attention_num_buckets=8,
-            pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
-        ))
+        vae = AutoencoderKLHunyuanVideo15(
+            latent_channels=32, block_out_channels=(8, 16, 32, 32, 32), layers_per_block=1
+        )
+        text_encoder_2 = T5EncoderModel(
+            T5Config(  # type: ignore[call-arg]  # extra keys: see STRICT_CONFIGS
+                vocab_size=len(byt5),
+                d_model=16,
+                d_kv=4,
+                d_ff=32,
+                num_layers=1,
+                num_heads=4,
+                relative_attention_num_buckets=8,
+                pad_token_id=0,
+                eos_token_id=1,
+                decoder_start_token_id=0,
+            )
+        )
         tokenizer = tiny_hunyuan_video15_tokenizer(defaults["system_message"].default, defaults["crop_start"].default)
-        text_encoder = Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(
-            hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,
-            max_position_embeddings=2048, rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2], "rope_type": "default"},
-            vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
-        ))
+        text_encoder = Qwen2_5_VLTextModel(
+            Qwen2_5_VLTextConfig(  # type: ignore[call-arg]  # extra keys: see STRICT_CONFIGS
+                hidden_size=16,
+                intermediate_size=32,
+                num_hidden_layers=3,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                max_position_embeddings=2048,
+                rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2], "rope_type": "default"},
+                vocab_size=len(tokenizer),
+                pad_token_id=tokenizer.pad_token_id,
+                bos_token_id=None,
+                eos_token_id=tokenizer.eos_token_id,
+            )
+        )
     pipe = HunyuanVideo15Pipeline(
-        text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer, vae=vae,
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=shift), text_encoder_2=text_encoder_2, tokenizer_2=byt5,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        transformer=transformer,
+        vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=shift),
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=byt5,
         guider=ClassifierFreeGuidance(guidance_scale=guidance_scale),
     )
     return _finish(pipe, path, torch_dtype)
+
 
 __all__ = [
     "QWEN_IMAGE_TEMPLATE",

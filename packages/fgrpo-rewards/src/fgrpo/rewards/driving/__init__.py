@@ -22,12 +22,39 @@ traffic). Everything a run needs is a pure function of a prompt such as ``"cut-i
 
 from fgrpo.rewards.driving.closed_loop import ClosedLoop, drive
 from fgrpo.rewards.driving.prompts import DrivingPrompts, read_scenario_file
-from fgrpo.rewards.driving.rewards import PDMS, CaRL, Comfort, Consistency, Drivable, Imitation, Progress, Rules, Safety
+from fgrpo.rewards.driving.rewards import (
+    PDMS,
+    CaRL,
+    Comfort,
+    Consistency,
+    Drivable,
+    Imitation,
+    Progress,
+    Rules,
+    Safety,
+)
 from fgrpo.rewards.driving.scenes import parse, prompt_of, scenes_for, teacher_plans
 from fgrpo.rewards.driving.world import TYPES, Scene, generate
 
 __all__ = [
-    "PDMS", "TYPES", "CaRL", "ClosedLoop", "Comfort", "Consistency", "Drivable", "DrivingPrompts", "Imitation",
-    "Progress", "Rules", "Safety", "Scene", "drive", "generate", "parse", "prompt_of", "read_scenario_file",
-    "scenes_for", "teacher_plans",
+    "PDMS",
+    "TYPES",
+    "CaRL",
+    "ClosedLoop",
+    "Comfort",
+    "Consistency",
+    "Drivable",
+    "DrivingPrompts",
+    "Imitation",
+    "Progress",
+    "Rules",
+    "Safety",
+    "Scene",
+    "drive",
+    "generate",
+    "parse",
+    "prompt_of",
+    "read_scenario_file",
+    "scenes_for",
+    "teacher_plans",
 ]

@@ -28,19 +28,26 @@ from typing import Any
 import attrs
 import torch
 
+import fgrpo.rewards.driving.scenes as scene_store
+import fgrpo.rewards.driving.sim as sim
 from fgrpo.core.config import param
 from fgrpo.core.protocols import EvaluatorResult, Picture
 from fgrpo.core.seeding import generator
-import fgrpo.rewards.driving.scenes as scene_store
-import fgrpo.rewards.driving.sim as sim
 from fgrpo.rewards.driving.rewards import free_distance
 from fgrpo.rewards.driving.world import TYPES, Scene
 
 #: a planner: (scenes, the replanning round) -> plans (B, T, 2) in each scene's ego frame
 Planner = Callable[[Scene, int], torch.Tensor]
 METRICS = ("cl_score", "collision", "off_road", "progress", "stuck", "jerk", "speed")
-DIRECTIONS = {"cl_score": "higher", "progress": "higher", "speed": "higher", "collision": "lower", "off_road": "lower",
-              "stuck": "lower", "jerk": "lower"}
+DIRECTIONS = {
+    "cl_score": "higher",
+    "progress": "higher",
+    "speed": "higher",
+    "collision": "lower",
+    "off_road": "lower",
+    "stuck": "lower",
+    "jerk": "lower",
+}
 STUCK_SPEED = 2.0
 
 
@@ -64,12 +71,20 @@ class Drive:
         return (~self.collision).float() * (~self.off_road).float() * self.progress
 
     def metrics(self) -> dict[str, torch.Tensor]:
-        return {"cl_score": self.cl_score, "collision": self.collision.float(), "off_road": self.off_road.float(),
-                "progress": self.progress, "stuck": (self.mean_speed < STUCK_SPEED).float(), "jerk": self.jerk,
-                "speed": self.mean_speed}
+        return {
+            "cl_score": self.cl_score,
+            "collision": self.collision.float(),
+            "off_road": self.off_road.float(),
+            "progress": self.progress,
+            "stuck": (self.mean_speed < STUCK_SPEED).float(),
+            "jerk": self.jerk,
+            "speed": self.mean_speed,
+        }
 
 
-def drive(planner: Planner, start: Scene, seconds: float = 12.0, replan: float = 0.5, keep: Sequence[float] = ()) -> Drive:
+def drive(
+    planner: Planner, start: Scene, seconds: float = 12.0, replan: float = 0.5, keep: Sequence[float] = ()
+) -> Drive:
     """Run the closed loop from ``start`` (see the module docstring); ``keep``: times (s after the
     start, multiples of ``replan``) whose scenes :attr:`Drive.snapshots` holds (the plan made
     before each is its ``previous_plan``)."""
@@ -106,8 +121,18 @@ def drive(planner: Planner, start: Scene, seconds: float = 12.0, replan: float =
     position = torch.stack(path, 1)
     distance = position[:, -1, 0] - position[:, 0, 0]
     progress = (distance / free_distance(start.ego[:, 3], start.speed_limit, seconds).clamp_min(1.0)).clamp(0.0, 1.0)
-    return Drive(collision=collided, collision_step=first, off_road=off, progress=progress,
-                 mean_speed=torch.stack(speeds, 1).mean(1), jerk=jerk, path=position, start=start, end=scene, snapshots=snapshots)
+    return Drive(
+        collision=collided,
+        collision_step=first,
+        off_road=off,
+        progress=progress,
+        mean_speed=torch.stack(speeds, 1).mean(1),
+        jerk=jerk,
+        path=position,
+        start=start,
+        end=scene,
+        snapshots=snapshots,
+    )
 
 
 def policy_planner(generate: Callable[..., Any], tag: str, seed: int) -> Planner:
@@ -116,7 +141,10 @@ def policy_planner(generate: Callable[..., Any], tag: str, seed: int) -> Planner
     the noise seeded by (seed, tag, round): the same at every evaluation)."""
 
     def plan(scenes: Scene, round_: int) -> torch.Tensor:
-        names = [f"{TYPES[int(k)]} {int(s)} t{round_ * 0.5:g} {tag}-{i}" for i, (k, s) in enumerate(zip(scenes.kind, scenes.seed))]
+        names = [
+            f"{TYPES[int(k)]} {int(s)} t{round_ * 0.5:g} {tag}-{i}"
+            for i, (k, s) in enumerate(zip(scenes.kind, scenes.seed, strict=True))
+        ]
         scene_store.register(names, scenes)
         plans = generate(names, 1, generator(seed, tag, round_))
         return torch.as_tensor(plans).detach().float().cpu()
@@ -160,8 +188,11 @@ def pictures(drive_: Drive, prompts: Sequence[str], count: int) -> list[Picture]
     for b in chosen:
         step = int(drive_.collision_step[b])
         image = draw_closed_loop(drive_.start, drive_.end, b, drive_.path[b], step + 1 if step >= 0 else None)
-        read = f"CL {drive_.cl_score[b]:.2f}, {drive_.mean_speed[b]:.1f} m/s, jerk {drive_.jerk[b]:.1f}" + (
-            ", collision" if drive_.collision[b] else "") + (", off road" if drive_.off_road[b] else "")
+        read = (
+            f"CL {drive_.cl_score[b]:.2f}, {drive_.mean_speed[b]:.1f} m/s, jerk {drive_.jerk[b]:.1f}"
+            + (", collision" if drive_.collision[b] else "")
+            + (", off road" if drive_.off_road[b] else "")
+        )
         out.append(Picture(prompt=prompts[b], image=image, score=float(drive_.cl_score[b]), read=read))
     return out
 
@@ -193,6 +224,7 @@ def reference_scores(prompts: Sequence[str], seconds: float = 12.0) -> dict[str,
     """The closed-loop metrics of the teacher and of constant velocity on ``prompts`` (the
     comparisons the notes quote)."""
     start = scene_store.scenes_for(list(prompts))
-    return {name: summarize(drive(planner, start, seconds), start.kind)
-            for name, planner in (("teacher", teacher_planner), ("constant-velocity", constant_velocity_planner))}
-
+    return {
+        name: summarize(drive(planner, start, seconds), start.kind)
+        for name, planner in (("teacher", teacher_planner), ("constant-velocity", constant_velocity_planner))
+    }

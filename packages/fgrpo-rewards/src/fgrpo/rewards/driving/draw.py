@@ -22,7 +22,14 @@ WIDTH, HEIGHT = 192, 72
 LOOP_WIDTH = 256  #: a closed loop's picture (the whole 12 s drive, to scale along the road)
 BEHIND, AHEAD = 20.0, 100.0
 LATERAL = 1.5  #: lateral exaggeration
-ROAD, LINE, EDGE, CAR, EGO, PATH = (110, 110, 110), (235, 235, 235), (250, 250, 250), (60, 110, 220), (40, 190, 70), (20, 20, 20)
+ROAD, LINE, EDGE, CAR, EGO, PATH = (
+    (110, 110, 110),
+    (235, 235, 235),
+    (250, 250, 250),
+    (60, 110, 220),
+    (40, 190, 70),
+    (20, 20, 20),
+)
 
 
 class _View:
@@ -55,7 +62,7 @@ def _car(draw: ImageDraw.ImageDraw, view: _View, x: float, y: float, psi: float,
 
 
 def _cars(draw: ImageDraw.ImageDraw, view: _View, scene: Scene, b: int) -> None:
-    for (x, y, psi, _), valid in zip(scene.agents[b].tolist(), scene.valid[b].tolist()):
+    for (x, y, psi, _), valid in zip(scene.agents[b].tolist(), scene.valid[b].tolist(), strict=True):
         if valid and -BEHIND - CAR_LENGTH < x - view.x0 - BEHIND < AHEAD + CAR_LENGTH:
             _car(draw, view, x, y, psi, CAR)
     _car(draw, view, float(scene.ego[b, 0]), float(scene.ego[b, 1]), float(scene.ego[b, 2]), EGO)
@@ -70,7 +77,9 @@ def _to_tensor(image: Image.Image) -> torch.Tensor:
     return torch.from_numpy(np.asarray(image, dtype=np.float32) / 255.0).permute(2, 0, 1).contiguous()
 
 
-def draw_scene(scene: Scene, b: int, plans: Sequence[torch.Tensor] = (), scores: Sequence[float] = (), own: int | None = None) -> torch.Tensor:
+def draw_scene(
+    scene: Scene, b: int, plans: Sequence[torch.Tensor] = (), scores: Sequence[float] = (), own: int | None = None
+) -> torch.Tensor:
     """(3, HEIGHT, WIDTH) in [0, 1]: scene ``b`` with candidate plans (ego frame) coloured by score."""
     image = Image.new("RGB", (WIDTH, HEIGHT), (245, 245, 245))
     draw = ImageDraw.Draw(image)
@@ -110,7 +119,7 @@ def draw_closed_loop(start: Scene, end: Scene, b: int, path: torch.Tensor, colli
     view.top = (HEIGHT + view.road * view.sy) / 2
     _road(draw, view, start, b, LOOP_WIDTH)
     _car(draw, view, float(start.ego[b, 0]), float(start.ego[b, 1]), float(start.ego[b, 2]), (170, 225, 180))
-    for (x, y, psi, _), valid in zip(end.agents[b].tolist(), end.valid[b].tolist()):
+    for (x, y, psi, _), valid in zip(end.agents[b].tolist(), end.valid[b].tolist(), strict=True):
         if valid:
             _car(draw, view, x, y, psi, CAR)
     _car(draw, view, float(end.ego[b, 0]), float(end.ego[b, 1]), float(end.ego[b, 2]), EGO)

@@ -30,10 +30,19 @@ def encode(scene: Scene) -> torch.Tensor:
     lanes, width, limit = scene.lanes, scene.lane_width, scene.speed_limit
     lane = nearest_lane(y, lanes, width)
     half = width / 2
-    ego = torch.stack([
-        v / 30.0, a / 4.0, (y - lane_centre(lane, width)) / half, psi * 10.0,
-        (lane + 1 < lanes).float(), (lane > 0).float(), limit / 30.0, (v - limit) / 10.0,
-    ], 1)
+    ego = torch.stack(
+        [
+            v / 30.0,
+            a / 4.0,
+            (y - lane_centre(lane, width)) / half,
+            psi * 10.0,
+            (lane + 1 < lanes).float(),
+            (lane > 0).float(),
+            limit / 30.0,
+            (v - limit) / 10.0,
+        ],
+        1,
+    )
     ax, ay, _, av = scene.agents.unbind(-1)
     soon = scripted_y(scene, scene.t + 0.5)
     lateral_v = (soon - ay) / 0.5
@@ -49,14 +58,20 @@ def encode(scene: Scene) -> torch.Tensor:
         dist = torch.where(member, dx, torch.full_like(dx, math.inf))
         nearest, j = dist.min(1)
         found = torch.isfinite(nearest)
-        pick = lambda t: torch.gather(t, 1, j[:, None])[:, 0]  # noqa: E731
+
+        def pick(t: torch.Tensor, j: torch.Tensor = j) -> torch.Tensor:
+            return torch.gather(t, 1, j[:, None])[:, 0]
+
         gap = ((nearest - CAR_LENGTH) / 50.0).clamp(max=2.0) * direction
-        slot = torch.stack([
-            found.float(),
-            torch.where(found, gap, torch.full_like(gap, 2.0 * direction)),
-            torch.where(found, (pick(av) - v) / 10.0, torch.zeros_like(v)),
-            torch.where(found, (pick(ay) - lane_centre(target, width)) / half, torch.zeros_like(v)),
-            torch.where(found, pick(lateral_v) / 2.0, torch.zeros_like(v)),
-        ], 1)
+        slot = torch.stack(
+            [
+                found.float(),
+                torch.where(found, gap, torch.full_like(gap, 2.0 * direction)),
+                torch.where(found, (pick(av) - v) / 10.0, torch.zeros_like(v)),
+                torch.where(found, (pick(ay) - lane_centre(target, width)) / half, torch.zeros_like(v)),
+                torch.where(found, pick(lateral_v) / 2.0, torch.zeros_like(v)),
+            ],
+            1,
+        )
         slots.append(slot)
     return torch.cat([ego, *slots], 1).float()

@@ -25,14 +25,14 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import attrs
 import torch
 
-from fgrpo.core.config import param, read_text_file
 import fgrpo.rewards.driving.features as features
 import fgrpo.rewards.driving.scenes as scenes
+from fgrpo.core.config import param, read_text_file
 from fgrpo.rewards.driving.world import MAX_AGENTS, TYPES, Scene, generate, lane_centre
 
 TEST_SEED_BASE = 1_000_000
@@ -48,7 +48,9 @@ def _types(_instance: Any, _attribute: Any, value: Any) -> None:
 def _times(_instance: Any, _attribute: Any, value: Any) -> None:
     for t in value or []:
         if not isinstance(t, (int, float)) or t < 0 or t > scenes.MAX_LOG_TIME or abs(t / 0.5 - round(t / 0.5)) > 1e-9:
-            raise ValueError(f"got {value!r}; allowed: times in seconds, multiples of 0.5 from 0 to {scenes.MAX_LOG_TIME:g}")
+            raise ValueError(
+                f"got {value!r}; allowed: times in seconds, multiples of 0.5 from 0 to {scenes.MAX_LOG_TIME:g}"
+            )
     if not value:
         raise ValueError(f"got {value!r}; allowed: at least one time")
 
@@ -78,14 +80,24 @@ class DrivingPrompts:
     """Driving scenarios as prompts (see the module docstring): ``types`` x ``train_seeds`` x
     ``times`` to train on, ``types`` x ``test_seeds`` held-out scenarios at t0 to evaluate on."""
 
-    types: list[str] = param(factory=lambda: list(TYPES), validator=_types, help=f"scenario types, of {', '.join(TYPES)}")
+    types: list[str] = param(
+        factory=lambda: list(TYPES), validator=_types, help=f"scenario types, of {', '.join(TYPES)}"
+    )
     train_seeds: int = param(200, ge=1, help="training scenarios per type (seeds 0 .. n - 1)")
     test_seeds: int = param(40, ge=0, help=f"held-out scenarios per type (seeds {TEST_SEED_BASE} on)")
-    times: list[float] = param(factory=lambda: [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0], validator=_times,
-                               help="starting times of training scenes, seconds into the teacher's log")
-    closed_loop: dict | None = param(None, validator=_closed_loop,
-                                     help="starting states from the policy's own closed loop: {scenarios, every, times, steps}; null = off")
-    scenarios: str | None = param(None, validator=_scenario_file, help="a JSON-lines file of your own scenarios (added at t0)")
+    times: list[float] = param(
+        factory=lambda: [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0],
+        validator=_times,
+        help="starting times of training scenes, seconds into the teacher's log",
+    )
+    closed_loop: dict | None = param(
+        None,
+        validator=_closed_loop,
+        help="starting states from the policy's own closed loop: {scenarios, every, times, steps}; null = off",
+    )
+    scenarios: str | None = param(
+        None, validator=_scenario_file, help="a JSON-lines file of your own scenarios (added at t0)"
+    )
     split: str = param("test", choices=("train", "test"), help="where the file's scenarios go")
     _train: list[str] = attrs.field(init=False, factory=list, repr=False)
     _test: list[str] = attrs.field(init=False, factory=list, repr=False)
@@ -96,7 +108,9 @@ class DrivingPrompts:
     encoding_size = features.SIZE
 
     def __attrs_post_init__(self) -> None:
-        self._train = [scenes.prompt_of(t, s, time) for t in self.types for s in range(self.train_seeds) for time in self.times]
+        self._train = [
+            scenes.prompt_of(t, s, time) for t in self.types for s in range(self.train_seeds) for time in self.times
+        ]
         self._test = [scenes.prompt_of(t, TEST_SEED_BASE + s) for t in self.types for s in range(self.test_seeds)]
         if self.scenarios is not None:
             names, built = read_scenario_file(self.scenarios)
@@ -110,7 +124,13 @@ class DrivingPrompts:
             self._register_teacher_states()
 
     def _closed_loop_spec(self) -> dict[str, Any]:
-        return {"scenarios": 32, "every": 25, "times": [1.0, 2.0, 3.0, 4.0, 5.0, 6.0], "steps": 10, **(self.closed_loop or {})}
+        return {
+            "scenarios": 32,
+            "every": 25,
+            "times": [1.0, 2.0, 3.0, 4.0, 5.0, 6.0],
+            "steps": 10,
+            **(self.closed_loop or {}),
+        }
 
     # --- PromptSource ----------------------------------------------------------------------------
 
@@ -165,7 +185,12 @@ class DrivingPrompts:
             return generate(policy, list(names), per_prompt, spec["steps"], g)
 
         with torch.no_grad():
-            result = drive(policy_planner(sample, "own", seed * 1000003 + iteration), scenes.scenes_for(base), max(times), keep=times)
+            result = drive(
+                policy_planner(sample, "own", seed * 1000003 + iteration),
+                scenes.scenes_for(base),
+                max(times),
+                keep=times,
+            )
         index = {name: i for i, name in enumerate(base)}
         rows = []
         for prompt in self._self:
@@ -225,7 +250,7 @@ def read_scenario_file(path: str | Path) -> tuple[list[str], Scene]:
     return _build(rows)
 
 
-def _number(value: Any) -> bool:
+def _number(value: Any) -> TypeGuard[float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
@@ -256,9 +281,13 @@ def _scenario_problems(row: Any) -> list[str]:
             out.append(f"{key}.speed: got {speed!r}; allowed: a finite number >= 0 (m/s)")
         lane = car.get("lane")
         if not isinstance(lane, int) or isinstance(lane, bool) or lane < 0 or (lanes is not None and lane >= lanes):
-            out.append(f"{key}.lane: got {lane!r}; allowed: an integer from 0 to {lanes - 1 if lanes else 'lanes - 1'}")
+            out.append(
+                f"{key}.lane: got {lane!r}; allowed: an integer from 0 to {lanes - 1 if lanes else 'lanes - 1'}"
+            )
         if key != "ego" and not _number(car.get("x")):
-            out.append(f"{key}.x: got {car.get('x')!r}; allowed: a finite number (m ahead of the ego; negative: behind)")
+            out.append(
+                f"{key}.x: got {car.get('x')!r}; allowed: a finite number (m ahead of the ego; negative: behind)"
+            )
     return out
 
 
@@ -269,8 +298,15 @@ def _build(rows: Sequence[dict[str, Any]]) -> tuple[list[str], Scene]:
         width = float(base.lane_width[b])
         base.road[b, 0] = row["lanes"]
         base.road[b, 2] = float(row["speed_limit"])
-        base.ego[b] = torch.tensor([0.0, float(lane_centre(torch.tensor(float(row["ego"]["lane"])), torch.tensor(width))), 0.0,
-                                    float(row["ego"]["speed"]), 0.0])
+        base.ego[b] = torch.tensor(
+            [
+                0.0,
+                float(lane_centre(torch.tensor(float(row["ego"]["lane"])), torch.tensor(width))),
+                0.0,
+                float(row["ego"]["speed"]),
+                0.0,
+            ]
+        )
         base.valid[b] = False
         base.agents[b] = torch.tensor([1.0e4, 0.0, 0.0, 0.0]).expand(n, 4)
         base.lane_change[b] = 0.0

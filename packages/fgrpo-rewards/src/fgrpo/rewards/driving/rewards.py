@@ -41,10 +41,10 @@ from typing import Any, ClassVar
 import attrs
 import torch
 
-from fgrpo.core.config import param
-from fgrpo.core.protocols import RewardResult
 import fgrpo.rewards.driving.scenes as scene_store
 import fgrpo.rewards.driving.sim as sim
+from fgrpo.core.config import param
+from fgrpo.core.protocols import RewardResult
 from fgrpo.rewards.driving.world import HORIZON_STEPS, PLAN_DT, TYPES, Scene
 
 LON_JERK_MAX, LAT_ACCEL_MAX, LON_ACCEL_RANGE = 4.13, 4.89, (-4.05, 2.40)  # NAVSIM's comfort thresholds
@@ -53,14 +53,21 @@ LON_JERK_MAX, LAT_ACCEL_MAX, LON_ACCEL_RANGE = 4.13, 4.89, (-4.05, 2.40)  # NAVS
 def check_plans(outputs: Any, n: int) -> torch.Tensor:
     """``outputs`` as (n, T, 2) float32 plans on the CPU; ValueError (one line) for anything else:
     a wrong shape, NaN or infinite waypoints."""
-    if not isinstance(outputs, torch.Tensor) or outputs.dim() != 3 or outputs.shape[2] not in (2, 3) or outputs.shape[0] != n:
+    if (
+        not isinstance(outputs, torch.Tensor)
+        or outputs.dim() != 3
+        or outputs.shape[2] not in (2, 3)
+        or outputs.shape[0] != n
+    ):
         shape = tuple(outputs.shape) if hasattr(outputs, "shape") else type(outputs).__name__
         raise ValueError(f"driving plans are ({n}, T, 2) waypoints (x forward, y left, metres), got {shape}")
     plans = outputs.detach().float().cpu()[..., :2]
     bad = ~torch.isfinite(plans)
     if bad.any():
         b = int(bad.flatten(1).any(1).nonzero()[0])
-        raise ValueError(f"driving plan {b} has NaN or infinite waypoints ({int(bad.flatten(1).any(1).sum())} of {n} plans)")
+        raise ValueError(
+            f"driving plan {b} has NaN or infinite waypoints ({int(bad.flatten(1).any(1).sum())} of {n} plans)"
+        )
     if plans.shape[1] != HORIZON_STEPS:
         raise ValueError(f"driving plans have {HORIZON_STEPS} waypoints at {PLAN_DT} s, got {plans.shape[1]}")
     return plans
@@ -120,12 +127,23 @@ def measure(plans: torch.Tensor, scenes: Scene, horizon: float, agents: torch.Te
     progress = ego[:, -1, 0] - ego[:, 0, 0]
     ratio = (progress / free_distance(scenes.ego[:, 3], limit, horizon).clamp_min(1.0)).clamp(0.0, 1.0)
     return Outcome(
-        collision=hit.any(1), collision_time=first, off_road=run["off_road"].any(1), edge_margin=margin,
-        min_ttc=run["ttc"].amin(1), progress=progress, progress_ratio=ratio,
-        jerk_rms=jerk.pow(2).mean(1).sqrt(), jerk_max=jerk.abs().amax(1), lat_accel_max=lat.amax(1),
-        lon_accel_min=accel[:, 1:].amin(1), lon_accel_max=accel[:, 1:].amax(1),
-        speed_excess=(v[:, 1:] - limit[:, None]).clamp_min(0).mean(1), straddle_time=straddle,
-        mean_speed=v[:, 1:].mean(1), scenes=scenes, executed=ego,
+        collision=hit.any(1),
+        collision_time=first,
+        off_road=run["off_road"].any(1),
+        edge_margin=margin,
+        min_ttc=run["ttc"].amin(1),
+        progress=progress,
+        progress_ratio=ratio,
+        jerk_rms=jerk.pow(2).mean(1).sqrt(),
+        jerk_max=jerk.abs().amax(1),
+        lat_accel_max=lat.amax(1),
+        lon_accel_min=accel[:, 1:].amin(1),
+        lon_accel_max=accel[:, 1:].amax(1),
+        speed_excess=(v[:, 1:] - limit[:, None]).clamp_min(0).mean(1),
+        straddle_time=straddle,
+        mean_speed=v[:, 1:].mean(1),
+        scenes=scenes,
+        executed=ego,
     )
 
 
@@ -138,7 +156,11 @@ def outcome(plans: torch.Tensor, prompts: Sequence[str], horizon: float) -> Outc
     if key not in _CACHE:
         # the G plans of a group share a scene: the other cars' paths are simulated once per scene
         unique = list(dict.fromkeys(prompts))
-        where = torch.tensor([unique.index(p) for p in prompts]) if len(unique) < len(prompts) else torch.arange(len(prompts))
+        where = (
+            torch.tensor([unique.index(p) for p in prompts])
+            if len(unique) < len(prompts)
+            else torch.arange(len(prompts))
+        )
         scenes = scene_store.scenes_for(unique)
         agents = sim.agent_paths(scenes, int(round(horizon / sim.DT)))
         _CACHE[key] = measure(plans, scenes.index(where), horizon, agents[where])
@@ -175,18 +197,23 @@ class DrivingTerm:
         o = outcome(plans, prompts, self.horizon)
         scores = self.score(o, plans, prompts).float()
         device = outputs.device
-        return RewardResult(scores=scores.to(device), details={
-            self.key: scores,
-            "collision": o.collision.float(),
-            "off_road": o.off_road.float(),
-            "progress_ratio": o.progress_ratio,
-            "jerk_rms": o.jerk_rms,
-            "mean_speed": o.mean_speed,
-            "category": [TYPES[int(k)] for k in o.scenes.kind],
-            "read": [_reading(o, b) for b in range(len(prompts))],
-        })
+        return RewardResult(
+            scores=scores.to(device),
+            details={
+                self.key: scores,
+                "collision": o.collision.float(),
+                "off_road": o.off_road.float(),
+                "progress_ratio": o.progress_ratio,
+                "jerk_rms": o.jerk_rms,
+                "mean_speed": o.mean_speed,
+                "category": [TYPES[int(k)] for k in o.scenes.kind],
+                "read": [_reading(o, b) for b in range(len(prompts))],
+            },
+        )
 
-    def draw(self, outputs: Any, prompts: Sequence[str], metadata: Sequence[Any], scores: torch.Tensor, per_prompt: int) -> torch.Tensor:
+    def draw(
+        self, outputs: Any, prompts: Sequence[str], metadata: Sequence[Any], scores: torch.Tensor, per_prompt: int
+    ) -> torch.Tensor:
         """Top-down pictures for sample grids and the report: every sample shows its scene and
         its group's candidate plans coloured by their scores, its own drawn thick."""
         from fgrpo.rewards.driving.draw import draw_groups
@@ -222,8 +249,12 @@ def comfort_score(o: Outcome, jerk_scale: float) -> torch.Tensor:
 
 def comfortable(o: Outcome) -> torch.Tensor:
     """NAVSIM's binary comfort: every threshold held over the horizon."""
-    return (o.jerk_max <= LON_JERK_MAX) & (o.lat_accel_max <= LAT_ACCEL_MAX) & (o.lon_accel_min >= LON_ACCEL_RANGE[0]) & (
-        o.lon_accel_max <= LON_ACCEL_RANGE[1])
+    return (
+        (o.jerk_max <= LON_JERK_MAX)
+        & (o.lat_accel_max <= LAT_ACCEL_MAX)
+        & (o.lon_accel_min >= LON_ACCEL_RANGE[0])
+        & (o.lon_accel_max <= LON_ACCEL_RANGE[1])
+    )
 
 
 @attrs.define
@@ -345,5 +376,11 @@ class CaRL(DrivingTerm):
     key: ClassVar[str] = "carl"
 
     def score(self, o, plans, prompts):
-        return (o.progress_ratio * (~o.collision).float() * ttc_score(o, self.ttc_threshold) * drivable_score(o, self.margin)
-                * rules_score(o, self.allowed_straddle) * comfort_score(o, self.jerk_scale))
+        return (
+            o.progress_ratio
+            * (~o.collision).float()
+            * ttc_score(o, self.ttc_threshold)
+            * drivable_score(o, self.margin)
+            * rules_score(o, self.allowed_straddle)
+            * comfort_score(o, self.jerk_scale)
+        )

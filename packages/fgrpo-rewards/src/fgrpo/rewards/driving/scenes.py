@@ -53,7 +53,9 @@ def parse(prompt: str) -> Parsed:
     t = float(match["t"] or 0.0)
     steps = t / PLAN_DT
     if abs(steps - round(steps)) > 1e-9 or t > MAX_LOG_TIME:
-        raise ScenePromptError(f"{prompt!r}: the time must be a multiple of {PLAN_DT} s up to {MAX_LOG_TIME:g} s, got {t:g}")
+        raise ScenePromptError(
+            f"{prompt!r}: the time must be a multiple of {PLAN_DT} s up to {MAX_LOG_TIME:g} s, got {t:g}"
+        )
     return Parsed(TYPES.index(match["type"]), int(match["seed"]), t, match["tag"])
 
 
@@ -97,13 +99,13 @@ def teacher_logs(keys: Sequence[tuple[int, int]], until: float) -> None:
         positions.append(scene.ego[:, :2])
         if k < snapshots:
             scenes.append(scene)
-    positions = torch.stack(positions, 1)
+    path = torch.stack(positions, 1)
     for i, key in enumerate(need):
         log_scenes = Scene.cat([s.index(slice(i, i + 1)) for s in scenes])
         # a log scene's previous plan: the teacher's plan made PLAN_DT earlier (none at t = 0)
-        previous = torch.stack([positions[i, k : k + HORIZON_STEPS] for k in range(len(scenes))])
+        previous = torch.stack([path[i, k : k + HORIZON_STEPS] for k in range(len(scenes))])
         previous[0] = float("nan")
-        _LOGS[key] = Log(scenes=log_scenes.replace(previous_plan=previous), positions=positions[i])
+        _LOGS[key] = Log(scenes=log_scenes.replace(previous_plan=previous), positions=path[i])
 
 
 # --- lookup ----------------------------------------------------------------------------------
@@ -136,7 +138,9 @@ def scenes_for(prompts: Sequence[str]) -> Scene:
             rows.append(_REGISTERED[prompt])
         else:
             q = parsed[prompt]
-            rows.append(_LOGS[(q.kind, q.seed)].scenes.index(slice(int(round(q.t / PLAN_DT)), int(round(q.t / PLAN_DT)) + 1)))
+            rows.append(
+                _LOGS[(q.kind, q.seed)].scenes.index(slice(int(round(q.t / PLAN_DT)), int(round(q.t / PLAN_DT)) + 1))
+            )
     return Scene.cat(rows)
 
 
@@ -160,7 +164,7 @@ def teacher_plans(prompts: Sequence[str], scenes: Scene | None = None) -> torch.
         rows = torch.tensor(missing)
         plans = sim.teacher_plan(scenes.index(rows))
         out[rows] = plans
-        for i, plan in zip(missing, plans):
+        for i, plan in zip(missing, plans, strict=True):
             _TEACHER_PLANS[prompts[i]] = plan
     return out
 

@@ -59,8 +59,14 @@ def idm_acceleration(v: torch.Tensor, gap: torch.Tensor, dv: torch.Tensor, param
     return torch.where(v0 > 0, a, torch.minimum(a, torch.zeros_like(a)))
 
 
-def leaders(x: torch.Tensor, y: torch.Tensor, v: torch.Tensor, exists: torch.Tensor, lateral: float | torch.Tensor = SAME_LANE,
-            reach: float | torch.Tensor = math.inf) -> tuple[torch.Tensor, torch.Tensor]:
+def leaders(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    v: torch.Tensor,
+    exists: torch.Tensor,
+    lateral: float | torch.Tensor = SAME_LANE,
+    reach: float | torch.Tensor = math.inf,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """For each car i of (B, M) cars: the bumper gap to its leader (the nearest existing car ahead
     with |dy| < ``lateral`` within ``reach`` m, centre to centre) and the leader's speed;
     gap inf where there is none."""
@@ -118,7 +124,9 @@ def bicycle(ego: torch.Tensor, accel: torch.Tensor, steer: torch.Tensor) -> torc
     v_mid = 0.5 * (v + v_next)
     psi_next = psi + v_mid * torch.tan(delta) / WHEELBASE * DT
     psi_mid = 0.5 * (psi + psi_next)
-    return torch.stack([x + v_mid * torch.cos(psi_mid) * DT, y + v_mid * torch.sin(psi_mid) * DT, psi_next, v_next, a], -1)
+    return torch.stack(
+        [x + v_mid * torch.cos(psi_mid) * DT, y + v_mid * torch.sin(psi_mid) * DT, psi_next, v_next, a], -1
+    )
 
 
 def plan_to_world(plan: torch.Tensor, ego: torch.Tensor) -> torch.Tensor:
@@ -173,7 +181,9 @@ class Reference:
 
         lo = (tau - half).clamp_min(0)
         accel = (speed(tau + half) - speed(lo)) / (tau + half - lo)
-        return Reference(here=_interpolate(path, tau), speed=speed(tau), accel=accel, target=_interpolate(path, tau + 0.8))
+        return Reference(
+            here=_interpolate(path, tau), speed=speed(tau), accel=accel, target=_interpolate(path, tau + 0.8)
+        )
 
 
 def track(ego: torch.Tensor, reference: Reference, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,7 +200,9 @@ def track(ego: torch.Tensor, reference: Reference, k: int) -> tuple[torch.Tensor
     distance = offset.norm(dim=1)
     alpha = torch.atan2(offset[:, 1], offset[:, 0]) - psi
     alpha = torch.atan2(torch.sin(alpha), torch.cos(alpha))
-    steer = torch.where(distance >= 4.0, torch.atan(2 * WHEELBASE * torch.sin(alpha) / distance.clamp_min(4.0)), torch.zeros_like(psi))
+    steer = torch.where(
+        distance >= 4.0, torch.atan(2 * WHEELBASE * torch.sin(alpha) / distance.clamp_min(4.0)), torch.zeros_like(psi)
+    )
     return accel, steer
 
 
@@ -202,7 +214,9 @@ def plan_path(plan: torch.Tensor, ego: torch.Tensor) -> torch.Tensor:
 # --- the teacher ---------------------------------------------------------------------------------
 
 
-def _lane_leader(scene: Scene, lane: torch.Tensor, lateral: torch.Tensor, reach: torch.Tensor, behind: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def _lane_leader(
+    scene: Scene, lane: torch.Tensor, lateral: torch.Tensor, reach: torch.Tensor, behind: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The nearest car ahead (or ``behind``) of the ego in ``lane`` (B,): (bumper gap, its speed);
     a car counts when its centre is within ``lateral`` of that lane's centre and ``reach`` m."""
     x, y, _, v = scene.agents.unbind(-1)
@@ -225,10 +239,30 @@ def teacher_control(scene: Scene) -> tuple[torch.Tensor, torch.Tensor]:
     ego = scene.ego
     x, y, psi, v, _ = ego.unbind(-1)
     lanes, width, limit = scene.lanes, scene.lane_width, scene.speed_limit
-    p = {k: scene.teacher_param(k) for k in ("speed_factor", "headway", "changes_lanes", "politeness", "wobble",
-                                             "wobble_frequency", "wobble_phase", "perception", "cut_in_threshold")}
-    params = torch.stack([p["speed_factor"] * limit, p["headway"], torch.full_like(v, 2.0), torch.full_like(v, 2.0),
-                          torch.full_like(v, 2.5)], -1)
+    p = {
+        k: scene.teacher_param(k)
+        for k in (
+            "speed_factor",
+            "headway",
+            "changes_lanes",
+            "politeness",
+            "wobble",
+            "wobble_frequency",
+            "wobble_phase",
+            "perception",
+            "cut_in_threshold",
+        )
+    }
+    params = torch.stack(
+        [
+            p["speed_factor"] * limit,
+            p["headway"],
+            torch.full_like(v, 2.0),
+            torch.full_like(v, 2.0),
+            torch.full_like(v, 2.5),
+        ],
+        -1,
+    )
     reach = p["perception"]
     lateral = p["cut_in_threshold"]
     current = nearest_lane(y, lanes, width)
@@ -243,10 +277,20 @@ def teacher_control(scene: Scene) -> tuple[torch.Tensor, torch.Tensor]:
         lane = current + direction
         possible = (lane >= 0) & (lane < lanes) & (p["changes_lanes"] > 0)
         # the new follower: before and after the change, and the gaps to both neighbours
-        back_gap, back_v = _lane_leader(scene, lane, torch.full_like(v, SAME_LANE), torch.full_like(v, 60.0), behind=True)
+        back_gap, back_v = _lane_leader(
+            scene, lane, torch.full_like(v, SAME_LANE), torch.full_like(v, 60.0), behind=True
+        )
         front_gap, _ = _lane_leader(scene, lane, torch.full_like(v, SAME_LANE), reach)
-        follower = torch.stack([back_v, torch.full_like(v, 1.2), torch.full_like(v, 2.0), torch.full_like(v, 1.5),
-                                torch.full_like(v, 2.0)], -1)
+        follower = torch.stack(
+            [
+                back_v,
+                torch.full_like(v, 1.2),
+                torch.full_like(v, 2.0),
+                torch.full_like(v, 1.5),
+                torch.full_like(v, 2.0),
+            ],
+            -1,
+        )
         after = idm_acceleration(back_v, back_gap, back_v - v, follower)
         safe = (after > -4.0) & (back_gap > 3.0) & (front_gap > 4.0)
         gain = accel_in(lane) - a_here + p["politeness"] * torch.minimum(after, torch.zeros_like(after))
@@ -329,7 +373,9 @@ def time_to_collision(ego: torch.Tensor, agents: torch.Tensor, valid: torch.Tens
     ahead = valid & (rel[..., 0] > 0) & (rel[..., 1].abs() < CAR_WIDTH)
     gap = rel[..., 0] - CAR_LENGTH
     closing = ego[:, None, 3] - agents[..., 3] * torch.cos(agents[..., 2] - ego[:, None, 2])
-    ttc = torch.where(ahead & (closing > 1e-6), gap.clamp_min(0) / closing.clamp_min(1e-6), torch.full_like(gap, math.inf))
+    ttc = torch.where(
+        ahead & (closing > 1e-6), gap.clamp_min(0) / closing.clamp_min(1e-6), torch.full_like(gap, math.inf)
+    )
     return ttc.min(1).values
 
 
@@ -344,7 +390,9 @@ def agent_paths(scene: Scene, steps: int) -> torch.Tensor:
     return torch.stack(out, 1)
 
 
-def simulate_plan(scene: Scene, plan: torch.Tensor, seconds: float, *, agents: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+def simulate_plan(
+    scene: Scene, plan: torch.Tensor, seconds: float, *, agents: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
     """Execute ``plan`` (B, T, 2) from ``scene`` for ``seconds`` with the tracking controller while
     the others drive non-reactively (``agents``: their precomputed :func:`agent_paths`): the ego
     states (B, S+1, 5) from the start, the others (B, S+1, N, 4), and per step (B, S) the at-fault
@@ -364,7 +412,8 @@ def simulate_plan(scene: Scene, plan: torch.Tensor, seconds: float, *, agents: t
     valid = scene.valid.repeat_interleave(s1 - 1, 0)
     lanes, width = scene.lanes.repeat_interleave(s1 - 1), scene.lane_width.repeat_interleave(s1 - 1)
     return {
-        "ego": ego, "agents": agents,
+        "ego": ego,
+        "agents": agents,
         "collision": collisions(flat_ego, flat_agents, valid, at_fault_only=True).reshape(b, s1 - 1),
         "off_road": off_road(flat_ego, lanes, width).reshape(b, s1 - 1),
         "ttc": time_to_collision(flat_ego, flat_agents, valid).reshape(b, s1 - 1),

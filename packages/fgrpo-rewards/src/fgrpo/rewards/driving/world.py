@@ -36,8 +36,15 @@ SPEED_LIMITS = (22.0, 25.0, 28.0, 31.0, 33.0)
 FAR = 1.0e4  #: where an absent car is parked (x), so it is nobody's leader
 #: teacher parameters, in the order of ``Scene.teacher``
 TEACHER_KEYS = (
-    "speed_factor", "headway", "changes_lanes", "politeness", "wobble", "wobble_frequency", "wobble_phase",
-    "perception", "cut_in_threshold",
+    "speed_factor",
+    "headway",
+    "changes_lanes",
+    "politeness",
+    "wobble",
+    "wobble_frequency",
+    "wobble_phase",
+    "perception",
+    "cut_in_threshold",
 )
 
 
@@ -118,7 +125,9 @@ class Scene:
     @staticmethod
     def from_rows(rows: Sequence[dict[str, Any]]) -> Scene:
         dtypes = {"valid": torch.bool, "kind": torch.long, "seed": torch.long}
-        return Scene(**{f: torch.tensor([r[f] for r in rows], dtype=dtypes.get(f, torch.float32)) for f in Scene.FIELDS})
+        return Scene(
+            **{f: torch.tensor([r[f] for r in rows], dtype=dtypes.get(f, torch.float32)) for f in Scene.FIELDS}
+        )
 
 
 def lane_centre(lane: torch.Tensor, width: torch.Tensor) -> torch.Tensor:
@@ -159,23 +168,32 @@ def generate(kinds: Sequence[int] | torch.Tensor, seeds: Sequence[int] | torch.T
 
     # the flawed teacher: its own desired speed and headway, 30 % never change lanes, a lateral
     # wobble, a short sight and, for half of them, a late reaction to cars cutting in
-    teacher = torch.stack([
-        0.85 + 0.23 * g[:, 10],  # desired speed / limit (some drive faster than the limit)
-        0.7 + 1.1 * g[:, 11],  # time headway [s]
-        (g[:, 12] >= 0.3).float(),  # changes lanes at all
-        0.5 * g[:, 13],  # MOBIL politeness
-        0.35 * g[:, 14],  # wobble amplitude [m]
-        0.3 + 0.5 * g[:, 15],  # wobble frequency [rad/s]
-        2 * math.pi * g[:, 16],  # wobble phase
-        35.0 + 55.0 * g[:, 17],  # perception range [m]
-        torch.where(g[:, 18] < 0.5, 0.9 + 0.4 * g[:, 19], torch.full((b,), 2.0)),  # |dy| under which a car is a leader
-    ], 1)
+    teacher = torch.stack(
+        [
+            0.85 + 0.23 * g[:, 10],  # desired speed / limit (some drive faster than the limit)
+            0.7 + 1.1 * g[:, 11],  # time headway [s]
+            (g[:, 12] >= 0.3).float(),  # changes lanes at all
+            0.5 * g[:, 13],  # MOBIL politeness
+            0.35 * g[:, 14],  # wobble amplitude [m]
+            0.3 + 0.5 * g[:, 15],  # wobble frequency [rad/s]
+            2 * math.pi * g[:, 16],  # wobble phase
+            35.0 + 55.0 * g[:, 17],  # perception range [m]
+            torch.where(
+                g[:, 18] < 0.5, 0.9 + 0.4 * g[:, 19], torch.full((b,), 2.0)
+            ),  # |dy| under which a car is a leader
+        ],
+        1,
+    )
 
     # other cars: lane, position, speed by scenario type (slot 0 is the type's special car)
     lane = torch.floor(a[..., 0] * lanes[:, None])
     x = -70.0 + 220.0 * a[..., 1]
     v = limit[:, None] * (0.6 + 0.4 * a[..., 2])
-    count = torch.where(is_["free"], torch.floor(g[:, 20] * 4), torch.where(is_["dense"], 8 + torch.floor(g[:, 20] * 5), 1 + torch.floor(g[:, 20] * 4)))
+    count = torch.where(
+        is_["free"],
+        torch.floor(g[:, 20] * 4),
+        torch.where(is_["dense"], 8 + torch.floor(g[:, 20] * 5), 1 + torch.floor(g[:, 20] * 4)),
+    )
     exists = torch.arange(n)[None] < count[:, None] + (~is_["free"]).float()[:, None]  # slot 0 plus count others
     exists[:, 0] = ~is_["free"] | (count > 0)
     far = is_["free"][:, None] & (x.abs() < 50)
@@ -206,7 +224,9 @@ def generate(kinds: Sequence[int] | torch.Tensor, seeds: Sequence[int] | torch.T
     to_lane[:, 0] = torch.where(cut, ego_lane, to_lane[:, 0])
     # the cut begins while the car is still 12 m ahead (centre to centre) at constant speeds
     closing = (ego_v - v[:, 0]).clamp_min(0.1)
-    start[:, 0] = torch.where(cut, torch.minimum(0.5 + 1.5 * g[:, 23], ((x[:, 0] - 12.0) / closing).clamp_min(0.2)), start[:, 0])
+    start[:, 0] = torch.where(
+        cut, torch.minimum(0.5 + 1.5 * g[:, 23], ((x[:, 0] - 12.0) / closing).clamp_min(0.2)), start[:, 0]
+    )
     duration[:, 0] = torch.where(cut, 2.0 + 1.0 * g[:, 24], duration[:, 0])
     wanders = dense & (a[..., 3] < 0.2)
     neighbour = torch.where(a[..., 4] < 0.5, lane - 1, lane + 1)
@@ -235,16 +255,28 @@ def generate(kinds: Sequence[int] | torch.Tensor, seeds: Sequence[int] | torch.T
     x = torch.where(keep, x, torch.full_like(x, FAR))
     v = torch.where(keep, v, torch.zeros_like(v))
     agents = torch.stack([x, y, torch.zeros_like(x), v], -1)
-    idm = torch.stack([
-        torch.where(static, torch.zeros_like(v), v),  # desired speed: they cruise at their speed
-        1.0 + 0.8 * a[..., 5],
-        torch.full_like(v, 2.0),
-        torch.full_like(v, 1.5),
-        torch.full_like(v, 2.0),
-    ], -1)
+    idm = torch.stack(
+        [
+            torch.where(static, torch.zeros_like(v), v),  # desired speed: they cruise at their speed
+            1.0 + 0.8 * a[..., 5],
+            torch.full_like(v, 2.0),
+            torch.full_like(v, 1.5),
+            torch.full_like(v, 2.0),
+        ],
+        -1,
+    )
     lane_change = torch.stack([from_y, to_y, start, duration], -1)
     road = torch.stack([lanes, width, limit], 1)
     return Scene(
-        t=torch.zeros(b), ego=ego, agents=agents, valid=keep, idm=idm, lane_change=lane_change, road=road,
-        teacher=teacher, kind=kinds, seed=seeds, previous_plan=torch.full((b, HORIZON_STEPS, 2), float("nan")),
+        t=torch.zeros(b),
+        ego=ego,
+        agents=agents,
+        valid=keep,
+        idm=idm,
+        lane_change=lane_change,
+        road=road,
+        teacher=teacher,
+        kind=kinds,
+        seed=seeds,
+        previous_plan=torch.full((b, HORIZON_STEPS, 2), float("nan")),
     )

@@ -6,8 +6,8 @@ errors are compositional - what RL should fix):
 
 - Image: RGB 24x24 on black = a 3x3 grid of 8x8 cells. With the policy's patch size 8 each cell
   is one token: 9 image tokens (attention cost grows with their square; 4x4 cells would cost
-  1.8x (MLP) to 3.2x (attention) per layer) and 1728 pixel dims per image, the set-up the prototype measured. Nine cells
-  hold the largest scene (four objects) with room for wrong extras.
+  1.8x (MLP) to 3.2x (attention) per layer) and 1728 pixel dims per image, the set-up the prototype
+  measured. Nine cells hold the largest scene (four objects) with room for wrong extras.
 - Objects: one fixed 6x6 glyph per shape centred in its cell with a 1-pixel black margin: square
   (36 px), circle (rows 2-4-6-6-4-2, 24 px), triangle (rows 2-2-4-4-6-6, 24 px); any two glyphs
   differ in exactly 12 pixels. Pure colours red, green, blue, yellow.
@@ -65,9 +65,39 @@ from fgrpo.rewards.shapes.world import (
 )
 
 __all__ = [
-    "CATEGORIES", "CELL", "COLORS", "GLYPH_TOLERANCE", "GRID", "PALETTE", "PERTURBATIONS",
-    "PIXEL_TOLERANCE", "Placed", "RELATIONS", "Reading", "SHAPES", "SIZE", "Scene", "ShapesGold",
-    "ShapesPrompts", "ShapesVerifier", "Spec", "all_prompts", "all_specs", "evaluate", "gold_error",
-    "match", "parse_prompt", "perturb", "place", "prompt_of", "read_cells", "render", "render_batch",
-    "sample_images", "sample_scene", "satisfies", "split", "to_tensor",
+    "CATEGORIES",
+    "CELL",
+    "COLORS",
+    "GLYPH_TOLERANCE",
+    "GRID",
+    "PALETTE",
+    "PERTURBATIONS",
+    "PIXEL_TOLERANCE",
+    "Placed",
+    "RELATIONS",
+    "Reading",
+    "SHAPES",
+    "SIZE",
+    "Scene",
+    "ShapesGold",
+    "ShapesPrompts",
+    "ShapesVerifier",
+    "Spec",
+    "all_prompts",
+    "all_specs",
+    "evaluate",
+    "gold_error",
+    "match",
+    "parse_prompt",
+    "perturb",
+    "place",
+    "prompt_of",
+    "read_cells",
+    "render",
+    "render_batch",
+    "sample_images",
+    "sample_scene",
+    "satisfies",
+    "split",
+    "to_tensor",
 ]

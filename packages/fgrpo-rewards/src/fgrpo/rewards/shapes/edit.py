@@ -36,8 +36,8 @@ are always copied, so the base preserves.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Literal, TypeVar
 
 import attrs
 import numpy as np
@@ -61,9 +61,15 @@ from fgrpo.rewards.shapes.world import (
 
 EDIT_CATEGORIES: tuple[str, ...] = ("color", "count", "add", "remove", "move")
 POSITIONS: dict[str, tuple[int, int]] = {
-    "top left": (0, 0), "top": (0, 1), "top right": (0, 2),
-    "left": (1, 0), "middle": (1, 1), "right": (1, 2),
-    "bottom left": (2, 0), "bottom": (2, 1), "bottom right": (2, 2),
+    "top left": (0, 0),
+    "top": (0, 1),
+    "top right": (0, 2),
+    "left": (1, 0),
+    "middle": (1, 1),
+    "right": (1, 2),
+    "bottom left": (2, 0),
+    "bottom": (2, 1),
+    "bottom right": (2, 2),
 }
 EDIT_COUNTS: tuple[int, ...] = (1, 2, 3, 4)
 COUNT_WORDS: dict[int, str] = {1: "one", 2: "two", 3: "three", 4: "four"}
@@ -73,12 +79,26 @@ Cell = tuple[int, int]
 Item = tuple[str, str]
 
 
+T = TypeVar("T")
+
+
+def _scene(objects: Iterable[Placed]) -> Scene:
+    return tuple(objects)
+
+
+def _given(value: T | None, what: str, category: str) -> T:
+    """An edit's argument where the category has one (checked when the edit was made)."""
+    if value is None:
+        raise ValueError(f"a {category} edit has no {what}")
+    return value
+
+
 @attrs.frozen
 class SceneImage:
     """A source image that is a rendered scene: hashable (a prompt's identity), picklable, and an
     image reference :func:`fgrpo.core.media.load_image` opens (``to_pil``)."""
 
-    scene: Scene = attrs.field(converter=tuple)
+    scene: Scene = attrs.field(converter=_scene)
 
     def to_pil(self) -> Any:
         from PIL import Image
@@ -127,7 +147,9 @@ class Edit:
         if self.category == "color":
             return f"make the {color} {shape} {self.new_color}"
         if self.category == "count":
-            return f"change the number of {color} {shape}s to {COUNT_WORDS[self.count]}"
+            return (
+                f"change the number of {color} {shape}s to {COUNT_WORDS[_given(self.count, 'count', self.category)]}"
+            )
         if self.category == "add":
             return f"add a {color} {shape}"
         if self.category == "remove":
@@ -149,7 +171,12 @@ def parse_instruction(text: str) -> Edit:
     try:
         if words[:2] == ["make", "the"] and len(words) == 5:
             return Edit("color", (words[2], words[3]), new_color=words[4])
-        if words[:4] == ["change", "the", "number", "of"] and len(words) == 8 and words[6] == "to" and words[5].endswith("s"):
+        if (
+            words[:4] == ["change", "the", "number", "of"]
+            and len(words) == 8
+            and words[6] == "to"
+            and words[5].endswith("s")
+        ):
             count = {w: n for n, w in COUNT_WORDS.items()}[words[7]]
             return Edit("count", (words[4], words[5][:-1]), count=count)
         if words[:2] == ["add", "a"] and len(words) == 4:
@@ -183,7 +210,9 @@ def all_edits(category: str) -> list[Edit]:
 HELD_OUT: dict[str, int] = {"color": 6, "count": 8, "add": 3, "remove": 3, "move": 12}
 
 
-def split_instructions(seed: int = 0, held_out: Mapping[str, int] = HELD_OUT) -> tuple[dict[str, list[Edit]], dict[str, list[Edit]]]:
+def split_instructions(
+    seed: int = 0, held_out: Mapping[str, int] = HELD_OUT
+) -> tuple[dict[str, list[Edit]], dict[str, list[Edit]]]:
     """(train, test) edits per category: ``held_out[category]`` seeded instructions are test-only."""
     rng = np.random.default_rng([seed, 26])
     train, test = {}, {}
@@ -216,9 +245,10 @@ def applies(edit: Edit, scene: Scene) -> bool:
     if edit.category in ("color", "remove"):
         return len(held) == 1
     if edit.category == "move":
-        return len(held) == 1 and POSITIONS[edit.position] in free
+        return len(held) == 1 and POSITIONS[_given(edit.position, "position", edit.category)] in free
     if edit.category == "count":
-        return 1 <= len(held) != edit.count and edit.count - len(held) <= len(free)
+        count = _given(edit.count, "count", edit.category)
+        return 1 <= len(held) != count and count - len(held) <= len(free)
     return bool(free)
 
 
@@ -229,7 +259,7 @@ def touched_cells(edit: Edit, source: Scene) -> frozenset[Cell]:
     if edit.category in ("color", "remove"):
         return frozenset(held)
     if edit.category == "move":
-        return frozenset(held + [POSITIONS[edit.position]])
+        return frozenset(held + [POSITIONS[_given(edit.position, "position", edit.category)]])
     if edit.category == "count":
         return frozenset(held + free)
     return frozenset(free)
@@ -241,16 +271,19 @@ def apply(edit: Edit, source: Scene, rng: np.random.Generator) -> Scene:
     held, free = cells_of(source, edit.item), free_cells(source)
     others = tuple(p for p in source if p.item != edit.item)
     if edit.category == "color":
-        return tuple(attrs.evolve(p, color=edit.new_color) if p.item == edit.item else p for p in source)
+        return tuple(
+            attrs.evolve(p, color=_given(edit.new_color, "new colour", edit.category)) if p.item == edit.item else p
+            for p in source
+        )
     if edit.category == "remove":
         return others
     if edit.category == "move":
-        return others + (Placed(color, shape, *POSITIONS[edit.position]),)
+        return others + (Placed(color, shape, *POSITIONS[_given(edit.position, "position", edit.category)]),)
     if edit.category == "add":
         cell = free[int(rng.integers(len(free)))]
         return tuple(source) + (Placed(color, shape, *cell),)
     # count: keep a random subset of the item's cells, or add in random free cells
-    n = edit.count
+    n = _given(edit.count, "count", edit.category)
     if n < len(held):
         keep = [held[i] for i in sorted(rng.permutation(len(held))[:n])]
         return others + tuple(Placed(color, shape, *c) for c in keep)
@@ -268,23 +301,30 @@ def mistake(edit: Edit, source: Scene, rng: np.random.Generator) -> Scene:
         wrong = [c for c in COLORS if c not in (color, edit.new_color)]
         return apply(attrs.evolve(edit, new_color=wrong[int(rng.integers(len(wrong)))]), source, rng)
     if edit.category == "count":
-        options = [n for n in (edit.count - 1, edit.count + 1) if n in EDIT_COUNTS and n != len(cells_of(source, edit.item))]
+        count = _given(edit.count, "count", edit.category)
+        options = [n for n in (count - 1, count + 1) if n in EDIT_COUNTS and n != len(cells_of(source, edit.item))]
         options = [n for n in options if n - len(cells_of(source, edit.item)) <= len(free_cells(source))]
         if not options:
             return tuple(source)
         return apply(attrs.evolve(edit, count=options[int(rng.integers(len(options)))]), source, rng)
     if edit.category == "add":
-        wrong = [it for it in ITEMS if it != edit.item and (it[0] == color or it[1] == shape)]
-        return apply(attrs.evolve(edit, item=wrong[int(rng.integers(len(wrong)))]), source, rng)
+        others = [it for it in ITEMS if it != edit.item and (it[0] == color or it[1] == shape)]
+        return apply(attrs.evolve(edit, item=others[int(rng.integers(len(others)))]), source, rng)
     if edit.category == "move":
-        return tuple(source) + (Placed(color, shape, *POSITIONS[edit.position]),)
+        return tuple(source) + (Placed(color, shape, *POSITIONS[_given(edit.position, "position", edit.category)]),)
     return tuple(source)  # remove: not removed
 
 
 def random_source(edit: Edit, rng: np.random.Generator) -> Scene:
     """A random source scene the instruction applies to (1 to MAX_OBJECTS objects)."""
     for _ in range(1000):
-        held = int(rng.integers(1, 4)) if edit.category == "count" else int(rng.integers(0, 3)) if edit.category == "add" else 1
+        held = (
+            int(rng.integers(1, 4))
+            if edit.category == "count"
+            else int(rng.integers(0, 3))
+            if edit.category == "add"
+            else 1
+        )
         others = int(rng.integers(0 if edit.category != "add" or held else 1, MAX_OBJECTS - held + 1))
         cells = [ALL_CELLS[i] for i in rng.permutation(len(ALL_CELLS))[: held + others]]
         choices = [it for it in ITEMS if it != edit.item]
@@ -328,7 +368,7 @@ def edit_done(edit: Edit, source: Scene, codes: np.ndarray) -> bool:
         return codes[cell] == EMPTY
     if edit.category == "move":
         (origin,) = cells_of(source, edit.item)
-        return codes[origin] == EMPTY and codes[POSITIONS[edit.position]] == item
+        return codes[origin] == EMPTY and codes[POSITIONS[_given(edit.position, "position", edit.category)]] == item
     values = Counter(int(codes[c]) for c in touched)
     if set(values) - {EMPTY, item}:
         return False
@@ -354,7 +394,7 @@ def evaluate(
     diff = (pixels - source_pixels).abs().mean(1)  # (B, H, W)
     cell_error = diff.reshape(-1, GRID, CELL, GRID, CELL).mean((2, 4))  # (B, GRID, GRID)
     done, preserved, cells, error = [], [], [], []
-    for b, (edit, source) in enumerate(zip(edits, sources)):
+    for b, (edit, source) in enumerate(zip(edits, sources, strict=True)):
         codes = reading.codes[b].numpy()
         untouched = [c for c in ALL_CELLS if c not in touched_cells(edit, source)]
         expected = _codes(source)
@@ -381,7 +421,9 @@ def edit_and_source(prompt: str, metadata: Mapping[str, Any] | None) -> tuple[Ed
         return Edit.from_dict(metadata["edit"]), SceneImage.from_dict(metadata["source"]).scene
     images = [ref for ref in source_images(prompt) if isinstance(ref, SceneImage)]
     if len(images) != 1:
-        raise ValueError(f"shapes-edit: prompt {str(prompt)!r} has no shapes scene as its source image (metadata 'source')")
+        raise ValueError(
+            f"shapes-edit: prompt {str(prompt)!r} has no shapes scene as its source image (metadata 'source')"
+        )
     return parse_instruction(prompt), images[0].scene
 
 
@@ -392,23 +434,35 @@ class ShapesEditVerifier:
     result would (a count or add edit counts the item instances instead). Preservation of the
     untouched cells is reported (``preserved``, ``gold_preservation_error``), never rewarded."""
 
-    score: Literal["strict", "partial"] = param("strict", choices=("strict", "partial"), help="strict: 0/1 edit done; partial: graded")
+    score: Literal["strict", "partial"] = param(
+        "strict", choices=("strict", "partial"), help="strict: 0/1 edit done; partial: graded"
+    )
     pixel_tolerance: float = param(PIXEL_TOLERANCE, ge=0.0, le=127.0, help="as for the shapes reward")
     glyph_tolerance: int = param(GLYPH_TOLERANCE, ge=0, le=5, help="as for the shapes reward")
 
-    def __call__(self, outputs: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> RewardResult:
-        pairs = [edit_and_source(p, m) for p, m in zip(prompts, metadata)]
-        details = evaluate(outputs, [e for e, _ in pairs], [s for _, s in pairs], self.pixel_tolerance, self.glyph_tolerance)
+    def __call__(
+        self, outputs: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
+    ) -> RewardResult:
+        pairs = [edit_and_source(p, m) for p, m in zip(prompts, metadata, strict=True)]
+        details = evaluate(
+            outputs, [e for e, _ in pairs], [s for _, s in pairs], self.pixel_tolerance, self.glyph_tolerance
+        )
         scores = details["edit"] if self.score == "strict" else self._partial(outputs, pairs, details)
         return RewardResult(scores=scores.float().to(outputs.device), details=details)
 
-    def _partial(self, outputs: torch.Tensor, pairs: Sequence[tuple[Edit, Scene]], details: Mapping[str, Any]) -> torch.Tensor:
+    def _partial(
+        self, outputs: torch.Tensor, pairs: Sequence[tuple[Edit, Scene]], details: Mapping[str, Any]
+    ) -> torch.Tensor:
         codes = read_cells(outputs, self.pixel_tolerance, self.glyph_tolerance).codes.numpy()
         out = []
         for b, (edit, source) in enumerate(pairs):
             touched = sorted(touched_cells(edit, source))
             if edit.category in ("count", "add"):
-                want = edit.count if edit.category == "count" else len(cells_of(source, edit.item)) + 1
+                want = (
+                    _given(edit.count, "count", "count")
+                    if edit.category == "count"
+                    else len(cells_of(source, edit.item)) + 1
+                )
                 item = 1 + ITEMS.index(edit.item)
                 have = sum(int(codes[b][c] == item) for c in ALL_CELLS)
                 wrong = sum(int(codes[b][c] not in (EMPTY, item)) for c in touched)
@@ -445,8 +499,11 @@ class ShapesEditPrompts:
     seed: int = param(0, help="seed of the instruction split and of the source scenes")
     train_size: int = param(1000, ge=1, help="training (instruction, source scene) pairs")
     test_per_category: int = param(16, ge=1, help="held-out pairs per category")
-    categories: list[str] = param(factory=lambda: list(EDIT_CATEGORIES), validator=_check_categories,
-                                  help=f"edit categories, of {', '.join(EDIT_CATEGORIES)}")
+    categories: list[str] = param(
+        factory=lambda: list(EDIT_CATEGORIES),
+        validator=_check_categories,
+        help=f"edit categories, of {', '.join(EDIT_CATEGORIES)}",
+    )
     _train: list[str] = attrs.field(init=False, factory=list, repr=False)
     _test: list[str] = attrs.field(init=False, factory=list, repr=False)
     _meta: dict[str, dict[str, Any]] = attrs.field(init=False, factory=dict, repr=False)
@@ -466,7 +523,11 @@ class ShapesEditPrompts:
     def _add(self, edit: Edit, rng: np.random.Generator) -> Prompt:
         source = random_source(edit, rng)
         prompt = make_prompt(edit, source)
-        self._meta[prompt] = {"category": edit.category, "edit": edit.to_dict(), "source": SceneImage(source).to_dict()}
+        self._meta[prompt] = {
+            "category": edit.category,
+            "edit": edit.to_dict(),
+            "source": SceneImage(source).to_dict(),
+        }
         return prompt
 
     def train_prompts(self) -> list[str]:
@@ -485,7 +546,23 @@ class ShapesEditPrompts:
 
 
 __all__ = [
-    "EDIT_CATEGORIES", "Edit", "HELD_OUT", "POSITIONS", "SceneImage", "ShapesEditPrompts", "ShapesEditVerifier",
-    "all_edits", "applies", "apply", "edit_done", "edit_pair", "evaluate", "make_prompt", "mistake",
-    "parse_instruction", "random_source", "split_instructions", "touched_cells",
+    "EDIT_CATEGORIES",
+    "Edit",
+    "HELD_OUT",
+    "POSITIONS",
+    "SceneImage",
+    "ShapesEditPrompts",
+    "ShapesEditVerifier",
+    "all_edits",
+    "applies",
+    "apply",
+    "edit_done",
+    "edit_pair",
+    "evaluate",
+    "make_prompt",
+    "mistake",
+    "parse_instruction",
+    "random_source",
+    "split_instructions",
+    "touched_cells",
 ]

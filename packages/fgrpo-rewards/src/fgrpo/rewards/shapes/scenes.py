@@ -64,7 +64,7 @@ def place(spec: Spec | str, rng: np.random.Generator | int | None = None) -> Sce
         return (Placed(ca, sa, *cell_a), Placed(cb, sb, *cell_b))
     items = [(c, s) for c, s, n in spec.objects for _ in range(n)]
     cells = rng.permutation(len(ALL_CELLS))[: len(items)]
-    return tuple(Placed(c, s, *ALL_CELLS[i]) for (c, s), i in zip(items, cells))
+    return tuple(Placed(c, s, *ALL_CELLS[i]) for (c, s), i in zip(items, cells, strict=True))
 
 
 def perturbations_for(spec: Spec) -> tuple[str, ...]:
@@ -125,6 +125,7 @@ def _perturb_once(scene: Scene, spec: Spec, rng: np.random.Generator, kind: str)
         return tuple(attrs.evolve(p, shape=new) if p.item == (color, shape) else p for p in scene)
     if kind == "position":
         (ca, sa, _), (cb, sb, _) = spec.objects
+        assert spec.relation is not None  # every position spec has one
         cell_a, cell_b = _pair_cells(spec.relation, rng, holds=False)
         return (Placed(ca, sa, *cell_a), Placed(cb, sb, *cell_b))
     if kind == "binding":

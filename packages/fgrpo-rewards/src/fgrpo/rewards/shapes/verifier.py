@@ -95,9 +95,8 @@ class Reading:
     def scene(self, b: int) -> tuple[Placed, ...]:
         """The readable objects of image ``b``."""
         codes = self.codes[b].tolist()
-        return tuple(
-            Placed(*ITEMS[codes[r][c] - 1], r, c) for r in range(GRID) for c in range(GRID) if codes[r][c] > 0
-        )
+        items = {(r, c): ITEMS[codes[r][c] - 1] for r in range(GRID) for c in range(GRID) if codes[r][c] > 0}
+        return tuple(Placed(color, shape, r, c) for (r, c), (color, shape) in items.items())
 
     def describe(self, b: int) -> str:
         """What was read in image ``b``, e.g. ``2 blue circles, red square, 1 unreadable (broken
@@ -207,7 +206,7 @@ def evaluate(
     metadata = list(metadata) if metadata is not None else [{}] * len(prompts)
     if len(metadata) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but {len(metadata)} metadata entries")
-    specs = [spec_for(p, m) for p, m in zip(prompts, metadata)]
+    specs = [spec_for(p, m) for p, m in zip(prompts, metadata, strict=True)]
     reading = read_cells(images, pixel_tolerance, glyph_tolerance)
     n_invalid = reading.n_invalid.tolist()
     met_total = [match(reading.scene(b), spec, n_invalid[b]) for b, spec in enumerate(specs)]

@@ -193,6 +193,7 @@ def prompt_of(spec: Spec) -> str:
     """The prompt text of a spec (the inverse of :func:`parse_prompt`)."""
     words = [_phrase(*o) for o in spec.objects]
     if spec.category == "position":
+        assert spec.relation is not None  # every position spec has one
         return f"{words[0]} {RELATION_WORDS[spec.relation]} {words[1]}"
     return " and ".join(words)
 
@@ -207,7 +208,9 @@ _WORD_NUMBER = {w: n for n, w in NUMBER_WORDS.items()}
 _WORD_RELATION = {w: r for r, w in RELATION_WORDS.items()}
 
 
-def _obj(number: str, color: str, shape: str, plural: str, text: str) -> tuple[str, str, int]:
+def _obj(groups: Sequence[str], text: str) -> tuple[str, str, int]:
+    """(color, shape, count) of an object phrase's four groups: number, color, shape, plural s."""
+    number, color, shape, plural = groups
     count = _WORD_NUMBER[number]
     if (count == 1) == bool(plural):
         raise ValueError(f"number and plural disagree in {text!r}")
@@ -220,15 +223,15 @@ def parse_prompt(prompt: str) -> Spec:
     text = " ".join(str(prompt).lower().split()).rstrip(".").strip()
     try:
         if m := _RE_ONE.match(text):
-            objects = (_obj(*m.groups(), text),)
+            objects: tuple[tuple[str, str, int], ...] = (_obj(m.groups(), text),)
             return Spec(_category_of(objects, None), objects)
         if m := _RE_AND.match(text):
             g = m.groups()
-            objects = (_obj(*g[:4], text), _obj(*g[4:], text))
+            objects = (_obj(g[:4], text), _obj(g[4:], text))
             return Spec(_category_of(objects, None), objects)
         if m := _RE_REL.match(text):
             g = m.groups()
-            objects = (_obj(*g[:4], text), _obj(*g[5:], text))
+            objects = (_obj(g[:4], text), _obj(g[5:], text))
             return Spec("position", objects, _WORD_RELATION[g[4]])
     except ValueError as exc:
         raise ValueError(f"not a shapes prompt: {prompt!r} ({exc})") from None
@@ -246,7 +249,7 @@ def all_specs(category: str) -> list[Spec]:
         return [Spec("single", ((c, s, 1),)) for c, s in ITEMS]
     if category == "counting":
         return [Spec("counting", ((c, s, n),)) for c, s in ITEMS for n in COUNTS]
-    out = []
+    out: list[Spec] = []
     for a, b in itertools.permutations(ITEMS, 2):
         objects = ((*a, 1), (*b, 1))
         if category == "position":

@@ -1,9 +1,10 @@
 """Transition kernels: one step sigmas[index] -> sigmas[index + 1] of a flow-matching sampler.
 
 Each kernel satisfies :class:`fgrpo.core.protocols.Kernel` and is registered under the entry point
-group ``fgrpo.kernels``: ``ode``, ``sde`` (Flow-GRPO), ``wan-sde`` (flow_grpo's Wan 2.1 noise), ``dance`` (DanceGRPO), ``cps``
-(coefficients-preserving), ``dpmpp2m`` and ``dpmpp3m`` (DPM-Solver++(2M) and (3M), deterministic,
-keep a one- or two-step history: call ``reset()`` before each run). All arithmetic is float32.
+group ``fgrpo.kernels``: ``ode``, ``sde`` (Flow-GRPO), ``wan-sde`` (flow_grpo's Wan 2.1 noise),
+``dance`` (DanceGRPO), ``cps`` (coefficients-preserving), ``dpmpp2m`` and ``dpmpp3m``
+(DPM-Solver++(2M) and (3M), deterministic, keep a one- or two-step history: call ``reset()`` before
+each run). All arithmetic is float32.
 
 A step whose ``std`` is zero (every step of ``ode``/``dpmpp2m``, the last step to sigma' = 0 of
 ``cps``, any step with eta = 0) is deterministic: its log-prob is 0 and it must not be trained.

@@ -54,7 +54,8 @@ class StepInputs(NamedTuple):
     velocity: torch.Tensor
     sample: torch.Tensor
     sigmas: torch.Tensor
-    index: torch.Tensor  # (batch,) long, on the sample's device
+    # (batch,) long, on the sample's device; the field shadows tuple.index on purpose (kernels read s.index)
+    index: torch.Tensor  # type: ignore[assignment]
     sigma: torch.Tensor
     sigma_next: torch.Tensor
     noise: torch.Tensor | None
@@ -79,9 +80,7 @@ def _check_tensor(name: str, t: object, like: torch.Tensor | None = None) -> tor
     if not t.is_floating_point():
         raise ValueError(f"{name}: expected a floating-point tensor, got dtype {t.dtype}")
     if like is not None and t.shape != like.shape:
-        raise ValueError(
-            f"{name}: expected the shape of sample {tuple(like.shape)}, got {tuple(t.shape)}"
-        )
+        raise ValueError(f"{name}: expected the shape of sample {tuple(like.shape)}, got {tuple(t.shape)}")
     return t
 
 
@@ -250,7 +249,7 @@ class KernelBase:
 
     #: whether the step has a std and a log-prob (and can be trained)
     stochastic: ClassVar[bool]
-    normalized_logprob: ClassVar[bool] = True
+    normalized_logprob: bool = True  # a class attribute, or a recipe key of the kernel (cps)
 
     def transition(self, s: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(mean, std) of x' given the checked inputs; a deterministic kernel returns (x', None)."""
@@ -273,4 +272,6 @@ class KernelBase:
         mean, std = self.transition(s)
         if not self.stochastic:
             return deterministic(s, mean)
+        if std is None:
+            raise TypeError(f"{type(self).__name__} is stochastic but its transition returned no std")
         return finish(s, mean, std, generator=generator, normalized=bool(self.normalized_logprob))

@@ -46,7 +46,9 @@ def correlation_factor(steps: int, length: float, white: float, growth: float) -
     """(steps, steps) float64 lower-triangular L with L L^T = C (see the module docstring)."""
     k = torch.arange(steps, dtype=torch.float64)
     if length > 0:
-        r = (1 - white) * torch.exp(-((k[:, None] - k[None]) ** 2) / (2 * length**2)) + white * torch.eye(steps, dtype=torch.float64)
+        r = (1 - white) * torch.exp(-((k[:, None] - k[None]) ** 2) / (2 * length**2)) + white * torch.eye(
+            steps, dtype=torch.float64
+        )
     else:
         r = torch.eye(steps, dtype=torch.float64)
     s = ((k + 1) / steps) ** growth
@@ -61,9 +63,15 @@ class CorrelatedKernel(KernelBase):
 
     stochastic: ClassVar[bool] = True
     base: Any = component("kernel", default="sde", help="the Gaussian kernel whose mean and std are used")
-    length: float = param(2.0, ge=0.0, le=64.0, help="correlation length along the time axis, in steps (0: independent)")
-    white: float = param(0.05, gt=0.0, le=1.0, help="share of independent noise in the correlation (keeps it invertible)")
-    growth: float = param(0.0, ge=0.0, le=4.0, help="noise scale growing as ((k + 1) / T)^growth along the time axis (scale-adaptive)")
+    length: float = param(
+        2.0, ge=0.0, le=64.0, help="correlation length along the time axis, in steps (0: independent)"
+    )
+    white: float = param(
+        0.05, gt=0.0, le=1.0, help="share of independent noise in the correlation (keeps it invertible)"
+    )
+    growth: float = param(
+        0.0, ge=0.0, le=4.0, help="noise scale growing as ((k + 1) / T)^growth along the time axis (scale-adaptive)"
+    )
     axis: int = param(-2, help="the time axis of a sample (-2: (B, T, D) plans)")
 
     @property
@@ -75,7 +83,9 @@ class CorrelatedKernel(KernelBase):
         return str(getattr(self.base, "reference_final", "sample"))
 
     def factor(self, steps: int, device: torch.device) -> torch.Tensor:
-        return correlation_factor(steps, float(self.length), float(self.white), float(self.growth)).to(device=device, dtype=torch.float32)
+        return correlation_factor(steps, float(self.length), float(self.white), float(self.growth)).to(
+            device=device, dtype=torch.float32
+        )
 
     def step(
         self,
@@ -91,17 +101,25 @@ class CorrelatedKernel(KernelBase):
         s = prepare(velocity, sample, sigmas, index, noise=noise, prev_sample=prev_sample)
         axis = self.axis % s.sample.ndim
         if s.sample.ndim < 2 or axis == 0:  # no time axis (a probe, a flat sample): the base kernel as it is
-            return self.base.step(s.velocity, s.sample, s.sigmas, s.index, noise=s.noise, prev_sample=s.prev_sample, generator=generator)
+            return self.base.step(
+                s.velocity, s.sample, s.sigmas, s.index, noise=s.noise, prev_sample=s.prev_sample, generator=generator
+            )
         base = self.base.step(s.velocity, s.sample, s.sigmas, s.index, noise=torch.zeros_like(s.sample))
         mean, std = base.mean, base.std
         lower = self.factor(s.sample.shape[axis], s.sample.device)
         positive = std > 0
         x_prev = s.prev_sample
         if x_prev is None:
-            eps = s.noise if s.noise is not None else torch.randn(mean.shape, generator=generator, device=mean.device, dtype=torch.float32)
+            eps = (
+                s.noise
+                if s.noise is not None
+                else torch.randn(mean.shape, generator=generator, device=mean.device, dtype=torch.float32)
+            )
             shaped = torch.movedim(torch.movedim(eps, axis, -1) @ lower.T, -1, axis)
             x_prev = torch.where(positive, mean + std * shaped, mean)
-        return KernelStep(prev_sample=x_prev, mean=mean, std=std, log_prob=self.log_prob(x_prev, mean, std, lower, axis))
+        return KernelStep(
+            prev_sample=x_prev, mean=mean, std=std, log_prob=self.log_prob(x_prev, mean, std, lower, axis)
+        )
 
     def whiten(self, t: torch.Tensor) -> torch.Tensor:
         """L^-1 applied along the time axis: with whitened means the objectives' ||mu - mu_ref||^2 /
@@ -115,7 +133,9 @@ class CorrelatedKernel(KernelBase):
         return torch.movedim(torch.linalg.solve_triangular(lower, moved, upper=False).squeeze(-1), -1, axis)
 
     @staticmethod
-    def log_prob(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, lower: torch.Tensor, axis: int) -> torch.Tensor:
+    def log_prob(
+        x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, lower: torch.Tensor, axis: int
+    ) -> torch.Tensor:
         """The exact log-density of ``x`` under N(mean, std^2 C), averaged over non-batch dims; 0
         where std is 0 (a deterministic step)."""
         positive = std > 0

@@ -32,7 +32,8 @@ class CPSKernel(KernelBase):
     stochastic: ClassVar[bool] = True
     #: the step's std is not g * sqrt(-dt): flow_grpo's KL form is the exact KL here
     brownian: ClassVar[bool] = False
-    #: what a sampler decodes by default (``final: null``): its last step to sigma' = 0 is deterministic: the sample is x0
+    #: what a sampler decodes by default (``final: null``): its last step to sigma' = 0 is deterministic: the sample is
+    #: x0
     reference_final: ClassVar[str] = "sample"
 
     eta: float = param(0.8, ge=0, le=1, help="noise level: std = sigma' * sin(eta * pi / 2)")

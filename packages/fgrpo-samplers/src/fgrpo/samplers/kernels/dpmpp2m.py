@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import ClassVar, NamedTuple
+from typing import ClassVar, NamedTuple, TypeGuard
 
 import attrs
 import torch
@@ -70,7 +70,7 @@ def c0(sigma: torch.Tensor, sigma_next: torch.Tensor) -> torch.Tensor:
     return (1 - sigma_next) - (1 - sigma) * (sigma_next / sigma)
 
 
-def continues(hist: History | None, x0: torch.Tensor) -> bool:
+def continues(hist: History | None, x0: torch.Tensor) -> TypeGuard[History]:
     """Whether ``hist`` may continue into a step on ``x0`` (same batch shape and device)."""
     return hist is not None and hist.x0.shape == x0.shape and hist.x0.device == x0.device
 

@@ -70,7 +70,9 @@ class DPMpp3MKernel(KernelBase):
             if bool(two.any()):
                 out = torch.where(two, out + second_order_term(x0, last, sigma, sigma_next, two), out)
             if bool(third.any()):
-                out = torch.where(third, out + _third_order_terms(x0, history, sigma, sigma_next, third), out)
+                out = torch.where(
+                    third, out + _third_order_terms(x0, (history[0], history[1]), sigma, sigma_next, third), out
+                )
         else:
             history = ()
         self._history = (*history[-1:], History(x0.detach(), sigma, sigma_next))
@@ -78,7 +80,11 @@ class DPMpp3MKernel(KernelBase):
 
 
 def _third_order_terms(
-    x0: torch.Tensor, history: tuple[History, History], sigma: torch.Tensor, sigma_next: torch.Tensor, where: torch.Tensor
+    x0: torch.Tensor,
+    history: tuple[History, History],
+    sigma: torch.Tensor,
+    sigma_next: torch.Tensor,
+    where: torch.Tensor,
 ) -> torch.Tensor:
     """alpha'((e^-h - 1)/h + 1) D1 - alpha'((e^-h - 1 + h)/h^2 - 1/2) D2 (added to the first-order step).
 

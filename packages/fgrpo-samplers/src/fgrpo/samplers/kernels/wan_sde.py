@@ -34,7 +34,9 @@ class WanSDEKernel(KernelBase):
     #: flow_grpo's Wan pipeline decodes the last step's sample
     reference_final: ClassVar[str] = "sample"
 
-    eta: float = param(1.0, ge=0, help="scale of g(sigma) = sigmas[-1] + (sigmas[1] - sigmas[-1]) * sigma; 1 = flow_grpo's Wan")
+    eta: float = param(
+        1.0, ge=0, help="scale of g(sigma) = sigmas[-1] + (sigmas[1] - sigmas[-1]) * sigma; 1 = flow_grpo's Wan"
+    )
 
     def transition(self, s: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         sigma, dt = s.sigma, s.dt
