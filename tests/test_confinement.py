@@ -498,7 +498,9 @@ def test_a_finished_run_resumed_reads_nothing_through_a_planted_last(small_run, 
     OpenAudit.install()
     monkeypatch.setattr(OpenAudit, "hits", [])
     monkeypatch.setattr(OpenAudit, "forbidden", str(away.resolve()))
-    assert cli.main(["compose", RECIPE, "--out", str(small_run), *FAST, "--resume", "--set", "train.iterations=1"]) == 0
+    assert (
+        cli.main(["compose", RECIPE, "--out", str(small_run), *FAST, "--resume", "--set", "train.iterations=1"]) == 0
+    )
     monkeypatch.setattr(OpenAudit, "forbidden", None)
     assert OpenAudit.hits == []
     assert error_lines(capsys) == []

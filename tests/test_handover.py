@@ -92,7 +92,9 @@ def test_the_run_warns_that_its_ema_never_moved_and_its_export_is_empty(short_ru
     run, log, _ = short_run
     assert f"warning: the EMA received no update in {ITERATIONS} optimizer step(s) (train.ema_every: 8)" in log
     assert "`fgrpo export --no-ema` writes the trained weights and `fgrpo sample --no-ema` draws from them" in log
-    handed_over = run / "checkpoints" / os.readlink(run / "checkpoints" / "last")  # the folder itself, never read through last
+    handed_over = (
+        run / "checkpoints" / os.readlink(run / "checkpoints" / "last")
+    )  # the folder itself, never read through last
     assert f"warning: the exported LoRA in {handed_over / 'export'} is empty" in log
     evals = [line for line in log.splitlines() if line.startswith("eval at iteration")]
     assert [line.split(":")[0] for line in evals] == [

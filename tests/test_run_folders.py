@@ -847,8 +847,22 @@ def test_the_judge_of_complete_sees_every_damage_the_sequences_do(tmp_path):
     # it missed the rng file and export/, so a checkpoint it had damaged counted as untouched, and
     # resume's rewrite of it (setting the damaged one aside) failed the test (seed 2204)
     base = tmp_path / "base"
-    assert cli.main(["compose", RECIPE, *FAST, "--set", "train.iterations=1", "--set", "train.checkpoint_every=1",
-                     "--out", str(base)]) == 0
+    assert (
+        cli.main(
+            [
+                "compose",
+                RECIPE,
+                *FAST,
+                "--set",
+                "train.iterations=1",
+                "--set",
+                "train.checkpoint_every=1",
+                "--out",
+                str(base),
+            ]
+        )
+        == 0
+    )
     kinds = set()
     for seed in range(24):
         h = Hostile(tmp_path / f"seed{seed}", {}, random.Random(seed))
