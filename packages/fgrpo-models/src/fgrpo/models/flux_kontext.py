@@ -80,9 +80,24 @@ class SourceImages:
 
     source_resample: str
     source_resolution: Any  # the host policy's recipe key
+    size: tuple[int, int]  # the host policy's output size
     _pipeline: Any  # the host policy's pipeline
+    _images: dx.PromptCache  # the host's cache of the sources' conditions, built after its other fields
+
+    @property
+    def image_cache(self) -> dx.PromptCache:
+        return self._images
 
     def _source_size(self, image: Any) -> tuple[int, int]:
+        """(height, width) a source is resized to, as ``pipe(image=...)`` does it: the recipe's size,
+        the output's, or the pipeline's preferred size for the source (:meth:`_preferred_size`)."""
+        if isinstance(self.source_resolution, (list, tuple)):
+            return int(self.source_resolution[0]), int(self.source_resolution[1])
+        if self.source_resolution == "output":
+            return self.size
+        return self._preferred_size(image)
+
+    def _preferred_size(self, image: Any) -> tuple[int, int]:
         raise NotImplementedError
 
     def _resized(self, image: Any, height: int, width: int) -> Any:
@@ -138,16 +153,8 @@ class FluxKontextPolicy(SourceImages, FluxPolicy):
         super().__attrs_post_init__()
         self._images = dx.PromptCache(self.prompt_cache_size)
 
-    @property
-    def image_cache(self) -> dx.PromptCache:
-        return self._images
-
-    def _source_size(self, image: Any) -> tuple[int, int]:
-        """(height, width) a source is resized to, as ``pipe(image=...)`` does it."""
-        if isinstance(self.source_resolution, (list, tuple)):
-            return int(self.source_resolution[0]), int(self.source_resolution[1])
-        if self.source_resolution == "output":
-            return self.size
+    def _preferred_size(self, image: Any) -> tuple[int, int]:
+        """The Kontext resolution nearest the source's aspect ratio."""
         from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RESOLUTIONS
 
         multiple = self.vae_scale_factor * 2

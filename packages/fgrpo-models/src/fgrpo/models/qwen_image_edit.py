@@ -81,18 +81,10 @@ class QwenImageEditPolicy(SourceImages, QwenImagePolicy):
         super().__attrs_post_init__()
         self._images = dx.PromptCache(self.prompt_cache_size)
 
-    @property
-    def image_cache(self) -> dx.PromptCache:
-        return self._images
-
     # --- sizes ------------------------------------------------------------------------------------
 
-    def _source_size(self, image: Any) -> tuple[int, int]:
-        """(height, width) of a source's latents' image, as ``pipe(image=...)`` resizes it."""
-        if isinstance(self.source_resolution, (list, tuple)):
-            return int(self.source_resolution[0]), int(self.source_resolution[1])
-        if self.source_resolution == "output":
-            return self.size
+    def _preferred_size(self, image: Any) -> tuple[int, int]:
+        """1024 x 1024 pixels of the source's aspect ratio, the pipeline's."""
         return calculate_dimensions(self._pipeline, VAE_IMAGE_AREA, image.width / image.height)
 
     def _vl_images(self, prompt: str) -> list[Any]:
