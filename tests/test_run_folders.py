@@ -28,6 +28,7 @@ from fgrpo.core import checkpoint as ckpt
 from fgrpo.core import cli, rundir, trainer
 from fgrpo.core import recipe as recipe_mod
 from fgrpo.core.config import RecipeError
+from fgrpo.core.registry import BuildError
 
 RECIPE = str(ROOT / "recipes" / "vector.yaml")
 BIN = Path(sys.executable).parent
@@ -251,7 +252,7 @@ def test_3_a_run_that_fails_to_build_leaves_no_folder(tmp_path, capsys):
     prompts.write_text("target 1 1\n")
     recipe = recipe_mod.load(RECIPE, [f"prompts={{name: text-file, train: {prompts}}}", "eval.every=0"])
     prompts.unlink()
-    with pytest.raises(RecipeError):
+    with pytest.raises(BuildError, match="prompts 'text-file' could not be built: got .*p.txt"):
         trainer.open_run(recipe, out=str(out), resume=False, console=QUIET, quiet=True)
     assert not out.exists()
 
