@@ -74,7 +74,7 @@ def iterations_logged(folder: Path) -> list[int]:
 # --- 1. two runs, one default folder ------------------------------------------------------------
 
 
-def test_1_default_folders_are_unique_within_one_second(tmp_path, monkeypatch):
+def test_default_folders_are_unique_within_one_second(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(time, "strftime", lambda fmt, *a: "20260101-000000")  # both start "at once"
     recipe = recipe_mod.load(RECIPE, ["eval.every=0", "log.plots=false", "log.trackers=[]"])
@@ -88,7 +88,7 @@ def test_1_default_folders_are_unique_within_one_second(tmp_path, monkeypatch):
         trainer.close_run(second)
 
 
-def test_1_repeating_a_command_in_the_same_second_starts_a_new_run(tmp_path, monkeypatch, capsys):
+def test_repeating_a_command_in_the_same_second_starts_a_new_run(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(time, "strftime", lambda fmt, *a: "20260101-000000")
     assert compose(None, "--set", "train.iterations=2") == 0
@@ -99,7 +99,7 @@ def test_1_repeating_a_command_in_the_same_second_starts_a_new_run(tmp_path, mon
         assert iterations_logged(folder) == [1, 2]
 
 
-def test_1_a_second_writer_is_refused_with_the_holders_pid(tmp_path, capsys):
+def test_a_second_writer_is_refused_with_the_holders_pid(tmp_path, capsys):
     out = tmp_path / "run"
     recipe = recipe_mod.load(RECIPE, ["eval.every=0", "log.plots=false", "log.trackers=[]"])
     holder = trainer.open_run(recipe, out=str(out), resume=False, console=QUIET, quiet=True)
@@ -117,7 +117,7 @@ def test_1_a_second_writer_is_refused_with_the_holders_pid(tmp_path, capsys):
     assert compose(out, "--start-over", "--set", "train.iterations=2") == 0  # released with the run
 
 
-def test_1_the_lock_dies_with_its_process(tmp_path):
+def test_the_lock_dies_with_its_process(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
     holder = subprocess.Popen(
@@ -156,7 +156,7 @@ def four(tmp_path) -> Path:
 
 
 @pytest.mark.parametrize("damage", ["missing", "dangling"])
-def test_2_resume_without_last_refuses_a_different_recipe_and_changes_nothing(four, damage, capsys):
+def test_resume_without_last_refuses_a_different_recipe_and_changes_nothing(four, damage, capsys):
     last = four / "checkpoints" / "last"
     last.unlink()
     if damage == "dangling":
@@ -169,7 +169,7 @@ def test_2_resume_without_last_refuses_a_different_recipe_and_changes_nothing(fo
     assert snapshot(four) == before
 
 
-def test_2_resume_finds_the_newest_complete_checkpoint_itself(four, tmp_path, capsys):
+def test_resume_finds_the_newest_complete_checkpoint_itself(four, tmp_path, capsys):
     (four / "checkpoints" / "last").unlink()
     assert compose(four, "--resume", "--set", "train.iterations=6") == 0
     assert "from iter_000004 (iteration 4)" in capsys.readouterr().out
@@ -181,7 +181,7 @@ def test_2_resume_finds_the_newest_complete_checkpoint_itself(four, tmp_path, ca
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_2_a_corrupt_newest_checkpoint_is_skipped_and_kept(four, capsys):
+def test_a_corrupt_newest_checkpoint_is_skipped_and_kept(four, capsys):
     newest = four / "checkpoints" / "iter_000004" / "trainable.safetensors"
     newest.write_bytes(newest.read_bytes()[:-7])  # truncated
     assert compose(four, "--resume", "--set", "train.iterations=6") == 0
@@ -193,7 +193,7 @@ def test_2_a_corrupt_newest_checkpoint_is_skipped_and_kept(four, capsys):
     assert len(aside) == 1  # set aside under a name of its own, never deleted
 
 
-def test_2_resume_with_no_complete_checkpoint_refuses_unless_told_to_start_over(four, capsys):
+def test_resume_with_no_complete_checkpoint_refuses_unless_told_to_start_over(four, capsys):
     for folder in (four / "checkpoints").glob("iter_*"):
         shutil.rmtree(folder)
     before = snapshot(four)
@@ -205,21 +205,21 @@ def test_2_resume_with_no_complete_checkpoint_refuses_unless_told_to_start_over(
     assert iterations_logged(four) == [1, 2]
 
 
-def test_2_start_over_never_replaces_complete_checkpoints(four, capsys):
+def test_start_over_never_replaces_complete_checkpoints(four, capsys):
     before = snapshot(four)
     assert compose(four, "--start-over") == 2
     assert "complete checkpoints" in capsys.readouterr().err
     assert snapshot(four) == before
 
 
-def test_2_resume_into_an_absent_folder_starts_it(tmp_path, capsys):
+def test_resume_into_an_absent_folder_starts_it(tmp_path, capsys):
     # job scripts pass --resume on every attempt: the first one has nothing to resume
     out = tmp_path / "new"
     assert compose(out, "--resume", "--set", "train.iterations=2") == 0
     assert iterations_logged(out) == [1, 2]
 
 
-def test_2_a_checkpoint_from_before_newer_recipe_keys_resumes(four):
+def test_a_checkpoint_from_before_newer_recipe_keys_resumes(four):
     # keys added to fgrpo after a checkpoint was written count with their defaults
     state_file = four / "checkpoints" / "iter_000004" / "state.json"
     state = json.loads(state_file.read_text())
@@ -237,7 +237,7 @@ def test_2_a_checkpoint_from_before_newer_recipe_keys_resumes(four):
 # --- 3. check first, write after ----------------------------------------------------------------
 
 
-def test_3_a_refused_resume_writes_nothing(four, capsys):
+def test_a_refused_resume_writes_nothing(four, capsys):
     before = snapshot(four)
     code = compose(four, "--resume", "--set", "sampler.kernel.eta=0.5", "--set", "train.iterations=8")
     assert code == 2
@@ -245,7 +245,7 @@ def test_3_a_refused_resume_writes_nothing(four, capsys):
     assert snapshot(four) == before  # before: recipe.resolved.yaml already held eta 0.5
 
 
-def test_3_a_run_that_fails_to_build_leaves_no_folder(tmp_path, capsys):
+def test_a_run_that_fails_to_build_leaves_no_folder(tmp_path, capsys):
     out = tmp_path / "run"
     # valid keys, but the prompt file vanishes between validation and the build
     prompts = tmp_path / "p.txt"
@@ -260,7 +260,7 @@ def test_3_a_run_that_fails_to_build_leaves_no_folder(tmp_path, capsys):
 # --- 5. pruning deletes only what the run wrote -------------------------------------------------
 
 
-def test_5_pruning_spares_what_the_run_did_not_write(four, tmp_path):
+def test_pruning_spares_what_the_run_did_not_write(four, tmp_path):
     ckpts = four / "checkpoints"
     shutil.copytree(ckpts / "iter_000002", ckpts / "iter_000002-best")
     (ckpts / ".tmp-mine").mkdir()
@@ -276,7 +276,7 @@ def test_5_pruning_spares_what_the_run_did_not_write(four, tmp_path):
     assert (ckpts / "iter_000001").is_symlink() and (elsewhere / "state.json").is_file()
 
 
-def test_5_pruning_keeps_checkpoints_of_another_run_lineage(four):
+def test_pruning_keeps_checkpoints_of_another_run_lineage(four):
     # a checkpoint this run did not write (copied in from another run folder) is never pruned
     other = four.parent / "other"
     assert compose(other, "--set", "train.iterations=1", "--set", "train.checkpoint_every=1") == 0
@@ -296,7 +296,7 @@ def lora_run(tmp_path) -> Path:
     return out
 
 
-def test_6_sample_uses_the_checkpoints_recipe(lora_run, tmp_path):
+def test_sample_uses_the_checkpoints_recipe(lora_run, tmp_path):
     prompts = tmp_path / "p.txt"
     prompts.write_text("target 1 1\n")
     last = str(lora_run / "checkpoints" / "last")
@@ -329,7 +329,7 @@ def test_6_sample_uses_the_checkpoints_recipe(lora_run, tmp_path):
         ),
     ],
 )
-def test_6_sample_refuses_a_conflicting_recipe_listing_the_keys(lora_run, tmp_path, sets, keys, capsys):
+def test_sample_refuses_a_conflicting_recipe_listing_the_keys(lora_run, tmp_path, sets, keys, capsys):
     prompts = tmp_path / "p.txt"
     prompts.write_text("target 1 1\n")
     out = tmp_path / "s"
@@ -357,7 +357,7 @@ def test_6_sample_refuses_a_conflicting_recipe_listing_the_keys(lora_run, tmp_pa
 # --- 7. --out that is not a run folder ----------------------------------------------------------
 
 
-def test_7_out_that_is_not_a_run_folder_is_refused(tmp_path, capsys):
+def test_out_that_is_not_a_run_folder_is_refused(tmp_path, capsys):
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "thesis.tex").write_text("precious")
@@ -366,7 +366,7 @@ def test_7_out_that_is_not_a_run_folder_is_refused(tmp_path, capsys):
     assert sorted(p.name for p in mine.iterdir()) == ["thesis.tex"]  # before: recipe.resolved.yaml written into it
 
 
-def test_7_out_that_is_a_file_is_refused(tmp_path, capsys):
+def test_out_that_is_a_file_is_refused(tmp_path, capsys):
     a_file = tmp_path / "file"
     a_file.write_text("x")
     assert compose(a_file, "--set", "train.iterations=1") == 2
@@ -376,7 +376,7 @@ def test_7_out_that_is_a_file_is_refused(tmp_path, capsys):
     assert a_file.read_text() == "x"
 
 
-def test_7_read_only_out_is_refused(tmp_path, capsys, monkeypatch):
+def test_read_only_out_is_refused(tmp_path, capsys, monkeypatch):
     ro = tmp_path / "ro"
     ro.mkdir()
     if os.geteuid() == 0:  # root writes into read-only folders: the file system says no instead
