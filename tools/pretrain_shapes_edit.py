@@ -38,13 +38,14 @@ one other single-thread job running; 0.46M + 0.06M parameters, 1.1 MB. Held-out 
 evaluation, 4 samples per prompt, 20 ODE steps): edit 0.144 (color 0.09, count 0.17, add 0.25,
 remove 0.17, move 0.03), every untouched cell preserved in 75.9% of edits, gold preservation error
 2.95 / 255, clean 1.00; training instructions with fresh sources: edit 0.303, preserved 0.788.
-Copying is learned first, at first at the cost of editing: at steps 1500 / 3000 / 4500 / 6000 the held-out gold error was
-11.6 / 5.1 / 3.5 / 2.95 and the held-out edit rate 0.138 / 0.072 / 0.131 / 0.144. (The previous
-shipped file, this tool's step 1000 of a 3000-step cosine, preserved every untouched cell in 11% of
-edits, gold error 27.2.) A 2.3M-parameter variant (hidden 128, 4 layers, 2 text layers) edited
-less after 3000 steps (held-out 0.056, gold 3.18) at 4.5x the time per step. Twice the steps (12000,
-cosine over 12000) fit the training instructions better (edit 0.334, preserved 0.800) but not the
-held-out ones (edit 0.138, gold 2.19), so the shipped run stops at 6000.
+Copying comes first, for a while at the expense of editing: at steps 1500 / 3000 / 4500 / 6000 the
+held-out gold error was 11.6 / 5.1 / 3.5 / 2.95 and the held-out edit rate 0.138 / 0.072 / 0.131 /
+0.144. (The previous shipped file, this tool's step 1000 of a 3000-step cosine, preserved every
+untouched cell in 11% of edits, gold error 27.2.) A 2.3M-parameter variant (hidden 128, 4 layers, 2
+text layers) edited less after 3000 steps (held-out 0.056, gold 3.18) at 4.5x the time per step.
+Twice the steps (12000, cosine over 12000) fit the training instructions better (edit 0.334,
+preserved 0.800) but not the held-out ones (edit 0.138, gold 2.19), so the shipped run stops at
+6000.
 """
 
 from __future__ import annotations

@@ -131,6 +131,7 @@ def train(name: str, path: str, overrides: list[str], budget: float | None, ever
         "clock": clock_kind,
         "iterations": recipe.train.iterations,
         "points": points,
+        "machine": _bench.machine_line(),  # its threads and load, for a table printed later from the file
     }
 
 
@@ -161,7 +162,8 @@ def main_job_time(main: dict) -> tuple[float, str]:
 
 def report(runs: list[dict], every: float, target_accuracy: float | None = None) -> list[str]:
     main = next((r for r in runs if r["name"] == MAIN), None)
-    lines = [_bench.machine_line()]
+    measured_on = sorted({r["machine"] for r in runs if "machine" in r})
+    lines = [f"measured with {m}" for m in measured_on] if measured_on else [_bench.machine_line()]
     if main is None:
         lines.append(f"no {MAIN} run: the budget and target come from the main job")
         return lines
