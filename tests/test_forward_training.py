@@ -485,7 +485,7 @@ def test_two_processes_draw_the_same_points_as_one(root, tmp_path, name):
 # --- the comparison tool -----------------------------------------------------------------------
 
 
-def test_objectives_bench_prints_the_tables_and_the_target_line(root, capsys, tmp_path):
+def _objectives_bench(root):
     import importlib.util
 
     path = root / "tools" / "bench" / "objectives.py"
@@ -496,6 +496,30 @@ def test_objectives_bench_prints_the_tables_and_the_target_line(root, capsys, tm
         spec.loader.exec_module(bench)
     finally:
         sys.path.remove(str(path.parent))
+    return bench
+
+
+def test_objectives_bench_reads_each_mark_from_the_evaluation_that_crossing_it_made(root):
+    """Evaluations land just after each mark (at the end of the iteration that crossed it): the
+    60-s column is the one made at 61.4 s, not the base; past a run's end, its last evaluation."""
+    bench = _objectives_bench(root)
+    points = [
+        {"iteration": i, "seconds": s, "nfe": 10 * i, "accuracy": a, "gold_error": 0.05}
+        for i, s, a in ((0, 0.0, 0.40), (14, 61.4, 0.47), (27, 121.0, 0.50), (29, 130.0, 0.52))
+    ]
+    main = {"name": "grpo", "recipe": "recipes/shapes.yaml", "clock": "cpu", "iterations": 29, "points": points}
+    short = {**main, "name": "nft", "points": points[:2]}
+    assert bench.evaluation_at_mark(points, 60.0) == (points[1], False)
+    assert bench.evaluation_at_mark(points, 120.0) == (points[2], False)
+    assert bench.evaluation_at_mark(points, 121.0) == (points[2], False)
+    assert bench.evaluation_at_mark(points[:2], 120.0) == (points[1], True)
+    table = "\n".join(bench.report([main, short], 60.0))
+    row = next(line for line in table.splitlines() if line.startswith("nft "))
+    assert row.split()[1:] == ["0.470", "/", "0.0500", "0.470", "/", "0.0500", "*"]
+
+
+def test_objectives_bench_prints_the_tables_and_the_target_line(root, capsys, tmp_path):
+    bench = _objectives_bench(root)
     tiny = (
         "train.iterations=2; train.prompts_per_iteration=1; train.group_size=2; train.minibatch_size=0; "
         "eval.max_prompts=2; eval.samples_per_prompt=1; eval.steps=4"

@@ -144,9 +144,11 @@ def at(points: list[dict], key: str, axis: str, x: float) -> float | None:
     return None
 
 
-def last_at_or_before(points: list[dict], axis: str, x: float) -> dict | None:
-    before = [p for p in points if p[axis] <= x + 1e-9]
-    return before[-1] if before else None
+def evaluation_at_mark(points: list[dict], mark: float) -> tuple[dict, bool]:
+    """The evaluation a run made on crossing ``mark`` seconds (the first at or after it: it lands
+    less than one iteration later), or, when the run ended before the mark, its last one (True)."""
+    after = [p for p in points if p["seconds"] >= mark - 1e-9]
+    return (after[0], False) if after else (points[-1], True)
 
 
 def main_job_time(main: dict) -> tuple[float, str]:
@@ -189,14 +191,14 @@ def report(runs: list[dict], every: float, target_accuracy: float | None = None)
     for r in runs:
         cells = [r["name"]]
         for m in marks:
-            p = last_at_or_before(r["points"], "seconds", m)
-            done = " *" if r["points"][-1]["seconds"] < m - every else ""  # its iterations ended earlier
-            cells.append("-" if p is None else f"{p['accuracy']:.3f} / {p['gold_error']:.4f}{done}")
+            p, ended = evaluation_at_mark(r["points"], m)
+            cells.append(f"{p['accuracy']:.3f} / {p['gold_error']:.4f}{' *' if ended else ''}")
         body.append(cells)
     lines += [
         "",
-        f"held-out strict accuracy / gold error at equal {clock} time (the last evaluation at or before each mark; * "
-        f"= the run had ended)",
+        f"held-out strict accuracy / gold error at equal {clock} time (the evaluation made on crossing each mark, "
+        f"less "
+        f"than one iteration after it; * = the run had ended before the mark: its last evaluation)",
         _bench.table(header, body),
     ]
     nfe_marks = [total_nfe * k / 10 for k in range(1, 11)]
