@@ -2,12 +2,38 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def torchrun(processes: int = 2) -> list[str]:
+    """``torchrun`` for ``processes`` local processes with a static rendezvous on 127.0.0.1:
+    ``--standalone`` connects to the machine's hostname, which a sandbox or CI container may not
+    resolve (seen in CI: the launcher exited 1)."""
+    return [
+        str(BIN / "torchrun"),
+        "--nnodes",
+        "1",
+        "--nproc_per_node",
+        str(processes),
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+    ]
 
 
 @contextlib.contextmanager

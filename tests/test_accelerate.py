@@ -11,6 +11,7 @@ import pytest
 import torch
 from rich.console import Console
 
+from _helpers import free_port
 from fgrpo.core import cli
 from fgrpo.core import recipe as recipe_mod
 from fgrpo.core.config import RecipeError
@@ -120,14 +121,6 @@ def test_gradient_accumulation_from_accelerate(root, monkeypatch):
 
 
 CONFIGS = Path(__file__).resolve().parents[1] / "recipes" / "accelerate"
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 #: the shipped DeepSpeed configs: (ZeRO stage, offload_optimizer_device, offload_param_device)

@@ -6,7 +6,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,17 +15,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from _helpers import run_fgrpo
+from _helpers import run_fgrpo, torchrun
 
 pytestmark = pytest.mark.multiprocess
 HERE = Path(__file__).parent
 BIN = Path(sys.executable).parent
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_two_processes_match_one(root, tmp_path):
@@ -39,19 +32,7 @@ def test_two_processes_match_one(root, tmp_path):
     subprocess.run(
         [sys.executable, str(HERE / "dp_worker.py"), recipe, str(one), "4", *sets], check=True, env=env, timeout=300
     )
-    # static rendezvous on 127.0.0.1: `--standalone` connects to the machine's hostname, which a
-    # sandbox or CI container may not resolve (seen in CI: the launcher exited 1)
-    launcher = [
-        str(BIN / "torchrun"),
-        "--nnodes",
-        "1",
-        "--nproc_per_node",
-        "2",
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        str(_free_port()),
-    ]
+    launcher = torchrun()
     done = subprocess.run(
         [*launcher, str(HERE / "dp_worker.py"), recipe, str(two), "4", *sets],
         env=env,
@@ -139,17 +120,7 @@ def test_a_stopped_process_ends_the_run_with_a_message(root, tmp_path):
     collective, then the run ends with one line saying so (before: it waited silently forever)."""
     out = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    launcher = [
-        str(BIN / "torchrun"),
-        "--nnodes",
-        "1",
-        "--nproc_per_node",
-        "2",
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        str(_free_port()),
-    ]
+    launcher = torchrun()
     proc = subprocess.Popen(
         [
             *launcher,

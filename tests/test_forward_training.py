@@ -8,7 +8,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ import pytest
 import torch
 from rich.console import Console
 
+from _helpers import torchrun
 from fgrpo.core import cli, phases
 from fgrpo.core import recipe as recipe_mod
 from fgrpo.core.forward import ForwardPoints
@@ -363,26 +363,6 @@ def test_stop_and_resume_is_bit_exact(root, tmp_path, name):
     assert strip(read(tmp_path / "a")) == strip(read(tmp_path / "b"))
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _torchrun() -> list[str]:
-    return [
-        str(BIN / "torchrun"),
-        "--nnodes",
-        "1",
-        "--nproc_per_node",
-        "2",
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        str(_free_port()),
-    ]
-
-
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("name", list(OBJECTIVES))
@@ -411,7 +391,7 @@ def test_sigkill_then_resume_is_bit_exact_in_one_and_two_processes(root, tmp_pat
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     rng = random.Random(hash(name) % 1000)
-    for launch in ([str(BIN / "fgrpo")], [*_torchrun(), "-m", "fgrpo.core.cli"]):
+    for launch in ([str(BIN / "fgrpo")], [*torchrun(), "-m", "fgrpo.core.cli"]):
         tag = "one" if len(launch) == 1 else "two"
         reference, interrupted = tmp_path / f"{tag}-reference", tmp_path / f"{tag}-interrupted"
         done = subprocess.run(
@@ -469,7 +449,7 @@ def test_two_processes_draw_the_same_points_as_one(root, tmp_path, name):
         [sys.executable, str(HERE / "dp_worker.py"), recipe, str(one), "4", *sets], check=True, env=env, timeout=300
     )
     done = subprocess.run(
-        [*_torchrun(), str(HERE / "dp_worker.py"), recipe, str(two), "4", *sets],
+        [*torchrun(), str(HERE / "dp_worker.py"), recipe, str(two), "4", *sets],
         env=env,
         timeout=300,
         capture_output=True,

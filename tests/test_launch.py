@@ -5,22 +5,16 @@ process only and comes back as exit code 2, without the launcher's traceback."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from _helpers import free_port
 from fgrpo.core import cli
 
 BIN = Path(sys.executable).parent
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_launch_checks_the_recipe_before_starting_processes(root, tmp_path, capsys, monkeypatch):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,16 +13,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from _helpers import free_port
+
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 HERE = Path(__file__).parent
 BIN = Path(sys.executable).parent
 SETS = ["train.rollout_prompts=1", "train.prompts_per_iteration=4", "train.group_size=4"]
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _config(root: Path, tmp_path: Path, machines: int) -> Path:
@@ -42,7 +37,7 @@ def test_two_machines_match_one_machine_of_two_processes(root, tmp_path):
     recipe = str(root / "recipes" / "vector.yaml")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     worker = [str(HERE / "dp_worker.py"), recipe]
-    port = _free_port()
+    port = free_port()
     machines = [
         subprocess.Popen(
             [
@@ -78,7 +73,7 @@ def test_two_machines_match_one_machine_of_two_processes(root, tmp_path):
             "--config_file",
             str(root / "recipes" / "accelerate" / "cpu.yaml"),
             "--main_process_port",
-            str(_free_port()),
+            str(free_port()),
             *worker,
             str(tmp_path / "one-machine.json"),
             "3",

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ from safetensors.torch import load_file
 pytest.importorskip("diffusers")
 pytest.importorskip("peft")
 
+from _helpers import free_port, torchrun
 from fgrpo.core.config import RecipeError
 from fgrpo.core.launch import DataParallel, fsdp
 from fgrpo.core.launch.deepspeed import check_deepspeed
@@ -28,12 +28,6 @@ from fgrpo.core.launch.deepspeed import check_deepspeed
 HERE = Path(__file__).parent
 BIN = Path(sys.executable).parent
 CONFIGS = HERE.parent / "recipes" / "accelerate"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -135,17 +129,7 @@ def test_sharded_run_equals_data_parallel_and_resumes_exactly(kind, variant, tin
     and full fine-tuning."""
     needs(kind)
     recipe = sd3_recipe(tmp_path, tiny_sd3, lora=variant == "lora")
-    launcher = [
-        str(BIN / "torchrun"),
-        "--nnodes",
-        "1",
-        "--nproc_per_node",
-        "2",
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        str(free_port()),
-    ]
+    launcher = torchrun()
     done = subprocess.run(
         [*launcher, str(HERE / "sharded_worker.py"), kind, str(recipe), str(tmp_path / "runs"), "3"],
         env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
