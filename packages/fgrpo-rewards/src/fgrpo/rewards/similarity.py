@@ -2,7 +2,10 @@
 their image features: CLIP's projected image embedding (``backbone: clip``, flow_grpo's
 ``image_similarity`` on ``openai/clip-vit-large-patch14``, the reward its ``counting_edit``
 configs weight against GenEval) or DINOv2's class token (``backbone: dino``), which sees layout and
-appearance more than semantics.
+appearance more than semantics, or the structural similarity of the pixels themselves
+(``backbone: ssim``: Wang et al. 2004's SSIM with an 11-tap Gaussian window of sigma 1.5 over the
+valid region, K1 0.01, K2 0.03, on [0, 1] images, averaged over channels and windows; the
+preservation measure editing papers report beside LPIPS, no weights to load).
 
 The reward takes the sources (``accepts_sources``): each output is compared with its prompt's
 ``source``-th source image, resized to the output's size as the trainer hands it (flow_grpo
@@ -10,8 +13,9 @@ resizes its reference images to the training resolution before both its pipeline
 reward); both are then preprocessed alike, in torch on the model's device, by the model's own
 processor settings (resize, centre crop, normalise). ``resize: bilinear`` reproduces flow_grpo's
 torchvision ``T.Resize`` on tensors; ``bicubic`` (default) is the processor's PIL resampling.
-A prompt without a source image is an error. Needs the ``[clip]`` extra (transformers); weights
-through :mod:`fgrpo.core.hub` (a hub id, or a ``save_pretrained`` folder), once per process.
+A prompt without a source image is an error. clip and dino need the ``[clip]`` extra
+(transformers); weights through :mod:`fgrpo.core.hub` (a hub id, or a ``save_pretrained``
+folder), once per process.
 """
 
 from __future__ import annotations
@@ -40,6 +44,29 @@ from fgrpo.rewards.clip import (
 )
 
 DEFAULT_PATHS = {"clip": "openai/clip-vit-large-patch14", "dino": "facebook/dinov2-base"}
+#: SSIM's constants (Wang, Bovik, Sheikh and Simoncelli 2004, section III.C): window, sigma, K1, K2
+SSIM_WINDOW, SSIM_SIGMA, SSIM_K1, SSIM_K2 = 11, 1.5, 0.01, 0.03
+
+
+def ssim(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """(B,) float64 mean SSIM of images x, y (B, C, H, W) in [0, 1]: local means, variances and
+    covariance under a normalised Gaussian window (shrunk to the image's smaller side when that is
+    under 11 pixels), over the windows that fit inside the image, then averaged over channels."""
+    x, y = x.double(), y.double()
+    size = min(SSIM_WINDOW, x.shape[-1], x.shape[-2])
+    taps = torch.arange(size, dtype=torch.float64, device=x.device) - (size - 1) / 2
+    g = torch.exp(-(taps**2) / (2 * SSIM_SIGMA**2))
+    g = g / g.sum()
+    kernel = (g[:, None] * g[None, :]).expand(x.shape[1], 1, size, size)
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return F.conv2d(t, kernel, groups=x.shape[1])
+
+    mx, my = local(x), local(y)
+    vx, vy, cxy = local(x * x) - mx**2, local(y * y) - my**2, local(x * y) - mx * my
+    c1, c2 = SSIM_K1**2, SSIM_K2**2
+    index = (2 * mx * my + c1) * (2 * cxy + c2) / ((mx**2 + my**2 + c1) * (vx + vy + c2))
+    return index.flatten(1).mean(1)
 
 
 @attrs.frozen
@@ -91,7 +118,8 @@ def load_features(backbone: str, path: str, processor_path: str | None, dtype: s
 
 @attrs.define
 class ImageSimilarity:
-    """score = cos(features(output), features(source)); details ``similarity`` (the same).
+    """score = cos(features(output), features(source)), or SSIM(output, source); details
+    ``similarity`` (the same).
 
     flow_grpo's ``counting_edit``: ``{name: image-similarity, resize: bilinear, weight: 0.5}`` beside
     ``{name: geneval, weight: 0.5}`` (FLUX Kontext; Qwen-Image-Edit weights them 0.2 / 0.8)."""
@@ -99,7 +127,10 @@ class ImageSimilarity:
     accepts_sources = True
 
     backbone: str = param(
-        "clip", choices=("clip", "dino"), help="clip: CLIP's image embedding (flow_grpo's); dino: DINOv2's class token"
+        "clip",
+        choices=("clip", "dino", "ssim"),
+        help="clip: CLIP's image embedding (flow_grpo's); dino: DINOv2's class token; ssim: the pixels' structural "
+        "similarity (no model)",
     )
     path: str | None = param(
         None,
@@ -121,6 +152,8 @@ class ImageSimilarity:
     _features: Any = attrs.field(init=False, default=None, repr=False)
 
     def __attrs_post_init__(self) -> None:
+        if self.backbone == "ssim":
+            return
         self._features = load_features(
             self.backbone, self.path or DEFAULT_PATHS[self.backbone], self.processor_path, self.dtype, self.device
         )
@@ -157,8 +190,11 @@ class ImageSimilarity:
                 f"with source {self.source} (an editing dataset's 'image')"
             )
         reference = torch.stack([s[self.source] for s in sources]).to(outputs.device)
-        similarity = (self.embed(outputs) * self.embed(reference)).sum(-1).cpu()
+        if self.backbone == "ssim":
+            similarity = ssim(outputs.clamp(0, 1), reference.to(outputs.dtype)).float().cpu()
+        else:
+            similarity = (self.embed(outputs) * self.embed(reference)).sum(-1).cpu()
         return RewardResult(scores=similarity, details={"similarity": similarity})
 
 
-__all__ = ["ImageSimilarity", "load_features"]
+__all__ = ["ImageSimilarity", "load_features", "ssim"]
