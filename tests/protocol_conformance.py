@@ -51,7 +51,7 @@ from fgrpo.rewards.imagereward import ImageReward
 from fgrpo.rewards.jpeg import JpegCompressibility, JpegIncompressibility
 from fgrpo.rewards.ocr import OCRReward
 from fgrpo.rewards.remote import RemoteReward
-from fgrpo.rewards.shapes.edit import ShapesEditPrompts, ShapesEditVerifier
+from fgrpo.rewards.shapes.edit import ShapesEditGoldEvaluator, ShapesEditPrompts, ShapesEditVerifier
 from fgrpo.rewards.shapes.prompts import ShapesPrompts
 from fgrpo.rewards.shapes.verifier import ShapesGold, ShapesGoldEvaluator, ShapesVerifier
 from fgrpo.rewards.similarity import ImageSimilarity
@@ -150,6 +150,7 @@ PROMPTS: dict[str, type[PromptSource]] = {
 }
 EVALUATORS: dict[str, type[Evaluator]] = {
     "driving-closed-loop": ClosedLoop,
+    "shapes-edit-gold": ShapesEditGoldEvaluator,
     "shapes-gold": ShapesGoldEvaluator,
 }
 

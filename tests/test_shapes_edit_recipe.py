@@ -66,6 +66,11 @@ def test_shapes_edit_smoke_run_with_sources(root, tmp_path):
         assert key in rows[0] and math.isfinite(rows[2][key]), key
     categories = {k.rsplit("/", 1)[1] for k in rows[2] if k.startswith("eval/shapes-edit/edit/")}
     assert {"color", "count", "add", "remove", "move"} <= categories
+    # the evaluator judges the very samples the reward scored: its gold equals the reward's details
+    for key in ("preserved", "preserved_cells", "gold_preservation_error"):
+        for part in ["", *(f"/{c}" for c in sorted(categories - {"overall"}))]:
+            for row in (rows[0], rows[2]):
+                assert row[f"gold/shapes-edit-gold/{key}{part}"] == row[f"eval/shapes-edit/{key}{part}"], (key, part)
     tiles = json.loads((out / "samples" / "eval_000002" / "index.json").read_text())
     assert tiles and all(t["sources"] == 1 for t in tiles)
     from PIL import Image

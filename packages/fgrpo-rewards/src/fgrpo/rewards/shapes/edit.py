@@ -474,6 +474,41 @@ class ShapesEditVerifier:
         return torch.where(details["edit"] > 0, torch.ones_like(partial), torch.clamp(partial, max=0.99))
 
 
+#: the gold metrics and which way is better
+GOLD_DIRECTIONS = {"preserved": "higher", "preserved_cells": "higher", "gold_preservation_error": "lower"}
+
+
+@attrs.define
+class ShapesEditGoldEvaluator:
+    """The shapes-edit world's GOLD metric as an evaluator (``evaluator: shapes-edit-gold``): over
+    the very samples the evaluation scored, ``preserved`` (every untouched cell reads as in the
+    source), ``preserved_cells`` and ``gold_preservation_error`` (:func:`evaluate`), overall and
+    per edit category; with the same tolerances they equal the ``eval/shapes-edit/...`` details
+    the reward reports beside its score. RL does not optimise them, so ``eval.guard`` may watch
+    them (``gold/shapes-edit-gold/preserved``)."""
+
+    pixel_tolerance: float = param(PIXEL_TOLERANCE, ge=0.0, le=127.0, help="as for the shapes-edit reward")
+    glyph_tolerance: int = param(GLYPH_TOLERANCE, ge=0, le=5, help="as for the shapes-edit reward")
+
+    directions = GOLD_DIRECTIONS
+
+    def __call__(self, context: Any) -> Any:
+        from fgrpo.core.protocols import EvaluatorResult
+
+        pairs = [edit_and_source(p, context.metadata(p)) for p in context.sample_prompts]
+        details = evaluate(
+            context.samples, [e for e, _ in pairs], [s for _, s in pairs], self.pixel_tolerance, self.glyph_tolerance
+        )
+        categories = details["category"]
+        metrics = {}
+        for key in GOLD_DIRECTIONS:
+            values = details[key].float()
+            metrics[key] = values.mean().item()
+            for name in sorted(set(categories)):  # as the reward's details are averaged per category
+                metrics[f"{key}/{name}"] = values[torch.tensor([c == name for c in categories])].mean().item()
+        return EvaluatorResult(metrics=metrics)
+
+
 # --- the prompt source --------------------------------------------------------------------------------
 
 
@@ -551,6 +586,7 @@ __all__ = [
     "HELD_OUT",
     "POSITIONS",
     "SceneImage",
+    "ShapesEditGoldEvaluator",
     "ShapesEditPrompts",
     "ShapesEditVerifier",
     "all_edits",
