@@ -59,8 +59,10 @@ import math
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
+import attrs
 import numpy as np
 import torch
 
@@ -81,51 +83,62 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "packages/fgrpo-models/src/fgrpo/models/weights/shapes-base.safetensors"
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+def common_arguments(
+    description: str, *, width: int, layers: int, heads: int, text_width: int, steps: int, batch: int, threads: int
+) -> tuple[argparse.ArgumentParser, argparse._ArgumentGroup, argparse._ArgumentGroup, argparse._ArgumentGroup]:
+    """The parser both pretraining tools share (architecture, optimisation, evaluation), with
+    the defaults that differ between them; each tool adds its own keys to the three groups."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     a = p.add_argument_group("architecture")
-    a.add_argument("--hidden", type=int, default=192, help="transformer width")
-    a.add_argument("--layers", type=int, default=4, help="SD3 joint transformer blocks")
-    a.add_argument("--heads", type=int, default=3, help="attention heads")
-    a.add_argument("--text-width", type=int, default=128, help="text encoder width")
+    a.add_argument("--hidden", type=int, default=width, help="transformer width")
+    a.add_argument("--layers", type=int, default=layers, help="SD3 joint transformer blocks")
+    a.add_argument("--heads", type=int, default=heads, help="attention heads")
+    a.add_argument("--text-width", type=int, default=text_width, help="text encoder width")
     a.add_argument("--text-layers", type=int, default=1, help="text encoder layers")
     t = p.add_argument_group("training")
-    t.add_argument("--steps", type=int, default=12000, help="optimizer steps")
+    t.add_argument("--steps", type=int, default=steps, help="optimizer steps")
     t.add_argument(
         "--time-budget", type=float, default=0.0, help="stop after this many seconds of training (0: no limit)"
     )
-    t.add_argument("--batch", type=int, default=128)
+    t.add_argument("--batch", type=int, default=batch)
     t.add_argument("--lr", type=float, default=2e-3)
     t.add_argument("--lr-min", type=float, default=2e-4)
     t.add_argument("--warmup", type=int, default=100)
-    t.add_argument("--decay-steps", type=int, default=12000, help="cosine horizon of the learning rate")
+    t.add_argument("--decay-steps", type=int, default=steps, help="cosine horizon of the learning rate")
     t.add_argument("--weight-decay", type=float, default=0.0)
     t.add_argument("--grad-clip", type=float, default=1.0)
     t.add_argument("--ema", type=float, default=0.999, help="EMA decay (with the usual (1+n)/(10+n) warm-up)")
-    t.add_argument("--prediction", choices=PREDICTIONS, default="x0", help="what the transformer outputs")
     t.add_argument("--loss-floor", type=float, default=0.05, help="x0-prediction: sigma floor of the v-loss weight")
     t.add_argument("--logit-mean", type=float, default=0.5)
     t.add_argument("--logit-std", type=float, default=1.0)
-    t.add_argument(
-        "--caption-noise", type=float, default=0.4, help="fraction of images rendered from a perturbed scene"
-    )
     t.add_argument("--prompt-dropout", type=float, default=0.1, help="fraction of prompts replaced by '' (for CFG)")
-    t.add_argument("--split-seed", type=int, default=0, help="seed of the train/test split (ShapesPrompts.seed)")
-    t.add_argument("--test-per-category", type=int, default=16)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--device", default="cpu")
-    t.add_argument("--threads", type=int, default=2, help="torch CPU threads")
-    t.add_argument("--autocast", choices=("none", "bfloat16"), default="none", help="autocast of the training forward")
+    t.add_argument(
+        "--threads", type=int, default=threads, help="torch CPU threads (the same count gives the same weights)"
+    )
     e = p.add_argument_group("evaluation and output")
     e.add_argument("--eval-every", type=int, default=1500, help="steps between evaluations (0: only at the end)")
     e.add_argument("--eval-samples", type=int, default=4, help="samples per test prompt")
     e.add_argument("--eval-steps", type=int, default=20, help="ODE steps")
+    e.add_argument("--checkpoint-dir", default="", help="also keep the weights of every evaluation here")
+    return p, a, t, e
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p, _, t, e = common_arguments(
+        __doc__.split("\n\n")[0], width=192, layers=4, heads=3, text_width=128, steps=12000, batch=128, threads=2
+    )
+    t.add_argument("--prediction", choices=PREDICTIONS, default="x0", help="what the transformer outputs")
+    t.add_argument(
+        "--caption-noise", type=float, default=0.4, help="fraction of images rendered from a perturbed scene"
+    )
+    t.add_argument("--split-seed", type=int, default=0, help="seed of the train/test split (ShapesPrompts.seed)")
+    t.add_argument("--test-per-category", type=int, default=16)
+    t.add_argument("--autocast", choices=("none", "bfloat16"), default="none", help="autocast of the training forward")
     e.add_argument("--shift", type=float, default=1.0, help="time shift of the evaluation schedule")
     e.add_argument("--eval-raw", action="store_true", help="also evaluate the raw (non-EMA) weights")
     e.add_argument("--out", default=str(DEFAULT_OUT), help="the safetensors file to write")
-    e.add_argument("--checkpoint-dir", default="", help="also keep the weights of every evaluation here")
     return p.parse_args(argv)
 
 
@@ -207,12 +220,94 @@ def lr_at(step: int, args: argparse.Namespace) -> float:
     return args.lr_min + 0.5 * (args.lr - args.lr_min) * (1 + math.cos(math.pi * progress))
 
 
+@attrs.define
+class Progress:
+    """Where the shared training loop stands: optimizer steps, seconds of training (evaluations
+    excluded) and every step's loss."""
+
+    step: int = 0
+    trained: float = 0.0
+    losses: list[float] = attrs.Factory(list)
+
+    def recent_loss(self) -> float:
+        return float(np.mean(self.losses[-100:])) if self.losses else float("nan")
+
+
+def trained_with(args: argparse.Namespace) -> dict[str, str]:
+    """The weights file's metadata: every setting but where the files go."""
+    return {
+        "trained_with": json.dumps(
+            {k: v for k, v in vars(args).items() if k not in ("out", "checkpoint_dir")}, sort_keys=True
+        )
+    }
+
+
+def train(
+    args: argparse.Namespace,
+    network: ShapesNetwork,
+    ema: ShapesNetwork,
+    device: torch.device,
+    next_batch: Callable[[int], tuple],
+    evaluate_at: Callable[[Progress], None],
+    *,
+    autocast: bool = False,
+) -> Progress:
+    """Flow matching of ``network`` on ``next_batch(n)`` -> (prompts, x0, *conditioning pixels),
+    AdamW under :func:`lr_at`, gradient clipping, the EMA; ``evaluate_at`` every ``--eval-every``
+    steps before the last. Stops after ``--steps`` or ``--time-budget`` seconds of training."""
+    optimizer = torch.optim.AdamW(network.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    gen = torch.Generator(device="cpu").manual_seed(args.seed + 1)
+    run = Progress()
+    cast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast)
+    while run.step < args.steps and not (args.time_budget and run.trained >= args.time_budget):
+        t0 = time.perf_counter()
+        prompts, x0, *extra = next_batch(args.batch)
+        x0, extra = x0.to(device), [e.to(device) for e in extra]
+        eps = torch.randn(x0.shape, generator=gen).to(device)
+        sigma = torch.sigmoid(args.logit_mean + args.logit_std * torch.randn(args.batch, generator=gen)).to(device)
+        xt = (1 - sigma[:, None, None, None]) * x0 + sigma[:, None, None, None] * eps
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(run.step, args)
+        with cast:
+            cond = network.encode(prompts)
+            out = network(xt, sigma, cond["prompt_embeds"], cond["pooled_prompt_embeds"], *extra)
+        loss = flow_loss(out.float(), x0, eps, sigma, network.arch.prediction, args.loss_floor)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if args.grad_clip:
+            torch.nn.utils.clip_grad_norm_(network.parameters(), args.grad_clip)
+        optimizer.step()
+        decay = min(args.ema, (1 + run.step) / (10 + run.step))
+        with torch.no_grad():
+            for pe, p in zip(ema.parameters(), network.parameters(), strict=True):
+                pe.lerp_(p, 1 - decay)
+        run.losses.append(loss.item())
+        run.step += 1
+        run.trained += time.perf_counter() - t0
+        if run.step % 100 == 0:
+            print(
+                f"step {run.step:5d} train {run.trained:6.0f}s ({run.trained / run.step:.3f} s/step) loss "
+                f"{run.recent_loss():.4f} lr {lr_at(run.step - 1, args):.2e}",
+                flush=True,
+            )
+        if args.eval_every and run.step % args.eval_every == 0 and run.step < args.steps:
+            evaluate_at(run)
+    return run
+
+
+def write(ema: ShapesNetwork, args: argparse.Namespace, run: Progress) -> Path:
+    """``--out``: the EMA weights (float16) with the settings, the steps and the training time."""
+    out = Path(args.out)
+    save_network(ema, out, extra={**trained_with(args), "steps": str(run.step), "train_seconds": f"{run.trained:.0f}"})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     torch.manual_seed(args.seed)
-    train, test = world.split(args.split_seed, args.test_per_category)
+    train_prompts, test = world.split(args.split_seed, args.test_per_category)
     arch = Architecture(
         vocab=vocabulary_of(world.all_prompts()),
         hidden=args.hidden,
@@ -228,84 +323,41 @@ def main(argv: list[str] | None = None) -> int:
     ema = copy.deepcopy(network).requires_grad_(False)
     print(
         f"shapes-dit: transformer {count_parameters(network.transformer) / 1e6:.2f}M + text "
-        f"{count_parameters(network.text) / 1e6:.2f}M params; {len(train)} train / {len(test)} test prompts; "
+        f"{count_parameters(network.text) / 1e6:.2f}M params; {len(train_prompts)} train / {len(test)} test prompts; "
         f"device {device}, {args.threads} threads",
         flush=True,
     )
-    data = PairSampler(train, args.seed, args.caption_noise, args.prompt_dropout)
-    optimizer = torch.optim.AdamW(network.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    gen = torch.Generator(device="cpu").manual_seed(args.seed + 1)
-    trained, losses, history = 0.0, [], []
-    meta = {
-        "trained_with": json.dumps(
-            {k: v for k, v in vars(args).items() if k not in ("out", "checkpoint_dir")}, sort_keys=True
-        )
-    }
+    data = PairSampler(train_prompts, args.seed, args.caption_noise, args.prompt_dropout)
+    history: list[dict] = []
+    meta = trained_with(args)
     if args.checkpoint_dir:
         Path(args.checkpoint_dir).mkdir(parents=True, exist_ok=True)
 
-    def checkpoint(step: int) -> None:
+    def checkpoint(run: Progress) -> None:
         t = time.perf_counter()
         r = evaluate(ema, test, args, device)
         if args.eval_raw:
             raw = evaluate(network, test, args, device)
             r["raw_accuracy"] = raw["accuracy"]
-        history.append({"step": step, "train_s": round(trained, 1), **r})
+        history.append({"step": run.step, "train_s": round(run.trained, 1), **r})
         extra = f" (raw {r['raw_accuracy']:.3f})" if args.eval_raw else ""
-        loss = np.mean(losses[-100:]) if losses else float("nan")
         print(
-            f"step {step:5d} train {trained:6.0f}s loss {loss:.4f} | EMA {line(r)}{extra} [eval "
+            f"step {run.step:5d} train {run.trained:6.0f}s loss {run.recent_loss():.4f} | EMA {line(r)}{extra} [eval "
             f"{time.perf_counter() - t:.0f}s]",
             flush=True,
         )
         if args.checkpoint_dir:
-            save_network(ema, Path(args.checkpoint_dir) / f"step{step:05d}.safetensors", extra=meta)
+            save_network(ema, Path(args.checkpoint_dir) / f"step{run.step:05d}.safetensors", extra=meta)
 
-    step = 0
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.autocast == "bfloat16")
-    while step < args.steps and not (args.time_budget and trained >= args.time_budget):
-        t0 = time.perf_counter()
-        prompts, x0 = data.batch(args.batch)
-        x0 = x0.to(device)
-        eps = torch.randn(x0.shape, generator=gen).to(device)
-        sigma = torch.sigmoid(args.logit_mean + args.logit_std * torch.randn(args.batch, generator=gen)).to(device)
-        xt = (1 - sigma[:, None, None, None]) * x0 + sigma[:, None, None, None] * eps
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, args)
-        with autocast:
-            cond = network.encode(prompts)
-            out = network(xt, sigma, cond["prompt_embeds"], cond["pooled_prompt_embeds"])
-        loss = flow_loss(out.float(), x0, eps, sigma, arch.prediction, args.loss_floor)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if args.grad_clip:
-            torch.nn.utils.clip_grad_norm_(network.parameters(), args.grad_clip)
-        optimizer.step()
-        decay = min(args.ema, (1 + step) / (10 + step))
-        with torch.no_grad():
-            for pe, p in zip(ema.parameters(), network.parameters(), strict=True):
-                pe.lerp_(p, 1 - decay)
-        losses.append(loss.item())
-        step += 1
-        trained += time.perf_counter() - t0
-        if step % 100 == 0:
-            print(
-                f"step {step:5d} train {trained:6.0f}s ({trained / step:.3f} s/step) loss "
-                f"{np.mean(losses[-100:]):.4f} lr {lr_at(step - 1, args):.2e}",
-                flush=True,
-            )
-        if args.eval_every and step % args.eval_every == 0 and step < args.steps:
-            checkpoint(step)
-
-    out = Path(args.out)
-    save_network(ema, out, extra={**meta, "steps": str(step), "train_seconds": f"{trained:.0f}"})
+    run = train(args, network, ema, device, data.batch, checkpoint, autocast=args.autocast == "bfloat16")
+    out = write(ema, args, run)
     shipped = load_network(out).to(device)  # evaluate exactly what was written (float16 weights)
     t = time.perf_counter()
     final = evaluate(shipped, test, args, device)
-    history.append({"step": step, "train_s": round(trained, 1), **final})
+    history.append({"step": run.step, "train_s": round(run.trained, 1), **final})
     print(
-        f"step {step:5d} train {trained:6.0f}s ({trained / max(step, 1):.3f} s/step) | written file: {line(final)} "
-        f"[eval {time.perf_counter() - t:.0f}s]",
+        f"step {run.step:5d} train {run.trained:6.0f}s ({run.trained / max(run.step, 1):.3f} s/step) | written file: "
+        f"{line(final)} [eval {time.perf_counter() - t:.0f}s]",
         flush=True,
     )
     print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB)")

@@ -61,14 +61,14 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pretrain_shapes import lr_at  # noqa: E402  (the same schedule)
+from pretrain_shapes import Progress, common_arguments, trained_with, write  # noqa: E402  (the same loop)
+from pretrain_shapes import train as train_network  # noqa: E402
 
 from fgrpo.models.shapes_edit import ShapesEditDiT  # noqa: E402 - with the sibling tool above
 from fgrpo.models.shapes_network import (  # noqa: E402 - with the sibling tool above
     Architecture,
     ShapesNetwork,
     count_parameters,
-    flow_loss,
     load_network,
     save_network,
     vocabulary_of,
@@ -81,45 +81,12 @@ DEFAULT_OUT = ROOT / "packages/fgrpo-models/src/fgrpo/models/weights/shapes-edit
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    p, _, t, e = common_arguments(
+        __doc__.split("\n\n")[0], width=64, layers=3, heads=2, text_width=64, steps=6000, batch=64, threads=1
     )
-    a = p.add_argument_group("architecture")
-    a.add_argument("--hidden", type=int, default=64, help="transformer width")
-    a.add_argument("--layers", type=int, default=3, help="SD3 joint transformer blocks")
-    a.add_argument("--heads", type=int, default=2, help="attention heads")
-    a.add_argument("--text-width", type=int, default=64, help="text encoder width")
-    a.add_argument("--text-layers", type=int, default=1, help="text encoder layers")
-    t = p.add_argument_group("training")
-    t.add_argument("--steps", type=int, default=6000, help="optimizer steps")
-    t.add_argument(
-        "--time-budget", type=float, default=0.0, help="stop after this many seconds of training (0: no limit)"
-    )
-    t.add_argument("--batch", type=int, default=64)
-    t.add_argument("--lr", type=float, default=2e-3)
-    t.add_argument("--lr-min", type=float, default=2e-4)
-    t.add_argument("--warmup", type=int, default=100)
-    t.add_argument("--decay-steps", type=int, default=6000, help="cosine horizon of the learning rate")
-    t.add_argument("--weight-decay", type=float, default=0.0)
-    t.add_argument("--grad-clip", type=float, default=1.0)
-    t.add_argument("--ema", type=float, default=0.999, help="EMA decay (with the usual (1+n)/(10+n) warm-up)")
-    t.add_argument("--loss-floor", type=float, default=0.05, help="sigma floor of the v-loss weight")
-    t.add_argument("--logit-mean", type=float, default=0.5)
-    t.add_argument("--logit-std", type=float, default=1.0)
     t.add_argument("--noise", type=float, default=0.35, help="fraction of targets that are mistaken edits")
-    t.add_argument(
-        "--prompt-dropout", type=float, default=0.1, help="fraction of instructions replaced by '' (for CFG)"
-    )
     t.add_argument("--split-seed", type=int, default=0, help="seed of the instruction split (ShapesEditPrompts.seed)")
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--device", default="cpu")
-    t.add_argument("--threads", type=int, default=1, help="torch CPU threads (the same count gives the same weights)")
-    e = p.add_argument_group("evaluation and output")
-    e.add_argument("--eval-every", type=int, default=1500, help="steps between evaluations (0: only at the end)")
-    e.add_argument("--eval-samples", type=int, default=4, help="samples per test prompt")
-    e.add_argument("--eval-steps", type=int, default=20, help="ODE steps")
     e.add_argument("--out", default=str(DEFAULT_OUT), help="the safetensors file to write")
-    e.add_argument("--checkpoint-dir", default="", help="also keep the weights of every evaluation here")
     return p.parse_args(argv)
 
 
@@ -132,6 +99,7 @@ class EditPairSampler:
         self.noise, self.prompt_dropout = noise, prompt_dropout
 
     def batch(self, n: int) -> tuple[list[str], torch.Tensor, torch.Tensor]:
+        """(instructions, targets, sources), pixels in [-1, 1]."""
         rng = self.rng
         prompts, sources, targets = [], [], []
         for c in rng.integers(len(self.categories), size=n):
@@ -141,7 +109,7 @@ class EditPairSampler:
             prompts.append("" if rng.random() < self.prompt_dropout else edit.instruction)
             sources.append(source)
             targets.append(target)
-        return prompts, render_batch(sources) * 2 - 1, render_batch(targets) * 2 - 1
+        return prompts, render_batch(targets) * 2 - 1, render_batch(sources) * 2 - 1
 
 
 def fresh_train_prompts(train: dict[str, list[world.Edit]], per_category: int, seed: int) -> list[str]:
@@ -214,64 +182,26 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     data = EditPairSampler(train, args.seed, args.noise, args.prompt_dropout)
-    optimizer = torch.optim.AdamW(network.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    gen = torch.Generator(device="cpu").manual_seed(args.seed + 1)
-    trained, losses, history = 0.0, [], []
-    meta = {
-        "trained_with": json.dumps(
-            {k: v for k, v in vars(args).items() if k not in ("out", "checkpoint_dir")}, sort_keys=True
-        )
-    }
+    history: list[dict] = []
+    meta = trained_with(args)
     if args.checkpoint_dir:
         Path(args.checkpoint_dir).mkdir(parents=True, exist_ok=True)
 
-    def checkpoint(step: int, net: ShapesNetwork, what: str) -> None:
+    def checkpoint(run: Progress, net: ShapesNetwork, what: str) -> None:
         t = time.perf_counter()
         held, fresh = evaluate(net, test, args, device), evaluate(net, seen, args, device)
-        history.append({"step": step, "train_s": round(trained, 1), "held_out": held, "train_instructions": fresh})
-        loss = np.mean(losses[-100:]) if losses else float("nan")
-        print(f"step {step:5d} train {trained:6.0f}s loss {loss:.4f} | {what} held-out {line(held)}", flush=True)
+        history.append(
+            {"step": run.step, "train_s": round(run.trained, 1), "held_out": held, "train_instructions": fresh}
+        )
+        head = f"step {run.step:5d} train {run.trained:6.0f}s loss {run.recent_loss():.4f}"
+        print(f"{head} | {what} held-out {line(held)}", flush=True)
         print(f"{'':>38} | {what} train-instr {line(fresh)} [eval {time.perf_counter() - t:.0f}s]", flush=True)
         if args.checkpoint_dir and what == "EMA":
-            save_network(net, Path(args.checkpoint_dir) / f"step{step:05d}.safetensors", extra=meta)
+            save_network(net, Path(args.checkpoint_dir) / f"step{run.step:05d}.safetensors", extra=meta)
 
-    step = 0
-    while step < args.steps and not (args.time_budget and trained >= args.time_budget):
-        t0 = time.perf_counter()
-        prompts, source, x0 = data.batch(args.batch)
-        source, x0 = source.to(device), x0.to(device)
-        eps = torch.randn(x0.shape, generator=gen).to(device)
-        sigma = torch.sigmoid(args.logit_mean + args.logit_std * torch.randn(args.batch, generator=gen)).to(device)
-        xt = (1 - sigma[:, None, None, None]) * x0 + sigma[:, None, None, None] * eps
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, args)
-        cond = network.encode(prompts)
-        out = network(xt, sigma, cond["prompt_embeds"], cond["pooled_prompt_embeds"], source)
-        loss = flow_loss(out.float(), x0, eps, sigma, arch.prediction, args.loss_floor)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if args.grad_clip:
-            torch.nn.utils.clip_grad_norm_(network.parameters(), args.grad_clip)
-        optimizer.step()
-        decay = min(args.ema, (1 + step) / (10 + step))
-        with torch.no_grad():
-            for pe, p in zip(ema.parameters(), network.parameters(), strict=True):
-                pe.lerp_(p, 1 - decay)
-        losses.append(loss.item())
-        step += 1
-        trained += time.perf_counter() - t0
-        if step % 100 == 0:
-            print(
-                f"step {step:5d} train {trained:6.0f}s ({trained / step:.3f} s/step) loss "
-                f"{np.mean(losses[-100:]):.4f} lr {lr_at(step - 1, args):.2e}",
-                flush=True,
-            )
-        if args.eval_every and step % args.eval_every == 0 and step < args.steps:
-            checkpoint(step, ema, "EMA")
-
-    out = Path(args.out)
-    save_network(ema, out, extra={**meta, "steps": str(step), "train_seconds": f"{trained:.0f}"})
-    checkpoint(step, load_network(out).to(device), "written file")  # exactly what was written (float16)
+    run = train_network(args, network, ema, device, data.batch, lambda r: checkpoint(r, ema, "EMA"))
+    out = write(ema, args, run)
+    checkpoint(run, load_network(out).to(device), "written file")  # exactly what was written (float16)
     print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB)")
     print("history " + json.dumps(history))
     return 0
