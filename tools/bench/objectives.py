@@ -197,8 +197,7 @@ def report(runs: list[dict], every: float, target_accuracy: float | None = None)
     lines += [
         "",
         f"held-out strict accuracy / gold error at equal {clock} time (the evaluation made on crossing each mark, "
-        f"less "
-        f"than one iteration after it; * = the run had ended before the mark: its last evaluation)",
+        f"less than one iteration after it; * = the run had ended before the mark: its last evaluation)",
         _bench.table(header, body),
     ]
     nfe_marks = [total_nfe * k / 10 for k in range(1, 11)]

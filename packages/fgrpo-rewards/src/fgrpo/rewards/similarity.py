@@ -152,7 +152,7 @@ class ImageSimilarity:
     _features: Any = attrs.field(init=False, default=None, repr=False)
 
     def __attrs_post_init__(self) -> None:
-        if self.backbone == "ssim":
+        if self.backbone == "ssim":  # pixels, no model
             return
         self._features = load_features(
             self.backbone, self.path or DEFAULT_PATHS[self.backbone], self.processor_path, self.dtype, self.device
@@ -190,8 +190,8 @@ class ImageSimilarity:
                 f"with source {self.source} (an editing dataset's 'image')"
             )
         reference = torch.stack([s[self.source] for s in sources]).to(outputs.device)
-        if self.backbone == "ssim":
-            similarity = ssim(outputs.clamp(0, 1), reference.to(outputs.dtype)).float().cpu()
+        if self._features is None:
+            similarity = ssim(outputs.clamp(0, 1), reference).float().cpu()
         else:
             similarity = (self.embed(outputs) * self.embed(reference)).sum(-1).cpu()
         return RewardResult(scores=similarity, details={"similarity": similarity})

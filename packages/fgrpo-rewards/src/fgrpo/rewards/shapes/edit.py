@@ -45,7 +45,8 @@ import torch
 
 from fgrpo.core.config import param
 from fgrpo.core.media import Prompt, source_images
-from fgrpo.core.protocols import RewardResult
+from fgrpo.core.protocols import EvaluatorResult, RewardResult
+from fgrpo.core.scoring import detail_means
 from fgrpo.rewards.shapes.verifier import EMPTY, GLYPH_TOLERANCE, INVALID, PIXEL_TOLERANCE, read_cells
 from fgrpo.rewards.shapes.world import (
     CELL,
@@ -492,20 +493,13 @@ class ShapesEditGoldEvaluator:
 
     directions = GOLD_DIRECTIONS
 
-    def __call__(self, context: Any) -> Any:
-        from fgrpo.core.protocols import EvaluatorResult
-
+    def __call__(self, context: Any) -> EvaluatorResult:
         pairs = [edit_and_source(p, context.metadata(p)) for p in context.sample_prompts]
         details = evaluate(
             context.samples, [e for e, _ in pairs], [s for _, s in pairs], self.pixel_tolerance, self.glyph_tolerance
         )
-        categories = details["category"]
-        metrics = {}
-        for key in GOLD_DIRECTIONS:
-            values = details[key].float()
-            metrics[key] = values.mean().item()
-            for name in sorted(set(categories)):  # as the reward's details are averaged per category
-                metrics[f"{key}/{name}"] = values[torch.tensor([c == name for c in categories])].mean().item()
+        # averaged as the evaluation averages the reward's details (per category, and their mean)
+        metrics = detail_means({key: details[key] for key in (*GOLD_DIRECTIONS, "category")})
         return EvaluatorResult(metrics=metrics)
 
 

@@ -43,7 +43,8 @@ import numpy as np
 import torch
 
 from fgrpo.core.config import param
-from fgrpo.core.protocols import RewardResult
+from fgrpo.core.protocols import EvaluatorResult, RewardResult
+from fgrpo.core.scoring import detail_means
 from fgrpo.rewards.shapes.world import (
     CATEGORIES,
     CELL,
@@ -283,13 +284,8 @@ class ShapesGoldEvaluator:
 
     directions = {"gold_error": "lower"}
 
-    def __call__(self, context: Any) -> Any:
-        from fgrpo.core.protocols import EvaluatorResult
-
+    def __call__(self, context: Any) -> EvaluatorResult:
         gold = gold_error(context.samples, self.pixel_tolerance, self.glyph_tolerance).float()
         categories = [spec_for(p, context.metadata(p)).category for p in context.sample_prompts]
-        metrics = {"gold_error": gold.mean().item()}
-        for name in sorted(set(categories)):  # as the reward's details are averaged per category
-            mask = torch.tensor([c == name for c in categories])
-            metrics[f"gold_error/{name}"] = gold[mask].mean().item()
-        return EvaluatorResult(metrics=metrics)
+        # averaged as the evaluation averages the reward's details (per category, and their mean)
+        return EvaluatorResult(metrics=detail_means({"gold_error": gold, "category": categories}))
