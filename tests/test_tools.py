@@ -78,6 +78,28 @@ def test_text_probe_compares_opposite_relations(root):
     }
 
 
+def test_marginal_probe_knows_the_conditional_mean_exactly(root):
+    probe = _load(root, "shapes_relation_probe")
+    prompt = "a red square to the left of a blue circle"
+    scenes = probe.relation_scenes(prompt)
+    assert len(scenes) == 27 and len(set(scenes)) == 27  # 3 rows x 3 rows x 3 column pairs a < b
+    assert all(world.satisfies(s, world.parse_prompt(prompt)) for s in scenes)
+
+    mean, variance = probe.conditional_moments(prompt)
+    drawn = world.render_batch([world.place(prompt, np.random.default_rng(i)) for i in range(3000)]).double() * 2 - 1
+    assert (drawn.mean(0) - mean).abs().max() < 0.06  # the data's uniform draw, by Monte Carlo
+    assert variance == pytest.approx((drawn - mean).pow(2).mean().item(), rel=0.02)
+
+    flipped, _ = probe.conditional_moments("a red square to the right of a blue circle")
+    assert probe.relation_use(mean, prompt)[0] == pytest.approx(0.5)
+    assert probe.relation_use(flipped, prompt)[0] == pytest.approx(-0.5)
+    assert probe.relation_use((mean + flipped) / 2, prompt)[0] == pytest.approx(0.0, abs=1e-12)
+
+    exact = world.render_batch(scenes).double() * 2 - 1  # worth, from its definition
+    blind, knowing = ((exact - (mean + flipped) / 2).pow(2).mean(), (exact - mean).pow(2).mean())
+    assert probe.relation_use(mean, prompt)[1] == pytest.approx(((blind - knowing) / blind).item())
+
+
 def test_reference_parity_sizes_lora_counts_on_the_real_configs(root):
     """The LoRA figures docs/method.md and docs/backbones.md quote (issue 21, item 4), counted on the
     published SD3.5-M and Wan 2.1 1.3B transformer configs built on the meta device."""

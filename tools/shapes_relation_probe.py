@@ -16,6 +16,18 @@ position prompt "A REL B" it prints the mean distance between its conditioning (
 flattened, and the pooled vector) and that of "A OPP B" (the relation word flipped), "B REL A" (the
 objects swapped; both the opposite layout) and of random pairs of position prompts. A LoRA on the
 transformer sees only this conditioning: what it does not separate, RL cannot teach apart.
+
+``--weights FILE`` probes another base (a pretraining's output) instead of the shipped one.
+
+``--marginal`` asks whether the transformer uses the relation where the layout is decided, at
+sigma = 1: there the loss-optimal x0 prediction is the conditional mean E[x0 | prompt], known
+exactly here (the average render over every pair of cells in the relation). Per position prompt
+it prints the *relation coefficient* of the model's prediction (averaged over noise draws) along
+Delta = E[x0 | A REL B] - E[x0 | A OPP B]: <pred - midpoint, Delta> / |Delta|^2, +0.5 when the
+prediction is the right conditional mean, 0 when it ignores the relation word, -0.5 when it
+reverses it; and the relation's *worth*, the fraction of the sigma = 1 loss of a relation-blind
+prediction (the midpoint) that knowing the relation removes: |Delta / 2|^2 / (Var + |Delta / 2|^2).
+A small worth is a weak training signal: the flow loss hardly rewards learning the relation.
 """
 
 from __future__ import annotations
@@ -31,8 +43,9 @@ from safetensors.torch import load_file
 from fgrpo.core.evaluation import generate
 from fgrpo.models.shapes_dit import ShapesDiT
 from fgrpo.rewards import shapes as world
+from fgrpo.rewards.shapes.scenes import ALL_CELLS
 from fgrpo.rewards.shapes.verifier import read_cells, spec_for
-from fgrpo.rewards.shapes.world import OPPOSITE, relation_holds
+from fgrpo.rewards.shapes.world import OPPOSITE, Placed, cells_in_relation, relation_holds
 
 CHANCE = 0.375  # P(two distinct uniformly random cells of the 3x3 grid are in a given relation)
 
@@ -103,6 +116,46 @@ def text_distances(encode, prompts: list[str], pairs: int = 2000, seed: int = 0)
     return {name: (mean_distance(tokens, ij), mean_distance(pooled, ij)) for name, ij in found.items() if ij}
 
 
+def relation_scenes(prompt: str) -> list[tuple[Placed, Placed]]:
+    """Every scene of a position prompt: its two objects in each ordered pair of distinct cells
+    in the relation (the pretraining data draws one of them uniformly)."""
+    spec = world.parse_prompt(prompt)
+    (ca, sa, _), (cb, sb, _) = spec.objects
+    return [
+        (Placed(ca, sa, *a), Placed(cb, sb, *b))
+        for a in ALL_CELLS
+        for b in ALL_CELLS
+        if a != b and cells_in_relation(a, b, spec.relation)
+    ]
+
+
+def conditional_moments(prompt: str) -> tuple[torch.Tensor, float]:
+    """(E[x0 | prompt] (3, 24, 24) in the model's [-1, 1] pixels, E||x0 - E[x0 | prompt]||^2 per
+    pixel) over the prompt's scenes, exactly."""
+    images = world.render_batch(relation_scenes(prompt)).double() * 2 - 1
+    mean = images.mean(0)
+    return mean, (images - mean).pow(2).mean().item()
+
+
+def relation_use(prediction: torch.Tensor, prompt: str) -> tuple[float, float]:
+    """(relation coefficient of an x0 ``prediction`` (3, 24, 24) for position ``prompt``, the
+    relation's worth at sigma = 1); see the module docstring."""
+    mean, variance = conditional_moments(prompt)
+    flipped, _ = conditional_moments(opposites(prompt)["relation word flipped"])
+    delta = mean - flipped
+    coefficient = ((prediction.double() - (mean + flipped) / 2) * delta).sum() / delta.pow(2).sum()
+    half = (delta / 2).pow(2).mean().item()
+    return coefficient.item(), half / (variance + half)
+
+
+def predicted_x0_at_noise(policy: ShapesDiT, prompt: str, draws: int, seed: int) -> torch.Tensor:
+    """The policy's x0 prediction at sigma = 1 (x0 = x - v), averaged over ``draws`` noise images."""
+    x = torch.randn((draws, *policy.latent_shape), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        v = policy.velocity(x, 1.0, policy.encode([prompt] * draws))
+    return (x - v).mean(0)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoints", nargs="*", help="checkpoint folders holding trainable.safetensors")
@@ -112,17 +165,23 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20, help="ODE steps")
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--text", action="store_true", help="compare the text conditioning of opposite relations")
+    p.add_argument("--weights", help="a shapes-dit weights file to probe instead of the shipped base")
+    p.add_argument("--marginal", action="store_true", help="does the x0 prediction at sigma 1 use the relation?")
     args = p.parse_args()
+    if args.marginal:
+        return marginal_report(args)
     if args.text:
         position = world.all_prompts(["position"])  # the text encoder is frozen: one for every run
-        for name, (tokens, pooled) in text_distances(ShapesDiT(device="cpu").encode, position).items():
+        for name, (tokens, pooled) in text_distances(
+            ShapesDiT(path=args.weights, device="cpu").encode, position
+        ).items():
             print(f"{name:22s} tokens {tokens:7.3f}  pooled {pooled:6.3f}  ({len(position)} position prompts)")
         return
     _, test = world.split(0, 16)
     by_category = {c: [q for q in test if spec_for(q).category == c] for c in ("position", "color_attr")}
     print(f"chance of a relation between two random cells: {CHANCE:.3f}")
     for label in ["base", *args.checkpoints]:
-        policy = ShapesDiT(device="cpu", lora={"rank": args.rank, "alpha": args.alpha})
+        policy = ShapesDiT(path=args.weights, device="cpu", lora={"rank": args.rank, "alpha": args.alpha})
         if label != "base":
             policy.load_trainable_state_dict(load_file(str(Path(label) / "trainable.safetensors")))
         for category, prompts in by_category.items():
@@ -131,6 +190,28 @@ def main() -> None:
             print(
                 f"{label}: {category:10s} objects exactly right {objects:.3f}{tail}  ({len(prompts) * args.samples} "
                 f"samples)",
+                flush=True,
+            )
+
+
+def marginal_report(args: argparse.Namespace) -> None:
+    train, test = world.split(0, 16)
+    split = {
+        "train": [q for q in train if spec_for(q).category == "position"][::8][:32],
+        "test": [q for q in test if spec_for(q).category == "position"],
+    }
+    worth = [relation_use(torch.zeros(3, 24, 24), q)[1] for q in split["test"]]
+    print(f"relation worth at sigma 1: {sum(worth) / len(worth):.4f} of a relation-blind prediction's loss")
+    for label in ["base", *args.checkpoints]:
+        policy = ShapesDiT(path=args.weights, device="cpu", lora={"rank": args.rank, "alpha": args.alpha})
+        if label != "base":
+            policy.load_trainable_state_dict(load_file(str(Path(label) / "trainable.safetensors")))
+        for name, prompts in split.items():
+            found = [relation_use(predicted_x0_at_noise(policy, q, args.samples, args.seed), q)[0] for q in prompts]
+            mean = sum(found) / len(found)
+            print(
+                f"{label}: {name:5s} relation coefficient at sigma 1 {mean:+.3f} (min {min(found):+.3f}, max "
+                f"{max(found):+.3f}; +0.5 knows it, 0 ignores it; {len(prompts)} prompts)",
                 flush=True,
             )
 
