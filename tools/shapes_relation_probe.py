@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import attrs
@@ -180,10 +181,7 @@ def main() -> None:
     _, test = world.split(0, 16)
     by_category = {c: [q for q in test if spec_for(q).category == c] for c in ("position", "color_attr")}
     print(f"chance of a relation between two random cells: {CHANCE:.3f}")
-    for label in ["base", *args.checkpoints]:
-        policy = ShapesDiT(path=args.weights, device="cpu", lora={"rank": args.rank, "alpha": args.alpha})
-        if label != "base":
-            policy.load_trainable_state_dict(load_file(str(Path(label) / "trainable.safetensors")))
+    for label, policy in policies(args):
         for category, prompts in by_category.items():
             objects, relation = probe(policy, prompts, args.samples, args.steps, args.seed)
             tail = f"  relation given the objects {relation:.3f}" if category == "position" else ""
@@ -194,6 +192,15 @@ def main() -> None:
             )
 
 
+def policies(args: argparse.Namespace) -> Iterator[tuple[str, ShapesDiT]]:
+    """("base", the base policy), then (folder, the base with that checkpoint's trainable weights)."""
+    for label in ["base", *args.checkpoints]:
+        policy = ShapesDiT(path=args.weights, device="cpu", lora={"rank": args.rank, "alpha": args.alpha})
+        if label != "base":
+            policy.load_trainable_state_dict(load_file(str(Path(label) / "trainable.safetensors")))
+        yield label, policy
+
+
 def marginal_report(args: argparse.Namespace) -> None:
     train, test = world.split(0, 16)
     split = {
@@ -202,10 +209,7 @@ def marginal_report(args: argparse.Namespace) -> None:
     }
     worth = [relation_use(torch.zeros(3, 24, 24), q)[1] for q in split["test"]]
     print(f"relation worth at sigma 1: {sum(worth) / len(worth):.4f} of a relation-blind prediction's loss")
-    for label in ["base", *args.checkpoints]:
-        policy = ShapesDiT(path=args.weights, device="cpu", lora={"rank": args.rank, "alpha": args.alpha})
-        if label != "base":
-            policy.load_trainable_state_dict(load_file(str(Path(label) / "trainable.safetensors")))
+    for label, policy in policies(args):
         for name, prompts in split.items():
             found = [relation_use(predicted_x0_at_noise(policy, q, args.samples, args.seed), q)[0] for q in prompts]
             mean = sum(found) / len(found)
