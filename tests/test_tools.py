@@ -91,13 +91,13 @@ def test_marginal_probe_knows_the_conditional_mean_exactly(root):
     assert variance == pytest.approx((drawn - mean).pow(2).mean().item(), rel=0.02)
 
     flipped, _ = probe.conditional_moments("a red square to the right of a blue circle")
-    assert probe.relation_use(mean, prompt)[0] == pytest.approx(0.5)
-    assert probe.relation_use(flipped, prompt)[0] == pytest.approx(-0.5)
-    assert probe.relation_use((mean + flipped) / 2, prompt)[0] == pytest.approx(0.0, abs=1e-12)
+    assert probe.relation_coefficient(mean, prompt) == pytest.approx(0.5)
+    assert probe.relation_coefficient(flipped, prompt) == pytest.approx(-0.5)
+    assert probe.relation_coefficient((mean + flipped) / 2, prompt) == pytest.approx(0.0, abs=1e-12)
 
     exact = world.render_batch(scenes).double() * 2 - 1  # worth, from its definition
     blind, knowing = ((exact - (mean + flipped) / 2).pow(2).mean(), (exact - mean).pow(2).mean())
-    assert probe.relation_use(mean, prompt)[1] == pytest.approx(((blind - knowing) / blind).item())
+    assert probe.relation_worth(prompt) == pytest.approx(((blind - knowing) / blind).item())
 
 
 def test_reference_parity_sizes_lora_counts_on_the_real_configs(root):

@@ -44,9 +44,9 @@ from safetensors.torch import load_file
 from fgrpo.core.evaluation import generate
 from fgrpo.models.shapes_dit import ShapesDiT
 from fgrpo.rewards import shapes as world
-from fgrpo.rewards.shapes.scenes import ALL_CELLS
+from fgrpo.rewards.shapes.scenes import relation_pairs
 from fgrpo.rewards.shapes.verifier import read_cells, spec_for
-from fgrpo.rewards.shapes.world import OPPOSITE, Placed, cells_in_relation, relation_holds
+from fgrpo.rewards.shapes.world import OPPOSITE, Placed, relation_holds
 
 CHANCE = 0.375  # P(two distinct uniformly random cells of the 3x3 grid are in a given relation)
 
@@ -122,12 +122,7 @@ def relation_scenes(prompt: str) -> list[tuple[Placed, Placed]]:
     in the relation (the pretraining data draws one of them uniformly)."""
     spec = world.parse_prompt(prompt)
     (ca, sa, _), (cb, sb, _) = spec.objects
-    return [
-        (Placed(ca, sa, *a), Placed(cb, sb, *b))
-        for a in ALL_CELLS
-        for b in ALL_CELLS
-        if a != b and cells_in_relation(a, b, spec.relation)
-    ]
+    return [(Placed(ca, sa, *a), Placed(cb, sb, *b)) for a, b in relation_pairs(spec.relation)]
 
 
 def conditional_moments(prompt: str) -> tuple[torch.Tensor, float]:
@@ -138,15 +133,21 @@ def conditional_moments(prompt: str) -> tuple[torch.Tensor, float]:
     return mean, (images - mean).pow(2).mean().item()
 
 
-def relation_use(prediction: torch.Tensor, prompt: str) -> tuple[float, float]:
-    """(relation coefficient of an x0 ``prediction`` (3, 24, 24) for position ``prompt``, the
-    relation's worth at sigma = 1); see the module docstring."""
-    mean, variance = conditional_moments(prompt)
+def relation_coefficient(prediction: torch.Tensor, prompt: str) -> float:
+    """The relation coefficient of an x0 ``prediction`` (3, 24, 24) for position ``prompt``: +0.5
+    at E[x0 | prompt], -0.5 at E[x0 | relation flipped], 0 at their midpoint (module docstring)."""
+    mean, _ = conditional_moments(prompt)
     flipped, _ = conditional_moments(opposites(prompt)["relation word flipped"])
     delta = mean - flipped
-    coefficient = ((prediction.double() - (mean + flipped) / 2) * delta).sum() / delta.pow(2).sum()
-    half = (delta / 2).pow(2).mean().item()
-    return coefficient.item(), half / (variance + half)
+    return (((prediction.double() - (mean + flipped) / 2) * delta).sum() / delta.pow(2).sum()).item()
+
+
+def relation_worth(prompt: str) -> float:
+    """The share of a relation-blind prediction's sigma-1 loss that knowing the relation removes."""
+    mean, variance = conditional_moments(prompt)
+    flipped, _ = conditional_moments(opposites(prompt)["relation word flipped"])
+    half = ((mean - flipped) / 2).pow(2).mean().item()
+    return half / (variance + half)
 
 
 def predicted_x0_at_noise(policy: ShapesDiT, prompt: str, draws: int, seed: int) -> torch.Tensor:
@@ -207,11 +208,13 @@ def marginal_report(args: argparse.Namespace) -> None:
         "train": [q for q in train if spec_for(q).category == "position"][::8][:32],
         "test": [q for q in test if spec_for(q).category == "position"],
     }
-    worth = [relation_use(torch.zeros(3, 24, 24), q)[1] for q in split["test"]]
+    worth = [relation_worth(q) for q in split["test"]]
     print(f"relation worth at sigma 1: {sum(worth) / len(worth):.4f} of a relation-blind prediction's loss")
     for label, policy in policies(args):
         for name, prompts in split.items():
-            found = [relation_use(predicted_x0_at_noise(policy, q, args.samples, args.seed), q)[0] for q in prompts]
+            found = [
+                relation_coefficient(predicted_x0_at_noise(policy, q, args.samples, args.seed), q) for q in prompts
+            ]
             mean = sum(found) / len(found)
             print(
                 f"{label}: {name:5s} relation coefficient at sigma 1 {mean:+.3f} (min {min(found):+.3f}, max "

@@ -50,6 +50,12 @@ _PAIRS: dict[tuple[str, bool], list[tuple[tuple[int, int], tuple[int, int]]]] = 
 }
 
 
+def relation_pairs(relation: str, holds: bool = True) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """Every ordered pair of distinct cells (cell_a, cell_b) for which "a ``relation`` b" holds (or,
+    with ``holds`` False, fails): :func:`place` draws a position scene's cells uniformly from it."""
+    return list(_PAIRS[(relation, holds)])
+
+
 def _pair_cells(relation: str, rng: np.random.Generator, holds: bool = True):
     pairs = _PAIRS[(relation, holds)]
     return pairs[int(rng.integers(len(pairs)))]
