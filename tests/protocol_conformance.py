@@ -31,7 +31,7 @@ from fgrpo.models.wan import WanImageToVideoPolicy, WanPolicy
 from fgrpo.models.z_image import ZImagePolicy
 from fgrpo.rewards.aesthetic import Aesthetic
 from fgrpo.rewards.clip import CLIPScore, PickScore
-from fgrpo.rewards.driving.closed_loop import ClosedLoop
+from fgrpo.rewards.driving.closed_loop import ClosedLoop, Rollout
 from fgrpo.rewards.driving.prompts import DrivingPrompts
 from fgrpo.rewards.driving.rewards import (
     PDMS,
@@ -96,6 +96,7 @@ REWARDS: dict[str, type[Reward]] = {
     "driving-imitation": Imitation,
     "driving-pdms": PDMS,
     "driving-progress": Progress,
+    "driving-rollout": Rollout,
     "driving-rules": Rules,
     "driving-safety": Safety,
     "geneval": GenEval,

@@ -75,7 +75,7 @@ def test_a_short_run_logs_gold_per_type_and_draws_scenes(root, tmp_path):
     for row in evals:
         for metric in ("cl_score", "collision", "off_road", "progress", "stuck", "jerk"):
             assert all(f"gold/driving-closed-loop/{metric}/{t}" in row for t in TYPES), metric
-        assert "eval/driving-carl/carl/cut-in" in row  # the proxy per type too
+        assert "eval/driving-rollout/rollout/cut-in" in row  # the proxy per type too
     assert (
         rows[1]["prompts_refreshed"] == 1.0
     )  # the starting states of iteration 0 came from the policy's own closed loop
@@ -140,4 +140,4 @@ def test_nan_waypoints_stop_the_run_with_one_line(root, tmp_path, capsys):
     )
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
-    assert "reward 'driving-carl' raised ValueError: driving plan 0 has NaN or infinite waypoints" in err[0]
+    assert "reward 'driving-rollout' raised ValueError: driving plan 0 has NaN or infinite waypoints" in err[0]

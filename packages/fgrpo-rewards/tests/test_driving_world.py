@@ -135,6 +135,32 @@ def test_a_collision_at_a_known_time():
     assert rewards.outcome(stop_short, [prompt], 4.0).collision.item() is False
 
 
+def test_the_reactive_simulation_is_the_closed_loops_execution_of_one_plan():
+    # a faster car 30 m behind the ego in its lane: without the ego in its world it drives through
+    # it (a collision from behind, not the ego's fault, not counted); among reactive traffic it
+    # brakes to the ego's speed behind it, as the closed loop's cars do, and no collision is there
+    prompt = custom("tailgater", ego=(1, 10.0), agents=[(1, -30.0, 20.0)])
+    scene = scenes.scenes_for([prompt])
+    # (blind, the bumpers meet at 25.5 m / 10 m/s = 2.55 s; at 2.7 s the boxes overlap by 1.5 m)
+    blind = sim.simulate_plan(scene, constant_speed(10.0), 2.7)
+    seen = sim.simulate_plan(scene, constant_speed(10.0), 8.0, reactive=True)
+    overlap = CAR_LENGTH - (blind["ego"][0, -1, 0] - blind["agents"][0, -1, 0, 0])
+    assert not blind["collision"].any() and overlap.item() == pytest.approx(1.5, abs=1e-3)
+    gap = seen["ego"][0, :, 0] - seen["agents"][0, :, 0, 0] - CAR_LENGTH
+    assert not seen["collision"].any() and gap.min() > 1.0
+    assert seen["agents"][0, -1, 0, 3].item() == pytest.approx(10.0, abs=0.5)
+    # every state of it is what sim.execute (the closed loop's step) gives for the same plan
+    dense = generate([4, 3], [7, 8])
+    plan = constant_speed(18.0, y=0.5, n=2)
+    run = sim.simulate_plan(dense, plan, 4.0, reactive=True)
+    _, after = sim.execute(dense, plan, 4.0)
+    assert torch.equal(run["ego"][:, 1:], torch.stack([s.ego for s in after], 1))
+    assert torch.equal(run["agents"][:, 1:], torch.stack([s.agents for s in after], 1))
+    # and a term measures it when asked: the same plan scores apart where the traffic reacts
+    assert rewards.outcome(constant_speed(10.0), [prompt], 8.0, reactive=True).collision.item() is False
+    assert score("driving-carl", constant_speed(10.0), [prompt], reactive=True, horizon=8.0).scores.shape == (1,)
+
+
 def test_time_to_collision_of_two_cars_closing_at_known_speeds():
     # ego 20 m/s, the car ahead 10 m/s, 20 m between the bumpers: 2 s
     ego = torch.tensor([[0.0, 5.25, 0.0, 20.0, 0.0]])
@@ -245,14 +271,53 @@ def test_the_closed_loop_of_the_teacher_and_of_constant_velocity():
     assert set(closed_loop.METRICS) <= set(m) and "cl_score/stopped" in m
 
 
+def test_the_rollout_reward_values_what_the_closed_loop_executes_of_a_plan():
+    wall = custom("wall-12", agents=[(1, 12.0, 0.0)])  # 7.5 m between the bumpers at 20 m/s: hit at 0.4 s
+    free = custom("open-road", lanes=2, limit=30.0, ego=(0, 30.0))
+    result = score("driving-rollout", constant_speed(20.0), [wall])
+    assert result.scores.item() == 0.0 and result.details["collision"].item() == 1.0  # the teacher comes too late
+    # the loop executes a plan's first 0.5 s; the tracker looks 0.8 s ahead and takes speeds over
+    # +-0.25 s, so plans equal up to 1.5 s score the same however they go on (the open loop differs)
+    a = constant_speed(30.0)
+    b = a.clone()
+    b[0, 3:, 1] = torch.linspace(0.5, 3.0, HORIZON_STEPS - 3)  # swerves off the road from 2 s on
+    pair = score("driving-rollout", torch.cat([a, b]), [free, free])
+    assert pair.scores[0] == pair.scores[1] and pair.scores[0] > 0.5
+    open_loop = score("driving-carl", torch.cat([a, b]), [free, free]).scores
+    assert open_loop[0] > open_loop[1]
+    # speeding for 0.5 s costs exp(-mean excess / 2), the excess measured over the whole loop
+    fast = score("driving-rollout", constant_speed(42.0), [free], jerk_scale=8.0)
+    d = fast.details
+    assert d["speed_excess"].item() > 0.1
+    expected = d["cl_score"] * torch.exp(-d["speed_excess"] / 2) * torch.exp(-0.5 * (d["jerk_rms"] / 8.0) ** 2)
+    assert fast.scores.item() == pytest.approx(expected.item(), rel=1e-6)
+    assert fast.scores.item() < pair.scores[0].item()
+
+
+def test_the_expert_is_the_teacher_without_its_flaws():
+    batch = [scenes.prompt_of("stopped", s) for s in range(6)]
+    start = scenes.scenes_for(batch)
+    expert = sim.without_flaws(start)
+    for key, value in sim.EXPERT.items():
+        assert (expert.teacher_param(key) == value).all(), key
+    assert torch.equal(expert.ego, start.ego) and torch.equal(expert.agents, start.agents)
+    # it sees the stopped car from 150 m and always may change lanes: it passes where the teacher hits
+    teacher = closed_loop.judge(start, sim.teacher_rollout(start, 100), 10.0)
+    better = closed_loop.judge(expert, sim.teacher_rollout(expert, 100), 10.0)
+    assert better.collision.sum() <= teacher.collision.sum() and better.cl_score.mean() > teacher.cl_score.mean()
+    pair = score("driving-rollout", constant_speed(15.0, n=2), batch[:2], continuation="expert")
+    assert pair.scores.shape == (2,) and ((pair.scores >= 0) & (pair.scores <= 1)).all()
+
+
 # --- bad input ------------------------------------------------------------------------------------
 
 
 def test_nan_waypoints_are_one_line():
     plans = constant_speed(20.0, n=2)
     plans[1, 3, 0] = float("nan")
-    with pytest.raises(ValueError, match=r"^driving plan 1 has NaN or infinite waypoints \(1 of 2 plans\)$"):
-        score("driving-pdms", plans, ["free 1", "free 2"])
+    for name in ("driving-pdms", "driving-rollout"):
+        with pytest.raises(ValueError, match=r"^driving plan 1 has NaN or infinite waypoints \(1 of 2 plans\)$"):
+            score(name, plans, ["free 1", "free 2"])
     with pytest.raises(ValueError, match=r"driving plans are \(2, T, 2\) waypoints"):
         score("driving-pdms", torch.zeros(2, 8), ["free 1", "free 2"])
 

@@ -51,6 +51,7 @@ COMPONENTS: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
                     "consistency",
                     "pdms",
                     "carl",
+                    "rollout",
                 )
             ),
         )

@@ -17,10 +17,11 @@ traffic). Everything a run needs is a pure function of a prompt such as ``"cut-i
   the policy's own closed loop, scenario files);
 - :mod:`.closed_loop`: the ``driving-closed-loop`` evaluator, the gold metric: 12 s among
   reactive traffic, replanning at 2 Hz (collision, off-road, progress, stuck, jerk, CL-score);
+  and ``driving-rollout``, the closed loop as a reward (a plan's first 0.5 s, then the teacher);
 - :mod:`.draw`: top-down pictures for sample grids and the report.
 """
 
-from fgrpo.rewards.driving.closed_loop import ClosedLoop, drive
+from fgrpo.rewards.driving.closed_loop import ClosedLoop, Rollout, drive
 from fgrpo.rewards.driving.prompts import DrivingPrompts, read_scenario_file
 from fgrpo.rewards.driving.rewards import (
     PDMS,
@@ -47,6 +48,7 @@ __all__ = [
     "DrivingPrompts",
     "Imitation",
     "Progress",
+    "Rollout",
     "Rules",
     "Safety",
     "Scene",

@@ -31,9 +31,9 @@ import torch
 import fgrpo.rewards.driving.scenes as scene_store
 import fgrpo.rewards.driving.sim as sim
 from fgrpo.core.config import param
-from fgrpo.core.protocols import EvaluatorResult, Picture
+from fgrpo.core.protocols import EvaluatorResult, Picture, RewardResult
 from fgrpo.core.seeding import generator
-from fgrpo.rewards.driving.rewards import free_distance
+from fgrpo.rewards.driving.rewards import check_plans, free_distance
 from fgrpo.rewards.driving.world import TYPES, Scene
 
 #: a planner: (scenes, the replanning round) -> plans (B, T, 2) in each scene's ego frame
@@ -49,6 +49,7 @@ DIRECTIONS = {
     "jerk": "lower",
 }
 STUCK_SPEED = 2.0
+REPLAN = 0.5  #: s between two plans in the closed loop
 
 
 @attrs.frozen
@@ -83,39 +84,44 @@ class Drive:
 
 
 def drive(
-    planner: Planner, start: Scene, seconds: float = 12.0, replan: float = 0.5, keep: Sequence[float] = ()
+    planner: Planner, start: Scene, seconds: float = 12.0, replan: float = REPLAN, keep: Sequence[float] = ()
 ) -> Drive:
     """Run the closed loop from ``start`` (see the module docstring); ``keep``: times (s after the
     start, multiples of ``replan``) whose scenes :attr:`Drive.snapshots` holds (the plan made
     before each is its ``previous_plan``)."""
     rounds = int(round(seconds / replan))
     scene = start
-    collided = torch.zeros(len(start), dtype=torch.bool)
-    first = torch.full((len(start),), -1, dtype=torch.long)
-    off = torch.zeros(len(start), dtype=torch.bool)
-    accels, path, speeds = [start.ego[:, 4]], [start.ego[:, :2]], []
+    executed: list[Scene] = []
     snapshots: dict[float, Scene] = {}
     wanted = {round(t / replan): t for t in keep}
-    step = 0
     for r in range(rounds):
         if r in wanted:
             snapshots[wanted[r]] = scene
         plans = planner(scene, r)
         made = sim.plan_to_world(plans[..., :2], scene.ego)
         scene, steps = sim.execute(scene, plans[..., :2], replan)
-        for s in steps:
-            hit = sim.collisions(s.ego, s.agents, s.valid, at_fault_only=False)
-            first = torch.where(hit & ~collided, torch.full_like(first, step), first)
-            collided |= hit
-            off |= sim.off_road(s.ego, s.lanes, s.lane_width)
-            accels.append(s.ego[:, 4])
-            path.append(s.ego[:, :2])
-            speeds.append(s.ego[:, 3])
-            step += 1
+        executed += steps
         # the plan made at this round is the next scene's previous plan: waypoints at its time on
         scene = scene.replace(previous_plan=made)
     if rounds in wanted:
         snapshots[wanted[rounds]] = scene
+    return judge(start, executed, seconds, snapshots)
+
+
+def judge(start: Scene, steps: Sequence[Scene], seconds: float, snapshots: dict[float, Scene] | None = None) -> Drive:
+    """What the ego did in the scenes ``steps`` (one per DT from ``start`` on, ``seconds`` in all)."""
+    collided = torch.zeros(len(start), dtype=torch.bool)
+    first = torch.full((len(start),), -1, dtype=torch.long)
+    off = torch.zeros(len(start), dtype=torch.bool)
+    accels, path, speeds = [start.ego[:, 4]], [start.ego[:, :2]], []
+    for step, s in enumerate(steps):
+        hit = sim.collisions(s.ego, s.agents, s.valid, at_fault_only=False)
+        first = torch.where(hit & ~collided, torch.full_like(first, step), first)
+        collided |= hit
+        off |= sim.off_road(s.ego, s.lanes, s.lane_width)
+        accels.append(s.ego[:, 4])
+        path.append(s.ego[:, :2])
+        speeds.append(s.ego[:, 3])
     accel = torch.stack(accels, 1)
     jerk = ((accel[:, 1:] - accel[:, :-1]) / sim.DT).pow(2).mean(1).sqrt()
     position = torch.stack(path, 1)
@@ -130,8 +136,8 @@ def drive(
         jerk=jerk,
         path=position,
         start=start,
-        end=scene,
-        snapshots=snapshots,
+        end=steps[-1],
+        snapshots=snapshots or {},
     )
 
 
@@ -228,3 +234,53 @@ def reference_scores(prompts: Sequence[str], seconds: float = 12.0) -> dict[str,
         name: summarize(drive(planner, start, seconds), start.kind)
         for name, planner in (("teacher", teacher_planner), ("constant-velocity", constant_velocity_planner))
     }
+
+
+@attrs.define
+class Rollout:
+    """The closed loop as a reward (``driving-rollout``): each plan is executed for its first
+    0.5 s among reactive traffic (the closed loop's replanning period), then the teacher (or the
+    ``expert``, the teacher without its flaws) drives on by its own control until ``seconds``. The
+    score is that loop's CL-score (no collision x on road x progress) x exp(-mean speed above the
+    limit / 2 m/s) (x a comfort factor with ``jerk_scale``). It values what the closed loop executes
+    of a plan, its first 0.5 s, by what follows from it (AggreVaTe's cost-to-go of an expert), where
+    the open-loop terms value the whole plan as if it were executed to its end among blind traffic."""
+
+    seconds: float = param(8.0, gt=0.5, le=20.0, help="length of each loop [s], the plan's 0.5 s included")
+    jerk_scale: float = param(0.0, ge=0.0, help="x exp(-(RMS jerk of the loop / jerk_scale)^2 / 2); 0: no factor")
+    continuation: str = param(
+        "teacher",
+        choices=("teacher", "expert"),
+        help="who drives after the plan: the flawed teacher of the logs, or the same IDM + MOBIL driver without "
+        "its flaws (see sim.EXPERT)",
+    )
+
+    def __call__(self, outputs: Any, prompts: Sequence[str], metadata: Sequence[Any]) -> RewardResult:
+
+        plans = check_plans(outputs, len(prompts))
+        start = scene_store.scenes_for(list(prompts))
+        _, executed = sim.execute(start, plans, REPLAN)
+        after = executed[-1] if self.continuation == "teacher" else sim.without_flaws(executed[-1])
+        executed += sim.teacher_rollout(after, int(round((self.seconds - REPLAN) / sim.DT)))
+        result = judge(start, executed, self.seconds)
+        speeds = torch.stack([s.ego[:, 3] for s in executed], 1)
+        excess = (speeds - start.speed_limit[:, None]).clamp_min(0).mean(1)
+        # the loop's CL-score caps progress at the free-road distance but never sees the limit: a
+        # plan that speeds for 0.5 s and leaves the braking to the teacher would score as well
+        scores = result.cl_score * torch.exp(-excess / 2.0)
+        if self.jerk_scale:
+            scores = scores * torch.exp(-0.5 * (result.jerk / self.jerk_scale) ** 2)
+        return RewardResult(
+            scores=scores.to(outputs.device),
+            details={
+                "rollout": scores,
+                "cl_score": result.cl_score,
+                "speed_excess": excess,
+                "collision": result.collision.float(),
+                "off_road": result.off_road.float(),
+                "progress_ratio": result.progress,
+                "jerk_rms": result.jerk,
+                "mean_speed": result.mean_speed,
+                "category": [TYPES[int(k)] for k in start.kind],
+            },
+        )

@@ -104,10 +104,17 @@ def free_distance(v0: torch.Tensor, limit: torch.Tensor, seconds: float, accel: 
     return v0 * reach + 0.5 * accel * reach**2 + cap * (seconds - reach)
 
 
-def measure(plans: torch.Tensor, scenes: Scene, horizon: float, agents: torch.Tensor | None = None) -> Outcome:
-    """Simulate ``plans`` from ``scenes`` for ``horizon`` s (non-reactive; ``agents`` the other
-    cars' precomputed paths) and measure it all."""
-    run = sim.simulate_plan(scenes, plans, horizon, agents=agents)
+def measure(
+    plans: torch.Tensor,
+    scenes: Scene,
+    horizon: float,
+    agents: torch.Tensor | None = None,
+    *,
+    reactive: bool = False,
+) -> Outcome:
+    """Simulate ``plans`` from ``scenes`` for ``horizon`` s (non-reactive, ``agents`` the other
+    cars' precomputed paths; or among ``reactive`` traffic) and measure it all."""
+    run = sim.simulate_plan(scenes, plans, horizon, agents=agents, reactive=reactive)
     ego = run["ego"]
     hit = run["collision"]
     first = torch.where(hit.any(1), (hit.float().argmax(1) + 1) * sim.DT, torch.full((len(scenes),), math.inf))
@@ -150,10 +157,14 @@ def measure(plans: torch.Tensor, scenes: Scene, horizon: float, agents: torch.Te
 _CACHE: OrderedDict[tuple, Outcome] = OrderedDict()
 
 
-def outcome(plans: torch.Tensor, prompts: Sequence[str], horizon: float) -> Outcome:
+def outcome(plans: torch.Tensor, prompts: Sequence[str], horizon: float, reactive: bool = False) -> Outcome:
     """:func:`measure` of a batch, kept for the other terms of the same batch (the last 8 batches)."""
-    key = (hash(plans.numpy().tobytes()), tuple(prompts), horizon)
-    if key not in _CACHE:
+    key = (hash(plans.numpy().tobytes()), tuple(prompts), horizon, reactive)
+    if key in _CACHE:
+        pass
+    elif reactive:
+        _CACHE[key] = measure(plans, scene_store.scenes_for(list(prompts)), horizon, reactive=True)
+    else:
         # the G plans of a group share a scene: the other cars' paths are simulated once per scene
         unique = list(dict.fromkeys(prompts))
         where = (
@@ -164,8 +175,8 @@ def outcome(plans: torch.Tensor, prompts: Sequence[str], horizon: float) -> Outc
         scenes = scene_store.scenes_for(unique)
         agents = sim.agent_paths(scenes, int(round(horizon / sim.DT)))
         _CACHE[key] = measure(plans, scenes.index(where), horizon, agents[where])
-        while len(_CACHE) > 8:
-            _CACHE.popitem(last=False)
+    while len(_CACHE) > 8:
+        _CACHE.popitem(last=False)
     _CACHE.move_to_end(key)
     return _CACHE[key]
 
@@ -177,6 +188,14 @@ def _horizon() -> Any:
     return param(4.0, gt=0.0, le=8.0, help="seconds of the plan the non-reactive simulation executes")
 
 
+def _reactive() -> Any:
+    return param(
+        False,
+        help="simulate the plan among reactive traffic (the others brake for the ego, every collision counts, "
+        "as in the closed loop) instead of NAVSIM's non-reactive simulation",
+    )
+
+
 def _ttc_threshold() -> Any:
     return param(1.5, gt=0.0, help="time to collision [s] at or above which the TTC term is 1")
 
@@ -186,6 +205,7 @@ class DrivingTerm:
 
     __slots__ = ()
     horizon: float
+    reactive: bool
     #: the term's name in ``details`` (also the reward's score)
     key: ClassVar[str] = "score"
 
@@ -194,7 +214,7 @@ class DrivingTerm:
 
     def __call__(self, outputs: Any, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> RewardResult:
         plans = check_plans(outputs, len(prompts))
-        o = outcome(plans, prompts, self.horizon)
+        o = outcome(plans, prompts, self.horizon, self.reactive)
         scores = self.score(o, plans, prompts).float()
         device = outputs.device
         return RewardResult(
@@ -262,6 +282,7 @@ class Safety(DrivingTerm):
     """No at-fault collision x min(1, min TTC / ttc_threshold) over the simulated plan."""
 
     horizon: float = _horizon()
+    reactive: bool = _reactive()
     ttc_threshold: float = _ttc_threshold()
     key: ClassVar[str] = "safety"
 
@@ -274,6 +295,7 @@ class Drivable(DrivingTerm):
     """0 off the road, else min(1, the smallest margin to the road's edges / margin)."""
 
     horizon: float = _horizon()
+    reactive: bool = _reactive()
     margin: float = param(0.3, gt=0.0, help="metres of margin to the road's edge that score 1")
     key: ClassVar[str] = "drivable"
 
@@ -286,6 +308,7 @@ class Rules(DrivingTerm):
     """Lane keeping (time on a lane line beyond allowed_straddle) x the speed limit."""
 
     horizon: float = _horizon()
+    reactive: bool = _reactive()
     allowed_straddle: float = param(2.0, ge=0.0, help="seconds on a lane line that cost nothing (a lane change)")
     key: ClassVar[str] = "rules"
 
@@ -298,6 +321,7 @@ class Comfort(DrivingTerm):
     """exp(-(RMS jerk / jerk_scale)^2 / 2) x exp(-max(0, peak lateral acceleration - 3) / 2)."""
 
     horizon: float = _horizon()
+    reactive: bool = _reactive()
     jerk_scale: float = param(4.0, gt=0.0, help="RMS jerk [m/s^3] at which the jerk factor is exp(-1/2)")
     key: ClassVar[str] = "comfort"
 
@@ -310,6 +334,7 @@ class Progress(DrivingTerm):
     """Distance along the road / the free-road distance, in [0, 1]."""
 
     horizon: float = _horizon()
+    reactive: bool = _reactive()
     key: ClassVar[str] = "progress"
 
     def score(self, o, plans, prompts):
@@ -321,6 +346,7 @@ class Imitation(DrivingTerm):
     """exp(-ADE / scale): ADE the mean waypoint distance to the teacher's plan from the same scene."""
 
     horizon: float = _horizon()
+    reactive: bool = _reactive()
     scale: float = param(2.0, gt=0.0, help="ADE [m] at which the score is exp(-1)")
     key: ClassVar[str] = "imitation"
 
@@ -335,6 +361,7 @@ class Consistency(DrivingTerm):
     the times both cover (1 where there was no earlier plan)."""
 
     horizon: float = _horizon()
+    reactive: bool = _reactive()
     scale: float = param(1.0, gt=0.0, help="mean distance [m] at which the score is exp(-1)")
     key: ClassVar[str] = "consistency"
 
@@ -354,6 +381,7 @@ class PDMS(DrivingTerm):
     """NAVSIM's PDM score: NC x DAC x (5 TTC + 5 EP + 2 C) / 12, NC, DAC, TTC and C binary."""
 
     horizon: float = _horizon()
+    reactive: bool = _reactive()
     ttc_threshold: float = param(1.0, gt=0.0, help="TTC [s] at or above which the TTC subscore is 1")
     key: ClassVar[str] = "pdms"
 
@@ -369,6 +397,7 @@ class CaRL(DrivingTerm):
     """CaRL's multiplicative reward: progress x no collision x TTC x drivable x rules x comfort."""
 
     horizon: float = _horizon()
+    reactive: bool = _reactive()
     ttc_threshold: float = _ttc_threshold()
     margin: float = param(0.3, gt=0.0, help="as for driving-drivable")
     allowed_straddle: float = param(2.0, ge=0.0, help="as for driving-rules")

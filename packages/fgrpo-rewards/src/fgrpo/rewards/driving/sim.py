@@ -229,6 +229,29 @@ def _lane_leader(
     return nearest - CAR_LENGTH, torch.gather(v, 1, j[:, None])[:, 0]
 
 
+#: the teacher's parameters without its flaws: the limit, a 1.2 s headway, lane changes, no wobble,
+#: 150 m of sight and every car that enters the lane a leader
+EXPERT = {
+    "speed_factor": 1.0,
+    "headway": 1.2,
+    "changes_lanes": 1.0,
+    "politeness": 0.25,
+    "wobble": 0.0,
+    "wobble_frequency": 0.5,
+    "wobble_phase": 0.0,
+    "perception": 150.0,
+    "cut_in_threshold": SAME_LANE,
+}
+
+
+def without_flaws(scene: Scene) -> Scene:
+    """``scene`` with the teacher's parameters replaced by :data:`EXPERT`."""
+    from fgrpo.rewards.driving.world import TEACHER_KEYS
+
+    expert = torch.tensor([EXPERT[k] for k in TEACHER_KEYS], dtype=scene.teacher.dtype)
+    return scene.replace(teacher=expert.expand_as(scene.teacher).clone())
+
+
 def teacher_control(scene: Scene) -> tuple[torch.Tensor, torch.Tensor]:
     """The flawed teacher, a memoryless IDM + MOBIL driver: (acceleration, steering) at ``scene``.
 
@@ -391,20 +414,36 @@ def agent_paths(scene: Scene, steps: int) -> torch.Tensor:
 
 
 def simulate_plan(
-    scene: Scene, plan: torch.Tensor, seconds: float, *, agents: torch.Tensor | None = None
+    scene: Scene,
+    plan: torch.Tensor,
+    seconds: float,
+    *,
+    agents: torch.Tensor | None = None,
+    reactive: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """Execute ``plan`` (B, T, 2) from ``scene`` for ``seconds`` with the tracking controller while
-    the others drive non-reactively (``agents``: their precomputed :func:`agent_paths`): the ego
-    states (B, S+1, 5) from the start, the others (B, S+1, N, 4), and per step (B, S) the at-fault
-    collision and off-road flags and the time to collision."""
+    """Execute ``plan`` (B, T, 2) from ``scene`` for ``seconds`` with the tracking controller: the
+    ego states (B, S+1, 5) from the start, the others (B, S+1, N, 4), and per step (B, S) the
+    collision and off-road flags and the time to collision. The others drive non-reactively
+    (``agents``: their precomputed :func:`agent_paths`) and only at-fault collisions count; with
+    ``reactive`` they see the ego as the closed loop's do (each plan its own traffic) and every
+    collision counts, as in the closed loop."""
     steps = int(round(seconds / DT))
-    agents = agent_paths(scene, steps) if agents is None else agents
     reference = Reference.of(plan_path(plan, scene.ego), steps)
-    ego, egos = scene.ego, [scene.ego]
-    for k in range(steps):
-        accel, steer = track(ego, reference, k)
-        ego = bicycle(ego, accel, steer)
-        egos.append(ego)
+    if reactive:
+        egos, others = [scene.ego], [scene.agents]
+        for k in range(steps):
+            accel, steer = track(scene.ego, reference, k)
+            scene = advance(scene, accel, steer, reactive=True)
+            egos.append(scene.ego)
+            others.append(scene.agents)
+        agents = torch.stack(others, 1)
+    else:
+        agents = agent_paths(scene, steps) if agents is None else agents
+        ego, egos = scene.ego, [scene.ego]
+        for k in range(steps):
+            accel, steer = track(ego, reference, k)
+            ego = bicycle(ego, accel, steer)
+            egos.append(ego)
     ego = torch.stack(egos, 1)
     b, s1 = ego.shape[:2]
     flat_ego = ego[:, 1:].reshape(b * (s1 - 1), 5)
@@ -414,7 +453,7 @@ def simulate_plan(
     return {
         "ego": ego,
         "agents": agents,
-        "collision": collisions(flat_ego, flat_agents, valid, at_fault_only=True).reshape(b, s1 - 1),
+        "collision": collisions(flat_ego, flat_agents, valid, at_fault_only=not reactive).reshape(b, s1 - 1),
         "off_road": off_road(flat_ego, lanes, width).reshape(b, s1 - 1),
         "ttc": time_to_collision(flat_ego, flat_agents, valid).reshape(b, s1 - 1),
     }
