@@ -22,6 +22,7 @@ off_road, stuck and jerk (``directions``, read by the over-optimisation guard).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -33,7 +34,7 @@ import fgrpo.rewards.driving.sim as sim
 from fgrpo.core.config import param
 from fgrpo.core.protocols import EvaluatorResult, Picture, RewardResult
 from fgrpo.core.seeding import generator
-from fgrpo.rewards.driving.rewards import check_plans, free_distance
+from fgrpo.rewards.driving.rewards import DrivingTerm, check_plans, free_distance, reading
 from fgrpo.rewards.driving.world import TYPES, Scene
 
 #: a planner: (scenes, the replanning round) -> plans (B, T, 2) in each scene's ego frame
@@ -282,5 +283,18 @@ class Rollout:
                 "jerk_rms": result.jerk,
                 "mean_speed": result.mean_speed,
                 "category": [TYPES[int(k)] for k in start.kind],
+                "read": [
+                    reading(
+                        result.mean_speed[b],
+                        result.progress[b],
+                        result.jerk[b],
+                        (result.collision_step[b] + 1) * sim.DT if result.collision[b] else math.inf,
+                        result.off_road[b],
+                    )
+                    for b in range(len(prompts))
+                ],
             },
         )
+
+    #: the same pictures as the open-loop terms: each group's candidate plans over its scene
+    draw = DrivingTerm.draw

@@ -243,10 +243,15 @@ class DrivingTerm:
 
 
 def _reading(o: Outcome, b: int) -> str:
-    what = f"{o.mean_speed[b]:.1f} m/s, progress {o.progress_ratio[b]:.2f}, jerk {o.jerk_rms[b]:.1f}"
-    if o.collision[b]:
-        what += f", collision at {o.collision_time[b]:.1f} s"
-    if o.off_road[b]:
+    return reading(o.mean_speed[b], o.progress_ratio[b], o.jerk_rms[b], o.collision_time[b], o.off_road[b])
+
+
+def reading(speed: Any, progress: Any, jerk: Any, collision_time: Any, off: Any) -> str:
+    """One sample's line for the grids: speed, progress, jerk, and a collision (inf: none) or off road."""
+    what = f"{speed:.1f} m/s, progress {progress:.2f}, jerk {jerk:.1f}"
+    if math.isfinite(collision_time):
+        what += f", collision at {collision_time:.1f} s"
+    if off:
         what += ", off road"
     return what
 
