@@ -160,25 +160,25 @@ _CACHE: OrderedDict[tuple, Outcome] = OrderedDict()
 def outcome(plans: torch.Tensor, prompts: Sequence[str], horizon: float, reactive: bool = False) -> Outcome:
     """:func:`measure` of a batch, kept for the other terms of the same batch (the last 8 batches)."""
     key = (hash(plans.numpy().tobytes()), tuple(prompts), horizon, reactive)
-    if key in _CACHE:
-        pass
-    elif reactive:
-        _CACHE[key] = measure(plans, scene_store.scenes_for(list(prompts)), horizon, reactive=True)
-    else:
-        # the G plans of a group share a scene: the other cars' paths are simulated once per scene
-        unique = list(dict.fromkeys(prompts))
-        where = (
-            torch.tensor([unique.index(p) for p in prompts])
-            if len(unique) < len(prompts)
-            else torch.arange(len(prompts))
-        )
-        scenes = scene_store.scenes_for(unique)
-        agents = sim.agent_paths(scenes, int(round(horizon / sim.DT)))
-        _CACHE[key] = measure(plans, scenes.index(where), horizon, agents[where])
+    if key not in _CACHE:
+        _CACHE[key] = _measure_batch(plans, prompts, horizon, reactive)
     while len(_CACHE) > 8:
         _CACHE.popitem(last=False)
     _CACHE.move_to_end(key)
     return _CACHE[key]
+
+
+def _measure_batch(plans: torch.Tensor, prompts: Sequence[str], horizon: float, reactive: bool) -> Outcome:
+    if reactive:
+        return measure(plans, scene_store.scenes_for(list(prompts)), horizon, reactive=True)
+    # the G plans of a group share a scene: the other cars' paths are simulated once per scene
+    unique = list(dict.fromkeys(prompts))
+    where = (
+        torch.tensor([unique.index(p) for p in prompts]) if len(unique) < len(prompts) else torch.arange(len(prompts))
+    )
+    scenes = scene_store.scenes_for(unique)
+    agents = sim.agent_paths(scenes, int(round(horizon / sim.DT)))
+    return measure(plans, scenes.index(where), horizon, agents[where])
 
 
 # --- the terms -------------------------------------------------------------------------------------
