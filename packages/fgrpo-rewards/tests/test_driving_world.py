@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from fgrpo.core import registry
+from fgrpo.core.config import check_params
 from fgrpo.rewards.driving import closed_loop, features, prompts, rewards, scenes, sim
 from fgrpo.rewards.driving.world import CAR_LENGTH, HORIZON_STEPS, LANE_WIDTH, TYPES, Scene, generate, uniforms
 
@@ -280,11 +281,18 @@ def test_the_rollout_reward_values_what_the_closed_loop_executes_of_a_plan():
     # +-0.25 s, so plans equal up to 1.5 s score the same however they go on (the open loop differs)
     a = constant_speed(30.0)
     b = a.clone()
-    b[0, 3:, 1] = torch.linspace(0.5, 3.0, HORIZON_STEPS - 3)  # swerves off the road from 2 s on
+    b[0, 3:, 1] = torch.linspace(0.5, 3.0, HORIZON_STEPS - 3)  # drifts towards the next lane from 2 s on
     pair = score("driving-rollout", torch.cat([a, b]), [free, free])
     assert pair.scores[0] == pair.scores[1] and pair.scores[0] > 0.5
     open_loop = score("driving-carl", torch.cat([a, b]), [free, free]).scores
     assert open_loop[0] > open_loop[1]
+    # a plan that leaves the 2-lane road from 2 s on: executed for 0.5 s it scores as the straight
+    # one; executed for 3 s before the driver takes over it is off the road
+    off = a.clone()
+    off[0, 3:, 1] = torch.linspace(2.0, 8.0, HORIZON_STEPS - 3)
+    short = score("driving-rollout", torch.cat([a, off]), [free, free]).scores
+    longer = score("driving-rollout", torch.cat([a, off]), [free, free], execute=3.0).details
+    assert short[0] == short[1] and longer["off_road"].tolist() == [0.0, 1.0] and longer["rollout"][1] == 0.0
     # speeding for 0.5 s costs exp(-mean excess / 2), the excess measured over the whole loop
     fast = score("driving-rollout", constant_speed(42.0), [free], jerk_scale=8.0)
     d = fast.details
@@ -320,6 +328,12 @@ def test_nan_waypoints_are_one_line():
             score(name, plans, ["free 1", "free 2"])
     with pytest.raises(ValueError, match=r"driving plans are \(2, T, 2\) waypoints"):
         score("driving-pdms", torch.zeros(2, 8), ["free 1", "free 2"])
+
+
+def test_a_rollout_that_executes_the_whole_loop_is_one_line():
+    _, errors = check_params(closed_loop.Rollout, {"seconds": 3.0, "execute": 3.0}, "reward")
+    assert [str(e) for e in errors] == ["reward.execute: got 3; allowed: less than seconds (3)"]
+    assert check_params(closed_loop.Rollout, {"seconds": 8.0, "execute": 2.0}, "reward")[1] == []
 
 
 def test_bad_scenario_files_and_prompts(tmp_path):

@@ -23,7 +23,7 @@ off_road, stuck and jerk (``directions``, read by the over-optimisation guard).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -31,7 +31,7 @@ import torch
 
 import fgrpo.rewards.driving.scenes as scene_store
 import fgrpo.rewards.driving.sim as sim
-from fgrpo.core.config import param
+from fgrpo.core.config import ConfigError, param
 from fgrpo.core.protocols import EvaluatorResult, Picture, RewardResult
 from fgrpo.core.seeding import generator
 from fgrpo.rewards.driving.rewards import DrivingTerm, check_plans, free_distance, reading
@@ -62,11 +62,19 @@ class Drive:
     off_road: torch.Tensor  # bool
     progress: torch.Tensor  # ratio in [0, 1]
     mean_speed: torch.Tensor
+    speed_excess: torch.Tensor  # mean speed above the start's limit, m/s
     jerk: torch.Tensor  # RMS, m/s^3
     path: torch.Tensor  # (B, S + 1, 2) world-frame positions
     start: Scene
     end: Scene
     snapshots: dict[float, Scene]  # the scenes at the requested replanning times
+
+    @property
+    def collision_time(self) -> torch.Tensor:
+        """s after the start at the end of the first step in collision; inf without one."""
+        return torch.where(
+            self.collision, (self.collision_step + 1) * sim.DT, torch.full_like(self.progress, math.inf)
+        )
 
     @property
     def cl_score(self) -> torch.Tensor:
@@ -128,12 +136,14 @@ def judge(start: Scene, steps: Sequence[Scene], seconds: float, snapshots: dict[
     position = torch.stack(path, 1)
     distance = position[:, -1, 0] - position[:, 0, 0]
     progress = (distance / free_distance(start.ego[:, 3], start.speed_limit, seconds).clamp_min(1.0)).clamp(0.0, 1.0)
+    speed = torch.stack(speeds, 1)
     return Drive(
         collision=collided,
         collision_step=first,
         off_road=off,
         progress=progress,
-        mean_speed=torch.stack(speeds, 1).mean(1),
+        mean_speed=speed.mean(1),
+        speed_excess=(speed - start.speed_limit[:, None]).clamp_min(0).mean(1),
         jerk=jerk,
         path=position,
         start=start,
@@ -247,7 +257,13 @@ class Rollout:
     of a plan, its first 0.5 s, by what follows from it (AggreVaTe's cost-to-go of an expert), where
     the open-loop terms value the whole plan as if it were executed to its end among blind traffic."""
 
-    seconds: float = param(8.0, gt=0.5, le=20.0, help="length of each loop [s], the plan's 0.5 s included")
+    seconds: float = param(8.0, gt=0.5, le=20.0, help="length of each loop [s], the plan's part included")
+    execute: float = param(
+        REPLAN,
+        gt=0.0,
+        le=4.0,
+        help="how much of the plan is executed before the driver takes over [s]; the closed loop executes 0.5",
+    )
     jerk_scale: float = param(0.0, ge=0.0, help="x exp(-(RMS jerk of the loop / jerk_scale)^2 / 2); 0: no factor")
     continuation: str = param(
         "teacher",
@@ -256,19 +272,27 @@ class Rollout:
         "its flaws (see sim.EXPERT)",
     )
 
-    def __call__(self, outputs: Any, prompts: Sequence[str], metadata: Sequence[Any]) -> RewardResult:
+    @classmethod
+    def check_keys(cls, values: Mapping[str, Any], prefix: str) -> list[ConfigError]:
+        if values["execute"] < values["seconds"]:
+            return []
+        return [
+            ConfigError(
+                f"{prefix}.execute" if prefix else "execute",
+                f"got {values['execute']:g}; allowed: less than seconds ({values['seconds']:g})",
+            )
+        ]
 
+    def __call__(self, outputs: Any, prompts: Sequence[str], metadata: Sequence[Any]) -> RewardResult:
         plans = check_plans(outputs, len(prompts))
         start = scene_store.scenes_for(list(prompts))
-        _, executed = sim.execute(start, plans, REPLAN)
+        _, executed = sim.execute(start, plans, self.execute)
         after = executed[-1] if self.continuation == "teacher" else sim.without_flaws(executed[-1])
-        executed += sim.teacher_rollout(after, int(round((self.seconds - REPLAN) / sim.DT)))
+        executed += sim.teacher_rollout(after, int(round((self.seconds - self.execute) / sim.DT)))
         result = judge(start, executed, self.seconds)
-        speeds = torch.stack([s.ego[:, 3] for s in executed], 1)
-        excess = (speeds - start.speed_limit[:, None]).clamp_min(0).mean(1)
         # the loop's CL-score caps progress at the free-road distance but never sees the limit: a
         # plan that speeds for 0.5 s and leaves the braking to the teacher would score as well
-        scores = result.cl_score * torch.exp(-excess / 2.0)
+        scores = result.cl_score * torch.exp(-result.speed_excess / 2.0)
         if self.jerk_scale:
             scores = scores * torch.exp(-0.5 * (result.jerk / self.jerk_scale) ** 2)
         return RewardResult(
@@ -276,7 +300,7 @@ class Rollout:
             details={
                 "rollout": scores,
                 "cl_score": result.cl_score,
-                "speed_excess": excess,
+                "speed_excess": result.speed_excess,
                 "collision": result.collision.float(),
                 "off_road": result.off_road.float(),
                 "progress_ratio": result.progress,
@@ -288,7 +312,7 @@ class Rollout:
                         result.mean_speed[b],
                         result.progress[b],
                         result.jerk[b],
-                        (result.collision_step[b] + 1) * sim.DT if result.collision[b] else math.inf,
+                        result.collision_time[b],
                         result.off_road[b],
                     )
                     for b in range(len(prompts))
