@@ -272,6 +272,17 @@ def test_the_closed_loop_of_the_teacher_and_of_constant_velocity():
     assert set(closed_loop.METRICS) <= set(m) and "cl_score/stopped" in m
 
 
+def test_the_closed_loop_measures_speeding_above_the_limit():
+    fast, legal = custom("fast-35", lanes=2, limit=30.0, ego=(0, 35.0)), custom("legal-25", lanes=2, ego=(0, 25.0))
+    start = scenes.scenes_for([fast, legal])
+    loop = closed_loop.drive(closed_loop.constant_velocity_planner, start, 4.0)
+    # constant velocity keeps each start speed: 5 m/s above the 30 m/s limit, and none below it
+    assert loop.speed_excess.tolist() == pytest.approx([5.0, 0.0], abs=0.05)
+    m = closed_loop.summarize(loop, start.kind)
+    assert m["speed_excess"] == pytest.approx(loop.speed_excess.mean().item())
+    assert closed_loop.DIRECTIONS["speed_excess"] == "lower"
+
+
 def test_the_rollout_reward_values_what_the_closed_loop_executes_of_a_plan():
     wall = custom("wall-12", agents=[(1, 12.0, 0.0)])  # 7.5 m between the bumpers at 20 m/s: hit at 0.4 s
     free = custom("open-road", lanes=2, limit=30.0, ego=(0, 30.0))

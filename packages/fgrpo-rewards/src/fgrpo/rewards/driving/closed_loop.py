@@ -14,10 +14,11 @@ scenario the evaluator measures (over ``seconds``, 12 by default):
 - ``stuck``: mean speed under 2 m/s;
 - ``jerk``: RMS jerk of the ego's longitudinal acceleration (m/s^3);
 - ``cl_score`` = (no collision) x (on road) x progress, the headline;
-- ``speed``: mean speed (m/s).
+- ``speed``: mean speed (m/s);
+- ``speed_excess``: mean speed above the scenario's limit (m/s; 0 for a driver that keeps it).
 
 Each metric also per scenario type (``cl_score/cut-in`` ...). Lower is better for collision,
-off_road, stuck and jerk (``directions``, read by the over-optimisation guard).
+off_road, stuck, jerk and speed_excess (``directions``, read by the over-optimisation guard).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from fgrpo.rewards.driving.world import TYPES, Scene
 
 #: a planner: (scenes, the replanning round) -> plans (B, T, 2) in each scene's ego frame
 Planner = Callable[[Scene, int], torch.Tensor]
-METRICS = ("cl_score", "collision", "off_road", "progress", "stuck", "jerk", "speed")
+METRICS = ("cl_score", "collision", "off_road", "progress", "stuck", "jerk", "speed", "speed_excess")
 DIRECTIONS = {
     "cl_score": "higher",
     "progress": "higher",
@@ -48,6 +49,7 @@ DIRECTIONS = {
     "off_road": "lower",
     "stuck": "lower",
     "jerk": "lower",
+    "speed_excess": "lower",
 }
 STUCK_SPEED = 2.0
 REPLAN = 0.5  #: s between two plans in the closed loop
@@ -89,6 +91,7 @@ class Drive:
             "stuck": (self.mean_speed < STUCK_SPEED).float(),
             "jerk": self.jerk,
             "speed": self.mean_speed,
+            "speed_excess": self.speed_excess,
         }
 
 
