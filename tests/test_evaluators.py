@@ -231,3 +231,21 @@ def test_bad_evaluator_and_guard_keys_are_one_line_each(root, tmp_path, capsys, 
     err = capsys.readouterr().err
     assert message in err, err
     assert "Traceback" not in err
+
+
+def test_evaluation_logs_the_reward_the_update_normalises_a_product_under_reward_product(root, tmp_path, capsys):
+    twice = (
+        "reward=[{name: target-distance, form: gaussian, label: a}, {name: target-distance, form: gaussian, label: b}]"
+    )
+    rows = compose(
+        root, tmp_path / "run", twice, "train.advantage=reward_product", "train.iterations=1", "eval.every=1"
+    )
+    for row in (r for r in rows if "eval/reward_mean" in r):
+        a = row["eval/reward/a"]
+        assert row["eval/reward/b"] == a and 0 < a < 1
+        # a * a per sample: between mean(a)^2 (Jensen) and mean(a), where the weighted sum would give 2 mean(a)
+        assert a * a <= row["eval/reward_mean"] < a
+    # the same pair at its default distance form scores < 0: the product refuses it in one line, exit 2
+    negative = twice.replace(", form: gaussian", "")
+    compose(root, tmp_path / "neg", negative, "train.advantage=reward_product", "train.iterations=1", code=2)
+    assert "error: reward 'a' gave -" in capsys.readouterr().err

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from fgrpo.core.advantages import combine, group_advantages
+from fgrpo.core.advantages import combine, group_advantages, total_reward
 
 D64 = torch.float64
 
@@ -80,6 +80,18 @@ def test_combine_advantage_sum():
     assert stats["zero_std_ratio"] == 0.5 and torch.equal(adv[2:], torch.zeros(2, dtype=D64))
 
 
+def test_combine_reward_product():
+    # a = [0, 1 | 2, 2] ** 2 times b = [10, 30 | 0, 20] ** 0.1: group 0 [0, 30 ** 0.1], group 1 [0, 4 * 20 ** 0.1]
+    adv, stats = combine(REWARDS, WEIGHTS, GROUPS, mode="reward_product")
+    top = (30.0**0.1, 4 * 20.0**0.1)
+    expected = [s * (v / 2) / (v / 2 + 1e-4) for v in top for s in (-1, 1)]
+    torch.testing.assert_close(adv, t(expected))
+    assert stats["reward_mean"] == pytest.approx((top[0] + top[1]) / 4)
+    assert torch.equal(total_reward(REWARDS, WEIGHTS, "reward_product"), t([0.0, top[0], 0.0, top[1]]))
+    with pytest.raises(ValueError, match=r"^reward 'b' gave -1; train.advantage: reward_product takes rewards >= 0"):
+        combine({"a": REWARDS["a"], "b": t([1.0, -1.0, 0.0, 2.0])}, WEIGHTS, GROUPS, mode="reward_product")
+
+
 def test_shuffled_order_gives_the_same_per_sample_result():
     g = torch.Generator().manual_seed(0)
     groups = torch.arange(4).repeat_interleave(6) * 11 + 3  # any ids, not 0..n-1
@@ -90,7 +102,7 @@ def test_shuffled_order_gives_the_same_per_sample_result():
         adv_p, stats_p = group_advantages(rewards["a"][perm], groups[perm], global_std=global_std)
         torch.testing.assert_close(adv_p, adv[perm])
         assert stats_p == pytest.approx(stats)
-        for mode in ("reward_sum", "advantage_sum"):
+        for mode in ("reward_sum", "advantage_sum", "reward_product"):
             adv, _ = combine(rewards, {"a": 1.0, "b": 0.5}, groups, mode=mode, global_std=global_std)
             shuffled = {k: v[perm] for k, v in rewards.items()}
             adv_p, _ = combine(shuffled, {"a": 1.0, "b": 0.5}, groups[perm], mode=mode, global_std=global_std)

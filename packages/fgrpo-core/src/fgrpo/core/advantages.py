@@ -18,8 +18,36 @@ from typing import Any, Literal, cast
 
 import torch
 
-Aggregation = Literal["reward_sum", "advantage_sum"]
-AGGREGATIONS = ("reward_sum", "advantage_sum")
+from fgrpo.core.registry import ComponentError
+
+Aggregation = Literal["reward_sum", "advantage_sum", "reward_product"]
+AGGREGATIONS = ("reward_sum", "advantage_sum", "reward_product")
+
+
+class NegativeReward(ComponentError, ValueError):
+    """A reward below 0 under ``reward_product`` (a run stops with this one line)."""
+
+
+def total_reward(
+    rewards: Mapping[str, torch.Tensor], weights: Mapping[str, float], mode: str = "reward_sum"
+) -> torch.Tensor:
+    """The one float64 reward per sample that ``reward_sum`` and ``reward_product`` normalise (and
+    evaluation logs as ``reward_mean``): the weighted sum, or CaRL's product of every reward raised
+    to its weight, so that a sample scoring 0 on one reward scores 0 whatever the others say."""
+    names = sorted(rewards)
+    if mode != "reward_product":
+        # a tensor, not sum()'s start 0: rewards is not empty
+        return cast(torch.Tensor, sum(weights[k] * rewards[k].detach().to(torch.float64) for k in names))
+    total = torch.ones_like(rewards[names[0]], dtype=torch.float64)
+    for k in names:
+        r = rewards[k].detach().to(torch.float64)
+        if (r < 0).any():
+            raise NegativeReward(
+                f"reward {k!r} gave {r.min().item():g}; train.advantage: reward_product takes rewards >= 0 "
+                "(each is raised to its weight)"
+            )
+        total = total * r ** weights[k]
+    return total
 
 
 def _check(rewards: torch.Tensor, group_index: torch.Tensor) -> None:
@@ -124,6 +152,8 @@ def combine(
     ``reward_sum`` (flow_grpo's behaviour): normalise the weighted sum of the raw rewards.
     ``advantage_sum``: normalise each reward on its own, then take the weighted sum, so that a
     reward with a large scale or spread does not drown the others.
+    ``reward_product``: normalise the product of the rewards, each raised to its weight (CaRL's
+    multiplicative reward across separately registered rewards; every reward must be >= 0).
 
     Statistics: those of the weighted reward sum (what flow_grpo logs as ``avg``), plus
     ``reward_mean/NAME`` and ``reward_std/NAME`` for each reward. In ``advantage_sum`` mode a group
@@ -137,8 +167,7 @@ def combine(
         raise ValueError(f"rewards {sorted(rewards)} and weights {sorted(weights)} must name the same rewards")
     names = sorted(rewards)
     out_dtype = functools.reduce(torch.promote_types, (_out_dtype(rewards[k]) for k in names))
-    # a tensor, not sum()'s start 0: rewards is not empty
-    total = cast(torch.Tensor, sum(weights[k] * rewards[k].detach().to(torch.float64) for k in names))
+    total = total_reward(rewards, weights, mode)
     options: dict[str, Any] = {"global_std": global_std, "eps": eps, "per_prompt": per_prompt, "unbiased": unbiased}
     advantages, stats = group_advantages(total, group_index, **options)
     if mode == "advantage_sum":

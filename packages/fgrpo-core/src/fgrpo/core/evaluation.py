@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from fgrpo.core import media, tensors, trackers, visuals
+from fgrpo.core.advantages import total_reward
 from fgrpo.core.config import ConfigError, RecipeError, first_line, shown
 from fgrpo.core.ema import ema_weights
 from fgrpo.core.protocols import EvalContext, EvaluatorResult
@@ -92,10 +93,10 @@ def evaluate(run: Run, iteration: int, out_dir: Path | None) -> dict[str, float]
         run.rewards, outputs, all_prompts, metadata, where=f"evaluation at iteration {iteration}", groups=groups
     )
     metrics: dict[str, float] = {}
-    total = torch.zeros(len(all_prompts))
+    weights = {}
     for spec, reward in run.rewards:
         label = spec.label or spec.name  # built specs carry their label (the name when the recipe gives none)
-        total += spec.weight * scores[label].cpu()
+        weights[label] = spec.weight
         metrics[f"eval/reward/{label}"] = scores[label].mean().item()
         for key, value in detail_means(details[label]).items():
             metrics[f"eval/{spec.label}/{key}"] = value
@@ -103,6 +104,8 @@ def evaluate(run: Run, iteration: int, out_dir: Path | None) -> dict[str, float]
         if extra is not None:
             for key, value in extra(outputs, all_prompts, metadata).items():
                 metrics[f"eval/{key}"] = float(value)
+    # the one reward the update normalises, as it combines them (sum or product)
+    total = total_reward({k: scores[k].cpu() for k in weights}, weights, run.recipe.train.advantage).float()
     metrics["eval/reward_mean"] = total.mean().item()
     if out_dir is not None and run.recipe.log.sample_grid:
         pictures = (
