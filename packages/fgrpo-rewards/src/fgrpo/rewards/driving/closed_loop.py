@@ -253,12 +253,13 @@ def reference_scores(prompts: Sequence[str], seconds: float = 12.0) -> dict[str,
 @attrs.define
 class Rollout:
     """The closed loop as a reward (``driving-rollout``): each plan is executed for its first
-    0.5 s among reactive traffic (the closed loop's replanning period), then the teacher (or the
-    ``expert``, the teacher without its flaws) drives on by its own control until ``seconds``. The
-    score is that loop's CL-score (no collision x on road x progress) x exp(-mean speed above the
-    limit / 2 m/s) (x a comfort factor with ``jerk_scale``). It values what the closed loop executes
-    of a plan, its first 0.5 s, by what follows from it (AggreVaTe's cost-to-go of an expert), where
-    the open-loop terms value the whole plan as if it were executed to its end among blind traffic."""
+    ``execute`` s among reactive traffic (0.5 by default, the closed loop's replanning period), then
+    the teacher (or the ``expert``, the teacher without its flaws) drives on by its own control
+    until ``seconds``. The score is that loop's CL-score (no collision x on road x progress) x
+    exp(-mean speed above the limit / 2 m/s) (x a comfort factor with ``jerk_scale``): the driver's
+    cost-to-go after the plan (AggreVaTe's), where the open-loop terms value the whole plan as if it
+    were executed to its end among blind traffic. At 0.5 s the driver who takes over makes every
+    lane change itself, so no plan has to start one; ``recipes/driving.yaml`` executes 2 s."""
 
     seconds: float = param(8.0, gt=0.5, le=20.0, help="length of each loop [s], the plan's part included")
     execute: float = param(
