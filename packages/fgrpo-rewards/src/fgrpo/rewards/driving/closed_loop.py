@@ -35,7 +35,15 @@ import fgrpo.rewards.driving.sim as sim
 from fgrpo.core.config import ConfigError, param
 from fgrpo.core.protocols import EvaluatorResult, Picture, RewardResult
 from fgrpo.core.seeding import generator
-from fgrpo.rewards.driving.rewards import DrivingTerm, check_plans, free_distance, reading
+from fgrpo.rewards.driving.rewards import (
+    DrivingTerm,
+    check_plans,
+    free_distance,
+    jerk_factor,
+    reading,
+    speed_excess,
+    speeding_factor,
+)
 from fgrpo.rewards.driving.world import TYPES, Scene
 
 #: a planner: (scenes, the replanning round) -> plans (B, T, 2) in each scene's ego frame
@@ -146,7 +154,7 @@ def judge(start: Scene, steps: Sequence[Scene], seconds: float, snapshots: dict[
         off_road=off,
         progress=progress,
         mean_speed=speed.mean(1),
-        speed_excess=(speed - start.speed_limit[:, None]).clamp_min(0).mean(1),
+        speed_excess=speed_excess(speed, start.speed_limit),
         jerk=jerk,
         path=position,
         start=start,
@@ -296,9 +304,9 @@ class Rollout:
         result = judge(start, executed, self.seconds)
         # the loop's CL-score caps progress at the free-road distance but never sees the limit: a
         # plan that speeds for 0.5 s and leaves the braking to the teacher would score as well
-        scores = result.cl_score * torch.exp(-result.speed_excess / 2.0)
+        scores = result.cl_score * speeding_factor(result.speed_excess)
         if self.jerk_scale:
-            scores = scores * torch.exp(-0.5 * (result.jerk / self.jerk_scale) ** 2)
+            scores = scores * jerk_factor(result.jerk, self.jerk_scale)
         return RewardResult(
             scores=scores.to(outputs.device),
             details={

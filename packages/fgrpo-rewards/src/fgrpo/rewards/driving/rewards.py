@@ -146,7 +146,7 @@ def measure(
         lat_accel_max=lat.amax(1),
         lon_accel_min=accel[:, 1:].amin(1),
         lon_accel_max=accel[:, 1:].amax(1),
-        speed_excess=(v[:, 1:] - limit[:, None]).clamp_min(0).mean(1),
+        speed_excess=speed_excess(v[:, 1:], limit),
         straddle_time=straddle,
         mean_speed=v[:, 1:].mean(1),
         scenes=scenes,
@@ -264,12 +264,27 @@ def drivable_score(o: Outcome, margin: float) -> torch.Tensor:
     return torch.where(o.off_road, torch.zeros_like(o.edge_margin), (o.edge_margin / margin).clamp(0.0, 1.0))
 
 
+def speed_excess(speeds: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
+    """(B,) mean m/s above each scene's ``limit`` (B,) over the steps of ``speeds`` (B, S)."""
+    return (speeds - limit[:, None]).clamp_min(0).mean(1)
+
+
+def speeding_factor(excess: torch.Tensor) -> torch.Tensor:
+    """exp(-mean excess / 2 m/s): what speeding costs the rules term and the rollout alike."""
+    return torch.exp(-excess / 2.0)
+
+
+def jerk_factor(jerk: torch.Tensor, scale: float) -> torch.Tensor:
+    """exp(-(RMS jerk / scale)^2 / 2): the comfort term's and the rollout's price of jerk."""
+    return torch.exp(-0.5 * (jerk / scale) ** 2)
+
+
 def rules_score(o: Outcome, allowed: float) -> torch.Tensor:
-    return torch.exp(-(o.straddle_time - allowed).clamp_min(0.0)) * torch.exp(-o.speed_excess / 2.0)
+    return torch.exp(-(o.straddle_time - allowed).clamp_min(0.0)) * speeding_factor(o.speed_excess)
 
 
 def comfort_score(o: Outcome, jerk_scale: float) -> torch.Tensor:
-    return torch.exp(-0.5 * (o.jerk_rms / jerk_scale) ** 2) * torch.exp(-(o.lat_accel_max - 3.0).clamp_min(0.0) / 2.0)
+    return jerk_factor(o.jerk_rms, jerk_scale) * torch.exp(-(o.lat_accel_max - 3.0).clamp_min(0.0) / 2.0)
 
 
 def comfortable(o: Outcome) -> torch.Tensor:
