@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 
 import numpy as np
@@ -188,3 +189,94 @@ def test_memory_estimate_counts_the_pipelines_own_sizes(root, tmp_path, capsys, 
     assert memory.main([str(root / "recipes" / "wan22-t2v-pickscore.yaml"), "--gpus", "8"]) == 0
     printed = capsys.readouterr().out
     assert "| fsdp |" in printed and "published, approximate" in printed and "14.30B + 14.30B" in printed
+
+
+def test_words_probe_tells_meaning_from_a_bag_of_words(root):
+    probe = _load(root, "shapes_relation_probe")
+    assert world.same_words_other_meaning("a red square to the left of a blue circle") == {
+        "same meaning": "a blue circle to the right of a red square",
+        "same words": "a blue circle to the left of a red square",
+    }
+    assert world.same_words_other_meaning("a green triangle and a yellow square") == {
+        "same meaning": "a yellow square and a green triangle",
+        "same words": "a yellow triangle and a green square",
+    }
+    with pytest.raises(ValueError, match="only position and color_attr"):
+        world.same_words_other_meaning("three red circles")
+
+    _, test = world.split(0, 16)
+    prompts = [p for p in test if world.parse_prompt(p).category in ("position", "color_attr")]
+    rng = np.random.default_rng(0)
+    for p in prompts:  # Q draws P's scenes, R has P's words and draws none of them
+        other = world.same_words_other_meaning(p)
+        assert sorted(other["same words"].split()) == sorted(p.split())
+        scene = world.place(p, rng)
+        assert world.satisfies(scene, world.parse_prompt(other["same meaning"]))
+        assert not world.satisfies(scene, world.parse_prompt(other["same words"]))
+
+    def offset(key: str) -> torch.Tensor:
+        return torch.randn(3, 24, 24, generator=torch.Generator().manual_seed(hash(key) % 2**31))
+
+    def predictor(key):
+        return lambda x, sigma, batch: x + torch.stack([offset(key(q)) for q in batch])
+
+    def meaning(q):
+        spec = world.parse_prompt(q)
+        if spec.category == "color_attr":
+            return repr(sorted(spec.objects))
+        if spec.relation in ("right", "below"):  # "A right of B" is "B left of A"
+            return repr((spec.objects[::-1], {"right": "left", "below": "above"}[spec.relation]))
+        return repr((spec.objects, spec.relation))
+
+    bag = probe.meaning_index(predictor(lambda q: " ".join(sorted(q.split()))), prompts, 0.7)
+    reads = probe.meaning_index(predictor(meaning), prompts, 0.7)
+    order = probe.meaning_index(predictor(lambda q: q), prompts, 0.7)
+    assert bag[1] == 0.0 and bag[2] == 0.0
+    assert reads[0] == 0.0 and reads[2] == 1.0
+    assert order[0] > 0 and 0.4 < order[2] < 0.6  # every prompt a different output: neither
+
+
+def test_binding_probe_reads_parts_and_binding_separately(root):
+    probe = _load(root, "shapes_relation_probe")
+    prompt = "a green triangle and a yellow square"
+    right = (world.Placed("green", "triangle", 0, 0), world.Placed("yellow", "square", 2, 2))
+    rebound = (world.Placed("yellow", "triangle", 0, 0), world.Placed("green", "square", 2, 2))
+    wrong = (world.Placed("red", "triangle", 0, 0), world.Placed("yellow", "square", 2, 2))
+    images = world.render_batch([right, rebound, rebound, wrong])
+    assert probe.binding_rates(images, [prompt] * 4) == (0.75, pytest.approx(1 / 3))
+    parts, bound = probe.binding_rates(world.render_batch([wrong]), [prompt])
+    assert parts == 0.0 and math.isnan(bound)
+
+
+def test_contrastive_loss_is_info_nce_with_negative_captions(root):
+    pretrain = _load(root, "pretrain_shapes")
+    g = torch.Generator().manual_seed(0)
+    images, texts, scale = torch.randn(3, 4, generator=g), torch.randn(5, 4, generator=g), torch.tensor(7.0)
+    unit = [v / v.norm() for v in images], [t / t.norm() for t in texts]
+    naive = 0.0
+    for i in range(3):  # image i against all 5 texts; text i against the 3 images
+        row = torch.stack([scale * unit[0][i] @ t for t in unit[1]])
+        column = torch.stack([scale * v @ unit[1][i] for v in unit[0]])
+        naive += (torch.logsumexp(row, 0) - row[i]) / 6 + (torch.logsumexp(column, 0) - column[i]) / 6
+    assert pretrain.symmetric_info_nce(images, texts, scale).item() == pytest.approx(naive.item(), rel=1e-6)
+
+
+def test_pretraining_with_the_contrastive_loss_trains_and_records_it(root, tmp_path):
+    pretrain = _load(root, "pretrain_shapes")
+    out = tmp_path / "base.safetensors"
+    args = ["--hidden", "48", "--heads", "1", "--layers", "1", "--text-width", "32", "--steps", "3", "--batch", "16"]
+    args += ["--eval-every", "0", "--eval-samples", "1", "--eval-steps", "1", "--threads", "1", "--out", str(out)]
+    assert pretrain.main([*args, "--contrastive", "0.05"]) == 0
+    from fgrpo.models.shapes_network import load_network, read_metadata
+
+    assert json.loads(read_metadata(out)["trained_with"])["contrastive"] == 0.05
+    with_contrast = load_network(out).text.embed.weight.clone()
+    assert pretrain.main(args) == 0
+    assert not torch.equal(load_network(out).text.embed.weight, with_contrast)  # it reached the text encoder
+
+    module = pretrain.CaptionContrast(32, 3 * 24 * 24, seed=0)
+    network = load_network(out)
+    loss = module(network, ["a green triangle and a yellow square", "", "three red circles"])
+    loss.backward()
+    assert loss.item() > 0 and network.text.embed.weight.grad is not None
+    assert network.transformer.pos_embed.proj.weight.grad is None  # only the text encoder and its own weights

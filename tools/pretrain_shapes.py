@@ -20,6 +20,9 @@ shapes-base.safetensors):
   then cosine from ``--lr`` to ``--lr-min`` over ``--decay-steps`` (a horizon that does not
   depend on ``--steps``: stopping at step K gives exactly the run's checkpoint at step K), an
   EMA of the weights (``--ema``; the EMA weights are the ones evaluated and written).
+  ``--contrastive W`` (off by default, so the shipped file is reproduced) adds W times a
+  caption-image contrastive loss whose hard negatives are each caption's same-words rebinding
+  (:class:`CaptionContrast`).
 - evaluation: strict accuracy (``ShapesVerifier``) of the held-out TEST prompts, each sampled
   ``--eval-samples`` times with the ODE sampler the trainer's evaluation uses
   (``fgrpo.core.evaluation.generate``, ``--eval-steps`` steps, time shift ``--shift``), every
@@ -48,6 +51,15 @@ accuracy of the EMA weights (4 samples x 69 test prompts, 20 ODE steps):
 Position stays at chance level (two random cells satisfy a relation 37.5% of the time, times the
 ~0.5 chance of drawing both objects right) at every step: the base learns what objects to draw,
 not where. A 4000-step horizon (the previous default, 17.8 min) gave 0.322 (position 0.16).
+
+Why: the base reads a two-object caption as a bag of words (``tools/shapes_relation_probe.py
+--words``: meaning index 0.51 position, 0.30 colour binding; 1 = the meaning, 0 = the words). At
+3000 steps (cosine over 12000, seed 0), held-out colour binding right given the right colours and
+shapes, and the meaning index:
+
+    default (1 text layer)          0.30   0.46      strict 0.221
+    --text-layers 3                 0.48   0.22      strict 0.199
+    --contrastive 0.05              0.95   0.93      strict 0.263 (position still 0.37 | objects)
 """
 
 from __future__ import annotations
@@ -136,6 +148,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     t.add_argument("--split-seed", type=int, default=0, help="seed of the train/test split (ShapesPrompts.seed)")
     t.add_argument("--test-per-category", type=int, default=16)
     t.add_argument("--autocast", choices=("none", "bfloat16"), default="none", help="autocast of the training forward")
+    t.add_argument(
+        "--contrastive",
+        type=float,
+        default=0.0,
+        help="weight of the caption-image contrastive loss with same-words hard negatives (0: off)",
+    )
+    t.add_argument("--contrastive-lr", type=float, default=1e-3, help="peak lr of the contrastive image encoder")
     e.add_argument("--shift", type=float, default=1.0, help="time shift of the evaluation schedule")
     e.add_argument("--eval-raw", action="store_true", help="also evaluate the raw (non-EMA) weights")
     e.add_argument("--out", default=str(DEFAULT_OUT), help="the safetensors file to write")
@@ -168,6 +187,54 @@ class PairSampler:
         drop = rng.random(n) < self.prompt_dropout
         prompts = ["" if d else s.prompt for s, d in zip(specs, drop, strict=True)]
         return prompts, images * 2 - 1
+
+
+class CaptionContrast(torch.nn.Module):
+    """A CLIP-style loss that makes the text encoder read what a caption means, not only its words
+    (NegCLIP's hard negatives, Yuksekgonul et al. 2023, "When and why vision-language models behave
+    like bags-of-words"): an image encoder (an MLP over the clean render's pixels) and a projection
+    of the text encoder's pooled vector meet in a ``width``-dim space; each image is scored
+    against every caption of the batch and every caption's same-words rebinding
+    (:func:`fgrpo.rewards.shapes.world.same_words_other_meaning`), each caption against every
+    image; symmetric cross entropy at a learned temperature. Only the flow loss reaches the
+    transformer; the text encoder gets both. Measured (3000 steps from scratch, weight 0.05, 2
+    threads): held-out colour binding right given the right colours and shapes 0.95 against 0.30
+    without it, position unchanged (relation given the objects 0.37)."""
+
+    def __init__(self, width: int, pixels: int, seed: int):
+        super().__init__()
+        self.image = torch.nn.Sequential(
+            torch.nn.Flatten(),
+            torch.nn.Linear(pixels, 512),
+            torch.nn.GELU(),
+            torch.nn.Linear(512, 512),
+            torch.nn.GELU(),
+            torch.nn.Linear(512, width),
+        )
+        self.text = torch.nn.Linear(width, width)
+        self.log_scale = torch.nn.Parameter(torch.tensor(math.log(1 / 0.07)))
+        self.rng = np.random.default_rng(seed)
+
+    def forward(self, network: ShapesNetwork, prompts: list[str]) -> torch.Tensor:
+        captions = [q for q in prompts if q]  # the null prompt of CFG shows nothing in particular
+        device = network.text.embed.weight.device
+        images = world.render_batch([world.sample_scene(q, self.rng) for q in captions]).to(device) * 2 - 1
+        negatives = [world.same_words_other_meaning(q)["same words"] for q in captions if rebinds(q)]
+        _, pooled = network.text(network.token_ids(captions + negatives, device))
+        return symmetric_info_nce(self.image(images), self.text(pooled), self.log_scale.exp().clamp(max=100.0))
+
+
+def rebinds(prompt: str) -> bool:
+    return world.parse_prompt(prompt).category in ("position", "color_attr")
+
+
+def symmetric_info_nce(images: torch.Tensor, texts: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Image i's caption is text i; texts beyond the images' count are negatives only."""
+    logits = scale * torch.nn.functional.normalize(images, dim=-1) @ torch.nn.functional.normalize(texts, dim=-1).T
+    target = torch.arange(len(images), device=images.device)
+    loss_images = torch.nn.functional.cross_entropy(logits, target)
+    loss_texts = torch.nn.functional.cross_entropy(logits[:, : len(images)].T, target)
+    return (loss_images + loss_texts) / 2
 
 
 # --- evaluation ---------------------------------------------------------------------------------
@@ -251,11 +318,17 @@ def train(
     evaluate_at: Callable[[Progress], None],
     *,
     autocast: bool = False,
+    auxiliary: tuple[torch.nn.Module, float, float] | None = None,
 ) -> Progress:
     """Flow matching of ``network`` on ``next_batch(n)`` -> (prompts, x0, *conditioning pixels),
     AdamW under :func:`lr_at`, gradient clipping, the EMA; ``evaluate_at`` every ``--eval-every``
-    steps before the last. Stops after ``--steps`` or ``--time-budget`` seconds of training."""
-    optimizer = torch.optim.AdamW(network.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    steps before the last. Stops after ``--steps`` or ``--time-budget`` seconds of training.
+    ``auxiliary`` (module, weight, peak lr): ``weight * module(network, prompts)`` joins the loss;
+    the module's own parameters follow the same schedule scaled to their peak lr."""
+    groups = [{"params": list(network.parameters()), "scale": 1.0}]
+    if auxiliary is not None:
+        groups.append({"params": list(auxiliary[0].parameters()), "scale": auxiliary[2] / args.lr})
+    optimizer = torch.optim.AdamW(groups, lr=args.lr, weight_decay=args.weight_decay)
     gen = torch.Generator(device="cpu").manual_seed(args.seed + 1)
     run = Progress()
     cast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast)
@@ -267,13 +340,14 @@ def train(
         sigma = torch.sigmoid(args.logit_mean + args.logit_std * torch.randn(args.batch, generator=gen)).to(device)
         xt = (1 - sigma[:, None, None, None]) * x0 + sigma[:, None, None, None] * eps
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(run.step, args)
+            group["lr"] = lr_at(run.step, args) * group["scale"]
         with cast:
             cond = network.encode(prompts)
             out = network(xt, sigma, cond["prompt_embeds"], cond["pooled_prompt_embeds"], *extra)
         loss = flow_loss(out.float(), x0, eps, sigma, network.arch.prediction, args.loss_floor)
+        total = loss if auxiliary is None else loss + auxiliary[1] * auxiliary[0](network, prompts)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        total.backward()
         if args.grad_clip:
             torch.nn.utils.clip_grad_norm_(network.parameters(), args.grad_clip)
         optimizer.step()
@@ -349,7 +423,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.checkpoint_dir:
             save_network(ema, Path(args.checkpoint_dir) / f"step{run.step:05d}.safetensors", extra=meta)
 
-    run = train(args, network, ema, device, data.batch, checkpoint, autocast=args.autocast == "bfloat16")
+    contrast = None
+    if args.contrastive:
+        module = CaptionContrast(arch.text_width, arch.channels * arch.size**2, args.seed + 2).to(device)
+        contrast = (module, args.contrastive, args.contrastive_lr)
+    run = train(
+        args, network, ema, device, data.batch, checkpoint, autocast=args.autocast == "bfloat16", auxiliary=contrast
+    )
     out = write(ema, args, run)
     shipped = load_network(out).to(device)  # evaluate exactly what was written (float16 weights)
     t = time.perf_counter()

@@ -6,7 +6,9 @@
 For the held-out ``position`` and ``color_attr`` prompts it samples the shipped base (and, for
 each checkpoint folder given, the base with that run's trainable weights) with the evaluation's
 ODE sampler and prints: how often the image holds exactly the required objects (clean, nothing
-else), and for position prompts how often the relation holds *given* the right objects. Two
+else), for position prompts how often the relation holds *given* the right objects, and for
+color_attr prompts how often the colours are bound to the right shapes *given* the right colours
+and shapes (a bag of words binds right half of the time). Two
 distinct random cells satisfy a relation 37.5% of the time, so a conditional rate near that means
 the relation words are ignored. A checkpoint of a LoRA run needs the run's LoRA shape (--rank,
 --alpha; the shapes recipes use 32/64).
@@ -16,6 +18,17 @@ position prompt "A REL B" it prints the mean distance between its conditioning (
 flattened, and the pooled vector) and that of "A OPP B" (the relation word flipped), "B REL A" (the
 objects swapped; both the opposite layout) and of random pairs of position prompts. A LoRA on the
 transformer sees only this conditioning: what it does not separate, RL cannot teach apart.
+
+``--words`` asks whether the transformer reads a two-object prompt's meaning or only its words.
+For each held-out ``position`` and ``color_attr`` prompt P it takes two others written by the
+grammar: Q says the same with the words reordered ("B OPP A"; "a C2 S2 and a C1 S1") and R uses
+P's very words for another scene ("B REL A"; the colours bound to the other shapes, "a C2 S1 and
+a C1 S2"). On the same noisy image of a scene of P (sigma ``--sigma``) it prints the mean distance
+of the x0 predictions d(P, Q) and d(P, R) and the *meaning index* d(P, R) / (d(P, R) + d(P, Q)):
+1 when the prediction follows the meaning, 0 for a bag of words (R has P's words), 0.5 when word
+order matters but not what it means.
+
+``--split train`` probes 16 training prompts per category instead of the held-out ones.
 
 ``--weights FILE`` probes another base (a pretraining's output) instead of the shipped one.
 
@@ -38,6 +51,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import attrs
+import numpy as np
 import torch
 from safetensors.torch import load_file
 
@@ -80,9 +94,40 @@ def rates(images: torch.Tensor, prompts: list[str]) -> tuple[float, float]:
     return objects, sum(with_relation) / len(with_relation) if with_relation else float("nan")
 
 
-def probe(policy: ShapesDiT, prompts: list[str], samples: int, steps: int, seed: int) -> tuple[float, float]:
+def binding_rates(images: torch.Tensor, prompts: list[str]) -> tuple[float, float]:
+    """For colour-binding prompts: (fraction of images that draw exactly the required colours and
+    shapes, clean, however bound; fraction of those that bind them right). A bag of words binds
+    right half of the time (the two bindings use the same words)."""
+    reading = read_cells(images)
+    parts, right = 0, 0
+    for b, prompt in enumerate(prompts):
+        required = spec_for(prompt).required
+        drawn = Counter(p.item for p in reading.scene(b))
+        if bool(reading.clean[b]) and _colours_and_shapes(drawn) == _colours_and_shapes(required):
+            parts += 1
+            right += drawn == required
+    return parts / len(prompts), right / parts if parts else float("nan")
+
+
+def _colours_and_shapes(items: Counter) -> tuple[Counter, Counter]:
+    colours, shapes = Counter(), Counter()
+    for (colour, shape), n in items.items():
+        colours[colour] += n
+        shapes[shape] += n
+    return colours, shapes
+
+
+def probe(policy: ShapesDiT, prompts: list[str], samples: int, steps: int, seed: int) -> str:
+    """The report line's figures for one category's prompts: the objects, then the relation
+    (position) or the binding (color_attr) given the parts."""
     images = generate(policy, prompts, samples, steps, torch.Generator().manual_seed(seed))
-    return rates(images, [q for q in prompts for _ in range(samples)])
+    repeated = [q for q in prompts for _ in range(samples)]
+    objects, relation = rates(images, repeated)
+    line = f"objects exactly right {objects:.3f}"
+    if spec_for(prompts[0]).relation is not None:
+        return line + f"  relation given the objects {relation:.3f}"
+    parts, bound = binding_rates(images, repeated)
+    return line + f"  right colours and shapes {parts:.3f}, bound right given them {bound:.3f}"
 
 
 def opposites(prompt: str) -> dict[str, str]:
@@ -115,6 +160,33 @@ def text_distances(encode, prompts: list[str], pairs: int = 2000, seed: int = 0)
         return (x[i] - x[j]).norm(dim=1).mean().item()
 
     return {name: (mean_distance(tokens, ij), mean_distance(pooled, ij)) for name, ij in found.items() if ij}
+
+
+def meaning_index(predict, prompts: list[str], sigma: float, seed: int = 0) -> tuple[float, float, float]:
+    """(d(P, Q), d(P, R), the meaning index) over ``prompts`` (module docstring, ``--words``):
+    ``predict(x, sigma, prompts)`` is the x0 prediction for noisy images ``x`` (B, 3, 24, 24)."""
+    rng = np.random.default_rng(seed)
+    x0 = world.render_batch([world.place(q, rng) for q in prompts]) * 2 - 1
+    noise = torch.randn(x0.shape, generator=torch.Generator().manual_seed(seed))
+    x = (1 - sigma) * x0 + sigma * noise
+    others = [world.same_words_other_meaning(q) for q in prompts]
+    with torch.no_grad():
+        base = predict(x, sigma, prompts)
+        same_meaning = predict(x, sigma, [o["same meaning"] for o in others])
+        same_words = predict(x, sigma, [o["same words"] for o in others])
+    d_meaning = (base - same_meaning).flatten(1).norm(dim=1).mean().item()
+    d_words = (base - same_words).flatten(1).norm(dim=1).mean().item()
+    total = d_meaning + d_words
+    return d_meaning, d_words, d_words / total if total else float("nan")
+
+
+def policy_x0(policy: ShapesDiT):
+    """A policy's x0 prediction x - sigma v, as :func:`meaning_index` takes it."""
+
+    def predict(x: torch.Tensor, sigma: float, prompts: list[str]) -> torch.Tensor:
+        return x - sigma * policy.velocity(x, sigma, policy.encode(prompts))
+
+    return predict
 
 
 def relation_scenes(prompt: str) -> list[tuple[Placed, Placed]]:
@@ -169,7 +241,12 @@ def main() -> None:
     p.add_argument("--text", action="store_true", help="compare the text conditioning of opposite relations")
     p.add_argument("--weights", help="a shapes-dit weights file to probe instead of the shipped base")
     p.add_argument("--marginal", action="store_true", help="does the x0 prediction at sigma 1 use the relation?")
+    p.add_argument("--words", action="store_true", help="does the prediction follow the meaning or the words?")
+    p.add_argument("--split", choices=("test", "train"), default="test", help="held-out prompts, or 16 training ones")
+    p.add_argument("--sigma", type=float, default=0.7, help="--words: the noise level of the compared predictions")
     args = p.parse_args()
+    if args.words:
+        return words_report(args)
     if args.marginal:
         return marginal_report(args)
     if args.text:
@@ -179,18 +256,12 @@ def main() -> None:
         ).items():
             print(f"{name:22s} tokens {tokens:7.3f}  pooled {pooled:6.3f}  ({len(position)} position prompts)")
         return
-    _, test = world.split(0, 16)
-    by_category = {c: [q for q in test if spec_for(q).category == c] for c in ("position", "color_attr")}
-    print(f"chance of a relation between two random cells: {CHANCE:.3f}")
+    by_category = {c: probe_prompts(c, args.split) for c in ("position", "color_attr")}
+    print(f"chance of a relation between two random cells: {CHANCE:.3f}; {args.split} prompts")
     for label, policy in policies(args):
         for category, prompts in by_category.items():
-            objects, relation = probe(policy, prompts, args.samples, args.steps, args.seed)
-            tail = f"  relation given the objects {relation:.3f}" if category == "position" else ""
-            print(
-                f"{label}: {category:10s} objects exactly right {objects:.3f}{tail}  ({len(prompts) * args.samples} "
-                f"samples)",
-                flush=True,
-            )
+            figures = probe(policy, prompts, args.samples, args.steps, args.seed)
+            print(f"{label}: {category:10s} {figures}  ({len(prompts) * args.samples} samples)", flush=True)
 
 
 def policies(args: argparse.Namespace) -> Iterator[tuple[str, ShapesDiT]]:
@@ -200,6 +271,32 @@ def policies(args: argparse.Namespace) -> Iterator[tuple[str, ShapesDiT]]:
         if label != "base":
             policy.load_trainable_state_dict(load_file(str(Path(label) / "trainable.safetensors")))
         yield label, policy
+
+
+def probe_prompts(category: str, split: str, count: int = 16) -> list[str]:
+    """A category's held-out prompts (``split`` "test"), or ``count`` of its training prompts
+    evenly spread over the grammar's order ("train")."""
+    train, test = world.split(0, 16)
+    prompts = [q for q in (test if split == "test" else train) if spec_for(q).category == category]
+    return prompts if split == "test" else prompts[:: max(1, len(prompts) // count)][:count]
+
+
+def words_report(args: argparse.Namespace) -> None:
+    train = set(world.split(0, 16)[0])
+    for category in ("position", "color_attr"):
+        prompts = probe_prompts(category, args.split)
+        twins = sum(world.same_words_other_meaning(q)["same words"] in train for q in prompts)
+        print(f"{category}: {twins} of {len(prompts)} {args.split} prompts have a training prompt of the same words")
+    for label, policy in policies(args):
+        for category in ("position", "color_attr"):
+            prompts = probe_prompts(category, args.split)
+            d_meaning, d_words, index = meaning_index(policy_x0(policy), prompts, args.sigma, args.seed)
+            print(
+                f"{label}: {category:10s} sigma {args.sigma}: d(same meaning) {d_meaning:.4f}  d(same words) "
+                f"{d_words:.4f}  meaning index {index:.2f} (1 reads the meaning, 0 a bag of words; {len(prompts)} "
+                "prompts)",
+                flush=True,
+            )
 
 
 def marginal_report(args: argparse.Namespace) -> None:

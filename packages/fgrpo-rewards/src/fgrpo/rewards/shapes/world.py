@@ -198,6 +198,25 @@ def prompt_of(spec: Spec) -> str:
     return " and ".join(words)
 
 
+def same_words_other_meaning(prompt: str) -> dict[str, str]:
+    """For a position or colour-binding prompt P: {"same meaning": P's scene in other words ("B OPP
+    A"; "a C2 S2 and a C1 S1"), "same words": another scene in P's very words ("B REL A"; the
+    colours bound to the other shapes, "a C2 S1 and a C1 S2")}. A bag-of-words reading cannot tell
+    P from the second; a reading of the meaning cannot tell it from the first."""
+    spec = parse_prompt(prompt)
+    if spec.category not in ("position", "color_attr"):
+        raise ValueError(f"prompt {prompt!r} ({spec.category}): only position and color_attr prompts have a rebinding")
+    first, second = spec.objects
+    if spec.category == "position":
+        assert spec.relation is not None  # every position spec has one
+        paraphrase = attrs.evolve(spec, objects=(second, first), relation=OPPOSITE[spec.relation])
+        rebound = attrs.evolve(spec, objects=(second, first))
+    else:
+        paraphrase = attrs.evolve(spec, objects=(second, first))
+        rebound = attrs.evolve(spec, objects=((second[0], *first[1:]), (first[0], *second[1:])))
+    return {"same meaning": prompt_of(paraphrase), "same words": prompt_of(rebound)}
+
+
 _NUM = "|".join(w for w in NUMBER_WORDS.values())
 _OBJ = rf"({_NUM}) ({'|'.join(COLORS)}) ({'|'.join(SHAPES)})(s?)"
 _REL = "|".join(RELATION_WORDS.values())
