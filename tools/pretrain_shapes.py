@@ -219,13 +219,13 @@ class CaptionContrast(torch.nn.Module):
         captions = [q for q in prompts if q]  # the null prompt of CFG shows nothing in particular
         device = network.text.embed.weight.device
         images = world.render_batch([world.sample_scene(q, self.rng) for q in captions]).to(device) * 2 - 1
-        negatives = [world.same_words_other_meaning(q)["same words"] for q in captions if rebinds(q)]
+        negatives = [
+            world.same_words_other_meaning(q)["same words"]
+            for q in captions
+            if world.parse_prompt(q).category in world.REBINDABLE
+        ]
         _, pooled = network.text(network.token_ids(captions + negatives, device))
         return symmetric_info_nce(self.image(images), self.text(pooled), self.log_scale.exp().clamp(max=100.0))
-
-
-def rebinds(prompt: str) -> bool:
-    return world.parse_prompt(prompt).category in ("position", "color_attr")
 
 
 def symmetric_info_nce(images: torch.Tensor, texts: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -110,11 +110,7 @@ def binding_rates(images: torch.Tensor, prompts: list[str]) -> tuple[float, floa
 
 
 def _colours_and_shapes(items: Counter) -> tuple[Counter, Counter]:
-    colours, shapes = Counter(), Counter()
-    for (colour, shape), n in items.items():
-        colours[colour] += n
-        shapes[shape] += n
-    return colours, shapes
+    return Counter(c for c, _ in items.elements()), Counter(s for _, s in items.elements())
 
 
 def probe(policy: ShapesDiT, prompts: list[str], samples: int, steps: int, seed: int) -> str:
@@ -136,7 +132,7 @@ def opposites(prompt: str) -> dict[str, str]:
     spec = world.parse_prompt(prompt)
     return {
         "relation word flipped": world.prompt_of(attrs.evolve(spec, relation=OPPOSITE[spec.relation])),
-        "objects swapped": world.prompt_of(attrs.evolve(spec, objects=spec.objects[::-1])),
+        "objects swapped": world.same_words_other_meaning(prompt)["same words"],
     }
 
 
@@ -283,12 +279,12 @@ def probe_prompts(category: str, split: str, count: int = 16) -> list[str]:
 
 def words_report(args: argparse.Namespace) -> None:
     train = set(world.split(0, 16)[0])
-    for category in ("position", "color_attr"):
+    for category in world.REBINDABLE:
         prompts = probe_prompts(category, args.split)
         twins = sum(world.same_words_other_meaning(q)["same words"] in train for q in prompts)
         print(f"{category}: {twins} of {len(prompts)} {args.split} prompts have a training prompt of the same words")
     for label, policy in policies(args):
-        for category in ("position", "color_attr"):
+        for category in world.REBINDABLE:
             prompts = probe_prompts(category, args.split)
             d_meaning, d_words, index = meaning_index(policy_x0(policy), prompts, args.sigma, args.seed)
             print(

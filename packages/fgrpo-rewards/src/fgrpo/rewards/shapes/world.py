@@ -47,6 +47,8 @@ RELATION_WORDS: dict[str, str] = {
     "below": "below",
 }
 OPPOSITE: dict[str, str] = {"left": "right", "right": "left", "above": "below", "below": "above"}
+#: The categories whose words alone do not say the scene (:func:`same_words_other_meaning`).
+REBINDABLE: tuple[str, ...] = ("position", "color_attr")
 
 # One fixed 6x6 glyph per shape, centred in its 8x8 cell (1-pixel black margin), given as the
 # (first, last) filled column of rows 1..6. Every pair of glyphs differs in exactly 12 pixels,
@@ -204,8 +206,10 @@ def same_words_other_meaning(prompt: str) -> dict[str, str]:
     colours bound to the other shapes, "a C2 S1 and a C1 S2")}. A bag-of-words reading cannot tell
     P from the second; a reading of the meaning cannot tell it from the first."""
     spec = parse_prompt(prompt)
-    if spec.category not in ("position", "color_attr"):
-        raise ValueError(f"prompt {prompt!r} ({spec.category}): only position and color_attr prompts have a rebinding")
+    if spec.category not in REBINDABLE:
+        raise ValueError(
+            f"prompt {prompt!r} ({spec.category}): only {' and '.join(REBINDABLE)} prompts have a rebinding"
+        )
     first, second = spec.objects
     if spec.category == "position":
         assert spec.relation is not None  # every position spec has one
