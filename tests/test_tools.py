@@ -236,6 +236,98 @@ def test_words_probe_tells_meaning_from_a_bag_of_words(root):
     assert order[0] > 0 and 0.4 < order[2] < 0.6  # every prompt a different output: neither
 
 
+def test_other_arrangements_are_every_other_scene_of_the_two_objects(root):
+    prompt = "a red square to the left of a blue circle"
+    others = world.other_arrangements(prompt)
+    assert others == [
+        "a red square to the right of a blue circle",
+        "a red square above a blue circle",
+        "a red square below a blue circle",
+        "a blue circle to the left of a red square",
+        "a blue circle above a red square",
+        "a blue circle below a red square",
+    ]  # "a blue circle to the right of a red square" is P's scene in other words: not a negative
+    rng = np.random.default_rng(0)
+    scene = world.place(prompt, rng)
+    assert not any(world.satisfies(scene, world.parse_prompt(q)) for q in others)
+    # the six denote the three other scenes twice each: one wording keeps the order, one swaps it
+    assert len({world.parse_prompt(q).key() for q in others}) == 3
+    with pytest.raises(ValueError, match="only position prompts"):
+        world.other_arrangements("a green triangle and a yellow square")
+
+    pretrain = _load(root, "pretrain_shapes")
+    binding = "a green triangle and a yellow square"
+    assert pretrain.hard_negatives(prompt, "rebinding") == ["a blue circle to the left of a red square"]
+    assert pretrain.hard_negatives(prompt, "arrangements") == others
+    assert pretrain.hard_negatives(binding, "arrangements") == ["a yellow triangle and a green square"]
+    assert pretrain.hard_negatives("three red circles", "arrangements") == []
+
+
+def test_meaning_head_targets_are_the_scene_not_the_words(root):
+    pretrain = _load(root, "pretrain_shapes")
+    head = pretrain.MeaningHead(32)
+    p = "a red square to the left of a blue circle"
+    target = head.target(p)
+    assert target.shape == (sum(head.sizes),) and target.sum() == 4  # two items at count 1, two pair relations
+    other = world.same_words_other_meaning(p)
+    assert torch.equal(head.target(other["same meaning"]), target)
+    assert not torch.equal(head.target(other["same words"]), target)
+    assert all(not torch.equal(head.target(q), target) for q in world.other_arrangements(p))
+    b = "a green triangle and a yellow square"
+    assert torch.equal(head.target("a yellow square and a green triangle"), head.target(b))
+    assert not torch.equal(head.target("a yellow triangle and a green square"), head.target(b))
+    assert not torch.equal(head.target("three red circles"), head.target("two red circles"))
+    # hand-indexed: item (colour, shape) k at count c is k * 4 + c's position in (1, 2, 3, 4)
+    three = head.target("three red circles")
+    assert three.nonzero().flatten().tolist() == [pretrain.ITEMS.index(("red", "circle")) * 4 + 2]
+
+    network = pretrain.ShapesNetwork(
+        pretrain.Architecture(
+            vocab=pretrain.vocabulary_of(world.all_prompts()),
+            hidden=48,
+            layers=1,
+            heads=1,
+            text_width=32,
+            text_layers=1,
+            text_heads=1,
+            max_words=12,
+        )
+    )
+    loss = head(network, [p, "", b])
+    logits = head.head(network.text(network.token_ids([p, b]))[1])
+    naive = (
+        sum(
+            -(t * torch.log(torch.sigmoid(x)) + (1 - t) * torch.log(1 - torch.sigmoid(x))).sum()
+            for x, t in zip(logits, [target, head.target(b)], strict=True)
+        )
+        / 2
+    )
+    assert loss.item() == pytest.approx(naive.item(), rel=1e-5)
+    loss.backward()
+    assert network.text.embed.weight.grad.abs().sum() > 0 and network.transformer.proj_out.weight.grad is None
+
+
+def test_contrastive_flow_negatives_are_renders_of_the_other_meaning(root):
+    pretrain = _load(root, "pretrain_shapes")
+    train, _ = world.split(0, 16)
+    data = pretrain.PairSampler(train, seed=0, caption_noise=0.4, prompt_dropout=0.0)
+    prompts = [
+        "a red square to the left of a blue circle",
+        "",
+        "three red circles",
+        "a green triangle and a yellow square",
+    ]
+    images, mask = data.rebound(prompts)
+    assert mask.tolist() == [True, False, False, True]
+    assert torch.equal(images[1:3], -torch.ones(2, 3, 24, 24))  # black: nothing drawn where no rebinding
+    rebindings = [world.same_words_other_meaning(q)["same words"] for q in (prompts[0], prompts[3])]
+    scores = world.evaluate((images[mask] + 1) / 2, rebindings)["accuracy"]
+    assert scores.tolist() == [1.0, 1.0]  # clean renders of the rebinding, never caption noise
+    first = data.batch(8)[0]
+    again = pretrain.PairSampler(train, seed=0, caption_noise=0.4, prompt_dropout=0.0).batch(8)[0]
+    assert first == again  # its own generator: the batches do not change
+
+
 def test_binding_probe_reads_parts_and_binding_separately(root):
     probe = _load(root, "shapes_relation_probe")
     prompt = "a green triangle and a yellow square"
@@ -272,7 +364,22 @@ def test_pretraining_with_the_contrastive_loss_trains_and_records_it(root, tmp_p
     assert json.loads(read_metadata(out)["trained_with"])["contrastive"] == 0.05
     with_contrast = load_network(out).text.embed.weight.clone()
     assert pretrain.main(args) == 0
-    assert not torch.equal(load_network(out).text.embed.weight, with_contrast)  # it reached the text encoder
+    plain = load_network(out).text.embed.weight.clone()
+    plain_output_layer = load_network(out).transformer.proj_out.weight.clone()
+    assert not torch.equal(plain, with_contrast)  # it reached the text encoder
+    assert (
+        pretrain.main([*args, "--meaning", "0.01", "--contrastive", "0.05", "--contrastive-negatives", "arrangements"])
+        == 0
+    )
+    recorded = json.loads(read_metadata(out)["trained_with"])
+    assert (recorded["meaning"], recorded["contrastive_negatives"]) == (0.01, "arrangements")
+    both = load_network(out).text.embed.weight
+    assert not torch.equal(both, plain) and not torch.equal(both, with_contrast)
+    assert pretrain.main([*args, "--contrastive-flow", "0.2"]) == 0
+    assert json.loads(read_metadata(out)["trained_with"])["contrastive_flow"] == 0.2
+    assert not torch.equal(
+        load_network(out).transformer.proj_out.weight, plain_output_layer
+    )  # it reached the transformer
 
     module = pretrain.CaptionContrast(32, 3 * 24 * 24, seed=0)
     network = load_network(out)

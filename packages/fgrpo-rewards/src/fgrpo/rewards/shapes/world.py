@@ -221,6 +221,22 @@ def same_words_other_meaning(prompt: str) -> dict[str, str]:
     return {"same meaning": prompt_of(paraphrase), "same words": prompt_of(rebound)}
 
 
+def other_arrangements(prompt: str) -> list[str]:
+    """For a position prompt "A REL B": the six prompts over the same two objects (either order, any
+    relation) that denote another scene than P's, A's first ("A REL' B" for the three other
+    relations, then "B REL' A" for the three that are not P's paraphrase "B OPP A"). The hard
+    negatives that make a reader attend to the relation word as well as to the order: "A OPP B"
+    differs from P in one word, "B REL A" in the order only (both denote the mirrored scene)."""
+    spec = parse_prompt(prompt)
+    if spec.category != "position":
+        raise ValueError(f"prompt {prompt!r} ({spec.category}): only position prompts have arrangements")
+    first, second = spec.objects
+    candidates = [
+        attrs.evolve(spec, objects=pair, relation=r) for pair in (spec.objects, (second, first)) for r in RELATIONS
+    ]
+    return [prompt_of(c) for c in candidates if c.key() != spec.key()]
+
+
 _NUM = "|".join(w for w in NUMBER_WORDS.values())
 _OBJ = rf"({_NUM}) ({'|'.join(COLORS)}) ({'|'.join(SHAPES)})(s?)"
 _REL = "|".join(RELATION_WORDS.values())
