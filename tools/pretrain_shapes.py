@@ -177,7 +177,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0.0,
         help="weight of the caption-image contrastive loss with same-words hard negatives (0: off)",
     )
-    t.add_argument("--contrastive-lr", type=float, default=1e-3, help="peak lr of the contrastive image encoder")
+    t.add_argument(
+        "--contrastive-lr",
+        type=float,
+        default=1e-3,
+        help="peak lr of the auxiliary modules (contrastive image encoder, meaning head)",
+    )
     t.add_argument(
         "--contrastive-flow",
         type=float,
@@ -221,8 +226,8 @@ class PairSampler:
 
     def rebound(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """Renders of the same-words other-meaning scene of each position and colour-binding
-        prompt (zeros elsewhere) and where they are; a generator of their own, so the batches
-        are those of a run without them."""
+        prompt (an empty black render elsewhere) and where they are; a generator of their own,
+        so the batches are those of a run without them."""
         rebindable = [bool(q) and world.parse_prompt(q).category in world.REBINDABLE for q in prompts]
         scenes = [
             world.sample_scene(world.same_words_other_meaning(q)["same words"], self.negative_rng) if r else ()
