@@ -293,7 +293,7 @@ def test_meaning_head_targets_are_the_scene_not_the_words(root):
             max_words=12,
         )
     )
-    loss = head(network, [p, "", b])
+    loss = head(network, [p, "", b], network.encode([p, "", b])["pooled_prompt_embeds"])
     logits = head.head(network.text(network.token_ids([p, b]))[1])
     naive = (
         sum(
@@ -383,7 +383,8 @@ def test_pretraining_with_the_contrastive_loss_trains_and_records_it(root, tmp_p
 
     module = pretrain.CaptionContrast(32, 3 * 24 * 24, seed=0)
     network = load_network(out)
-    loss = module(network, ["a green triangle and a yellow square", "", "three red circles"])
+    prompts = ["a green triangle and a yellow square", "", "three red circles"]
+    loss = module(network, prompts, network.encode(prompts)["pooled_prompt_embeds"])
     loss.backward()
     assert loss.item() > 0 and network.text.embed.weight.grad is not None
     assert network.transformer.pos_embed.proj.weight.grad is None  # only the text encoder and its own weights

@@ -247,6 +247,14 @@ class PairSampler:
         return prompts, images * 2 - 1
 
 
+def captions_of(prompts: list[str], pooled: torch.Tensor) -> tuple[list[str], torch.Tensor]:
+    """The prompts that say something and their rows of ``pooled`` (the flow loss's own text
+    encoding, so an auxiliary loss does not encode them again): the null prompt of CFG shows
+    nothing in particular."""
+    keep = [i for i, q in enumerate(prompts) if q]
+    return [prompts[i] for i in keep], pooled[keep].float()
+
+
 class CaptionContrast(torch.nn.Module):
     """A CLIP-style loss that makes the text encoder read what a caption means, not only its words
     (NegCLIP's hard negatives, Yuksekgonul et al. 2023, "When and why vision-language models behave
@@ -274,12 +282,13 @@ class CaptionContrast(torch.nn.Module):
         self.log_scale = torch.nn.Parameter(torch.tensor(math.log(1 / 0.07)))
         self.rng = np.random.default_rng(seed)
 
-    def forward(self, network: ShapesNetwork, prompts: list[str]) -> torch.Tensor:
-        captions = [q for q in prompts if q]  # the null prompt of CFG shows nothing in particular
-        device = network.text.embed.weight.device
+    def forward(self, network: ShapesNetwork, prompts: list[str], pooled: torch.Tensor) -> torch.Tensor:
+        captions, pooled = captions_of(prompts, pooled)
+        device = pooled.device
         images = world.render_batch([world.sample_scene(q, self.rng) for q in captions]).to(device) * 2 - 1
         negatives = [n for q in captions for n in hard_negatives(q, self.negatives)]
-        _, pooled = network.text(network.token_ids(captions + negatives, device))
+        if negatives:
+            pooled = torch.cat([pooled, network.text(network.token_ids(negatives, device))[1]])
         return symmetric_info_nce(self.image(images), self.text(pooled), self.log_scale.exp().clamp(max=100.0))
 
 
@@ -311,11 +320,9 @@ class MeaningHead(torch.nn.Module):
             pairs[b, a, world.RELATIONS.index(OPPOSITE[spec.relation])] = 1
         return torch.cat([items.flatten(), pairs.flatten()])
 
-    def forward(self, network: ShapesNetwork, prompts: list[str]) -> torch.Tensor:
-        captions = [q for q in prompts if q]
-        device = network.text.embed.weight.device
-        _, pooled = network.text(network.token_ids(captions, device))
-        target = torch.stack([self.target(q) for q in captions]).to(device)
+    def forward(self, network: ShapesNetwork, prompts: list[str], pooled: torch.Tensor) -> torch.Tensor:
+        captions, pooled = captions_of(prompts, pooled)
+        target = torch.stack([self.target(q) for q in captions]).to(pooled.device)
         # summed over the targets (most are 0), averaged over captions: each named part counts
         bce = torch.nn.functional.binary_cross_entropy_with_logits(self.head(pooled), target, reduction="sum")
         return bce / len(captions)
@@ -433,7 +440,8 @@ def train(
     """Flow matching of ``network`` on ``next_batch(n)`` -> (prompts, x0, *conditioning pixels),
     AdamW under :func:`lr_at`, gradient clipping, the EMA; ``evaluate_at`` every ``--eval-every``
     steps before the last. Stops after ``--steps`` or ``--time-budget`` seconds of training.
-    ``auxiliaries`` (module, weight, peak lr): each ``weight * module(network, prompts)`` joins the
+    ``auxiliaries`` (module, weight, peak lr): each ``weight * module(network, prompts, pooled)``
+    (``pooled``: the text encoding the flow loss conditioned on) joins the
     loss; a module's own parameters follow the same schedule scaled to their peak lr.
     ``negatives(prompts)`` -> (images, mask): contrastive flow matching (Stoica et al. 2025) with
     hard negatives: ``--contrastive-flow`` times the squared distance of the x0 prediction to a
@@ -467,7 +475,7 @@ def train(
                 away = (x0_hat[mask] - other[mask].to(device)).pow(2).mean() * mask.float().mean()
                 total = total - args.contrastive_flow * away
         for module, weight, _ in auxiliaries:
-            total = total + weight * module(network, prompts)
+            total = total + weight * module(network, prompts, cond["pooled_prompt_embeds"])
         optimizer.zero_grad(set_to_none=True)
         total.backward()
         if args.grad_clip:
