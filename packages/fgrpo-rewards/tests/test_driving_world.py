@@ -304,13 +304,33 @@ def test_the_rollout_reward_values_what_the_closed_loop_executes_of_a_plan():
     short = score("driving-rollout", torch.cat([a, off]), [free, free]).scores
     longer = score("driving-rollout", torch.cat([a, off]), [free, free], execute=3.0).details
     assert short[0] == short[1] and longer["off_road"].tolist() == [0.0, 1.0] and longer["rollout"][1] == 0.0
-    # speeding for 0.5 s costs exp(-mean excess / 2), the excess measured over the whole loop
+    # speeding costs exp(-mean excess / 2), the excess measured over the plan's executed part
     fast = score("driving-rollout", constant_speed(42.0), [free], jerk_scale=8.0)
     d = fast.details
     assert d["speed_excess"].item() > 0.1
     expected = d["cl_score"] * torch.exp(-d["speed_excess"] / 2) * torch.exp(-0.5 * (d["jerk_rms"] / 8.0) ** 2)
     assert fast.scores.item() == pytest.approx(expected.item(), rel=1e-6)
     assert fast.scores.item() < pair.scores[0].item()
+
+
+def test_the_rollout_prices_speeding_over_the_plan_or_over_the_whole_loop():
+    # 35 m/s on a 30 m/s road, a plan that keeps 35 m/s: its executed 2 s are 5 m/s above the limit
+    # throughout; the expert who takes over slows towards 30 (IDM's free term, gently), so over the
+    # 8 s loop the excess is diluted (2.9 m/s)
+    fast = custom("fast-35-kept", lanes=2, limit=30.0, ego=(0, 35.0))
+    plan = constant_speed(35.0)
+    on_plan = score("driving-rollout", plan, [fast], execute=2.0, continuation="expert").details
+    on_loop = score("driving-rollout", plan, [fast], execute=2.0, continuation="expert", speeding="loop").details
+    assert on_plan["speed_excess"].item() == pytest.approx(5.0, abs=1e-3)
+    assert 1.0 < on_loop["speed_excess"].item() < 4.0
+    # the loop is the same, only the price differs
+    assert on_plan["cl_score"].item() == on_loop["cl_score"].item() > 0.9
+    assert on_plan["rollout"].item() == pytest.approx(on_plan["cl_score"].item() * math.exp(-5.0 / 2), rel=1e-3)
+    assert on_loop["rollout"].item() == pytest.approx(
+        on_loop["cl_score"].item() * math.exp(-on_loop["speed_excess"].item() / 2), rel=1e-6
+    )
+    legal = score("driving-rollout", constant_speed(25.0), [custom("legal-25-kept", lanes=2, ego=(0, 25.0))])
+    assert legal.details["speed_excess"].item() == 0.0
 
 
 def test_the_expert_is_the_teacher_without_its_flaws():

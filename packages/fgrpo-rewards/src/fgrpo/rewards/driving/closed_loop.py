@@ -267,7 +267,13 @@ class Rollout:
     exp(-mean speed above the limit / 2 m/s) (x a comfort factor with ``jerk_scale``): the driver's
     cost-to-go after the plan (AggreVaTe's), where the open-loop terms value the whole plan as if it
     were executed to its end among blind traffic. At 0.5 s the driver who takes over makes every
-    lane change itself, so no plan has to start one; ``recipes/driving.yaml`` executes 2 s."""
+    lane change itself, so no plan has to start one; ``recipes/driving.yaml`` executes 2 s.
+
+    ``speeding`` says over which part the speed above the limit is measured: ``plan`` (the default),
+    the executed part, which is all the planner drives, or ``loop``, the whole loop. Over the loop
+    the driver who keeps the limit for the other 6 s dilutes the plan's speeding fourfold, while the
+    closed loop is made of nothing but executed parts: a planner trained that way drove 1.09 m/s
+    above the limit on average (0.16 priced on the plan; docs/planners.md)."""
 
     seconds: float = param(8.0, gt=0.5, le=20.0, help="length of each loop [s], the plan's part included")
     execute: float = param(
@@ -282,6 +288,12 @@ class Rollout:
         choices=("teacher", "expert"),
         help="who drives after the plan: the flawed teacher of the logs, or the same IDM + MOBIL driver without "
         "its flaws (see sim.EXPERT)",
+    )
+    speeding: str = param(
+        "plan",
+        choices=("plan", "loop"),
+        help="where the speed above the limit is measured for exp(-excess / 2): the plan's executed part, or the "
+        "whole loop (the continuation's driving too)",
     )
 
     @classmethod
@@ -299,12 +311,14 @@ class Rollout:
         plans = check_plans(outputs, len(prompts))
         start = scene_store.scenes_for(list(prompts))
         _, executed = sim.execute(start, plans, self.execute)
+        excess = judge(start, executed, self.execute).speed_excess if self.speeding == "plan" else None
         after = executed[-1] if self.continuation == "teacher" else sim.without_flaws(executed[-1])
         executed += sim.teacher_rollout(after, int(round((self.seconds - self.execute) / sim.DT)))
         result = judge(start, executed, self.seconds)
+        excess = result.speed_excess if excess is None else excess
         # the loop's CL-score caps progress at the free-road distance but never sees the limit: a
         # plan that speeds for 0.5 s and leaves the braking to the teacher would score as well
-        scores = result.cl_score * speeding_factor(result.speed_excess)
+        scores = result.cl_score * speeding_factor(excess)
         if self.jerk_scale:
             scores = scores * jerk_factor(result.jerk, self.jerk_scale)
         return RewardResult(
@@ -312,7 +326,7 @@ class Rollout:
             details={
                 "rollout": scores,
                 "cl_score": result.cl_score,
-                "speed_excess": result.speed_excess,
+                "speed_excess": excess,
                 "collision": result.collision.float(),
                 "off_road": result.off_road.float(),
                 "progress_ratio": result.progress,
