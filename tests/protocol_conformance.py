@@ -32,6 +32,7 @@ from fgrpo.models.z_image import ZImagePolicy
 from fgrpo.rewards.aesthetic import Aesthetic
 from fgrpo.rewards.clip import CLIPScore, PickScore
 from fgrpo.rewards.driving.closed_loop import ClosedLoop, Rollout
+from fgrpo.rewards.driving.highway import HighwayEvaluator
 from fgrpo.rewards.driving.prompts import DrivingPrompts
 from fgrpo.rewards.driving.rewards import (
     PDMS,
@@ -151,6 +152,7 @@ PROMPTS: dict[str, type[PromptSource]] = {
 }
 EVALUATORS: dict[str, type[Evaluator]] = {
     "driving-closed-loop": ClosedLoop,
+    "driving-highway": HighwayEvaluator,
     "shapes-edit-gold": ShapesEditGoldEvaluator,
     "shapes-gold": ShapesGoldEvaluator,
 }

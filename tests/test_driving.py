@@ -141,3 +141,19 @@ def test_nan_waypoints_stop_the_run_with_one_line(root, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
     assert "reward 'driving-rollout' raised ValueError: driving plan 0 has NaN or infinite waypoints" in err[0]
+
+
+def test_the_highway_evaluator_runs_beside_the_gold(root, tmp_path):
+    pytest.importorskip("highway_env")
+    out = tmp_path / "run"
+    highway = "evaluator=[driving-closed-loop, {name: driving-highway, episodes: 2, seconds: 2, vehicles: 5}]"
+    recipe = str(root / "recipes" / "driving.yaml")
+    sets_ = sets(*SMALL, highway, "train.iterations=1", "eval.every=1")
+    assert cli.main(["compose", recipe, "--out", str(out), "--quiet", *sets_]) == 0
+    evals = [r for r in read_metrics(out) if "gold/driving-highway/cl_score" in r]
+    assert [r["iteration"] for r in evals] == [0, 1]
+    for row in evals:
+        assert {"collision", "off_road", "progress", "speed", "jerk"} <= {
+            k.rsplit("/", 1)[1] for k in row if k.startswith("gold/driving-highway/")
+        }
+        assert 0.0 <= row["gold/driving-highway/cl_score"] <= 1.0 and row["gold/driving-highway/speed"] > 10.0
