@@ -37,15 +37,6 @@ def sets(*items: str) -> list[str]:
     return out
 
 
-@pytest.fixture(autouse=True)
-def one_thread(monkeypatch):
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.parametrize("name", ["driving.yaml", "driving-naive.yaml"])
 def test_driving_recipes_validate_and_pass_the_on_policy_check(root, name, capsys):
     recipe = str(root / "recipes" / name)

@@ -18,14 +18,6 @@ from fgrpo.models.trajectory import (
 )
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 class TestTrajectoryFull(PolicyConformance):
     model_name = "trajectory"
     model_params = {"path": "random", "hidden": 32, "blocks": 1}

@@ -17,15 +17,6 @@ from fgrpo.models.vector import VectorPolicy, base_samples
 PROMPTS = ["target 0.5 -1.0", "target -1 1", "a cat"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny matmuls: one thread is fastest, and far faster on a shared, loaded CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def make(**params) -> VectorPolicy:
     return registry.create("model", "vector", **params)
 

@@ -17,14 +17,6 @@ pytest.importorskip("highway_env")
 T = torch.arange(1, 9, dtype=torch.float32) * PLAN_DT
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def env_with(vehicles: list[tuple[int, float, float]], seed: int = 0, lanes: int = 3, ego=(1, 20.0)):
     """A highway-v0 env whose traffic is replaced by ``vehicles`` (lane, metres ahead of the ego,
     speed; a speed of 0 stands still), the ego at the start of lane ``ego[0]`` at ``ego[1]`` m/s."""

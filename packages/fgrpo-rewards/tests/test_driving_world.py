@@ -17,14 +17,6 @@ from fgrpo.rewards.driving.world import CAR_LENGTH, HORIZON_STEPS, LANE_WIDTH, T
 T = torch.arange(1, HORIZON_STEPS + 1, dtype=torch.float32) * 0.5
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def custom(name: str, lanes: int = 3, limit: float = 30.0, ego: tuple[int, float] = (1, 20.0), agents=()) -> str:
     """Register a hand-made scene (the scenario-file format) under a prompt of its own."""
     row = {
