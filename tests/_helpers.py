@@ -1,15 +1,37 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import socket
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
+
+
+def load_tool(relative: str, name: str | None = None) -> Any:
+    """The module of ``tools/<relative>``, loaded in this process. sys.path is as it was once it has
+    loaded (a tool may put its own folder there) and the sibling modules it imported leave
+    sys.modules with it: tools/bench/kernels.py would otherwise stand in for the ``kernels`` package
+    transformers probes for, and every later diffusers import in the same process would fail."""
+    path = ROOT / "tools" / relative
+    before, search_path = set(sys.modules), list(sys.path)
+    sys.path.insert(0, str(path.parent))
+    try:
+        spec = importlib.util.spec_from_file_location(name or path.stem, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path[:] = search_path
+        for added in set(sys.modules) - before:
+            if Path(getattr(sys.modules[added], "__file__", None) or "/").parent == path.parent:
+                del sys.modules[added]
+    return module
 
 
 def free_port() -> int:

@@ -17,7 +17,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from _helpers import torchrun
+from _helpers import load_tool, torchrun
 from fgrpo.core import cli, phases
 from fgrpo.core import recipe as recipe_mod
 from fgrpo.core.forward import ForwardPoints
@@ -466,17 +466,7 @@ def test_two_processes_draw_the_same_points_as_one(root, tmp_path, name):
 
 
 def _objectives_bench(root):
-    import importlib.util
-
-    path = root / "tools" / "bench" / "objectives.py"
-    sys.path.insert(0, str(path.parent))
-    try:
-        spec = importlib.util.spec_from_file_location("objectives_bench", path)
-        bench = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(bench)
-    finally:
-        sys.path.remove(str(path.parent))
-    return bench
+    return load_tool("bench/objectives.py", "objectives_bench")
 
 
 def test_objectives_bench_reads_each_mark_from_the_evaluation_that_crossing_it_made(root):

@@ -7,15 +7,14 @@ benchmark tools run.
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
 import time
 
 import pytest
 import torch
 from rich.console import Console
 
+from _helpers import load_tool
 from fgrpo.core import recipe as recipe_mod
 from fgrpo.core import threads, timing
 from fgrpo.core.trainer import build_run, iteration
@@ -24,15 +23,7 @@ QUIET = Console(quiet=True)
 
 
 def _tool(root, relative):
-    path = root / "tools" / relative
-    sys.path.insert(0, str(path.parent))
-    try:
-        spec = importlib.util.spec_from_file_location(path.stem, path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(path.parent))
-    return module
+    return load_tool(relative)
 
 
 # --- the accounting ------------------------------------------------------------------------------

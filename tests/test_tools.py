@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 
@@ -10,14 +9,13 @@ import numpy as np
 import pytest
 import torch
 
+from _helpers import load_tool
+
 world = pytest.importorskip("fgrpo.rewards.shapes")
 
 
 def _load(root, name):
-    spec = importlib.util.spec_from_file_location(name, root / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool(f"{name}.py")
 
 
 def test_relation_probe_reads_objects_and_relation_separately(root):
