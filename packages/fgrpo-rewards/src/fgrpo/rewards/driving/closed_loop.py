@@ -311,11 +311,14 @@ class Rollout:
         plans = check_plans(outputs, len(prompts))
         start = scene_store.scenes_for(list(prompts))
         _, executed = sim.execute(start, plans, self.execute)
-        excess = judge(start, executed, self.execute).speed_excess if self.speeding == "plan" else None
+        planned = len(executed)
         after = executed[-1] if self.continuation == "teacher" else sim.without_flaws(executed[-1])
         executed += sim.teacher_rollout(after, int(round((self.seconds - self.execute) / sim.DT)))
         result = judge(start, executed, self.seconds)
-        excess = result.speed_excess if excess is None else excess
+        if self.speeding == "plan":
+            excess = judge(start, executed[:planned], self.execute).speed_excess
+        else:
+            excess = result.speed_excess
         # the loop's CL-score caps progress at the free-road distance but never sees the limit: a
         # plan that speeds for 0.5 s and leaves the braking to the teacher would score as well
         scores = result.cl_score * speeding_factor(excess)
