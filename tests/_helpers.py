@@ -17,8 +17,8 @@ BIN = Path(sys.executable).parent
 def load_tool(relative: str, name: str | None = None) -> Any:
     """The module of ``tools/<relative>``, loaded in this process. sys.path is as it was once it has
     loaded (a tool may put its own folder there) and the sibling modules it imported leave
-    sys.modules with it: tools/bench/kernels.py would otherwise stand in for the ``kernels`` package
-    transformers probes for, and every later diffusers import in the same process would fail."""
+    sys.modules with it: a sibling named like an installed package would otherwise stand in for that
+    package in every later import of the same process."""
     path = ROOT / "tools" / relative
     before, search_path = set(sys.modules), list(sys.path)
     sys.path.insert(0, str(path.parent))

@@ -386,3 +386,22 @@ def test_pretraining_with_the_contrastive_loss_trains_and_records_it(root, tmp_p
     loss.backward()
     assert loss.item() > 0 and network.text.embed.weight.grad is not None
     assert network.transformer.pos_embed.proj.weight.grad is None  # only the text encoder and its own weights
+
+
+def test_no_tool_is_named_like_an_installed_module(root):
+    """A tool run as a script has its own folder first on sys.path, so a sibling named like an
+    installed module stands in for it: tools/bench/kernels.py took the place of Hugging Face's
+    ``kernels``, which transformers probes for, and ``python tools/bench/objectives.py`` failed at
+    its first diffusers import."""
+    import importlib.machinery
+    import sys
+    from pathlib import Path
+
+    tools = (Path(root) / "tools").resolve()
+    search = [p for p in sys.path if not Path(p or ".").resolve().is_relative_to(tools)]
+    shadowing = sorted(
+        str(path.relative_to(root))
+        for path in tools.rglob("*.py")
+        if path.stem in sys.builtin_module_names or importlib.machinery.PathFinder.find_spec(path.stem, search)
+    )
+    assert shadowing == []

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Each transition kernel against a straightforward explicit implementation, on the same tensors.
 
-    python tools/bench/kernels.py --batch 16 --shape 16 8 8 --repeats 200
+    python tools/bench/kernel_formulas.py --batch 16 --shape 16 8 8 --repeats 200
 
 The explicit versions are the formulas as the reference code writes them (flow_grpo's
 ``sde_step_with_logprob`` for ``sde`` and ``cps``, DanceGRPO's score form for ``dance``, the Euler
