@@ -356,12 +356,12 @@ def test_pretraining_with_the_contrastive_loss_trains_and_records_it(root, tmp_p
     out = tmp_path / "base.safetensors"
     args = ["--hidden", "48", "--heads", "1", "--layers", "1", "--text-width", "32", "--steps", "3", "--batch", "16"]
     args += ["--eval-every", "0", "--eval-samples", "1", "--eval-steps", "1", "--threads", "1", "--out", str(out)]
-    assert pretrain.main([*args, "--contrastive", "0.05"]) == 0
+    assert pretrain.main([*args, "--contrastive", "0.05", "--meaning", "0"]) == 0
     from fgrpo.models.shapes_network import load_network, read_metadata
 
     assert json.loads(read_metadata(out)["trained_with"])["contrastive"] == 0.05
     with_contrast = load_network(out).text.embed.weight.clone()
-    assert pretrain.main(args) == 0
+    assert pretrain.main([*args, "--contrastive", "0", "--meaning", "0"]) == 0  # the defaults have both
     plain = load_network(out).text.embed.weight.clone()
     plain_output_layer = load_network(out).transformer.proj_out.weight.clone()
     assert not torch.equal(plain, with_contrast)  # it reached the text encoder

@@ -232,7 +232,7 @@ def test_shipped_base_strict_accuracy_is_in_the_target_band():
     outputs, prompts = [], []
     per_call = 64
     threads = torch.get_num_threads()
-    torch.set_num_threads(min(2, threads))  # the tool's setting (reproduces its printed 0.377)
+    torch.set_num_threads(min(2, threads))  # the tool's setting (reproduces its printed 0.402)
     try:
         for start in range(0, len(test), per_call):
             chunk = test[start : start + per_call]
@@ -243,10 +243,10 @@ def test_shipped_base_strict_accuracy_is_in_the_target_band():
         torch.set_num_threads(threads)
     details = world.evaluate(torch.cat(outputs), prompts)
     accuracy = details["accuracy"].mean().item()
-    assert 0.30 <= accuracy <= 0.65, accuracy
+    assert 0.30 <= accuracy <= 0.50, accuracy  # issue 25's band: weak at every skill, above chance
     assert accuracy == pytest.approx(
-        0.377, abs=0.02
-    )  # the tool printed 0.377 for the written file; another CPU may flip a few samples
+        0.402, abs=0.02
+    )  # the tool printed 0.402 for the written file; another CPU may flip a few samples
     assert details["clean_cells"].mean().item() > 0.9  # errors are compositional, not broken glyphs
 
 
@@ -284,13 +284,48 @@ def test_an_editing_networks_source_cells_share_the_states_positions():
     assert out.shape == x.shape and (out - other).abs().max() > 1e-4
 
 
+def _tool_defaults(name: str) -> dict:
+    """The settings a pretraining tool records in the file it writes when run without arguments."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    tools = str(Path(__file__).resolve().parents[3] / "tools")
+    sys.path.insert(0, tools)
+    try:
+        tool = importlib.import_module(name)
+    finally:
+        sys.path.remove(tools)
+    return {k: v for k, v in vars(tool.parse_args([])).items() if k not in ("out", "checkpoint_dir")}
+
+
+def test_shipped_base_is_what_the_tool_makes():
+    """weights/shapes-base.safetensors was written by tools/pretrain_shapes.py with its current
+    defaults (the tool's docstring has its run: 26 min on 2 cores, bit-identical to step 6000 of the
+    12000-step cosine), under 20 MB, with the architecture those defaults name."""
+    import json
+    import os
+
+    path = default_weights_path()
+    assert os.path.getsize(path) < 20e6
+    meta = read_metadata(path)
+    defaults = _tool_defaults("pretrain_shapes")
+    assert json.loads(meta["trained_with"]) == defaults
+    assert (defaults["contrastive"], defaults["meaning"], defaults["steps"]) == (0.05, 0.01, 6000)
+    assert int(meta["steps"]) == defaults["steps"]
+    arch = Architecture.from_json(meta["architecture"])
+    assert (arch.hidden, arch.layers, arch.text_layers) == (
+        defaults["hidden"],
+        defaults["layers"],
+        defaults["text_layers"],
+    )
+
+
 def test_shipped_editing_base_is_what_the_tool_makes():
     """weights/shapes-edit-base.safetensors: an editing network (one source image, the instructions'
     vocabulary), under 20 MB, written by tools/pretrain_shapes_edit.py with its current defaults."""
     import json
     import os
-    import sys
-    from pathlib import Path
 
     from fgrpo.models.shapes_edit import EDIT_WEIGHTS_RESOURCE, ShapesEditDiT
 
@@ -299,15 +334,7 @@ def test_shipped_editing_base_is_what_the_tool_makes():
     meta = read_metadata(path)
     arch = Architecture.from_json(meta["architecture"])
     assert arch.source_images == 1
-    tools = Path(__file__).resolve().parents[3] / "tools"
-    sys.path.insert(0, str(tools))
-    try:
-        import pretrain_shapes_edit
-    finally:
-        sys.path.remove(str(tools))
-    defaults = {
-        k: v for k, v in vars(pretrain_shapes_edit.parse_args([])).items() if k not in ("out", "checkpoint_dir")
-    }
+    defaults = _tool_defaults("pretrain_shapes_edit")
     assert json.loads(meta["trained_with"]) == defaults
     assert (arch.hidden, arch.layers, arch.heads, arch.text_width) == (
         defaults["hidden"],
