@@ -222,7 +222,11 @@ def test_reference_pass_runs_once_per_stored_state_and_is_the_base_model(root):
     metrics = iteration(run, 1)
     # two inner epochs: the update's forwards twice, the reference pass once
     assert metrics["nfe_reference"] == pairs and metrics["nfe_train"] == 2 * pairs + pairs
-    assert metrics["first_ratio_deviation"] == 0.0
+    # The update forwards (sample, step) pairs, the rollout every sample at one step: the ratio is
+    # exactly 1 only where the CPU's matmuls give each row the same bits in either batch. Here that
+    # held with the previous shipped weights and is one float32 ulp off (5.96e-8) with the current
+    # ones; `fgrpo check` holds the same tolerance, and reads 0 on recipes/shapes.yaml.
+    assert metrics["first_ratio_deviation"] <= 1e-6
 
 
 def test_reward_worker_scores_the_same_as_the_main_thread(root):
