@@ -20,10 +20,10 @@ shapes-base.safetensors):
   then cosine from ``--lr`` to ``--lr-min`` over ``--decay-steps`` (a horizon that does not
   depend on ``--steps``: stopping at step K gives exactly the run's checkpoint at step K), an
   EMA of the weights (``--ema``; the EMA weights are the ones evaluated and written).
-  ``--contrastive W`` (0.05 by default) adds W times a
-  caption-image contrastive loss whose hard negatives are each caption's same-words rebinding
-  (:class:`CaptionContrast`; ``--contrastive-negatives arrangements``: every other arrangement of
-  a position prompt's objects); ``--meaning W`` (0.01 by default) adds W times an auxiliary head that reads the
+  ``--contrastive W`` (0.05 by default) adds W times a caption-image contrastive loss whose hard
+  negatives are each caption's same-words rebinding (:class:`CaptionContrast`;
+  ``--contrastive-negatives arrangements``: every other arrangement of a position prompt's
+  objects); ``--meaning W`` (0.01 by default) adds W times an auxiliary head that reads the
   caption's items, counts and relations off the pooled text vector (:class:`MeaningHead`).
 - evaluation: strict accuracy (``ShapesVerifier``) of the held-out TEST prompts, each sampled
   ``--eval-samples`` times with the ODE sampler the trainer's evaluation uses
@@ -131,10 +131,20 @@ DEFAULT_OUT = ROOT / "packages/fgrpo-models/src/fgrpo/models/weights/shapes-base
 
 
 def common_arguments(
-    description: str, *, width: int, layers: int, heads: int, text_width: int, steps: int, batch: int, threads: int
+    description: str,
+    *,
+    width: int,
+    layers: int,
+    heads: int,
+    text_width: int,
+    steps: int,
+    batch: int,
+    threads: int,
+    decay_steps: int | None = None,
 ) -> tuple[argparse.ArgumentParser, argparse._ArgumentGroup, argparse._ArgumentGroup, argparse._ArgumentGroup]:
     """The parser both pretraining tools share (architecture, optimisation, evaluation), with
-    the defaults that differ between them; each tool adds its own keys to the three groups."""
+    the defaults that differ between them (``decay_steps`` null: ``steps``); each tool adds its own
+    keys to the three groups."""
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     a = p.add_argument_group("architecture")
     a.add_argument("--hidden", type=int, default=width, help="transformer width")
@@ -151,7 +161,7 @@ def common_arguments(
     t.add_argument("--lr", type=float, default=2e-3)
     t.add_argument("--lr-min", type=float, default=2e-4)
     t.add_argument("--warmup", type=int, default=100)
-    t.add_argument("--decay-steps", type=int, default=steps, help="cosine horizon of the learning rate")
+    t.add_argument("--decay-steps", type=int, default=decay_steps or steps, help="cosine horizon of the learning rate")
     t.add_argument("--weight-decay", type=float, default=0.0)
     t.add_argument("--grad-clip", type=float, default=1.0)
     t.add_argument("--ema", type=float, default=0.999, help="EMA decay (with the usual (1+n)/(10+n) warm-up)")
@@ -174,9 +184,16 @@ def common_arguments(
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p, _, t, e = common_arguments(
-        __doc__.split("\n\n")[0], width=192, layers=4, heads=3, text_width=128, steps=6000, batch=128, threads=2
+        __doc__.split("\n\n")[0],
+        width=192,
+        layers=4,
+        heads=3,
+        text_width=128,
+        steps=6000,
+        decay_steps=12000,  # the shipped file is step 6000 of a 12000-step cosine
+        batch=128,
+        threads=2,
     )
-    t.set_defaults(decay_steps=12000)  # the shipped file is step 6000 of a 12000-step cosine
     t.add_argument("--prediction", choices=PREDICTIONS, default="x0", help="what the transformer outputs")
     t.add_argument(
         "--caption-noise", type=float, default=0.4, help="fraction of images rendered from a perturbed scene"
