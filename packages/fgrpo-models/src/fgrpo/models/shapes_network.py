@@ -95,6 +95,15 @@ class Architecture:
     #: 0.46M transformer did not learn to copy the source in 2000 steps (untouched cells all
     #: preserved in 8% of edits); see :class:`SourceTokensPatchEmbed`.
     source_images: int = 0
+    #: factor on SD3's fixed sin-cos position embedding of the image tokens. At sigma 1 a token is
+    #: the embedding of a pure-noise patch (norm 15 in the shipped base) plus its position (norm
+    #: 9.8; neighbouring cells 1.7 apart). Measured: 4 did not make the base place by relation
+    #: (tools/pretrain_shapes.py's docstring).
+    position_scale: float = 1.0
+    #: a per-cell term on each state token from the pooled text vector (zero at initialisation):
+    #: the relation, which the pooled vector carries, reaches each cell's token directly instead of
+    #: only through attention (:class:`CellConditionedPatchEmbed`). Text-to-image networks only.
+    cell_conditioning: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.prediction not in PREDICTIONS:
@@ -103,6 +112,10 @@ class Architecture:
             raise ValueError(f"hidden {self.hidden} must be a multiple of heads {self.heads}")
         if self.text_width % self.text_heads:
             raise ValueError(f"text_width {self.text_width} must be a multiple of text_heads {self.text_heads}")
+        if self.cell_conditioning and self.source_images:
+            raise ValueError("cell_conditioning is for text-to-image networks (source_images 0)")
+        if not self.position_scale > 0:
+            raise ValueError(f"position_scale {self.position_scale} must be > 0")
         if self.size % self.patch:
             raise ValueError(f"size {self.size} must be a multiple of patch {self.patch}")
         if tuple(self.vocab[: len(SPECIALS)]) != SPECIALS:
@@ -174,6 +187,37 @@ class TextEncoder(nn.Module):
         return h, pooled
 
 
+def cell_conditioned_patch_embed(arch: Architecture, embed_dim: int) -> nn.Module:
+    """SD3's patch embedding plus ``cell_bias(pooled)``, one row per cell (``pooled`` is set by
+    :func:`transformer_output` for the call: SD3's transformer passes the embedding only pixels)."""
+    from diffusers.models.embeddings import PatchEmbed
+
+    class CellConditionedPatchEmbed(PatchEmbed):
+        def __init__(self, cells: int, text_width: int, **kwargs: Any):
+            super().__init__(**kwargs)
+            self.cell_bias = nn.Linear(text_width, cells * kwargs["embed_dim"])
+            nn.init.zeros_(self.cell_bias.weight)
+            nn.init.zeros_(self.cell_bias.bias)
+            self.pooled: torch.Tensor | None = None
+
+        def forward(self, latent: torch.Tensor) -> torch.Tensor:
+            tokens = super().forward(latent)
+            if self.pooled is None:
+                raise RuntimeError("a cell-conditioned network is called through transformer_output")
+            return tokens + self.cell_bias(self.pooled).reshape(tokens.shape).to(tokens.dtype)
+
+    return CellConditionedPatchEmbed(
+        arch.position_grid**2,
+        arch.text_width,
+        height=arch.size,
+        width=arch.size,
+        patch_size=arch.patch,
+        in_channels=arch.channels,
+        embed_dim=embed_dim,
+        pos_embed_max_size=arch.position_grid,
+    )
+
+
 def source_tokens_patch_embed(arch: Architecture, embed_dim: int) -> nn.Module:
     """The editing networks' patch embedding (:class:`SourceTokensPatchEmbed`), built lazily
     because diffusers is an optional dependency."""
@@ -238,6 +282,10 @@ class ShapesNetwork(nn.Module):
         )
         if arch.source_images:
             self.transformer.pos_embed = source_tokens_patch_embed(arch, self.transformer.inner_dim)
+        if arch.cell_conditioning:
+            self.transformer.pos_embed = cell_conditioned_patch_embed(arch, self.transformer.inner_dim)
+        if arch.position_scale != 1.0:  # a persistent buffer: the file keeps the scaled values
+            self.transformer.pos_embed.pos_embed.mul_(arch.position_scale)
 
     def token_ids(self, prompts: Sequence[str], device: torch.device | str = "cpu") -> torch.Tensor:
         """(B, tokens) long: the start token, the words, then padding. Unknown words and prompts
@@ -297,13 +345,20 @@ def transformer_output(
                 f"{shape}"
             )
         x = torch.cat([x, source.to(x)], dim=-1)
-    out = transformer(
-        hidden_states=x,
-        timestep=sigma * 1000.0,
-        encoder_hidden_states=embeds,
-        pooled_projections=pooled,
-        return_dict=False,
-    )[0]
+    cells: Any = transformer.pos_embed if arch.cell_conditioning else None
+    if cells is not None:
+        cells.pooled = pooled
+    try:
+        out = transformer(
+            hidden_states=x,
+            timestep=sigma * 1000.0,
+            encoder_hidden_states=embeds,
+            pooled_projections=pooled,
+            return_dict=False,
+        )[0]
+    finally:
+        if cells is not None:
+            cells.pooled = None
     return out[..., : arch.size] if arch.source_images else out
 
 
