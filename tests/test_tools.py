@@ -305,6 +305,54 @@ def test_meaning_head_targets_are_the_scene_not_the_words(root):
     assert network.text.embed.weight.grad.abs().sum() > 0 and network.transformer.proj_out.weight.grad is None
 
 
+def test_layout_target_is_the_exact_posterior_mean_over_the_captions_scenes(root):
+    """--layout's target, against a naive Bayes over the 27 scenes of "A left of B" in float64:
+    at sigma 1 the mean of the scenes (the image says nothing), at low noise the drawn scene."""
+    pretrain = _load(root, "pretrain_shapes")
+    caption = "a red square to the left of a blue circle"
+    scenes = pretrain.LayoutDenoiser(0).renders(caption)
+    spec = world.parse_prompt(caption)
+    assert len(scenes) == 27 and all(
+        world.satisfies(s, spec)
+        for s in [
+            tuple(world.Placed(c, sh, *cell) for (c, sh, _), cell in zip(spec.objects, pair, strict=True))
+            for pair in pretrain.relation_pairs("left")
+        ]
+    )
+    g = torch.Generator().manual_seed(0)
+    for sigma in (1.0, 0.9, 0.7, 0.5, 0.05):
+        x = (1 - sigma) * scenes[5] + sigma * torch.randn(scenes[5].shape, generator=g)
+        d = scenes.double()
+        density = torch.stack(
+            [torch.distributions.Normal((1 - sigma) * s, sigma).log_prob(x.double()).sum() for s in d]
+        )
+        naive = (torch.softmax(density, 0)[:, None, None, None] * d).sum(0)
+        torch.testing.assert_close(pretrain.posterior_mean(x, scenes, sigma).double(), naive, rtol=0, atol=1e-4)
+    torch.testing.assert_close(pretrain.posterior_mean(x, scenes, 1.0), scenes.mean(0), rtol=0, atol=1e-6)
+    torch.testing.assert_close(pretrain.posterior_mean(x, scenes, 0.05), scenes[5], rtol=0, atol=1e-6)
+    # the red square is left of the blue circle in the mean: its column 0 redder than column 2
+    mean = scenes.mean(0)
+    red_minus_blue = (mean[0] - mean[2]).reshape(24, 3, 8).mean((0, 2))
+    assert red_minus_blue[0] > 0.2 and red_minus_blue[2] < -0.1
+
+
+def test_layout_loss_reaches_the_transformer_for_position_captions_only(root):
+    pretrain = _load(root, "pretrain_shapes")
+    from fgrpo.models.shapes_network import Architecture, ShapesNetwork, default_vocabulary
+
+    torch.manual_seed(0)
+    network = ShapesNetwork(Architecture(vocab=default_vocabulary(), hidden=32, layers=1, heads=2, text_width=32))
+    layout = pretrain.LayoutDenoiser(0)
+    pooled = torch.zeros(2, 32)
+    none = layout(network, ["two red circles", ""], pooled)
+    assert none.item() == 0 and not layout.scenes
+    loss = layout(network, ["a red square to the left of a blue circle", "two red circles"], pooled)
+    loss.backward()
+    assert loss.item() > 0 and list(layout.scenes) == ["a red square to the left of a blue circle"]
+    assert network.transformer.pos_embed.proj.weight.grad.abs().sum() > 0
+    assert network.text.embed.weight.grad.abs().sum() > 0
+
+
 def test_contrastive_flow_negatives_are_renders_of_the_other_meaning(root):
     pretrain = _load(root, "pretrain_shapes")
     train, _ = world.split(0, 16)

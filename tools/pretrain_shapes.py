@@ -93,6 +93,41 @@ decided. More high noise (``--logit-mean 1 --logit-std 1.5`` with the meaning he
 draws above sigma 0.9 instead of 4.5 %) raises the position meaning index to 0.67 (binding 0.96,
 strict 0.290) and leaves the sigma-1 columns flat (0.09 / 0.10 / 0.09; relation given the objects
 0.384).
+
+Three more levers for position, each 3000 steps of the 12000-step cosine with the defaults above,
+1 thread, two runs at a time (strict / position of the tool's evaluation; then, from
+``tools/shapes_relation_probe.py``, 256 samples of the 16 held-out position prompts: both objects
+exactly right, the relation given them; chance 0.375):
+
+    --clear-position 1.0 (every position image level, at the grid's
+      opposite edges: the relation sets the columns)         0.308 / 0.19   0.348  0.337
+    --clear-position 0.5                                     0.275 / 0.16   0.352  0.322
+    --position-scale 4 (sin-cos positions of norm 39, not
+      9.8, beside 15 of a pure-noise patch's embedding)      0.355 / 0.17   0.363  0.398
+    --position-scale 4 --clear-position 1.0                  0.355 / 0.14   0.375  0.344
+    --layout 1 (the exact posterior mean over the caption's
+      27 scenes as the x0 target at sigma in [0.5, 1])       0.399 / 0.31   0.676  0.364
+    --layout 4                                               0.413 / 0.38   0.828  0.302
+    --cell-conditioning (a per-cell term on each image token
+      from the pooled text; 2 threads, alone)                 0.344 / 0.22   0.395  0.347
+
+The layout loss makes the base draw both objects (0.35 -> 0.83) and not where: the relation stays
+at chance in every run. Trained on clear layouts only, the x0 prediction at sigma 1 still has
+relation coefficient -0.026 (``--marginal``, train prompts). With a red square planted at row 1,
+column 2 at sigma 0.7 to 0.9, the predicted blue mass per cell is the same to 0.01 for "a red
+square to the right of / above / to the left of a blue circle", in the shipped file and with
+``--layout 4``: the text encoder separates the relations (``--text``) and the transformer does
+not read them. The text does reach it: in the shipped file the context embeddings of "A left of
+B" and "A right of B" are 83 apart (another colour: 188), while the pooled path is nearly shut
+(the timestep-and-pooled embedding moves 0.006). Trained on nothing but the ``--layout`` target at
+sigma in [0.99, 1] (300 AdamW steps of 32 position captions, lr 3e-4 or 3e-3, from the shipped
+file or the ``--cell-conditioning`` run), the loss falls to the relation-blind prediction's
+(0.008; the blind optimum is 0.009) and stays there, the columns of "left of" and "right of" equal
+to 0.004: a plateau gradient descent does not leave, not a lack of signal. Not tried: a layout
+the network is given rather than asked to infer (a relation-specific slot per object, or
+attention from each cell to the object tokens biased by the cell's position). All four levers are
+off by default: the shipped file predates them, and off they change nothing (40 steps with and
+without their code: bit-identical).
 """
 
 from __future__ import annotations
@@ -124,6 +159,7 @@ from fgrpo.models.shapes_network import (
     vocabulary_of,
 )
 from fgrpo.rewards import shapes as world
+from fgrpo.rewards.shapes.scenes import relation_pairs
 from fgrpo.rewards.shapes.world import COUNTS, ITEMS, OPPOSITE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -183,7 +219,7 @@ def common_arguments(
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p, _, t, e = common_arguments(
+    p, a, t, e = common_arguments(
         __doc__.split("\n\n")[0],
         width=192,
         layers=4,
@@ -194,9 +230,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         batch=128,
         threads=2,
     )
+    a.add_argument(
+        "--position-scale", type=float, default=1.0, help="factor on the image tokens' sin-cos position embedding"
+    )
+    a.add_argument(
+        "--cell-conditioning", action="store_true", help="a per-cell term on the image tokens from the pooled text"
+    )
     t.add_argument("--prediction", choices=PREDICTIONS, default="x0", help="what the transformer outputs")
     t.add_argument(
         "--caption-noise", type=float, default=0.4, help="fraction of images rendered from a perturbed scene"
+    )
+    t.add_argument(
+        "--clear-position",
+        type=float,
+        default=0.0,
+        help="fraction of position images drawn with a clear layout: level, at the grid's opposite edges",
     )
     t.add_argument("--split-seed", type=int, default=0, help="seed of the train/test split (ShapesPrompts.seed)")
     t.add_argument("--test-per-category", type=int, default=16)
@@ -226,6 +274,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="weight of an auxiliary head that predicts the caption's items, counts and relations (0: off)",
     )
     t.add_argument(
+        "--layout",
+        type=float,
+        default=0.0,
+        help="weight of the exact-posterior-mean x0 loss of position captions at high noise (0: off)",
+    )
+    t.add_argument("--layout-low", type=float, default=0.5, help="--layout: the lowest sigma it draws")
+    t.add_argument(
         "--contrastive-negatives",
         choices=NEGATIVES,
         default="rebinding",
@@ -243,7 +298,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 class PairSampler:
     """Balanced (prompt, image) batches from the train prompts of the split."""
 
-    def __init__(self, train: list[str], seed: int, caption_noise: float, prompt_dropout: float):
+    def __init__(
+        self, train: list[str], seed: int, caption_noise: float, prompt_dropout: float, clear_position: float = 0.0
+    ):
         self.by_category: dict[str, list[world.Spec]] = defaultdict(list)
         for prompt in train:
             spec = world.parse_prompt(prompt)
@@ -252,6 +309,7 @@ class PairSampler:
         self.rng = np.random.default_rng(seed)
         self.caption_noise = caption_noise
         self.prompt_dropout = prompt_dropout
+        self.clear_position = clear_position
         self.negative_rng = np.random.default_rng(seed + 3)
 
     def rebound(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -271,10 +329,37 @@ class PairSampler:
         for c in rng.integers(len(self.categories), size=n):
             options = self.by_category[self.categories[c]]
             specs.append(options[int(rng.integers(len(options)))])
-        images = world.render_batch([world.sample_scene(s, rng, self.caption_noise) for s in specs])
+        images = world.render_batch([self.scene(s, rng) for s in specs])
         drop = rng.random(n) < self.prompt_dropout
         prompts = ["" if d else s.prompt for s, d in zip(specs, drop, strict=True)]
         return prompts, images * 2 - 1
+
+    def scene(self, spec: world.Spec, rng: np.random.Generator) -> world.Scene:
+        """A scene for the spec; a position spec, with probability ``clear_position``, in a clear
+        layout (the generator is drawn from only when the option is on, so a run without it keeps
+        its batches)."""
+        if self.clear_position and spec.relation is not None and rng.random() < self.clear_position:
+            scene = clear_layout(spec, rng)
+            if rng.random() < self.caption_noise:
+                scene = world.perturb(scene, spec, rng)
+            return scene
+        return world.sample_scene(spec, rng, self.caption_noise)
+
+
+def clear_layout(spec: world.Spec, rng: np.random.Generator) -> world.Scene:
+    """The two objects of a position spec level on the other axis, at the grid's opposite edges
+    ("A left of B": one row, A in the first column, B in the last)."""
+    (ca, sa, _), (cb, sb, _) = spec.objects
+    line = int(rng.integers(world.GRID))
+    first, last = 0, world.GRID - 1
+    assert spec.relation is not None
+    a_first = spec.relation in ("left", "above")
+    ends = (first, last) if a_first else (last, first)
+    if spec.relation in ("left", "right"):
+        cells = ((line, ends[0]), (line, ends[1]))
+    else:
+        cells = ((ends[0], line), (ends[1], line))
+    return (world.Placed(ca, sa, *cells[0]), world.Placed(cb, sb, *cells[1]))
 
 
 def captions_of(prompts: list[str], pooled: torch.Tensor) -> tuple[list[str], torch.Tensor]:
@@ -356,6 +441,61 @@ class MeaningHead(torch.nn.Module):
         # summed over the targets (most are 0), averaged over captions: each named part counts
         bce = torch.nn.functional.binary_cross_entropy_with_logits(self.head(pooled), target, reduction="sum")
         return bce / len(captions)
+
+
+def posterior_mean(x: torch.Tensor, scenes: torch.Tensor, sigma: float) -> torch.Tensor:
+    """E[x0 | x_sigma = x] when x0 is one of ``scenes`` (K, ...) uniformly and x_sigma = (1 - sigma)
+    x0 + sigma eps, eps standard normal: the scenes weighted by their Gaussian likelihoods."""
+    logits = -((x - (1 - sigma) * scenes) ** 2).flatten(1).sum(1) / (2 * sigma**2)
+    return torch.einsum("k,k...->...", logits.softmax(0), scenes)
+
+
+class LayoutDenoiser(torch.nn.Module):
+    """The flow loss of position captions at high noise, with its variance removed: the exact
+    posterior mean E[x0 | x_sigma, caption] over the caption's scenes (its two objects in every
+    pair of cells in the relation, uniformly, as the data draws them) is the target of the x0
+    prediction at sigma ~ U(``low``, 1), instead of the one scene drawn. Same minimiser as the
+    flow loss on clean captions there (the MSE to a draw is the MSE to the mean plus the draw's
+    variance), without the variance that buries the layout: at sigma 1 knowing the relation
+    removes 6 % of a relation-blind prediction's loss (``tools/shapes_relation_probe.py
+    --marginal``), and the transformer learned to ignore it."""
+
+    def __init__(self, seed: int, low: float = 0.5):
+        super().__init__()
+        self.low = low
+        self.gen = torch.Generator().manual_seed(seed)
+        self.scenes: dict[str, torch.Tensor] = {}
+
+    def renders(self, caption: str) -> torch.Tensor:
+        """(K, 3, 24, 24) in [-1, 1]: every scene of a position caption."""
+        if caption not in self.scenes:
+            spec = world.parse_prompt(caption)
+            (ca, sa, _), (cb, sb, _) = spec.objects
+            pairs = relation_pairs(spec.relation)
+            scenes = [(world.Placed(ca, sa, *a), world.Placed(cb, sb, *b)) for a, b in pairs]
+            self.scenes[caption] = world.render_batch(scenes) * 2 - 1
+        return self.scenes[caption]
+
+    def forward(self, network: ShapesNetwork, prompts: list[str], pooled: torch.Tensor) -> torch.Tensor:
+        captions = [q for q in prompts if q and world.parse_prompt(q).relation is not None]
+        if not captions:
+            return pooled.sum() * 0
+        device = pooled.device
+        n = len(captions)
+        sigma = self.low + (1 - self.low) * torch.rand(n, generator=self.gen)
+        xt, targets = [], []
+        for i, q in enumerate(captions):
+            scenes = self.renders(q)
+            s = sigma[i]
+            x0 = scenes[int(torch.randint(len(scenes), (1,), generator=self.gen))]
+            x = (1 - s) * x0 + s * torch.randn(x0.shape, generator=self.gen)
+            targets.append(posterior_mean(x, scenes, float(s)))
+            xt.append(x)
+        x, target, sigma = torch.stack(xt).to(device), torch.stack(targets).to(device), sigma.to(device)
+        cond = network.encode(captions)
+        out = network(x, sigma, cond["prompt_embeds"], cond["pooled_prompt_embeds"])
+        x0_hat = x - sigma[:, None, None, None] * to_velocity(out.float(), x, sigma, network.arch.prediction)
+        return (x0_hat - target).pow(2).mean()
 
 
 #: --contrastive-negatives: which captions over a prompt's own words score against its image
@@ -479,7 +619,8 @@ def train(
     so it acts where the layout is decided."""
     groups = [{"params": list(network.parameters()), "scale": 1.0}]
     for module, _, peak_lr in auxiliaries:
-        groups.append({"params": list(module.parameters()), "scale": peak_lr / args.lr})
+        if params := list(module.parameters()):
+            groups.append({"params": params, "scale": peak_lr / args.lr})
     optimizer = torch.optim.AdamW(groups, lr=args.lr, weight_decay=args.weight_decay)
     gen = torch.Generator(device="cpu").manual_seed(args.seed + 1)
     run = Progress()
@@ -552,6 +693,8 @@ def main(argv: list[str] | None = None) -> int:
         text_heads=max(1, args.text_width // 64),
         max_words=max(len(p.split()) for p in world.all_prompts()),
         prediction=args.prediction,
+        position_scale=args.position_scale,
+        cell_conditioning=args.cell_conditioning,
     )
     network = ShapesNetwork(arch).to(device)
     ema = copy.deepcopy(network).requires_grad_(False)
@@ -561,7 +704,7 @@ def main(argv: list[str] | None = None) -> int:
         f"device {device}, {args.threads} threads",
         flush=True,
     )
-    data = PairSampler(train_prompts, args.seed, args.caption_noise, args.prompt_dropout)
+    data = PairSampler(train_prompts, args.seed, args.caption_noise, args.prompt_dropout, args.clear_position)
     history: list[dict] = []
     meta = trained_with(args)
     if args.checkpoint_dir:
@@ -588,6 +731,8 @@ def main(argv: list[str] | None = None) -> int:
         pixels = arch.channels * arch.size**2
         module = CaptionContrast(arch.text_width, pixels, args.seed + 2, args.contrastive_negatives).to(device)
         auxiliaries.append((module, args.contrastive, args.contrastive_lr))
+    if args.layout:
+        auxiliaries.append((LayoutDenoiser(args.seed + 4, args.layout_low), args.layout, args.contrastive_lr))
     if args.meaning:
         auxiliaries.append((MeaningHead(arch.text_width).to(device), args.meaning, args.contrastive_lr))
     run = train(
