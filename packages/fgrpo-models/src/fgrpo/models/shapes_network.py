@@ -187,6 +187,18 @@ class TextEncoder(nn.Module):
         return h, pooled
 
 
+def _patch_embed_keys(arch: Architecture, embed_dim: int) -> dict[str, int]:
+    """SD3's own PatchEmbed arguments for this architecture (what SD3Transformer2DModel builds)."""
+    return dict(
+        height=arch.size,
+        width=arch.size,
+        patch_size=arch.patch,
+        in_channels=arch.channels,
+        embed_dim=embed_dim,
+        pos_embed_max_size=arch.position_grid,
+    )
+
+
 def cell_conditioned_patch_embed(arch: Architecture, embed_dim: int) -> nn.Module:
     """SD3's patch embedding plus ``cell_bias(pooled)``, one row per cell (``pooled`` is set by
     :func:`transformer_output` for the call: SD3's transformer passes the embedding only pixels)."""
@@ -206,16 +218,7 @@ def cell_conditioned_patch_embed(arch: Architecture, embed_dim: int) -> nn.Modul
                 raise RuntimeError("a cell-conditioned network is called through transformer_output")
             return tokens + self.cell_bias(self.pooled).reshape(tokens.shape).to(tokens.dtype)
 
-    return CellConditionedPatchEmbed(
-        arch.position_grid**2,
-        arch.text_width,
-        height=arch.size,
-        width=arch.size,
-        patch_size=arch.patch,
-        in_channels=arch.channels,
-        embed_dim=embed_dim,
-        pos_embed_max_size=arch.position_grid,
-    )
+    return CellConditionedPatchEmbed(arch.position_grid**2, arch.text_width, **_patch_embed_keys(arch, embed_dim))
 
 
 def source_tokens_patch_embed(arch: Architecture, embed_dim: int) -> nn.Module:
@@ -244,15 +247,7 @@ def source_tokens_patch_embed(arch: Architecture, embed_dim: int) -> nn.Module:
             b, _, d = state.shape
             return torch.cat([g.reshape(b, side, side, d) for g in grids], dim=2).reshape(b, -1, d)
 
-    return SourceTokensPatchEmbed(
-        arch.source_images,
-        height=arch.size,
-        width=arch.size,
-        patch_size=arch.patch,
-        in_channels=arch.channels,
-        embed_dim=embed_dim,
-        pos_embed_max_size=arch.position_grid,
-    )
+    return SourceTokensPatchEmbed(arch.source_images, **_patch_embed_keys(arch, embed_dim))
 
 
 class ShapesNetwork(nn.Module):
