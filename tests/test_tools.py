@@ -12,6 +12,7 @@ import torch
 from _helpers import load_tool
 
 world = pytest.importorskip("fgrpo.rewards.shapes")
+from fgrpo.rewards.shapes.scenes import relation_scenes  # noqa: E402
 
 
 def _load(root, name):
@@ -83,6 +84,8 @@ def test_marginal_probe_knows_the_conditional_mean_exactly(root):
     scenes = probe.relation_scenes(prompt)
     assert len(scenes) == 27 and len(set(scenes)) == 27  # 3 rows x 3 rows x 3 column pairs a < b
     assert all(world.satisfies(s, world.parse_prompt(prompt)) for s in scenes)
+    with pytest.raises(ValueError, match="not a position prompt"):
+        relation_scenes("two red circles")
 
     mean, variance = probe.conditional_moments(prompt)
     drawn = world.render_batch([world.place(prompt, np.random.default_rng(i)) for i in range(3000)]).double() * 2 - 1
@@ -312,13 +315,9 @@ def test_layout_target_is_the_exact_posterior_mean_over_the_captions_scenes(root
     caption = "a red square to the left of a blue circle"
     scenes = pretrain.LayoutDenoiser(0).renders(caption)
     spec = world.parse_prompt(caption)
-    assert len(scenes) == 27 and all(
-        world.satisfies(s, spec)
-        for s in [
-            tuple(world.Placed(c, sh, *cell) for (c, sh, _), cell in zip(spec.objects, pair, strict=True))
-            for pair in pretrain.relation_pairs("left")
-        ]
-    )
+    every = relation_scenes(caption)
+    assert len(scenes) == 27 and len(set(every)) == 27 and all(world.satisfies(s, spec) for s in every)
+    assert torch.equal(scenes, world.render_batch(every) * 2 - 1)
     g = torch.Generator().manual_seed(0)
     for sigma in (1.0, 0.9, 0.7, 0.5, 0.05):
         x = (1 - sigma) * scenes[5] + sigma * torch.randn(scenes[5].shape, generator=g)

@@ -166,7 +166,7 @@ from fgrpo.models.shapes_network import (
     vocabulary_of,
 )
 from fgrpo.rewards import shapes as world
-from fgrpo.rewards.shapes.scenes import relation_pairs
+from fgrpo.rewards.shapes.scenes import relation_scenes
 from fgrpo.rewards.shapes.world import COUNTS, ITEMS, OPPOSITE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -476,11 +476,7 @@ class LayoutDenoiser(torch.nn.Module):
     def renders(self, caption: str) -> torch.Tensor:
         """(K, 3, 24, 24) in [-1, 1]: every scene of a position caption."""
         if caption not in self.scenes:
-            spec = world.parse_prompt(caption)
-            (ca, sa, _), (cb, sb, _) = spec.objects
-            pairs = relation_pairs(spec.relation)
-            scenes = [(world.Placed(ca, sa, *a), world.Placed(cb, sb, *b)) for a, b in pairs]
-            self.scenes[caption] = world.render_batch(scenes) * 2 - 1
+            self.scenes[caption] = world.render_batch(relation_scenes(caption)) * 2 - 1
         return self.scenes[caption]
 
     def forward(self, network: ShapesNetwork, prompts: list[str], pooled: torch.Tensor) -> torch.Tensor:

@@ -58,9 +58,9 @@ from safetensors.torch import load_file
 from fgrpo.core.evaluation import generate
 from fgrpo.models.shapes_dit import ShapesDiT
 from fgrpo.rewards import shapes as world
-from fgrpo.rewards.shapes.scenes import relation_pairs
+from fgrpo.rewards.shapes.scenes import relation_scenes
 from fgrpo.rewards.shapes.verifier import read_cells, spec_for
-from fgrpo.rewards.shapes.world import OPPOSITE, Placed, relation_holds
+from fgrpo.rewards.shapes.world import OPPOSITE, relation_holds
 
 CHANCE = 0.375  # P(two distinct uniformly random cells of the 3x3 grid are in a given relation)
 
@@ -183,14 +183,6 @@ def policy_x0(policy: ShapesDiT):
         return x - sigma * policy.velocity(x, sigma, policy.encode(prompts))
 
     return predict
-
-
-def relation_scenes(prompt: str) -> list[tuple[Placed, Placed]]:
-    """Every scene of a position prompt: its two objects in each ordered pair of distinct cells
-    in the relation (the pretraining data draws one of them uniformly)."""
-    spec = world.parse_prompt(prompt)
-    (ca, sa, _), (cb, sb, _) = spec.objects
-    return [(Placed(ca, sa, *a), Placed(cb, sb, *b)) for a, b in relation_pairs(spec.relation)]
 
 
 def conditional_moments(prompt: str) -> tuple[torch.Tensor, float]:

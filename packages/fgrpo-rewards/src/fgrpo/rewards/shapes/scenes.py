@@ -56,6 +56,16 @@ def relation_pairs(relation: str, holds: bool = True) -> list[tuple[tuple[int, i
     return list(_PAIRS[(relation, holds)])
 
 
+def relation_scenes(prompt: Spec | str) -> list[Scene]:
+    """Every scene of a position prompt: its two objects in each ordered pair of distinct cells in
+    the relation (:func:`place` draws one of them uniformly)."""
+    spec = _as_spec(prompt)
+    if spec.relation is None:
+        raise ValueError(f"{spec.prompt!r} is not a position prompt")
+    (ca, sa, _), (cb, sb, _) = spec.objects
+    return [(Placed(ca, sa, *a), Placed(cb, sb, *b)) for a, b in _PAIRS[(spec.relation, True)]]
+
+
 def _pair_cells(relation: str, rng: np.random.Generator, holds: bool = True):
     pairs = _PAIRS[(relation, holds)]
     return pairs[int(rng.integers(len(pairs)))]
