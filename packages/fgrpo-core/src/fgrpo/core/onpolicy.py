@@ -16,15 +16,25 @@ from fgrpo.core.trainer import build_run, iteration
 
 def first_ratio_check(recipe: Recipe, console: Console | None = None) -> tuple[float, Run]:
     """One iteration, one batch, one gradient step: the largest |ratio - 1| of the stored actions'
-    re-evaluated log-probs before the first optimizer step (0 when rollout and update agree).
-    Without ``console`` it says nothing."""
+    re-evaluated log-probs before the first optimizer step (0 when rollout and update agree). A
+    batch with nothing to update is followed by the next, up to :data:`ATTEMPTS`. Without
+    ``console`` it says nothing."""
     console = console if console is not None else Console(quiet=True)
-    cfg = attrs.evolve(recipe.train, iterations=1, minibatch_size=0, inner_epochs=1, drop_zero_advantage=False)
+    cfg = attrs.evolve(recipe.train, iterations=ATTEMPTS, minibatch_size=0, inner_epochs=1, drop_zero_advantage=False)
     checked = attrs.evolve(recipe, train=cfg, eval=attrs.evolve(recipe.eval, every=0))
     run = build_run(checked, out_dir=None, console=console, quiet=True)
     run.checking = True  # forward-process points: the first update's predictions are compared with the old policy's
-    metrics = iteration(run, 0)
-    return metrics["first_ratio_deviation"], run
+    for it in range(ATTEMPTS):
+        # an objective that trains on pairs or non-flat groups only (DPO) may have nothing to
+        # update in a batch whose groups all score alike: draw the next batch
+        metrics = iteration(run, it)
+        if "first_ratio_deviation" in metrics:
+            return metrics["first_ratio_deviation"], run
+    raise RuntimeError(f"fgrpo check: {ATTEMPTS} batches in a row had nothing to update (every group scored alike)")
+
+
+#: batches ``fgrpo check`` draws before it gives up finding one with something to update
+ATTEMPTS = 8
 
 
 @torch.no_grad()
