@@ -352,6 +352,57 @@ def test_layout_loss_reaches_the_transformer_for_position_captions_only(root):
     assert network.text.embed.weight.grad.abs().sum() > 0
 
 
+def test_plan_loss_is_the_plans_distance_to_the_mean_scene_of_position_captions_only(root):
+    pretrain = _load(root, "pretrain_shapes")
+    from fgrpo.models.shapes_network import Architecture, ShapesNetwork, default_vocabulary
+
+    torch.manual_seed(0)
+    network = ShapesNetwork(
+        Architecture(vocab=default_vocabulary(), hidden=32, layers=1, heads=2, text_width=32, layout_plan=16)
+    )
+    loss_of = pretrain.PlanLoss(pretrain.LayoutDenoiser(0))
+    prompts = ["two red circles", "a red square to the left of a blue circle", "", "a blue circle above a red square"]
+    pooled = network.encode(prompts)["pooled_prompt_embeds"]
+    assert loss_of(network, ["two red circles", ""], pooled[:2]).item() == 0
+    loss = loss_of(network, prompts, pooled)
+    plans = network.transformer.pos_embed.plan(pooled)
+    means = [world.render_batch(relation_scenes(prompts[i])).mul(2).sub(1).mean(0) for i in (1, 3)]
+    naive = sum((plans[i] - m).pow(2).mean() for i, m in zip((1, 3), means, strict=True)) / 2
+    assert loss.item() == pytest.approx(naive.item(), rel=1e-5)
+    loss.backward()
+    assert network.transformer.pos_embed.planner[0].weight.grad.abs().sum() > 0
+    assert network.text.embed.weight.grad.abs().sum() > 0  # the text learns to carry the layout
+    assert network.transformer.proj_out.weight.grad is None
+    for flag in ("--plan", "--plan-steps"):
+        with pytest.raises(SystemExit, match="--plan and --plan-steps need --layout-plan"):
+            pretrain.main(["--layout-plan", "0", flag, "1", "--steps", "0"])
+
+
+def test_plan_steps_train_the_text_and_the_planner_alone(root, capsys):
+    pretrain = _load(root, "pretrain_shapes")
+    from fgrpo.models.shapes_network import Architecture, ShapesNetwork, default_vocabulary
+
+    torch.manual_seed(0)
+    network = ShapesNetwork(
+        Architecture(vocab=default_vocabulary(), hidden=32, layers=1, heads=2, text_width=32, layout_plan=16)
+    )
+    before = {k: v.clone() for k, v in network.state_dict().items()}
+    train, _ = world.split(0, 16)
+    loss_of = pretrain.PlanLoss(pretrain.LayoutDenoiser(0))
+    held = [q for q in train if world.parse_prompt(q).relation is not None][:32]
+    with torch.no_grad():
+        start = loss_of(network, held, network.encode(held)["pooled_prompt_embeds"]).item()
+    args = pretrain.parse_args(["--plan-steps", "60", "--plan-batch", "16", "--plan-lr", "3e-3"])
+    assert pretrain.pretrain_planner(network, train, loss_of, args) > 0
+    with torch.no_grad():
+        end = loss_of(network, held, network.encode(held)["pooled_prompt_embeds"]).item()
+    assert end < start / 5, (start, end)
+    moved = {k for k, v in network.state_dict().items() if not torch.equal(v, before[k])}
+    assert moved and all(k.startswith(("text.", "transformer.pos_embed.planner.")) for k in moved)
+    assert any(k.startswith("text.") for k in moved)
+    assert "plan step    60 loss" in capsys.readouterr().out
+
+
 def test_contrastive_flow_negatives_are_renders_of_the_other_meaning(root):
     pretrain = _load(root, "pretrain_shapes")
     train, _ = world.split(0, 16)

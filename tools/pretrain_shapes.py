@@ -25,6 +25,14 @@ shapes-base.safetensors):
   ``--contrastive-negatives arrangements``: every other arrangement of a position prompt's
   objects); ``--meaning W`` (0.01 by default) adds W times an auxiliary head that reads the
   caption's items, counts and relations off the pooled text vector (:class:`MeaningHead`).
+- the layout: the network has a planner (``--layout-plan 256``, its width): an MLP from the
+  pooled text to an image, embedded like the state's pixels and added to each cell's token
+  (``Architecture.layout_plan``). ``--plan-steps 2000`` first train the text encoder and the
+  planner alone to make each position caption's plan the mean of its scenes
+  (:func:`pretrain_planner`, :class:`PlanLoss`); ``--plan 1`` keeps that loss on in the flow
+  matching, and ``--layout 1`` adds the exact posterior mean over the caption's scenes as the x0
+  target of position captions at sigma in [0.5, 1] (:class:`LayoutDenoiser`), where the
+  transformer learns to draw the plan.
 - evaluation: strict accuracy (``ShapesVerifier``) of the held-out TEST prompts, each sampled
   ``--eval-samples`` times with the ODE sampler the trainer's evaluation uses
   (``fgrpo.core.evaluation.generate``, ``--eval-steps`` steps, time shift ``--shift``), every
@@ -38,26 +46,54 @@ Stops after ``--steps`` optimizer steps, or earlier when ``--time-budget`` secon
 (evaluations excluded) are spent. Evaluations do not change the training (same weights with any
 ``--eval-every``); the same thread count gives the same weights.
 
-Measured with the defaults (2 CPU cores, 2 threads, nothing else running; 5.17M transformer + 0.24M
-text-encoder parameters; 0.264 s/step at batch 128, 1586 s = 26.4 min of training for 6000 steps,
-26 min 44 s in all), strict test accuracy of the EMA weights (4 samples x 69 test prompts, 20 ODE
-steps); the written file is bit-identical to step 6000 of the 12000-step run:
+Measured with the defaults (2 CPU cores, 2 threads, nothing else running; 5.69M transformer
+parameters, 0.48M of them the planner, + 0.24M text encoder): the planner's 2000 steps in 23 s
+(plan loss 0.0004, where the relation-blind mean scores 0.0081), then 1500 steps at 0.341 s/step
+(batch 128; 511 s), about 9.5 min in all. The written file (4 samples x 69 test prompts, 20 ODE
+steps):
+
+    strict 0.435 partial 0.650 clean 1.00 cells 1.000 gold 0.2 |
+    single=0.58 two=0.30 counting=0.20 position=0.62 color_attr=0.55
+
+RL from it (recipes/shapes.yaml, 200 iterations, 2 threads, the recipe's evaluation): strict
+0.395 -> 0.659, position 0.48 -> 0.67, gold error 0.199 -> 0.207 (seed 0). The same settings at
+1 thread (a 1500-step file of the same settings): 0.442 -> 0.674, position 0.53 -> 0.73 (0.78 at
+iteration 125).
+
+Why a planner. Every lever below left the relation given the objects at chance: the relation is
+a product of a token's position and the text that the attention must learn, and the
+relation-blind prediction is a plateau the flow loss does not leave. Measured at 3000 steps
+(1 thread; strict / position of the tool's evaluation; both objects right and the relation given
+them from ``tools/shapes_relation_probe.py``, chance 0.375):
+
+    --layout-plan 256 --plan 1 (no planner steps first)      1500 steps: plan flat (red minus
+                                                             blue +0.04 in every column)
+    --layout-plan 256 --plan-steps 2000 --plan 1             0.337 / 0.27   0.438  0.500
+      RL from it: 0.341 -> 0.478, position 0.16 -> 0.22, the relation given the objects 0.506
+    --layout-plan 256 --plan-steps 2000 --plan 0             1500 steps: the plan forgotten
+    --layout-plan 256 --plan-steps 2000 --plan 1 --layout 1  1500 steps: 0.457 / 0.62
+
+The text encoder and the planner alone learn the plan of held-out captions exactly (MSE 0.0001
+after 2200 steps, lr 1e-3); inside the flow matching they stay at the blind mean. With the plan
+and no ``--layout`` the transformer follows it weakly (x0 at sigma 1, red minus blue by column:
++0.06 / +0.05 / -0.02 for "left of" against a plan of +0.22 / +0.03 / -0.17) and RL does not
+sharpen it; ``--layout`` teaches the transformer to draw the plan, and RL then moves position.
+
+The previous shipped file (6000 steps, no planner or layout loss; 1586 s of training):
 
     step  1500 ( 392 s) 0.225     step  4500 (1187 s) 0.377
-    step  3000 ( 789 s) 0.290     step  6000 (1586 s) 0.402 (the written file)
+    step  3000 ( 789 s) 0.290     step  6000 (1586 s) 0.402 (that file)
 
-    written file: strict 0.402 partial 0.643 clean 1.00 cells 1.000 gold 0.10 |
-                  single=0.75 two=0.42 counting=0.44 position=0.20 color_attr=0.42
+    that file: strict 0.402 partial 0.643 clean 1.00 cells 1.000 gold 0.10 |
+               single=0.75 two=0.42 counting=0.44 position=0.20 color_attr=0.42
 
-The rest of the 12000-step cosine reaches 0.435 / 0.464 at steps 9000 / 12000 (position 0.19):
-a base above the [0.30, 0.50] band RL is meant to start from, and RL from the step-12000 file
-(recipes/shapes.yaml, 200 iterations, the recipe's evaluation) gained less, 0.507 -> 0.616. From
-the shipped file: 0.417 -> 0.580 (seed 0), 0.409 -> 0.543 (seed 1), 0.355 -> 0.525 (seed 2); colour
-binding 0.55 -> 0.83; position 0.14 -> 0.25, only because both objects are drawn more often (given
-the objects, the relation holds 0.315 of the time in the base and 0.330 after RL, against the
-0.375 of two random cells: ``tools/shapes_relation_probe.py``).
+The rest of that 12000-step cosine reaches 0.435 / 0.464 at steps 9000 / 12000 (position 0.19),
+and RL from the step-12000 file gained less, 0.507 -> 0.616. From that file: 0.417 -> 0.580 (seed
+0), 0.409 -> 0.543 (seed 1), 0.355 -> 0.525 (seed 2); colour binding 0.55 -> 0.83; position 0.14
+-> 0.25, only because both objects are drawn more often (given the objects, the relation holds
+0.315 of the time in the base and 0.330 after RL: ``tools/shapes_relation_probe.py``).
 
-The previous shipped file (no auxiliary losses, 12000 steps, 3076 s): strict 0.377 | single=0.75
+The file before it (no auxiliary losses, 12000 steps, 3076 s): strict 0.377 | single=0.75
 two=0.48 counting=0.52 position=0.14 color_attr=0.23; the main job took it 0.406 -> 0.511 while
 colour binding and position stayed flat. At its steps 1500 / 3000 / 4500 / 6000 / 7500 / 9000 /
 10500: 0.156 / 0.196 / 0.304 / 0.341 / 0.362 / 0.370 / 0.391.
@@ -94,7 +130,7 @@ draws above sigma 0.9 instead of 4.5 %) raises the position meaning index to 0.6
 strict 0.290) and leaves the sigma-1 columns flat (0.09 / 0.10 / 0.09; relation given the objects
 0.384).
 
-Three more levers for position, each 3000 steps of the 12000-step cosine with the defaults above,
+Three more levers for position, each 3000 steps of the 12000-step cosine with the previous file's settings,
 1 thread, two runs at a time (strict / position of the tool's evaluation; then, from
 ``tools/shapes_relation_probe.py``, 256 samples of the 16 held-out position prompts: both objects
 exactly right, the relation given them; chance 0.375):
@@ -130,11 +166,11 @@ objects, is 0.0081 over the 496 training captions, perfect is 0), the columns of
 0.0018, red minus blue by column +0.17 / +0.01 / -0.16 for "left of" and -0.15 / +0.04 / +0.22 for
 "right of". So the larger positions make the layout learnable, and in pretraining the flow loss
 keeps the network on the plateau: ``--position-scale 4 --layout 4`` for 3000 steps still leaves
-the relation at chance (above). Next to try: that pair with the layout term at a larger weight or
-alone for a first phase, or a layout the network is given rather than asked to infer (a
-relation-specific slot per object). All four levers are
-off by default: the shipped file predates them, and off they change nothing (40 steps with and
-without their code: bit-identical).
+the relation at chance (above); the planner (the defaults) is the layout given to the network
+rather than inferred. ``--clear-position``, ``--position-scale`` and ``--cell-conditioning`` are
+off by default (off they change nothing: 40 steps with and without their code, bit-identical).
+Trained on nothing but the layout target, a fresh network (positions x1 or x4, lr 2e-3) also sits
+at the blind optimum for 600 steps (0.0082).
 """
 
 from __future__ import annotations
@@ -232,8 +268,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         layers=4,
         heads=3,
         text_width=128,
-        steps=6000,
-        decay_steps=12000,  # the shipped file is step 6000 of a 12000-step cosine
+        steps=1500,
+        decay_steps=12000,  # the shipped file is step 1500 of a 12000-step cosine
         batch=128,
         threads=2,
     )
@@ -242,6 +278,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     a.add_argument(
         "--cell-conditioning", action="store_true", help="a per-cell term on the image tokens from the pooled text"
+    )
+    a.add_argument(
+        "--layout-plan", type=int, default=256, help="width of a planner from the pooled text to a layout (0: none)"
     )
     t.add_argument("--prediction", choices=PREDICTIONS, default="x0", help="what the transformer outputs")
     t.add_argument(
@@ -283,10 +322,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     t.add_argument(
         "--layout",
         type=float,
-        default=0.0,
+        default=1.0,
         help="weight of the exact-posterior-mean x0 loss of position captions at high noise (0: off)",
     )
     t.add_argument("--layout-low", type=float, default=0.5, help="--layout: the lowest sigma it draws")
+    t.add_argument(
+        "--plan",
+        type=float,
+        default=1.0,
+        help="--layout-plan: weight of the plan's MSE to the mean of a position caption's scenes (0: off)",
+    )
+    t.add_argument(
+        "--plan-steps",
+        type=int,
+        default=2000,
+        help="--layout-plan: steps that train the text encoder and the planner alone on that MSE first",
+    )
+    t.add_argument("--plan-lr", type=float, default=1e-3, help="--plan-steps: their AdamW learning rate")
+    t.add_argument("--plan-batch", type=int, default=64, help="--plan-steps: position captions per step")
     t.add_argument(
         "--contrastive-negatives",
         choices=NEGATIVES,
@@ -501,6 +554,47 @@ class LayoutDenoiser(torch.nn.Module):
         return (x0_hat - target).pow(2).mean()
 
 
+class PlanLoss(torch.nn.Module):
+    """The layout planner's supervision (``--layout-plan``): for each position caption of the
+    batch, the MSE of its plan to the mean of the caption's scenes, which is the x0 a denoiser
+    should predict from pure noise (:func:`posterior_mean` at sigma 1). The other categories' plans
+    learn from the flow loss alone."""
+
+    def __init__(self, scenes: LayoutDenoiser):
+        super().__init__()
+        self.scenes = scenes  # shares the renders' cache
+
+    def forward(self, network: ShapesNetwork, prompts: list[str], pooled: torch.Tensor) -> torch.Tensor:
+        rows = [i for i, q in enumerate(prompts) if q and world.parse_prompt(q).relation is not None]
+        if not rows:
+            return pooled.sum() * 0
+        target = torch.stack([self.scenes.renders(prompts[i]).mean(0) for i in rows]).to(pooled.device)
+        plan = network.transformer.pos_embed.plan(pooled[rows])
+        return (plan.float() - target).pow(2).mean()
+
+
+def pretrain_planner(network: ShapesNetwork, prompts: list[str], loss: PlanLoss, args: argparse.Namespace) -> float:
+    """``--plan-steps`` of AdamW on :class:`PlanLoss` alone over the position captions of
+    ``prompts``, text encoder and planner only, before the flow matching: the text learns to carry
+    the layout while nothing else pulls on it (inside the flow matching the plan stays at the
+    relation-blind mean: the tool's docstring). Returns the seconds spent."""
+    captions = [q for q in prompts if world.parse_prompt(q).relation is not None]
+    params = [*network.text.parameters(), *network.transformer.pos_embed.planner.parameters()]
+    optimizer = torch.optim.AdamW(params, lr=args.plan_lr, weight_decay=args.weight_decay)
+    gen = torch.Generator().manual_seed(args.seed + 6)
+    start, recent = time.perf_counter(), []
+    for step in range(1, args.plan_steps + 1):
+        batch = [captions[i] for i in torch.randint(len(captions), (args.plan_batch,), generator=gen)]
+        value = loss(network, batch, network.encode(batch)["pooled_prompt_embeds"])
+        optimizer.zero_grad(set_to_none=True)
+        value.backward()
+        optimizer.step()
+        recent = [*recent[-99:], value.item()]
+        if step % 500 == 0 or step == args.plan_steps:
+            print(f"plan step {step:5d} loss {sum(recent) / len(recent):.4f}", flush=True)
+    return time.perf_counter() - start
+
+
 #: --contrastive-negatives: which captions over a prompt's own words score against its image
 NEGATIVES = ("rebinding", "arrangements")
 
@@ -673,10 +767,12 @@ def train(
     return run
 
 
-def write(ema: ShapesNetwork, args: argparse.Namespace, run: Progress) -> Path:
-    """``--out``: the EMA weights (float16) with the settings, the steps and the training time."""
+def write(ema: ShapesNetwork, args: argparse.Namespace, run: Progress, meta: dict[str, str] | None = None) -> Path:
+    """``--out``: the EMA weights (float16) with the settings (``meta``: :func:`trained_with`'s and
+    more), the steps and the training time."""
     out = Path(args.out)
-    save_network(ema, out, extra={**trained_with(args), "steps": str(run.step), "train_seconds": f"{run.trained:.0f}"})
+    extra = {**(meta or trained_with(args)), "steps": str(run.step), "train_seconds": f"{run.trained:.0f}"}
+    save_network(ema, out, extra=extra)
     return out
 
 
@@ -698,6 +794,7 @@ def main(argv: list[str] | None = None) -> int:
         prediction=args.prediction,
         position_scale=args.position_scale,
         cell_conditioning=args.cell_conditioning,
+        layout_plan=args.layout_plan,
     )
     network = ShapesNetwork(arch).to(device)
     ema = copy.deepcopy(network).requires_grad_(False)
@@ -736,6 +833,14 @@ def main(argv: list[str] | None = None) -> int:
         auxiliaries.append((module, args.contrastive, args.contrastive_lr))
     if args.layout:
         auxiliaries.append((LayoutDenoiser(args.seed + 4, args.layout_low), args.layout, args.contrastive_lr))
+    if (args.plan or args.plan_steps) and not args.layout_plan:
+        raise SystemExit("--plan and --plan-steps need --layout-plan (the planner they train)")
+    plan_loss = PlanLoss(LayoutDenoiser(args.seed + 5))
+    if args.plan_steps:
+        meta["plan_seconds"] = f"{pretrain_planner(network, train_prompts, plan_loss, args):.0f}"
+        ema.load_state_dict(network.state_dict())
+    if args.plan:
+        auxiliaries.append((plan_loss, args.plan, args.contrastive_lr))
     if args.meaning:
         auxiliaries.append((MeaningHead(arch.text_width).to(device), args.meaning, args.contrastive_lr))
     run = train(
@@ -749,7 +854,7 @@ def main(argv: list[str] | None = None) -> int:
         auxiliaries=auxiliaries,
         negatives=data.rebound if args.contrastive_flow else None,
     )
-    out = write(ema, args, run)
+    out = write(ema, args, run, meta)
     shipped = load_network(out).to(device)  # evaluate exactly what was written (float16 weights)
     t = time.perf_counter()
     final = evaluate(shipped, test, args, device)

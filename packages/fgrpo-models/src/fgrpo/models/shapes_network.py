@@ -104,6 +104,13 @@ class Architecture:
     #: the relation, which the pooled vector carries, reaches each cell's token directly instead of
     #: only through attention (:class:`CellConditionedPatchEmbed`). Text-to-image networks only.
     cell_conditioning: bool = False
+    #: width of a layout planner (0: none): an MLP from the pooled text to an image, the network's
+    #: plan of where things go, embedded like the state's pixels (zero at initialisation) and
+    #: added to each state token, as text-to-layout-to-image generators plan a layout before they
+    #: draw it (LLM-grounded diffusion, Lian et al. 2023). What the relation changes is then a
+    #: function of the text alone, not a product of position and text the attention must learn
+    #: (:class:`PlannedPatchEmbed`). Text-to-image networks only.
+    layout_plan: int = 0
 
     def __attrs_post_init__(self) -> None:
         if self.prediction not in PREDICTIONS:
@@ -114,6 +121,12 @@ class Architecture:
             raise ValueError(f"text_width {self.text_width} must be a multiple of text_heads {self.text_heads}")
         if self.cell_conditioning and self.source_images:
             raise ValueError("cell_conditioning is for text-to-image networks (source_images 0)")
+        if self.layout_plan and self.source_images:
+            raise ValueError("layout_plan is for text-to-image networks (source_images 0)")
+        if self.layout_plan and self.cell_conditioning:
+            raise ValueError("layout_plan and cell_conditioning are two ways to the same place: choose one")
+        if self.layout_plan < 0:
+            raise ValueError(f"layout_plan {self.layout_plan} must be >= 0 (0: no planner)")
         if not self.position_scale > 0:
             raise ValueError(f"position_scale {self.position_scale} must be > 0")
         if self.size % self.patch:
@@ -221,6 +234,42 @@ def cell_conditioned_patch_embed(arch: Architecture, embed_dim: int) -> nn.Modul
     return CellConditionedPatchEmbed(arch.position_grid**2, arch.text_width, **_patch_embed_keys(arch, embed_dim))
 
 
+def planned_patch_embed(arch: Architecture, embed_dim: int) -> nn.Module:
+    """SD3's patch embedding plus the embedded layout plan (:class:`PlannedPatchEmbed`)."""
+    from diffusers.models.embeddings import PatchEmbed
+
+    class PlannedPatchEmbed(PatchEmbed):
+        """``planner(pooled)`` is an image (B, C, size, size), the plan; ``plan_proj`` embeds its
+        patches as ``proj`` does the state's (zero at initialisation, so the network starts as
+        the plain one) and each state token gets its cell's. ``pooled`` is set by
+        :func:`transformer_output` for the call."""
+
+        def __init__(self, arch: Architecture, **kwargs: Any):
+            super().__init__(**kwargs)
+            self.size, self.channels = arch.size, arch.channels
+            self.planner = nn.Sequential(
+                nn.Linear(arch.text_width, arch.layout_plan),
+                nn.GELU(),
+                nn.Linear(arch.layout_plan, arch.channels * arch.size**2),
+            )
+            self.plan_proj = nn.Conv2d(arch.channels, kwargs["embed_dim"], arch.patch, stride=arch.patch)
+            nn.init.zeros_(self.plan_proj.weight)
+            nn.init.zeros_(self.plan_proj.bias)  # type: ignore[arg-type]  # Conv2d's bias=True
+            self.pooled: torch.Tensor | None = None
+
+        def plan(self, pooled: torch.Tensor) -> torch.Tensor:
+            return self.planner(pooled).reshape(-1, self.channels, self.size, self.size)
+
+        def forward(self, latent: torch.Tensor) -> torch.Tensor:
+            tokens = super().forward(latent)
+            if self.pooled is None:
+                raise RuntimeError("a planning network is called through transformer_output")
+            plan = self.plan_proj(self.plan(self.pooled.to(tokens.dtype)))
+            return tokens + plan.flatten(2).transpose(1, 2)
+
+    return PlannedPatchEmbed(arch, **_patch_embed_keys(arch, embed_dim))
+
+
 def source_tokens_patch_embed(arch: Architecture, embed_dim: int) -> nn.Module:
     """The editing networks' patch embedding (:class:`SourceTokensPatchEmbed`), built lazily
     because diffusers is an optional dependency."""
@@ -279,6 +328,8 @@ class ShapesNetwork(nn.Module):
             self.transformer.pos_embed = source_tokens_patch_embed(arch, self.transformer.inner_dim)
         if arch.cell_conditioning:
             self.transformer.pos_embed = cell_conditioned_patch_embed(arch, self.transformer.inner_dim)
+        if arch.layout_plan:
+            self.transformer.pos_embed = planned_patch_embed(arch, self.transformer.inner_dim)
         if arch.position_scale != 1.0:  # a persistent buffer: the file keeps the scaled values
             self.transformer.pos_embed.pos_embed.mul_(arch.position_scale)
 
@@ -340,7 +391,7 @@ def transformer_output(
                 f"{shape}"
             )
         x = torch.cat([x, source.to(x)], dim=-1)
-    cells: Any = transformer.pos_embed if arch.cell_conditioning else None
+    cells: Any = transformer.pos_embed if arch.cell_conditioning or arch.layout_plan else None
     if cells is not None:
         cells.pooled = pooled
     try:
