@@ -180,6 +180,20 @@ def test_position_scale_multiplies_the_sincos_positions_and_the_file_keeps_them(
         Architecture(vocab=default_vocabulary(), position_scale=0)
 
 
+def _assert_reads_pooled_per_call_and_survives_the_file(net, args, expected, tmp_path) -> ShapesNetwork:
+    """A text-reading patch embedding: called without transformer_output (no pooled text set) it
+    refuses; saved and loaded, the network gives ``expected`` again."""
+    x, sigma, embeds, pooled = args
+    with torch.no_grad(), pytest.raises(RuntimeError, match="transformer_output"):
+        net.transformer(hidden_states=x, timestep=sigma * 1e3, encoder_hidden_states=embeds, pooled_projections=pooled)
+    path = tmp_path / "net.safetensors"
+    save_network(net, path, dtype=torch.float32)
+    loaded = load_network(path)
+    with torch.no_grad():
+        assert torch.equal(loaded(*args), expected)
+    return loaded
+
+
 def test_cell_conditioning_starts_as_the_plain_network_and_reads_the_pooled_text_per_cell(tmp_path):
     plain = tiny_network()
     torch.manual_seed(0)
@@ -202,15 +216,7 @@ def test_cell_conditioning_starts_as_the_plain_network_and_reads_the_pooled_text
         # the term is per cell: the same pooled vector adds different rows to different cells
         rows = embed.cell_bias(cond["pooled_prompt_embeds"][:1]).reshape(9, -1)
         assert (rows[0] - rows[8]).abs().max() > 1e-3
-        with pytest.raises(RuntimeError, match="transformer_output"):
-            cells.transformer(
-                hidden_states=x, timestep=sigma * 1000, encoder_hidden_states=args[2], pooled_projections=args[3]
-            )
-    path = tmp_path / "cells.safetensors"
-    save_network(cells, path, dtype=torch.float32)
-    loaded = load_network(path)
-    with torch.no_grad():
-        assert torch.equal(loaded(*args), changed)
+    _assert_reads_pooled_per_call_and_survives_the_file(cells, args, changed, tmp_path)
     with pytest.raises(ValueError, match="cell_conditioning"):
         Architecture(vocab=default_vocabulary(), source_images=1, cell_conditioning=True)
 
@@ -250,16 +256,8 @@ def test_layout_plan_starts_as_the_plain_network_and_adds_its_embedded_plan_per_
         torch.testing.assert_close(
             with_plan - plain.transformer.pos_embed(x), by_hand.flatten(2).transpose(1, 2), rtol=0, atol=1e-5
         )
-        with pytest.raises(RuntimeError, match="transformer_output"):
-            planned.transformer(
-                hidden_states=x, timestep=sigma * 1000, encoder_hidden_states=args[2], pooled_projections=args[3]
-            )
-    path = tmp_path / "planned.safetensors"
-    save_network(planned, path, dtype=torch.float32)
-    loaded = load_network(path)
+    loaded = _assert_reads_pooled_per_call_and_survives_the_file(planned, args, changed, tmp_path)
     assert loaded.arch.layout_plan == 16
-    with torch.no_grad():
-        assert torch.equal(loaded(*args), changed)
     for bad, match in (
         ({"source_images": 1}, "layout_plan is for text-to-image"),
         ({"cell_conditioning": True}, "choose one"),

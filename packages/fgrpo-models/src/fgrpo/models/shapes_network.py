@@ -224,6 +224,7 @@ def cell_conditioned_patch_embed(arch: Architecture, embed_dim: int) -> nn.Modul
             nn.init.zeros_(self.cell_bias.weight)
             nn.init.zeros_(self.cell_bias.bias)
             self.pooled: torch.Tensor | None = None
+            self.reads_pooled = True
 
         def forward(self, latent: torch.Tensor) -> torch.Tensor:
             tokens = super().forward(latent)
@@ -256,6 +257,7 @@ def planned_patch_embed(arch: Architecture, embed_dim: int) -> nn.Module:
             nn.init.zeros_(self.plan_proj.weight)
             nn.init.zeros_(self.plan_proj.bias)  # type: ignore[arg-type]  # Conv2d's bias=True
             self.pooled: torch.Tensor | None = None
+            self.reads_pooled = True
 
         def plan(self, pooled: torch.Tensor) -> torch.Tensor:
             return self.planner(pooled).reshape(-1, self.channels, self.size, self.size)
@@ -391,7 +393,8 @@ def transformer_output(
                 f"{shape}"
             )
         x = torch.cat([x, source.to(x)], dim=-1)
-    cells: Any = transformer.pos_embed if arch.cell_conditioning or arch.layout_plan else None
+    # the text-reading embeddings (cell term, layout plan) get the pooled text for this call only
+    cells: Any = transformer.pos_embed if getattr(transformer.pos_embed, "reads_pooled", False) else None
     if cells is not None:
         cells.pooled = pooled
     try:
