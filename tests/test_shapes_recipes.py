@@ -68,8 +68,8 @@ def test_shapes_smoke_run(root, tmp_path):
 
 @pytest.mark.slow
 def test_shapes_fast_raises_held_out_accuracy(root, tmp_path):
-    """About 5 minutes on 2 cores: `pytest -m slow`. The 400-iteration recipe measured 0.417 -> 0.605 at
-    iteration 200 from the shipped base (0.406 -> 0.536 from the previous one; issue 8: independent noise)."""
+    """About 5 minutes on 2 cores: `pytest -m slow`. The 400-iteration recipe measured 0.395 -> 0.652 at
+    iteration 200 from the shipped planning base (1 thread; 0.417 -> 0.605 from the previous base)."""
     out = tmp_path / "run"
     assert (
         cli.main(
