@@ -52,6 +52,37 @@ def test_relation_outcomes_per_image(root):
     assert probe.outcomes(world.render_batch([world.place(single[0], rng)]), single) == [1]
 
 
+def test_relation_probe_loads_a_checkpoint_with_its_runs_lora_targets(root, tmp_path):
+    """A run whose LoRA also covers the feed-forwards: the probe takes the shape from the run's
+    resolved recipe (with --rank/--alpha alone the adapter lacks those modules and loading fails)."""
+    import argparse
+
+    import yaml
+    from safetensors.torch import save_file
+
+    from fgrpo.models.shapes_dit import ShapesDiT
+
+    probe = _load(root, "shapes_relation_probe")
+    lora = {"rank": 4, "alpha": 8, "target_modules": ["attn.to_q", "ff.net.2"]}
+    trained = ShapesDiT(device="cpu", lora=lora)
+    state = {k: torch.randn_like(v) for k, v in trained.trainable_state_dict().items()}
+    assert any(".ff.net.2." in k for k in state)
+    last = tmp_path / "run" / "checkpoints" / "last"
+    last.mkdir(parents=True)
+    save_file(state, str(last / "trainable.safetensors"))
+    (tmp_path / "run" / "recipe.resolved.yaml").write_text(
+        yaml.safe_dump({"model": {"name": "shapes-dit", "lora": lora}})
+    )
+    args = argparse.Namespace(checkpoints=[str(last)], weights=None, rank=32, alpha=64)
+
+    assert probe.lora_of(str(last), args) == lora
+    assert probe.lora_of(str(tmp_path), args) == {"rank": 32, "alpha": 64}  # not in a run folder
+    (label, _), (_, policy) = probe.policies(args)
+    assert label == "base"
+    loaded = policy.trainable_state_dict()
+    assert loaded.keys() == state.keys() and all(torch.equal(loaded[k], state[k]) for k in state)
+
+
 def test_text_probe_compares_opposite_relations(root):
     probe = _load(root, "shapes_relation_probe")
     prompts = [

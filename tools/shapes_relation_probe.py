@@ -10,8 +10,9 @@ else), for position prompts how often the relation holds *given* the right objec
 color_attr prompts how often the colours are bound to the right shapes *given* the right colours
 and shapes (a bag of words binds right half of the time). Two
 distinct random cells satisfy a relation 37.5% of the time, so a conditional rate near that means
-the relation words are ignored. A checkpoint of a LoRA run needs the run's LoRA shape (--rank,
---alpha; the shapes recipes use 32/64).
+the relation words are ignored. A checkpoint's LoRA shape (rank, alpha, target modules) is read
+from its run's ``recipe.resolved.yaml``; a folder outside a run folder takes --rank and --alpha
+(the shapes recipes use 32/64) on the backbone's default targets.
 
 ``--text`` asks instead whether the (frozen) text encoder tells opposite relations apart: over every
 position prompt "A REL B" it prints the mean distance between its conditioning (the token outputs,
@@ -53,9 +54,11 @@ from pathlib import Path
 import attrs
 import numpy as np
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from fgrpo.core.evaluation import generate
+from fgrpo.core.rundir import RECIPE_FILE
 from fgrpo.models.shapes_dit import ShapesDiT
 from fgrpo.rewards import shapes as world
 from fgrpo.rewards.shapes.scenes import relation_scenes
@@ -252,10 +255,22 @@ def main() -> None:
             print(f"{label}: {category:10s} {figures}  ({len(prompts) * args.samples} samples)", flush=True)
 
 
+def lora_of(checkpoint: str, args: argparse.Namespace) -> dict:
+    """The LoRA a checkpoint was trained with: RUN/checkpoints/NAME's run recipe says it, else
+    --rank and --alpha on the default targets."""
+    resolved = Path(checkpoint).resolve().parents[1] / RECIPE_FILE
+    if resolved.is_file():
+        lora = (yaml.safe_load(resolved.read_text()).get("model") or {}).get("lora")
+        if lora:
+            return lora
+    return {"rank": args.rank, "alpha": args.alpha}
+
+
 def policies(args: argparse.Namespace) -> Iterator[tuple[str, ShapesDiT]]:
     """("base", the base policy), then (folder, the base with that checkpoint's trainable weights)."""
     for label in ["base", *args.checkpoints]:
-        policy = ShapesDiT(path=args.weights, device="cpu", lora={"rank": args.rank, "alpha": args.alpha})
+        lora = {"rank": args.rank, "alpha": args.alpha} if label == "base" else lora_of(label, args)
+        policy = ShapesDiT(path=args.weights, device="cpu", lora=lora)
         if label != "base":
             policy.load_trainable_state_dict(load_file(str(Path(label) / "trainable.safetensors")))
         yield label, policy
