@@ -53,11 +53,11 @@ def test_relation_outcomes_per_image(root):
 
 
 def test_relation_probe_loads_a_checkpoint_with_its_runs_lora_targets(root, tmp_path):
-    """A run whose LoRA also covers the feed-forwards: the probe takes the shape from the run's
-    resolved recipe (with --rank/--alpha alone the adapter lacks those modules and loading fails)."""
+    """A run whose LoRA also covers the feed-forwards: the probe takes the shape from the recipe in
+    the checkpoint's state.json (with --rank/--alpha alone the adapter lacks those modules and
+    loading fails)."""
     import argparse
 
-    import yaml
     from safetensors.torch import save_file
 
     from fgrpo.models.shapes_dit import ShapesDiT
@@ -70,13 +70,14 @@ def test_relation_probe_loads_a_checkpoint_with_its_runs_lora_targets(root, tmp_
     last = tmp_path / "run" / "checkpoints" / "last"
     last.mkdir(parents=True)
     save_file(state, str(last / "trainable.safetensors"))
-    (tmp_path / "run" / "recipe.resolved.yaml").write_text(
-        yaml.safe_dump({"model": {"name": "shapes-dit", "lora": lora}})
+    (last / "state.json").write_text(
+        json.dumps({"iteration": 200, "recipe": {"model": {"name": "shapes-dit", "lora": lora}}})
     )
     args = argparse.Namespace(checkpoints=[str(last)], weights=None, rank=32, alpha=64)
 
     assert probe.lora_of(str(last), args) == lora
-    assert probe.lora_of(str(tmp_path), args) == {"rank": 32, "alpha": 64}  # not in a run folder
+    assert probe.lora_of(str(tmp_path), args) == {"rank": 32, "alpha": 64}  # no state.json
+    assert probe.lora_of(None, args) == {"rank": 32, "alpha": 64}  # the base
     (label, _), (_, policy) = probe.policies(args)
     assert label == "base"
     loaded = policy.trainable_state_dict()

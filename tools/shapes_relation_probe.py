@@ -11,8 +11,8 @@ color_attr prompts how often the colours are bound to the right shapes *given* t
 and shapes (a bag of words binds right half of the time). Two
 distinct random cells satisfy a relation 37.5% of the time, so a conditional rate near that means
 the relation words are ignored. A checkpoint's LoRA shape (rank, alpha, target modules) is read
-from its run's ``recipe.resolved.yaml``; a folder outside a run folder takes --rank and --alpha
-(the shapes recipes use 32/64) on the backbone's default targets.
+from the recipe in its ``state.json``; a folder holding only trainable weights takes --rank and
+--alpha (the shapes recipes use 32/64) on the backbone's default targets.
 
 ``--text`` asks instead whether the (frozen) text encoder tells opposite relations apart: over every
 position prompt "A REL B" it prints the mean distance between its conditioning (the token outputs,
@@ -54,11 +54,10 @@ from pathlib import Path
 import attrs
 import numpy as np
 import torch
-import yaml
 from safetensors.torch import load_file
 
+from fgrpo.core import checkpoint as ckpt
 from fgrpo.core.evaluation import generate
-from fgrpo.core.rundir import RECIPE_FILE
 from fgrpo.models.shapes_dit import ShapesDiT
 from fgrpo.rewards import shapes as world
 from fgrpo.rewards.shapes.scenes import relation_scenes
@@ -255,12 +254,11 @@ def main() -> None:
             print(f"{label}: {category:10s} {figures}  ({len(prompts) * args.samples} samples)", flush=True)
 
 
-def lora_of(checkpoint: str, args: argparse.Namespace) -> dict:
-    """The LoRA a checkpoint was trained with: RUN/checkpoints/NAME's run recipe says it, else
-    --rank and --alpha on the default targets."""
-    resolved = Path(checkpoint).resolve().parents[1] / RECIPE_FILE
-    if resolved.is_file():
-        lora = (yaml.safe_load(resolved.read_text()).get("model") or {}).get("lora")
+def lora_of(checkpoint: str | None, args: argparse.Namespace) -> dict:
+    """The LoRA a checkpoint was trained with (the recipe its state.json holds); --rank and --alpha
+    on the default targets for the base or a folder without a state.json."""
+    if checkpoint is not None and (Path(checkpoint) / ckpt.STATE).is_file():
+        lora = ckpt.read_state(Path(checkpoint))["recipe"].get("model", {}).get("lora")
         if lora:
             return lora
     return {"rank": args.rank, "alpha": args.alpha}
@@ -269,8 +267,7 @@ def lora_of(checkpoint: str, args: argparse.Namespace) -> dict:
 def policies(args: argparse.Namespace) -> Iterator[tuple[str, ShapesDiT]]:
     """("base", the base policy), then (folder, the base with that checkpoint's trainable weights)."""
     for label in ["base", *args.checkpoints]:
-        lora = {"rank": args.rank, "alpha": args.alpha} if label == "base" else lora_of(label, args)
-        policy = ShapesDiT(path=args.weights, device="cpu", lora=lora)
+        policy = ShapesDiT(path=args.weights, device="cpu", lora=lora_of(None if label == "base" else label, args))
         if label != "base":
             policy.load_trainable_state_dict(load_file(str(Path(label) / "trainable.safetensors")))
         yield label, policy
