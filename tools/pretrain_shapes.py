@@ -221,6 +221,7 @@ def common_arguments(
     batch: int,
     threads: int,
     decay_steps: int | None = None,
+    text_layers: int = 1,
 ) -> tuple[argparse.ArgumentParser, argparse._ArgumentGroup, argparse._ArgumentGroup, argparse._ArgumentGroup]:
     """The parser both pretraining tools share (architecture, optimisation, evaluation), with
     the defaults that differ between them (``decay_steps`` null: ``steps``); each tool adds its own
@@ -231,7 +232,7 @@ def common_arguments(
     a.add_argument("--layers", type=int, default=layers, help="SD3 joint transformer blocks")
     a.add_argument("--heads", type=int, default=heads, help="attention heads")
     a.add_argument("--text-width", type=int, default=text_width, help="text encoder width")
-    a.add_argument("--text-layers", type=int, default=1, help="text encoder layers")
+    a.add_argument("--text-layers", type=int, default=text_layers, help="text encoder layers")
     t = p.add_argument_group("training")
     t.add_argument("--steps", type=int, default=steps, help="optimizer steps")
     t.add_argument(
