@@ -120,3 +120,16 @@ class OpenAudit:
             if cls.log is not None:
                 with open(cls.log, "a") as fh:
                     fh.write(f"{os.getpid()} {event} {path}\n")
+
+
+def rewind_to(checkpoints: Path, iteration: int) -> None:
+    """Make a run folder look stopped after ``iteration``: its newer checkpoints go aside (next to
+    checkpoints/, where --resume does not look) and ``last`` names that iteration's checkpoint."""
+    from fgrpo.core.checkpoint import folder_name, iteration_of
+
+    for folder in list(checkpoints.iterdir()):
+        newer = iteration_of(folder)
+        if newer is not None and newer > iteration:
+            folder.rename(checkpoints.parent / f"set-aside-{folder.name}")
+    (checkpoints / "last").unlink()
+    (checkpoints / "last").symlink_to(folder_name(iteration))

@@ -17,7 +17,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from _helpers import load_tool, torchrun
+from _helpers import load_tool, rewind_to, torchrun
 from fgrpo.core import cli, phases
 from fgrpo.core import recipe as recipe_mod
 from fgrpo.core.forward import ForwardPoints
@@ -352,9 +352,7 @@ def test_stop_and_resume_is_bit_exact(root, tmp_path, name):
     recipe = str(root / "recipes" / "vector.yaml")
     assert cli.main(["compose", recipe, "--out", str(tmp_path / "a"), *sets]) == 0
     assert cli.main(["compose", recipe, "--out", str(tmp_path / "b"), *sets, "--set", "train.iterations=5"]) == 0
-    (tmp_path / "b" / "checkpoints" / "iter_000005").rename(tmp_path / "b" / "elsewhere")  # resume from iteration 3
-    (tmp_path / "b" / "checkpoints" / "last").unlink()
-    (tmp_path / "b" / "checkpoints" / "last").symlink_to("iter_000003")
+    rewind_to(tmp_path / "b" / "checkpoints", 3)  # resume from iteration 3
     assert cli.main(["compose", recipe, "--out", str(tmp_path / "b"), *sets, "--resume"]) == 0
     a, b = weights(tmp_path / "a"), weights(tmp_path / "b")
     assert a.keys() == b.keys() and (name == "dpo" or any(k.startswith("old.") for k in a))
