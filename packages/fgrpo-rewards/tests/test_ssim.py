@@ -12,7 +12,7 @@ import torch
 from fgrpo.core import media, registry
 from fgrpo.core.media import Prompt
 from fgrpo.core.testing import RewardConformance, SyntheticImage
-from fgrpo.rewards.similarity import ssim
+from fgrpo.rewards.similarity import patch_ssim, spared_ssim, ssim
 
 C1, C2 = 0.01**2, 0.03**2
 PROMPTS = [Prompt(f"edit {i}", images=(SyntheticImage(i, 16, 16),)) for i in range(3)]
@@ -89,3 +89,66 @@ def test_ssim_reward_compares_each_output_with_its_source_and_loads_nothing():
     assert torch.equal(result.details["similarity"], expected)
     copied = reward(torch.stack([s[0] for s in sources]), PROMPTS, [{}] * 3, sources=sources)
     assert torch.allclose(copied.scores, torch.ones(3), atol=1e-6)
+
+
+def test_patch_ssim_is_the_ssim_of_each_crop_row_by_row():
+    x, y = images(6, (2, 3, 24, 24)), images(7, (2, 3, 24, 24))
+    y = 0.7 * x + 0.3 * y
+    got = patch_ssim(x, y, 3)
+    assert got.shape == (2, 9)
+    for r in range(3):
+        for c in range(3):
+            crop = (..., slice(8 * r, 8 * r + 8), slice(8 * c, 8 * c + 8))
+            assert torch.equal(got[:, 3 * r + c], ssim(x[crop], y[crop]))
+    uneven = patch_ssim(x[..., :23, :22], y[..., :23, :22], 2)  # edges at round(i * side / grid)
+    assert torch.equal(uneven[:, 3], ssim(x[..., 12:23, 11:22], y[..., 12:23, 11:22]))
+
+
+def test_spared_ssim_sets_the_least_similar_patches_aside():
+    x = images(8, (1, 3, 24, 24))
+    assert torch.equal(spared_ssim(x, images(9, (1, 3, 24, 24)), 1, 0), ssim(x, images(9, (1, 3, 24, 24))))
+    edited = x.clone()
+    edited[..., 0:8, 0:8] = 1.0  # the asked-for change: one patch
+    assert spared_ssim(x, edited, 3, 1).item() == pytest.approx(1.0, abs=1e-12)
+    whole = ssim(x, edited).item()
+    assert whole < 0.95  # a whole-image SSIM charges it
+    collateral = edited.clone()
+    collateral[..., 16:24, 8:16] = 0.5  # and one more patch changed: charged 1/8 of its dissimilarity
+    second = ssim(x[..., 16:24, 8:16], collateral[..., 16:24, 8:16]).item()
+    first = ssim(x[..., 0:8, 0:8], collateral[..., 0:8, 0:8]).item()
+    kept = (7 + max(first, second)) / 8
+    assert spared_ssim(x, collateral, 3, 1).item() == pytest.approx(kept, abs=1e-12)
+    assert spared_ssim(x, collateral, 3, 2).item() == pytest.approx(1.0, abs=1e-12)
+
+
+def test_grid_and_spare_are_checked_against_the_backbone_and_the_grid():
+    from fgrpo.core.config import check_params
+    from fgrpo.rewards.similarity import ImageSimilarity
+
+    _, errors = check_params(ImageSimilarity, {"backbone": "ssim", "grid": 3, "spare": 9}, "reward")
+    assert [(e.key, e.message) for e in errors] == [
+        ("reward.spare", "got 9; allowed: fewer than the grid's 9 patches")
+    ]
+    _, errors = check_params(ImageSimilarity, {"backbone": "dino", "grid": 3, "spare": 1}, "reward")
+    assert [e.key for e in errors] == ["reward.grid", "reward.spare"]
+    assert "unless backbone is ssim" in errors[0].message
+    _, errors = check_params(ImageSimilarity, {"backbone": "ssim", "grid": 3, "spare": 8}, "reward")
+    assert errors == []
+
+
+def test_a_grid_finer_than_the_image_is_refused_with_the_sizes():
+    with pytest.raises(ValueError, match="grid 9 is finer than the 8x8 images"):
+        patch_ssim(images(0, (1, 3, 8, 8)), images(1, (1, 3, 8, 8)), 9)
+
+
+def test_the_reward_scores_with_the_spared_patches():
+    reward = registry.create("reward", "image-similarity", backbone="ssim", grid=2, spare=1)
+    sources = media.reward_sources(PROMPTS, images(5).float())
+    reference = torch.stack([s[0] for s in sources])
+    outputs = reference.clone()
+    outputs[:, :, :8, :8] = 0.0  # one of the four patches redrawn: spared
+    outputs[2, :, 8:, 8:] = 1.0  # and a second one in the last image: charged
+    scores = reward(outputs, PROMPTS, [{}] * 3, sources=sources).scores
+    assert torch.allclose(scores[:2], torch.ones(2), atol=1e-6)
+    assert torch.equal(scores[2:], spared_ssim(outputs[2:], reference[2:], 2, 1).float())
+    assert scores[2] < 0.95

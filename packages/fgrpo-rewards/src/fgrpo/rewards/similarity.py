@@ -5,7 +5,11 @@ configs weight against GenEval) or DINOv2's class token (``backbone: dino``), wh
 appearance more than semantics, or the structural similarity of the pixels themselves
 (``backbone: ssim``: Wang et al. 2004's SSIM with an 11-tap Gaussian window of sigma 1.5 over the
 valid region, K1 0.01, K2 0.03, on [0, 1] images, averaged over channels and windows; the
-preservation measure editing papers report beside LPIPS, no weights to load).
+preservation measure editing papers report beside LPIPS, no weights to load). With ``grid: G``
+and ``spare: k`` SSIM is taken per patch of a G x G split and the k least similar patches are set
+aside before the mean: the region an edit is asked to change costs nothing, a change anywhere else
+does (an edit-locality prior; a whole-image similarity charges the asked-for change as much as
+collateral damage).
 
 The reward takes the sources (``accepts_sources``): each output is compared with its prompt's
 ``source``-th source image, resized to the output's size as the trainer hands it (flow_grpo
@@ -20,6 +24,7 @@ folder), once per process.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -27,7 +32,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from fgrpo.core.config import param
+from fgrpo.core.config import ConfigError, param
 from fgrpo.core.protocols import RewardResult
 from fgrpo.rewards.clip import (
     DTYPES,
@@ -67,6 +72,30 @@ def ssim(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     c1, c2 = SSIM_K1**2, SSIM_K2**2
     index = (2 * mx * my + c1) * (2 * cxy + c2) / ((mx**2 + my**2 + c1) * (vx + vy + c2))
     return index.flatten(1).mean(1)
+
+
+def patch_ssim(x: torch.Tensor, y: torch.Tensor, grid: int) -> torch.Tensor:
+    """(B, grid * grid) float64 SSIM of each patch of a grid x grid split of images x, y (B, C, H, W)
+    (patch edges at round(i * side / grid)), row by row."""
+    if grid > min(x.shape[-2:]):
+        raise ValueError(f"image-similarity: grid {grid} is finer than the {x.shape[-1]}x{x.shape[-2]} images")
+    rows = [round(i * x.shape[-2] / grid) for i in range(grid + 1)]
+    cols = [round(i * x.shape[-1] / grid) for i in range(grid + 1)]
+    return torch.stack(
+        [
+            ssim(x[..., r0:r1, c0:c1], y[..., r0:r1, c0:c1])
+            for r0, r1 in itertools.pairwise(rows)
+            for c0, c1 in itertools.pairwise(cols)
+        ],
+        dim=1,
+    )
+
+
+def spared_ssim(x: torch.Tensor, y: torch.Tensor, grid: int, spare: int) -> torch.Tensor:
+    """(B,) float64 mean SSIM of the grid's patches left after the ``spare`` least similar are set
+    aside: an edit's own change (in the patches it touches) is not charged, a change elsewhere is."""
+    patches = patch_ssim(x, y, grid)
+    return patches.sort(dim=1, descending=True).values[:, : patches.shape[1] - spare].mean(1)
 
 
 @attrs.frozen
@@ -146,10 +175,40 @@ class ImageSimilarity:
         choices=("bicubic", "bilinear"),
         help="resampling before the crop: the processor's bicubic, or flow_grpo's bilinear (torchvision on tensors)",
     )
+    grid: int = param(
+        1, ge=1, help="ssim only: split both images into grid x grid patches and score each patch's SSIM"
+    )
+    spare: int = param(
+        0,
+        ge=0,
+        help="ssim only: set the spare least similar patches aside before averaging, so that an edit's own "
+        "change is not charged (a localised edit scores 1, a change elsewhere is charged)",
+    )
     batch_size: int = param(32, ge=1, help="images embedded per forward pass")
     dtype: str = dtype_key("the weights")
     device: str | None = device_key()
     _features: Any = attrs.field(init=False, default=None, repr=False)
+
+    @classmethod
+    def check_keys(cls, values: Mapping[str, Any], prefix: str) -> list[ConfigError]:
+        def key(name: str) -> str:
+            return f"{prefix}.{name}" if prefix else name
+
+        errors = []
+        if values["backbone"] != "ssim":
+            errors += [
+                ConfigError(key(name), f"got {values[name]}; allowed: {default} unless backbone is ssim")
+                for name, default in (("grid", 1), ("spare", 0))
+                if values[name] != default
+            ]
+        elif values["spare"] >= values["grid"] ** 2:
+            errors.append(
+                ConfigError(
+                    key("spare"),
+                    f"got {values['spare']}; allowed: fewer than the grid's {values['grid'] ** 2} patches",
+                )
+            )
+        return errors
 
     def __attrs_post_init__(self) -> None:
         if self.backbone == "ssim":  # pixels, no model
@@ -191,7 +250,7 @@ class ImageSimilarity:
             )
         reference = torch.stack([s[self.source] for s in sources]).to(outputs.device)
         if self._features is None:
-            similarity = ssim(outputs.clamp(0, 1), reference).float().cpu()
+            similarity = spared_ssim(outputs.clamp(0, 1), reference, self.grid, self.spare).float().cpu()
         else:
             similarity = (self.embed(outputs) * self.embed(reference)).sum(-1).cpu()
         return RewardResult(scores=similarity, details={"similarity": similarity})
