@@ -50,10 +50,10 @@ held-out colour to 0.34 and move to 0.14, so RL on ``recipes/shapes-edit.yaml`` 
 reinforce where the previous base had almost none. Its RL gains had stopped at +8 points within
 1.2x of its gold error (on 16 held-out pairs per category); on this base the recipe gains +15.8
 points at 1.19x (seed 0, on the recipe's 64 pairs per category; the verifier alone +18.3 at 1.35x;
-its header has the other settings and seeds). Earlier variants: a 2.3M-parameter network (hidden 128, 4 layers, 2 text layers)
-edited less after 3000 steps (held-out 0.056, gold 3.18) at 4.5x the time per step; twice the
-steps (12000) on the previous settings fit the training instructions better (edit 0.334) but not
-the held-out ones (0.138).
+its header has the other settings and seeds). Earlier variants: a 2.3M-parameter network
+(hidden 128, 4 layers, 2 text layers) edited less after 3000 steps (held-out 0.056, gold 3.18)
+at 4.5x the time per step; twice the steps (12000) on the previous settings fit the training
+instructions better (edit 0.334) but not the held-out ones (0.138).
 """
 
 from __future__ import annotations
