@@ -301,6 +301,11 @@ def public_fields(cls: type) -> list[attrs.Attribute]:
     return [f for f in attrs.fields(cls) if f.init and not f.name.startswith("_")]
 
 
+def dotted(prefix: str, name: str) -> str:
+    """A recipe key's dotted path: ``name`` under ``prefix`` (the section), or ``name`` at the top."""
+    return f"{prefix}.{name}" if prefix else name
+
+
 def check_params(cls: type, params: Mapping[str, Any], prefix: str = "") -> tuple[dict, list]:
     """Check ``params`` against the attrs fields of ``cls``.
 
@@ -311,7 +316,7 @@ def check_params(cls: type, params: Mapping[str, Any], prefix: str = "") -> tupl
     """
 
     def key(name: str) -> str:
-        return f"{prefix}.{name}" if prefix else name
+        return dotted(prefix, name)
 
     errors: list[ConfigError] = []
     out: dict[str, Any] = {}

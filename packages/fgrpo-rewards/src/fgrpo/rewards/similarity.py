@@ -32,7 +32,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from fgrpo.core.config import ConfigError, param
+from fgrpo.core.config import ConfigError, dotted, param
 from fgrpo.core.protocols import RewardResult
 from fgrpo.rewards.clip import (
     DTYPES,
@@ -191,20 +191,17 @@ class ImageSimilarity:
 
     @classmethod
     def check_keys(cls, values: Mapping[str, Any], prefix: str) -> list[ConfigError]:
-        def key(name: str) -> str:
-            return f"{prefix}.{name}" if prefix else name
-
         errors = []
         if values["backbone"] != "ssim":
             errors += [
-                ConfigError(key(name), f"got {values[name]}; allowed: {default} unless backbone is ssim")
+                ConfigError(dotted(prefix, name), f"got {values[name]}; allowed: {default} unless backbone is ssim")
                 for name, default in (("grid", 1), ("spare", 0))
                 if values[name] != default
             ]
         elif values["spare"] >= values["grid"] ** 2:
             errors.append(
                 ConfigError(
-                    key("spare"),
+                    dotted(prefix, "spare"),
                     f"got {values['spare']}; allowed: fewer than the grid's {values['grid'] ** 2} patches",
                 )
             )
