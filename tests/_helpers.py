@@ -15,23 +15,43 @@ BIN = Path(sys.executable).parent
 
 
 def load_tool(relative: str, name: str | None = None) -> Any:
-    """The module of ``tools/<relative>``, loaded in this process. sys.path is as it was once it has
-    loaded (a tool may put its own folder there) and the sibling modules it imported leave
-    sys.modules with it: a sibling named like an installed package would otherwise stand in for that
-    package in every later import of the same process."""
+    """The module of ``tools/<relative>``, loaded in this process. A script finds its sibling modules
+    (``tools/bench/_bench.py``) because python puts its folder first on sys.path; here the siblings
+    it imports are loaded from their files first and leave sys.modules with it (a sibling named like
+    an installed package would otherwise stand in for that package in every later import)."""
     path = ROOT / "tools" / relative
-    before, search_path = set(sys.modules), list(sys.path)
-    sys.path.insert(0, str(path.parent))
+    siblings = _sibling_imports(path)
+    before = set(sys.modules)
     try:
-        spec = importlib.util.spec_from_file_location(name or path.stem, path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        for sibling in siblings:
+            sys.modules[sibling.stem] = _module_from(sibling, sibling.stem)
+        module = _module_from(path, name or path.stem)
     finally:
-        sys.path[:] = search_path
         for added in set(sys.modules) - before:
             if Path(getattr(sys.modules[added], "__file__", None) or "/").parent == path.parent:
                 del sys.modules[added]
     return module
+
+
+def _module_from(path: Path, name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _sibling_imports(path: Path) -> list[Path]:
+    """The files beside ``path`` that it imports by their bare module name."""
+    import ast
+
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names.add(node.module)
+    return [path.parent / f"{n}.py" for n in sorted(names) if "." not in n and (path.parent / f"{n}.py").is_file()]
 
 
 def free_port() -> int:

@@ -23,28 +23,11 @@ from fgrpo.models.hunyuan_video import HunyuanVideo15Policy
 from fgrpo.models.qwen_image import QwenImagePolicy
 from fgrpo.models.qwen_image_edit import QwenImageEditPlusPolicy, QwenImageEditPolicy
 from fgrpo.models.sd3 import SD3Policy
-from fgrpo.models.shapes_dit import ShapesDiT
-from fgrpo.models.shapes_edit import ShapesEditDiT
-from fgrpo.models.trajectory import TrajectoryPolicy
 from fgrpo.models.vector import VectorPolicy
 from fgrpo.models.wan import WanImageToVideoPolicy, WanPolicy
 from fgrpo.models.z_image import ZImagePolicy
 from fgrpo.rewards.aesthetic import Aesthetic
 from fgrpo.rewards.clip import CLIPScore, PickScore
-from fgrpo.rewards.driving.closed_loop import ClosedLoop, Rollout
-from fgrpo.rewards.driving.highway import HighwayEvaluator
-from fgrpo.rewards.driving.prompts import DrivingPrompts
-from fgrpo.rewards.driving.rewards import (
-    PDMS,
-    CaRL,
-    Comfort,
-    Consistency,
-    Drivable,
-    Imitation,
-    Progress,
-    Rules,
-    Safety,
-)
 from fgrpo.rewards.geneval import GenEval
 from fgrpo.rewards.group import Pairwise, Rank
 from fgrpo.rewards.hpsv2 import HPSv2
@@ -52,9 +35,6 @@ from fgrpo.rewards.imagereward import ImageReward
 from fgrpo.rewards.jpeg import JpegCompressibility, JpegIncompressibility
 from fgrpo.rewards.ocr import OCRReward
 from fgrpo.rewards.remote import RemoteReward
-from fgrpo.rewards.shapes.edit import ShapesEditGoldEvaluator, ShapesEditPrompts, ShapesEditVerifier
-from fgrpo.rewards.shapes.prompts import ShapesPrompts
-from fgrpo.rewards.shapes.verifier import ShapesGold, ShapesGoldEvaluator, ShapesVerifier
 from fgrpo.rewards.similarity import ImageSimilarity
 from fgrpo.rewards.target import TargetDistance
 from fgrpo.rewards.vlm_judge import VLMJudge
@@ -70,6 +50,17 @@ from fgrpo.samplers.kernels.sde import SDEKernel
 from fgrpo.samplers.kernels.wan_sde import WanSDEKernel
 from fgrpo.samplers.mixgrpo import MixGRPOSampler
 from fgrpo.samplers.ode import ODESampler
+from fgrpo.worlds.driving.closed_loop import ClosedLoop, Rollout
+from fgrpo.worlds.driving.highway import HighwayEvaluator
+from fgrpo.worlds.driving.planner import TrajectoryPolicy
+from fgrpo.worlds.driving.prompts import DrivingPrompts
+from fgrpo.worlds.driving.rewards import PDMS, CaRL, Comfort, Consistency, Drivable, Imitation, Progress, Rules, Safety
+from fgrpo.worlds.shapes.model import ShapesDiT
+from fgrpo.worlds.shapes.prompts import ShapesPrompts
+from fgrpo.worlds.shapes.verifier import ShapesGold, ShapesGoldEvaluator, ShapesVerifier
+from fgrpo.worlds.shapes_edit.model import ShapesEditDiT
+from fgrpo.worlds.shapes_edit.prompts import ShapesEditPrompts
+from fgrpo.worlds.shapes_edit.verifier import ShapesEditGoldEvaluator, ShapesEditVerifier
 
 KERNELS: dict[str, type[Kernel]] = {
     "correlated": CorrelatedKernel,

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from _helpers import crash_after
 from fgrpo.core import cli
 from fgrpo.core.runlog import read_metrics
-from fgrpo.rewards.driving.world import TYPES
+from fgrpo.worlds.driving.world import TYPES
 
 #: a small world and short evaluations: seconds, not minutes
 SMALL = [
@@ -109,7 +109,7 @@ def test_bad_scenario_file_is_one_line_each_and_exit_2(root, tmp_path, capsys):
 
 
 def test_nan_waypoints_stop_the_run_with_one_line(root, tmp_path, capsys):
-    from fgrpo.models.trajectory import default_weights_path
+    from fgrpo.worlds.driving.planner import default_weights_path
 
     state = load_file(default_weights_path())
     state["out.bias"] = torch.full_like(state["out.bias"], float("nan"))

@@ -20,7 +20,7 @@ import tomllib
 
 from fgrpo.core import cli, shipped
 
-PACKAGES = ["fgrpo-core", "fgrpo-samplers", "fgrpo-rewards", "fgrpo-models"]
+PACKAGES = list(shipped.DISTRIBUTIONS)
 
 
 def pyproject(root: Path, package: str) -> dict:

@@ -1,4 +1,4 @@
-"""fgrpo is a PEP 420 namespace shared by four distributions: no fgrpo/__init__.py anywhere; the
+"""fgrpo is a PEP 420 namespace shared by five distributions: no fgrpo/__init__.py anywhere; the
 packages' modules import each other without cycles, and each package only what it declares."""
 
 from __future__ import annotations
@@ -27,13 +27,14 @@ def test_no_namespace_init_file(root):
         "fgrpo-models",
         "fgrpo-rewards",
         "fgrpo-samplers",
+        "fgrpo-worlds",
     ]
 
 
 def test_namespace_spans_all_packages():
     assert getattr(fgrpo, "__file__", None) is None
     parts = sorted(p.split("/")[-3] for p in fgrpo.__path__)
-    assert parts == ["fgrpo-core", "fgrpo-models", "fgrpo-rewards", "fgrpo-samplers"]
+    assert parts == ["fgrpo-core", "fgrpo-models", "fgrpo-rewards", "fgrpo-samplers", "fgrpo-worlds"]
 
 
 # --- imports: no cycles, and each package imports only what it declares ---------------------------
@@ -49,7 +50,10 @@ def _module_name(path: Path) -> str:
 
 def _imports(path: Path) -> set[str]:
     """Every module ``path`` imports, at the top or inside a function (absolute names)."""
-    package = _module_name(path) if path.name == "__init__.py" else _module_name(path).rpartition(".")[0]
+    if "src" not in path.parts:  # a tool: a script, no package of its own
+        package = ""
+    else:
+        package = _module_name(path) if path.name == "__init__.py" else _module_name(path).rpartition(".")[0]
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
@@ -84,7 +88,7 @@ def test_no_import_cycle_between_modules(root):
         visit(name, [])
 
 
-@pytest.mark.parametrize("package", ["fgrpo-core", "fgrpo-samplers", "fgrpo-rewards", "fgrpo-models"])
+@pytest.mark.parametrize("package", ["fgrpo-core", "fgrpo-samplers", "fgrpo-rewards", "fgrpo-models", "fgrpo-worlds"])
 def test_a_package_imports_only_what_it_declares(root, package):
     """Every third-party module a package's code imports is one of its dependencies or extras, and
     another fgrpo package only when it depends on it (fgrpo-core depends on none of them)."""
@@ -108,6 +112,42 @@ def test_a_package_imports_only_what_it_declares(root, package):
     )
 
 
+def _fgrpo_imports(path: Path) -> set[str]:
+    """The fgrpo subpackages (``fgrpo.core``, ``fgrpo.worlds``, ...) ``path`` imports."""
+    return {".".join(m.split(".")[:2]) for m in _imports(path) if m.startswith("fgrpo.") and m.count(".") >= 1}
+
+
+def test_the_worlds_sit_on_top(root):
+    """fgrpo.worlds imports only fgrpo-core, -models and -rewards (and itself); nothing else in the
+    packages, tools or tests imports it but the worlds' own tests and the cross-package tests that
+    train a world's recipe (components reach it through entry points, by name)."""
+    worlds = root / "packages" / "fgrpo-worlds"
+    below = {"fgrpo.core", "fgrpo.models", "fgrpo.rewards", "fgrpo.worlds"}
+    upward = {
+        f"{p.relative_to(root)}: {sorted(_fgrpo_imports(p) - below)}"
+        for p in (worlds / "src").rglob("*.py")
+        if _fgrpo_imports(p) - below
+    }
+    assert upward == set()
+    others = [p for p in root.glob("packages/*/src/fgrpo/**/*.py") if worlds not in p.parents]
+    others += list((root / "tools").rglob("*.py"))
+    assert [str(p.relative_to(root)) for p in others if "fgrpo.worlds" in _fgrpo_imports(p)] == []
+
+
+def test_no_path_games_in_tools_and_tests(root):
+    """Tools and tests import fgrpo's modules as installed packages: no sys.path insert (a world's
+    pretraining is ``python -m fgrpo.worlds.<world>.pretrain``, not a script beside its siblings)."""
+    files = [*(root / "tools").rglob("*.py"), *(root / "tests").rglob("*.py"), *root.glob("packages/*/tests/*.py")]
+    found = [
+        f"{p.relative_to(root)}:{n}"
+        for p in files
+        if p.name != "test_layout.py"
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        if re.search(r"sys\.path\.(insert|append)|sys\.path\[:?\]? ?=", line)
+    ]
+    assert found == []
+
+
 def test_the_registry_imports_no_component_package():
     """``fgrpo plugins`` and recipe checks import the registry: it reads entry points, it never
     imports fgrpo-samplers, -models or -rewards (python -X importtime lists every import)."""
@@ -119,7 +159,8 @@ def test_the_registry_imports_no_component_package():
     ).stderr
     imported = [line.rsplit("|", 1)[-1].strip() for line in out.splitlines() if line.startswith("import time:")]
     assert "fgrpo.core.registry" in imported
-    assert [m for m in imported if m.startswith(("fgrpo.samplers", "fgrpo.models", "fgrpo.rewards"))] == []
+    components = ("fgrpo.samplers", "fgrpo.models", "fgrpo.rewards", "fgrpo.worlds")
+    assert [m for m in imported if m.startswith(components)] == []
 
 
 LAUNCH_KIND = re.compile(r"deepspeed|fsdp|num_processes|distributed_type|DistributedType|MULTI_GPU", re.IGNORECASE)

@@ -17,7 +17,7 @@ import tomllib
 from _helpers import run_fgrpo
 from fgrpo.core import registry, shipped
 
-PACKAGES = ["fgrpo-core", "fgrpo-samplers", "fgrpo-rewards", "fgrpo-models"]
+PACKAGES = list(shipped.DISTRIBUTIONS)
 
 
 def pyproject(root: Path, package: str) -> dict:
@@ -65,22 +65,30 @@ def test_builtin_recipe_by_name_from_anywhere(tmp_path, monkeypatch, capsys):
     assert "shapes-fast" in err
 
 
-def test_builtin_component_table_matches_the_pyprojects(root):
-    groups = {group: kind for kind, group in registry.GROUPS.items()}
-    declared = {}
-    for package in PACKAGES:
-        for group, eps in pyproject(root, package)["project"].get("entry-points", {}).items():
-            if group not in groups:  # hook plugins (fgrpo.plugins) are not components
-                continue
-            for name, target in eps.items():
-                extras = tuple(re.findall(r"\[(.*)\]", target)[0].replace(" ", "").split(",")) if "[" in target else ()
-                declared[(groups[group], name)] = (package, extras)
-    for key, provider in shipped.COMPONENTS.items():
-        assert declared.get(key) == provider, (
-            f"shipped.COMPONENTS[{key}] = {provider}; the pyprojects say {declared.get(key)}"
-        )
-    for kind, package in shipped.KIND_PROVIDERS.items():
-        assert any(k[0] == kind and p[0] == package for k, p in declared.items()), (kind, package)
+def test_builtin_component_table_is_generated_from_the_pyprojects(root):
+    """fgrpo.core.builtin_components lists every component the packages' entry points declare, with
+    its distribution and extras (z-image, flux2 and image-similarity were missing from the
+    hand-written list it replaced)."""
+    from _helpers import load_tool
+
+    tables = load_tool("protocol_tables.py")
+    generated = tables.render_components(root)
+    written = (root / "packages/fgrpo-core/src/fgrpo/core/builtin_components.py").read_text()
+    assert written == generated, "builtin_components.py lags behind the entry points: python tools/protocol_tables.py"
+    declared = tables.declared_components(root)
+    assert declared == shipped.COMPONENTS
+    for key in [("model", "z-image"), ("model", "flux2"), ("reward", "image-similarity"), ("model", "shapes-dit")]:
+        assert key in shipped.COMPONENTS, key
+    assert shipped.COMPONENTS[("model", "shapes-dit")] == ("fgrpo-worlds", ("diffusers",))
+    assert {k: shipped.kind_provider(k) for k in registry.GROUPS} == {
+        "kernel": "fgrpo-samplers",
+        "sampler": "fgrpo-samplers",
+        "reward": "fgrpo-rewards",
+        "model": "fgrpo-models",
+        "objective": None,
+        "prompts": "fgrpo-worlds",
+        "evaluator": "fgrpo-worlds",
+    }
 
 
 def _without(monkeypatch, distribution: str) -> None:
@@ -103,7 +111,7 @@ def test_unknown_component_of_an_absent_builtin_package_names_it(monkeypatch, ro
         registry.entry("model", "vector")
     assert str(info.value) == (
         "unknown model 'vector': it comes with fgrpo-models, which is not installed: pip install fgrpo-models; "
-        "available: none installed"
+        "available: shapes-dit, shapes-edit-dit, trajectory"
     )
     with pytest.raises(
         registry.UnknownComponent,
@@ -112,10 +120,22 @@ def test_unknown_component_of_an_absent_builtin_package_names_it(monkeypatch, ro
         registry.entry("model", "my-own-model")
     from fgrpo.core import cli
 
+    assert cli.main(["validate", str(root / "recipes" / "vector.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "model.name: unknown model 'vector': it comes with fgrpo-models, which is not installed: " in err
+    assert "sampler" not in err  # only the model is missing
+
+
+def test_a_world_component_of_an_absent_fgrpo_worlds_names_it(monkeypatch, root, capsys):
+    _without(monkeypatch, "fgrpo-worlds")
+    from fgrpo.core import cli
+
     assert cli.main(["validate", str(root / "recipes" / "shapes.yaml")]) == 2
     err = capsys.readouterr().err
-    assert "model.name: unknown model 'shapes-dit': it comes with fgrpo-models, which is not installed: " in err
-    assert 'pip install "fgrpo-models[diffusers]"' in err
+    assert "model.name: unknown model 'shapes-dit': it comes with fgrpo-worlds, which is not installed: " in err
+    assert 'pip install "fgrpo-worlds[diffusers]"' in err
+    assert "reward.name: unknown reward 'shapes': it comes with fgrpo-worlds, which is not installed" in err
+    assert "prompts.name: unknown prompts 'shapes': it comes with fgrpo-worlds, which is not installed" in err
 
 
 def test_unknown_component_with_its_package_installed_keeps_the_close_match():
@@ -125,7 +145,7 @@ def test_unknown_component_with_its_package_installed_keeps_the_close_match():
 
 @pytest.mark.slow
 def test_builtin_recipe_after_a_non_editable_install(root, tmp_path):
-    """A user's install: the four packages built and installed (not editable) into a fresh venv,
+    """A user's install: the five packages built and installed (not editable) into a fresh venv,
     used from a folder without the repository. Several minutes (it builds and installs wheels)."""
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
@@ -139,7 +159,8 @@ def test_builtin_recipe_after_a_non_editable_install(root, tmp_path):
     shutil.copytree(root / "packages", src / "packages", symlinks=True, ignore=skip)
     shutil.copytree(root / "recipes", src / "recipes")
     packages = [str(src / "packages" / p) for p in PACKAGES[:3]] + [
-        str(src / "packages" / "fgrpo-models") + "[diffusers]"
+        str(src / "packages" / "fgrpo-models") + "[diffusers]",
+        str(src / "packages" / "fgrpo-worlds") + "[diffusers]",
     ]
     subprocess.run(pip + packages, check=True, env=env)
     work = tmp_path / "elsewhere"

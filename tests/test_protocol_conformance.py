@@ -1,5 +1,5 @@
 """tests/protocol_conformance.py (checked by mypy) names every built-in component: a component
-registered by one of the four fgrpo distributions but missing from its table would escape the
+registered by one of the fgrpo distributions but missing from its table would escape the
 static protocol check."""
 
 import importlib.metadata as md
@@ -7,9 +7,9 @@ import importlib.metadata as md
 import pytest
 
 import protocol_conformance
-from fgrpo.core import registry
+from fgrpo.core import registry, shipped
 
-FGRPO_DISTRIBUTIONS = {"fgrpo-core", "fgrpo-samplers", "fgrpo-rewards", "fgrpo-models"}
+FGRPO_DISTRIBUTIONS = set(shipped.DISTRIBUTIONS)
 
 
 @pytest.mark.parametrize("kind", sorted(registry.GROUPS))

@@ -96,7 +96,7 @@ def test_shapes_fast_raises_held_out_accuracy(root, tmp_path):
 def test_the_models_vocabulary_is_the_shapes_grammars():
     """``shapes-dit`` writes no word list of its own: the shipped weights carry the vocabulary the
     pretraining tool read from the world's grammar, and a randomly initialised network uses it."""
-    from fgrpo.models.shapes_network import default_vocabulary, vocabulary_of
-    from fgrpo.rewards.shapes import all_prompts
+    from fgrpo.worlds.shapes import all_prompts
+    from fgrpo.worlds.shapes.network import default_vocabulary, vocabulary_of
 
     assert default_vocabulary() == vocabulary_of(all_prompts())

@@ -190,7 +190,7 @@ def test_make_tiny_pipeline_writes_a_loadable_sd3_pipeline(root, tmp_path, capsy
 
 
 def _shapes_run(root, *overrides):
-    pytest.importorskip("fgrpo.models.shapes_dit")
+    pytest.importorskip("fgrpo.worlds.shapes.model")
     recipe = recipe_mod.load(
         root / "recipes" / "shapes.yaml",
         ["train.prompts_per_iteration=2", "train.group_size=4", "sampler.steps=4", "eval.every=0", *overrides],

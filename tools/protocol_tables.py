@@ -1,7 +1,12 @@
-"""Write tests/protocol_conformance.py from the entry points of the four fgrpo distributions.
+"""Write the two tables generated from the entry points of the fgrpo distributions.
 
-That file names every built-in component under its protocol's ``type[...]`` so that mypy checks
-each class against the protocol; tests/test_protocol_conformance.py fails when it lags behind the
+- ``tests/protocol_conformance.py`` names every built-in component under its protocol's
+  ``type[...]`` so that mypy checks each class against the protocol;
+- ``fgrpo/core/builtin_components.py`` says which distribution (and extras) provides each built-in
+  component, read from the packages' ``pyproject.toml``: fgrpo-core names the package to install
+  when a recipe names a component whose distribution is absent.
+
+tests/test_protocol_conformance.py and tests/test_packaging.py fail when either lags behind the
 entry points. After adding or removing a built-in component: ``python tools/protocol_tables.py``
 (in the development environment, where the packages are installed editable), then ``mypy``.
 """
@@ -9,13 +14,16 @@ entry points. After adding or removing a built-in component: ``python tools/prot
 from __future__ import annotations
 
 import importlib.metadata as md
+import re
 import subprocess
 import sys
 from pathlib import Path
 
-from fgrpo.core import registry
+import tomllib
 
-DISTRIBUTIONS = ("fgrpo-core", "fgrpo-samplers", "fgrpo-rewards", "fgrpo-models")
+from fgrpo.core import registry
+from fgrpo.core.shipped import DISTRIBUTIONS
+
 #: registry kind -> (the protocol it satisfies, the table's name)
 TABLES = {
     "kernel": ("Kernel", "KERNELS"),
@@ -26,7 +34,43 @@ TABLES = {
     "prompts": ("PromptSource", "PROMPTS"),
     "evaluator": ("Evaluator", "EVALUATORS"),
 }
-TARGET = Path(__file__).resolve().parents[1] / "tests" / "protocol_conformance.py"
+ROOT = Path(__file__).resolve().parents[1]
+TARGET = ROOT / "tests" / "protocol_conformance.py"
+COMPONENTS_TARGET = ROOT / "packages" / "fgrpo-core" / "src" / "fgrpo" / "core" / "builtin_components.py"
+
+COMPONENTS_HEADER = '''"""Which fgrpo distribution provides each built-in component, and with which extras: (kind,
+name) -> (distribution, extras). Generated from the packages' pyproject.toml entry points by
+``python tools/protocol_tables.py`` (tests/test_packaging.py fails when it lags behind them); do
+not edit by hand."""
+
+from __future__ import annotations
+'''
+
+
+def declared_components(root: Path = ROOT) -> dict[tuple[str, str], tuple[str, tuple[str, ...]]]:
+    """(kind, name) -> (distribution, extras) of every component the packages' pyprojects declare."""
+    kinds = {group: kind for kind, group in registry.GROUPS.items()}
+    found = {}
+    for distribution in DISTRIBUTIONS:
+        meta = tomllib.loads((root / "packages" / distribution / "pyproject.toml").read_text())["project"]
+        for group, points in meta.get("entry-points", {}).items():
+            if group not in kinds:  # hook plugins (fgrpo.plugins) are not components
+                continue
+            for name, target in points.items():
+                extras = re.findall(r"\[(.*)\]", target)
+                named = tuple(e.strip() for e in extras[0].split(",")) if extras else ()
+                found[(kinds[group], name)] = (distribution, named)
+    return dict(sorted(found.items()))
+
+
+def render_components(root: Path = ROOT) -> str:
+    lines = [COMPONENTS_HEADER, "COMPONENTS: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {"]
+    for (kind, name), (distribution, extras) in declared_components(root).items():
+        listed = ", ".join(f'"{e}"' for e in extras) + ("," if len(extras) == 1 else "")
+        lines.append(f'    ("{kind}", "{name}"): ("{distribution}", ({listed})),')
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
 
 HEADER = '''"""The built-in components, checked by mypy against the protocols they promise to satisfy.
 
@@ -78,11 +122,13 @@ def render() -> str:
 
 def main() -> int:
     TARGET.write_text(render(), encoding="utf-8")
+    COMPONENTS_TARGET.write_text(render_components(), encoding="utf-8")
     ruff = Path(sys.executable).with_name("ruff")  # imports sorted and wrapped as the checks want them
-    if ruff.exists():
-        subprocess.run([str(ruff), "check", "--fix", "--quiet", "--select", "I", str(TARGET)], check=False)
-        subprocess.run([str(ruff), "format", "--quiet", str(TARGET)], check=False)
-    print(f"wrote {TARGET}")
+    for target in (TARGET, COMPONENTS_TARGET):
+        if ruff.exists():
+            subprocess.run([str(ruff), "check", "--fix", "--quiet", "--select", "I", str(target)], check=False)
+            subprocess.run([str(ruff), "format", "--quiet", str(target)], check=False)
+        print(f"wrote {target}")
     return 0
 
 

@@ -29,8 +29,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _bench  # noqa: E402 - found through the sys.path line above
+import _bench  # noqa: E402 - beside this script: python puts a script's own folder first on sys.path
 
 POLICIES = {
     "fgrpo": {},

@@ -31,7 +31,6 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 SD35_MEDIUM = dict(
@@ -244,7 +243,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--settings", default="cfg,nocfg,cfg+ckpt,nocfg+ckpt")
     args = parser.parse_args(argv)
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     import torch
     from rich.console import Console
 

@@ -1,6 +1,7 @@
-"""What the four fgrpo distributions ship, known to fgrpo-core even when the others are absent:
+"""What the five fgrpo distributions ship, known to fgrpo-core even when the others are absent:
 their versions (``fgrpo --version``), the built-in recipes (``fgrpo compose shapes``) and which
-distribution provides a built-in component (so an unknown name says what to install).
+distribution provides a built-in component (so an unknown name says what to install: the table
+is generated from the packages' entry points, :mod:`fgrpo.core.builtin_components`).
 
 The recipes are the repository's ``recipes/*.yaml``: ``fgrpo/core/recipes`` is a symbolic link
 to that folder, so an editable install reads them in place and a built wheel or sdist carries
@@ -11,75 +12,21 @@ from __future__ import annotations
 
 import difflib
 import importlib.metadata as md
+from collections import Counter
 from importlib import resources
 from pathlib import Path
 
+from fgrpo.core.builtin_components import COMPONENTS
 from fgrpo.core.config import ConfigError, RecipeError
 
-DISTRIBUTIONS = ("fgrpo-core", "fgrpo-samplers", "fgrpo-rewards", "fgrpo-models")
+DISTRIBUTIONS = ("fgrpo-core", "fgrpo-samplers", "fgrpo-rewards", "fgrpo-models", "fgrpo-worlds")
 
-#: (kind, name) -> (distribution, extras) of the built-in components. Not necessarily complete
-#: (a name missing here still gets the per-kind hint below); tests check every entry against the
-#: packages' pyproject.toml.
-COMPONENTS: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
-    **{
-        ("kernel", n): ("fgrpo-samplers", ())
-        for n in ("ode", "sde", "wan-sde", "dance", "cps", "dpmpp2m", "dpmpp3m", "correlated")
-    },
-    **{("sampler", n): ("fgrpo-samplers", ()) for n in ("full", "fast", "mixgrpo", "ode")},
-    **{
-        ("reward", n): ("fgrpo-rewards", ())
-        for n in (
-            "jpeg-compressibility",
-            "jpeg-incompressibility",
-            "target-distance",
-            "shapes",
-            "shapes-gold",
-            "vlm-judge",
-            "remote",
-            "pairwise",
-            "rank",
-            *(
-                f"driving-{term}"
-                for term in (
-                    "safety",
-                    "drivable",
-                    "rules",
-                    "comfort",
-                    "progress",
-                    "imitation",
-                    "consistency",
-                    "pdms",
-                    "carl",
-                    "rollout",
-                )
-            ),
-        )
-    },
-    ("reward", "ocr"): ("fgrpo-rewards", ("ocr",)),
-    **{
-        ("reward", n): ("fgrpo-rewards", ("clip",))
-        for n in ("clip-score", "pickscore", "aesthetic", "hpsv2", "imagereward")
-    },
-    ("reward", "geneval"): ("fgrpo-rewards", ("geneval",)),
-    ("prompts", "shapes"): ("fgrpo-rewards", ()),
-    ("prompts", "driving"): ("fgrpo-rewards", ()),
-    ("evaluator", "shapes-gold"): ("fgrpo-rewards", ()),
-    ("evaluator", "driving-closed-loop"): ("fgrpo-rewards", ()),
-    ("model", "vector"): ("fgrpo-models", ()),
-    ("model", "trajectory"): ("fgrpo-models", ()),
-    **{("model", n): ("fgrpo-models", ("diffusers",)) for n in ("sd3", "flux", "qwen-image", "wan", "shapes-dit")},
-}
 
-#: the distribution that provides most components of a kind (fgrpo-core provides objectives and
-#: the list/text-file prompt sources itself)
-KIND_PROVIDERS = {
-    "kernel": "fgrpo-samplers",
-    "sampler": "fgrpo-samplers",
-    "reward": "fgrpo-rewards",
-    "model": "fgrpo-models",
-    "evaluator": "fgrpo-rewards",
-}
+def kind_provider(kind: str) -> str | None:
+    """The distribution that provides most built-in components of ``kind`` besides fgrpo-core
+    (which provides the objectives and the list/text-file/folder prompt sources itself), or None."""
+    counts = Counter(dist for (k, _), (dist, _) in COMPONENTS.items() if k == kind and dist != "fgrpo-core")
+    return counts.most_common(1)[0][0] if counts else None
 
 
 def version(distribution: str) -> str | None:
@@ -106,7 +53,7 @@ def missing_provider_hint(kind: str, name: str) -> str | None:
         if version(dist) is None:
             return f"it comes with {dist}, which is not installed: {install_line(dist, extras)}"
         return None
-    provider = KIND_PROVIDERS.get(kind)
+    provider = kind_provider(kind)
     if provider is not None and version(provider) is None:
         return f"the built-in {kind}s come with {provider}, which is not installed: {install_line(provider)}"
     return None
