@@ -29,12 +29,12 @@ def vector_recipe(root, *overrides):
 
 def test_guard_with_unnormalised_cps_is_refused_with_the_fix(root, capsys):
     with pytest.raises(RecipeError) as info:
-        recipe_mod.load(root / "recipes" / "shapes.yaml", ["objective.name=grpo-guard", "objective.beta=0.0"])
+        recipe_mod.load(root / "recipes" / "shapes.yaml", ["objective.name=grpo-guard", "objective.kl_beta=0.0"])
     assert [e.key for e in info.value.errors] == ["sampler.kernel.normalized_logprob"]
     assert "set sampler.kernel.normalized_logprob: true" in str(info.value)
     fixed = recipe_mod.load(
         root / "recipes" / "shapes.yaml",
-        ["objective.name=grpo-guard", "objective.beta=0.0", "sampler.kernel.normalized_logprob=true"],
+        ["objective.name=grpo-guard", "objective.kl_beta=0.0", "sampler.kernel.normalized_logprob=true"],
     )
     assert fixed.data["objective"]["name"] == "grpo-guard"
     code = cli.main(["validate", str(root / "recipes" / "shapes.yaml"), "--set", "objective.name=grpo-guard"])
@@ -43,9 +43,9 @@ def test_guard_with_unnormalised_cps_is_refused_with_the_fix(root, capsys):
 
 def test_flow_grpo_kl_with_cps_and_eval_guidance_without_cfg_are_refused(root):
     with pytest.raises(RecipeError) as info:
-        recipe_mod.load(root / "recipes" / "shapes.yaml", ["objective.kl=flow_grpo"])
-    assert [e.key for e in info.value.errors] == ["objective.kl"]
-    assert recipe_mod.load(root / "recipes" / "vector.yaml", ["objective.kl=flow_grpo", "objective.beta=0.1"])
+        recipe_mod.load(root / "recipes" / "shapes.yaml", ["objective.kl_form=flow_grpo"])
+    assert [e.key for e in info.value.errors] == ["objective.kl_form"]
+    assert recipe_mod.load(root / "recipes" / "vector.yaml", ["objective.kl_form=flow_grpo", "objective.kl_beta=0.1"])
     with pytest.raises(RecipeError) as info:
         vector_recipe(root, "eval.guidance_scale=4.5")  # the vector policy has no guidance
     assert [e.key for e in info.value.errors] == ["eval.guidance_scale"]
@@ -80,7 +80,7 @@ def _subset(traj: Trajectory, rows: torch.Tensor) -> Trajectory:
 
 @pytest.mark.parametrize("beta", [0.0, 0.1])
 def test_dropped_samples_do_not_change_the_gradient(root, beta):
-    recipe = vector_recipe(root, "train.minibatch_size=0", "train.max_grad_norm=0", f"objective.beta={beta}")
+    recipe = vector_recipe(root, "train.minibatch_size=0", "train.max_grad_norm=0", f"objective.kl_beta={beta}")
     run = build_run(recipe, out_dir=None, console=QUIET, quiet=True)
     # one step of training first, so that the policy differs from the reference (the KL has a gradient)
     iteration(run, 0)

@@ -27,9 +27,9 @@ HERE = Path(__file__).parent
 BIN = Path(sys.executable).parent
 ODE = "sampler={name: ode, steps: 10, kernel: dpmpp2m}"
 OBJECTIVES = {
-    "nft": "objective={name: nft, beta: 0.5, kl_beta: 0.01}",
-    "awm": "objective={name: awm, beta: 0.01}",
-    "dpo": "objective={name: dpo, beta: 5.0}",
+    "nft": "objective={name: nft, nft_beta: 0.5, kl_beta: 0.01}",
+    "awm": "objective={name: awm, kl_beta: 0.01}",
+    "dpo": "objective={name: dpo, dpo_beta: 5.0}",
 }
 
 
@@ -151,7 +151,7 @@ def weighted_flow_matching_gradient(run, points, weight):
 def test_nft_first_step_is_the_advantage_weighted_flow_matching_gradient(root):
     """decay_type 0 keeps old = current, so the first optimizer step is at θ = θ_old: its gradient is
     that of mean (t / mean|u - v|) Â mean (v - u)² (docs/method.md)."""
-    run, points, grads = first_step(root, "objective={name: nft, beta: 0.3, kl_beta: 0.0, decay_type: 0}")
+    run, points, grads = first_step(root, "objective={name: nft, nft_beta: 0.3, kl_beta: 0.0, decay_type: 0}")
 
     def weight(batch, error):
         factor = batch.t / (batch.target - batch.velocity.detach()).abs().flatten(1).mean(1)
@@ -162,7 +162,7 @@ def test_nft_first_step_is_the_advantage_weighted_flow_matching_gradient(root):
 
 
 def test_awm_first_step_is_the_t_weighted_ghuber_flow_matching_gradient(root):
-    run, points, grads = first_step(root, "objective={name: awm, beta: 0.0}")
+    run, points, grads = first_step(root, "objective={name: awm, kl_beta: 0.0}")
 
     def weight(batch, error):
         return batch.t * (error.double() + 1e-10) ** (0.25 - 1) * batch.advantages.clamp(-5, 5) / 5
@@ -172,7 +172,7 @@ def test_awm_first_step_is_the_t_weighted_ghuber_flow_matching_gradient(root):
 
 
 def test_dpo_first_step_at_the_reference_is_a_quarter_beta_flow_matching_difference(root):
-    run, points, grads = first_step(root, "objective={name: dpo, beta: 2.0}")
+    run, points, grads = first_step(root, "objective={name: dpo, dpo_beta: 2.0}")
 
     def weight(batch, error):  # rows: m preferred then m rejected
         return 2.0 / 4 * batch.advantages * 2  # x2: the loss is a mean over pairs, the check a mean over rows
@@ -289,7 +289,7 @@ def test_nft_rolls_out_from_its_old_policy_and_moves_it_by_the_decay(root):
 def test_awm_samples_from_the_current_weights(root):
     run = built(vector(root, ODE, OBJECTIVES["awm"]))
     assert run.old is not None and not run.objective.samples_from_old
-    assert built(vector(root, ODE, "objective={name: awm, ema_beta: 0.0}")).old is None
+    assert built(vector(root, ODE, "objective={name: awm, ema_kl_beta: 0.0}")).old is None
 
 
 @pytest.mark.parametrize("name", list(OBJECTIVES))

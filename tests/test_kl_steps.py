@@ -66,7 +66,7 @@ def test_without_a_kl_the_update_is_the_windows_and_with_one_it_is_not(root):
             run = run_with(
                 root,
                 f"sampler.kl_steps={kl_steps}",
-                f"objective.beta={beta}",
+                f"objective.kl_beta={beta}",
                 "train.max_grad_norm=0",
                 "train.adam_eps=1e-30",
             )

@@ -30,7 +30,7 @@ EXPECTED = {
         "train.group_size: got 1; allowed: >= 2",
     ],
     "not_a_mapping.yaml": ["a recipe is a mapping of sections, got list"],
-    "bad_choice.yaml": ["objective.kl: got 'forward'; allowed: 'mean', 'flow_grpo', 'velocity'"],
+    "bad_choice.yaml": ["objective.kl_form: got 'forward'; allowed: 'mean', 'flow_grpo', 'velocity'"],
     "missing_name.yaml": ["model.name: missing required key"],
     # issue 9: before, each of these was accepted by `validate` (then a traceback in `compose`),
     # silently changed meaning, or ended in a traceback / a MemoryError

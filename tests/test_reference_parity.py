@@ -120,7 +120,7 @@ def test_validate_against_reference_prints_the_table(root, datasets, monkeypatch
     printed = capsys.readouterr().out
     assert "general_ocr_wan2_1" in printed and "879042cf5707" in printed
     assert "wan-sde" in printed and "train_wan2_1.py:959" in printed and "intended" in printed
-    assert cli.main(["validate", recipe, "--against-reference", "--set", "objective.kl=flow_grpo"]) == 1
+    assert cli.main(["validate", recipe, "--against-reference", "--set", "objective.kl_form=flow_grpo"]) == 1
     assert "the reference has 'mean'" in capsys.readouterr().err
     assert cli.main(["validate", recipe, "--against-reference", "no-such-entry"]) == 2
     assert "entries:" in capsys.readouterr().err

@@ -53,7 +53,7 @@ def sd3_recipe(folder: Path, pipeline: str, *, lora: bool) -> Path:
         },
         "sampler": {"name": "full", "steps": 2, "kernel": {"name": "sde", "eta": 0.7}},
         "reward": {"name": "target-distance"},  # continuous in the pixels: tiny weight differences stay tiny
-        "objective": {"name": "grpo", "clip_range": 1e-3, "beta": 0.01 if lora else 0.0},
+        "objective": {"name": "grpo", "clip_range": 1e-3, "kl_beta": 0.01 if lora else 0.0},
         "prompts": {
             "name": "list",
             "train": ["a red circle", "two blue squares", "a green triangle", "one yellow star"],

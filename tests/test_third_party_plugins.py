@@ -83,17 +83,17 @@ class ReinforceObjective:
     """Importance-weighted policy gradient without a clip: loss = mean(-A exp(logp - logp_old)),
     plus beta times the squared distance of the mean to the reference's."""
 
-    beta: float = param(0.0, ge=0, help="weight of the distance to the reference policy's mean")
+    kl_beta: float = param(0.0, ge=0, help="weight of the distance to the reference policy's mean")
 
     @property
     def needs_reference(self) -> bool:
-        return self.beta > 0
+        return self.kl_beta > 0
 
     def __call__(self, batch: StepBatch) -> ObjectiveOutput:
         ratio = torch.exp(batch.log_prob - batch.old_log_prob.detach())
         loss = (-batch.advantages.detach() * ratio).mean()
-        if self.beta > 0:
-            loss = loss + self.beta * (batch.mean - batch.ref_mean.detach()).pow(2).mean()
+        if self.kl_beta > 0:
+            loss = loss + self.kl_beta * (batch.mean - batch.ref_mean.detach()).pow(2).mean()
         return ObjectiveOutput(loss=loss, metrics={"ratio_mean": ratio.detach().mean(), "loss": loss.detach()})
 
 
@@ -103,4 +103,4 @@ class TestReinforceObjective(ObjectiveConformance):
 
 class TestReinforceObjectiveWithReference(ObjectiveConformance):
     objective_class = ReinforceObjective
-    objective_params = {"beta": 0.1}
+    objective_params = {"kl_beta": 0.1}

@@ -169,7 +169,7 @@ def test_bad_reward_output_is_refused_before_the_update(value, message):
 
 
 def test_objective_kl_uses_the_reference_with_gradient(root):
-    recipe = vector_recipe(root, "objective.beta=0.1", "model.lora.rank=4")
+    recipe = vector_recipe(root, "objective.kl_beta=0.1", "model.lora.rank=4")
     run = build_run(recipe, out_dir=None, console=QUIET, quiet=True)
     iteration(run, 0)
     metrics = iteration(run, 1)

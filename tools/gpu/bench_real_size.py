@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
             model: {{name: {"flux" if args.flux else "sd3"}, path: unused}}
             sampler: {{name: full, steps: {args.steps}, timestep_fraction: 0.99, kernel: {{name: sde, eta: 0.7}}}}
             reward: {{name: jpeg-compressibility}}
-            objective: {{name: grpo, clip_range: 1.0e-4, beta: 0.04}}
+            objective: {{name: grpo, clip_range: 1.0e-4, kl_beta: 0.04}}
             prompts: {{name: list, train: ["a cat holding a sign", "a red bicycle", "a bowl of ramen",
                                           "a lighthouse at night"]}}
             train: {{iterations: 100, group_size: {args.group}, prompts_per_iteration: {args.prompts}, lr: 3.0e-4,

@@ -76,11 +76,11 @@ def test_nft_by_hand_beta_one():
     # v⁻ = 2 v_old - v_θ = [-2, -2], x̂⁻ = [1.5, 1], e⁻ = [1.5, 0], w⁻ = 0.75, L⁻ = (2.25 / 2) / 0.75 = 1.5.
     # a = 5. A = +5: r = 1, loss = 5 L⁺ = 2.5. A = -5: r = 0, loss = 5 L⁻ = 7.5. A = 0: r = 1/2, loss = 5.
     for advantage, expected in ((5.0, 2.5), (-5.0, 7.5), (0.0, 5.0), (12.0, 2.5)):
-        out = NFT(beta=1.0, kl_beta=0.0)(points(advantages=[advantage], **NFT_POINT))
+        out = NFT(nft_beta=1.0, kl_beta=0.0)(points(advantages=[advantage], **NFT_POINT))
         assert out.loss.item() == pytest.approx(expected, abs=1e-12), advantage
     # gradient for A = +5: d/dv_θ 5 mean(e²) / w = 5 (2 e / 2)(-t) / w = 5 [-0.5, 0](-0.5) / 0.25 = [5, 0]
     batch = points(advantages=[5.0], **NFT_POINT)
-    NFT(beta=1.0, kl_beta=0.0)(batch).loss.backward()
+    NFT(nft_beta=1.0, kl_beta=0.0)(batch).loss.backward()
     torch.testing.assert_close(batch.velocity.grad, t64([[5.0, 0.0]]))
 
 
@@ -89,7 +89,7 @@ def test_nft_by_hand_beta_half_and_kl():
     # x̂⁻ = [1, 1], e⁻ = [1, 0], w⁻ = 0.5, L⁻ = 0.5 / 0.5 = 1. A = 0 -> r = 1/2: 5 (0.5 x 0 + 0.5 x 1) / 0.5 = 5.
     # KL to v_ref = [1, -1]: mean (v_θ - v_ref)² = (1 + 1) / 2 = 1; kl_beta 0.1 adds 0.1.
     batch = points(advantages=[0.0], ref=[[1.0, -1.0]], **NFT_POINT)
-    out = NFT(beta=0.5, kl_beta=0.1)(batch)
+    out = NFT(nft_beta=0.5, kl_beta=0.1)(batch)
     assert out.metrics["policy_loss"].item() == pytest.approx(5.0, abs=1e-12)
     assert out.metrics["kl"].item() == pytest.approx(1.0, abs=1e-12)
     assert out.loss.item() == pytest.approx(5.1, abs=1e-12)
@@ -148,7 +148,7 @@ def naive_nft(batch: ForwardBatch, beta: float, a: float, kl_beta: float, mode: 
 )
 def test_nft_equals_a_naive_reimplementation(seed, beta, mode):
     batch = random_points(seed)
-    out = NFT(beta=beta, kl_beta=0.01, adv_mode=mode)(batch)
+    out = NFT(nft_beta=beta, kl_beta=0.01, adv_mode=mode)(batch)
     assert out.loss.item() == pytest.approx(naive_nft(batch, beta, 5.0, 0.01, mode), abs=1e-6, rel=1e-9)
 
 
@@ -158,7 +158,7 @@ def test_nft_gradient_at_theta_old_is_the_advantage_weighted_flow_matching_gradi
     Â = clip(A, ±a): the advantage-weighted flow-matching gradient, whatever β and a (docs/method.md)."""
     batch = random_points(7)
     batch = attrs.evolve(batch, old_velocity=batch.velocity.detach().clone())
-    NFT(beta=beta, adv_clip=clip, kl_beta=0.0)(batch).loss.backward()
+    NFT(nft_beta=beta, adv_clip=clip, kl_beta=0.0)(batch).loss.backward()
     v = batch.velocity.detach().clone().requires_grad_(True)
     u = batch.target
     adv = batch.advantages.clamp(-clip, clip)
@@ -187,16 +187,16 @@ def test_awm_by_hand():
         ("huber", 0.5 * 0.5 / (2 * math.sqrt(0.5))),
     ):
         batch = points(**args, **extra)
-        out = AWM(weighting=weighting, beta=0.0, ema_beta=0.0)(batch)
+        out = AWM(weighting=weighting, kl_beta=0.0, ema_kl_beta=0.0)(batch)
         assert out.loss.item() == pytest.approx(-0.5, abs=1e-12)
         out.loss.backward()
         torch.testing.assert_close(batch.velocity.grad, t64([[grad, 0.0]]), rtol=1e-9, atol=1e-12)
-    out = AWM(beta=0.01, ema_beta=1.0)(points(**args, **extra))
+    out = AWM(kl_beta=0.01, ema_kl_beta=1.0)(points(**args, **extra))
     assert out.metrics["kl"].item() == pytest.approx(2.0, abs=1e-12)
     assert out.metrics["ema_kl"].item() == pytest.approx(1.0, abs=1e-12)
     assert out.loss.item() == pytest.approx(-0.5 + 0.02 + 1.0, abs=1e-12)
     # ELBO: divided by 2 s², s = 0.7 sqrt(t / (1 - t)) = 0.7 at t = 0.5 -> 2 s² = 0.98
-    out = AWM(beta=0.01, kl_weight="ELBO", ema_beta=0.0)(points(**args, **extra))
+    out = AWM(kl_beta=0.01, kl_form="ELBO", ema_kl_beta=0.0)(points(**args, **extra))
     assert out.metrics["kl"].item() == pytest.approx(2.0 / 0.98, abs=1e-12)
 
 
@@ -222,8 +222,8 @@ def naive_awm(batch: ForwardBatch, p: dict) -> float:
         total_policy += max(-adv * ratio, -adv * min(max(ratio, 1 - c), 1 + c))
         s2 = 2 * (0.7 * math.sqrt(t / (1 - min(max(t, 0.0), 0.99)))) ** 2
         for other, form, key in (
-            (batch.ref_velocity, p["kl_weight"], "kl"),
-            (batch.old_velocity, p["kl_ema_weight"], "ema"),
+            (batch.ref_velocity, p["kl_form"], "kl"),
+            (batch.old_velocity, p["ema_kl_form"], "ema"),
         ):
             o = flat(other[i])
             kl = sum((v[k] - o[k]) ** 2 for k in range(d)) / d
@@ -232,15 +232,15 @@ def naive_awm(batch: ForwardBatch, p: dict) -> float:
                 total_kl += kl
             else:
                 total_ema += kl
-    return total_policy / n + p["beta"] * total_kl / n + p["ema_beta"] * total_ema / n
+    return total_policy / n + p["kl_beta"] * total_kl / n + p["ema_kl_beta"] * total_ema / n
 
 
 @pytest.mark.parametrize(
     "seed, keys",
     [
         (0, {}),
-        (1, {"weighting": "Uniform", "beta": 0.003, "kl_weight": "ELBO"}),
-        (2, {"weighting": "huber", "ema_beta": 0.5, "kl_ema_weight": "ELBO"}),
+        (1, {"weighting": "Uniform", "kl_beta": 0.003, "kl_form": "ELBO"}),
+        (2, {"weighting": "huber", "ema_kl_beta": 0.5, "ema_kl_form": "ELBO"}),
         (3, {"weighting": "t**2", "adv_clip": 2.0, "advantage_max": 0.5}),
         (4, {"weighting": "ghuber", "ghuber_power": 0.5, "clip_range": 0.2}),
     ],
@@ -257,7 +257,7 @@ def test_awm_gradient_at_theta_old_is_the_weighted_flow_matching_gradient(weight
     """d loss / d v = w'(t, m) d/dv [Â m] per point (the KL-EMA term has no gradient at v = v_ema)."""
     batch = random_points(8)
     batch = attrs.evolve(batch, old_velocity=batch.velocity.detach().clone())
-    objective = AWM(weighting=weighting, beta=0.0)
+    objective = AWM(weighting=weighting, kl_beta=0.0)
     objective(batch).loss.backward()
     v = batch.velocity.detach().clone().requires_grad_(True)
     m = ((v - batch.target) ** 2).flatten(1).mean(1)
@@ -319,7 +319,7 @@ def test_dpo_by_hand():
         advantages=[1.0, -1.0],
         ref=[[1.0, 0.0], [0.8, 0.4]],
     )
-    out = DPO(beta=1.0)(batch)
+    out = DPO(dpo_beta=1.0)(batch)
     assert out.loss.item() == pytest.approx(math.log(1 + math.exp(0.35)), abs=1e-7)
     assert out.metrics["implicit_acc"].item() == 0.0
     # gradient: σ(0.35) x β/2 x d(e_w - e_l)/dv: e_w' = (v - u) = [1, 1], e_l' = [0.6, 0.2] (2 (v - u) / 2)
@@ -353,14 +353,14 @@ def test_dpo_equals_a_naive_reimplementation(seed, beta):
     batch = attrs.evolve(
         batch, ref_velocity=batch.velocity.detach() + 0.01 * (batch.ref_velocity - batch.velocity.detach())
     )
-    assert DPO(beta=beta)(batch).loss.item() == pytest.approx(naive_dpo(batch, beta), abs=1e-6, rel=1e-9)
+    assert DPO(dpo_beta=beta)(batch).loss.item() == pytest.approx(naive_dpo(batch, beta), abs=1e-6, rel=1e-9)
 
 
 def test_dpo_gradient_at_the_reference_is_a_quarter_beta_flow_matching_difference():
     """At v_θ = v_ref the inner term is 0: d loss / d v = β/4 (d e(w)/dv - d e(l)/dv) per pair."""
     batch = random_points(9, b=8, pairwise=True)
     batch = attrs.evolve(batch, ref_velocity=batch.velocity.detach().clone())
-    DPO(beta=3.0)(batch).loss.backward()
+    DPO(dpo_beta=3.0)(batch).loss.backward()
     v = batch.velocity.detach().clone().requires_grad_(True)
     e = ((v - batch.target) ** 2).flatten(1).mean(1)
     (3.0 / 4 * (e[:4] - e[4:])).mean().backward()
@@ -412,14 +412,14 @@ def test_nft_points_are_distinct_schedule_levels():
 
 class TestNFTConformance(ObjectiveConformance):
     objective_name = "nft"
-    objective_params = {"beta": 0.5, "kl_beta": 0.01}
+    objective_params = {"nft_beta": 0.5, "kl_beta": 0.01}
 
 
 class TestAWMConformance(ObjectiveConformance):
     objective_name = "awm"
-    objective_params = {"beta": 0.001}
+    objective_params = {"kl_beta": 0.001}
 
 
 class TestDPOConformance(ObjectiveConformance):
     objective_name = "dpo"
-    objective_params = {"beta": 10.0}
+    objective_params = {"dpo_beta": 10.0}

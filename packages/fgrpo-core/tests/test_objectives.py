@@ -121,7 +121,7 @@ def test_kl_mean_value_and_gradient():
     mean = t([[0.3, -0.1], [0.0, 0.4]], grad=True)
     ref = t([[0.1, 0.1], [0.0, 0.0]])
     logp = t([0.0, 0.0], grad=True)
-    objective = GRPO(beta=0.5)
+    objective = GRPO(kl_beta=0.5)
     assert objective.needs_reference
     out = objective(batch(logp, logp.detach(), t([1.0, -1.0]), mean=mean, std=t([0.5, 2.0]), ref_mean=ref))
     assert out.metrics["kl"].item() == pytest.approx(0.045, abs=1e-12)
@@ -136,7 +136,8 @@ def test_kl_velocity_value_and_gradient():
     v = t([[1.0, 2.0], [0.5, 0.5]], grad=True)
     v_ref = t([[0.0, 2.0], [0.5, -0.5]])
     logp = t([0.0, 0.0], grad=True)
-    out = GRPO(beta=0.1, kl="velocity")(batch(logp, logp.detach(), t([1.0, -1.0]), velocity=v, ref_velocity=v_ref))
+    objective = GRPO(kl_beta=0.1, kl_form="velocity")
+    out = objective(batch(logp, logp.detach(), t([1.0, -1.0]), velocity=v, ref_velocity=v_ref))
     assert out.metrics["kl"].item() == pytest.approx(0.5, abs=1e-12)
     assert out.loss.item() == pytest.approx(0.05, abs=1e-12)
     out.loss.backward()
@@ -150,9 +151,9 @@ def test_kl_needs_the_reference():
     out = GRPO()(batch(logp, logp.detach(), t([1.0])))  # beta 0: ref_* never read
     assert out.metrics["kl"].item() == 0.0
     with pytest.raises(ValueError, match="ref_mean"):
-        GRPO(beta=0.1)(batch(logp, logp.detach(), t([1.0])))
+        GRPO(kl_beta=0.1)(batch(logp, logp.detach(), t([1.0])))
     with pytest.raises(ValueError, match="ref_velocity"):
-        GRPO(beta=0.1, kl="velocity")(batch(logp, logp.detach(), t([1.0])))
+        GRPO(kl_beta=0.1, kl_form="velocity")(batch(logp, logp.detach(), t([1.0])))
 
 
 # --- GRPO-Guard -------------------------------------------------------------------------------
@@ -260,7 +261,7 @@ def test_guard_equals_grpo_when_c_and_dt_are_one():
 def test_guard_kl_is_not_reweighted():
     mean = t([[0.3, -0.1], [0.0, 0.4]], grad=True)
     logp = t([0.0, 0.0], grad=True)
-    out = GRPOGuard(beta=0.5)(
+    out = GRPOGuard(kl_beta=0.5)(
         batch(
             logp,
             logp.detach(),
@@ -280,20 +281,26 @@ def test_guard_kl_is_not_reweighted():
 
 def test_registry_creates_both():
     grpo = registry.create("objective", "grpo", clip_range=1e-4)
-    guard = registry.create("objective", "grpo-guard", clip_range="4e-6", beta=0.01)  # YAML 1.1 string
+    guard = registry.create("objective", "grpo-guard", clip_range="4e-6", kl_beta=0.01)  # YAML 1.1 string
     assert isinstance(grpo, GRPO) and isinstance(guard, GRPOGuard)
     assert guard.clip_range == 4e-6 and guard.needs_reference
     assert isinstance(grpo, Objective) and isinstance(guard, Objective)
     assert GRPO().clip_range == 1e-4 and GRPOGuard().clip_range == 2e-6
-    assert (GRPO().adv_clip, GRPO().beta, GRPO().kl) == (5.0, 0.0, "mean")
+    assert (GRPO().adv_clip, GRPO().kl_beta, GRPO().kl_form) == (5.0, 0.0, "mean")
 
 
 @pytest.mark.parametrize("name", ["grpo", "grpo-guard"])
 def test_bad_params_raise_recipe_error(name):
     with pytest.raises(RecipeError) as info:
-        registry.create("objective", name, clip_range=0.0, adv_clip=-1.0, beta=-0.5, kl="l2", clip=1)
+        registry.create("objective", name, clip_range=0.0, adv_clip=-1.0, kl_beta=-0.5, kl_form="l2", clip=1)
     keys = sorted(e.key for e in info.value.errors)
-    assert keys == ["objective.adv_clip", "objective.beta", "objective.clip", "objective.clip_range", "objective.kl"]
+    assert keys == [
+        "objective.adv_clip",
+        "objective.clip",
+        "objective.clip_range",
+        "objective.kl_beta",
+        "objective.kl_form",
+    ]
 
 
 # --- flow_grpo's KL scale ---------------------------------------------------------------------
@@ -306,8 +313,8 @@ def test_kl_flow_grpo_is_minus_dt_times_the_exact_kl(objective):
     ref = t([[0.1, 0.1], [0.0, 0.0]])
     std, dt = t([0.5, 2.0]), t([-0.25, -0.04])
     logp = t([0.0, 0.0], grad=True)
-    exact = objective(beta=0.5)(batch(logp, logp.detach(), t([1.0, -1.0]), mean=mean, std=std, dt=dt, ref_mean=ref))
-    ours = objective(beta=0.5, kl="flow_grpo")(
+    exact = objective(kl_beta=0.5)(batch(logp, logp.detach(), t([1.0, -1.0]), mean=mean, std=std, dt=dt, ref_mean=ref))
+    ours = objective(kl_beta=0.5, kl_form="flow_grpo")(
         batch(logp, logp.detach(), t([1.0, -1.0]), mean=mean, std=std, dt=dt, ref_mean=ref)
     )
     # per sample exact [0.08, 0.01] (see test_kl_mean_value_and_gradient) times -dt [0.25, 0.04]
@@ -327,21 +334,21 @@ def test_measured_kl_ratio_on_a_10_step_shift_3_schedule():
 
 
 def _resolved(objective, kernel):
-    return {"objective": {"name": "x", "beta": 0.1, **objective}, "sampler": {"name": "full", "kernel": kernel}}
+    return {"objective": {"name": "x", "kl_beta": 0.1, **objective}, "sampler": {"name": "full", "kernel": kernel}}
 
 
 def test_recipe_rules_between_objective_and_kernel():
     cps = {"name": "cps", "eta": 0.8, "normalized_logprob": False}
-    errors = GRPOGuard.check_recipe(_resolved({"kl": "mean"}, cps))
+    errors = GRPOGuard.check_recipe(_resolved({"kl_form": "mean"}, cps))
     assert [e.key for e in errors] == ["sampler.kernel.normalized_logprob"]
     assert "set sampler.kernel.normalized_logprob: true" in errors[0].message
-    assert GRPOGuard.check_recipe(_resolved({"kl": "mean"}, {**cps, "normalized_logprob": True})) == []
-    assert GRPOGuard.check_recipe(_resolved({"kl": "mean"}, {"name": "sde", "eta": 0.7})) == []
-    assert GRPO.check_recipe(_resolved({"kl": "mean"}, cps)) == []  # plain GRPO takes either log-prob
-    errors = GRPO.check_recipe(_resolved({"kl": "flow_grpo"}, cps))
-    assert [e.key for e in errors] == ["objective.kl"] and "use kl: mean" in errors[0].message
-    assert GRPO.check_recipe(_resolved({"kl": "flow_grpo"}, {"name": "dance", "eta": 0.3})) == []
-    assert GRPO.check_recipe(_resolved({"kl": "flow_grpo", "beta": 0.0}, cps)) == []  # no KL at all
+    assert GRPOGuard.check_recipe(_resolved({"kl_form": "mean"}, {**cps, "normalized_logprob": True})) == []
+    assert GRPOGuard.check_recipe(_resolved({"kl_form": "mean"}, {"name": "sde", "eta": 0.7})) == []
+    assert GRPO.check_recipe(_resolved({"kl_form": "mean"}, cps)) == []  # plain GRPO takes either log-prob
+    errors = GRPO.check_recipe(_resolved({"kl_form": "flow_grpo"}, cps))
+    assert [e.key for e in errors] == ["objective.kl_form"] and "use kl_form: mean" in errors[0].message
+    assert GRPO.check_recipe(_resolved({"kl_form": "flow_grpo"}, {"name": "dance", "eta": 0.3})) == []
+    assert GRPO.check_recipe(_resolved({"kl_form": "flow_grpo", "kl_beta": 0.0}, cps)) == []  # no KL at all
 
 
 # --- the conformance base ---------------------------------------------------------------------------
@@ -354,17 +361,17 @@ class TestGRPOConformance(ObjectiveConformance):
 
 class TestGRPOMeanKLConformance(ObjectiveConformance):
     objective_name = "grpo"
-    objective_params = {"clip_range": 1e-3, "beta": 0.04, "kl": "mean"}
+    objective_params = {"clip_range": 1e-3, "kl_beta": 0.04, "kl_form": "mean"}
 
 
 class TestGRPOFlowGRPOKLConformance(ObjectiveConformance):
     objective_name = "grpo"
-    objective_params = {"clip_range": 1e-3, "beta": 0.04, "kl": "flow_grpo"}
+    objective_params = {"clip_range": 1e-3, "kl_beta": 0.04, "kl_form": "flow_grpo"}
 
 
 class TestGRPOVelocityKLConformance(ObjectiveConformance):
     objective_name = "grpo"
-    objective_params = {"beta": 0.04, "kl": "velocity"}
+    objective_params = {"kl_beta": 0.04, "kl_form": "velocity"}
 
 
 class TestGRPOGuardConformance(ObjectiveConformance):
@@ -373,4 +380,4 @@ class TestGRPOGuardConformance(ObjectiveConformance):
 
 class TestGRPOGuardKLConformance(ObjectiveConformance):
     objective_name = "grpo-guard"
-    objective_params = {"clip_range": 4e-6, "beta": 0.01}
+    objective_params = {"clip_range": 4e-6, "kl_beta": 0.01}

@@ -12,6 +12,7 @@ import json
 import math
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -22,7 +23,7 @@ from rich.tree import Tree
 
 from fgrpo.core import registry
 from fgrpo.core import report as run_report
-from fgrpo.core.config import ConfigError, RecipeError, first_line, help_lines
+from fgrpo.core.config import ConfigError, DeprecatedKey, RecipeError, first_line, help_lines
 
 EXIT_USAGE = 2
 #: a write that failed for want of room: a full disk, a quota, a file-size limit, a read-only disk
@@ -681,8 +682,23 @@ def report_once(lines: Sequence[str]) -> None:
         err.print(f"{mark}{line}", markup=False)
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A recipe key under its old name is one line (``note: ...``), not Python's warning with its
+    source line; every other warning as Python shows it."""
+    if issubclass(category, DeprecatedKey):
+        err.print(f"note: {message}", markup=False)
+    else:
+        _python_show_warning(message, category, filename, lineno, file, line)
+
+
+_python_show_warning = warnings.showwarning
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from fgrpo.core import logs, threads
+
+    warnings.showwarning = _show_warning
+    warnings.simplefilter("always", DeprecatedKey)  # each renamed key of each recipe read, every time
 
     threads.configure()  # before anything imports torch: the OpenMP wait policy is read at load
     argv = list(sys.argv[1:] if argv is None else argv)

@@ -17,6 +17,7 @@ import reprlib
 import stat
 import types
 import typing
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -297,6 +298,36 @@ def default_value(default: Any) -> Any:
     return default.factory() if isinstance(default, _FACTORY) else default
 
 
+class DeprecatedKey(FutureWarning):
+    """A recipe key given under its old name: accepted as the new one, with one line naming it.
+    A component declares its renamed keys as ``renamed_keys: ClassVar[dict[str, str]]`` (old ->
+    new); ``fgrpo`` prints the warning as ``note: ...``."""
+
+
+def renamed_keys(cls: type, params: Mapping[str, Any], prefix: str) -> tuple[dict[str, Any], list[ConfigError]]:
+    """``params`` with the keys ``cls`` renamed under their new names (a :class:`DeprecatedKey`
+    warning for each), or an error where a key is given under both names."""
+    renames: Mapping[str, str] = getattr(cls, "renamed_keys", {})
+    out, errors = dict(params), []
+    for old, new in renames.items():
+        if old not in out:
+            continue
+        value = out.pop(old)
+        if new in out:
+            errors.append(
+                ConfigError(
+                    dotted(prefix, old), f"the old name of {dotted(prefix, new)}, which is given too: keep {new}"
+                )
+            )
+            continue
+        out[new] = value
+        warnings.warn(
+            DeprecatedKey(f"{dotted(prefix, old)} is deprecated: it is now {dotted(prefix, new)} (the value is used)"),
+            stacklevel=3,
+        )
+    return out, errors
+
+
 def public_fields(cls: type) -> list[attrs.Attribute]:
     return [f for f in attrs.fields(cls) if f.init and not f.name.startswith("_")]
 
@@ -322,6 +353,7 @@ def check_params(cls: type, params: Mapping[str, Any], prefix: str = "") -> tupl
     out: dict[str, Any] = {}
     if not attrs.has(cls):
         return dict(params), errors
+    params, errors = renamed_keys(cls, params, prefix)
     fields = {f.name: f for f in public_fields(cls)}
     hints = _field_types(cls)
     for name in params:

@@ -185,9 +185,9 @@ def kl_steps_param() -> Any:
     return param(
         "trained",
         choices=("trained", "all"),
-        help="trained: the KL term (objective.beta) acts on the trained steps only; all: on every step of the chain "
-        "(the deterministic ones too, as the stochastic kernel's step at the visited state), the policy loss still "
-        "on the trained steps",
+        help="trained: the KL term (objective.kl_beta) acts on the trained steps only; all: on every step of the "
+        "chain (the deterministic ones too, as the stochastic kernel's step at the visited state), the policy loss "
+        "still on the trained steps",
     )
 
 

@@ -32,11 +32,11 @@ def adv_clip_param():
     return param(5.0, gt=0, help="advantages are clipped to ±adv_clip")
 
 
-def beta_param():
+def kl_beta_param():
     return param(0.0, ge=0, help="weight of the KL term to the reference policy (LoRA off); 0 = none")
 
 
-def kl_param():
+def kl_form_param():
     return param(
         "mean",
         choices=KL_FORMS,
@@ -57,19 +57,19 @@ def kernel_spec(resolved: Mapping[str, Any]) -> Mapping[str, Any] | None:
 
 
 def kl_recipe_errors(resolved: Mapping[str, Any]) -> list[ConfigError]:
-    """``kl: flow_grpo`` divides by 2 g^2 with g = std / sqrt(-dt): defined for kernels whose step
+    """``kl_form: flow_grpo`` divides by 2 g^2 with g = std / sqrt(-dt): defined for kernels whose step
     std is g sqrt(-dt) (``brownian``: sde, dance). With ``cps`` flow_grpo divides by the full std,
-    which is the exact KL: ``kl: mean``."""
+    which is the exact KL: ``kl_form: mean``."""
     objective, kernel = resolved.get("objective") or {}, kernel_spec(resolved)
-    if objective.get("kl") != "flow_grpo" or not objective.get("beta") or kernel is None:
+    if objective.get("kl_form") != "flow_grpo" or not objective.get("kl_beta") or kernel is None:
         return []
     if getattr(registry.load("kernel", kernel["name"]), "brownian", False):
         return []
     return [
         ConfigError(
-            "objective.kl",
+            "objective.kl_form",
             f"got 'flow_grpo' with the kernel {kernel['name']!r}, whose std is not g * sqrt(-dt); flow_grpo "
-            "divides its KL by the kernel's full std there, which is the exact KL: use kl: mean",
+            "divides its KL by the kernel's full std there, which is the exact KL: use kl_form: mean",
         )
     ]
 
@@ -107,7 +107,7 @@ def kl_term(batch: StepBatch, form: str) -> torch.Tensor:
     b = batch.log_prob.shape[0]
     if form in ("mean", "flow_grpo"):
         if batch.ref_mean is None:
-            raise ValueError(f"beta > 0 with kl={form!r} needs StepBatch.ref_mean (see needs_reference)")
+            raise ValueError(f"kl_beta > 0 with kl_form={form!r} needs StepBatch.ref_mean (see needs_reference)")
         std = per_sample(batch.std, b).detach()
         exact = sq_dist(batch.mean, batch.ref_mean.detach()) / (2 * std**2)
         if form == "flow_grpo":  # divided by 2 g^2 = 2 std^2 / (-dt) instead of 2 std^2
@@ -115,7 +115,7 @@ def kl_term(batch: StepBatch, form: str) -> torch.Tensor:
         return exact.mean()
     if form == "velocity":
         if batch.velocity is None or batch.ref_velocity is None:
-            raise ValueError("beta > 0 with kl='velocity' needs StepBatch.velocity and ref_velocity")
+            raise ValueError("kl_beta > 0 with kl_form='velocity' needs StepBatch.velocity and ref_velocity")
         return sq_dist(batch.velocity, batch.ref_velocity.detach()).mean()
     raise ValueError(f"unknown kl form {form!r}; allowed: {', '.join(map(repr, KL_FORMS))}")
 
@@ -123,7 +123,7 @@ def kl_term(batch: StepBatch, form: str) -> torch.Tensor:
 @attrs.frozen
 class ClippedObjective:
     """What ``grpo`` and ``grpo-guard`` share around their surrogates: the recipe keys ``adv_clip``,
-    ``beta`` and ``kl``, the reference only for a KL (``beta > 0``), the clipped advantages, the
+    ``kl_beta`` and ``kl_form``, the reference only for a KL (``kl_beta > 0``), the clipped advantages, the
     raw log-ratio, the KL term and the metrics. A subclass (an attrs class) adds its
     ``clip_range`` key (its own default) and writes :meth:`surrogate`."""
 
@@ -131,12 +131,14 @@ class ClippedObjective:
     if TYPE_CHECKING:  # each subclass's own recipe key (its own default); not a field here
         clip_range: float
     adv_clip: float = adv_clip_param()
-    beta: float = beta_param()
-    kl: KlForm = kl_param()
+    kl_beta: float = kl_beta_param()
+    kl_form: KlForm = kl_form_param()
+    #: the keys' names before they meant one thing across objectives
+    renamed_keys: ClassVar[dict[str, str]] = {"beta": "kl_beta", "kl": "kl_form"}
 
     @property
     def needs_reference(self) -> bool:
-        return self.beta > 0
+        return self.kl_beta > 0
 
     @staticmethod
     def check_recipe(resolved: Mapping[str, Any]) -> list[ConfigError]:
@@ -152,7 +154,15 @@ class ClippedObjective:
         advantages = clip_advantages(batch.advantages, self.adv_clip)
         log_ratio = as_float(batch.log_prob) - as_float(batch.old_log_prob).detach()
         ratio, policy_loss = self.surrogate(batch, advantages, log_ratio)
-        return assemble(policy_loss, ratio, log_ratio, batch, clip_range=self.clip_range, beta=self.beta, kl=self.kl)
+        return assemble(
+            policy_loss,
+            ratio,
+            log_ratio,
+            batch,
+            clip_range=self.clip_range,
+            kl_beta=self.kl_beta,
+            kl_form=self.kl_form,
+        )
 
 
 def assemble(
@@ -162,13 +172,13 @@ def assemble(
     batch: StepBatch,
     *,
     clip_range: float,
-    beta: float,
-    kl: str,
+    kl_beta: float,
+    kl_form: str,
 ) -> ObjectiveOutput:
     """Add the KL term and collect the metrics; ``log_ratio`` is the raw logp_new - logp_old."""
-    if beta > 0:
-        kl_value = kl_term(batch, kl)
-        loss = policy_loss + beta * kl_value
+    if kl_beta > 0:
+        kl_value = kl_term(batch, kl_form)
+        loss = policy_loss + kl_beta * kl_value
     else:  # no reference was computed: do not touch ref_* at all
         kl_value = policy_loss.new_zeros(())
         loss = policy_loss

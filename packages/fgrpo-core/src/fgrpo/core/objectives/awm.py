@@ -10,12 +10,13 @@ Per training point (x0 with advantage A, re-noised at t; m = mean (v_θ - (ε - 
     Â     = clip(A, ±adv_clip) / adv_clip x advantage_max
     ratio = exp(log p - sg(log p))                          # = 1: the update is on-policy
     loss  = mean max(-Â ratio, -Â clip(ratio, 1 ± clip_range))
-            + beta mean (v_θ - v_ref)² [/ (2 s²)]  + ema_beta mean (v_θ - v_ema)² [/ (2 s²)]
+            + kl_beta mean (v_θ - v_ref)² [/ (2 s²)]  + ema_kl_beta mean (v_θ - v_ema)² [/ (2 s²)]
 
-with s = 0.7 sqrt(t / (1 - clamp(t, 0, 0.99))) for the ``ELBO`` KL forms. v_ema is AWM's lagged
-"ema" adapter (a KL anchor, not the sampling policy: rollouts use the current weights), moved after
-every iteration to ema <- d ema + (1 - d) θ with d = min(kl_ema_decay, 0.001 n) after n optimizer
-steps (``kl_ema_decay_type: linear``) or d = kl_ema_decay (``constant``).
+with s = 0.7 sqrt(t / (1 - clamp(t, 0, 0.99))) for the ``ELBO`` KL forms (``kl_form``,
+``ema_kl_form``). v_ema is AWM's lagged "ema" adapter (a KL anchor, not the sampling policy:
+rollouts use the current weights), moved after every iteration to ema <- d ema + (1 - d) θ with
+d = min(kl_ema_decay, 0.001 n) after n optimizer steps (``kl_ema_decay_type: linear``) or
+d = kl_ema_decay (``constant``).
 
 The reference's ratio uses, after the first optimizer step of an iteration, the log-probs of the
 weights the iteration started with; its configs make one optimizer step per iteration, where that
@@ -28,7 +29,7 @@ derivative: d loss / d v = w'(t, m) x d/dv [Â m] with w' = 1 (Uniform), t, t²,
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 import attrs
 import torch
@@ -88,17 +89,21 @@ class AWM(ForwardObjective):
     adv_clip: float = adv_clip_param()
     advantage_max: float = param(1.0, gt=0, help="advantages are clipped to ±adv_clip, then scaled to ±advantage_max")
     clip_range: float = param(1.0, gt=0, help="PPO clip of the ratio (1 = the reference's; the ratio is 1 on-policy)")
-    beta: float = param(
+    kl_beta: float = param(
         0.001, ge=0, help="weight of the KL to the adapter-disabled reference (config.train.beta); 0 = none"
     )
-    kl_weight: str = param(
-        "Uniform", choices=KL_WEIGHTS, help="KL form: Uniform = mean (v - v_ref)², ELBO = that / (2 s²)"
+    kl_form: str = param(
+        "Uniform",
+        choices=KL_WEIGHTS,
+        help="KL form: Uniform = mean (v - v_ref)², ELBO = that / (2 s²) (config.train.kl_weight)",
     )
-    ema_beta: float = param(
+    ema_kl_beta: float = param(
         1.0, ge=0, help="weight of the KL to AWM's lagged 'ema' policy (config.train.ema_beta); 0 = none"
     )
-    kl_ema_weight: str = param(
-        "Uniform", choices=KL_WEIGHTS, help="form of the KL to the lagged policy (Uniform or ELBO)"
+    ema_kl_form: str = param(
+        "Uniform",
+        choices=KL_WEIGHTS,
+        help="form of the KL to the lagged policy (Uniform or ELBO; config.train.kl_ema_weight)",
     )
     kl_ema_decay: float = param(
         0.3, ge=0, lt=1, help="the lagged policy's decay: at most this (linear) or this (constant)"
@@ -116,14 +121,21 @@ class AWM(ForwardObjective):
     time_shift: float = param(
         3.0, gt=0, help="uniform and logit_normal: the time shift of the drawn t (config.time_shift)"
     )
+    #: the keys' names before they meant one thing across objectives
+    renamed_keys: ClassVar[dict[str, str]] = {
+        "beta": "kl_beta",
+        "kl_weight": "kl_form",
+        "ema_beta": "ema_kl_beta",
+        "kl_ema_weight": "ema_kl_form",
+    }
 
     @property
     def needs_reference(self) -> bool:
-        return self.beta > 0
+        return self.kl_beta > 0
 
     @property
     def needs_old(self) -> bool:
-        return self.ema_beta > 0
+        return self.ema_kl_beta > 0
 
     def old_decay(self, optimizer_steps: int) -> float:
         if self.kl_ema_decay_type == "constant":
@@ -160,11 +172,13 @@ class AWM(ForwardObjective):
         advantages = advantages / self.adv_clip * self.advantage_max
         ratio = torch.exp(log_prob - log_prob.detach())
         policy_loss = clipped_surrogate(ratio, advantages, self.clip_range).mean()
-        kl = self._kl(batch, batch.ref_velocity, self.kl_weight) if self.beta > 0 else policy_loss.new_zeros(())
+        kl = self._kl(batch, batch.ref_velocity, self.kl_form) if self.kl_beta > 0 else policy_loss.new_zeros(())
         ema_kl = (
-            self._kl(batch, batch.old_velocity, self.kl_ema_weight) if self.ema_beta > 0 else policy_loss.new_zeros(())
+            self._kl(batch, batch.old_velocity, self.ema_kl_form)
+            if self.ema_kl_beta > 0
+            else policy_loss.new_zeros(())
         )
-        loss = policy_loss + self.beta * kl + self.ema_beta * ema_kl
+        loss = policy_loss + self.kl_beta * kl + self.ema_kl_beta * ema_kl
         with torch.no_grad():
             metrics = {
                 "policy_loss": policy_loss.detach(),

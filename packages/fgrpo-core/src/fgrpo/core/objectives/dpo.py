@@ -65,10 +65,12 @@ def all_pairs(advantages: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
 @attrs.frozen
 class DPO(ForwardObjective):
     """Diffusion-DPO on (preferred, rejected) pairs of a group, reference = adapters disabled (see
-    the module docstring). Defaults from flow_grpo's ``config/dpo.py`` (beta 100, timestep_fraction
+    the module docstring). Defaults from flow_grpo's ``config/dpo.py`` (beta 100: ``dpo_beta``, timestep_fraction
     0.99) and ``train_sd3_dpo.py`` (logit-normal t with mean 0, std 1 on SD3.5's shift-3 schedule)."""
 
-    beta: float = param(100.0, gt=0, help="β of -log σ(-β/2 ((e_w - e_ref,w) - (e_l - e_ref,l))) (config.train.beta)")
+    dpo_beta: float = param(
+        100.0, gt=0, help="β of -log σ(-β/2 ((e_w - e_ref,w) - (e_l - e_ref,l))) (config.train.beta)"
+    )
     pairing: Pairing = param(
         "best_worst",
         choices=("best_worst", "all"),
@@ -85,6 +87,8 @@ class DPO(ForwardObjective):
     )
 
     pairwise: ClassVar[bool] = True
+    #: the key's name before it meant one thing across objectives (``beta`` is a KL weight elsewhere)
+    renamed_keys: ClassVar[dict[str, str]] = {"beta": "dpo_beta"}
     needs_reference: ClassVar[bool] = True
 
     def pairs(self, advantages: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
@@ -108,7 +112,7 @@ class DPO(ForwardObjective):
         ref_error = dims_mean((batch.ref_velocity.detach().float() - target) ** 2)
         w_diff = error[:m] - ref_error[:m]
         l_diff = error[m:] - ref_error[m:]
-        inside = -0.5 * self.beta * (w_diff - l_diff)
+        inside = -0.5 * self.dpo_beta * (w_diff - l_diff)
         loss = -torch.nn.functional.logsigmoid(inside).mean()
         with torch.no_grad():
             metrics = {

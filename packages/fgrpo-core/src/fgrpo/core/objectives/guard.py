@@ -5,7 +5,7 @@ What is implemented, per sample i of the minibatch (c_i = the step's std = g·sq
     shift_i = mean_dims (mu_i - mu_old_i)^2 / (2 c_i^2)
     ratio_i = exp((logp_new_i - logp_old_i + shift_i) * c_i)                  # RatioNorm
     loss    = mean_i max(-A_i ratio_i, -A_i clip(ratio_i, 1-ε, 1+ε)) / (-dt_i)  # reweight
-              + beta * KL (same KL as ``grpo``, not reweighted)
+              + kl_beta * KL (same KL as ``grpo``, not reweighted)
 
 Why: with a Gaussian step, logp_new - logp_old = mean(e·δ)/c² - mean(δ²)/(2c²) where
 e = x' - mu_old ~ N(0, c²) and δ = mu - mu_old. The second term is never positive, so plain

@@ -75,11 +75,13 @@ def x0_loss(x0_hat: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
 @attrs.frozen
 class NFT(ForwardObjective):
     """DiffusionNFT's loss on forward-process points, with its old (sampling) policy (see the
-    module docstring). Defaults from ``config/nft.py`` (``_get_config``): beta 1.0, adv_clip 5,
-    adv_mode all, kl_beta 1e-4, decay_type 1; its OCR and multi-reward configs use beta 0.1 (and
-    OCR decay_type 2)."""
+    module docstring). Defaults from ``config/nft.py`` (``_get_config``): beta 1.0 (``nft_beta``),
+    adv_clip 5, adv_mode all, kl_beta 1e-4, decay_type 1; its OCR and multi-reward configs use beta
+    0.1 (and OCR decay_type 2)."""
 
-    beta: float = param(1.0, gt=0, help="β of v⁺ = β v_θ + (1 - β) v_old, v⁻ = (1 + β) v_old - β v_θ (config.beta)")
+    nft_beta: float = param(
+        1.0, gt=0, help="β of v⁺ = β v_θ + (1 - β) v_old, v⁻ = (1 + β) v_old - β v_θ (config.beta)"
+    )
     adv_clip: float = adv_clip_param()
     adv_mode: AdvMode = param(
         "all",
@@ -100,6 +102,8 @@ class NFT(ForwardObjective):
     timestep_fraction: float = timestep_fraction_param(0.99, "DiffusionNFT config.train.timestep_fraction 0.99")
 
     samples_from_old: ClassVar[bool] = True
+    #: the key's name before it meant one thing across objectives (``beta`` is a KL weight elsewhere)
+    renamed_keys: ClassVar[dict[str, str]] = {"beta": "nft_beta"}
 
     @property
     def needs_reference(self) -> bool:
@@ -125,12 +129,12 @@ class NFT(ForwardObjective):
         clip = self.adv_clip
         r = (advantage_mode(batch.advantages, self.adv_mode, clip) / clip / 2.0 + 0.5).clamp(0, 1)
         v, v_old = batch.velocity, batch.old_velocity.detach()
-        positive = self.beta * v + (1 - self.beta) * v_old
-        negative = (1.0 + self.beta) * v_old - self.beta * v
+        positive = self.nft_beta * v + (1 - self.nft_beta) * v_old
+        negative = (1.0 + self.nft_beta) * v_old - self.nft_beta * v
         t = per_row(batch.t, v)
         positive_loss = x0_loss(batch.x_t - t * positive, batch.x0)
         negative_loss = x0_loss(batch.x_t - t * negative, batch.x0)
-        unweighted = r * positive_loss / self.beta + (1.0 - r) * negative_loss / self.beta
+        unweighted = r * positive_loss / self.nft_beta + (1.0 - r) * negative_loss / self.nft_beta
         policy_loss = (unweighted * clip).mean()
         kl = velocity_kl(batch).mean() if self.kl_beta > 0 else policy_loss.new_zeros(())
         loss = policy_loss + self.kl_beta * kl

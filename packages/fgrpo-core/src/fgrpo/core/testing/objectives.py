@@ -7,7 +7,7 @@ keys; the checks call it on random minibatches of one trained step::
 
     class TestMyObjective(ObjectiveConformance):
         objective_name = "my-objective"              # the entry-point name (or objective_class = ...)
-        objective_params = {"clip_range": 1e-3, "beta": 0.04}
+        objective_params = {"clip_range": 1e-3, "kl_beta": 0.04}
 
 What is checked: the entry point and every recipe key's help line; the ``Objective`` protocol
 (``needs_reference`` a bool); a bad key refused with ``RecipeError``; the loss is a finite scalar

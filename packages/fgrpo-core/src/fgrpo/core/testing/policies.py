@@ -275,7 +275,7 @@ class PolicyConformance:
             "model": {"name": self.model_name, **model_keys},
             "sampler": self.sampler,
             "reward": self.reward,
-            "objective": {"name": "grpo", "clip_range": 1e-3, "beta": 0.01 if self.has_reference else 0.0},
+            "objective": {"name": "grpo", "clip_range": 1e-3, "kl_beta": 0.01 if self.has_reference else 0.0},
             "prompts": self.prompt_source(tmp_path),
             "train": {
                 "iterations": 1,

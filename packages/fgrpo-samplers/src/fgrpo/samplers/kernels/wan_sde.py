@@ -25,7 +25,7 @@ class WanSDEKernel(KernelBase):
     (flow shift 3) the ``sde`` kernel with eta 0.7 has 39 times this std at step 0 and 1.4 to 5.4
     times it at steps 1-19 (docs/method.md). Any backbone can use it. ``log_prob`` is the exact Gaussian log-density
     averaged over non-batch dims; flow_grpo's Wan KL divides by the full std, so pair it with
-    ``objective.kl: mean``.
+    ``objective.kl_form: mean``.
     """
 
     stochastic: ClassVar[bool] = True
