@@ -11,7 +11,9 @@ from rich.console import Console
 
 from fgrpo.core import launch
 from fgrpo.core import recipe as recipe_mod
-from fgrpo.core.trainer import build_run, end_process_group, iteration
+from fgrpo.core.building import build_run
+from fgrpo.core.opening import end_process_group
+from fgrpo.core.trainer import iteration
 
 
 def main() -> None:
@@ -24,11 +26,11 @@ def main() -> None:
     for it in range(int(n)):
         metrics = iteration(run, it)
         rewards.append(metrics["reward_mean"])
-        flat = torch.cat([p.detach().reshape(-1) for p in run.trainable])
+        flat = torch.cat([p.detach().reshape(-1) for p in run.learner.trainable])
         every_rank = acc.gather(flat[None])
         identical.append(all(torch.equal(every_rank[0], row) for row in every_rank))
     if acc.is_main_process:
-        flat = torch.cat([p.detach().reshape(-1) for p in run.trainable])
+        flat = torch.cat([p.detach().reshape(-1) for p in run.learner.trainable])
         with open(out, "w") as fh:
             json.dump(
                 {"processes": acc.num_processes, "rewards": rewards, "identical": identical, "weights": flat.tolist()},

@@ -12,7 +12,7 @@ from __future__ import annotations
 from fgrpo.core.objectives.awm import AWM
 from fgrpo.core.objectives.dpo import DPO
 from fgrpo.core.objectives.grpo import GRPO
-from fgrpo.core.objectives.guard import GRPOGuard
+from fgrpo.core.objectives.grpo_guard import GRPOGuard
 from fgrpo.core.objectives.nft import NFT
 from fgrpo.core.prompts import FolderPrompts, ListPrompts, TextFilePrompts
 from fgrpo.core.protocols import Evaluator, Kernel, Objective, Policy, PromptSource, Reward, Sampler

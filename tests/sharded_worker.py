@@ -28,9 +28,11 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from fgrpo.core import launch, phases
+from fgrpo.core import launch, update
 from fgrpo.core import recipe as recipe_mod
-from fgrpo.core.trainer import close_run, open_run, train
+from fgrpo.core.opening import close_run, open_run
+from fgrpo.core.points import transitions
+from fgrpo.core.trainer import train
 
 LAUNCHES = {  # what `accelerate launch --config_file recipes/accelerate/<config>.yaml` sets
     "fsdp": {
@@ -105,26 +107,26 @@ def run(path: str, out: Path, iterations: int, overrides: list[str], *, resume: 
     PADDING[0] = 0
     r = open_run(recipe, out=str(out), resume=resume, console=Console(quiet=True), quiet=True)
     try:
-        stepped = [p for group in r.optimizer.param_groups for p in group["params"]]
+        stepped = [p for group in r.learner.optimizer.param_groups for p in group["params"]]
         if not stepped:  # ZeRO-3 hands its flat float32 partitions to the optimizer only while it steps
-            stepped = list(r.parallel.engine.optimizer.fp32_partitioned_groups_flat)
+            stepped = list(r.learner.launch.engine.optimizer.fp32_partitioned_groups_flat)
         seen = {
             "kind": launch.kind(r.accelerator),
-            "sharded": r.parallel.sharded,
-            "dtensor": launch.is_sharded_tensor(r.trainable[0]),
+            "sharded": r.learner.launch.sharded,
+            "dtensor": launch.is_sharded_tensor(r.learner.trainable[0]),
             # ZeRO-3: weights (trainable or frozen) whose data this process does not hold between forwards
             "partitioned_weights": sum(
-                launch.is_partitioned(p) and p.data.numel() == 0 for p in r.policy.trainable_module.parameters()
+                launch.is_partitioned(p) and p.data.numel() == 0 for p in r.learner.policy.trainable_module.parameters()
             )
-            if hasattr(r.policy, "trainable_module")
+            if hasattr(r.learner.policy, "trainable_module")
             else 0,
-            "description": r.parallel.description,
-            "network_weights": len(list(r.policy.trainable_module.parameters()))
-            if hasattr(r.policy, "trainable_module")
+            "description": r.learner.launch.description,
+            "network_weights": len(list(r.learner.policy.trainable_module.parameters()))
+            if hasattr(r.learner.policy, "trainable_module")
             else 0,
             # elements whose AdamW state this process holds and steps, of all trainable elements
             "stepped_numel": sum((p.to_local() if launch.is_sharded_tensor(p) else p).numel() for p in stepped),
-            "trainable_numel": sum(getattr(p, "ds_numel", p.numel()) for p in r.trainable),
+            "trainable_numel": sum(getattr(p, "ds_numel", p.numel()) for p in r.learner.trainable),
             "start": r.start_iteration,
         }
         seen["last_row"] = train(r)
@@ -137,8 +139,8 @@ def run(path: str, out: Path, iterations: int, overrides: list[str], *, resume: 
 def main() -> None:
     kind, path, out, n, *overrides = sys.argv[1:]
     out, n = Path(out), int(n)
-    phases.informative = fewer_on_process_1(phases.informative)
-    phases.idle_passes = counted(phases.idle_passes)
+    update.informative = fewer_on_process_1(update.informative)
+    transitions.idle_passes = counted(transitions.idle_passes)
     report = {"ddp": run(path, out / "ddp", n, overrides), "crossed_ddp": run(path, out / "crossed", n - 1, overrides)}
     os.environ.update(launch_environment(kind, out))
     if kind != "fsdp":  # a DeepSpeed launch starts fresh processes: accelerate's state starts over here

@@ -14,9 +14,10 @@ from rich.console import Console
 from _helpers import free_port
 from fgrpo.core import cli
 from fgrpo.core import recipe as recipe_mod
+from fgrpo.core.building import build_run
 from fgrpo.core.config import RecipeError
 from fgrpo.core.launch import accelerate_settings
-from fgrpo.core.trainer import build_run, iteration
+from fgrpo.core.trainer import iteration
 
 QUIET = Console(quiet=True)
 BIN = Path(sys.executable).parent
@@ -34,7 +35,7 @@ def test_autocast_dtype_inside_the_model_under_accelerate_bf16(root, monkeypatch
     run = build_run(vector(root, "train.minibatch_size=0"), out_dir=None, console=QUIET, quiet=True)
     assert run.accelerator.mixed_precision == "bf16"
     seen = []
-    run.policy.net.register_forward_pre_hook(
+    run.learner.policy.net.register_forward_pre_hook(
         lambda module, args: seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
     )
     metrics = iteration(run, 0)
@@ -42,7 +43,7 @@ def test_autocast_dtype_inside_the_model_under_accelerate_bf16(root, monkeypatch
     assert len(seen) > steps  # the rollout's forwards and the update's
     assert set(seen) == {(True, torch.bfloat16)}
     assert metrics["first_ratio_deviation"] == 0.0
-    assert all(p.dtype == torch.float32 for p in run.trainable)  # weights stay float32 (autocast, not a cast)
+    assert all(p.dtype == torch.float32 for p in run.learner.trainable)  # weights stay float32 (autocast, not a cast)
 
 
 def test_check_passes_under_accelerate_launch_bf16(root, tmp_path):
@@ -116,7 +117,7 @@ def test_gradient_accumulation_from_accelerate(root, monkeypatch):
         quiet=True,
     )
     assert iteration(larger, 0)["optimizer_steps"] == 2
-    for a, b in zip(accumulated.trainable, larger.trainable, strict=True):
+    for a, b in zip(accumulated.learner.trainable, larger.learner.trainable, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 

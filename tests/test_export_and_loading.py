@@ -66,7 +66,7 @@ def test_checkpoints_export_loads_with_diffusers_and_fgrpo_export(tiny_sd3, tmp_
         torch.tensor([0.8, 0.4]),
         policy.encode(["a red circle", "x"]),
     )
-    from fgrpo.core.trainer import load_checkpoint_weights
+    from fgrpo.core.saving import load_checkpoint_weights
 
     load_checkpoint_weights(policy, last, ema_decay=0.5)
     ema_velocity = velocity_of(policy, probe)

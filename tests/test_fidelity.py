@@ -10,12 +10,13 @@ import pytest
 import torch
 from rich.console import Console
 
-from fgrpo.core import cli, evaluation, phases
+from fgrpo.core import cli, evaluation, rollout, update
 from fgrpo.core import recipe as recipe_mod
+from fgrpo.core.building import build_run
 from fgrpo.core.config import RecipeError
 from fgrpo.core.hookspecs import hookimpl, plugin_manager
 from fgrpo.core.protocols import Trajectory
-from fgrpo.core.trainer import build_run, iteration
+from fgrpo.core.trainer import iteration
 
 QUIET = Console(quiet=True)
 
@@ -60,10 +61,10 @@ def _gradients(run, traj, adv):
     grads = []
 
     def capture():
-        grads.append([p.grad.detach().clone() for p in run.trainable])
+        grads.append([p.grad.detach().clone() for p in run.learner.trainable])
 
-    run.optimizer.step = capture
-    phases.update(run, traj, adv, 0)
+    run.learner.optimizer.step = capture
+    update.update(run, traj, adv, 0)
     assert len(grads) == 1
     return grads[0]
 
@@ -84,7 +85,7 @@ def test_dropped_samples_do_not_change_the_gradient(root, beta):
     run = build_run(recipe, out_dir=None, console=QUIET, quiet=True)
     # one step of training first, so that the policy differs from the reference (the KL has a gradient)
     iteration(run, 0)
-    traj = phases.rollout(run, 1)
+    traj = rollout.rollout(run, 1)
     adv = torch.randn(traj.batch_size, generator=torch.Generator().manual_seed(0))
     adv[:8] = 0.0  # a flat group
     adv[13] = 0.0
@@ -112,26 +113,26 @@ def test_dropped_samples_do_not_change_the_gradient(root, beta):
 def test_minibatches_shrink_with_the_kept_samples_and_a_flat_batch_skips_the_update(root):
     recipe = vector_recipe(root)  # 64 samples, minibatches of 16
     run = build_run(recipe, out_dir=None, console=QUIET, quiet=True)
-    traj = phases.rollout(run, 0)
+    traj = rollout.rollout(run, 0)
     adv = torch.ones(traj.batch_size)
     adv[:24] = 0.0
-    stats = phases.update(run, traj, adv, 0)
+    stats = update.update(run, traj, adv, 0)
     assert stats.samples == 40 and stats.optimizer_steps == 4  # 4 minibatches of 10, as flow_grpo keeps their number
-    assert [len(m) for m in phases.minibatches(torch.arange(40), 40, 64, 16, None)] == [10, 10, 10, 10]
-    assert [len(m) for m in phases.minibatches(torch.arange(64), 64, 64, 16, None)] == [16] * 4
-    before = [p.detach().clone() for p in run.trainable]
-    stats = phases.update(run, traj, torch.zeros(traj.batch_size), 1)
+    assert [len(m) for m in update.minibatches(torch.arange(40), 40, 64, 16, None)] == [10, 10, 10, 10]
+    assert [len(m) for m in update.minibatches(torch.arange(64), 64, 64, 16, None)] == [16] * 4
+    before = [p.detach().clone() for p in run.learner.trainable]
+    stats = update.update(run, traj, torch.zeros(traj.batch_size), 1)
     assert stats.optimizer_steps == 0 and stats.samples == 0
-    assert all(torch.equal(a, b) for a, b in zip(before, run.trainable, strict=True))
-    summary = phases.summarize(stats)
+    assert all(torch.equal(a, b) for a, b in zip(before, run.learner.trainable, strict=True))
+    summary = update.summarize(stats)
     assert summary["optimizer_steps"] == 0 and summary["trained_samples"] == 0
 
 
 def test_dropped_fraction_is_logged(root):
     run = build_run(vector_recipe(root, "train.group_size=2"), out_dir=None, console=QUIET, quiet=True)
-    traj = phases.rollout(run, 0)
+    traj = rollout.rollout(run, 0)
     scores = {"target-distance": torch.tensor([1.0, 1.0] * 4 + [0.0, 1.0] * 4)}
-    _, stats = phases.advantages(run, traj, scores)
+    _, stats = rollout.advantages(run, traj, scores)
     assert stats["dropped_fraction"] == 0.5 and stats["zero_std_ratio"] == 0.5
 
 
@@ -145,17 +146,17 @@ def test_ema_updates_at_global_steps_with_flow_grpo_warmup(root):
     run = build_run(recipe, out_dir=None, console=QUIET, quiet=True)
     moved = []
     for it in range(7):
-        shadow = [s.clone() for s in run.ema.shadow]
+        shadow = [s.clone() for s in run.learner.ema.shadow]
         iteration(run, it)
-        changed = any(not torch.equal(a, b) for a, b in zip(shadow, run.ema.shadow, strict=True))
+        changed = any(not torch.equal(a, b) for a, b in zip(shadow, run.learner.ema.shadow, strict=True))
         moved.append(changed)
         if changed:  # shadow <- shadow + (1 - min((1 + n)/(10 + n), 0.9)) (weights - shadow), n = global steps
-            n = run.optimizer_steps
+            n = run.learner.optimizer_steps
             weight = 1 - min((1 + n) / (10 + n), 0.9)
-            for old, new, p in zip(shadow, run.ema.shadow, run.trainable, strict=True):
+            for old, new, p in zip(shadow, run.learner.ema.shadow, run.learner.trainable, strict=True):
                 torch.testing.assert_close(new, old + weight * (p.detach() - old))
     assert moved == [False, False, True, False, False, True, False]
-    assert run.optimizer_steps == 7
+    assert run.learner.optimizer_steps == 7
 
 
 def flow_grpo_ema(weights, accumulation, every, decay):
@@ -210,12 +211,12 @@ def test_ema_flow_grpo_rule_in_a_run(root):
     run = build_run(recipe, out_dir=None, console=QUIET, quiet=True)
     moved = []
     for it in range(6):
-        shadow = [s.clone() for s in run.ema.shadow]
+        shadow = [s.clone() for s in run.learner.ema.shadow]
         iteration(run, it)
-        moved.append(any(not torch.equal(a, b) for a, b in zip(shadow, run.ema.shadow, strict=True)))
+        moved.append(any(not torch.equal(a, b) for a, b in zip(shadow, run.learner.ema.shadow, strict=True)))
         if moved[-1]:
-            d = min((1 + run.optimizer_steps) / (10 + run.optimizer_steps), 0.9)
-            for old, new, p in zip(shadow, run.ema.shadow, run.trainable, strict=True):
+            d = min((1 + run.learner.optimizer_steps) / (10 + run.learner.optimizer_steps), 0.9)
+            for old, new, p in zip(shadow, run.learner.ema.shadow, run.learner.trainable, strict=True):
                 torch.testing.assert_close(new, p.detach() + d * d * (old - p.detach()))
     assert moved == [False, True, False, False, True, False]
 
@@ -273,16 +274,16 @@ def test_evaluation_integrates_on_the_samplers_schedule(root):
     run = build_run(recipe, out_dir=None, console=QUIET, quiet=True)
     sigmas = evaluation.evaluation_sigmas(run)
     assert torch.equal(sigmas, Schedule(type="shift", shift=1.5)(7))
-    assert not torch.equal(sigmas, run.policy.sigmas(7))  # the model's own shift is 3
+    assert not torch.equal(sigmas, run.learner.policy.sigmas(7))  # the model's own shift is 3
     default = build_run(vector_recipe(root, "eval.steps=7"), out_dir=None, console=QUIET, quiet=True)
-    assert torch.equal(evaluation.evaluation_sigmas(default), default.policy.sigmas(7))
+    assert torch.equal(evaluation.evaluation_sigmas(default), default.learner.policy.sigmas(7))
 
 
 def test_generate_is_the_euler_ode(root):
     from fgrpo.core import registry, tensors
 
     run = build_run(vector_recipe(root), out_dir=None, console=QUIET, quiet=True)
-    policy, prompts = run.policy, ["target 1 1", "target -1 0"]
+    policy, prompts = run.learner.policy, ["target 1 1", "target -1 0"]
     out = evaluation.generate(policy, prompts, 3, 6, torch.Generator().manual_seed(1))
     ode = registry.create("kernel", "ode")
     x = policy.initial_noise(6, torch.Generator().manual_seed(1))

@@ -18,10 +18,11 @@ import torch
 from rich.console import Console
 
 from _helpers import load_tool, rewind_to, torchrun
-from fgrpo.core import cli, phases
+from fgrpo.core import cli, rollout, update
 from fgrpo.core import recipe as recipe_mod
-from fgrpo.core.forward import ForwardPoints
-from fgrpo.core.trainer import build_run, iteration
+from fgrpo.core.building import build_run
+from fgrpo.core.points.forward import ForwardPoints
+from fgrpo.core.trainer import iteration
 
 HERE = Path(__file__).parent
 BIN = Path(sys.executable).parent
@@ -111,25 +112,25 @@ def first_step(root, objective: str, *overrides: str):
     )
     run = built(recipe)
     seen = {}
-    update, step = phases.update, phases.optimizer_step
+    real_update, step = update.update, update.optimizer_step
 
     def capture_update(run_, traj, adv, it):
         seen.update(traj=traj, adv=adv)
-        return update(run_, traj, adv, it)
+        return real_update(run_, traj, adv, it)
 
     def capture_step(run_, stats):
         if "grads" not in seen:
-            seen["grads"] = [p.grad.detach().clone() for p in run_.trainable]
-            seen["weights"] = [p.detach().clone() for p in run_.trainable]
+            seen["grads"] = [p.grad.detach().clone() for p in run_.learner.trainable]
+            seen["weights"] = [p.detach().clone() for p in run_.learner.trainable]
         return step(run_, stats)
 
-    phases.update, phases.optimizer_step = capture_update, capture_step
+    update.update, update.optimizer_step = capture_update, capture_step
     try:
         iteration(run, 0)
     finally:
-        phases.update, phases.optimizer_step = update, step
+        update.update, update.optimizer_step = real_update, step
     with torch.no_grad():
-        for p, w in zip(run.trainable, seen["weights"], strict=True):
+        for p, w in zip(run.learner.trainable, seen["weights"], strict=True):
             p.copy_(w)
     points = ForwardPoints(run, seen["traj"], seen["adv"], 0)
     kept = torch.arange(points.items)
@@ -140,12 +141,12 @@ def first_step(root, objective: str, *overrides: str):
 def weighted_flow_matching_gradient(run, points, weight):
     """The gradient of mean_points weight(t, v, u) x Â x mean (v_θ - u)², the weight without gradient."""
     rows, cols = next(iter(points.passes(torch.arange(points.items), 0)))
-    run.optimizer.zero_grad(set_to_none=True)
+    run.learner.optimizer.zero_grad(set_to_none=True)
     batch, _ = points.batch(rows, cols)
     v, u = batch.velocity, batch.target
     error = ((v - u) ** 2).flatten(1).mean(1)
     (weight(batch, error.detach()) * error).mean().backward()
-    return [p.grad.detach().clone() for p in run.trainable]
+    return [p.grad.detach().clone() for p in run.learner.trainable]
 
 
 def test_nft_first_step_is_the_advantage_weighted_flow_matching_gradient(root):
@@ -186,7 +187,7 @@ def test_dpo_first_step_at_the_reference_is_a_quarter_beta_flow_matching_differe
 
 def test_points_are_seeded_by_iteration_epoch_and_sample(root):
     run = built(vector(root, ODE, OBJECTIVES["nft"], "train.inner_epochs=2"))
-    traj = phases.rollout(run, 0)
+    traj = rollout.rollout(run, 0)
     adv = torch.randn(traj.batch_size)
     a, b = ForwardPoints(run, traj, adv, 3), ForwardPoints(run, traj, adv, 3)
     everything = torch.arange(a.items)
@@ -216,7 +217,7 @@ def final_weights(recipe):
     run = built(recipe)
     for it in range(2):
         iteration(run, it)
-    return [p.detach().clone() for p in run.trainable]
+    return [p.detach().clone() for p in run.learner.trainable]
 
 
 @pytest.mark.parametrize("name", list(OBJECTIVES))
@@ -248,9 +249,9 @@ def test_zero_advantage_samples_are_dropped_when_asked(root):
     run = built(
         vector(root, ODE, OBJECTIVES["nft"], "train.drop_zero_advantage=true", "train.prompts_per_iteration=2")
     )
-    traj = phases.rollout(run, 0)
+    traj = rollout.rollout(run, 0)
     adv = torch.tensor([1.0, -1.0, 0.0, 0.0, 0.5, 0.0, -0.5, 0.0] * 2)
-    stats = phases.update(run, traj, adv, 0)
+    stats = update.update(run, traj, adv, 0)
     assert stats.samples == 8
 
 
@@ -259,37 +260,37 @@ def test_zero_advantage_samples_are_dropped_when_asked(root):
 
 def test_nft_rolls_out_from_its_old_policy_and_moves_it_by_the_decay(root):
     run = built(vector(root, ODE, "objective={name: nft, decay_type: 1}"))
-    assert run.old is not None
+    assert run.learner.old_policy is not None
     iteration(run, 0)
-    current = [p.detach().clone() for p in run.trainable]
-    old = [s.detach().clone() for s in run.old.shadow]
-    d = run.objective.old_decay(run.optimizer_steps)
+    current = [p.detach().clone() for p in run.learner.trainable]
+    old = [s.detach().clone() for s in run.learner.old_policy.shadow]
+    d = run.objective.old_decay(run.learner.optimizer_steps)
     assert 0 < d < 1
     assert any(not torch.equal(a, b) for a, b in zip(current, old, strict=True))
-    traj = phases.rollout(run, 1)
-    with run.old.swapped_in():  # the rollout is the old policy's
+    traj = rollout.rollout(run, 1)
+    with run.learner.old_policy.swapped_in():  # the rollout is the old policy's
         again = run.sampler.rollout(
-            run.policy,
+            run.learner.policy,
             [p for _, p in run.schedule.local(1)],
             run.recipe.train.group_size,
             generator=torch.Generator().manual_seed(0),
         )
-    by_hand = phases.rollout(run, 1)
+    by_hand = rollout.rollout(run, 1)
     assert torch.equal(traj.final, by_hand.final)
-    for p, c in zip(run.trainable, current, strict=True):
+    for p, c in zip(run.learner.trainable, current, strict=True):
         assert torch.equal(p, c), "the rollout left the old weights in the policy"
     assert again.final.shape == traj.final.shape
-    before = [s.detach().clone() for s in run.old.shadow]
+    before = [s.detach().clone() for s in run.learner.old_policy.shadow]
     iteration(run, 1)
-    d = run.objective.old_decay(run.optimizer_steps)
-    for s, b, p in zip(run.old.shadow, before, run.trainable, strict=True):
+    d = run.objective.old_decay(run.learner.optimizer_steps)
+    for s, b, p in zip(run.learner.old_policy.shadow, before, run.learner.trainable, strict=True):
         torch.testing.assert_close(s, d * b + (1 - d) * p.detach(), rtol=0, atol=1e-7)
 
 
 def test_awm_samples_from_the_current_weights(root):
     run = built(vector(root, ODE, OBJECTIVES["awm"]))
-    assert run.old is not None and not run.objective.samples_from_old
-    assert built(vector(root, ODE, "objective={name: awm, ema_kl_beta: 0.0}")).old is None
+    assert run.learner.old_policy is not None and not run.objective.samples_from_old
+    assert built(vector(root, ODE, "objective={name: awm, ema_kl_beta: 0.0}")).learner.old_policy is None
 
 
 @pytest.mark.parametrize("name", list(OBJECTIVES))

@@ -56,7 +56,7 @@ def short_run(tmp_path_factory):
     """)
     )
     run = tmp / "run"
-    log = tmp / "run.log"
+    log = tmp / "run.io.log"
     env = {k: v for k, v in os.environ.items() if k not in logs.LIBRARY_ENV and k != logs.ENV}
     env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     with log.open("w") as fh:

@@ -8,9 +8,10 @@ import torch
 from rich.console import Console
 
 from fgrpo.core import recipe as recipe_mod
-from fgrpo.core.phases import advantages, rollout, update
+from fgrpo.core.building import build_run
+from fgrpo.core.rollout import advantages, rollout
 from fgrpo.core.scoring import decode_and_score
-from fgrpo.core.trainer import build_run
+from fgrpo.core.update import update
 
 QUIET = Console(quiet=True)
 
@@ -46,7 +47,7 @@ def test_every_step_is_recorded_with_the_window_alone_in_the_policy_loss(root):
     # an ODE step is booked as the kernel's step from its state: its action's log-prob re-evaluates exactly
     i = next(i for i in range(8) if i not in window)
     with torch.no_grad():
-        v = run.policy.velocity(traj.latents[:, i], traj.sigmas[traj.step_index[:, i]], traj.cond)
+        v = run.learner.policy.velocity(traj.latents[:, i], traj.sigmas[traj.step_index[:, i]], traj.cond)
     again = run.sampler.kernel.step(
         v, traj.latents[:, i], traj.sigmas, traj.step_index[:, i], prev_sample=traj.next_latents[:, i]
     )
@@ -71,6 +72,8 @@ def test_without_a_kl_the_update_is_the_windows_and_with_one_it_is_not(root):
                 "train.adam_eps=1e-30",
             )
             one_update(run)
-            weights[kl_steps, beta] = torch.cat([p.detach().reshape(-1) for p in run.policy.trainable_parameters()])
+            weights[kl_steps, beta] = torch.cat(
+                [p.detach().reshape(-1) for p in run.learner.policy.trainable_parameters()]
+            )
     torch.testing.assert_close(weights["all", 0.0], weights["trained", 0.0], rtol=1e-4, atol=1e-6)
     assert not torch.allclose(weights["all", 0.5], weights["trained", 0.5], rtol=1e-4, atol=1e-6)

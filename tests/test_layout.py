@@ -183,6 +183,6 @@ def test_launch_kinds_live_in_fgrpo_core_launch(root):
     no other module names a launch kind (ee123f8: trainer.py 14 such tokens, phases.py 3)."""
     launch = root / "packages" / "fgrpo-core" / "src" / "fgrpo" / "core" / "launch"
     sources = [p for p in root.glob("packages/*/src/fgrpo/**/*.py") if launch not in p.parents]
-    assert any(p.name == "phases.py" for p in sources) and any(p.name == "trainer.py" for p in sources)
+    assert any(p.name == "update.py" for p in sources) and any(p.name == "trainer.py" for p in sources)
     assert [hit for path in sources for hit in _launch_kind_tokens(path)] == []
     assert _launch_kind_tokens(launch / "start.py")  # the check sees a launch kind where there is one

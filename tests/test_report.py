@@ -420,7 +420,8 @@ def test_evaluation_bar_with_eta_in_a_terminal(root):
     from rich.console import Console
 
     from fgrpo.core import recipe as recipe_mod
-    from fgrpo.core.trainer import build_run, run_evaluation
+    from fgrpo.core.building import build_run
+    from fgrpo.core.trainer import run_evaluation
 
     screen = io.StringIO()
     console = Console(file=screen, force_terminal=True, width=120, color_system=None)
@@ -429,8 +430,8 @@ def test_evaluation_bar_with_eta_in_a_terminal(root):
         out_dir=None,
         console=console,
     )
-    assert not run.display.quiet
-    with run.display:
+    assert not run.io.display.quiet
+    with run.io.display:
         metrics = run_evaluation(run, 0)
     text = screen.getvalue()
     assert re.search(r"evaluation at 0 .* \d+/4 .* eta", text)  # one step per test prompt, with the time left

@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 
 from _helpers import ROOT, run_fgrpo
 from fgrpo.core import checkpoint as ckpt
-from fgrpo.core import cli, rundir, trainer
+from fgrpo.core import cli, opening, rundir
 from fgrpo.core import recipe as recipe_mod
 from fgrpo.core.config import RecipeError
 from fgrpo.core.registry import BuildError
@@ -78,14 +78,14 @@ def test_default_folders_are_unique_within_one_second(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(time, "strftime", lambda fmt, *a: "20260101-000000")  # both start "at once"
     recipe = recipe_mod.load(RECIPE, ["eval.every=0", "log.plots=false", "log.trackers=[]"])
-    first = trainer.open_run(recipe, out=None, resume=False, console=QUIET, quiet=True)
-    second = trainer.open_run(recipe, out=None, resume=False, console=QUIET, quiet=True)
+    first = opening.open_run(recipe, out=None, resume=False, console=QUIET, quiet=True)
+    second = opening.open_run(recipe, out=None, resume=False, console=QUIET, quiet=True)
     try:
-        assert first.out_dir != second.out_dir  # before: both wrote into runs/vector/20260101-000000
-        assert first.out_dir.parent == second.out_dir.parent == Path("runs") / "vector"
+        assert first.io.out_dir != second.io.out_dir  # before: both wrote into runs/vector/20260101-000000
+        assert first.io.out_dir.parent == second.io.out_dir.parent == Path("runs") / "vector"
     finally:
-        trainer.close_run(first)
-        trainer.close_run(second)
+        opening.close_run(first)
+        opening.close_run(second)
 
 
 def test_repeating_a_command_in_the_same_second_starts_a_new_run(tmp_path, monkeypatch, capsys):
@@ -102,13 +102,13 @@ def test_repeating_a_command_in_the_same_second_starts_a_new_run(tmp_path, monke
 def test_a_second_writer_is_refused_with_the_holders_pid(tmp_path, capsys):
     out = tmp_path / "run"
     recipe = recipe_mod.load(RECIPE, ["eval.every=0", "log.plots=false", "log.trackers=[]"])
-    holder = trainer.open_run(recipe, out=str(out), resume=False, console=QUIET, quiet=True)
+    holder = opening.open_run(recipe, out=str(out), resume=False, console=QUIET, quiet=True)
     try:
         before = snapshot(out)
         other = run_fgrpo("compose", RECIPE, "--out", str(out), *FAST, "--resume")  # another process
         same = compose(out, "--set", "train.iterations=2")  # another open of the folder in this one
     finally:
-        trainer.close_run(holder)
+        opening.close_run(holder)
     assert other.returncode == 2 and same == 2, other.stderr  # before: both ran, interleaving metrics
     message = f"{out} is in use by another run (process {os.getpid()})"
     assert message in other.stderr and message in capsys.readouterr().err
@@ -253,7 +253,7 @@ def test_a_run_that_fails_to_build_leaves_no_folder(tmp_path, capsys):
     recipe = recipe_mod.load(RECIPE, [f"prompts={{name: text-file, train: {prompts}}}", "eval.every=0"])
     prompts.unlink()
     with pytest.raises(BuildError, match="prompts 'text-file' could not be built: got .*p.txt"):
-        trainer.open_run(recipe, out=str(out), resume=False, console=QUIET, quiet=True)
+        opening.open_run(recipe, out=str(out), resume=False, console=QUIET, quiet=True)
     assert not out.exists()
 
 

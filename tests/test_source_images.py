@@ -252,7 +252,7 @@ def test_sources_false_reads_an_editing_dataset_as_text(tmp_path):
 
 
 def test_the_trainer_checks_prompts_of_any_source():
-    from fgrpo.core.trainer import check_prompts
+    from fgrpo.core.building import check_prompts
 
     seen = {}
 

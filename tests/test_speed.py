@@ -17,7 +17,8 @@ from rich.console import Console
 from _helpers import load_tool
 from fgrpo.core import recipe as recipe_mod
 from fgrpo.core import threads, timing
-from fgrpo.core.trainer import build_run, iteration
+from fgrpo.core.building import build_run
+from fgrpo.core.trainer import iteration
 
 QUIET = Console(quiet=True)
 
@@ -35,7 +36,7 @@ def test_clock_sums_sections_and_counts_nested_ones_once():
         time.sleep(0.01)
         with clock.section("model"):  # inside: not counted twice
             time.sleep(0.01)
-    with clock.phase("reward"):
+    with clock.span("reward"):
         with clock.section("model"):  # a reward's own network counts as reward
             time.sleep(0.01)
     seconds = clock.read()
@@ -199,7 +200,8 @@ def _shapes_run(root, *overrides):
 
 
 def test_reference_pass_runs_once_per_stored_state_and_is_the_base_model(root):
-    from fgrpo.core import phases
+    from fgrpo.core import rollout
+    from fgrpo.core.points import transitions
 
     run = _shapes_run(
         root,
@@ -209,15 +211,15 @@ def test_reference_pass_runs_once_per_stored_state_and_is_the_base_model(root):
         "train.drop_zero_advantage=false",
     )
     run.sampler.advance(0)
-    traj = phases.rollout(run, 0)
+    traj = rollout.rollout(run, 0)
     samples = torch.arange(traj.batch_size)
-    ref = phases.reference(run, traj, samples)
+    ref = transitions.reference(run, traj, samples)
     pairs = traj.batch_size * traj.num_trained_steps
-    assert ref.nfe == pairs * run.policy.evaluations_per_call
+    assert ref.nfe == pairs * run.learner.policy.evaluations_per_call
     # against a direct evaluation of the base model at one stored (x_t, t)
-    with torch.no_grad(), run.policy.reference():
+    with torch.no_grad(), run.learner.policy.reference():
         x, i = traj.latents[3, 1:2], traj.step_index[3, 1:2]
-        v = run.policy.velocity(x, traj.sigmas[i], {k: t[3:4] for k, t in traj.cond.items()})
+        v = run.learner.policy.velocity(x, traj.sigmas[i], {k: t[3:4] for k, t in traj.cond.items()})
     torch.testing.assert_close(ref.velocity[3, 1:2], v, rtol=1e-5, atol=1e-6)
     metrics = iteration(run, 1)
     # two inner epochs: the update's forwards twice, the reference pass once
@@ -283,7 +285,7 @@ def test_compile_key_compiles_the_transformer_or_says_why_not(root):
     from fgrpo.core.config import RecipeError
 
     run = _shapes_run(root, "train.compile=true")
-    assert run.policy.transformer._compiled_call_impl is not None  # compiled lazily, at the first forward
+    assert run.learner.policy.transformer._compiled_call_impl is not None  # compiled lazily, at the first forward
     with pytest.raises(RecipeError, match="train.compile"):
         build_run(
             recipe_mod.load(root / "recipes" / "vector.yaml", ["train.compile=true"]),
@@ -301,7 +303,7 @@ def test_a_compiled_transformer_computes_what_the_eager_one_does_and_stays_on_po
     x, sigma = torch.randn(2, 3, 24, 24, generator=torch.Generator().manual_seed(0)), torch.tensor([0.7, 0.3])
     with torch.no_grad():
         torch.testing.assert_close(
-            run.policy.velocity(x, sigma, cond), eager.policy.velocity(x, sigma, cond), rtol=1e-4, atol=1e-5
+            run.learner.policy.velocity(x, sigma, cond), eager.policy.velocity(x, sigma, cond), rtol=1e-4, atol=1e-5
         )
     # the rollout (a no-grad graph) and the update (a training graph) give the same log-probabilities
     metrics = iteration(run, 0)

@@ -9,6 +9,7 @@ import attrs
 import torch
 
 from fgrpo.core.config import param
+from fgrpo.core.objectives.base import TransitionObjective
 from fgrpo.core.protocols import ObjectiveOutput, StepBatch
 from fgrpo.core.registry import component
 from fgrpo.core.testing import KernelConformance, ObjectiveConformance, SamplerConformance
@@ -79,9 +80,9 @@ class TestLastStepsSamplerWithTheThirdPartyKernel(SamplerConformance):
 
 
 @attrs.frozen
-class ReinforceObjective:
+class ReinforceObjective(TransitionObjective):
     """Importance-weighted policy gradient without a clip: loss = mean(-A exp(logp - logp_old)),
-    plus beta times the squared distance of the mean to the reference's."""
+    plus kl_beta times the squared distance of the mean to the reference's."""
 
     kl_beta: float = param(0.0, ge=0, help="weight of the distance to the reference policy's mean")
 

@@ -17,8 +17,9 @@ from rich.console import Console
 
 from fgrpo.core import cli
 from fgrpo.core import recipe as recipe_mod
+from fgrpo.core.opening import open_run
 from fgrpo.core.runlog import read_metrics
-from fgrpo.core.trainer import open_run, train
+from fgrpo.core.trainer import train
 
 QUIET = Console(quiet=True)
 SMALL_SHAPES = [
@@ -72,7 +73,7 @@ def test_a_tracker_receives_config_scalars_and_sample_grids(root, tmp_path, monk
     fake = FakeTracker()
     out = tmp_path / "run"
     run = open_run(recipe, out=str(out), resume=False, console=QUIET, quiet=True, extra_trackers=[fake])
-    with run.display:
+    with run.io.display:
         train(run)
     assert fake.started and fake.finished
     config = fake.config

@@ -11,12 +11,13 @@ from rich.console import Console
 
 from fgrpo.core import cli
 from fgrpo.core import recipe as recipe_mod
+from fgrpo.core.building import build_run
 from fgrpo.core.hookspecs import hookimpl, plugin_manager
 from fgrpo.core.protocols import RewardResult
 from fgrpo.core.recipe import RewardSpec
 from fgrpo.core.runlog import read_metrics
 from fgrpo.core.scoring import RewardError, score
-from fgrpo.core.trainer import build_run, iteration
+from fgrpo.core.trainer import iteration
 
 QUIET = Console(quiet=True)
 REQUIRED_METRICS = (

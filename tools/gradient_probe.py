@@ -30,9 +30,10 @@ import argparse
 import torch
 from rich.console import Console
 
-from fgrpo.core import phases, scoring
 from fgrpo.core import recipe as recipe_mod
-from fgrpo.core.trainer import build_run
+from fgrpo.core import rollout, scoring
+from fgrpo.core.building import build_run
+from fgrpo.core.points import transitions
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,24 +50,24 @@ def main(argv: list[str] | None = None) -> int:
         args.recipe, [*args.overrides, "eval.every=0", "log.trackers=[]", "train.drop_zero_advantage=false"]
     )
     run = build_run(recipe, out_dir=None, console=Console(quiet=True), quiet=True)
-    params = run.trainable
+    params = run.learner.trainable
 
     def reward() -> float:
         values = []
         for k in range(args.batches):
-            traj = phases.rollout(run, 10_000 + k)
+            traj = rollout.rollout(run, 10_000 + k)
             scores, _ = scoring.decode_and_score(run, traj, "probe")
             total = sum(spec.weight * scores[spec.label] for spec in run.recipe.rewards)
             values.append(total.mean())
         return torch.stack(values).mean().item()
 
-    traj = phases.rollout(run, 0)
+    traj = rollout.rollout(run, 0)
     scores, _ = scoring.decode_and_score(run, traj, "probe")
-    adv, _ = phases.advantages(run, traj, scores)
-    ref = phases.reference(run, traj, torch.arange(traj.batch_size))
-    run.optimizer.zero_grad(set_to_none=True)
-    for rows, cols in phases.pair_batches(traj, torch.arange(traj.batch_size), run.recipe.train.micro_batch_size):
-        batch, _ = phases.step_batch(run, traj, adv, rows, cols, ref)
+    adv, _ = rollout.advantages(run, traj, scores)
+    ref = transitions.reference(run, traj, torch.arange(traj.batch_size))
+    run.learner.optimizer.zero_grad(set_to_none=True)
+    for rows, cols in transitions.pair_batches(traj, torch.arange(traj.batch_size), run.recipe.train.micro_batch_size):
+        batch, _ = transitions.step_batch(run, traj, adv, rows, cols, ref)
         (run.objective(batch).loss * len(rows) / (traj.batch_size * traj.num_trained_steps)).backward()
     grad = [p.grad.detach().clone() for p in params]
     saved = [p.detach().clone() for p in params]

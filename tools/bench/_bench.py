@@ -43,7 +43,7 @@ def build(recipe: Any) -> Any:
     import attrs
     from rich.console import Console
 
-    from fgrpo.core.trainer import build_run
+    from fgrpo.core.building import build_run
 
     recipe = attrs.evolve(recipe, eval=attrs.evolve(recipe.eval, every=0))
     return build_run(recipe, out_dir=None, console=Console(quiet=True), quiet=True)

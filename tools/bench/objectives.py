@@ -93,7 +93,8 @@ def train(name: str, path: str, overrides: list[str], budget: float | None, ever
     from rich.console import Console
 
     from fgrpo.core import recipe as recipe_mod
-    from fgrpo.core.trainer import build_run, iteration
+    from fgrpo.core.building import build_run
+    from fgrpo.core.trainer import iteration
 
     recipe = recipe_mod.load(str(_bench.ROOT / path), overrides)
     recipe = attrs.evolve(recipe, eval=attrs.evolve(recipe.eval, every=0))

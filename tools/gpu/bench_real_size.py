@@ -247,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
 
     from fgrpo.core import recipe as recipe_mod
-    from fgrpo.core.trainer import build_run, iteration
+    from fgrpo.core.building import build_run
+    from fgrpo.core.trainer import iteration
 
     cuda = torch.cuda.is_available()
     dtype = torch.bfloat16 if cuda else torch.float32

@@ -43,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
 
     from fgrpo.core import recipe as recipe_mod
-    from fgrpo.core.trainer import build_run, iteration
+    from fgrpo.core.building import build_run
+    from fgrpo.core.trainer import iteration
 
     memory = _memory_tool()
     data, problem = memory.read_recipe(args.recipe, args.overrides)

@@ -260,7 +260,7 @@ class TestWan22(DiffusersBackboneConformance):
         }
         run, row, before = self.run_iteration(self.iteration_recipe(keys, tmp_path, sampler=sampler), tmp_path / "run")
         assert row["first_ratio_deviation"] <= 1e-6
-        after = run.policy.trainable_state_dict()
+        after = run.learner.policy.trainable_state_dict()
 
         def expert(key):
             return key.split(".", 1)[0] if key.startswith(("transformer.", "transformer_2.")) else "transformer"

@@ -395,23 +395,24 @@ def cmd_compose(args: argparse.Namespace) -> int:
         out.print(composition_tree(recipe, f"composed {args.recipe} (dry run)"))
         out.print(f"built {len(components)} components; nothing trained (--dry-run)", markup=False)
         return 0
-    from fgrpo.core.trainer import close_run, end_process_group, open_run, train
+    from fgrpo.core.opening import close_run, end_process_group, open_run
+    from fgrpo.core.trainer import train
 
     run = open_run(recipe, out=args.out, resume=args.resume, start_over=args.start_over, console=out, quiet=args.quiet)
-    folder = run.out_dir
+    folder = run.io.out_dir
     assert folder is not None  # compose always trains into a run folder
     try:
-        run.display.say(f"training {recipe.source} -> {folder} ({accelerate_summary(run)})")
-        with run.display:
+        run.io.display.say(f"training {recipe.source} -> {folder} ({accelerate_summary(run)})")
+        with run.io.display:
             train(run)
     finally:
         close_run(run)
     end_process_group()
-    run.display.say(
+    run.io.display.say(
         f"done: metrics in {folder / 'metrics.jsonl'}, weights in {folder / 'checkpoints' / 'last'}"
         + (f", curves in {folder / 'curves.png'}" if (folder / "curves.png").exists() else "")
     )
-    run.display.say(f"report: {folder / run_report.REPORT}")
+    run.io.display.say(f"report: {folder / run_report.REPORT}")
     return 0
 
 
@@ -422,16 +423,17 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def accelerate_summary(run: Any) -> str:
-    acc, kind = run.accelerator, run.parallel.description
+    acc, launched = run.accelerator, run.learner.launch
+    kind = launched.description
     return (
-        f"{run.parallel.processes} process(es){', ' + kind if kind else ''}, device {run.policy.device}, "
+        f"{launched.processes} process(es){', ' + kind if kind else ''}, device {run.learner.policy.device}, "
         f"mixed precision {acc.mixed_precision}, "
         f"gradient accumulation {acc.gradient_accumulation_steps}"
     )
 
 
 def build_components(recipe: Any) -> dict[str, Any]:
-    from fgrpo.core.trainer import check_prompts
+    from fgrpo.core.building import check_prompts
 
     built = {section: recipe.build(section) for section in ("model", "sampler", "objective", "prompts")}
     source = built["prompts"]
@@ -465,10 +467,11 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_sample(args: argparse.Namespace) -> int:
     from fgrpo.core import checkpoint as ckpt
     from fgrpo.core import confine, rundir
+    from fgrpo.core.building import check_prompts
     from fgrpo.core.evaluation import write_samples
     from fgrpo.core.prompts import image_errors, read_prompt_file
+    from fgrpo.core.saving import load_checkpoint_weights
     from fgrpo.core.shipped import find_recipe
-    from fgrpo.core.trainer import check_prompts, load_checkpoint_weights
 
     try:
         rows = read_prompt_file(args.prompts)
@@ -543,7 +546,7 @@ def cmd_export(args: argparse.Namespace) -> int:
                         )
                     ]
                 )
-            from fgrpo.core.trainer import load_checkpoint_weights
+            from fgrpo.core.saving import load_checkpoint_weights
 
             load_checkpoint_weights(policy, folder, 0.0 if args.no_ema else recipe.train.ema_decay)
             made = [Path(p) for p in export(str(tmp))]

@@ -51,7 +51,7 @@ def evaluation_sigmas(run: Run) -> torch.Tensor | None:
     """The schedule evaluation integrates on: the sampler's (``Sampler.sigmas(policy, steps)`` when
     it offers one, e.g. a recipe's ``sampler.schedule``) with ``eval.steps`` steps, else the policy's."""
     sigmas = getattr(run.sampler, "sigmas", None)
-    return sigmas(run.policy, run.recipe.eval.steps) if callable(sigmas) else None
+    return sigmas(run.learner.policy, run.recipe.eval.steps) if callable(sigmas) else None
 
 
 @contextlib.contextmanager
@@ -153,13 +153,13 @@ def gold_metrics(
 
     def sample(chunk: Sequence[str], per_prompt: int, g: torch.Generator | None = None) -> Any:
         with run.accelerator.autocast():
-            return generate(run.policy, list(chunk), per_prompt, cfg.steps, g, sigmas=sigmas)
+            return generate(run.learner.policy, list(chunk), per_prompt, cfg.steps, g, sigmas=sigmas)
 
     metrics: dict[str, float] = {}
-    with ema_weights(run.ema), guidance(run.policy, cfg.guidance_scale), torch.no_grad():
+    with ema_weights(run.learner.ema), guidance(run.learner.policy, cfg.guidance_scale), torch.no_grad():
         for spec, evaluator in evaluators:
             ctx = EvalContext(
-                policy=run.policy,
+                policy=run.learner.policy,
                 prompts=list(prompts),
                 metadata=run.prompts.metadata,
                 generate=sample,
@@ -167,9 +167,9 @@ def gold_metrics(
                 sample_prompts=list(sample_prompts),
                 seed=run.recipe.seed,
                 iteration=iteration,
-                device=run.policy.device,
+                device=run.learner.policy.device,
             )
-            with run.display.phase(f"gold {spec.label} at {iteration}", total=1) as advance:
+            with run.io.display.bar(f"gold {spec.label} at {iteration}", total=1) as advance:
                 result = _call_evaluator(spec, evaluator, ctx, iteration)
                 advance(1)
             metrics.update({f"gold/{spec.label}/{key}": value for key, value in result.metrics.items()})
@@ -230,15 +230,15 @@ def evaluation_samples(run: Run, iteration: int) -> tuple[Any, list[str]] | None
     outputs, all_prompts = [], []
     sigmas = evaluation_sigmas(run)
     with (
-        ema_weights(run.ema),
-        guidance(run.policy, cfg.guidance_scale),
+        ema_weights(run.learner.ema),
+        guidance(run.learner.policy, cfg.guidance_scale),
         run.accelerator.autocast(),
-        run.display.phase(f"evaluation at {iteration}", total=len(prompts)) as advance,
+        run.io.display.bar(f"evaluation at {iteration}", total=len(prompts)) as advance,
     ):
         for start in range(0, len(prompts), per_call):
             chunk = prompts[start : start + per_call]
-            g = generator(run.recipe.seed, "eval", start, device=run.policy.device)
-            outputs.append(generate(run.policy, chunk, cfg.samples_per_prompt, cfg.steps, g, sigmas=sigmas))
+            g = generator(run.recipe.seed, "eval", start, device=run.learner.policy.device)
+            outputs.append(generate(run.learner.policy, chunk, cfg.samples_per_prompt, cfg.steps, g, sigmas=sigmas))
             all_prompts += [p for p in chunk for _ in range(cfg.samples_per_prompt)]
             advance(len(chunk))
     return (torch.cat(outputs) if isinstance(outputs[0], torch.Tensor) else tensors.cat(outputs)), all_prompts

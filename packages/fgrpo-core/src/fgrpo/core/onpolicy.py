@@ -8,10 +8,11 @@ import attrs
 import torch
 from rich.console import Console
 
-from fgrpo.core import phases, tensors
+from fgrpo.core import rollout, tensors
+from fgrpo.core.building import build_run
 from fgrpo.core.recipe import Recipe
 from fgrpo.core.run import Run
-from fgrpo.core.trainer import build_run, iteration
+from fgrpo.core.trainer import iteration
 
 
 def first_ratio_check(recipe: Recipe, console: Console | None = None) -> tuple[float, Run]:
@@ -43,13 +44,13 @@ def diagnose(run: Run) -> list[str]:
     cfg = run.recipe.train
     found = []
     if cfg.rollout_precision != "same":
-        dtype = next(iter(run.trainable)).dtype
+        dtype = next(iter(run.learner.trainable)).dtype
         found.append(
             f"the rollout ran under {cfg.rollout_precision} autocast (train.rollout_precision) while the update "
             f"runs in {str(dtype).replace('torch.', '')}: different dtypes give different velocities"
         )
     run.sampler.advance(0)
-    traj = phases.rollout(run, 0)
+    traj = rollout.rollout(run, 0)
     if traj.num_trained_steps:
         x, sigma = traj.latents[:, 0], traj.sigmas[traj.step_index[:, 0]]
     else:  # forward-process points: the finished samples half re-noised
@@ -58,14 +59,14 @@ def diagnose(run: Run) -> list[str]:
             0.5 * traj.final.float() + 0.5 * noise,
             torch.full((traj.batch_size,), 0.5, device=traj.final.device),
         )
-    a = run.policy.velocity(x, sigma, traj.cond)
-    b = run.policy.velocity(x, sigma, traj.cond)
+    a = run.learner.policy.velocity(x, sigma, traj.cond)
+    b = run.learner.policy.velocity(x, sigma, traj.cond)
     if not torch.equal(a, b):
         found.append(
             "the policy is not deterministic: two identical velocity calls differ (dropout? non-deterministic "
             "kernels?)"
         )
-    one = run.policy.velocity(x[:1], sigma[:1], tensors.index(traj.cond, slice(0, 1)))
+    one = run.learner.policy.velocity(x[:1], sigma[:1], tensors.index(traj.cond, slice(0, 1)))
     if not torch.equal(one, a[:1]):
         found.append(
             "batch composition changes the network's output: the update evaluates (sample, step) pairs in "

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, TypeVar, Union, runtime_checkable
 
 import attrs
 import torch
@@ -173,6 +173,9 @@ class Trajectory:
     policy_weight: torch.Tensor | None = (
         None  # (B, S) the policy loss's weight per step; 0: KL only (kl_steps: all); None: 1
     )
+    #: (B,) long: each sample's id over the whole batch of every process (its prompt's global slot x
+    #: group_size + its place in the group), set by the trainer's rollout; None straight from a sampler
+    sample_ids: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -304,38 +307,61 @@ class ForwardBatch:
         return self.noise - self.x0
 
 
-@runtime_checkable
-class Objective(Protocol):
-    """Turns a batch of training points into a loss. What it trains on is the class attribute
-    ``trains_on``: ``"transitions"`` (the default when absent: the stored (x_t, x_t') pairs of a
-    sampler's stochastic steps, a :class:`StepBatch`; grpo, grpo-guard) or ``"forward"`` (finished
-    samples re-noised, a :class:`ForwardBatch`; nft, awm, dpo), which one update loop serves both.
+#: what an objective trains on: the stored transitions of a rollout's stochastic steps (a
+#: :class:`StepBatch`), or its finished samples re-noised on the forward process (a :class:`ForwardBatch`)
+TrainsOn = Literal["transitions", "forward"]
+BatchT_contra = TypeVar("BatchT_contra", bound="StepBatch | ForwardBatch", contravariant=True)
 
-    A forward-process objective also offers ``point_times(sigmas, generator) -> (K,)``: the noise
-    levels of one item's K training points (``sigmas``: the rollout's schedule), drawn from
-    ``generator``, which then draws their noise; optionally ``old_decay(optimizer_steps) -> float``
-    (it keeps an old policy, a lagged copy of the trained weights, moved after every iteration to
-    decay x old + (1 - decay) x current; ``samples_from_old = True``: rollouts come from it) and
-    ``pairwise = True`` with ``pairs(advantages, groups) -> (P, 2)`` (it trains on (preferred,
-    rejected) pairs of samples of one group).
+
+@runtime_checkable
+class Objective(Protocol[BatchT_contra]):
+    """Turns a batch of training points into a loss; it declares what it trains on and what the
+    update must compute for it (typed members: :class:`fgrpo.core.objectives.base.TransitionObjective`
+    and :class:`~fgrpo.core.objectives.base.ForwardProcessObjective` give their defaults):
+
+    - ``trains_on``: ``"transitions"`` (a :class:`StepBatch`; grpo, grpo-guard) or ``"forward"``
+      (a :class:`ForwardBatch`; nft, awm, dpo), one update loop serves both;
+    - ``needs_reference``: the adapter-disabled reference's predictions are computed (a KL);
+    - ``needs_old``: it keeps an old policy (a lagged copy of the trained weights; then
+      ``old_decay``), ``samples_from_old``: rollouts come from that old policy (DiffusionNFT);
+    - ``pairwise``: it trains on (preferred, rejected) pairs of samples of one group (``pairs``).
     """
+
+    @property
+    def trains_on(self) -> TrainsOn: ...
 
     @property
     def needs_reference(self) -> bool: ...
 
-    # a StepBatch or a ForwardBatch, as trains_on says: each objective takes the one it trains on
-    def __call__(self, batch: Any) -> ObjectiveOutput: ...
+    @property
+    def needs_old(self) -> bool: ...
+
+    @property
+    def samples_from_old(self) -> bool: ...
+
+    @property
+    def pairwise(self) -> bool: ...
+
+    def __call__(self, batch: BatchT_contra) -> ObjectiveOutput: ...
 
 
-class ForwardObjective(Objective, Protocol):
-    """What the forward-process update calls on an objective with ``trains_on = "forward"``
-    (``pairs`` only when ``pairwise``, ``old_decay`` only when it keeps an old policy)."""
+class ForwardObjective(Objective[ForwardBatch], Protocol):
+    """What the forward-process update also calls on an objective with ``trains_on = "forward"``:
+    ``point_times(sigmas, generator) -> (K,)``, the noise levels of one item's K training points
+    (``sigmas``: the rollout's schedule) drawn from ``generator``, which then draws their noise;
+    ``pairs(advantages, groups) -> (P, 2)`` (only when ``pairwise``) and
+    ``old_decay(optimizer_steps)`` (only when ``needs_old``: after every iteration the old policy
+    moves to decay x old + (1 - decay) x current)."""
 
     def point_times(self, sigmas: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor: ...
 
     def pairs(self, advantages: torch.Tensor, groups: torch.Tensor) -> torch.Tensor: ...
 
     def old_decay(self, optimizer_steps: int) -> float: ...
+
+
+#: an objective of either kind, as a run holds it
+AnyObjective = Union[Objective[StepBatch], ForwardObjective]  # noqa: UP007 - a runtime alias on Python 3.10
 
 
 @runtime_checkable

@@ -601,7 +601,7 @@ def training_kind_errors(resolved: Mapping[str, Any]) -> list[ConfigError]:
     objective, sampler = resolved.get("objective"), resolved.get("sampler")
     if not (isinstance(objective, Mapping) and isinstance(sampler, Mapping)):
         return []
-    kind = getattr(registry.load("objective", objective["name"]), "trains_on", "transitions")
+    kind = registry.load("objective", objective["name"]).trains_on
     records = getattr(registry.load("sampler", sampler["name"]), "transitions", True)
     kernel = sampler.get("kernel")
     kernel_name = kernel.get("name") if isinstance(kernel, Mapping) else kernel

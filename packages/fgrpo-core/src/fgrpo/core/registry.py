@@ -265,8 +265,21 @@ def load(kind: str, name: str) -> Any:
         raise PluginImportError(
             f"{kind} {name!r} from {info.distribution} failed to import: {type(exc).__name__}: {exc}"
         ) from exc
+    undeclared = [member for member in DECLARED.get(kind, ()) if not hasattr(obj, member)]
+    if undeclared:
+        raise ComponentError(
+            f"{kind} {name!r} from {info.distribution} does not declare {', '.join(undeclared)}: {DECLARED_HINT[kind]}"
+        )
     _loaded[key] = obj
     return obj
+
+
+#: the members a component class of a kind declares, read by the trainer as typed attributes
+DECLARED = {"objective": ("trains_on", "needs_reference", "needs_old", "samples_from_old", "pairwise")}
+DECLARED_HINT = {
+    "objective": "subclass fgrpo.core.objectives.base.TransitionObjective or ForwardProcessObjective, which "
+    "declare them (fgrpo.core.protocols.Objective says what each means)"
+}
 
 
 def status(entry_: Entry) -> tuple[str, str]:

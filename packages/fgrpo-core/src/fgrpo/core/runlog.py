@@ -169,9 +169,9 @@ class Display:
             self.progress.update(self.iterations, completed=iteration)
 
     @contextmanager
-    def phase(self, name: str, total: int) -> Iterator[Any]:
-        """A transient bar for one phase (rollout, update, evaluation); yields an ``advance(n=1)``
-        callable, a no-op when there are no bars."""
+    def bar(self, name: str, total: int) -> Iterator[Any]:
+        """A transient progress bar for one step of an iteration (rollout, update, evaluation);
+        yields an ``advance(n=1)`` callable, a no-op when there are no bars."""
         if self.progress is None:
             yield lambda n=1: None
             return

@@ -30,7 +30,7 @@ class RewardError(ComponentError):
 
 @torch.no_grad()
 def decode(run: Run, traj: Trajectory) -> Any:
-    return run.policy.decode(traj.final)
+    return run.learner.policy.decode(traj.final)
 
 
 def is_video_batch(outputs: Any) -> bool:
@@ -233,10 +233,10 @@ def cat_details(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
 def decode_and_score(run: Run, traj: Trajectory, where: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The rollout's outputs decoded and scored by every reward, each phase on the run's clock:
     the scores and each reward's per-sample details."""
-    with run.clock.phase("decode"):
+    with run.io.clock.span("decode"):
         outputs = decode(run, traj)
     metadata = [run.prompts.metadata(p) for p in traj.prompts]
-    with run.clock.phase("reward"):
+    with run.io.clock.span("reward"):
         return score(run.rewards, outputs, traj.prompts, metadata, where=where, groups=traj.group_index.cpu())
 
 

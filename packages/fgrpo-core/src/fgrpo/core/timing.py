@@ -81,8 +81,8 @@ class Clock:
                     self._add(name, time.perf_counter() - t0)
 
     @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        """Time a whole phase as ``name``, synchronising at both ends (host work included)."""
+    def span(self, name: str) -> Iterator[None]:
+        """Time a whole span of work as ``name``, synchronising at both ends (host work included)."""
         with self._outermost() as counted:
             if not counted:
                 yield

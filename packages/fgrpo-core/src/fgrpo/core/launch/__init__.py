@@ -1,5 +1,5 @@
 """Launch kinds: everything that differs between one process, data parallel, FSDP2 and DeepSpeed
-ZeRO-2/ZeRO-3 (with or without CPU offloading), behind one object per run (``run.parallel``, a
+ZeRO-2/ZeRO-3 (with or without CPU offloading), behind one object per run (``run.learner.launch``, a
 :class:`Launch`) that the update, the checkpoints and evaluation call, so that none of them
 branches on the kind.
 

@@ -1,4 +1,4 @@
-"""What every launch kind does for a run: the one object (``run.parallel``) that the update, the
+"""What every launch kind does for a run: the one object (``run.learner.launch``) that the update, the
 checkpoints and evaluation call, so that none of them branches on the kind of launch."""
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ def kind(accelerator: Any) -> str:
 
 
 def of(accelerator: Any) -> Launch:
-    """The launch object that serves ``accelerator`` (one per run: ``run.parallel``)."""
+    """The launch object that serves ``accelerator`` (one per run: ``run.learner.launch``)."""
     return launch_class(kind(accelerator), accelerator)(accelerator)
 
 

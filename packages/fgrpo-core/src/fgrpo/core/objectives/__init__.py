@@ -9,7 +9,7 @@ Flow-DPO).
 from fgrpo.core.objectives.awm import AWM
 from fgrpo.core.objectives.dpo import DPO
 from fgrpo.core.objectives.grpo import GRPO
-from fgrpo.core.objectives.guard import GRPOGuard
+from fgrpo.core.objectives.grpo_guard import GRPOGuard
 from fgrpo.core.objectives.nft import NFT
 
 __all__ = ["AWM", "DPO", "GRPO", "GRPOGuard", "NFT"]

@@ -1,4 +1,4 @@
-"""What the forward-process objectives (nft, awm, dpo) share: their kind, per-point reductions,
+"""What the forward-process objectives (nft, awm, dpo) share: per-point reductions,
 the noise levels they train at, the velocity KL and the old policy's decay schedule.
 
 A forward-process objective trains on finished samples re-noised at a drawn t (a
@@ -10,16 +10,12 @@ epoch, sample), so a resumed run and a run on N processes draw the same points.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
 from fgrpo.core.config import param
 from fgrpo.core.protocols import ForwardBatch
-
-FORWARD = "forward"
-TRANSITIONS = "transitions"
 
 
 def dims_mean(x: torch.Tensor) -> torch.Tensor:
@@ -52,19 +48,6 @@ def linear_decay(step: int, flat: int, rate: float, cap: float) -> float:
     """The old policy's decay after ``step`` optimizer steps: 0 for the first ``flat`` steps, then
     (step - flat) x rate, at most ``cap`` (DiffusionNFT's ``return_decay``, AWM's linear KL-EMA)."""
     return 0.0 if step < flat else min((step - flat) * rate, cap)
-
-
-class ForwardObjective:
-    """The class attributes every forward-process objective has (a mixin of attrs classes)."""
-
-    __slots__ = ()
-    trains_on: ClassVar[str] = FORWARD
-    pairwise: ClassVar[bool] = False
-    samples_from_old: ClassVar[bool] = False
-
-    @staticmethod
-    def check_recipe(resolved: Mapping[str, Any]) -> list:
-        return []
 
 
 def discrete_indices(

@@ -15,6 +15,7 @@ import torch
 
 from fgrpo.core import registry
 from fgrpo.core.config import ConfigError, param
+from fgrpo.core.objectives.base import TransitionObjective
 from fgrpo.core.protocols import ObjectiveOutput, StepBatch
 
 KlForm = Literal["mean", "flow_grpo", "velocity"]
@@ -121,13 +122,12 @@ def kl_term(batch: StepBatch, form: str) -> torch.Tensor:
 
 
 @attrs.frozen
-class ClippedObjective:
+class ClippedObjective(TransitionObjective):
     """What ``grpo`` and ``grpo-guard`` share around their surrogates: the recipe keys ``adv_clip``,
     ``kl_beta`` and ``kl_form``, the reference only for a KL (``kl_beta > 0``), the clipped advantages, the
     raw log-ratio, the KL term and the metrics. A subclass (an attrs class) adds its
     ``clip_range`` key (its own default) and writes :meth:`surrogate`."""
 
-    trains_on: ClassVar[str] = "transitions"
     if TYPE_CHECKING:  # each subclass's own recipe key (its own default); not a field here
         clip_range: float
     adv_clip: float = adv_clip_param()

@@ -36,7 +36,6 @@ import torch
 
 from fgrpo.core.config import param
 from fgrpo.core.objectives._forward import (
-    ForwardObjective,
     dims_mean,
     discrete_indices,
     linear_decay,
@@ -45,6 +44,7 @@ from fgrpo.core.objectives._forward import (
     timestep_fraction_param,
 )
 from fgrpo.core.objectives._ppo import adv_clip_param, as_float, clipped_surrogate
+from fgrpo.core.objectives.base import ForwardProcessObjective
 from fgrpo.core.protocols import ForwardBatch, ObjectiveOutput
 
 Weighting = Literal["Uniform", "t", "t**2", "huber", "ghuber"]
@@ -75,7 +75,7 @@ def elbo_std(t: torch.Tensor) -> torch.Tensor:
 
 
 @attrs.frozen
-class AWM(ForwardObjective):
+class AWM(ForwardProcessObjective):
     """Advantage-weighted matching (see the module docstring). Defaults from AWM's GenEval config
     (``config/dgx_awm.py:31-98``): ghuber weighting with power 0.25, advantages clipped at 5 and
     scaled to ±1, KL beta 0.001 (OCR 0.003, PickScore 1e-4), the KL-EMA anchor with weight 1 and a

@@ -28,13 +28,13 @@ import torch
 
 from fgrpo.core.config import param
 from fgrpo.core.objectives._forward import (
-    ForwardObjective,
     dims_mean,
     fraction_count,
     logit_normal,
     shift,
     timestep_fraction_param,
 )
+from fgrpo.core.objectives.base import ForwardProcessObjective
 from fgrpo.core.protocols import ForwardBatch, ObjectiveOutput
 
 Pairing = Literal["best_worst", "all"]
@@ -63,7 +63,7 @@ def all_pairs(advantages: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
 
 
 @attrs.frozen
-class DPO(ForwardObjective):
+class DPO(ForwardProcessObjective):
     """Diffusion-DPO on (preferred, rejected) pairs of a group, reference = adapters disabled (see
     the module docstring). Defaults from flow_grpo's ``config/dpo.py`` (beta 100: ``dpo_beta``, timestep_fraction
     0.99) and ``train_sd3_dpo.py`` (logit-normal t with mean 0, std 1 on SD3.5's shift-3 schedule)."""

@@ -32,7 +32,6 @@ import torch
 
 from fgrpo.core.config import param
 from fgrpo.core.objectives._forward import (
-    ForwardObjective,
     dims_mean,
     fraction_count,
     linear_decay,
@@ -41,6 +40,7 @@ from fgrpo.core.objectives._forward import (
     velocity_kl,
 )
 from fgrpo.core.objectives._ppo import adv_clip_param, as_float
+from fgrpo.core.objectives.base import ForwardProcessObjective
 from fgrpo.core.protocols import ForwardBatch, ObjectiveOutput
 
 AdvMode = Literal["all", "positive_only", "negative_only", "one_only", "binary"]
@@ -73,7 +73,7 @@ def x0_loss(x0_hat: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
 
 
 @attrs.frozen
-class NFT(ForwardObjective):
+class NFT(ForwardProcessObjective):
     """DiffusionNFT's loss on forward-process points, with its old (sampling) policy (see the
     module docstring). Defaults from ``config/nft.py`` (``_get_config``): beta 1.0 (``nft_beta``),
     adv_clip 5, adv_mode all, kl_beta 1e-4, decay_type 1; its OCR and multi-reward configs use beta
@@ -109,7 +109,9 @@ class NFT(ForwardObjective):
     def needs_reference(self) -> bool:
         return self.kl_beta > 0
 
-    needs_old: ClassVar[bool] = True
+    @property
+    def needs_old(self) -> bool:
+        return True
 
     def old_decay(self, optimizer_steps: int) -> float:
         return linear_decay(optimizer_steps, *DECAY_TYPES[self.decay_type])

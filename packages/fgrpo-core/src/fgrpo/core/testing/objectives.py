@@ -68,10 +68,10 @@ class ObjectiveConformance:
 
     @property
     def forward(self) -> bool:
-        target = _component.component_class(
+        target: Any = _component.component_class(
             "objective", self.objective_name, self.objective_class, "ObjectiveConformance"
         )
-        return getattr(target, "trains_on", "transitions") == "forward"
+        return target.trains_on == "forward"
 
     def make_batch(self, *, seed: int = 0, on_policy: bool = True, reference: bool = True) -> StepBatch | ForwardBatch:
         if self.forward:
@@ -93,7 +93,7 @@ class ObjectiveConformance:
         x0, noise = randn(b, *self.shape), randn(b, *self.shape)
         t = 0.1 + 0.8 * torch.rand(b, generator=g)
         tt = t.reshape(-1, *([1] * len(self.shape)))
-        pairwise = getattr(self.make_objective(), "pairwise", False)
+        pairwise = self.make_objective().pairwise
         if pairwise:
             m = b // 2
             noise[m:], t[m:] = noise[:m], t[:m]
@@ -158,9 +158,14 @@ class ObjectiveConformance:
         )
 
     def test_satisfies_protocol(self) -> None:
+        """The typed members the update reads (fgrpo.core.objectives.base gives their defaults)."""
         objective = self.make_objective()
         assert isinstance(objective, Objective)
-        assert isinstance(objective.needs_reference, bool)
+        assert objective.trains_on in ("transitions", "forward")
+        flags = (objective.needs_reference, objective.needs_old, objective.samples_from_old, objective.pairwise)
+        assert all(isinstance(flag, bool) for flag in flags), flags
+        assert not objective.samples_from_old or objective.needs_old  # rollouts from an old policy it keeps
+        assert objective.trains_on == "forward" or not (objective.needs_old or objective.pairwise)
 
     def test_bad_params_raise_recipe_error(self) -> None:
         with pytest.raises(RecipeError):
@@ -193,7 +198,7 @@ class ObjectiveConformance:
         objective = self.make_objective()
         batch = self.make_batch(seed=2, on_policy=False)
         order = torch.roll(torch.arange(self.batch_size), 1)
-        if getattr(objective, "pairwise", False):  # pair by pair: the preferred half and the rejected half alike
+        if objective.pairwise:  # pair by pair: the preferred half and the rejected half alike
             m = self.batch_size // 2
             half = torch.roll(torch.arange(m), 1)
             order = torch.cat([half, half + m])
@@ -264,7 +269,7 @@ class ObjectiveConformance:
     def test_old_policy_used_only_when_kept(self) -> None:
         self.skip_unless_forward()
         objective = self.make_objective()
-        keeps = bool(getattr(objective, "needs_old", False))
+        keeps = objective.needs_old
         batch = self.make_forward_batch(seed=5, on_policy=False)
         loss = self.call(objective, batch).loss
         if not keeps:
@@ -291,7 +296,7 @@ class ObjectiveConformance:
     def test_pairs_lie_in_one_group_and_prefer_the_higher_advantage(self) -> None:
         self.skip_unless_forward()
         objective = self.make_objective()
-        if not getattr(objective, "pairwise", False):
+        if not objective.pairwise:
             pytest.skip("not pairwise")
         groups = torch.tensor([0, 0, 0, 1, 1, 1, 2, 2])
         advantages = torch.tensor([0.5, -1.0, 0.5, 0.0, 0.0, 0.0, 2.0, -2.0])

@@ -296,12 +296,13 @@ class PolicyConformance:
         from rich.console import Console
 
         from fgrpo.core import recipe as recipe_mod
-        from fgrpo.core.trainer import open_run, train
+        from fgrpo.core.opening import open_run
+        from fgrpo.core.trainer import train
 
         recipe, errors = recipe_mod.validate(dict(data), "conformance")
         assert recipe is not None and not errors, [str(e) for e in errors]
         run = open_run(recipe, out=str(out), resume=False, console=Console(quiet=True), quiet=True)
-        before = {k: v.clone() for k, v in run.policy.trainable_state_dict().items()}
+        before = {k: v.clone() for k, v in run.learner.policy.trainable_state_dict().items()}
         return run, train(run), before
 
     def test_one_trainer_iteration(self, model_keys: dict[str, Any], tmp_path: Path) -> None:
@@ -315,11 +316,11 @@ class PolicyConformance:
         assert row["first_ratio_deviation"] <= 1e-6, f"first ratio off by {row['first_ratio_deviation']}"
         for key in ("reward_mean", "policy_loss", "kl", "nfe_rollout", "nfe_train"):
             assert key in row and math.isfinite(row[key]), (key, row.get(key))
-        after = run.policy.trainable_state_dict()
+        after = run.learner.policy.trainable_state_dict()
         assert any(not torch.equal(before[k], after[k]) for k in before), "one optimizer step changed no weight"
         last = ckpt.latest(tmp_path / "run" / "checkpoints")
         assert last is not None and (last / ckpt.TRAINABLE).is_file()
-        if getattr(run.policy, "export_in_checkpoints", False):
+        if getattr(run.learner.policy, "export_in_checkpoints", False):
             exported = list((last / ckpt.EXPORT).iterdir())
             assert exported, f"the checkpoint's {ckpt.EXPORT}/ folder is empty"
 

@@ -124,7 +124,7 @@ class CorrelatedKernel(KernelBase):
     def whiten(self, t: torch.Tensor) -> torch.Tensor:
         """L^-1 applied along the time axis: with whitened means the objectives' ||mu - mu_ref||^2 /
         (2 std^2) is the exact KL between two such steps (the update whitens every mean it hands
-        an objective, :func:`fgrpo.core.phases.step_batch`)."""
+        an objective, :func:`fgrpo.core.points.transitions.step_batch`)."""
         axis = self.axis % t.ndim
         if t.ndim < 2 or axis == 0:
             return t

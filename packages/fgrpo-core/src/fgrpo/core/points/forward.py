@@ -13,8 +13,9 @@ the objective asks for are computed once, without gradient, in forward passes of
 policy's weights swapped in; the adapter disabled). The update then makes one forward with
 gradient per point (:meth:`ForwardPoints.batch`).
 
-:class:`ForwardPoints` gives :func:`fgrpo.core.phases.update` what :class:`fgrpo.core.phases.Transitions`
-gives it for stored transitions; the loop itself is the same for both.
+:class:`ForwardPoints` gives :func:`fgrpo.core.update.update` what
+:class:`~fgrpo.core.points.transitions.Transitions` gives it for stored transitions; the loop itself
+is the same for both.
 """
 
 from __future__ import annotations
@@ -32,18 +33,11 @@ from fgrpo.core.seeding import generator, randn
 from fgrpo.core.timing import TimedPolicy
 
 
-def sample_ids(traj: Trajectory, group_size: int) -> torch.Tensor:
-    """(B,) each sample's global id: its prompt group's global slot x G + its place in the group
-    (the rollout keeps the G samples of a prompt adjacent)."""
-    place = torch.arange(traj.batch_size) % group_size
-    return traj.group_index.cpu() * group_size + place
-
-
 def needs_old(run: Run) -> bool:
     """The old policy's predictions are computed: the objective uses them, or ``fgrpo check``
     compares the first update's predictions with them (then, without an old policy, with the
     current weights' own)."""
-    return bool(getattr(run.objective, "needs_old", False)) or run.checking
+    return run.objective.needs_old or run.checking
 
 
 class ForwardPoints:
@@ -51,18 +45,20 @@ class ForwardPoints:
 
     def __init__(self, run: Run, traj: Trajectory, adv: torch.Tensor, iteration: int):
         self.run, self.traj, self.iteration = run, traj, iteration
-        objective = run.objective
-        self.pairwise = bool(getattr(objective, "pairwise", False))
+        # these points are made for an objective that trains on them: trains_on == "forward"
+        self.objective = cast(ForwardObjective, run.objective)
+        self.pairwise = self.objective.pairwise
         if self.pairwise:
             # pairs are formed inside groups, and every group lies on one process
-            self.members = cast(ForwardObjective, objective).pairs(adv, traj.group_index).to(torch.long)
+            self.members = self.objective.pairs(adv, traj.group_index).to(torch.long)
             self.advantages = torch.ones(len(self.members), device=adv.device)  # every pair is informative
             self.sign = torch.tensor([1.0, -1.0], device=adv.device)
         else:
             self.members = torch.arange(traj.batch_size)[:, None]
             self.advantages = adv
         self.adv = adv
-        self.ids = sample_ids(traj, run.recipe.train.group_size)
+        assert traj.sample_ids is not None, "the trainer's rollout gives every sample its global id"
+        self.ids = traj.sample_ids.cpu()
         self.units = 0  # points per item, known once drawn
         self.t: torch.Tensor | None = None  # (items, K)
         self.noise: torch.Tensor | None = None  # (items, K, *shape)
@@ -83,10 +79,10 @@ class ForwardPoints:
         self.old = self.ref = None
         self.old_nfe = self.ref_nfe = 0
         if needs_old(run):
-            with ema_weights(run.old):
+            with ema_weights(run.learner.old_policy):
                 self.old, self.old_nfe = self.predict(kept)
         if run.objective.needs_reference:
-            with run.policy.reference():
+            with run.learner.policy.reference():
                 self.ref, self.ref_nfe = self.predict(kept)
 
     def draw(self, kept: torch.Tensor, epoch: int) -> None:
@@ -97,7 +93,7 @@ class ForwardPoints:
         for item in kept.tolist():
             ids = [int(self.ids[m]) for m in self.members[item].tolist()]
             g = generator(seed, "points", self.iteration, epoch, *ids)
-            t = cast(ForwardObjective, self.run.objective).point_times(traj.sigmas, g)
+            t = self.objective.point_times(traj.sigmas, g)
             t_rows[item] = t.to(device=device, dtype=torch.float32)
             noise_rows[item] = randn((len(t), *shape), g, device)
         k = len(next(iter(t_rows.values()))) if t_rows else self.units
@@ -130,12 +126,12 @@ class ForwardPoints:
         """The current weights' (as swapped in or switched by the caller) predictions at every
         point of the kept items, without gradient: (items, R, K, *shape) and their NFE."""
         run, traj = self.run, self.traj
-        policy = TimedPolicy(run.policy, run.clock)
+        policy = TimedPolicy(run.learner.policy, run.io.clock)
         r = self.members.shape[1]
         out = torch.zeros((self.items, r, self.units, *traj.final.shape[1:]), device=traj.final.device)
         cfg = run.recipe.train
         passes = list(self.passes(kept, self.per_forward(cfg.reference_batch_size or cfg.micro_batch_size)))
-        padding = run.parallel.missing_forwards(len(passes))  # a collective: before any pass
+        padding = run.learner.launch.missing_forwards(len(passes))  # a collective: before any pass
         nfe = 0
         for items, points in passes:
             samples, pts, its = self.rows(items, points)
@@ -170,7 +166,7 @@ class ForwardPoints:
     def batch(self, items: torch.Tensor, points: torch.Tensor) -> tuple[ForwardBatch, int]:
         """The :class:`ForwardBatch` of these (item, point) pairs, the velocity with gradient."""
         run, traj = self.run, self.traj
-        policy = TimedPolicy(run.policy, run.clock)
+        policy = TimedPolicy(run.learner.policy, run.io.clock)
         samples, pts, its = self.rows(items, points)
         x0, t, noise, x_t = self.x_t(samples, its, pts)
         dev = traj.final.device
@@ -202,12 +198,12 @@ class ForwardPoints:
         return ((batch.velocity.detach() - old).abs().max() / (old.abs().mean() + 1e-12)).float()
 
     def idle(self, count: int) -> None:
-        """``count`` forward/backward passes that change no gradient (``run.parallel.missing_backwards``)."""
-        policy = TimedPolicy(self.run.policy, self.run.clock)
+        """``count`` forward/backward passes that change no gradient (``run.learner.launch.missing_backwards``)."""
+        policy = TimedPolicy(self.run.learner.policy, self.run.io.clock)
         for _ in range(count):
             with self.run.accelerator.autocast():
                 v = self.idle_forward(policy)
-            self.run.parallel.backward(v.float().sum() * 0.0)
+            self.run.learner.launch.backward(v.float().sum() * 0.0)
 
     def idle_forward(self, policy) -> torch.Tensor:
         traj = self.traj

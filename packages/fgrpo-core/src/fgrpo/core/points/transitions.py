@@ -1,0 +1,158 @@
+"""Stored transitions: the (x_t, x_t') pairs of a rollout's trained (stochastic) steps, for the
+objectives that train on them (``trains_on = "transitions"``: grpo, grpo-guard).
+
+An *item* of the update is a sample, its *units* are its S trained steps; the KL term's reference
+prediction of every trained (sample, step) pair is computed once per iteration, without gradient
+(:func:`reference`). :class:`Transitions` is what :func:`fgrpo.core.update.update` asks of the
+points it trains on (:class:`fgrpo.core.points.TrainingPoints`).
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from fgrpo.core import tensors
+from fgrpo.core.protocols import StepBatch, Trajectory
+from fgrpo.core.run import Run
+from fgrpo.core.timing import TimedPolicy
+
+
+def pair_batches(traj: Trajectory, samples: torch.Tensor, per_forward: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(sample, step) pairs of the given samples, sample-major, in forward passes of ``per_forward``."""
+    steps = traj.num_trained_steps
+    rows = samples.repeat_interleave(steps)
+    cols = torch.arange(steps).repeat(len(samples))
+    size = per_forward or len(rows)
+    return list(zip(rows.split(size), cols.split(size), strict=True))
+
+
+def step_batch(
+    run: Run, traj: Trajectory, adv: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, ref: Reference | None = None
+) -> tuple[StepBatch, int]:
+    """Re-evaluate the stored actions of these (sample, step) pairs under the current policy
+    (``ref``: the reference pass of the KL term, see :func:`reference`)."""
+    policy, kernel = TimedPolicy(run.learner.policy, run.io.clock), run.sampler.kernel
+    x = traj.latents[rows, cols]
+    x_next = traj.next_latents[rows, cols]
+    index = traj.step_index[rows, cols]
+    sigmas = traj.sigmas
+    cond = tensors.index(traj.cond, rows)
+    v = policy.velocity(x, sigmas[index], cond)
+    new = kernel.step(v, x, sigmas, index, prev_sample=x_next)
+    nfe = len(rows) * policy.evaluations_per_call
+    ref_mean = ref_velocity = None
+    if ref is not None:
+        ref_mean, ref_velocity = ref.mean[rows, cols], ref.velocity[rows, cols]
+    # a kernel with correlated noise whitens the means, so that ||mu - mu'||^2 / (2 std^2) in the
+    # objectives (KL, GRPO-Guard's ratio norm) is the exact Mahalanobis form of its Gaussian
+    white = getattr(kernel, "whiten", None) or (lambda t: t)
+    batch = StepBatch(
+        log_prob=new.log_prob,
+        old_log_prob=traj.log_probs[rows, cols],
+        advantages=adv[rows] if traj.policy_weight is None else adv[rows] * traj.policy_weight[rows, cols],
+        mean=white(new.mean),
+        old_mean=white(traj.means[rows, cols]),
+        std=traj.stds[rows, cols],
+        dt=sigmas[index + 1] - sigmas[index],
+        velocity=v,
+        ref_mean=None if ref_mean is None else white(ref_mean),
+        ref_velocity=ref_velocity,
+    )
+    return batch, nfe
+
+
+@attrs.frozen
+class Reference:
+    """The reference policy's mean and velocity at every stored (x_t, t): (B, S, *shape) each."""
+
+    mean: torch.Tensor
+    velocity: torch.Tensor
+    nfe: int
+
+
+@torch.no_grad()
+def reference(run: Run, traj: Trajectory, samples: torch.Tensor) -> Reference | None:
+    """The KL term's reference prediction of every trained (sample, step) pair of ``samples``,
+    computed once per iteration without gradient (the reference does not change during the
+    update, whatever the number of inner epochs), in forward passes of
+    ``train.reference_batch_size`` pairs under one switch to the reference; None when the
+    objective needs no reference."""
+    if not run.objective.needs_reference:
+        return None
+    cfg = run.recipe.train
+    policy, kernel = TimedPolicy(run.learner.policy, run.io.clock), run.sampler.kernel
+    mean = torch.zeros_like(traj.means)
+    velocity = torch.zeros_like(traj.means)
+    nfe = 0
+    passes = (
+        pair_batches(traj, samples.to(traj.latents.device), cfg.reference_batch_size or cfg.micro_batch_size)
+        if len(samples)
+        else []
+    )
+    padding = run.learner.launch.missing_forwards(len(passes))
+    with policy.reference():
+        for rows, cols in passes:
+            x, index = traj.latents[rows, cols], traj.step_index[rows, cols]
+            with run.accelerator.autocast():
+                v = policy.velocity(x, traj.sigmas[index], tensors.index(traj.cond, rows))
+            velocity[rows, cols] = v.float()
+            mean[rows, cols] = kernel.step(v, x, traj.sigmas, index, prev_sample=traj.next_latents[rows, cols]).mean
+            nfe += len(rows) * policy.evaluations_per_call
+        first = torch.zeros(1, dtype=torch.long, device=traj.latents.device)
+        for _ in range(padding):
+            with run.accelerator.autocast():
+                policy.velocity(
+                    traj.latents[first, first],
+                    traj.sigmas[traj.step_index[first, first]],
+                    tensors.index(traj.cond, first),
+                )
+    return Reference(mean=mean, velocity=velocity, nfe=nfe)
+
+
+def idle_passes(run: Run, traj: Trajectory, adv: torch.Tensor, count: int) -> None:
+    """``count`` forward/backward passes that change no gradient (loss weight 0), on this process's
+    first (sample, step) pair: where every backward involves every process, a process makes as
+    many passes as the busiest one (``run.learner.launch.missing_backwards``)."""
+    one = torch.zeros(1, dtype=torch.long, device=traj.latents.device)
+    for _ in range(count):
+        with run.accelerator.autocast():
+            batch, _ = step_batch(run, traj, adv, one, one)
+        assert batch.velocity is not None  # step_batch always computes it
+        run.learner.launch.backward(batch.velocity.float().sum() * 0.0)
+
+
+class Transitions:
+    """The stored (x_t, x_t') pairs of a rollout's trained steps (grpo, grpo-guard): the items of
+    the update are its samples, each with its S trained steps; the reference pass (KL) is made
+    once per iteration, whatever the epochs (``iteration`` changes nothing here)."""
+
+    def __init__(self, run: Run, traj: Trajectory, adv: torch.Tensor, iteration: int = 0):
+        self.run, self.traj, self.adv = run, traj, adv
+        self.advantages = adv
+        self.items = traj.batch_size
+        self.units = traj.num_trained_steps
+        self.ref: Reference | None = None
+        self.ref_nfe = self.old_nfe = 0
+
+    def prepare(self, kept: torch.Tensor, epoch: int) -> None:
+        if epoch == 0:  # the reference does not change during the update, whatever the epochs
+            self.ref = reference(self.run, self.traj, kept)
+            self.ref_nfe = self.ref.nfe if self.ref is not None else 0
+        else:
+            self.ref_nfe = 0
+
+    def per_forward(self, micro_batch_size: int) -> int:
+        return micro_batch_size
+
+    def passes(self, items: torch.Tensor, per_forward: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return pair_batches(self.traj, items.to(self.traj.latents.device), per_forward) if len(items) else []
+
+    def batch(self, rows: torch.Tensor, cols: torch.Tensor) -> tuple[StepBatch, int]:
+        return step_batch(self.run, self.traj, self.adv, rows, cols, self.ref)
+
+    def deviation(self, batch: StepBatch) -> torch.Tensor:
+        return (batch.log_prob.detach() - batch.old_log_prob).exp().sub(1).abs().max()
+
+    def idle(self, count: int) -> None:
+        idle_passes(self.run, self.traj, self.adv, count)
