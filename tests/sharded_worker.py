@@ -110,20 +110,16 @@ def run(path: str, out: Path, iterations: int, overrides: list[str], *, resume: 
         stepped = [p for group in r.learner.optimizer.param_groups for p in group["params"]]
         if not stepped:  # ZeRO-3 hands its flat float32 partitions to the optimizer only while it steps
             stepped = list(r.learner.launch.engine.optimizer.fp32_partitioned_groups_flat)
+        policy = r.learner.policy
+        network = list(policy.trainable_module.parameters()) if hasattr(policy, "trainable_module") else []
         seen = {
             "kind": launch.kind(r.accelerator),
             "sharded": r.learner.launch.sharded,
             "dtensor": launch.is_sharded_tensor(r.learner.trainable[0]),
             # ZeRO-3: weights (trainable or frozen) whose data this process does not hold between forwards
-            "partitioned_weights": sum(
-                launch.is_partitioned(p) and p.data.numel() == 0 for p in r.learner.policy.trainable_module.parameters()
-            )
-            if hasattr(r.learner.policy, "trainable_module")
-            else 0,
+            "partitioned_weights": sum(launch.is_partitioned(p) and p.data.numel() == 0 for p in network),
             "description": r.learner.launch.description,
-            "network_weights": len(list(r.learner.policy.trainable_module.parameters()))
-            if hasattr(r.learner.policy, "trainable_module")
-            else 0,
+            "network_weights": len(network),
             # elements whose AdamW state this process holds and steps, of all trainable elements
             "stepped_numel": sum((p.to_local() if launch.is_sharded_tensor(p) else p).numel() for p in stepped),
             "trainable_numel": sum(getattr(p, "ds_numel", p.numel()) for p in r.learner.trainable),

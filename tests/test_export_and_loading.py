@@ -135,19 +135,16 @@ def test_an_unreachable_hub_is_one_message_without_retries(tmp_path):
 
 
 def test_a_missing_local_folder_is_reported_as_such(tmp_path):
-    from fgrpo.core import registry
+    """Every diffusers backbone fgrpo-models registers (the list is the entry points')."""
+    from fgrpo.core import registry, shipped
 
-    for name in (
-        "sd3",
-        "flux",
-        "flux2",
-        "flux2-klein",
-        "qwen-image",
-        "z-image",
-        "wan",
-        "wan-i2v",
-        "hunyuan-video-1.5",
-    ):
+    backbones = [
+        name
+        for (kind, name), (distribution, extras) in shipped.COMPONENTS.items()
+        if kind == "model" and distribution == "fgrpo-models" and "diffusers" in extras
+    ]
+    assert len(backbones) >= 12 and "z-image" in backbones
+    for name in backbones:
         with pytest.raises(
             registry.BuildError, match=f"model.path: the local folder {str(tmp_path / 'nowhere')!r} does not exist"
         ):

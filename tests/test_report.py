@@ -17,7 +17,7 @@ import pytest
 import torch
 from PIL import Image
 
-from fgrpo.core import cli, visuals
+from fgrpo.core import charts, cli, visuals
 from fgrpo.core.runlog import read_metrics
 
 ITERATIONS, EVERY, PROMPTS = 2, 1, 6
@@ -193,9 +193,9 @@ def test_report_holds_every_figure_and_image_it_claims(shapes_run):
     # accuracy per category: a chart, or (it did not move in 2 iterations) one entry of the constants
     assert "fig-eval-shapes-accuracy" in page.figures or "eval/shapes/accuracy (and its " in page.constant
     assert page.in_grid == list(page.figures)  # every figure in the page-wide grid
-    for anchor, charts in page.figures.items():
+    for anchor, drawn in page.figures.items():
         assert f"#{anchor}" in page.nav
-        assert charts and all(chart["series"] for chart in charts), anchor
+        assert drawn and all(chart["series"] for chart in drawn), anchor
     evaluations = [r["iteration"] for r in rows if "eval/reward_mean" in r]
     assert evaluations == [0, 1, 2]
     # every metric the issue names is either drawn or named in the one line of constants
@@ -321,15 +321,15 @@ def test_train_reward_is_smoothed_with_the_raw_points_faint_and_eval_on_its_own(
     page = Page()
     page.feed(f'<figure id="f">{train}{held_out}</figure>')
     train_chart, held_chart = page.figures["f"]
-    window = report.smoothing_window(60)
+    window = charts.smoothing_window(60)
     assert window == 5
     assert train_chart["series"] == {
         "reward_mean, each iteration": 60,
         f"reward_mean, mean of {window} iterations": 60,
     }
     assert train_chart["faint"] == {"reward_mean, each iteration"} and held_chart["series"] == {"eval/reward_mean": 7}
-    raw = report.series(rows, "reward_mean")
-    smooth = report.smoothed(raw, window, "s")
+    raw = charts.series(rows, "reward_mean")
+    smooth = charts.smoothed(raw, window, "s")
     ys = [y for _, y in raw.points]
     assert smooth.points[10][1] == pytest.approx(sum(ys[8:13]) / 5)  # centred: no lag
     assert smooth.points[0][1] == pytest.approx(sum(ys[:3]) / 3)
@@ -354,7 +354,7 @@ def test_constant_metrics_are_one_line_and_eval_time_has_its_own_chart():
     assert set(per_iteration["series"]) == {"time_rollout_s", "time_train_s"} and set(per_evaluation["series"]) == {
         "time_eval_s"
     }
-    axes = report.x_axes(synthetic_rows(), {"train": {"group_size": 8, "prompts_per_iteration": 8}})
+    axes = charts.x_axes(synthetic_rows(), {"train": {"group_size": 8, "prompts_per_iteration": 8}})
     assert axes["samples"][10] == 640 and axes["iteration"][10] == 10
     assert axes["time"][0] == 0 and axes["time"][10] == pytest.approx(
         (10 * 1.5 + 39) / 60

@@ -14,49 +14,30 @@ resolution (``model.resolution``), e.g. 64 or 128 px for the SD3 one.
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 from pathlib import Path
 
-KINDS = {
-    "sd3": "sd3",
-    "flux": "flux",
-    "flux2": "flux2",
-    "flux2-klein": "flux2_klein",
-    "qwen-image": "qwen_image",
-    "z-image": "z_image",
-    "wan": "wan",
-    "wan2.2": "wan22",
-    "wan2.2-i2v": "wan22_i2v",
-    "wan2.2-ti2v": "wan22_ti2v",
-    "hunyuan-video-1.5": "hunyuan_video15",
-}
 
-
-def builder(kind: str):
-    """The tiny-pipeline builder of ``kind`` from fgrpo-models' testing module."""
-    name = f"build_tiny_{KINDS[kind]}_pipeline"
-    for module in ("fgrpo.models.testing.pipelines", "fgrpo.models.testing"):
-        try:
-            found = getattr(importlib.import_module(module), name, None)
-        except ImportError:
-            continue
-        if found is not None:
-            return found
-    raise SystemExit(f"no builder for {kind!r} is installed ({name}); install fgrpo-models")
+def builders() -> dict:
+    """Every tiny-pipeline builder of fgrpo-models' testing modules, by kind (``sd3``, ``wan22-i2v``, ...)."""
+    try:
+        from fgrpo.models.testing import pipelines
+    except ImportError:
+        raise SystemExit("the tiny-pipeline builders are not installed: pip install fgrpo-models") from None
+    return {kind.replace("_", "-"): build for kind, build in pipelines.builders().items()}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("kind", choices=sorted(KINDS))
+    found = builders()
+    parser.add_argument("kind", choices=sorted(found))
     parser.add_argument("out", type=Path, help="folder to write (created; must be empty or absent)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     args = parser.parse_args(argv)
     if args.out.exists() and any(args.out.iterdir()):
         print(f"error: {args.out} exists and is not empty", file=sys.stderr)
         return 2
-    build = builder(args.kind)
-    build(args.out, seed=args.seed)
+    found[args.kind](args.out, seed=args.seed)
     size = sum(f.stat().st_size for f in args.out.rglob("*") if f.is_file())
     print(f"wrote a tiny random {args.kind} pipeline to {args.out} ({size / 1e6:.1f} MB)")
     return 0

@@ -20,7 +20,8 @@ partitions (and so the EMA, kept beside them) offloaded to the CPU.
 Sizes come from the pipeline's own configs: a local folder (``model.path``) or a hub id in the
 local hub cache is built on the meta device (no weights read, parameters counted exactly, LoRA
 sizes from the adapted layers' shapes); a hub id that is not cached falls back to the published
-sizes in :data:`PUBLISHED` (approximate). Activations use the usual transformer estimate
+sizes its backbone declares (``published`` on the policy class, :mod:`fgrpo.models.sizes`;
+approximate). Activations use the usual transformer estimate
 (Korthikanti et al. 2022, flash attention: 34 bytes x tokens x hidden per layer in 16-bit, 2 x
 tokens x hidden per layer boundary with checkpointing). These are estimates: the GPU script
 ``tools/gpu/`` compares them with ``torch.cuda.max_memory_allocated`` where a GPU is available.
@@ -38,99 +39,6 @@ from typing import Any
 GIB = 1024**3
 BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
 
-#: hub id -> published sizes when no config is at hand: parameters of the transformer (each expert),
-#: the text encoders, the VAE; the transformer's hidden size and block count (approximate)
-PUBLISHED: dict[str, dict[str, Any]] = {
-    "black-forest-labs/FLUX.2-dev": {
-        "transformer": 32.2e9,
-        "text": 24.0e9,
-        "vae": 0.08e9,
-        "hidden": 6144,
-        "layers": 56,
-    },
-    "black-forest-labs/FLUX.2-klein-9B": {
-        "transformer": 9.1e9,
-        "text": 8.2e9,
-        "vae": 0.08e9,
-        "hidden": 4096,
-        "layers": 32,
-    },
-    "black-forest-labs/FLUX.2-klein-base-9B": {
-        "transformer": 9.1e9,
-        "text": 8.2e9,
-        "vae": 0.08e9,
-        "hidden": 4096,
-        "layers": 32,
-    },
-    "Tongyi-MAI/Z-Image": {"transformer": 6.15e9, "text": 4.0e9, "vae": 0.08e9, "hidden": 3840, "layers": 34},
-    "Tongyi-MAI/Z-Image-Turbo": {"transformer": 6.15e9, "text": 4.0e9, "vae": 0.08e9, "hidden": 3840, "layers": 34},
-    "Wan-AI/Wan2.2-T2V-A14B-Diffusers": {
-        "transformer": 14.3e9,
-        "experts": 2,
-        "text": 5.7e9,
-        "vae": 0.13e9,
-        "hidden": 5120,
-        "layers": 40,
-    },
-    "Wan-AI/Wan2.2-I2V-A14B-Diffusers": {
-        "transformer": 14.3e9,
-        "experts": 2,
-        "text": 5.7e9,
-        "vae": 0.13e9,
-        "hidden": 5120,
-        "layers": 40,
-    },
-    "Wan-AI/Wan2.2-TI2V-5B-Diffusers": {
-        "transformer": 5.0e9,
-        "text": 5.7e9,
-        "vae": 0.7e9,
-        "hidden": 3072,
-        "layers": 30,
-    },
-    "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": {
-        "transformer": 1.42e9,
-        "text": 5.7e9,
-        "vae": 0.13e9,
-        "hidden": 1536,
-        "layers": 30,
-    },
-    "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v": {
-        "transformer": 8.3e9,
-        "text": 8.5e9,
-        "vae": 0.5e9,
-        "hidden": 2048,
-        "layers": 54,
-    },
-    "black-forest-labs/FLUX.1-dev": {
-        "transformer": 11.9e9,
-        "text": 4.9e9,
-        "vae": 0.08e9,
-        "hidden": 3072,
-        "layers": 57,
-    },
-    "stabilityai/stable-diffusion-3.5-medium": {
-        "transformer": 2.5e9,
-        "text": 5.6e9,
-        "vae": 0.08e9,
-        "hidden": 1536,
-        "layers": 24,
-    },
-    "Qwen/Qwen-Image": {"transformer": 20.4e9, "text": 8.3e9, "vae": 0.13e9, "hidden": 3072, "layers": 60},
-}
-#: per backbone: (spatial downscale of a token, temporal downscale, extra text tokens)
-GEOMETRY = {
-    "sd3": (16, None, 77),
-    "flux": (16, None, 0),
-    "flux2": (16, None, 0),
-    "flux2-klein": (16, None, 0),
-    "qwen-image": (16, None, 0),
-    "z-image": (16, None, 0),
-    "wan": (16, 4, 0),
-    "wan-i2v": (16, 4, 0),
-    "hunyuan-video-1.5": (16, 4, 256),
-}
-#: latent values per token (channels x patch area): 16 VAE channels in 2x2 patches unless said
-VALUES_PER_TOKEN = {"flux2": 128, "flux2-klein": 128, "hunyuan-video-1.5": 32}
 LAUNCHES = ("ddp", "fsdp", "deepspeed-zero2", "deepspeed-zero3", "zero2-offload", "zero3-offload")
 LAUNCH_NOTES = {
     "ddp": "recipes/accelerate/ddp.yaml",
@@ -212,7 +120,7 @@ def lora_params(module: Any, rank: int, targets: list[str]) -> int:
 
 def sizes(model: Mapping[str, Any]) -> dict[str, Any]:
     """{transformers: [params per network], text, vae, hidden, layers, block (largest block's params),
-    lora (per trained network), exact} from the pipeline's configs, else :data:`PUBLISHED`."""
+    lora (per trained network), exact} from the pipeline's configs, else the backbone's published sizes."""
     lora = model.get("lora")
     rank = int(lora["rank"]) if lora else 0
     targets = list((lora or {}).get("target_modules") or [])
@@ -250,14 +158,14 @@ def sizes(model: Mapping[str, Any]) -> dict[str, Any]:
             "lora": [lora_params(m, rank, targets) for m in experts[:trained]] if rank else [],
             "exact": True,
         }
-    known = PUBLISHED.get(str(model["path"]))
+    known = backbone(model).published.get(str(model["path"]))
     if known is None:
         raise SystemExit(
-            f"model.path {model['path']!r}: no local folder or cached configs, and no published sizes in "
-            f"tools/memory.py"
+            f"model.path {model['path']!r}: no local folder or cached configs, and model {model['name']!r} "
+            f"declares no published sizes for it (its policy class's `published`, fgrpo.models.sizes)"
         )
-    count = int(known.get("experts", 1))
-    per_block = known["transformer"] / known["layers"]
+    count = known.experts
+    per_block = known.transformer / known.layers
     # r x (in + out) per adapted linear: q, k, v, out of the image stream (8 r h), of the text stream
     # too when add_* are targeted, a feed-forward of width 4h when it is (10 r h)
     per_layer = (
@@ -265,13 +173,13 @@ def sizes(model: Mapping[str, Any]) -> dict[str, Any]:
         + (8 if any("add_" in t for t in targets) else 0)
         + (10 if any(w in t for t in targets for w in ("ff", "mlp", "feed")) else 0)
     )
-    lora_each = rank * known["hidden"] * per_layer * known["layers"]
+    lora_each = rank * known.hidden * per_layer * known.layers
     return {
-        "transformers": [known["transformer"]] * count,
-        "text": known["text"],
-        "vae": known["vae"],
-        "hidden": known["hidden"],
-        "layers": known["layers"],
+        "transformers": [known.transformer] * count,
+        "text": known.text,
+        "vae": known.vae,
+        "hidden": known.hidden,
+        "layers": known.layers,
         "block": per_block,
         "lora": [lora_each] * _trained_count(model, count) if rank else [],
         "exact": False,
@@ -286,21 +194,33 @@ def _trained_count(model: Mapping[str, Any], experts: int) -> int:
 # --- the estimate -------------------------------------------------------------------------------
 
 
-def tokens(backbone: str, model: Mapping[str, Any]) -> tuple[int, int]:
+def backbone(model: Mapping[str, Any]) -> Any:
+    """The recipe's model class: it declares its geometry and published sizes (fgrpo.models.sizes)."""
+    from fgrpo.core import registry
+
+    return registry.load("model", model["name"])
+
+
+def geometry(model: Mapping[str, Any]) -> Any:
+    """The sample's token geometry: the published checkpoint's own where it has one, else the backbone's."""
+    cls = backbone(model)
+    known = cls.published.get(str(model.get("path", "")))
+    return known.geometry if known is not None and known.geometry is not None else cls.geometry
+
+
+def tokens(model: Mapping[str, Any]) -> tuple[int, int]:
     """(image/video tokens, text tokens) of one sample."""
-    spatial, temporal, extra_text = GEOMETRY.get(backbone, (16, None, 0))
+    g = geometry(model)
     resolution = model.get("resolution") or 1024
     height, width = (resolution, resolution) if isinstance(resolution, int) else resolution
-    if str(model.get("path", "")).endswith("TI2V-5B-Diffusers"):
-        spatial = 32
-    frames = 1 if temporal is None else (int(model.get("num_frames", 81)) - 1) // temporal + 1
-    return frames * (height // spatial) * (width // spatial), int(model.get("max_sequence_length") or 512) + extra_text
+    frames = 1 if g.temporal is None else (int(model.get("num_frames", 81)) - 1) // g.temporal + 1
+    text = int(model.get("max_sequence_length") or 512) + g.extra_text_tokens
+    return frames * (height // g.spatial) * (width // g.spatial), text
 
 
 def estimate(data: Mapping[str, Any], gpus: int) -> dict[str, Any]:
     """Per launch kind: {part: bytes per GPU}; plus the sizes used."""
     model, train, sampler = data["model"], data["train"], data["sampler"]
-    backbone = model["name"]
     s = sizes(model)
     weight_bytes = BYTES.get(str(model.get("dtype", "float32")), 4)
     vae_bytes = BYTES.get(str(model.get("vae_dtype") or model.get("dtype", "float32")), 4)
@@ -311,18 +231,16 @@ def estimate(data: Mapping[str, Any], gpus: int) -> dict[str, Any]:
     vae = s["vae"] * vae_bytes
     trained = sum(s["transformers"][: _trained_count(model, len(s["transformers"]))]) if full else sum(s["lora"])
     ema = 4 * trained if float(train.get("ema_decay") or 0) > 0 else 0
-    image_tokens, text_tokens = tokens(backbone, model)
+    image_tokens, text_tokens = tokens(model)
     seq = image_tokens + text_tokens
-    guided = 2 if _guided(model) else 1
-    pairs = int(train.get("micro_batch_size") or 1) * guided
+    pairs = int(train.get("micro_batch_size") or 1) * backbone(model).forwards_per_sample(model)
     act_full = 34 * seq * s["hidden"] * s["layers"] * pairs
     act_ckpt = (2 * seq * s["hidden"] * s["layers"] + 34 * seq * s["hidden"]) * pairs
     checkpointing = bool(model.get("gradient_checkpointing"))
     prompts, group = int(train.get("prompts_per_iteration", 8)), int(train.get("group_size", 8))
     samples = prompts * group // max(gpus, 1)
     trained_steps = _trained_steps(sampler)
-    per_token = 192 if str(model.get("path", "")).endswith("TI2V-5B-Diffusers") else VALUES_PER_TOKEN.get(backbone, 64)
-    latent = image_tokens * per_token
+    latent = image_tokens * geometry(model).values_per_token
     # float32 latents before and after every trained step and their means, the final latent; the
     # prompt embeddings once per prompt (the hidden size as the text width's stand-in)
     rollout = samples * latent * 4 * (3 * trained_steps + 1)
@@ -357,15 +275,6 @@ def estimate(data: Mapping[str, Any], gpus: int) -> dict[str, Any]:
         "samples_per_gpu": samples,
         "trained_steps": trained_steps,
     }
-
-
-def _guided(model: Mapping[str, Any]) -> bool:
-    scale = model.get("true_cfg_scale", model.get("guidance_scale"))
-    if model["name"] in ("flux", "flux2"):  # embedded guidance: one forward
-        return float(model.get("true_cfg_scale") or 1.0) > 1.0
-    if model["name"] == "z-image":
-        return float(scale or 0.0) > 0.0
-    return scale is not None and float(scale) > 1.0
 
 
 def _trained_steps(sampler: Mapping[str, Any]) -> int:
@@ -408,7 +317,7 @@ def read_recipe(path: str, overrides: list[str]) -> tuple[dict[str, Any], str]:
     import yaml
 
     from fgrpo.core import registry
-    from fgrpo.core.recipe import apply_overrides
+    from fgrpo.core.yaml_reading import apply_overrides
 
     try:
         data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))

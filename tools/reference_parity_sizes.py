@@ -17,61 +17,16 @@ import numpy as np
 import torch
 
 from fgrpo.core import registry
+from fgrpo.models.flux import FluxPolicy
+from fgrpo.models.qwen_image import QwenImagePolicy
+from fgrpo.models.sd3 import SD3Policy
+from fgrpo.models.wan import WanPolicy
 
-#: the transformer configs published with the weights (structure only)
-SD35_MEDIUM = dict(
-    sample_size=128,
-    patch_size=2,
-    in_channels=16,
-    num_layers=24,
-    attention_head_dim=64,
-    num_attention_heads=24,
-    joint_attention_dim=4096,
-    caption_projection_dim=1536,
-    pooled_projection_dim=2048,
-    out_channels=16,
-    pos_embed_max_size=384,
-    dual_attention_layers=tuple(range(13)),
-    qk_norm="rms_norm",
-)
-WAN21_1_3B = dict(
-    patch_size=(1, 2, 2),
-    num_attention_heads=12,
-    attention_head_dim=128,
-    in_channels=16,
-    out_channels=16,
-    text_dim=4096,
-    freq_dim=256,
-    ffn_dim=8960,
-    num_layers=30,
-    cross_attn_norm=True,
-    qk_norm="rms_norm_across_heads",
-    eps=1e-6,
-    rope_max_seq_len=1024,
-)
-FLUX1_DEV = dict(
-    patch_size=1,
-    in_channels=64,
-    num_layers=19,
-    num_single_layers=38,
-    attention_head_dim=128,
-    num_attention_heads=24,
-    joint_attention_dim=4096,
-    pooled_projection_dim=768,
-    guidance_embeds=True,
-    axes_dims_rope=(16, 56, 56),
-)
-QWEN_IMAGE = dict(
-    patch_size=2,
-    in_channels=64,
-    out_channels=16,
-    num_layers=60,
-    attention_head_dim=128,
-    num_attention_heads=24,
-    joint_attention_dim=3584,
-    guidance_embeds=False,
-    axes_dims_rope=(16, 56, 56),
-)
+#: the transformer configs published with the weights (structure only), as the backbones declare them
+SD35_MEDIUM = SD3Policy.published["stabilityai/stable-diffusion-3.5-medium"].config
+WAN21_1_3B = WanPolicy.published["Wan-AI/Wan2.1-T2V-1.3B-Diffusers"].config
+FLUX1_DEV = FluxPolicy.published["black-forest-labs/FLUX.1-dev"].config
+QWEN_IMAGE = QwenImagePolicy.published["Qwen/Qwen-Image"].config
 OLD_JOINT = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
 
 

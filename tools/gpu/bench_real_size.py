@@ -33,33 +33,16 @@ import sys
 import time
 from typing import Any
 
-SD35_MEDIUM = dict(
-    sample_size=128,
-    patch_size=2,
-    in_channels=16,
-    out_channels=16,
-    num_layers=24,
-    attention_head_dim=64,
-    num_attention_heads=24,
-    joint_attention_dim=4096,
-    caption_projection_dim=1536,
-    pooled_projection_dim=2048,
-    pos_embed_max_size=384,
-    qk_norm="rms_norm",
-    dual_attention_layers=tuple(range(13)),
-)
-FLUX_DEV = dict(
-    patch_size=1,
-    in_channels=64,
-    num_layers=19,
-    num_single_layers=38,
-    attention_head_dim=128,
-    num_attention_heads=24,
-    joint_attention_dim=4096,
-    pooled_projection_dim=768,
-    guidance_embeds=True,
-    axes_dims_rope=(16, 56, 56),
-)
+
+def published_config(flux: bool) -> dict[str, Any]:
+    """The SD3.5-Medium or FLUX.1-dev transformer config as published, as the backbones declare it."""
+    if flux:
+        from fgrpo.models.flux import FluxPolicy
+
+        return dict(FluxPolicy.published["black-forest-labs/FLUX.1-dev"].config or {})
+    from fgrpo.models.sd3 import SD3Policy
+
+    return dict(SD3Policy.published["stabilityai/stable-diffusion-3.5-medium"].config or {})
 
 
 def small(config: dict[str, Any], flux: bool) -> dict[str, Any]:
@@ -145,7 +128,7 @@ def build_pipeline(flux: bool, shrink: bool, dtype: Any) -> Any:
     import diffusers
     import torch
 
-    config = dict(FLUX_DEV if flux else SD35_MEDIUM)
+    config = published_config(flux)
     if shrink:
         config = small(config, flux)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):

@@ -9,7 +9,7 @@ import yaml
 from safetensors.torch import save_file
 
 from fgrpo.core import checkpoint as ckpt
-from fgrpo.core import recipe as recipe_mod
+from fgrpo.core import yaml_reading
 from fgrpo.core.config import RecipeError, first_line
 
 
@@ -51,5 +51,5 @@ def test_a_yaml_error_without_a_message_is_a_recipe_error(monkeypatch):
 
     monkeypatch.setattr(yaml.SafeLoader, "get_single_node", broken)
     with pytest.raises(RecipeError) as info:
-        recipe_mod.load_yaml("seed: 0", "recipe.yaml")
+        yaml_reading.load_yaml("seed: 0", "recipe.yaml")
     assert str(info.value.errors[0]) == "recipe.yaml: malformed YAML: YAMLError"

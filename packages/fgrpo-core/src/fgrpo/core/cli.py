@@ -17,28 +17,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from rich.console import Console
 from rich.table import Table
 from rich.tree import Tree
 
-from fgrpo.core import registry
+from fgrpo.core import registry, trained
 from fgrpo.core import report as run_report
 from fgrpo.core.config import ConfigError, DeprecatedKey, RecipeError, first_line, help_lines
+from fgrpo.core.consoles import err, out
 
 EXIT_USAGE = 2
 #: a write that failed for want of room: a full disk, a quota, a file-size limit, a read-only disk
 FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
-
-
-def _console(stderr: bool = False) -> Console:
-    console = Console(stderr=stderr, highlight=False, soft_wrap=True)
-    if not console.is_terminal and "COLUMNS" not in os.environ:
-        console.width = 160  # logs and pipes: do not cut component paths at 80 columns
-    return console
-
-
-err = _console(stderr=True)
-out = _console()
 
 
 def _add_recipe_args(p: argparse.ArgumentParser, optional: bool = False) -> None:
@@ -217,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=integer_at_least(1), default=None, help="ODE steps (default: eval.steps)")
     p.add_argument("--out", required=True, help="a new (or empty) folder for the samples and their index.jsonl")
     p.add_argument("--no-ema", action="store_true", help="the raw trained weights even when the run keeps an EMA")
-    p.set_defaults(handler=cmd_sample)
+    p.set_defaults(handler=trained.cmd_sample)
 
     p = sub.add_parser("export", help="a checkpoint's trained weights in the backbone's own format (diffusers LoRA)")
     p.add_argument(
@@ -225,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", required=True, help="folder to write (e.g. for pipe.load_lora_weights(OUT))")
     p.add_argument("--no-ema", action="store_true", help="the raw trained weights even when the run keeps an EMA")
-    p.set_defaults(handler=cmd_export)
+    p.set_defaults(handler=trained.cmd_export)
 
     p = sub.add_parser(
         "launch",
@@ -317,9 +306,8 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 
 def _load(args: argparse.Namespace):
     from fgrpo.core import recipe as recipe_mod
-    from fgrpo.core.shipped import find_recipe
 
-    return recipe_mod.load(find_recipe(args.recipe), args.overrides)
+    return recipe_mod.load(args.recipe, args.overrides)
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -464,130 +452,6 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 1
 
 
-def cmd_sample(args: argparse.Namespace) -> int:
-    from fgrpo.core import checkpoint as ckpt
-    from fgrpo.core import confine, rundir
-    from fgrpo.core.building import check_prompts
-    from fgrpo.core.evaluation import write_samples
-    from fgrpo.core.prompts import image_errors, read_prompt_file
-    from fgrpo.core.saving import load_checkpoint_weights
-    from fgrpo.core.shipped import find_recipe
-
-    try:
-        rows = read_prompt_file(args.prompts)
-    except OSError as exc:
-        raise RecipeError([ConfigError("--prompts", f"cannot read {args.prompts}: {exc.strerror}")]) from None
-    except ValueError as exc:
-        raise RecipeError([ConfigError("--prompts", str(exc))]) from None
-    prompts, metadata = [p for p, _ in rows], dict(rows)
-    bad_images = image_errors(prompts, "--prompts")
-    if bad_images:
-        raise RecipeError(bad_images)
-    if args.checkpoint:
-        checkpoint = rundir.find_checkpoint(Path(args.checkpoint))
-        if (checkpoint / ckpt.STATE).is_file():
-            _verify(
-                checkpoint, "--checkpoint", ema=not args.no_ema
-            )  # the check resume makes, before anything is built
-        given = find_recipe(args.recipe) if args.recipe is not None else None
-        recipe = rundir.recipe_for_checkpoint(checkpoint, given, args.overrides)
-    elif args.recipe is None:
-        raise RecipeError([ConfigError("recipe", "give a RECIPE to sample its base model, or --checkpoint DIR")])
-    else:
-        checkpoint, recipe = None, _load(args)
-    target = rundir.output_folder(Path(args.out))
-    policy = _build_policy(recipe)
-    check_prompts(policy, prompts, "--prompts", lambda p: metadata.get(p, {}))
-    if checkpoint is not None:
-        load_checkpoint_weights(policy, checkpoint, 0.0 if args.no_ema else recipe.train.ema_decay)
-    with confine.new_folder(target) as folder:
-        written = write_samples(policy, prompts, args.n, args.steps or recipe.eval.steps, args.seed, folder)
-    out.print(f"wrote {written} samples to {args.out}", markup=False)
-    return 0
-
-
-def cmd_export(args: argparse.Namespace) -> int:
-    """Copy the export a checkpoint already holds (LoRA runs write one in diffusers' format), or
-    build the checkpoint's model, load its weights and let the policy export them. The checkpoint
-    is checked completely first (the check resume makes); the output folder appears whole."""
-    from fgrpo.core import checkpoint as ckpt
-    from fgrpo.core import confine, rundir, weights
-    from fgrpo.core.checkpoint import share_files
-
-    folder = rundir.find_checkpoint(Path(args.checkpoint))
-    if not (folder / ckpt.STATE).is_file():
-        raise RecipeError(
-            [
-                ConfigError(
-                    "checkpoint",
-                    f"{folder} is not a checkpoint folder (no {ckpt.STATE}); expected RUN, RUN/checkpoints/iter_N or "
-                    f"RUN/checkpoints/last",
-                )
-            ]
-        )
-    _verify(folder, "checkpoint", ema=not args.no_ema)
-    out_dir = rundir.output_folder(Path(args.out))
-    ema_in_use = ckpt.ema_decay(ckpt.read_state(folder)) > 0  # then the checkpoint's export/ holds the EMA's weights
-    ready = folder / ckpt.EXPORT
-    with confine.new_folder(out_dir) as tmp:
-        if ready.is_dir() and not (args.no_ema and ema_in_use):
-            made = _copy_tree(ready, tmp)
-        else:
-            recipe = rundir.recipe_for_checkpoint(folder, None, [])
-            policy = _build_policy(recipe)
-            export = getattr(policy, "export", None)
-            if export is None:
-                raise RecipeError(
-                    [
-                        ConfigError(
-                            "model",
-                            f"{recipe.data['model']['name']!r} has no export(): its weights are in "
-                            f"{folder / ckpt.TRAINABLE}",
-                        )
-                    ]
-                )
-            from fgrpo.core.saving import load_checkpoint_weights
-
-            load_checkpoint_weights(policy, folder, 0.0 if args.no_ema else recipe.train.ema_decay)
-            made = [Path(p) for p in export(str(tmp))]
-        share_files(tmp)
-        written = [str(out_dir / p.relative_to(tmp)) if p.is_relative_to(tmp) else str(p) for p in made]
-    for path in written:
-        out.print(f"wrote {path}", markup=False)
-    state = ckpt.read_state(folder)
-    summary = None if args.no_ema or not ema_in_use else weights.summary_of_checkpoint(state)
-    used = "raw weights" if summary is None else f"EMA weights after {summary.get('updates', '?')} update(s)"
-    out.print(f"exported {folder} ({used}) to {out_dir}", markup=False)
-    every = (state["recipe"].get("train") or {}).get("ema_every", 1)
-    for line in weights.ema_warnings(summary, every) + weights.lora_warnings(out_dir):
-        err.print(f"warning: {line}", markup=False)
-    return 0
-
-
-def _verify(folder: Path, key: str, *, ema: bool) -> None:
-    from fgrpo.core import checkpoint as ckpt
-
-    try:
-        ckpt.verify(folder, ema=ema)
-    except ckpt.CheckpointError as exc:
-        raise RecipeError([ConfigError(key, str(exc))]) from None
-
-
-def _copy_tree(source: Path, target: Path) -> list[Path]:
-    """The files of ``source`` (checked: no links, regular files only) copied under ``target``."""
-    import shutil
-
-    made = []
-    for path in sorted(source.rglob("*")):
-        dest = target / path.relative_to(source)
-        if path.is_dir():
-            dest.mkdir(exist_ok=True)
-        else:
-            shutil.copyfile(path, dest, follow_symlinks=False)
-            made.append(dest)
-    return made
-
-
 def cmd_launch(args: argparse.Namespace) -> int:
     """``fgrpo launch [ACCELERATE OPTIONS] COMMAND ...``: the command's recipe is loaded and checked
     here, once (a bad one is reported once, exit 2, before any process starts); then accelerate's
@@ -650,15 +514,6 @@ def _shipped_config(options: list[str]) -> list[str]:
         elif word.startswith("--config_file="):
             out[i] = "--config_file=" + find_accelerate_config(word.split("=", 1)[1])
     return out
-
-
-def _build_policy(recipe: Any) -> Any:
-    import torch
-
-    from fgrpo.core.seeding import derive_seed
-
-    torch.manual_seed(derive_seed(recipe.seed, "build"))
-    return recipe.build("model")
 
 
 # --- entry -------------------------------------------------------------------------------------

@@ -12,7 +12,6 @@ from __future__ import annotations
 import base64
 import html
 import json
-import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -23,194 +22,23 @@ import yaml
 
 from fgrpo.core import checkpoint as ckpt
 from fgrpo.core import confine, weights
+from fgrpo.core.charts import (
+    AXES,
+    Series,
+    fmt,
+    is_constant,
+    is_number,
+    line_chart,
+    series,
+    smoothed,
+    smoothing_window,
+    x_axes,
+)
 from fgrpo.core.config import first_line
 from fgrpo.core.runlog import METRICS, metrics_rows
 from fgrpo.core.shipped import DISTRIBUTIONS, version
 
 REPORT = "report.html"
-COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
-#: the x axes a reader chooses between (radio buttons and CSS, no script): id, axis title
-AXES = (("iteration", "iteration"), ("time", "training time (min)"), ("samples", "samples trained on"))
-
-
-@attrs.frozen
-class Series:
-    """One line of a chart: (iteration, value) points; ``faint``: drawn light behind the others
-    (the raw points under a smoothed line), its last value not repeated in the legend."""
-
-    label: str
-    points: list[tuple[float, float]]
-    faint: bool = False
-    color: int | None = None
-    key: str = ""  # the metric, where the label is short ("all" in a per-category chart)
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def series(rows: Sequence[Mapping[str, Any]], key: str, label: str | None = None, **style: Any) -> Series:
-    return Series(
-        label or key, [(r["iteration"], float(r[key])) for r in rows if _number(r.get(key))], key=key, **style
-    )
-
-
-def smoothing_window(n: int) -> int:
-    """A centred moving average over about a fifteenth of the run (odd, 1 for short runs)."""
-    w = max(1, round(n / 15))
-    return w if w % 2 else w + 1
-
-
-def smoothed(line: Series, window: int, label: str) -> Series:
-    ys = [y for _, y in line.points]
-    half = window // 2
-    out = []
-    for i, (x, _) in enumerate(line.points):
-        part = ys[max(0, i - half) : i + half + 1]
-        out.append((x, sum(part) / len(part)))
-    return Series(label, out, color=line.color, key=line.key)
-
-
-def is_constant(line: Series) -> bool:
-    """Two points or more, all the same value: a chart would show a flat line."""
-    ys = [y for _, y in line.points]
-    return len(ys) >= 2 and max(ys) - min(ys) <= 1e-12 * max(1.0, abs(ys[0]))
-
-
-def x_axes(rows: Sequence[Mapping[str, Any]], recipe: Mapping[str, Any]) -> dict[str, dict[float, float]]:
-    """iteration -> x on each axis of :data:`AXES`: the iteration, the training time at its end
-    (minutes: the iterations' and earlier evaluations' time, from metrics.jsonl) and the samples
-    trained on (group_size x prompts_per_iteration per iteration)."""
-    train = recipe.get("train") or {}
-    per_iteration = (train.get("group_size") or 0) * (train.get("prompts_per_iteration") or 0)
-    time, elapsed = {}, 0.0
-    for row in sorted(rows, key=lambda r: r["iteration"]):
-        it = row["iteration"]
-        if _number(row.get("time_iteration_s")):
-            elapsed += row["time_iteration_s"]
-        time[it] = elapsed / 60
-        if _number(row.get("time_eval_s")):
-            elapsed += row["time_eval_s"]  # after this row's point: it evaluated the weights at its end
-    its = {r["iteration"] for r in rows}
-    return {
-        "iteration": {i: float(i) for i in its},
-        "time": time,
-        "samples": {i: float(i * per_iteration) for i in its},
-    }
-
-
-# --- SVG line charts ---------------------------------------------------------------------------
-
-
-def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
-    if hi <= lo:
-        return [lo]
-    raw = (hi - lo) / n
-    step = 10 ** math.floor(math.log10(raw))
-    step *= next(m for m in (1, 2, 2.5, 5, 10) if step * m >= raw)
-    first = math.ceil(lo / step - 1e-9) * step
-    return [first + i * step for i in range(int((hi - first) / step + 1e-9) + 1)]
-
-
-def _fmt(v: float) -> str:
-    return f"{v:.4g}" if v != 0 else "0"
-
-
-def _tick_label(v: float, step: float, size: float) -> str:
-    """Enough decimals to tell neighbouring ticks apart (1.0002 and 1.0000, not 1 and 1);
-    ``size`` is the largest |tick|: tiny or huge axes get the short general format."""
-    if 1e-3 <= size < 1e6:
-        decimals = max(0, -math.floor(math.log10(step) + 1e-9))
-        decimals += 0 if abs(step * 10**decimals - round(step * 10**decimals)) < 1e-6 else 1
-        return f"{v:.{decimals}f}"
-    return _fmt(round(v / step) * step)
-
-
-def _color(line: Series, i: int) -> str:
-    return COLORS[(line.color if line.color is not None else i) % len(COLORS)]
-
-
-def line_chart(
-    lines: Sequence[Series],
-    *,
-    title: str,
-    axes: Mapping[str, Mapping[float, float]] | None = None,
-    width: int = 560,
-    height: int = 240,
-) -> str:
-    """One chart of one or more series: an inline SVG (one group of lines per x axis of
-    :data:`AXES`, the chosen one shown, each over the whole run) and an HTML legend under it,
-    each series with its last value; ``""`` when nothing to draw."""
-    lines = [line for line in lines if line.points]
-    if not lines:
-        return ""
-    axes = axes or {"iteration": {x: x for line in lines for x, _ in line.points}}
-    ys = [y for line in lines for _, y in line.points]
-    y0, y1 = min(ys), max(ys)
-    pad = (y1 - y0) * 0.05 or max(abs(y0) * 0.05, 1e-3)
-    y0, y1 = y0 - pad, y1 + pad
-    left, right, top, bottom = 58, 12, 22, 32
-    pw, ph = width - left - right, height - top - bottom
-
-    def py(y: float) -> float:
-        return top + (1 - (y - y0) / (y1 - y0)) * ph
-
-    out = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" width="100%" '
-        f'role="img" aria-label="{html.escape(title)}" class="chart">',
-        f'<text x="{left}" y="14" class="title">{html.escape(title)}</text>',
-        f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" class="frame"/>',
-    ]
-    yticks = _ticks(y0, y1)
-    for t in yticks:
-        label = _tick_label(t, yticks[1] - yticks[0], max(map(abs, yticks))) if len(yticks) > 1 else _fmt(t)
-        out.append(f'<line x1="{left}" x2="{left + pw}" y1="{py(t):.1f}" y2="{py(t):.1f}" class="grid"/>')
-        out.append(f'<text x="{left - 4}" y="{py(t) + 4:.1f}" text-anchor="end">{label}</text>')
-    for axis, axis_title in AXES:
-        at = axes.get(axis)
-        if not at:
-            continue
-        if not any(x in at for line in lines for x, _ in line.points):
-            continue
-        x0, x1 = min(at.values()), max(at.values())  # the whole run: the charts of a page line up
-        if x1 == x0:
-            x0, x1 = x0 - 1, x1 + 1
-
-        def px(x: float, x0: float = x0, x1: float = x1) -> float:
-            return left + (x - x0) / (x1 - x0) * pw
-
-        out.append(f'<g class="x-{axis}">')
-        xticks = _ticks(x0, x1)
-        for t in xticks:
-            label = _tick_label(t, xticks[1] - xticks[0], max(map(abs, xticks))) if len(xticks) > 1 else _fmt(t)
-            if axis == "time" or float(t).is_integer():
-                out.append(
-                    f'<text x="{px(t):.1f}" y="{top + ph + 14}" '
-                    f'text-anchor="middle">{label if axis == "time" else int(t)}</text>'
-                )
-        out.append(f'<text x="{left + pw / 2}" y="{height - 3}" text-anchor="middle">{axis_title}</text>')
-        for i, line in enumerate(lines):
-            pts = [(at[x], y) for x, y in line.points if x in at]
-            color = _color(line, i)
-            coords = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in pts)
-            style = ' stroke-opacity="0.3" stroke-width="1"' if line.faint else ' stroke-width="1.6"'
-            out.append(
-                f'<polyline points="{coords}" fill="none" stroke="{color}"{style} '
-                f'data-series="{html.escape(line.label)}"/>'
-            )
-            if line.faint or len(pts) <= 40:
-                radius, opacity = (1.6, ' fill-opacity="0.3"') if line.faint else (2.2, "")
-                out += [
-                    f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="{radius}" fill="{color}"{opacity}/>' for x, y in pts
-                ]
-        out.append("</g>")
-    out.append("</svg>")
-    legend = []
-    for i, line in enumerate(lines):
-        value = "" if line.faint else f" = {_fmt(line.points[-1][1])}"
-        swatch = f'<i style="background:{_color(line, i)}"{" class=faint" if line.faint else ""}></i>'
-        legend.append(f"<span>{swatch}{html.escape(line.label)}{value}</span>")
-    return f'<div class="chart">{"".join(out)}<div class="legend">{"".join(legend)}</div></div>'
 
 
 # --- what the metrics hold ---------------------------------------------------------------------
@@ -220,7 +48,7 @@ def _keys(rows: Iterable[Mapping[str, Any]]) -> list[str]:
     seen: dict[str, None] = {}
     for row in rows:
         for key, value in row.items():
-            if _number(value):
+            if is_number(value):
                 seen.setdefault(key)
     return list(seen)
 
@@ -437,7 +265,7 @@ def _slug(key: str) -> str:
 
 
 def evaluation_table(rows: Sequence[Mapping[str, Any]]) -> str:
-    evals = [r for r in rows if _number(r.get("eval/reward_mean"))]
+    evals = [r for r in rows if is_number(r.get("eval/reward_mean"))]
     if not evals:
         return "<p>No evaluation in this run (eval.every is 0).</p>"
     keys = _keys(evals)
@@ -459,7 +287,7 @@ def _table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str], strip: str
     head = "".join(f"<th>{html.escape(c[len(strip) :] if c.startswith(strip) else c)}</th>" for c in columns)
     body = []
     for r in rows:
-        cells = "".join(f"<td>{_fmt(r[c]) if _number(r.get(c)) else ''}</td>" for c in columns)
+        cells = "".join(f"<td>{fmt(r[c]) if is_number(r.get(c)) else ''}</td>" for c in columns)
         body.append(f"<tr><th>{r['iteration']}</th>{cells}</tr>")
     return (
         f'<div class="wide"><table '
@@ -534,18 +362,18 @@ def tile_class(tile: Mapping[str, Any]) -> str:
     """The CSS class of a filmstrip tile: an edit's tile (source -> output, ``sources`` in its
     index row) is shown wider, in proportion to the images it holds."""
     sources = tile.get("sources")
-    return f"tile edit{min(int(sources), 3)}" if _number(sources) and sources else "tile"
+    return f"tile edit{min(int(sources), 3)}" if is_number(sources) and sources else "tile"
 
 
 def score_style(scores: Sequence[Any]) -> Any:
     """How a filmstrip score is coloured: pass (green) / fail (red) when every score is 0 or 1
     (a verifier's strict verdict), else from red (the strip's lowest) to green (its highest)."""
-    finite = [s for s in scores if _number(s)]
+    finite = [s for s in scores if is_number(s)]
     binary = bool(finite) and all(s in (0, 1) for s in finite)
     lo, hi = (min(finite), max(finite)) if finite else (0.0, 1.0)
 
     def style(score: Any) -> tuple[str, str]:
-        if not _number(score):
+        if not is_number(score):
             return "score", ""
         if binary:
             return ("score pass" if score == 1 else "score fail"), ""
@@ -583,7 +411,7 @@ def strip_table(evals: Sequence[tuple[int, list[dict[str, Any]]]]) -> tuple[str,
             read = tile.get("read") or ""
             score = tile.get("score")
             classes, inline = style(score)
-            caption = (f'<span class="{classes}"{inline}>{score:.3g}</span>' if _number(score) else "") + (
+            caption = (f'<span class="{classes}"{inline}>{score:.3g}</span>' if is_number(score) else "") + (
                 f"<br><span class=read>{html.escape(read)}</span>" if read else ""
             )
             alt = html.escape(f"{prompt} (score {score})", quote=True)
@@ -750,7 +578,7 @@ def render(run_dir: Path) -> str:
         (
             '<p class="constant" id="constant">Constant over the run, not drawn: '
             + "; ".join(
-                f"{', '.join(html.escape(k) for k in keys)} = {_fmt(value)}" for value, keys in by_value.items()
+                f"{', '.join(html.escape(k) for k in keys)} = {fmt(value)}" for value, keys in by_value.items()
             )
             + "</p>"
         )

@@ -28,7 +28,7 @@ from pathlib import Path
 import attrs
 
 from fgrpo.core import checkpoint as ckpt
-from fgrpo.core import confine
+from fgrpo.core import confine, yaml_reading
 from fgrpo.core import recipe as recipe_mod
 from fgrpo.core.config import ConfigError, RecipeError
 from fgrpo.core.recipe import Recipe
@@ -350,7 +350,7 @@ def recipe_for_checkpoint(checkpoint: Path, recipe_path: str | Path | None, over
         raise _refuse("--checkpoint", str(exc)) from None
     saved = resolved(state["recipe"])
     if recipe_path is None:
-        data, errors = recipe_mod.apply_overrides(saved, overrides)
+        data, errors = yaml_reading.apply_overrides(saved, overrides)
         recipe, more = recipe_mod.validate(data, source=str(checkpoint / ckpt.STATE))
         if errors or more:
             raise RecipeError(errors + more)

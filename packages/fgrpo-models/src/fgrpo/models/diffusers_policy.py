@@ -49,6 +49,7 @@ from fgrpo.models.lora import (
     save_peft_adapter,
     trainable_state,
 )
+from fgrpo.models.sizes import Geometry, Published, guidance_forwards
 
 if TYPE_CHECKING:  # from its own module: mypy reads diffusers' top-level names as its dummy objects
     from diffusers.models.modeling_utils import ModelMixin
@@ -113,6 +114,16 @@ class DiffusersPolicy:
     #: the text encoder reads the source images too (Qwen-Image-Edit's VL encoder): text
     #: embeddings are then cached per prompt (text and images), else per text
     text_sees_images: ClassVar[bool] = False
+    #: how a sample becomes tokens, and the published checkpoints' sizes (fgrpo.models.sizes:
+    #: read by the memory estimate and the GPU scripts)
+    geometry: ClassVar[Geometry] = Geometry()
+    published: ClassVar[Mapping[str, Published]] = {}
+
+    @classmethod
+    def forwards_per_sample(cls, keys: Mapping[str, Any]) -> int:
+        """Network evaluations per sample and step with the recipe's model ``keys`` (true
+        classifier-free guidance doubles them)."""
+        return guidance_forwards(keys.get("true_cfg_scale", keys.get("guidance_scale")))
 
     path: str = param(help="hub id or local folder (save_pretrained output) of the diffusers pipeline")
     dtype: str = param(

@@ -21,6 +21,7 @@ against ``pipe(..., output_type="latent")``):
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import attrs
 import torch
@@ -29,6 +30,7 @@ from fgrpo.core.config import param
 from fgrpo.models import _diffusers as dx
 from fgrpo.models.diffusers_policy import DiffusersPolicy
 from fgrpo.models.lora import JOINT_ATTENTION_LORA_TARGETS, lora_param
+from fgrpo.models.sizes import Published, guidance_forwards
 
 FLUX_LORA_TARGETS = (
     *JOINT_ATTENTION_LORA_TARGETS,
@@ -44,6 +46,38 @@ class FluxPolicy(DiffusersPolicy):
     """FLUX.1-dev/schnell (diffusers) with LoRA; satisfies :class:`fgrpo.core.protocols.Policy`."""
 
     pipeline_class_name = "FluxPipeline"
+    published = {
+        "black-forest-labs/FLUX.1-dev": Published(
+            transformer=11.9e9,
+            text=4.9e9,
+            vae=0.08e9,
+            hidden=3072,
+            layers=57,
+            config=dict(
+                patch_size=1,
+                in_channels=64,
+                num_layers=19,
+                num_single_layers=38,
+                attention_head_dim=128,
+                num_attention_heads=24,
+                joint_attention_dim=4096,
+                pooled_projection_dim=768,
+                guidance_embeds=True,
+                axes_dims_rope=(16, 56, 56),
+            ),
+            source="black-forest-labs/FLUX.1-dev transformer/config.json",
+        ),
+        # Kontext [dev] is FLUX.1 [dev]'s transformer (12B) and text encoders, the source in sequence
+        "black-forest-labs/FLUX.1-Kontext-dev": Published(
+            transformer=11.9e9, text=4.9e9, vae=0.08e9, hidden=3072, layers=57, source="as FLUX.1-dev (12B)"
+        ),
+    }
+
+    @classmethod
+    def forwards_per_sample(cls, keys: Mapping[str, Any]) -> int:
+        """One forward with the embedded guidance; two with true CFG (``true_cfg_scale`` > 1)."""
+        return guidance_forwards(keys.get("true_cfg_scale"))
+
     text_encoder_names = ("text_encoder", "text_encoder_2")
     timestep_scale = 1.0
     explicit_sigma_grid = True

@@ -38,6 +38,7 @@ import torch
 from fgrpo.core.config import param
 from fgrpo.models.diffusers_policy import DiffusersPolicy
 from fgrpo.models.lora import JOINT_ATTENTION_LORA_TARGETS, lora_param
+from fgrpo.models.sizes import Geometry, Published, guidance_forwards
 
 #: Flow-Factory's default FLUX.2 targets (models/flux/flux2.py ``default_target_modules``): the
 #: double-stream blocks' attention (both streams) and feed-forwards, and the single-stream blocks'
@@ -66,6 +67,16 @@ class Flux2Policy(DiffusersPolicy):
     """FLUX.2 [dev] (diffusers) with LoRA; satisfies :class:`fgrpo.core.protocols.Policy`."""
 
     pipeline_class_name = "Flux2Pipeline"
+    geometry = Geometry(values_per_token=128)  # 32 VAE channels in 2x2 patches
+    published = {
+        "black-forest-labs/FLUX.2-dev": Published(transformer=32.2e9, text=24.0e9, vae=0.08e9, hidden=6144, layers=56)
+    }
+
+    @classmethod
+    def forwards_per_sample(cls, keys: Mapping[str, Any]) -> int:
+        """One forward: FLUX.2 [dev]'s guidance is embedded."""
+        return guidance_forwards(keys.get("true_cfg_scale"))
+
     text_encoder_names = ("text_encoder",)
     timestep_scale = 1.0
     explicit_sigma_grid = True
@@ -162,6 +173,19 @@ class Flux2KleinPolicy(Flux2Policy):
     :class:`fgrpo.core.protocols.Policy`."""
 
     pipeline_class_name = "Flux2KleinPipeline"
+    published = {
+        "black-forest-labs/FLUX.2-klein-9B": Published(
+            transformer=9.1e9, text=8.2e9, vae=0.08e9, hidden=4096, layers=32
+        ),
+        "black-forest-labs/FLUX.2-klein-base-9B": Published(
+            transformer=9.1e9, text=8.2e9, vae=0.08e9, hidden=4096, layers=32
+        ),
+    }
+
+    @classmethod
+    def forwards_per_sample(cls, keys: Mapping[str, Any]) -> int:
+        """[klein] guides with true CFG (``guidance_scale`` > 1: two forwards)."""
+        return guidance_forwards(keys.get("guidance_scale"))
 
     guidance_scale: float = param(
         4.0,

@@ -34,6 +34,7 @@ from fgrpo.core.config import param
 from fgrpo.models import _diffusers as dx
 from fgrpo.models.diffusers_policy import DiffusersPolicy
 from fgrpo.models.lora import JOINT_ATTENTION_LORA_TARGETS, lora_param
+from fgrpo.models.sizes import Geometry, Published
 from fgrpo.models.wan import _frames
 
 #: attention (both streams) and the feed-forwards of every double-stream block
@@ -51,6 +52,12 @@ class HunyuanVideo15Policy(DiffusersPolicy):
     """HunyuanVideo 1.5 text-to-video (diffusers) with LoRA; satisfies :class:`fgrpo.core.protocols.Policy`."""
 
     pipeline_class_name = "HunyuanVideo15Pipeline"
+    geometry = Geometry(temporal=4, extra_text_tokens=256, values_per_token=32)  # ByT5's 256 glyph tokens
+    published = {
+        "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v": Published(
+            transformer=8.3e9, text=8.5e9, vae=0.5e9, hidden=2048, layers=54
+        )
+    }
     text_encoder_names = ("text_encoder", "text_encoder_2")
     timestep_scale = 1000.0
     explicit_sigma_grid = True  # linspace(1, 0, steps + 1)[:-1] is linspace(1, 1/steps, steps)

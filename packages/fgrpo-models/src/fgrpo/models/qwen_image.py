@@ -31,6 +31,7 @@ from fgrpo.core.config import param
 from fgrpo.models import _diffusers as dx
 from fgrpo.models.diffusers_policy import DiffusersPolicy
 from fgrpo.models.lora import JOINT_ATTENTION_LORA_TARGETS, lora_param
+from fgrpo.models.sizes import Published
 
 QWEN_IMAGE_LORA_TARGETS = (
     *JOINT_ATTENTION_LORA_TARGETS,
@@ -46,6 +47,30 @@ class QwenImagePolicy(DiffusersPolicy):
     """Qwen-Image (diffusers) with LoRA; satisfies :class:`fgrpo.core.protocols.Policy`."""
 
     pipeline_class_name = "QwenImagePipeline"
+    published = {
+        "Qwen/Qwen-Image": Published(
+            transformer=20.4e9,
+            text=8.3e9,
+            vae=0.13e9,
+            hidden=3072,
+            layers=60,
+            config=dict(
+                patch_size=2,
+                in_channels=64,
+                out_channels=16,
+                num_layers=60,
+                attention_head_dim=128,
+                num_attention_heads=24,
+                joint_attention_dim=3584,
+                guidance_embeds=False,
+                axes_dims_rope=(16, 56, 56),
+            ),
+            source="Qwen/Qwen-Image transformer/config.json",
+        ),
+        # the editing models keep Qwen-Image's transformer and Qwen2.5-VL encoder
+        "Qwen/Qwen-Image-Edit": Published(transformer=20.4e9, text=8.3e9, vae=0.13e9, hidden=3072, layers=60),
+        "Qwen/Qwen-Image-Edit-2509": Published(transformer=20.4e9, text=8.3e9, vae=0.13e9, hidden=3072, layers=60),
+    }
     text_encoder_names = ("text_encoder",)
     timestep_scale = 1.0
     explicit_sigma_grid = True

@@ -22,6 +22,7 @@ import torch
 from fgrpo.core.config import param
 from fgrpo.models.diffusers_policy import DiffusersPolicy
 from fgrpo.models.lora import JOINT_ATTENTION_LORA_TARGETS, lora_param
+from fgrpo.models.sizes import Geometry, Published
 
 #: LoRA on both attention streams of every joint block (image: attn.to_*; text: attn.add_*/to_add_out),
 #: not SD3.5's dual attention attn2, as flow_grpo does for SD3.5 (r 32, alpha 64, gaussian init).
@@ -33,6 +34,32 @@ class SD3Policy(DiffusersPolicy):
     """SD3/SD3.5 (diffusers) with LoRA; satisfies :class:`fgrpo.core.protocols.Policy`."""
 
     pipeline_class_name = "StableDiffusion3Pipeline"
+    geometry = Geometry(extra_text_tokens=77)  # CLIP's 77 tokens beside T5's
+    published = {
+        "stabilityai/stable-diffusion-3.5-medium": Published(
+            transformer=2.5e9,
+            text=5.6e9,
+            vae=0.08e9,
+            hidden=1536,
+            layers=24,
+            config=dict(
+                sample_size=128,
+                patch_size=2,
+                in_channels=16,
+                num_layers=24,
+                attention_head_dim=64,
+                num_attention_heads=24,
+                joint_attention_dim=4096,
+                caption_projection_dim=1536,
+                pooled_projection_dim=2048,
+                out_channels=16,
+                pos_embed_max_size=384,
+                dual_attention_layers=tuple(range(13)),
+                qk_norm="rms_norm",
+            ),
+            source="stabilityai/stable-diffusion-3.5-medium transformer/config.json",
+        )
+    }
     text_encoder_names = ("text_encoder", "text_encoder_2", "text_encoder_3")
     timestep_scale = 1000.0
 

@@ -58,6 +58,7 @@ from fgrpo.core.config import param
 from fgrpo.models import _diffusers as dx
 from fgrpo.models.diffusers_policy import NEGATIVE, DiffusersPolicy
 from fgrpo.models.lora import lora_param
+from fgrpo.models.sizes import Geometry, Published
 
 if TYPE_CHECKING:  # from its own module: mypy reads diffusers' top-level names as its dummy objects
     from diffusers.models.modeling_utils import ModelMixin
@@ -106,6 +107,47 @@ class WanPolicy(DiffusersPolicy):
     """Wan 2.1 / 2.2 text-to-video (diffusers) with LoRA; satisfies :class:`fgrpo.core.protocols.Policy`."""
 
     pipeline_class_name = "WanPipeline"
+    geometry = Geometry(temporal=4)  # 4x temporal, 16x spatial (8x VAE, 2x2 patches)
+    published = {
+        "Wan-AI/Wan2.2-T2V-A14B-Diffusers": Published(
+            transformer=14.3e9, text=5.7e9, vae=0.13e9, hidden=5120, layers=40, experts=2
+        ),
+        "Wan-AI/Wan2.2-I2V-A14B-Diffusers": Published(
+            transformer=14.3e9, text=5.7e9, vae=0.13e9, hidden=5120, layers=40, experts=2
+        ),
+        # TI2V-5B's VAE compresses 16x, its patches 2x2: 32 px a token, 48 channels x 4
+        "Wan-AI/Wan2.2-TI2V-5B-Diffusers": Published(
+            transformer=5.0e9,
+            text=5.7e9,
+            vae=0.7e9,
+            hidden=3072,
+            layers=30,
+            geometry=Geometry(spatial=32, temporal=4, values_per_token=192),
+        ),
+        "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": Published(
+            transformer=1.42e9,
+            text=5.7e9,
+            vae=0.13e9,
+            hidden=1536,
+            layers=30,
+            config=dict(
+                patch_size=(1, 2, 2),
+                num_attention_heads=12,
+                attention_head_dim=128,
+                in_channels=16,
+                out_channels=16,
+                text_dim=4096,
+                freq_dim=256,
+                ffn_dim=8960,
+                num_layers=30,
+                cross_attn_norm=True,
+                qk_norm="rms_norm_across_heads",
+                eps=1e-6,
+                rope_max_seq_len=1024,
+            ),
+            source="Wan-AI/Wan2.1-T2V-1.3B-Diffusers transformer/config.json",
+        ),
+    }
     text_encoder_names = ("text_encoder",)
     timestep_scale = 1000.0
 

@@ -26,6 +26,7 @@ against ``pipe(..., output_type="latent")``):
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import attrs
 import torch
@@ -33,6 +34,7 @@ import torch
 from fgrpo.core.config import param
 from fgrpo.models.diffusers_policy import DiffusersPolicy
 from fgrpo.models.lora import lora_param
+from fgrpo.models.sizes import Published
 
 #: Flow-Factory's default Z-Image targets (models/z_image/z_image.py ``default_target_modules``)
 Z_IMAGE_LORA_TARGETS = (
@@ -51,6 +53,16 @@ class ZImagePolicy(DiffusersPolicy):
     """Z-Image / Z-Image-Turbo (diffusers) with LoRA; satisfies :class:`fgrpo.core.protocols.Policy`."""
 
     pipeline_class_name = "ZImagePipeline"
+    published = {
+        "Tongyi-MAI/Z-Image": Published(transformer=6.15e9, text=4.0e9, vae=0.08e9, hidden=3840, layers=34),
+        "Tongyi-MAI/Z-Image-Turbo": Published(transformer=6.15e9, text=4.0e9, vae=0.08e9, hidden=3840, layers=34),
+    }
+
+    @classmethod
+    def forwards_per_sample(cls, keys: Mapping[str, Any]) -> int:
+        """Z-Image's pipeline guides whenever ``guidance_scale`` > 0 (Turbo runs with 0: one forward)."""
+        return 2 if float(keys.get("guidance_scale") or 0.0) > 0.0 else 1
+
     text_encoder_names = ("text_encoder",)
     timestep_scale = 1.0
     explicit_sigma_grid = True

@@ -1,0 +1,146 @@
+"""The commands that use a trained run's weights: ``fgrpo sample`` (images from the base model or a
+checkpoint) and ``fgrpo export`` (the weights in the backbone's own format)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from fgrpo.core.config import ConfigError, RecipeError
+from fgrpo.core.consoles import err, out
+
+
+def cmd_sample(args: argparse.Namespace) -> int:
+    from fgrpo.core import checkpoint as ckpt
+    from fgrpo.core import confine, rundir
+    from fgrpo.core.building import check_prompts
+    from fgrpo.core.evaluation import write_samples
+    from fgrpo.core.prompts import image_errors, read_prompt_file
+    from fgrpo.core.saving import load_checkpoint_weights
+    from fgrpo.core.shipped import find_recipe
+
+    try:
+        rows = read_prompt_file(args.prompts)
+    except OSError as exc:
+        raise RecipeError([ConfigError("--prompts", f"cannot read {args.prompts}: {exc.strerror}")]) from None
+    except ValueError as exc:
+        raise RecipeError([ConfigError("--prompts", str(exc))]) from None
+    prompts, metadata = [p for p, _ in rows], dict(rows)
+    bad_images = image_errors(prompts, "--prompts")
+    if bad_images:
+        raise RecipeError(bad_images)
+    if args.checkpoint:
+        checkpoint = rundir.find_checkpoint(Path(args.checkpoint))
+        if (checkpoint / ckpt.STATE).is_file():
+            _verify(
+                checkpoint, "--checkpoint", ema=not args.no_ema
+            )  # the check resume makes, before anything is built
+        given = find_recipe(args.recipe) if args.recipe is not None else None
+        recipe = rundir.recipe_for_checkpoint(checkpoint, given, args.overrides)
+    elif args.recipe is None:
+        raise RecipeError([ConfigError("recipe", "give a RECIPE to sample its base model, or --checkpoint DIR")])
+    else:
+        from fgrpo.core import recipe as recipe_mod
+
+        checkpoint, recipe = None, recipe_mod.load(args.recipe, args.overrides)
+    target = rundir.output_folder(Path(args.out))
+    policy = _build_policy(recipe)
+    check_prompts(policy, prompts, "--prompts", lambda p: metadata.get(p, {}))
+    if checkpoint is not None:
+        load_checkpoint_weights(policy, checkpoint, 0.0 if args.no_ema else recipe.train.ema_decay)
+    with confine.new_folder(target) as folder:
+        written = write_samples(policy, prompts, args.n, args.steps or recipe.eval.steps, args.seed, folder)
+    out.print(f"wrote {written} samples to {args.out}", markup=False)
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """Copy the export a checkpoint already holds (LoRA runs write one in diffusers' format), or
+    build the checkpoint's model, load its weights and let the policy export them. The checkpoint
+    is checked completely first (the check resume makes); the output folder appears whole."""
+    from fgrpo.core import checkpoint as ckpt
+    from fgrpo.core import confine, rundir, weights
+    from fgrpo.core.checkpoint import share_files
+
+    folder = rundir.find_checkpoint(Path(args.checkpoint))
+    if not (folder / ckpt.STATE).is_file():
+        raise RecipeError(
+            [
+                ConfigError(
+                    "checkpoint",
+                    f"{folder} is not a checkpoint folder (no {ckpt.STATE}); expected RUN, RUN/checkpoints/iter_N or "
+                    f"RUN/checkpoints/last",
+                )
+            ]
+        )
+    _verify(folder, "checkpoint", ema=not args.no_ema)
+    out_dir = rundir.output_folder(Path(args.out))
+    ema_in_use = ckpt.ema_decay(ckpt.read_state(folder)) > 0  # then the checkpoint's export/ holds the EMA's weights
+    ready = folder / ckpt.EXPORT
+    with confine.new_folder(out_dir) as tmp:
+        if ready.is_dir() and not (args.no_ema and ema_in_use):
+            made = _copy_tree(ready, tmp)
+        else:
+            recipe = rundir.recipe_for_checkpoint(folder, None, [])
+            policy = _build_policy(recipe)
+            export = getattr(policy, "export", None)
+            if export is None:
+                raise RecipeError(
+                    [
+                        ConfigError(
+                            "model",
+                            f"{recipe.data['model']['name']!r} has no export(): its weights are in "
+                            f"{folder / ckpt.TRAINABLE}",
+                        )
+                    ]
+                )
+            from fgrpo.core.saving import load_checkpoint_weights
+
+            load_checkpoint_weights(policy, folder, 0.0 if args.no_ema else recipe.train.ema_decay)
+            made = [Path(p) for p in export(str(tmp))]
+        share_files(tmp)
+        written = [str(out_dir / p.relative_to(tmp)) if p.is_relative_to(tmp) else str(p) for p in made]
+    for path in written:
+        out.print(f"wrote {path}", markup=False)
+    state = ckpt.read_state(folder)
+    summary = None if args.no_ema or not ema_in_use else weights.summary_of_checkpoint(state)
+    used = "raw weights" if summary is None else f"EMA weights after {summary.get('updates', '?')} update(s)"
+    out.print(f"exported {folder} ({used}) to {out_dir}", markup=False)
+    every = (state["recipe"].get("train") or {}).get("ema_every", 1)
+    for line in weights.ema_warnings(summary, every) + weights.lora_warnings(out_dir):
+        err.print(f"warning: {line}", markup=False)
+    return 0
+
+
+def _verify(folder: Path, key: str, *, ema: bool) -> None:
+    from fgrpo.core import checkpoint as ckpt
+
+    try:
+        ckpt.verify(folder, ema=ema)
+    except ckpt.CheckpointError as exc:
+        raise RecipeError([ConfigError(key, str(exc))]) from None
+
+
+def _copy_tree(source: Path, target: Path) -> list[Path]:
+    """The files of ``source`` (checked: no links, regular files only) copied under ``target``."""
+    import shutil
+
+    made = []
+    for path in sorted(source.rglob("*")):
+        dest = target / path.relative_to(source)
+        if path.is_dir():
+            dest.mkdir(exist_ok=True)
+        else:
+            shutil.copyfile(path, dest, follow_symlinks=False)
+            made.append(dest)
+    return made
+
+
+def _build_policy(recipe: Any) -> Any:
+    import torch
+
+    from fgrpo.core.seeding import derive_seed
+
+    torch.manual_seed(derive_seed(recipe.seed, "build"))
+    return recipe.build("model")
