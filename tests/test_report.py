@@ -457,7 +457,7 @@ def test_without_matplotlib_curves_png_is_one_line_of_notice(root, tmp_path, mon
 
 @pytest.mark.parametrize("lo, hi", [(0.9995, 1.0003), (0.0503, 0.0547), (0, 1.3e-4), (-3.9, -3.7), (0, 2e6), (0, 55)])
 def test_axis_ticks_have_distinct_labels(lo, hi):
-    from fgrpo.core.report import _tick_label, _ticks
+    from fgrpo.core.charts import _tick_label, _ticks
 
     ticks = _ticks(lo, hi)
     labels = [_tick_label(t, ticks[1] - ticks[0], max(map(abs, ticks))) for t in ticks]

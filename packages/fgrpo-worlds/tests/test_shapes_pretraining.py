@@ -12,8 +12,10 @@ import torch
 
 pytest.importorskip("diffusers")
 from fgrpo.worlds import shapes as world  # noqa: E402
-from fgrpo.worlds.shapes import pretrain, relation_probe  # noqa: E402
+from fgrpo.worlds.shapes import pretrain, pretrain_losses, relation_probe  # noqa: E402
+from fgrpo.worlds.shapes.network import Architecture, ShapesNetwork, vocabulary_of  # noqa: E402
 from fgrpo.worlds.shapes.scenes import relation_scenes  # noqa: E402
+from fgrpo.worlds.shapes.world import ITEMS  # noqa: E402
 
 
 def test_relation_probe_reads_objects_and_relation_separately():
@@ -196,14 +198,14 @@ def test_other_arrangements_are_every_other_scene_of_the_two_objects():
         world.other_arrangements("a green triangle and a yellow square")
 
     binding = "a green triangle and a yellow square"
-    assert pretrain.hard_negatives(prompt, "rebinding") == ["a blue circle to the left of a red square"]
-    assert pretrain.hard_negatives(prompt, "arrangements") == others
-    assert pretrain.hard_negatives(binding, "arrangements") == ["a yellow triangle and a green square"]
-    assert pretrain.hard_negatives("three red circles", "arrangements") == []
+    assert pretrain_losses.hard_negatives(prompt, "rebinding") == ["a blue circle to the left of a red square"]
+    assert pretrain_losses.hard_negatives(prompt, "arrangements") == others
+    assert pretrain_losses.hard_negatives(binding, "arrangements") == ["a yellow triangle and a green square"]
+    assert pretrain_losses.hard_negatives("three red circles", "arrangements") == []
 
 
 def test_meaning_head_targets_are_the_scene_not_the_words():
-    head = pretrain.MeaningHead(32)
+    head = pretrain_losses.MeaningHead(32)
     p = "a red square to the left of a blue circle"
     target = head.target(p)
     assert target.shape == (sum(head.sizes),) and target.sum() == 4  # two items at count 1, two pair relations
@@ -217,11 +219,11 @@ def test_meaning_head_targets_are_the_scene_not_the_words():
     assert not torch.equal(head.target("three red circles"), head.target("two red circles"))
     # hand-indexed: item (colour, shape) k at count c is k * 4 + c's position in (1, 2, 3, 4)
     three = head.target("three red circles")
-    assert three.nonzero().flatten().tolist() == [pretrain.ITEMS.index(("red", "circle")) * 4 + 2]
+    assert three.nonzero().flatten().tolist() == [ITEMS.index(("red", "circle")) * 4 + 2]
 
-    network = pretrain.ShapesNetwork(
-        pretrain.Architecture(
-            vocab=pretrain.vocabulary_of(world.all_prompts()),
+    network = ShapesNetwork(
+        Architecture(
+            vocab=vocabulary_of(world.all_prompts()),
             hidden=48,
             layers=1,
             heads=1,
@@ -249,7 +251,7 @@ def test_layout_target_is_the_exact_posterior_mean_over_the_captions_scenes():
     """--layout's target, against a naive Bayes over the 27 scenes of "A left of B" in float64:
     at sigma 1 the mean of the scenes (the image says nothing), at low noise the drawn scene."""
     caption = "a red square to the left of a blue circle"
-    scenes = pretrain.LayoutDenoiser(0).renders(caption)
+    scenes = pretrain_losses.LayoutDenoiser(0).renders(caption)
     spec = world.parse_prompt(caption)
     every = relation_scenes(caption)
     assert len(scenes) == 27 and len(set(every)) == 27 and all(world.satisfies(s, spec) for s in every)
@@ -262,9 +264,9 @@ def test_layout_target_is_the_exact_posterior_mean_over_the_captions_scenes():
             [torch.distributions.Normal((1 - sigma) * s, sigma).log_prob(x.double()).sum() for s in d]
         )
         naive = (torch.softmax(density, 0)[:, None, None, None] * d).sum(0)
-        torch.testing.assert_close(pretrain.posterior_mean(x, scenes, sigma).double(), naive, rtol=0, atol=1e-4)
-    torch.testing.assert_close(pretrain.posterior_mean(x, scenes, 1.0), scenes.mean(0), rtol=0, atol=1e-6)
-    torch.testing.assert_close(pretrain.posterior_mean(x, scenes, 0.05), scenes[5], rtol=0, atol=1e-6)
+        torch.testing.assert_close(pretrain_losses.posterior_mean(x, scenes, sigma).double(), naive, rtol=0, atol=1e-4)
+    torch.testing.assert_close(pretrain_losses.posterior_mean(x, scenes, 1.0), scenes.mean(0), rtol=0, atol=1e-6)
+    torch.testing.assert_close(pretrain_losses.posterior_mean(x, scenes, 0.05), scenes[5], rtol=0, atol=1e-6)
     # the red square is left of the blue circle in the mean: its column 0 redder than column 2
     mean = scenes.mean(0)
     red_minus_blue = (mean[0] - mean[2]).reshape(24, 3, 8).mean((0, 2))
@@ -276,7 +278,7 @@ def test_layout_loss_reaches_the_transformer_for_position_captions_only():
 
     torch.manual_seed(0)
     network = ShapesNetwork(Architecture(vocab=default_vocabulary(), hidden=32, layers=1, heads=2, text_width=32))
-    layout = pretrain.LayoutDenoiser(0)
+    layout = pretrain_losses.LayoutDenoiser(0)
     pooled = torch.zeros(2, 32)
     none = layout(network, ["two red circles", ""], pooled)
     assert none.item() == 0 and not layout.scenes
@@ -294,7 +296,7 @@ def test_plan_loss_is_the_plans_distance_to_the_mean_scene_of_position_captions_
     network = ShapesNetwork(
         Architecture(vocab=default_vocabulary(), hidden=32, layers=1, heads=2, text_width=32, layout_plan=16)
     )
-    loss_of = pretrain.PlanLoss(pretrain.LayoutDenoiser(0))
+    loss_of = pretrain_losses.PlanLoss(pretrain_losses.LayoutDenoiser(0))
     prompts = ["two red circles", "a red square to the left of a blue circle", "", "a blue circle above a red square"]
     pooled = network.encode(prompts)["pooled_prompt_embeds"]
     assert loss_of(network, ["two red circles", ""], pooled[:2]).item() == 0
@@ -321,12 +323,12 @@ def test_plan_steps_train_the_text_and_the_planner_alone(capsys):
     )
     before = {k: v.clone() for k, v in network.state_dict().items()}
     train, _ = world.split(0, 16)
-    loss_of = pretrain.PlanLoss(pretrain.LayoutDenoiser(0))
+    loss_of = pretrain_losses.PlanLoss(pretrain_losses.LayoutDenoiser(0))
     held = [q for q in train if world.parse_prompt(q).relation is not None][:32]
     with torch.no_grad():
         start = loss_of(network, held, network.encode(held)["pooled_prompt_embeds"]).item()
     args = pretrain.parse_args(["--plan-steps", "60", "--plan-batch", "16", "--plan-lr", "3e-3"])
-    assert pretrain.pretrain_planner(network, train, loss_of, args) > 0
+    assert pretrain_losses.pretrain_planner(network, train, loss_of, args) > 0
     with torch.no_grad():
         end = loss_of(network, held, network.encode(held)["pooled_prompt_embeds"]).item()
     assert end < start / 5, (start, end)
@@ -377,7 +379,7 @@ def test_contrastive_loss_is_info_nce_with_negative_captions():
         row = torch.stack([scale * unit[0][i] @ t for t in unit[1]])
         column = torch.stack([scale * v @ unit[1][i] for v in unit[0]])
         naive += (torch.logsumexp(row, 0) - row[i]) / 6 + (torch.logsumexp(column, 0) - column[i]) / 6
-    assert pretrain.symmetric_info_nce(images, texts, scale).item() == pytest.approx(naive.item(), rel=1e-6)
+    assert pretrain_losses.symmetric_info_nce(images, texts, scale).item() == pytest.approx(naive.item(), rel=1e-6)
 
 
 def test_pretraining_with_the_contrastive_loss_trains_and_records_it(tmp_path):
@@ -407,7 +409,7 @@ def test_pretraining_with_the_contrastive_loss_trains_and_records_it(tmp_path):
         load_network(out).transformer.proj_out.weight, plain_output_layer
     )  # it reached the transformer
 
-    module = pretrain.CaptionContrast(32, 3 * 24 * 24, seed=0)
+    module = pretrain_losses.CaptionContrast(32, 3 * 24 * 24, seed=0)
     network = load_network(out)
     prompts = ["a green triangle and a yellow square", "", "three red circles"]
     loss = module(network, prompts, network.encode(prompts)["pooled_prompt_embeds"])

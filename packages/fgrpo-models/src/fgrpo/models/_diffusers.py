@@ -1,4 +1,4 @@
-"""What the diffusers backbones share (sd3, flux, qwen-image, wan and plugins built the same way).
+"""What the diffusers backbones share (every built-in one, and plugins built the same way).
 
 - dtype and device parsing for the ``dtype``/``device`` recipe keys;
 - loading a pipeline from a hub id or a local folder, failing fast when the weights are absent

@@ -1,8 +1,9 @@
 """``DiffusersPolicy``: a diffusers pipeline as an fgrpo :class:`~fgrpo.core.protocols.Policy`.
 
-The four built-in backbones (``sd3``, ``flux``, ``qwen-image``, ``wan``) are subclasses of this
-class, each one module that says what differs: which pipeline, how prompts are encoded, how the
-transformer is called, how latents are decoded (docs/backbones.md). Everything else is here:
+Every built-in backbone (the ``fgrpo.models`` entry points of fgrpo-models: ``sd3``, ``flux``,
+``wan``, ...) is a subclass of this class, each one module that says what differs: which pipeline,
+how prompts are encoded, how the transformer is called, how latents are decoded, its token
+geometry and published sizes (docs/backbones.md). Everything else is here:
 
 - loading from a hub id or a local folder (fails fast when weights are absent), weights dtype,
   device, text encoders optionally kept on the CPU;

@@ -1,58 +1,11 @@
 """Pretrain the ``shapes-edit-dit`` base model: rectified-flow matching on imperfect edit pairs of
-the shapes-edit world (source scene + instruction -> edited scene).
+the shapes-edit world (source scene + instruction -> edited scene); writes the shipped
+``fgrpo/worlds/shapes_edit/weights/shapes-edit-base.safetensors`` with its defaults.
 
-    .venv/bin/python -m fgrpo.worlds.shapes_edit.pretrain           # writes the shipped file
+    python -m fgrpo.worlds.shapes_edit.pretrain
 
-What it does (every default is what made fgrpo/worlds/shapes_edit/weights/
-shapes-edit-base.safetensors, this run's EMA weights after its 6000 steps; its metadata records
-these defaults):
-
-- architecture: ``shapes-dit``'s (an SD3 transformer over 24x24 pixels, one token per cell, a
-word-level text encoder) with ``source_images: 1``: the source image's 9 cell tokens follow the
-state's in the sequence at the state's positions plus a learned marker (FLUX Kontext's same (h, w)
-ids), at the same timestep; only the state's tokens are read out. (With positions of their own, the
-sources' cells to the right of the state's, 3000 steps of this tool left the untouched cells all
-preserved in 8% of held-out edits: the network had not learned to copy.) Built from scratch (not
-from the text-to-image base: the instructions have their own vocabulary, and the editing model is
-smaller so that RL fits in 10 minutes on 2 cores).
-- data: pairs from the TRAINING instructions of ``split_instructions(--split-seed)`` only (the
-  held-out instructions are never seen); the category of each example is drawn uniformly, then an
-  instruction of it and a random source scene it applies to (:func:`edit_pair`). With probability
-  ``--noise`` the target is a mistaken edit inside the touched cells (not done, the wrong colour,
-  count or item, a move that copies): the base learns to make those mistakes and RL has something
-  to fix; untouched cells are always copied. ``--prompt-dropout`` replaces instructions by ""
-  (the unconditional branch of classifier-free guidance, which keeps the source).
-- loss, schedule, EMA: as ``fgrpo.worlds.shapes.pretrain`` (x0 prediction with the floored v-loss,
-  logit-normal t, warm-up then cosine over ``--decay-steps``, EMA weights evaluated and written).
-- evaluation: edit accuracy, preservation (``preserved``, ``gold_preservation_error``) and
-  cleanliness of the held-out TEST prompts of ``shapes-edit`` (``ShapesEditPrompts``: 16 pairs
-  per category from the held-out instructions) and of as many pairs of training instructions with
-  fresh sources, each sampled ``--eval-samples`` times with the trainer's ODE evaluation
-  (``fgrpo.core.evaluation.generate``, ``--eval-steps`` steps).
-- output: ``--out`` (safetensors, float16; the architecture, vocabulary and these settings in its
-  metadata).
-
-Measured for the shipped file: 390 s of training (0.065 s per step) on 1 thread, 2 cores with
-one other single-thread job running; 0.46M + 0.11M parameters, 1.2 MB. Held-out (the tool's
-evaluation, 4 samples per prompt, 20 ODE steps): edit 0.206 (color 0.34, count 0.22, add 0.08,
-remove 0.25, move 0.14), every untouched cell preserved in 81.6% of edits, gold preservation error
-2.86 / 255, clean 1.00; training instructions with fresh sources: edit 0.506, preserved 0.809.
-Copying comes first: at steps 1500 / 3000 / 4500 / 6000 the held-out gold error was 5.53 / 4.41 /
-3.18 / 2.86 and the held-out edit rate 0.075 / 0.100 / 0.138 / 0.206. Rerunning the tool with its
-defaults gives the same weights (checked: runs with --eval-every 3000 and 1500 are tensor-equal).
-
-Why two text layers and 15% mistakes (the previous shipped file: one text layer, ``--noise 0.35``,
-held-out edit 0.144, gold 2.95, training instructions 0.303): with ``--noise 0.15`` alone the
-held-out edit rate stayed 0.156 (training instructions 0.441, gold 2.05, colour 0.03, move 0.06);
-the second text layer (presumably binding an instruction's colour word to its shape word) lifted
-held-out colour to 0.34 and move to 0.14, so RL on ``recipes/shapes-edit.yaml`` has successes to
-reinforce where the previous base had almost none. Its RL gains had stopped at +8 points within
-1.2x of its gold error (on 16 held-out pairs per category); on this base the recipe gains +15.8
-points at 1.19x (seed 0, on the recipe's 64 pairs per category; the verifier alone +18.3 at 1.35x;
-its header has the other settings and seeds). Earlier variants: a 2.3M-parameter network
-(hidden 128, 4 layers, 2 text layers) edited less after 3000 steps (held-out 0.056, gold 3.18)
-at 4.5x the time per step; twice the steps (12000) on the previous settings fit the training
-instructions better (edit 0.334) but not the held-out ones (0.138).
+What it does, what the shipped file measures and why two text layers and 15% mistakes:
+docs/worlds.md, "shapes-edit: the base".
 """
 
 from __future__ import annotations

@@ -52,6 +52,6 @@ def __getattr__(name: str) -> Any:
     if not name.startswith("__"):
         for module_name in ["_common", *modules()]:
             module = importlib.import_module(f"{__name__}.{module_name}")
-            if name in vars(module):
-                return vars(module)[name]
+            if name in vars(module) or name in getattr(module, "LAZY", ()):
+                return getattr(module, name)
     raise AttributeError(name)

@@ -224,6 +224,10 @@ def _image_only_processor_class() -> Any:
     return ImageOnlyQwen2VLProcessor
 
 
+#: names this module makes on first use (``__getattr__``)
+LAZY = ("ImageOnlyQwen2VLProcessor",)
+
+
 def __getattr__(name: str) -> Any:
     # the processor class is built on first use (importing this module stays free of transformers);
     # diffusers, loading a component of a module outside its known libraries, looks the base classes
@@ -271,7 +275,7 @@ def build_tiny_qwen_image_edit_pipeline(
     }
     transformer, text_encoder, vae = _tiny_qwen_networks(tokenizer, seed, **ids)
     image_processor = ImageProcessor(size={"shortest_edge": 56 * 56, "longest_edge": 112 * 112})
-    import fgrpo.models.testing.pipelines as this
+    import fgrpo.models.testing.pipelines.qwen_image as this  # the class is made on first use (__getattr__)
 
     processor = this.ImageOnlyQwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer)
     name = "QwenImageEditPlusPipeline" if plus else "QwenImageEditPipeline"
