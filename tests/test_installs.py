@@ -153,7 +153,8 @@ def test_a_fresh_venv_installs_the_rewards_package_as_its_readme_says(root, tmp_
         assert done.returncode == 0, (line, done.stderr[-3000:])
     plugins = json.loads(sh("fgrpo plugins --json").stdout)
     status = {row["name"]: row["status"] for row in plugins["components"] if row["kind"] == "reward"}
-    assert status["ocr"] == "ok" and status["shapes"] == "ok" and status["clip-score"] == "missing extra"
+    assert status["ocr"] == "ok" and status["jpeg-compressibility"] == "ok" and status["clip-score"] == "missing extra"
+    assert "shapes" not in status  # the worlds are fgrpo-worlds'
     scored = sh(f'{venv / "bin" / "python"} -c "{OCR_SCORE}"')
     assert scored.returncode == 0, scored.stderr[-3000:]
     assert float(scored.stdout.split()[-1]) > 0.5

@@ -221,3 +221,68 @@ def test_objective_capabilities_are_typed_members_not_probed(root):
     ]
     assert found == []
     assert probe.search('getattr(run.objective, "needs_old", False)')  # the check sees a probe
+
+
+#: the modules that open files themselves, and why; every other module reads a run folder's or a
+#: checkpoint's files through fgrpo.core.runread (issue 50: each new surface that read for itself
+#: re-opened a hole the others had closed)
+OWN_READERS = {
+    "fgrpo/core/runread.py": "the one reader of run folders and checkpoints",
+    "fgrpo/core/config.py": "open_regular and read_text_file, the primitives: a user's recipe and prompt files",
+    "fgrpo/core/confine.py": "atomic writes; /proc/self/status for the umask",
+    "fgrpo/core/threads.py": "/proc/stat and the cgroup's CPU quota",
+    "fgrpo/core/parity.py": "the reference-parity table shipped with the package",
+    "fgrpo/core/prompts.py": "a user's prompt files (dataset folders)",
+    "fgrpo/core/media.py": "a user's source images",
+}
+#: calls that read a file (a mode with w, a or x writes: not a read)
+READ_CALLS = {"open", "read_text", "read_bytes", "load", "safe_load", "safe_open", "load_file", "fdopen"}
+
+
+def _reads(path: Path) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+        if name not in READ_CALLS:
+            continue
+        owner = func.value.id if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) else ""
+        if owner == "runread" or (name == "load" and owner not in ("json", "torch", "yaml", "pickle", "np")):
+            continue  # the reader itself; load_state_dict and friends
+        method = isinstance(func, ast.Attribute) and owner not in ("os", "Image", "io", "builtins")
+        place = node.args[0:1] if method else node.args[1:2]  # Path.open(mode) / open(path, mode)
+        mode = next((a.value for a in place if isinstance(a, ast.Constant)), None)
+        mode = next(
+            (k.value.value for k in node.keywords if k.arg == "mode" and isinstance(k.value, ast.Constant)), mode
+        )
+        if name in ("open", "fdopen") and owner != "os" and isinstance(mode, str) and set(mode) & set("wax"):
+            continue
+        if name in ("open", "fdopen") and owner == "" and not node.args:
+            continue
+        flags = {n.attr for a in node.args[1:2] for n in ast.walk(a) if isinstance(n, ast.Attribute)}
+        if name == "open" and owner == "os" and flags & {"O_RDWR", "O_WRONLY", "O_CREAT"}:
+            continue  # a file opened to write (the run folder's lock)
+        found.append(f"{path.name}:{node.lineno} {owner + '.' if owner else ''}{name}")
+    return found
+
+
+def test_run_folders_are_read_through_one_reader(root):
+    """No module of fgrpo-core, and no probe of a world's checkpoints, opens a file itself but the
+    ones listed with their reason; they read through fgrpo.core.runread (confined, regular files
+    only, bounded, bounded parsers)."""
+    sources = [
+        *root.glob("packages/fgrpo-core/src/fgrpo/core/**/*.py"),
+        *root.glob("packages/fgrpo-worlds/src/fgrpo/worlds/*/*probe.py"),
+    ]
+    offenders = {}
+    for path in sources:
+        key = "/".join(path.parts[path.parts.index("fgrpo") :])
+        if key in OWN_READERS or "/testing/" in key:
+            continue
+        reads = _reads(path)
+        if reads:
+            offenders[key] = reads
+    assert offenders == {}
+    assert _reads(root / "packages/fgrpo-core/src/fgrpo/core/runread.py")  # the check sees a read where there is one

@@ -380,3 +380,122 @@ def test_options_are_checked_against_the_libraries_own_signature(root, monkeypat
         "entity, mode, name, tags" in err
     )
     assert "log.init_kwargs.wandb.project: fgrpo sets it (log.project); remove it" in err
+
+
+def test_tracker_options_of_the_wrong_kind_are_refused_at_validate(root, tmp_path, capsys):
+    """Before: flush_secs 'abc' reached TensorBoard's writer thread at start, which printed a
+    thread traceback, and the new folder was left with its lock and tensorboard/ (issue 50, M3)."""
+    out = tmp_path / "run"
+    bad = "log.init_kwargs={tensorboard: {flush_secs: abc, max_queue: 2.5, comment: 3}}"
+    code = cli.main(["compose", str(root / "recipes" / "vector.yaml"), "--out", str(out), "--set", bad])
+    captured = capsys.readouterr()
+    assert code == 2 and "Traceback" not in captured.err + captured.out
+    assert [line for line in captured.err.splitlines() if line.startswith("error: ")] == [
+        "error: log.init_kwargs.tensorboard.flush_secs: got 'abc'; allowed: an integer",
+        "error: log.init_kwargs.tensorboard.max_queue: got 2.5; allowed: an integer",
+        "error: log.init_kwargs.tensorboard.comment: got 3; allowed: a string",
+    ]
+    assert not out.exists()
+
+
+def test_a_tracker_that_fails_at_start_leaves_no_folder_and_the_command_runs_again(
+    root, tmp_path, monkeypatch, capsys
+):
+    """A tracker its library refuses at start (a full disk, a server): one line, and the new folder
+    is gone, so the same command runs again (before: "already holds a run")."""
+    from fgrpo.core import trackers
+
+    real = trackers.start
+
+    def failing(accelerator, recipe, out_dir, *, resume_from):
+        (out_dir / "tensorboard").mkdir()
+        (out_dir / "tensorboard" / "events.partial").write_bytes(b"x")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(trackers, "start", failing)
+    out = tmp_path / "run"
+    args = [
+        "compose",
+        str(root / "recipes" / "vector.yaml"),
+        "--out",
+        str(out),
+        "--quiet",
+        "--set",
+        "train.iterations=1",
+    ]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert "error: log.trackers: a tracker could not start: OSError" in err and "Traceback" not in err
+    assert not out.exists()
+    monkeypatch.setattr(trackers, "start", real)
+    assert cli.main(args) == 0
+
+
+def test_a_tracker_failing_in_a_folder_that_held_files_leaves_them(root, tmp_path, monkeypatch):
+    """Only what the failed start added goes: files the folder held before it are kept."""
+    from fgrpo.core import trackers
+
+    out = tmp_path / "run"
+    out.mkdir()
+    monkeypatch.setattr(
+        trackers, "start", lambda *a, **k: (out / "tensorboard").mkdir() or (_ for _ in ()).throw(OSError(28, "full"))
+    )
+    args = [
+        "compose",
+        str(root / "recipes" / "vector.yaml"),
+        "--out",
+        str(out),
+        "--quiet",
+        "--set",
+        "train.iterations=1",
+    ]
+    assert cli.main(args) == 2
+    assert out.is_dir() and list(out.iterdir()) == []
+
+
+def test_mlflow_with_an_unreachable_server_gives_up_within_its_deadline(root, tmp_path, capsys, monkeypatch):
+    """Before: 255 s of silence (mlflow's 7 retries with backoff and a 120 s timeout each), then one
+    line. A server that does not answer costs at most log.timeout_s per call (issue 50, M4)."""
+    import time
+
+    pytest.importorskip("mlflow")
+    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", raising=False)
+    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_TIMEOUT", raising=False)
+    args = [
+        "compose",
+        str(root / "recipes" / "vector.yaml"),
+        "--out",
+        str(tmp_path / "run"),
+        "--quiet",
+        "--set",
+        "log.trackers=[mlflow]",
+        "--set",
+        "log.timeout_s=3",
+        "--set",
+        "log.init_kwargs={mlflow: {tracking_uri: 'http://10.255.255.1:5000'}}",
+    ]
+    start = time.monotonic()
+    assert cli.main(args) == 2
+    elapsed = time.monotonic() - start
+    err = capsys.readouterr().err
+    assert "error: log.trackers: a tracker could not start" in err and "Traceback" not in err
+    assert elapsed < 30, f"{elapsed:.0f} s"
+    assert not (tmp_path / "run").exists()
+
+
+def test_mlflow_writes_nothing_outside_the_run_folder(root, tmp_path):
+    """mlflow's telemetry wrote ~/.config/mlflow/telemetry.json (issue 50, LOW): fgrpo turns it off.
+    (A process of its own: mlflow writes it from a thread of the process that imported it.)"""
+    import os
+    import subprocess
+
+    pytest.importorskip("mlflow")
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("XDG_CONFIG_HOME", "MLFLOW_TRACKING_URI", "DO_NOT_TRACK")}
+    env.update(HOME=str(home), MPLCONFIGDIR=str(tmp_path / "mpl"), OMP_NUM_THREADS="1")
+    args = ["compose", str(root / "recipes" / "vector.yaml"), "--out", str(tmp_path / "run"), "--quiet"]
+    args += ["--set", "log.trackers=[mlflow]", "--set", "train.iterations=1", "--set", "eval.every=0"]
+    done = subprocess.run([sys.executable, "-m", "fgrpo.core.cli", *args], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert [str(p.relative_to(home)) for p in home.rglob("*") if "mlflow" in str(p)] == []

@@ -28,7 +28,9 @@ def test_a_tensor_file_that_fails_with_an_empty_message_is_a_checkpoint_error(tm
     def broken(*args, **kwargs):
         raise RuntimeError()
 
-    monkeypatch.setattr(ckpt, "load_file", broken)
+    import safetensors.torch
+
+    monkeypatch.setattr(safetensors.torch, "load_file", broken)  # what the reader calls, after its checks
     with pytest.raises(ckpt.CheckpointError, match=r"trainable.safetensors does not read back \(RuntimeError\)"):
         ckpt.read_tensors(path)
 

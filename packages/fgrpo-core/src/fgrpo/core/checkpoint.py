@@ -25,19 +25,17 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
-import pickle
 import re
 import shutil
-import zipfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-from fgrpo.core import confine
+from fgrpo.core import confine, runread
 from fgrpo.core.config import first_line
 from fgrpo.core.confine import file_mode
 from fgrpo.core.registry import ComponentError
@@ -74,25 +72,6 @@ def iteration_of(path: Path) -> int | None:
     """N of a folder named exactly ``iter_NNNNNN`` (None for any other name)."""
     match = ITER_NAME.fullmatch(path.name)
     return int(match.group(1)) if match else None
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(path: Path) -> None:
-    for item in path.iterdir():
-        if item.is_file():
-            with item.open("rb") as fh:
-                os.fsync(fh.fileno())
-    _fsync_dir(path)
 
 
 def save_tensors(tensors: Mapping[str, torch.Tensor], path: Path) -> None:
@@ -148,13 +127,13 @@ def write(
             export(str(tmp / EXPORT))
             if (tmp / EXPORT).is_dir():
                 share_files(tmp / EXPORT)
-                _fsync_tree(tmp / EXPORT)
-        _fsync_tree(tmp)
+                confine.fsync_tree(tmp / EXPORT)
+        confine.fsync_tree(tmp)
         if final.is_symlink() or final.exists():  # not this run's (resume starts past its own)
             set_aside(final)
         os.replace(tmp, final)
         _point_last(root, final.name)
-        _fsync_dir(root)
+        confine.fsync_dir(root)
     except (OSError, RuntimeError, SafetensorError) as exc:  # a full disk, a quota, a file-size limit
         shutil.rmtree(tmp, ignore_errors=True)
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else first_line(exc, 200)
@@ -247,41 +226,17 @@ def prune(root: Path, keep: int, run_id: str | None) -> None:
 
 def _run_id(folder: Path) -> str | None:
     try:
-        return json.loads((folder / STATE).read_text()).get("run_id")
-    except (OSError, ValueError, AttributeError):
+        state = runread.read_state(folder / STATE, what=str(folder / STATE))
+    except runread.Unreadable:
         return None
+    return state.get("run_id")
 
 
 # --- which folders are complete checkpoints ----------------------------------------------------
 
 
-def _safetensors_problem(path: Path, name: str | None = None) -> str | None:
-    """Why ``path`` is not a whole safetensors file: its header must parse and its data must end
-    exactly at the end of the file (a truncated copy does not). ``name``: how to call it."""
-    name = name or path.name
-    try:
-        size = path.stat().st_size
-        with path.open("rb") as fh:
-            n = int.from_bytes(fh.read(8), "little")
-            if size < 8 or n <= 0 or 8 + n > size:
-                return f"{name} is truncated"
-            header = json.loads(fh.read(n))
-        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-    except FileNotFoundError:
-        return f"{name} is missing"
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError):
-        return f"{name} is not a safetensors file"
-    if 8 + n + end != size:
-        return f"{name} is truncated" if 8 + n + end > size else f"{name} has trailing bytes"
-    return None
-
-
-def _torch_file_problem(path: Path) -> str | None:
-    if not path.is_file():
-        return f"{path.name} is missing"
-    if not zipfile.is_zipfile(path):  # torch.save writes a zip archive; a truncated one has no end record
-        return f"{path.name} is truncated or not a torch.save file"
-    return None
+_safetensors_problem = runread.safetensors_problem
+_torch_file_problem = runread.torch_file_problem
 
 
 def problem(folder: Path, *, ema: bool = True) -> str | None:
@@ -298,17 +253,12 @@ def problem(folder: Path, *, ema: bool = True) -> str | None:
             " (its files are read where they are, never through links)" if why == "is a link" else ""
         )
     try:
-        state = json.loads((folder / STATE).read_text())
-    except FileNotFoundError:
-        return f"{STATE} is missing"
-    except (OSError, ValueError) as exc:
-        return f"{STATE} is not valid JSON ({first_line(exc, 80)})"
-    if (
-        not isinstance(state, dict)
-        or not isinstance(state.get("iteration"), int)
-        or not isinstance(state.get("recipe"), dict)
-    ):
-        return f"{STATE} lacks the iteration or the recipe"
+        state = runread.read_json(folder / STATE, what=STATE)
+    except runread.Unreadable as exc:
+        return str(exc)
+    wrong = runread.state_problem(state)
+    if wrong is not None:
+        return f"{STATE} {wrong}"
     files = [
         _safetensors_problem(folder / TRAINABLE),
         _torch_file_problem(folder / OPTIMIZER),
@@ -343,8 +293,8 @@ def _export_problems(export: Path) -> list[str | None]:
             found.append(_safetensors_problem(path, name))
         elif path.suffix == ".json":
             try:
-                json.loads(path.read_text())
-            except (OSError, ValueError):
+                runread.read_json(path, what=name)
+            except runread.Unreadable:
                 found.append(f"{name} is not valid JSON")
     return found
 
@@ -413,48 +363,27 @@ def latest(root: Path) -> Path | None:
 # --- reading -----------------------------------------------------------------------------------
 
 
-def _invalid(path: Path, why: str) -> CheckpointError:
-    return CheckpointError(f"{path.parent} is not a valid checkpoint: {path.name} {why}")
-
-
 def read_state(folder: Path) -> dict[str, Any]:
+    """A checkpoint's ``state.json``, its types checked (:func:`fgrpo.core.runread.read_state`)."""
     path = folder / STATE
     try:
-        state = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise _invalid(path, "is missing") from None
-    except OSError as exc:
-        raise _invalid(path, f"cannot be read ({exc.strerror})") from None
-    except ValueError as exc:
-        raise _invalid(path, f"is not valid JSON ({first_line(exc, 80)})") from None
-    if (
-        not isinstance(state, dict)
-        or not isinstance(state.get("iteration"), int)
-        or not isinstance(state.get("recipe"), dict)
-    ):
-        raise _invalid(path, "lacks the iteration or the recipe")
-    return state
+        return runread.read_state(path, what=str(path))
+    except runread.Unreadable as exc:
+        raise CheckpointError(f"{folder} is not a valid checkpoint: {exc}") from None
 
 
 def read_tensors(path: Path, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-    why = _safetensors_problem(path)
-    if why is not None:
-        raise CheckpointError(f"{path.parent} is not a valid checkpoint: {why}")
     try:
-        return load_file(str(path), device=str(device))
-    except Exception as exc:  # safetensors raises its own error type for corrupt data
-        raise _invalid(path, f"does not read back ({first_line(exc)})") from None
+        return runread.read_safetensors(path, str(device), what=f"{path.parent} is not a valid checkpoint")
+    except runread.Unreadable as exc:
+        raise CheckpointError(str(exc)) from None
 
 
 def read_torch(path: Path) -> Any:
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise _invalid(path, "is missing") from None
-    except Exception as exc:
-        if "Weights only load failed" in str(exc) or isinstance(exc, pickle.UnpicklingError):
-            raise _invalid(path, "holds objects other than tensors and numbers (refused to unpickle them)") from None
-        raise _invalid(path, f"does not read back ({first_line(exc)})") from None
+        return runread.read_torch(path, what=f"{path.parent} is not a valid checkpoint")
+    except runread.Unreadable as exc:
+        raise CheckpointError(str(exc)) from None
 
 
 def recipe_differences(

@@ -82,6 +82,27 @@ def links_below(root: Path, *, skip: tuple[str, ...] = ()) -> list[tuple[Path, s
     return found
 
 
+def fsync_dir(path: Path) -> None:
+    """Make a folder's entries (a rename into it, a new file) durable."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path: Path) -> None:
+    """Make the files fgrpo just wrote in ``path`` durable, then the folder itself."""
+    for item in path.iterdir():
+        if item.is_file() and not item.is_symlink():
+            with item.open("rb") as fh:
+                os.fsync(fh.fileno())
+    fsync_dir(path)
+
+
 def file_mode() -> int:
     """The mode ``open()`` gives a new file: 0666 less the umask (0644 under the usual 022)."""
     try:  # Linux reports the umask without changing it

@@ -187,6 +187,13 @@ class LogConfig:
     quiet: bool = param(
         False, help="no progress bars and no line per iteration: evaluations, warnings and the end only (as --quiet)"
     )
+    timeout_s: float = param(
+        30.0,
+        gt=0,
+        le=3600,
+        help="the most a call to a tracker's server may take, retries included (mlflow's HTTP client), before the "
+        "run is told it failed",
+    )
     sample_grid: bool = param(True, help="write a PNG grid of evaluation samples")
     plots: bool = param(True, help="write a curve PNG (needs matplotlib)")
 

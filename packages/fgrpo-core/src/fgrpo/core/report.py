@@ -11,17 +11,15 @@ from __future__ import annotations
 
 import base64
 import html
-import json
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import attrs
-import yaml
 
 from fgrpo.core import checkpoint as ckpt
-from fgrpo.core import confine, weights
+from fgrpo.core import confine, runread, weights
 from fgrpo.core.charts import (
     AXES,
     Series,
@@ -233,24 +231,18 @@ def gold_table(rows: Sequence[Mapping[str, Any]]) -> str:
     return "\n".join(parts)
 
 
-def gold_filmstrip(run_dir: Path) -> tuple[str, int]:
-    """The evaluators' pictures (``samples/gold_N/<label>/``), one filmstrip per evaluator."""
+def gold_filmstrip(run_dir: Path, notes: list[str] | None = None) -> tuple[str, int]:
+    """The evaluators' pictures (``samples/gold_N/<label>/``), one filmstrip per evaluator; every
+    folder, index and tile read as the evaluation filmstrip's are (:func:`indexed_tiles`)."""
+    notes = [] if notes is None else notes
+    by_label: dict[str, list[tuple[int, list[dict[str, Any]]]]] = {}
+    for iteration, folder in _numbered_folders(run_dir, "gold_"):
+        for label_folder in sorted(p for p in folder.iterdir() if confine.not_a_link(p).is_dir()):
+            tiles = indexed_tiles(run_dir, label_folder, notes)
+            if tiles is not None:
+                by_label.setdefault(label_folder.name, []).append((iteration, tiles))
     parts, images = [], 0
-    labels = sorted({p.parent.name for p in (run_dir / "samples").glob("gold_*/*/index.json")})
-    for label in labels:
-        evals = []
-        for index in sorted((run_dir / "samples").glob(f"gold_*/{label}/index.json")):
-            try:
-                tiles = json.loads(index.read_text())
-                iteration = int(index.parent.parent.name.split("_")[1])
-            except (ValueError, json.JSONDecodeError, IndexError):
-                continue
-            evals.append(
-                (
-                    iteration,
-                    [dict(t, path=index.parent / t["file"]) for t in tiles if (index.parent / t["file"]).is_file()],
-                )
-            )
+    for label, evals in sorted(by_label.items()):
         table, n, _ = strip_table(evals)
         parts.append(f'<h3>{html.escape(label)}</h3><div class="wide">{table}</div>')
         images += n
@@ -297,64 +289,73 @@ def _table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str], strip: str
 
 def _data_uri(path: Path, what: str) -> str:
     mime = "image/jpeg" if path.suffix.lower() in (".jpg", ".jpeg") else "image/png"
-    return f"data:{mime};base64,{base64.b64encode(_read(path, what)).decode('ascii')}"
+    data = runread.read_bytes(path, limit=runread.LIMITS["image"], what=what)
+    return f"data:{mime};base64,{base64.b64encode(data).decode('ascii')}"
 
 
-MAX_FILE_BYTES = 64 << 20  # a tile, an index or a recipe: far below this
+def _numbered_folders(run_dir: Path, prefix: str) -> list[tuple[int, Path]]:
+    """(N, folder) of ``RUN/samples/<prefix>N`` (``eval_``, ``gold_``), in order; a link among them
+    refuses the report (:class:`fgrpo.core.confine.Escape`)."""
+    samples = confine.not_a_link(run_dir / "samples")
+    if not samples.is_dir():
+        return []
+    found = []
+    for folder in samples.iterdir():
+        number = folder.name.removeprefix(prefix)
+        if folder.name.startswith(prefix) and number.isdigit() and confine.not_a_link(folder).is_dir():
+            found.append((int(number), folder))
+    return sorted(found)
 
 
-def _read(path: Path, what: str) -> bytes:
-    """The bytes of a run folder's own regular file (not a link, a FIFO or a device)."""
+def indexed_tiles(run_dir: Path, folder: Path, notes: list[str]) -> list[dict[str, Any]] | None:
+    """The tiles ``folder/index.json`` lists (a JSON list of objects, each naming its ``file`` inside
+    ``folder``, with its prompt, score and what the verifier read), or None when the folder holds no
+    index. An index damaged the way a kill or a full disk leaves one, or a tile without a file, is
+    left out and said in ``notes``; a name that leads out of the folder, a link, a FIFO or a device
+    refuses the report (:class:`fgrpo.core.runread.Unreadable`, :class:`fgrpo.core.confine.Escape`)."""
+    index = confine.not_a_link(folder / "index.json")
+    if not index.exists():
+        return None
+    shown = index.relative_to(run_dir)
     try:
-        fd = confine.open_regular(path, follow=False)
-    except ValueError as exc:
-        raise confine.Escape(f"{what}: {exc}") from None
-    except OSError as exc:
-        raise confine.Escape(
-            f"{what}: {confine.link_message(path)}"
-            if path.is_symlink()
-            else f"{what}: cannot read {path}: {exc.strerror}"
-        ) from None
-    with open(fd, "rb") as fh:
-        return fh.read(MAX_FILE_BYTES)
+        tiles = runread.read_json(index, what=str(shown))
+    except runread.Unreadable as exc:
+        if "not valid JSON" not in str(exc):
+            raise
+        notes.append(f"{shown} does not read as JSON: left out")
+        return None
+    if not isinstance(tiles, list):
+        notes.append(f"{shown} is not a list of tiles: left out")
+        return None
+    kept = []
+    for k, tile in enumerate(tiles):
+        if not isinstance(tile, dict) or "file" not in tile:
+            notes.append(f"{shown}: tile {k} names no file: left out")
+            continue
+        path = confine.inside(folder, tile["file"], what=f"{shown}: tile {k}")
+        if path.is_file():
+            score = tile.get("score")
+            kept.append(
+                dict(
+                    tile,
+                    path=path,
+                    prompt=str(tile.get("prompt", "")),
+                    read=str(tile.get("read") or ""),
+                    score=score if is_number(score) else None,
+                )
+            )
+    return kept
 
 
 def evaluations_with_tiles(run_dir: Path, notes: list[str] | None = None) -> list[tuple[int, list[dict[str, Any]]]]:
-    """(iteration, tiles) for every evaluation that stored filmstrip tiles, in order. Every name
-    is confined to the run folder (:func:`fgrpo.core.confine.inside`); an index damaged the way a
-    kill or a full disk leaves one is left out, and said in ``notes``."""
+    """(iteration, tiles) for every evaluation that stored filmstrip tiles, in order
+    (:func:`indexed_tiles`)."""
     notes = [] if notes is None else notes
-    samples = confine.not_a_link(run_dir / "samples")
     found = []
-    folders = sorted(p for p in samples.iterdir() if p.name.startswith("eval_")) if samples.is_dir() else []
-    for folder in folders:
-        iteration = folder.name.split("_", 1)[1]
-        if not iteration.isdigit():
-            continue
-        confine.not_a_link(folder)
-        index = confine.not_a_link(folder / "index.json")
-        if not folder.is_dir() or not index.is_file():
-            continue
-        shown = index.relative_to(run_dir)
-        try:
-            tiles = json.loads(_read(index, str(index)))
-        except ValueError:
-            notes.append(f"{shown} does not read as JSON: left out")
-            continue
-        if not isinstance(tiles, list):
-            notes.append(f"{shown} is not a list of tiles: left out")
-            continue
-        kept = []
-        for k, tile in enumerate(tiles):
-            if not isinstance(tile, dict):
-                notes.append(f"{shown}: tile {k} is not an object: left out")
-                continue
-            path = confine.inside(folder, tile.get("file"), what=f"{index}: tile {k}")
-            if path.is_file():
-                kept.append(
-                    dict(tile, path=path, prompt=str(tile.get("prompt", "")), read=str(tile.get("read") or ""))
-                )
-        found.append((int(iteration), kept))
+    for iteration, folder in _numbered_folders(run_dir, "eval_"):
+        tiles = indexed_tiles(run_dir, folder, notes)
+        if tiles is not None:
+            found.append((iteration, tiles))
     return found
 
 
@@ -396,7 +397,9 @@ def filmstrip(run_dir: Path, notes: list[str] | None = None) -> tuple[str, int, 
 def strip_table(evals: Sequence[tuple[int, list[dict[str, Any]]]]) -> tuple[str, int, bool]:
     """The filmstrip of ``evals`` ((iteration, tiles) each): one row per prompt, one column per
     evaluation; (html, images, whether the scores are pass/fail)."""
-    n = max(len(tiles) for _, tiles in evals)
+    n = max((len(tiles) for _, tiles in evals), default=0)
+    if n == 0:  # evaluations whose every tile was left out (the notes say why)
+        return "", 0, False
     style, binary = score_style([t.get("score") for _, tiles in evals for t in tiles])
     head = f"<thead><tr><th>prompt</th>{''.join(f'<th>iter {it}</th>' for it, _ in evals)}</tr></thead>"
     body, images = [], 0
@@ -498,16 +501,17 @@ def evaluated_weights(recipe: Mapping[str, Any]) -> str:
 
 
 def _recipe(run_dir: Path, notes: list[str]) -> tuple[str, dict[str, Any]]:
-    """The run's recipe.resolved.yaml: its text and, when it reads as a recipe, its data."""
+    """The run's recipe.resolved.yaml: its text and, when it reads as a recipe, its data (through
+    the recipe loader's YAML guard: an alias bomb is a note, not a report that never ends)."""
     path = confine.not_a_link(run_dir / "recipe.resolved.yaml")
-    if not path.is_file():
+    if not path.exists():
         return "", {}
-    text = _read(path, str(path)).decode("utf-8", "replace")
+    text = runread.read_bytes(path, limit=runread.LIMITS["yaml"], what=str(path)).decode("utf-8", "replace")
     try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
+        data = runread.loads_yaml(text, what="recipe.resolved.yaml")
+    except runread.Unreadable as exc:
         notes.append(
-            f"recipe.resolved.yaml does not read as YAML ({first_line(exc, 120)}): its components are not shown"
+            f"recipe.resolved.yaml does not read as YAML ({first_line(exc, 160)}): its components are not shown"
         )
         return text, {}
     if data is not None and not isinstance(data, dict):
@@ -554,7 +558,7 @@ def render(run_dir: Path) -> str:
         )
     )
     nav = "".join(f'<a href="#{a}">{html.escape(t.split(":")[0])}</a>' for a, t, _ in figs.items)
-    gold = gold_section(run_dir, rows)
+    gold = gold_section(run_dir, rows, notes)
     nav += '<a href="#evaluations">evaluations</a><a href="#filmstrip">filmstrip</a>' + (
         '<a href="#gold">gold</a>' if gold else ""
     )
@@ -621,10 +625,10 @@ under each its score ({legend}) and, in grey, what the reward read.</p>
 """
 
 
-def gold_section(run_dir: Path, rows: Sequence[Mapping[str, Any]]) -> str:
+def gold_section(run_dir: Path, rows: Sequence[Mapping[str, Any]], notes: list[str] | None = None) -> str:
     """The evaluators' part of the page (empty without one): their table and their filmstrip."""
     table = gold_table(rows)
-    strip, n = gold_filmstrip(run_dir)
+    strip, n = gold_filmstrip(run_dir, notes)
     if not table and not n:
         return ""
     return (

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 import socket
 import time
 import uuid
@@ -117,6 +118,10 @@ class RunFolder:
     resume_from: Path | None = None
     skipped: list[tuple[Path, str]] = attrs.Factory(list)  # newer checkpoints that are not complete
     started_over: bool = False
+    #: what the folder held when it was claimed: a run that never starts removes only what it added
+    held: frozenset[str] = attrs.field(
+        default=attrs.Factory(lambda self: frozenset(p.name for p in self.path.iterdir()), takes_self=True)
+    )
 
     def write_recipe(self, recipe: Recipe) -> None:
         confine.write_atomic(self.path / RECIPE_FILE, recipe.to_yaml())
@@ -125,8 +130,15 @@ class RunFolder:
         self.lock.release()
 
     def abandon(self) -> None:
-        """The run did not start: let go of the folder, leaving it as it was (the lock file goes
-        when nothing else is there; the folder too when this process made it)."""
+        """The run did not start: let go of the folder, leaving it as it was. What the start added
+        goes (a tracker that failed leaves its folder, ``tensorboard/``, behind it), then the lock
+        file when nothing else is there, then the folder when this process made it; what the folder
+        held before is never touched."""
+        for added in sorted(p for p in self.path.iterdir() if p.name not in self.held | {LOCK}):
+            if added.is_dir() and not added.is_symlink():
+                shutil.rmtree(added, ignore_errors=True)
+            else:
+                added.unlink(missing_ok=True)
         self.lock.release()
         if {p.name for p in self.path.iterdir()} <= {LOCK}:
             (self.path / LOCK).unlink(missing_ok=True)  # a waiting opener notices (FolderLock.acquire)

@@ -15,7 +15,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from fgrpo.core import confine
+from fgrpo.core import confine, runread
 from fgrpo.core.registry import ComponentError
 
 METRICS = "metrics.jsonl"
@@ -49,7 +49,8 @@ class MetricsLog:
         if not self.path.exists():
             return
         kept = []
-        for line in self.path.read_text().splitlines():
+        text = runread.read_bytes(self.path, limit=runread.LIMITS["metrics"], what=str(self.path))
+        for line in text.decode("utf-8", "replace").splitlines():
             row = _row(line)  # None: a line cut by a kill or a full disk
             if row is not None and row["iteration"] <= iteration:
                 kept.append(line)
@@ -76,8 +77,8 @@ class MetricsLog:
 def _row(line: str) -> dict[str, Any] | None:
     """A metrics row: a JSON object with an integer ``iteration``; None for anything else."""
     try:
-        row = json.loads(line)
-    except ValueError:
+        row = runread.loads_json(line, what=METRICS)
+    except runread.Unreadable:
         return None
     ok = isinstance(row, dict) and isinstance(row.get("iteration"), int) and not isinstance(row["iteration"], bool)
     return row if ok else None
@@ -89,7 +90,8 @@ def metrics_rows(run_dir: Path) -> tuple[list[dict[str, Any]], int]:
     path = confine.not_a_link(Path(run_dir) / METRICS)
     if not path.exists():
         return [], 0
-    lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    text = runread.read_bytes(path, limit=runread.LIMITS["metrics"], what=str(path)).decode("utf-8", "replace")
+    lines = [line for line in text.splitlines() if line.strip()]
     rows = [row for row in map(_row, lines) if row is not None]
     return rows, len(lines) - len(rows)
 

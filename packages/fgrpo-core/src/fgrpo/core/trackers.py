@@ -143,6 +143,40 @@ def tracker_options(name: str) -> set[str] | None:
     return None
 
 
+def option_defaults(name: str) -> dict[str, Any]:
+    """The defaults of the options ``log.init_kwargs.<name>`` reaches (None defaults left out): an
+    option's value must be of its default's kind (a number for ``flush_secs=120``, a string for
+    ``comment=''``), checked at `validate` rather than in the tracker's own thread at start."""
+    import inspect
+
+    found: dict[str, Any] = {}
+    for fn in _builders(name):
+        try:
+            params = inspect.signature(fn).parameters.values() if fn is not None else []
+        except (TypeError, ValueError):
+            break
+        for p in params:
+            if p.default is not p.empty and p.default is not None and p.name not in found:
+                found[p.name] = p.default
+    return found
+
+
+def _kind_problem(value: Any, default: Any) -> str | None:
+    """Why ``value`` does not fit an option whose default is ``default`` (None when it does)."""
+    import math
+
+    if isinstance(default, bool):
+        return None if isinstance(value, bool) else "allowed: true or false"
+    if isinstance(default, (int, float)):
+        number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if isinstance(default, int) and not (isinstance(value, int) and not isinstance(value, bool)):
+            return "allowed: an integer" if not number or float(value) != int(value) else None
+        return None if number else "allowed: a finite number"
+    if isinstance(default, str):
+        return None if isinstance(value, str) else "allowed: a string"
+    return None
+
+
 def init_kwargs_errors(names: Sequence[str], options: Mapping[str, Mapping[str, Any]], prefix: str) -> list[Any]:
     """``log.init_kwargs`` checked at `validate`, before anything is written: each tracker known and
     listed in ``log.trackers``, each option one the tracker itself takes and not one fgrpo sets."""
@@ -170,8 +204,12 @@ def init_kwargs_errors(names: Sequence[str], options: Mapping[str, Mapping[str, 
             continue
         allowed = tracker_options(tracker)
         owned = OWNED.get(tracker, {})
-        for option in given:
-            if option in owned:
+        defaults = option_defaults(tracker)
+        for option, value in given.items():
+            kind = _kind_problem(value, defaults[option]) if option in defaults else None
+            if kind is not None and option not in owned:
+                errors.append(ConfigError(f"{key}.{option}", f"got {value!r}; {kind}"))
+            elif option in owned:
                 errors.append(ConfigError(f"{key}.{option}", f"fgrpo sets it ({owned[option]}); remove it"))
             elif allowed is not None and option not in allowed:
                 close = difflib.get_close_matches(str(option), sorted(allowed), n=1)
@@ -332,7 +370,30 @@ class RunFolderMLflow(MLflowTracker):
 def log_with(names: Sequence[str], extra: Sequence[Any] = ()) -> list[Any]:
     """The Accelerator's ``log_with``: a :class:`RunTracker` per name, then ``extra`` (accelerate
     ``GeneralTracker`` instances, used as they are)."""
+    if "mlflow" in names:
+        keep_mlflow_home_clean()
     return [RunTracker(name) for name in names] + list(extra)
+
+
+def keep_mlflow_home_clean() -> None:
+    """mlflow's telemetry writes ``~/.config/mlflow/telemetry.json``, outside the run folder: off
+    before mlflow is imported (``MLFLOW_DISABLE_TELEMETRY`` or ``DO_NOT_TRACK`` set by you wins)."""
+    import os
+
+    if "DO_NOT_TRACK" not in os.environ:
+        os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+
+
+def bound_mlflow_calls(timeout_s: float) -> None:
+    """mlflow's HTTP client retries 7 times with backoff and waits 120 s each by default: a server
+    that does not answer held a run silent for minutes. Each call now takes at most ``timeout_s``
+    in all: two attempts of half of it, no backoff (a value set in the environment wins)."""
+    import os
+
+    attempt = max(1, int(timeout_s // 2))
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "0")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(attempt))
 
 
 def start(accelerator: Any, recipe: Any, out_dir: Path, *, resume_from: int | None) -> None:
@@ -341,6 +402,9 @@ def start(accelerator: Any, recipe: Any, out_dir: Path, *, resume_from: int | No
     if not accelerator.log_with:
         return
     cfg = recipe.log
+    if "mlflow" in cfg.trackers:
+        keep_mlflow_home_clean()
+        bound_mlflow_calls(cfg.timeout_s)
     options: dict[str, dict[str, Any]] = {
         "tensorboard": {"purge_step": resume_from + 1 if resume_from is not None else 0},
         "wandb": {"name": out_dir.name, "dir": str(out_dir)},

@@ -100,6 +100,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             load_checkpoint_weights(policy, folder, 0.0 if args.no_ema else recipe.train.ema_decay)
             made = [Path(p) for p in export(str(tmp))]
         share_files(tmp)
+        verify_export(tmp, out_dir)  # before the folder appears under its name: whole and readable, or absent
         written = [str(out_dir / p.relative_to(tmp)) if p.is_relative_to(tmp) else str(p) for p in made]
     for path in written:
         out.print(f"wrote {path}", markup=False)
@@ -111,6 +112,24 @@ def cmd_export(args: argparse.Namespace) -> int:
     for line in weights.ema_warnings(summary, every) + weights.lora_warnings(out_dir):
         err.print(f"warning: {line}", markup=False)
     return 0
+
+
+def verify_export(folder: Path, shown: Path) -> None:
+    """Every file of an export read back before ``fgrpo export`` says "exported": each safetensors
+    file's header consistent with its bytes and its tensors loaded, each JSON file parsed (a copy
+    cut short, a flipped bit in a shape or a dtype is refused, naming the file)."""
+    from fgrpo.core import runread
+
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        name = shown / path.relative_to(folder)
+        try:
+            if path.suffix == ".safetensors":
+                runread.read_safetensors(path, what=str(name))
+            elif path.suffix == ".json":
+                runread.read_json(path, what=str(name))
+        except runread.Unreadable as exc:
+            problem = ConfigError("--out", f"the export does not read back, nothing written: {exc}")
+            raise RecipeError([problem]) from None
 
 
 def _verify(folder: Path, key: str, *, ema: bool) -> None:

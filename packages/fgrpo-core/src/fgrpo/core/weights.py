@@ -80,19 +80,20 @@ def empty_lora_files(folder: Path) -> list[Path]:
     """The LoRA files of an export ``folder`` (``*.safetensors`` with up-projection weights) whose
     every up projection is exactly zero."""
     import torch
-    from safetensors import safe_open
+
+    from fgrpo.core import runread
 
     empty = []
     for path in sorted(Path(folder).glob("*.safetensors")):
         if path.is_symlink() or not path.is_file():  # only what the export wrote, never through a link
             continue
         try:
-            with safe_open(str(path), framework="pt") as fh:
-                ups = [k for k in fh.keys() if any(f".{u}." in f".{k}" for u in UP_PROJECTIONS)]
-                if ups and all(not torch.any(fh.get_tensor(k)) for k in ups):
-                    empty.append(path)
-        except Exception:  # noqa: BLE001 - not ours to judge: a file that is not a readable LoRA is left alone
+            tensors = runread.read_safetensors(path, what=str(path))
+        except runread.Unreadable:  # not ours to judge: a file that is not a readable LoRA is left alone
             continue
+        ups = [v for k, v in tensors.items() if any(f".{u}." in f".{k}" for u in UP_PROJECTIONS)]
+        if ups and all(not torch.any(v) for v in ups):
+            empty.append(path)
     return empty
 
 
@@ -110,11 +111,11 @@ def lora_warnings(folder: Path) -> list[str]:
 def checkpoint_warnings(checkpoint: Path) -> list[str]:
     """What is wrong with the weights a checkpoint hands over: an EMA that never moved or equals
     the raw weights, an ``export/`` LoRA that changes nothing (none for a missing checkpoint)."""
-    import json
+    from fgrpo.core import runread
 
     try:
-        state = json.loads((Path(checkpoint) / "state.json").read_text())
+        state = runread.read_state(Path(checkpoint) / "state.json", what=str(Path(checkpoint) / "state.json"))
         every = state["recipe"]["train"].get("ema_every", 1)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (runread.Unreadable, KeyError, TypeError, AttributeError):
         return []
     return ema_warnings(summary_of_checkpoint(state), every) + lora_warnings(Path(checkpoint) / "export")

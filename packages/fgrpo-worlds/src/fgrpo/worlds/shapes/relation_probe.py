@@ -53,7 +53,6 @@ from pathlib import Path
 import attrs
 import numpy as np
 import torch
-from safetensors.torch import load_file
 
 from fgrpo.core import checkpoint as ckpt
 from fgrpo.core.evaluation import generate
@@ -269,7 +268,7 @@ def policies(args: argparse.Namespace) -> Iterator[tuple[str, ShapesDiT]]:
     for label in ["base", *args.checkpoints]:
         policy = ShapesDiT(path=args.weights, device="cpu", lora=lora_of(None if label == "base" else label, args))
         if label != "base":
-            policy.load_trainable_state_dict(load_file(str(Path(label) / "trainable.safetensors")))
+            policy.load_trainable_state_dict(ckpt.read_tensors(Path(label) / ckpt.TRAINABLE))
         yield label, policy
 
 
