@@ -132,7 +132,11 @@ def test_nan_waypoints_stop_the_run_with_one_line(root, tmp_path, capsys):
     )
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
-    assert "reward 'driving-rollout' raised ValueError: driving plan 0 has NaN or infinite waypoints" in err[0]
+    assert err[0].startswith(
+        "error: reward 'driving-rollout' raised ValueError: driving-rollout: plans 0, 1, 2, ... (16 of 16) have "
+        "NaN or infinite waypoints; allowed: finite, |x|, |y| <= 1000 m (a diverged policy: resume from a checkpoint, "
+        "lower train.lr) on the batch of iteration 0 (16 samples of the prompts "
+    )
 
 
 def test_the_highway_evaluator_runs_beside_the_gold(root, tmp_path):

@@ -1,21 +1,24 @@
 """Bad input to the driving world is one line each, naming the file and line or the key, the bad
 value and what is allowed, all at once and never a traceback: scenario files (values outside the
-world's physics, seeds a scenario cannot hold), prompts, and the seed and count keys of its
-components."""
+world's physics, seeds a scenario cannot hold), prompts, the seed and count keys of its
+components, and plans with absurd or non-finite waypoints, refused by every reward."""
 
 from __future__ import annotations
 
 import json
+import types
 
 import pytest
 import torch
 
-from fgrpo.core import cli, registry
+from fgrpo.core import cli, registry, scoring
 from fgrpo.core.config import RecipeError, check_params
 from fgrpo.worlds.driving import prompts, scenes
-from fgrpo.worlds.driving.world import generate
+from fgrpo.worlds.driving.world import HORIZON_STEPS, generate
 
 SEED_RANGE = "an integer from 0 to 2**63 - 1 (9223372036854775807)"
+TERMS = ("safety", "drivable", "rules", "comfort", "progress", "imitation", "consistency", "pdms", "carl")
+REWARDS = tuple(f"driving-{t}" for t in TERMS) + ("driving-rollout",)
 
 
 def scenario(**changes) -> dict:
@@ -166,3 +169,59 @@ def test_a_prompt_seed_outside_int64_is_one_line():
 def test_seed_and_count_keys_have_a_range(kind, name, key, value, allowed):
     _, errors = check_params(registry.load(kind, name), {key: value}, kind)
     assert [str(e) for e in errors] == [f"{kind}.{key}: got {value}; {allowed}"]
+
+
+# --- waypoints ------------------------------------------------------------------------------------
+
+
+def plans(n: int = 3) -> torch.Tensor:
+    t = torch.arange(1, HORIZON_STEPS + 1, dtype=torch.float32) * 0.5
+    return torch.stack([20.0 * t, torch.zeros_like(t)], -1).expand(n, -1, -1).clone()
+
+
+ALLOWED = "allowed: finite, |x|, |y| <= 1000 m (a diverged policy: resume from a checkpoint, lower train.lr)"
+
+
+@pytest.mark.parametrize("name", REWARDS)
+def test_absurd_or_non_finite_waypoints_are_refused_by_every_reward(name):
+    prompt_list = ["free 1", "free 1", "free 2"]
+    reward = registry.create("reward", name)
+    absurd = plans()
+    absurd[1] = 1e30
+    absurd[2, 4, 1] = -3e38
+    with pytest.raises(ValueError) as info:
+        reward(absurd, prompt_list, [{}] * 3)
+    assert str(info.value) == f"{name}: plans 1, 2 (2 of 3) have waypoints up to 3e+38 m; {ALLOWED}"
+    broken = plans()
+    broken[0, 3, 0] = float("nan")
+    broken[2, 0, 1] = 1e4
+    with pytest.raises(ValueError) as info:
+        reward(broken, prompt_list, [{}] * 3)
+    assert str(info.value) == f"{name}: plans 0, 2 (2 of 3) have NaN, infinite or far waypoints; {ALLOWED}"
+    broken[2, 0, 1] = 0.0
+    with pytest.raises(ValueError) as info:
+        reward(broken, prompt_list, [{}] * 3)
+    assert str(info.value) == f"{name}: plan 0 (1 of 3) has NaN or infinite waypoints; {ALLOWED}"
+    edge = plans()
+    edge[1, :, 0] = 1000.0
+    edge[2, :, 1] = -1000.0
+    scores = reward(edge, prompt_list, [{}] * 3).scores
+    assert scores.shape == (3,) and torch.isfinite(scores).all()
+
+
+def test_a_diverged_policy_stops_scoring_with_one_line():
+    absurd = plans(5)
+    absurd[1:] = 1e30
+    spec = types.SimpleNamespace(label="comfort")
+    with pytest.raises(scoring.RewardError) as info:
+        scoring.score(
+            [(spec, registry.create("reward", "driving-comfort"))],
+            absurd,
+            ["free 1"] * 5,
+            [{}] * 5,
+            where="iteration 3",
+        )
+    assert str(info.value) == (
+        "reward 'comfort' raised ValueError: driving-comfort: plans 1, 2, 3, ... (4 of 5) have waypoints up to "
+        f"1e+30 m; {ALLOWED} on iteration 3 (5 samples of the prompts 'free 1')"
+    )
