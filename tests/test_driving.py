@@ -102,10 +102,11 @@ def test_bad_scenario_file_is_one_line_each_and_exit_2(root, tmp_path, capsys):
         '{"type": "stopped", "seed": 2, "lanes": 2, "speed_limit": 30, "ego": {"lane": 0, "speed": -5}}\n'
     )
     assert cli.main(["validate", str(root / "recipes" / "driving.yaml"), *sets(f"prompts.scenarios={path}")]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 2 and "Traceback" not in "".join(err)
-    assert f"{path}:1: lanes: got 0; allowed: 1 to 6 (a scene needs a lane)" in err[0]
-    assert f"{path}:2: ego.speed: got -5; allowed: a finite number >= 0 (m/s)" in err[0]
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: prompts.scenarios: {path}:1: lanes: got 0; allowed: 1 to 6 (a scene needs a lane)",
+        f"error: prompts.scenarios: {path}:2: ego.speed: got -5; allowed: a finite number from 0 to 60 (m/s)",
+        "2 error(s); nothing was run.",
+    ]
 
 
 def test_nan_waypoints_stop_the_run_with_one_line(root, tmp_path, capsys):
@@ -131,7 +132,11 @@ def test_nan_waypoints_stop_the_run_with_one_line(root, tmp_path, capsys):
     )
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
-    assert "reward 'driving-rollout' raised ValueError: driving plan 0 has NaN or infinite waypoints" in err[0]
+    assert err[0].startswith(
+        "error: reward 'driving-rollout' raised ValueError: driving-rollout: plans 0, 1, 2, ... (16 of 16) have "
+        "NaN or infinite waypoints; allowed: finite, |x|, |y| <= 1000 m (a diverged policy: resume from a checkpoint, "
+        "lower train.lr) on the batch of iteration 0 (16 samples of the prompts "
+    )
 
 
 def test_the_highway_evaluator_runs_beside_the_gold(root, tmp_path):

@@ -58,6 +58,52 @@ def test_launch_checks_the_recipe_before_starting_processes(root, tmp_path, caps
     assert args.training_script_args == good[4:]
 
 
+def test_a_config_file_that_is_neither_a_file_nor_shipped_is_one_line(root, tmp_path, capsys, monkeypatch):
+    started = []
+    monkeypatch.setattr("accelerate.commands.launch.launch_command", lambda args: started.append(args))
+    monkeypatch.chdir(tmp_path)
+    recipe = str(root / "recipes" / "vector.yaml")
+    shipped = (
+        "cpu, ddp, deepspeed-zero2, deepspeed-zero2-offload, deepspeed-zero3, deepspeed-zero3-offload, fsdp-full, "
+    )
+    shipped += "fsdp-lora, multi-node"
+    allowed = f"allowed: an accelerate config file, or a shipped config: {shipped}"
+    cases = [
+        (["--config_file", "nosuch"], f"--config_file: got 'nosuch' (no such file); {allowed}"),
+        (["--config_file=dpp"], f"--config_file: got 'dpp' (no such file; did you mean 'ddp'?); {allowed}"),
+        (["--config_file"], f"--config_file: got nothing; {allowed}"),
+        (["--config_file="], f"--config_file: got '' (empty); {allowed}"),
+        (["--config_file", "configs/ddp.yaml"], f"--config_file: got 'configs/ddp.yaml' (no such file); {allowed}"),
+        (["--config_file", str(tmp_path)], f"--config_file: got {str(tmp_path)!r} (a folder); {allowed}"),
+    ]
+    for options, line in cases:
+        assert cli.main(["launch", *options, "compose", recipe]) == 2, options
+        captured = capsys.readouterr()
+        assert captured.err.splitlines() == [f"error: {line}", "1 error(s); nothing was run."]
+        assert "Traceback" not in captured.err and captured.out == ""
+    # with a bad recipe as well: both at once
+    assert cli.main(["launch", "--config_file", "nosuch", "compose", recipe, "--set", "train.lr=-1"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == f"error: --config_file: got 'nosuch' (no such file); {allowed}"
+    assert err[1].startswith("error: train.lr: ") and err[2:] == ["2 error(s); nothing was run."]
+    assert started == []
+
+
+def test_a_missing_config_file_through_the_command_line_is_one_line(root, tmp_path):
+    """The same line from the installed command, with accelerate's real launcher behind it."""
+    result = subprocess.run(
+        [str(BIN / "fgrpo"), "launch", "--config_file", "nosuch", "compose", str(root / "recipes" / "vector.yaml")],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=300,
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.splitlines()[0].startswith("error: --config_file: got 'nosuch' (no such file); allowed: ")
+    assert result.stderr.splitlines()[1:] == ["1 error(s); nothing was run."]
+
+
 def test_only_the_main_process_prints_a_recipe_error(root, capsys, monkeypatch):
     bad = ["validate", str(root / "recipes" / "vector.yaml"), "--set", "train.lr=-1"]
     monkeypatch.setenv("RANK", "1")

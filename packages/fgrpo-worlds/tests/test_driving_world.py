@@ -347,9 +347,9 @@ def test_nan_waypoints_are_one_line():
     plans = constant_speed(20.0, n=2)
     plans[1, 3, 0] = float("nan")
     for name in ("driving-pdms", "driving-rollout"):
-        with pytest.raises(ValueError, match=r"^driving plan 1 has NaN or infinite waypoints \(1 of 2 plans\)$"):
+        with pytest.raises(ValueError, match=rf"^{name}: plan 1 \(1 of 2\) has NaN or infinite waypoints; allowed: "):
             score(name, plans, ["free 1", "free 2"])
-    with pytest.raises(ValueError, match=r"driving plans are \(2, T, 2\) waypoints"):
+    with pytest.raises(ValueError, match=r"^driving-pdms: plans are \(2, T, 2\) waypoints"):
         score("driving-pdms", torch.zeros(2, 8), ["free 1", "free 2"])
 
 
@@ -366,16 +366,15 @@ def test_bad_scenario_files_and_prompts(tmp_path):
         '{"type": "free", "seed": 2, "lanes": 2, "speed_limit": 30, "ego": {"lane": 0, "speed": -3}, "agents": '
         '[{"lane": 5, "x": 10, "speed": NaN}]}\n'
     )
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(prompts.ScenarioFileError) as info:
         prompts.read_scenario_file(path)
-    text = str(info.value)
-    assert f"{path}:1: lanes: got 0; allowed: 1 to 6 (a scene needs a lane)" in text
-    assert f"{path}:2: ego.speed: got -3; allowed: a finite number >= 0 (m/s)" in text
-    assert (
-        f"{path}:2: agents.0.speed: got nan" in text
-        and f"{path}:2: agents.0.lane: got 5; allowed: an integer from 0 to 1" in text
-    )
-    assert "\n" not in text
+    assert info.value.problems == [
+        f"{path}:1: lanes: got 0; allowed: 1 to 6 (a scene needs a lane)",
+        f"{path}:2: ego.speed: got -3; allowed: a finite number from 0 to 60 (m/s)",
+        f"{path}:2: agents.0.speed: got nan; allowed: a finite number from 0 to 60 (m/s)",
+        f"{path}:2: agents.0.lane: got 5; allowed: an integer from 0 to 1",
+    ]
+    assert str(info.value) == "\n".join(info.value.problems)  # one line each
     with pytest.raises(ValueError, match="is not a driving scene"):
         scenes.parse("a red circle")
     with pytest.raises(ValueError, match="multiple of 0.5"):

@@ -475,12 +475,21 @@ def cmd_launch(args: argparse.Namespace) -> int:
                 )
             ]
         )
-    options, command = _shipped_config(rest[:at]), rest[at:]
+    command, errors = rest[at:], []
+    try:
+        options = _shipped_config(rest[:at])
+    except RecipeError as exc:  # reported with the recipe's errors, all at once
+        errors, options = exc.errors, []
     checked = build_parser().parse_args(command)
     if getattr(checked, "log_level", None):
         logs.configure(checked.log_level)
     if getattr(checked, "recipe", None) is not None:
-        _load(checked)
+        try:
+            _load(checked)
+        except RecipeError as exc:
+            errors += exc.errors
+    if errors:
+        raise RecipeError(errors)
     from accelerate.commands.launch import launch_command, launch_command_parser
 
     launch_args = launch_command_parser().parse_args([*options, "--module", "fgrpo.core.cli", *command])
@@ -504,15 +513,22 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 def _shipped_config(options: list[str]) -> list[str]:
     """accelerate's ``--config_file NAME`` with NAME a shipped config (``ddp``, ``fsdp-lora``, ...)
-    replaced by its path."""
-    from fgrpo.core.shipped import find_accelerate_config
+    replaced by its path; a RecipeError for a NAME that is neither a file nor shipped, or none."""
+    from fgrpo.core.shipped import accelerate_configs_allowed, find_accelerate_config
 
-    out = list(options)
+    out, errors = list(options), []
     for i, word in enumerate(out):
-        if word == "--config_file" and i + 1 < len(out):
-            out[i + 1] = find_accelerate_config(out[i + 1])
-        elif word.startswith("--config_file="):
-            out[i] = "--config_file=" + find_accelerate_config(word.split("=", 1)[1])
+        try:
+            if word == "--config_file" and i + 1 < len(out):
+                out[i + 1] = find_accelerate_config(out[i + 1])
+            elif word == "--config_file":
+                errors.append(ConfigError("--config_file", f"got nothing; {accelerate_configs_allowed()}"))
+            elif word.startswith("--config_file="):
+                out[i] = "--config_file=" + find_accelerate_config(word.split("=", 1)[1])
+        except RecipeError as exc:
+            errors += exc.errors
+    if errors:
+        raise RecipeError(errors)
     return out
 
 

@@ -73,13 +73,31 @@ def accelerate_configs() -> dict[str, Path]:
 
 
 def find_accelerate_config(arg: str) -> str:
-    """``arg`` itself when it is a file (or a path), else the shipped accelerate config of that name
-    (``ddp`` or ``ddp.yaml``), so that an installed fgrpo finds them without the repository."""
+    """``arg`` itself when it is a file, else the shipped accelerate config of that name (``ddp`` or
+    ``ddp.yaml``), so that an installed fgrpo finds them without the repository. Anything else is
+    a RecipeError naming ``--config_file``, what ``arg`` is and the shipped names (accelerate
+    itself would fail later with a FileNotFoundError traceback)."""
     path = Path(arg)
-    if path.exists() or len(path.parts) != 1:
+    if arg and path.is_file():
         return arg
-    found = accelerate_configs().get(path.stem if path.suffix == ".yaml" else arg)
-    return str(found) if found is not None else arg
+    configs = accelerate_configs()
+    name = path.stem if path.suffix == ".yaml" else arg
+    if arg and len(path.parts) == 1 and name in configs:
+        return str(configs[name])
+    if not arg:
+        what = "empty"
+    elif path.is_dir():
+        what = "a folder"
+    else:
+        close = difflib.get_close_matches(name, list(configs), n=1) if len(path.parts) == 1 else []
+        what = "no such file" + (f"; did you mean {close[0]!r}?" if close else "")
+    raise RecipeError([ConfigError("--config_file", f"got {arg!r} ({what}); {accelerate_configs_allowed()}")])
+
+
+def accelerate_configs_allowed() -> str:
+    return (
+        f"allowed: an accelerate config file, or a shipped config: {', '.join(sorted(accelerate_configs())) or 'none'}"
+    )
 
 
 def recipe_names() -> list[str]:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 import torch
@@ -308,7 +308,7 @@ class Rollout:
         ]
 
     def __call__(self, outputs: Any, prompts: Sequence[str], metadata: Sequence[Any]) -> RewardResult:
-        plans = check_plans(outputs, len(prompts))
+        plans = check_plans(outputs, len(prompts), f"driving-{self.key}")
         start = scene_store.scenes_for(list(prompts))
         _, executed = sim.execute(start, plans, self.execute)
         planned = len(executed)
@@ -351,3 +351,5 @@ class Rollout:
 
     #: the same pictures as the open-loop terms: each group's candidate plans over its scene
     draw = DrivingTerm.draw
+    #: its score in ``details``, as the open-loop terms' (the reward is ``driving-<key>``)
+    key: ClassVar[str] = "rollout"

@@ -37,6 +37,7 @@ from fgrpo.worlds.driving.rewards import free_distance, speed_excess
 from fgrpo.worlds.driving.world import (
     HORIZON_STEPS,
     MAX_AGENTS,
+    MAX_SEED,
     TEACHER_KEYS,
     TYPES,
     WHEELBASE,
@@ -198,6 +199,9 @@ def drive_highway(planner: Any, envs: Sequence[Any], episodes: Sequence[int], se
     )
 
 
+MAX_EPISODES = 10_000
+
+
 @attrs.define
 class HighwayEvaluator:
     """The planner driven closed-loop in highway-env's ``highway-v0`` (``evaluator:
@@ -206,11 +210,12 @@ class HighwayEvaluator:
     deterministic sampler; collision, off-road, progress, stuck, jerk, speed, speeding and
     CL-score, as the gold measures our world (see the module docstring)."""
 
-    episodes: int = param(100, ge=1, le=10000, help="highway-env episodes (its seeds seed, seed + 1, ...)")
+    episodes: int = param(100, ge=1, le=MAX_EPISODES, help="highway-env episodes (its seeds seed, seed + 1, ...)")
     seconds: float = param(20.0, gt=0.0, le=60.0, help="length of each episode [s]")
     lanes: int = param(4, ge=2, le=6, help="lanes of the road")
     vehicles: int = param(30, ge=0, le=100, help="other cars")
-    seed: int = param(0, ge=0, help="the first episode's highway-env seed")
+    # every episode's seed, seed + episodes - 1 the last, names a scene (an int64 Scene.seed)
+    seed: int = param(0, ge=0, le=MAX_SEED - MAX_EPISODES, help="the first episode's highway-env seed")
     pictures: int = param(2, ge=0, help="episodes drawn for the report (their executed paths)")
 
     directions = DIRECTIONS

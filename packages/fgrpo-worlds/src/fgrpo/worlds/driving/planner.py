@@ -185,7 +185,8 @@ class TrajectoryPolicy:
     blocks: int = param(3, ge=1, help="residual blocks of a new network (path: random)")
     shift: float = param(1.0, gt=0, help="time shift s of the default schedule: s*t/(1+(s-1)*t)")
     lora: dict | None = lora_param(8, None, default=False)
-    init: int = param(0, help="seed of a new network's weights and of the LoRA init")
+    # torch's generators take seeds below 2**64 (init + 2 seeds the LoRA); 2**63 - 1 as every driving seed
+    init: int = param(0, ge=0, le=2**63 - 1, help="seed of a new network's weights and of the LoRA init")
     dtype: str = param("float32", choices=tuple(DTYPES), help="dtype of the weights")
     device: str | torch.device = param("cpu", validator=_valid_device, help="torch device of the network")
 

@@ -25,15 +25,25 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeGuard
+from typing import Any, ClassVar, TypeGuard
 
 import attrs
 import torch
 
 import fgrpo.worlds.driving.features as features
 import fgrpo.worlds.driving.scenes as scenes
-from fgrpo.core.config import param, read_text_file
-from fgrpo.worlds.driving.world import MAX_AGENTS, TYPES, Scene, generate, lane_centre
+from fgrpo.core.config import ConfigError, dotted, param, read_text_file, shown
+from fgrpo.worlds.driving.world import (
+    MAX_AGENTS,
+    MAX_DISTANCE,
+    MAX_SEED,
+    MAX_SPEED,
+    SEED_RANGE,
+    TYPES,
+    Scene,
+    generate,
+    lane_centre,
+)
 
 TEST_SEED_BASE = 1_000_000
 SELF_TAG = "self"
@@ -70,11 +80,6 @@ def _closed_loop(_instance: Any, _attribute: Any, value: Any) -> None:
         _times(None, None, value["times"])
 
 
-def _scenario_file(_instance: Any, _attribute: Any, value: Any) -> None:
-    if value is not None:
-        read_scenario_file(value)  # every problem of the file, one line each
-
-
 @attrs.define
 class DrivingPrompts:
     """Driving scenarios as prompts (see the module docstring): ``types`` x ``train_seeds`` x
@@ -83,8 +88,12 @@ class DrivingPrompts:
     types: list[str] = param(
         factory=lambda: list(TYPES), validator=_types, help=f"scenario types, of {', '.join(TYPES)}"
     )
-    train_seeds: int = param(200, ge=1, help="training scenarios per type (seeds 0 .. n - 1)")
-    test_seeds: int = param(40, ge=0, help=f"held-out scenarios per type (seeds {TEST_SEED_BASE} on)")
+    # training seeds stay below the held-out ones, so no test scenario is ever trained on; a
+    # million held-out scenarios per type is past any evaluation's budget
+    train_seeds: int = param(200, ge=1, le=TEST_SEED_BASE, help="training scenarios per type (seeds 0 .. n - 1)")
+    test_seeds: int = param(
+        40, ge=0, le=TEST_SEED_BASE, help=f"held-out scenarios per type (seeds {TEST_SEED_BASE} on)"
+    )
     times: list[float] = param(
         factory=lambda: [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0],
         validator=_times,
@@ -95,9 +104,7 @@ class DrivingPrompts:
         validator=_closed_loop,
         help="starting states from the policy's own closed loop: {scenarios, every, times, steps}; null = off",
     )
-    scenarios: str | None = param(
-        None, validator=_scenario_file, help="a JSON-lines file of your own scenarios (added at t0)"
-    )
+    scenarios: str | None = param(None, help="a JSON-lines file of your own scenarios (added at t0)")
     split: str = param("test", choices=("train", "test"), help="where the file's scenarios go")
     _train: list[str] = attrs.field(init=False, factory=list, repr=False)
     _test: list[str] = attrs.field(init=False, factory=list, repr=False)
@@ -106,6 +113,31 @@ class DrivingPrompts:
 
     #: the size of the scene encoding (the trajectory model's cond_dim)
     encoding_size = features.SIZE
+    #: the scenario file's problems shown before a count of the rest
+    SHOWN_PROBLEMS: ClassVar[int] = 20
+
+    @classmethod
+    def check_keys(cls, values: Mapping[str, Any], prefix: str) -> list[ConfigError]:
+        """Every problem of the scenario file, one error each (a file with thousands of bad lines
+        shows the first :attr:`SHOWN_PROBLEMS` and counts the rest)."""
+        path = values.get("scenarios")
+        if path is None:
+            return []
+        key = dotted(prefix, "scenarios")
+        try:
+            scenario_rows(path)
+        except ScenarioFileError as exc:
+            errors = [ConfigError(key, p) for p in exc.problems[: cls.SHOWN_PROBLEMS]]
+            if len(exc.problems) > cls.SHOWN_PROBLEMS:
+                errors.append(
+                    ConfigError(key, f"... and {len(exc.problems) - cls.SHOWN_PROBLEMS} more problems in {path}")
+                )
+            return errors
+        except ValueError as exc:  # read_text_file's line names the file: binary, too large, not UTF-8
+            return [ConfigError(key, str(exc))]
+        except OSError as exc:
+            return [ConfigError(key, f"{path}: cannot be read ({exc.strerror}); allowed: a readable JSON-lines file")]
+        return []
 
     def __attrs_post_init__(self) -> None:
         self._train = [
@@ -216,6 +248,14 @@ class DrivingPrompts:
 SCENARIO_KEYS = ("type", "seed", "lanes", "speed_limit", "ego", "agents")
 
 
+class ScenarioFileError(ValueError):
+    """Every problem of a scenario file, one line each (``FILE:LINE: key: got ...; allowed ...``)."""
+
+    def __init__(self, problems: Sequence[str]):
+        self.problems = list(problems)
+        super().__init__("\n".join(self.problems))
+
+
 def read_scenario_file(path: str | Path) -> tuple[list[str], Scene]:
     """Scenarios from a JSON-lines file, one per line::
 
@@ -223,12 +263,20 @@ def read_scenario_file(path: str | Path) -> tuple[list[str], Scene]:
          "ego": {"lane": 1, "speed": 20},
          "agents": [{"lane": 1, "x": 60, "speed": 0}, {"lane": 2, "x": -20, "speed": 24}]}
 
-    ``type``/``seed`` name the prompt (and the teacher's flaws); lanes >= 1; speeds >= 0 and
-    finite; lane indices inside the road. Every problem of the file is one line of the
-    ValueError (``FILE:LINE: key: got ...; allowed ...``)."""
+    ``type``/``seed`` name the prompt (and the teacher's flaws); 1 to 6 lanes; the limit and the
+    speeds at most :data:`~fgrpo.worlds.driving.world.MAX_SPEED`, the cars within
+    :data:`~fgrpo.worlds.driving.world.MAX_DISTANCE` of the ego, lane indices inside the road.
+    Every problem of the file is one line of a :class:`ScenarioFileError`."""
+    return _build(scenario_rows(path))
+
+
+def scenario_rows(path: str | Path) -> list[dict[str, Any]]:
+    """The scenarios of the file as JSON objects, every one checked (see :func:`read_scenario_file`);
+    nothing is built."""
     path = Path(path)
+    allowed = "allowed: a JSON-lines file, a scenario per line"
     if not path.is_file():
-        raise ValueError(f"{path}: no such scenario file")
+        raise ScenarioFileError([f"{path}: {'is a folder' if path.is_dir() else 'no such file'}; {allowed}"])
     problems, rows = [], []
     for number, line in enumerate(read_text_file(path, limit=16 << 20, what="a scenario file").splitlines(), 1):
         if not line.strip():
@@ -239,19 +287,28 @@ def read_scenario_file(path: str | Path) -> tuple[list[str], Scene]:
         except ValueError as exc:
             problems.append(f"{where}: not a JSON object ({exc})")
             continue
+        except RecursionError:
+            problems.append(f"{where}: not a JSON object (nested too deeply)")
+            continue
         found = _scenario_problems(row)
         problems += [f"{where}: {p}" for p in found]
         if not found:
             rows.append(row)
     if problems:
-        raise ValueError("; ".join(problems))
+        raise ScenarioFileError(problems)
     if not rows:
-        raise ValueError(f"{path}: no scenarios")
-    return _build(rows)
+        raise ScenarioFileError([f"{path}: no scenarios; {allowed}"])
+    return rows
 
 
-def _number(value: Any) -> TypeGuard[float]:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+def _number(value: Any, low: float = -math.inf, high: float = math.inf) -> TypeGuard[float]:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        number = float(value)
+    except OverflowError:  # an integer past any float: JSON holds it
+        return False
+    return math.isfinite(number) and low <= number <= high
 
 
 def _scenario_problems(row: Any) -> list[str]:
@@ -260,33 +317,38 @@ def _scenario_problems(row: Any) -> list[str]:
     out = [f"{k}: unknown key; allowed: {', '.join(SCENARIO_KEYS)}" for k in row if k not in SCENARIO_KEYS]
     if row.get("type") not in TYPES:
         out.append(f"type: got {row.get('type')!r}; allowed: {', '.join(TYPES)}")
-    if not isinstance(row.get("seed"), int) or isinstance(row.get("seed"), bool) or row["seed"] < 0:
-        out.append(f"seed: got {row.get('seed')!r}; allowed: an integer >= 0")
+    seed = row.get("seed")
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= MAX_SEED:
+        out.append(f"seed: got {shown(seed)}; allowed: {SEED_RANGE}")
     lanes = row.get("lanes")
     if not isinstance(lanes, int) or isinstance(lanes, bool) or not 1 <= lanes <= 6:
-        out.append(f"lanes: got {lanes!r}; allowed: 1 to 6 (a scene needs a lane)")
+        out.append(f"lanes: got {shown(lanes)}; allowed: 1 to 6 (a scene needs a lane)")
         lanes = None
-    if not _number(row.get("speed_limit")) or row["speed_limit"] <= 0:
-        out.append(f"speed_limit: got {row.get('speed_limit')!r}; allowed: a number > 0 (m/s)")
-    cars = [("ego", row.get("ego"))] + [(f"agents.{i}", a) for i, a in enumerate(row.get("agents") or [])]
-    if not isinstance(row.get("agents", []), list) or len(cars) - 1 > MAX_AGENTS:
-        out.append(f"agents: allowed: a list of at most {MAX_AGENTS} cars")
-        cars = cars[:1]
+    limit = row.get("speed_limit")
+    if not _number(limit, high=MAX_SPEED) or limit <= 0:
+        out.append(f"speed_limit: got {shown(limit)}; allowed: a number > 0 and <= {MAX_SPEED:g} (m/s)")
+    agents = row.get("agents") or []
+    cars = [("ego", row.get("ego"))]
+    if not isinstance(agents, list) or len(agents) > MAX_AGENTS:
+        out.append(f"agents: got {shown(agents)}; allowed: a list of at most {MAX_AGENTS} cars")
+    else:
+        cars += [(f"agents.{i}", a) for i, a in enumerate(agents)]
     for key, car in cars:
         if not isinstance(car, dict):
-            out.append(f"{key}: got {car!r}; allowed: an object with lane, speed (and x for agents)")
+            out.append(f"{key}: got {shown(car)}; allowed: an object with lane, speed (and x for agents)")
             continue
         speed = car.get("speed")
-        if not _number(speed) or speed < 0:
-            out.append(f"{key}.speed: got {speed!r}; allowed: a finite number >= 0 (m/s)")
+        if not _number(speed, 0.0, MAX_SPEED):
+            out.append(f"{key}.speed: got {shown(speed)}; allowed: a finite number from 0 to {MAX_SPEED:g} (m/s)")
         lane = car.get("lane")
         if not isinstance(lane, int) or isinstance(lane, bool) or lane < 0 or (lanes is not None and lane >= lanes):
             out.append(
-                f"{key}.lane: got {lane!r}; allowed: an integer from 0 to {lanes - 1 if lanes else 'lanes - 1'}"
+                f"{key}.lane: got {shown(lane)}; allowed: an integer from 0 to {lanes - 1 if lanes else 'lanes - 1'}"
             )
-        if key != "ego" and not _number(car.get("x")):
+        if key != "ego" and not _number(car.get("x"), -MAX_DISTANCE, MAX_DISTANCE):
             out.append(
-                f"{key}.x: got {car.get('x')!r}; allowed: a finite number (m ahead of the ego; negative: behind)"
+                f"{key}.x: got {shown(car.get('x'))}; allowed: a finite number from {-MAX_DISTANCE:g} to "
+                f"{MAX_DISTANCE:g} (m ahead of the ego; negative: behind)"
             )
     return out
 

@@ -49,10 +49,21 @@ from fgrpo.worlds.driving.world import HORIZON_STEPS, PLAN_DT, TYPES, Scene
 
 LON_JERK_MAX, LAT_ACCEL_MAX, LON_ACCEL_RANGE = 4.13, 4.89, (-4.05, 2.40)  # NAVSIM's comfort thresholds
 
+#: the farthest a waypoint may lie from the ego [m]. A scene starts no car faster than MAX_SPEED
+#: (60 m/s) and the ego accelerates at most 4 m/s^2, so a 4 s plan reaches 272 m from a scene's
+#: start, 600 m after a whole 20 s loop at full throttle: farther waypoints come from a broken
+#: policy, and from about 1e19 m on the simulation's float32 squares overflow to inf and the scores
+#: to NaN. Below 1 km the tracker chases an unreachable plan and the terms score what it drove.
+MAX_WAYPOINT = 1000.0
+#: which plans a refusal names (then "...")
+NAMED_PLANS = 3
 
-def check_plans(outputs: Any, n: int) -> torch.Tensor:
-    """``outputs`` as (n, T, 2) float32 plans on the CPU; ValueError (one line) for anything else:
-    a wrong shape, NaN or infinite waypoints."""
+
+def check_plans(outputs: Any, n: int, name: str = "driving") -> torch.Tensor:
+    """``outputs`` as (n, T, 2) float32 plans on the CPU; ValueError (one line, starting with the
+    reward's ``name``) for anything else: a wrong shape, NaN or infinite waypoints, waypoints
+    farther than :data:`MAX_WAYPOINT` from the ego. A policy that plans those has diverged, and
+    scoring them 0 would train on its garbage: the run stops, saying which plans and what to do."""
     if (
         not isinstance(outputs, torch.Tensor)
         or outputs.dim() != 3
@@ -60,16 +71,28 @@ def check_plans(outputs: Any, n: int) -> torch.Tensor:
         or outputs.shape[0] != n
     ):
         shape = tuple(outputs.shape) if hasattr(outputs, "shape") else type(outputs).__name__
-        raise ValueError(f"driving plans are ({n}, T, 2) waypoints (x forward, y left, metres), got {shape}")
-    plans = outputs.detach().float().cpu()[..., :2]
-    bad = ~torch.isfinite(plans)
-    if bad.any():
-        b = int(bad.flatten(1).any(1).nonzero()[0])
+        raise ValueError(f"{name}: plans are ({n}, T, 2) waypoints (x forward, y left, metres), got {shape}")
+    plans = outputs.detach().cpu()[..., :2].double()  # float32 would turn 1e39 into inf
+    broken = (~torch.isfinite(plans)).flatten(1).any(1)
+    far = (plans.nan_to_num(0.0, 0.0, 0.0).abs() > MAX_WAYPOINT).flatten(1).any(1)
+    bad = (broken | far).nonzero().flatten().tolist()
+    if bad:
+        named = ", ".join(map(str, bad[:NAMED_PLANS])) + (", ..." if len(bad) > NAMED_PLANS else "")
+        if not far.any():
+            what = "NaN or infinite waypoints"
+        elif not broken.any():
+            what = f"waypoints up to {plans[far].abs().max().item():.3g} m"
+        else:
+            what = "NaN, infinite or far waypoints"
+        several = len(bad) > 1
         raise ValueError(
-            f"driving plan {b} has NaN or infinite waypoints ({int(bad.flatten(1).any(1).sum())} of {n} plans)"
+            f"{name}: plan{'s' if several else ''} {named} ({len(bad)} of {n}) {'have' if several else 'has'} {what}; "
+            f"allowed: finite, |x|, |y| <= {MAX_WAYPOINT:g} m (a diverged policy: resume from a checkpoint, lower "
+            "train.lr)"
         )
+    plans = plans.float()
     if plans.shape[1] != HORIZON_STEPS:
-        raise ValueError(f"driving plans have {HORIZON_STEPS} waypoints at {PLAN_DT} s, got {plans.shape[1]}")
+        raise ValueError(f"{name}: plans have {HORIZON_STEPS} waypoints at {PLAN_DT} s, got {plans.shape[1]}")
     return plans
 
 
@@ -206,14 +229,14 @@ class DrivingTerm:
     __slots__ = ()
     horizon: float
     reactive: bool
-    #: the term's name in ``details`` (also the reward's score)
+    #: the term's name in ``details`` (also the reward's score); the reward is ``driving-<key>``
     key: ClassVar[str] = "score"
 
     def score(self, o: Outcome, plans: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
         raise NotImplementedError
 
     def __call__(self, outputs: Any, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> RewardResult:
-        plans = check_plans(outputs, len(prompts))
+        plans = check_plans(outputs, len(prompts), f"driving-{self.key}")
         o = outcome(plans, prompts, self.horizon, self.reactive)
         scores = self.score(o, plans, prompts).float()
         device = outputs.device
@@ -238,7 +261,7 @@ class DrivingTerm:
         its group's candidate plans coloured by their scores, its own drawn thick."""
         from fgrpo.worlds.driving.draw import draw_groups
 
-        plans = check_plans(outputs, len(prompts))
+        plans = check_plans(outputs, len(prompts), f"driving-{self.key}")
         return draw_groups(scene_store.scenes_for(list(prompts)), plans, scores.float().cpu(), per_prompt)
 
 

@@ -23,7 +23,8 @@ import attrs
 import torch
 
 import fgrpo.worlds.driving.sim as sim
-from fgrpo.worlds.driving.world import HORIZON_STEPS, PLAN_DT, TYPES, Scene, generate
+from fgrpo.core.config import shown
+from fgrpo.worlds.driving.world import HORIZON_STEPS, MAX_SEED, PLAN_DT, SEED_RANGE, TYPES, Scene, generate
 
 PROMPT = re.compile(r"^(?P<type>[a-z-]+) (?P<seed>\d+)(?: t(?P<t>\d+(?:\.\d+)?))?(?: (?P<tag>[a-z0-9:_-]+))?$")
 MAX_LOG_TIME = 20.0  #: the latest time a log prompt may name [s]
@@ -47,14 +48,18 @@ def parse(prompt: str) -> Parsed:
     match = PROMPT.match(prompt.strip()) if isinstance(prompt, str) else None
     if match is None or match["type"] not in TYPES:
         raise ScenePromptError(
-            f"{prompt!r} is not a driving scene; expected '<type> <seed> [t<seconds>] [tag]' with a type of "
+            f"{shown(prompt)} is not a driving scene; expected '<type> <seed> [t<seconds>] [tag]' with a type of "
             f"{', '.join(TYPES)}, e.g. 'cut-in 42 t2.5'"
         )
+    digits = match["seed"].lstrip("0") or "0"
+    # a longer digit string is no int64 (and past 4300 digits int() itself refuses it)
+    if len(digits) > len(str(MAX_SEED)) or int(digits) > MAX_SEED:
+        raise ScenePromptError(f"{shown(prompt)}: the seed must be {SEED_RANGE}")
     t = float(match["t"] or 0.0)
     steps = t / PLAN_DT
-    if abs(steps - round(steps)) > 1e-9 or t > MAX_LOG_TIME:
+    if t > MAX_LOG_TIME or abs(steps - round(steps)) > 1e-9:  # the bound first: round(inf) raises
         raise ScenePromptError(
-            f"{prompt!r}: the time must be a multiple of {PLAN_DT} s up to {MAX_LOG_TIME:g} s, got {t:g}"
+            f"{shown(prompt)}: the time must be a multiple of {PLAN_DT} s up to {MAX_LOG_TIME:g} s, got {t:g}"
         )
     return Parsed(TYPES.index(match["type"]), int(match["seed"]), t, match["tag"])
 

@@ -34,6 +34,17 @@ WHEELBASE = 2.7
 MAX_AGENTS = 12
 SPEED_LIMITS = (22.0, 25.0, 28.0, 31.0, 33.0)
 FAR = 1.0e4  #: where an absent car is parked (x), so it is nobody's leader
+#: the largest scenario seed: seeds live in int64 tensors (``Scene.seed``, the hash of :func:`uniforms`)
+MAX_SEED = 2**63 - 1
+SEED_RANGE = f"an integer from 0 to 2**63 - 1 ({MAX_SEED})"
+#: the fastest a car of a scene may drive, or a road allow [m/s]: the generated limits are at most
+#: 33 m/s and the fastest teacher drives 1.08 x its limit; 60 m/s (216 km/h) leaves room for
+#: speeders of your own while a 4 s plan still ends within 300 m of the ego
+MAX_SPEED = 60.0
+#: the farthest a car of a scene may start from the ego [m]: the generator places them 70 m behind
+#: to 150 m ahead and the scene encoding sees 100 m; 1 km keeps every car far from FAR (where absent
+#: cars are parked) and its float32 position exact to a millimetre
+MAX_DISTANCE = 1000.0
 #: teacher parameters, in the order of ``Scene.teacher``
 TEACHER_KEYS = (
     "speed_factor",
