@@ -37,15 +37,19 @@ def error_lines(capsys) -> list[str]:
     [
         (
             ["sample", RECIPE, "--prompts", "p.txt", "--out", "o", "--n", "0"],
-            "argument --n: expected an integer >= 1, got '0'",
+            "argument --n: expected an integer from 1 to 100000, got '0'",
         ),
         (
             ["sample", RECIPE, "--prompts", "p.txt", "--out", "o", "--n", "-1"],
-            "argument --n: expected an integer >= 1, got '-1'",
+            "argument --n: expected an integer from 1 to 100000, got '-1'",
+        ),
+        (  # before: a torch allocation traceback (issue 50, LOW)
+            ["sample", RECIPE, "--prompts", "p.txt", "--out", "o", "--n", str(10**20)],
+            f"argument --n: expected an integer from 1 to 100000, got '{10**20}'",
         ),
         (
             ["sample", RECIPE, "--prompts", "p.txt", "--out", "o", "--steps", "-3"],
-            "argument --steps: expected an integer >= 1, got '-3'",
+            "argument --steps: expected an integer from 1 to 10000, got '-3'",
         ),
         (["check", RECIPE, "--tolerance", "nan"], "argument --tolerance: expected a finite number >= 0, got 'nan'"),
         (
@@ -464,3 +468,62 @@ def test_serve_reward_on_a_port_in_use_or_a_host_it_cannot_bind(capsys, monkeypa
     assert cli.main(["serve-reward", "jpeg-compressibility", "--host", "no-such-host.invalid"]) == 2
     lines = error_lines(capsys)
     assert len(lines) == 1 and lines[0].startswith("error: --host: cannot listen on 'no-such-host.invalid': "), lines
+
+
+# --- messages that said the wrong thing (issue 50, LOW) -----------------------------------------
+
+
+def test_report_into_a_folder_that_takes_no_files_says_so(run, capsys):
+    """Before: "cannot write /proc/version: No such file or directory", of a file that exists."""
+    assert cli.main(["report", str(run), "--out", "/proc/version"]) == 2
+    assert error_lines(capsys) == [
+        "error: --out: cannot write /proc/version (a new file in /proc: No such file or directory); "
+        "nothing was written"
+    ]
+
+
+@pytest.mark.parametrize("where", ["nowhere", "a file"])
+def test_sample_from_a_checkpoint_that_is_not_a_folder_says_what_it_is(run, tmp_path, where, capsys):
+    (tmp_path / "p.txt").write_text("target 1 1\n")
+    given = tmp_path / "nowhere" if where == "nowhere" else run / "metrics.jsonl"
+    args = ["sample", "--checkpoint", str(given), "--prompts", str(tmp_path / "p.txt"), "--out", str(tmp_path / "s")]
+    assert cli.main(args) == 2
+    [line] = error_lines(capsys)
+    expected = "does not exist" if where == "nowhere" else "is a file; expected a folder"
+    assert line.startswith(f"error: --checkpoint: {given} {expected}") and "state.json" not in line
+
+
+def test_a_report_that_could_not_be_written_is_not_named(tmp_path, monkeypatch, capsys):
+    """Before: compose said "report: RUN/report.html" after "report.html not written"."""
+    from fgrpo.core import report
+    from fgrpo.core.config import ConfigError, RecipeError
+
+    def full(*args, **kwargs):
+        raise RecipeError([ConfigError("--out", "cannot write report.html: No space left on device")])
+
+    monkeypatch.setattr(report, "write", full)
+    assert cli.main(["compose", RECIPE, "--out", str(tmp_path / "run"), *FAST, "--set", "train.iterations=1"]) == 0
+    out = capsys.readouterr().out
+    assert "report.html not written: --out: cannot write report.html: No space left on device" in out
+    assert "report: " not in out
+
+
+def test_curves_are_written_whole_or_not_at_all(run, monkeypatch, capsys):
+    """A full disk while curves.png is written leaves the previous picture whole (before: cut)."""
+    from fgrpo.core import confine, visuals
+
+    pytest.importorskip("matplotlib")
+    picture = run / "curves.png"
+    picture.write_bytes(b"the previous picture")
+    real = confine.write_atomic
+
+    def full(path, data):
+        if Path(path).name == "curves.png":
+            raise OSError(28, "No space left on device")
+        return real(path, data)
+
+    monkeypatch.setattr(confine, "write_atomic", full)
+    rows = [{"iteration": i, "reward_mean": float(i)} for i in range(3)]
+    with pytest.raises(OSError):
+        visuals.curves(rows, picture)
+    assert picture.read_bytes() == b"the previous picture"

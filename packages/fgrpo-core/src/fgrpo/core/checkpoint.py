@@ -367,7 +367,7 @@ def read_state(folder: Path) -> dict[str, Any]:
     """A checkpoint's ``state.json``, its types checked (:func:`fgrpo.core.runread.read_state`)."""
     path = folder / STATE
     try:
-        return runread.read_state(path, what=str(path))
+        return runread.read_state(path, what=STATE)
     except runread.Unreadable as exc:
         raise CheckpointError(f"{folder} is not a valid checkpoint: {exc}") from None
 

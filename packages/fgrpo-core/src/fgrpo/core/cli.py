@@ -26,6 +26,9 @@ from fgrpo.core.config import ConfigError, DeprecatedKey, RecipeError, first_lin
 from fgrpo.core.consoles import err, out
 
 EXIT_USAGE = 2
+#: fgrpo sample's bounds: far beyond any use, far below what would exhaust memory before a line is written
+MAX_SAMPLES = 100_000
+MAX_STEPS = 10_000
 #: a write that failed for want of room: a full disk, a quota, a file-size limit, a read-only disk
 FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
 
@@ -53,16 +56,17 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"error: {message} (see {self.prog} --help)\n")
 
 
-def integer_at_least(low: int) -> Any:
-    """An argparse type: an integer >= ``low``, else one line naming the argument."""
+def integer_at_least(low: int, high: int = 2**63 - 1) -> Any:
+    """An argparse type: an integer from ``low`` to ``high``, else one line naming the argument."""
+    allowed = f"an integer >= {low}" if high == 2**63 - 1 else f"an integer from {low} to {high}"
 
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}")
+            raise argparse.ArgumentTypeError(f"expected {allowed}, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"expected {allowed}, got {text!r}")
         return value
 
     return parse
@@ -201,9 +205,11 @@ def build_parser() -> argparse.ArgumentParser:
         "checkpoint's own recipe unless RECIPE is given (it must agree on the model)",
     )
     p.add_argument("--prompts", required=True, help="a prompt file (.txt or .jsonl)")
-    p.add_argument("--n", type=integer_at_least(1), default=1, help="samples per prompt")
+    p.add_argument("--n", type=integer_at_least(1, MAX_SAMPLES), default=1, help="samples per prompt")
     p.add_argument("--seed", type=integer_at_least(0), default=0)
-    p.add_argument("--steps", type=integer_at_least(1), default=None, help="ODE steps (default: eval.steps)")
+    p.add_argument(
+        "--steps", type=integer_at_least(1, MAX_STEPS), default=None, help="ODE steps (default: eval.steps)"
+    )
     p.add_argument("--out", required=True, help="a new (or empty) folder for the samples and their index.jsonl")
     p.add_argument("--no-ema", action="store_true", help="the raw trained weights even when the run keeps an EMA")
     p.set_defaults(handler=trained.cmd_sample)
@@ -400,7 +406,8 @@ def cmd_compose(args: argparse.Namespace) -> int:
         f"done: metrics in {folder / 'metrics.jsonl'}, weights in {folder / 'checkpoints' / 'last'}"
         + (f", curves in {folder / 'curves.png'}" if (folder / "curves.png").exists() else "")
     )
-    run.io.display.say(f"report: {folder / run_report.REPORT}")
+    if run.io.report is not None:  # else the run said why it is missing
+        run.io.display.say(f"report: {run.io.report}")
     return 0
 
 

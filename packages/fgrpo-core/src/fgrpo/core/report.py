@@ -662,5 +662,7 @@ def write(run_dir: Path, out: Path | None = None) -> Path:
             target.parent.mkdir(parents=True)
         confine.write_atomic(target, page)
     except OSError as exc:
-        raise RecipeError([ConfigError("--out", f"cannot write {target}: {exc.strerror or exc}")]) from None
+        where = f" (a new file in {target.parent}: {exc.strerror or exc})" if target.parent.is_dir() else ""
+        reason = where or f": {exc.strerror or exc}"
+        raise RecipeError([ConfigError("--out", f"cannot write {target}{reason}; nothing was written")]) from None
     return target

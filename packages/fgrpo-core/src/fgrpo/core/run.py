@@ -54,6 +54,7 @@ class RunIO:
     out_dir: Path | None = None
     folder: RunFolder | None = None  # the locked run folder (main process of a compose)
     log: MetricsLog | None = None
+    report: Path | None = None  # report.html, once the run has written it
 
 
 @attrs.define

@@ -306,7 +306,15 @@ def find_checkpoint(path: Path) -> Path:
     A run's ``last`` is followed only to a checkpoint folder next to it (what fgrpo writes)."""
     if path.is_symlink() and path.name == "last":
         return _follow_last(path)
-    if (path / ckpt.STATE).exists() or not path.is_dir():
+    if not path.exists():
+        raise _refuse(
+            "--checkpoint", f"{path} does not exist; expected RUN, RUN/checkpoints/iter_N or RUN/checkpoints/last"
+        )
+    if not path.is_dir():
+        raise _refuse(
+            "--checkpoint", f"{path} is a file; expected a folder: RUN, RUN/checkpoints/iter_N or RUN/checkpoints/last"
+        )
+    if (path / ckpt.STATE).exists():
         return path
     for root in (path / "checkpoints", path):
         newest, _ = ckpt.newest(root)

@@ -77,29 +77,30 @@ def read_bytes(path: Path, *, limit: int, what: str) -> bytes:
     at most ``limit`` of them. ``what`` names the file in the message (``RUN/metrics.jsonl``)."""
     try:
         fd = open_regular(path, follow=False)
-    except ValueError as exc:
-        raise Unreadable(f"{what}: {exc}") from None
+    except ValueError as exc:  # "PATH: is a FIFO, not a regular file"
+        raise Unreadable(f"{what} {str(exc).rpartition(': ')[2]}") from None
     except OSError as exc:
-        raise Unreadable(f"{what}: {_why(path, exc)}") from None
+        raise Unreadable(f"{what} {_why(path, exc)}") from None
     with open(fd, "rb") as fh:
         chunks, size = [], 0
         while chunk := fh.read(min(MiB, limit + 1 - size)):
             chunks.append(chunk)
             size += len(chunk)
             if size > limit:
-                raise Unreadable(f"{what}: {path} is larger than {_size(limit)}; a run writes no such file")
+                raise Unreadable(f"{what} is larger than {_size(limit)}; a run writes no such file")
     return b"".join(chunks)
 
 
 def _why(path: Path, exc: OSError) -> str:
+    """Why ``path`` could not be opened, as the rest of a sentence that names it."""
     if exc.errno == errno.ELOOP or path.is_symlink():
         return (
-            f"{path} is a link; fgrpo reads a run folder's own files only, never through links (replace the link "
-            "by what it points to)"
+            "is a link; fgrpo reads a run folder's own files only, never through links (replace the link by what "
+            "it points to)"
         )
     if exc.errno == errno.ENOENT:
-        return f"{path} is missing"
-    return f"cannot read {path}: {exc.strerror}"
+        return "is missing"
+    return f"cannot be read ({exc.strerror})"
 
 
 def _size(limit: int) -> str:
@@ -165,7 +166,7 @@ def safetensors_problem(path: Path, name: str | None = None) -> str | None:
     except FileNotFoundError:
         return f"{name} is missing"
     except (OSError, ValueError) as exc:
-        return f"{name}: {_why(path, exc) if isinstance(exc, OSError) else exc}"
+        return f"{name} {_why(path, exc) if isinstance(exc, OSError) else str(exc).rpartition(': ')[2]}"
     with open(fd, "rb") as fh:
         size = os.fstat(fh.fileno()).st_size
         prefix = fh.read(8)
@@ -237,7 +238,7 @@ def torch_file_problem(path: Path) -> str | None:
     except FileNotFoundError:
         return f"{path.name} is missing"
     except (OSError, ValueError) as exc:
-        return f"{path.name}: {_why(path, exc) if isinstance(exc, OSError) else exc}"
+        return f"{path.name} {_why(path, exc) if isinstance(exc, OSError) else str(exc).rpartition(': ')[2]}"
     with open(fd, "rb") as fh:
         if not zipfile.is_zipfile(fh):  # torch.save writes a zip archive; a truncated one has no end record
             return f"{path.name} is truncated or not a torch.save file"

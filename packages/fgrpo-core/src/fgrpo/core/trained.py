@@ -124,7 +124,7 @@ def verify_export(folder: Path, shown: Path) -> None:
         name = shown / path.relative_to(folder)
         try:
             if path.suffix == ".safetensors":
-                runread.read_safetensors(path, what=str(name))
+                runread.read_safetensors(path, what=str(name.parent))
             elif path.suffix == ".json":
                 runread.read_json(path, what=str(name))
         except runread.Unreadable as exc:

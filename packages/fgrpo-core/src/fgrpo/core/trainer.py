@@ -161,7 +161,7 @@ def evaluated_weights(run: Run) -> str:
 def finish(run: Run) -> None:
     if run.is_main and run.io.out_dir is not None:
         try:
-            report.write(run.io.out_dir)
+            run.io.report = report.write(run.io.out_dir)
         except (RecipeError, ComponentError) as exc:  # the trained run stands; only its page is missing
             run.io.display.say(f"report.html not written: {first_line(exc, 300)}")
         last = ckpt.last_complete(run.io.out_dir / "checkpoints")  # never read through a link planted as last
@@ -169,7 +169,10 @@ def finish(run: Run) -> None:
             run.io.display.warn(line)
     if run.is_main and run.io.out_dir is not None and run.recipe.log.plots:
         if visuals.have_matplotlib():
-            visuals.curves(read_metrics(run.io.out_dir), run.io.out_dir / "curves.png")
+            try:
+                visuals.curves(read_metrics(run.io.out_dir), run.io.out_dir / "curves.png")
+            except OSError as exc:  # a full disk: the trained run stands, the old picture too
+                run.io.display.say(f"curves.png not written: {exc.strerror or exc}")
         else:
             run.io.display.say(
                 'curves.png skipped: matplotlib is not installed (pip install "fgrpo-core[plots]"); report.html has '

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import textwrap
@@ -12,6 +13,8 @@ from typing import Any
 import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFont
+
+from fgrpo.core import confine
 
 
 def to_uint8(images: torch.Tensor) -> np.ndarray:
@@ -153,6 +156,8 @@ def curves(rows: Sequence[dict], path: Path) -> Path | None:
     axes[-1, 0].set_xlabel("iteration")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=90)
     plt.close(fig)
+    confine.write_atomic(path, png.getvalue())  # whole or not at all: a full disk leaves the old one
     return path

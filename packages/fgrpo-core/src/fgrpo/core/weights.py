@@ -88,7 +88,7 @@ def empty_lora_files(folder: Path) -> list[Path]:
         if path.is_symlink() or not path.is_file():  # only what the export wrote, never through a link
             continue
         try:
-            tensors = runread.read_safetensors(path, what=str(path))
+            tensors = runread.read_safetensors(path, what=str(path.parent))
         except runread.Unreadable:  # not ours to judge: a file that is not a readable LoRA is left alone
             continue
         ups = [v for k, v in tensors.items() if any(f".{u}." in f".{k}" for u in UP_PROJECTIONS)]
