@@ -507,22 +507,39 @@ def _descriptors_for(connections: int) -> int:
     return connections
 
 
-def serve(args: Any) -> int:
-    """``fgrpo serve-reward``: build the reward once, then answer until interrupted."""
-    import yaml
-
-    from fgrpo.core.config import ConfigError, RecipeError
-    from fgrpo.rewards.http import token_from_env
+def reward_params(overrides: Sequence[str]) -> dict[str, Any]:
+    """The reward's parameters from ``--set KEY=VALUE`` items, each VALUE plain YAML (no tags);
+    raises RecipeError with one line per bad item."""
+    from fgrpo.core.config import ConfigError, RecipeError, shown
+    from fgrpo.core.yaml_reading import read_yaml
 
     params, errors = {}, []
-    for item in args.overrides:
+    for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key:
             errors.append(ConfigError("--set", f"got {item!r}; expected KEY=VALUE"))
             continue
-        params[key] = yaml.safe_load(value)
+        try:
+            params[key] = read_yaml(value, f"--set {key}")
+        except RecipeError as exc:
+            problems = "; ".join(error.message for error in exc.errors)
+            errors.append(
+                ConfigError(
+                    f"--set {key}",
+                    f"got {shown(value)}: {problems}; expected a plain YAML value (a number, a string, true or "
+                    f"false, [a, list], {{a: mapping}})",
+                )
+            )
     if errors:
         raise RecipeError(errors)
+    return params
+
+
+def serve(args: Any) -> int:
+    """``fgrpo serve-reward``: build the reward once, then answer until interrupted."""
+    from fgrpo.rewards.http import token_from_env
+
+    params = reward_params(args.overrides)
     if not log.handlers and not logging.getLogger().handlers:  # one line per request on stderr
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
