@@ -450,6 +450,23 @@ def test_serve_reward_arguments_are_one_line(args, message, capsys):
     assert error_lines(capsys) == [f"error: {message} (see fgrpo serve-reward --help)"]
 
 
+@pytest.mark.parametrize(
+    "item, problem",
+    [
+        ("form=[unclosed", "error: --set form: got '[unclosed': malformed YAML: expected ',' or ']'"),
+        ("x=!!python/name:os.system", "error: --set x: got '!!python/name:os.system': the YAML tag "),
+    ],
+)
+def test_serve_reward_set_values_that_are_not_plain_yaml_are_one_line(item, problem, capsys):
+    # before: PyYAML's traceback and exit 1
+    assert cli.main(["serve-reward", "jpeg-compressibility", "--set", item]) == 2
+    lines = error_lines(capsys)
+    assert len(lines) == 1 and lines[0].startswith(problem), lines
+    assert lines[0].endswith(
+        "expected a plain YAML value (a number, a string, true or false, [a, list], {a: mapping})"
+    )
+
+
 def test_serve_reward_on_a_port_in_use_or_a_host_it_cannot_bind(capsys, monkeypatch):
     import socket
 

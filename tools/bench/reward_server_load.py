@@ -10,8 +10,8 @@ adds options) and runs, one after the other:
   RSS, whether a well-behaved client is still answered (and how fast), and how long until the
   server has closed all 300;
 - ``declared``: 8 clients each declare ``Content-Length`` 500 MiB (under the 512 MiB limit), send
-  64 MiB of it and stall; the server's RSS (now and peak) and virtual size, and how long until it
-  has closed all 8.
+  a header declaring float32 outputs and 64 MiB of them, and stall; the server's RSS (now and
+  peak) and virtual size, and how long until it has closed all 8.
 
 Figures come from ``/proc/PID/status`` of the server process. ``--throughput`` instead measures
 samples per second of one client process against 8 concurrent ones (see :func:`throughput`).
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import socket
 import subprocess
@@ -150,6 +151,19 @@ def halfopen(pid: int, port: int, observe: float, n: int = 300) -> dict:
     }
 
 
+def body_start(size: int, header: int = 256) -> bytes:
+    """The first bytes of a ``size``-byte request whose header declares float32 outputs filling it:
+    a header the server accepts, so the body is held as it arrives (not refused as malformed)."""
+    floats = (size - 8 - header) // 4
+    raw = json.dumps(
+        {
+            "__metadata__": {"prompts": '["x"]', "metadata": "[{}]", "wire": "float32"},
+            "outputs": {"dtype": "F32", "shape": [1, floats], "data_offsets": [0, 4 * floats]},
+        }
+    ).encode()
+    return header.to_bytes(8, "little") + raw.ljust(header)
+
+
 def declared(pid: int, port: int, observe: float, n: int = 8, declare: int = 500 * MiB, send: int = 64 * MiB) -> dict:
     socks, chunk = [], b"\0" * MiB
 
@@ -158,6 +172,7 @@ def declared(pid: int, port: int, observe: float, n: int = 8, declare: int = 500
             s.sendall(
                 b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/octet-stream\r\n"
                 + f"Content-Length: {declare}\r\n\r\n".encode()
+                + body_start(declare)
             )
             for _ in range(send // MiB):
                 s.sendall(chunk)

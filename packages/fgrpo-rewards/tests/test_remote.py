@@ -3,7 +3,9 @@ servers that misbehave: slow, malformed, down, wrong token, too large a request.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -17,7 +19,7 @@ import torch
 from fgrpo.core import registry
 from fgrpo.core.testing import RewardConformance
 from fgrpo.rewards.http import ServiceError
-from fgrpo.rewards.remote import decode_request, encode_request
+from fgrpo.rewards.remote import decode_request, encode_request, header_length, open_request, read_header
 from fgrpo.rewards.serving import make_server
 
 TOKEN = "s3cret-token"
@@ -99,6 +101,55 @@ def test_wire_format_round_trip():
         encode_request(batch, ["x", "y"], [{"t": torch.zeros(1)}, {}], "uint8")
     vectors = torch.randn(3, 2)  # not images: sent as float32 whatever the wire
     assert torch.equal(decode_request(encode_request(vectors, ["a", "b", "c"], [{}] * 3, "uint8"))[0], vectors)
+
+
+def with_header(tensors: dict, data: bytes) -> bytes:
+    raw = json.dumps({"__metadata__": {"prompts": '["x"]', "metadata": "[{}]"}, **tensors}).encode()
+    return len(raw).to_bytes(8, "little") + raw + data
+
+
+def entry(dtype: str, shape: list, begin: int, end: int) -> dict:
+    return {"dtype": dtype, "shape": shape, "data_offsets": [begin, end]}
+
+
+@pytest.mark.parametrize(
+    "tensors, data, message",
+    [
+        ({"outputs": entry("F32", [1, 2], 0, 4)}, b"\0" * 4, "tensor 'outputs': 4 bytes for shape (1, 2) of F32"),
+        (
+            {"outputs": entry("I64", [1], 0, 8)},
+            b"\0" * 8,
+            "tensor 'outputs': dtype 'I64'; expected one of U8, F16, F32",
+        ),
+        ({"outputs": entry("U8", [1, -4], 0, 4)}, b"\0" * 4, "tensor 'outputs': shape [1, -4]; expected"),
+        ({"outputs": entry("U8", [1, 8], 0, 8)}, b"\0" * 4, "the tensors take 8 bytes, the body has 4"),
+        (  # two tensors on the same bytes
+            {"outputs": entry("U8", [1, 4], 0, 4), "source/0/0": entry("U8", [4], 2, 6)},
+            b"\0" * 6,
+            "tensor 'source/0/0' starts at byte 2, expected 4 (tensors are packed)",
+        ),
+        ({"outputs": entry("U8", [1], 0, 1), "evil": entry("U8", [1], 1, 2)}, b"\0" * 2, "one tensor 'outputs'"),
+    ],
+)
+def test_a_request_whose_header_does_not_match_its_body_is_refused(tensors, data, message):
+    # the server reads tensors in place from what the header declares: every offset is checked
+    with pytest.raises(ValueError, match=re.escape(message)):
+        decode_request(with_header(tensors, data))
+
+
+def test_a_header_longer_than_its_body_is_refused():
+    body = with_header({"outputs": entry("U8", [1], 0, 1)}, b"\0")
+    with pytest.raises(ValueError, match="the safetensors header claims 1000 bytes of a 20-byte body"):
+        header_length((1000).to_bytes(8, "little"), 20)
+    assert header_length(body, len(body)) == len(body) - 9
+
+
+def test_a_request_is_read_in_place_not_copied():
+    body = bytearray(encode_request(torch.zeros(1, 3, 4, 4), ["x"], [{}], "uint8"))
+    length = header_length(body, len(body))
+    request = open_request(body, read_header(body[8 : 8 + length], len(body)))
+    body[-1] = 255  # the last pixel, written in the body after decoding
+    assert request.outputs.dtype == torch.uint8 and request.outputs[0, 2, 3, 3] == 255 and request.scale == 255.0
 
 
 def test_health_names_the_served_reward(remote):

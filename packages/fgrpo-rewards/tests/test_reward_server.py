@@ -6,17 +6,21 @@ batch size. Servers run in this process on 127.0.0.1 with short deadlines."""
 from __future__ import annotations
 
 import logging
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from fgrpo.core import registry
 from fgrpo.core.protocols import RewardResult
-from fgrpo.rewards.http import ServiceError
-from fgrpo.rewards.remote import encode_request
+from fgrpo.rewards.http import ServiceError, post
+from fgrpo.rewards.remote import TOKEN_ENV, decode_result, encode_request
 from fgrpo.rewards.serving import make_server
 
 MiB = 1 << 20
@@ -197,10 +201,11 @@ def test_declared_sizes_share_one_memory_budget(recording, serve):
     # each request may declare up to --max-request-mb, but together they get --max-inflight-mb:
     # the ones past the budget are told to come back (503, which remote retries) before anything is read
     server, _ = serve(max_bytes=40 * MiB, max_inflight_bytes=50 * MiB)
+    body = encode_request(torch.zeros(30, MiB // 4), ["x"] * 30, [{}] * 30, "float32")  # 30 MiB
     socks = []
     for _ in range(4):
         s = connect(server)
-        s.sendall(f"POST /score HTTP/1.1\r\nContent-Length: {30 * MiB}\r\n\r\n".encode() + b"\0" * MiB)
+        s.sendall(f"POST /score HTTP/1.1\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body[:MiB])
         socks.append(s)
     answers = [answer_of(s) for s in socks]
     for s in socks:
@@ -208,6 +213,52 @@ def test_declared_sizes_share_one_memory_budget(recording, serve):
     statuses = sorted(status_of(a) for a in answers)
     assert statuses == [408, 503, 503, 503], statuses  # before: all four read (and held) until they arrived
     assert b"Retry-After" in next(a for a in answers if status_of(a) == 503)
+
+
+def wait_until(condition, limit: float = 5.0) -> None:
+    end = time.monotonic() + limit
+    while not condition() and time.monotonic() < end:
+        time.sleep(0.01)
+
+
+def test_a_request_decoding_past_max_decoded_bytes_is_refused_before_the_rest_is_read(recording, serve):
+    server, _ = serve(max_decoded_bytes=MiB)
+    body = encode_request(torch.rand(2, 3, 256, 256), ["a", "b"], [{}, {}], "uint8")  # 384 KiB; 1.5 MiB as floats
+    header = 8 + int.from_bytes(body[:8], "little")
+    sock = connect(server)
+    sock.sendall(f"POST /score HTTP/1.1\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body[:header])
+    data = answer_of(sock)  # only the header was sent: before, the server waited for the rest (408)
+    sock.close()
+    assert status_of(data) == 413, data
+    assert (
+        b"request decoding to 1572864 bytes (outputs (2, 3, 256, 256) as float32); the limit is 1048576 "
+        b"(--max-decoded-mb)" in data
+    ), data
+    assert recording.calls == []
+
+
+def test_decoded_bytes_share_the_in_flight_budget(recording, serve):
+    # each request fits alone (1.5 MiB on the wire + 6 MiB as float32 <= 12 MiB), two together do not:
+    # the second is told to retry as soon as its header is read; before, only the wire's 3 MiB counted
+    server, url = serve(max_bytes=8 * MiB, max_inflight_bytes=12 * MiB)
+    images = torch.rand(2, 3, 512, 512)
+    body = encode_request(images, ["a", "b"], [{}, {}], "uint8")
+    head = f"POST /score HTTP/1.1\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+    first = connect(server)
+    first.sendall(head + body[: len(body) // 2])  # stalls halfway, holding its share
+    wait_until(lambda: server.inflight_bytes == len(body) + 4 * images.numel())
+    second = connect(server)
+    second.sendall(head + body)
+    answer = answer_of(second)
+    second.close()
+    assert status_of(answer) == 503 and b"Retry-After: 1" in answer, answer
+    assert b"bytes of requests are being read, decoded or scored (--max-inflight-mb)" in answer
+    assert status_of(answer_of(first)) == 408  # cut off at the read deadline: its share is free again
+    first.close()
+    reward = registry.create("reward", "remote", url=url, retries=0, token_env=None)
+    assert reward(images, ["a", "b"], [{}, {}]).scores.shape == (2,)  # alone, the same request is scored
+    wait_until(lambda: server.inflight_bytes == 0)  # the server lets go once its answer is sent, not read
+    assert server.inflight_bytes == 0
 
 
 def test_concurrent_clients_are_scored_together(recording, serve, caplog):
@@ -312,3 +363,98 @@ def test_remote_retries_a_busy_server(recording, serve):
     )  # the slot frees at 0.5 s
     assert reward(torch.ones(1, 3, 4, 4), ["a"], [{}]).scores.tolist() == [1.0]
     hold.close()
+
+
+# --- memory under load (issue 50, M5) -----------------------------------------------------------
+
+
+def start_serving(*args: str, log: Path) -> tuple[subprocess.Popen, str]:
+    """`fgrpo serve-reward ARGS --port 0` in its own process (its memory is the one measured)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop(TOKEN_ENV, None)
+    with log.open("w") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "fgrpo.core.cli", "serve-reward", *args, "--port", "0"],
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            env=env,
+        )
+    line = proc.stdout.readline()
+    if not line.startswith("serving reward"):
+        proc.kill()
+        raise AssertionError(f"serve-reward did not start: {line!r} {log.read_text()[-2000:]}")
+    return proc, line.split(" on ", 1)[1].split()[0]
+
+
+def memory_of(pid: int) -> dict[str, int]:
+    """VmRSS and VmHWM (the peak RSS) of ``pid``, in bytes."""
+    found = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            found[key] = int(value.split()[0]) * 1024
+    return found
+
+
+def score_when_served(url: str, body: bytes, give_up: float) -> bytes:
+    """The answer to ``body``, asking again after each 503 (a busy server) until ``give_up``."""
+    while True:
+        try:
+            return post(f"{url}/score", body, headers={}, timeout=120, retries=0, backoff=0, what="load", limit=MiB)
+        except ServiceError as exc:
+            if "HTTP 503" not in str(exc) or time.monotonic() > give_up:
+                raise
+            time.sleep(0.5)
+
+
+def guard_memory(proc: subprocess.Popen, ceiling: int, stop: threading.Event) -> None:
+    """Kill the server past ``ceiling``: a regression must not take the machine's memory."""
+    while not stop.wait(0.1) and proc.poll() is None:
+        if memory_of(proc.pid)["VmRSS"] > ceiling:
+            proc.kill()
+
+
+@pytest.mark.slow
+def test_the_server_stays_under_2_gib_with_8_clients_of_100_mib_and_300_half_open(tmp_path):
+    """About 20 s on 2 cores: `pytest -m slow -k 2_gib -s` prints the server's peak RSS (about
+    950 MiB; 4791 MiB before issue 50, when the 8 requests were all decoded at once)."""
+    limit, start = 2 << 30, time.monotonic()
+    proc, url = start_serving("jpeg-compressibility", log=tmp_path / "server.log")
+    stop = threading.Event()
+    guard = threading.Thread(target=guard_memory, args=(proc, 3 * limit, stop), daemon=True)
+    guard.start()
+    port = int(url.rsplit(":", 1)[1])
+    half_open = []
+    try:
+        for _ in range(300):
+            s = socket.create_connection(("127.0.0.1", port), timeout=10)
+            s.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n")
+            half_open.append(s)
+        images = torch.linspace(0, 1, 1024).expand(34, 3, 1024, 1024)  # 102 MiB as uint8
+        body = encode_request(images, [f"image {i}" for i in range(34)], [{}] * 34, "uint8")
+        answers: dict[int, bytes] = {}
+        errors: list[Exception] = []
+
+        def client(i: int) -> None:
+            try:
+                answers[i] = score_when_served(url, body, time.monotonic() + 240)
+            except Exception as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        clients = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+        for c in clients:
+            c.start()
+        for c in clients:
+            c.join(300)
+        peak = memory_of(proc.pid)["VmHWM"]
+    finally:
+        stop.set()
+        for s in half_open:
+            s.close()
+        proc.terminate()
+        proc.wait(timeout=30)
+    print(f"serve-reward peak RSS {peak / MiB:.0f} MiB; {time.monotonic() - start:.1f} s")
+    assert not errors, errors
+    assert sorted(answers) == list(range(8)) and all(len(decode_result(a).scores) == 34 for a in answers.values())
+    assert peak < limit, f"the server peaked at {peak / MiB:.0f} MiB (before issue 50: 4791 MiB)"

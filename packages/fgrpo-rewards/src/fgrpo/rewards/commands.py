@@ -50,7 +50,15 @@ def fgrpo_register_commands(subparsers: Any) -> None:
         "--max-inflight-mb",
         type=finite_number(0, strict=True),
         default=1024.0,
-        help="requests being read or scored share this much; past it a request is told to retry (503)",
+        help="requests being read, decoded or scored share this much (their wire and decoded bytes); past it a "
+        "request is told to retry (503)",
+    )
+    p.add_argument(
+        "--max-decoded-mb",
+        type=finite_number(0, strict=True),
+        default=1024.0,
+        help="a request whose tensors take more as float32 (what the reward is given) is refused (413) before "
+        "the rest of its body is read; decoded bytes count in --max-inflight-mb beside the wire bytes",
     )
     p.add_argument(
         "--max-connections",

@@ -12,7 +12,7 @@ from PIL import Image
 
 from fgrpo.core.config import param
 from fgrpo.core.protocols import RewardResult
-from fgrpo.core.visuals import to_uint8
+from fgrpo.core.visuals import is_image_batch, to_uint8
 
 
 def jpeg_sizes_kb(images: torch.Tensor, quality: int = 95) -> torch.Tensor:
@@ -23,10 +23,12 @@ def jpeg_sizes_kb(images: torch.Tensor, quality: int = 95) -> torch.Tensor:
     if isinstance(images, torch.Tensor) and images.dim() == 5:
         b, f = images.shape[:2]
         return jpeg_sizes_kb(images.reshape(b * f, *images.shape[2:]), quality).view(b, f).mean(dim=1)
+    if not is_image_batch(images):
+        to_uint8(images)  # raises its one-line error, naming the whole batch's shape
     sizes = []
-    for array in to_uint8(images):
+    for image in images:  # one at a time: converting the whole batch took twice its size again in float copies
         buffer = io.BytesIO()
-        Image.fromarray(array).save(buffer, format="JPEG", quality=quality)
+        Image.fromarray(to_uint8(image[None])[0]).save(buffer, format="JPEG", quality=quality)
         sizes.append(buffer.tell() / 1000.0)
     return torch.tensor(sizes, dtype=torch.float32)
 

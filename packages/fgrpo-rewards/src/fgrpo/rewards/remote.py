@@ -13,12 +13,19 @@ comes from an environment variable, never from a recipe. The standard library's 
 Edits: a served reward that compares outputs with their sources (``accepts_sources``: image
 similarity, an edit judge) says so in ``/health``; the client then takes the sources from the
 trainer and sends them with each batch (tensors ``source/i/k`` on the same wire).
+
+The server reads a request's header first (:func:`read_header`: every tensor's dtype, shape and
+offsets checked against the body's size, so what it decodes to is known before the rest
+arrives), then views its tensors in the body (:func:`open_request`, no copy) until they are
+written as float32 into the reward's batch (:func:`to_float`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -82,44 +89,156 @@ def encode_request(
     return save(tensors, metadata=header)
 
 
-def decode_request(
-    body: bytes,
-) -> tuple[torch.Tensor, list[str], list[dict[str, Any]], list[tuple[torch.Tensor, ...]] | None]:
-    """(outputs, prompts, metadata, sources or None); raises ValueError on anything that is not a
-    well-formed request."""
-    from safetensors.torch import load
+#: the dtypes a request's tensors may travel in, by their safetensors names
+DTYPES = {"U8": torch.uint8, "F16": torch.float16, "F32": torch.float32}
+#: a request's safetensors header (its prompts and metadata as JSON) at most: a batch's needs a
+#: few hundred kB, and parsing JSON takes many times its size in Python objects
+MAX_HEADER_BYTES = 16 << 20
+#: what each element of a request costs once decoded: the reward gets float32
+DECODED_ITEMSIZE = 4
 
-    tensors = load(body)
-    header = _header(body)
-    if (
-        "outputs" not in tensors
-        or header is None
-        or any(k != "outputs" and not k.startswith("source/") for k in tensors)
-    ):
-        raise ValueError("expected a safetensors body with one tensor 'outputs' and prompts/metadata in its header")
-    prompts, metadata = json.loads(header.get("prompts", "null")), json.loads(header.get("metadata", "null"))
-    outputs = tensors["outputs"]
+
+@attrs.frozen
+class RequestHeader:
+    """A request's safetensors header, checked against the body's size: each tensor's dtype,
+    shape and place (``begin``, ``end`` from ``start``), and the header's string metadata."""
+
+    tensors: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]]
+    metadata: dict[str, str]
+    start: int
+
+    @property
+    def decoded_bytes(self) -> int:
+        """What the tensors take as the float32 the reward is given."""
+        return DECODED_ITEMSIZE * sum(math.prod(shape) for _, shape, _, _ in self.tensors.values())
+
+    def largest(self) -> str:
+        name, (_, shape, _, _) = max(self.tensors.items(), key=lambda item: math.prod(item[1][1]))
+        return f"{name} {tuple(shape)}"
+
+
+def header_length(prefix: bytes | bytearray, size: int) -> int:
+    """The header's length from the first 8 bytes of a ``size``-byte safetensors body."""
+    if size < 8:
+        raise ValueError(f"a safetensors body has at least 8 bytes, got {size}")
+    length = int.from_bytes(prefix[:8], "little")
+    if length > size - 8:
+        raise ValueError(f"the safetensors header claims {length} bytes of a {size}-byte body")
+    return length
+
+
+def read_header(raw: bytes | bytearray, size: int) -> RequestHeader:
+    """The header ``raw`` of a ``size``-byte request body, every tensor's dtype, shape and offsets
+    checked against each other and the body's size; raises ValueError."""
+    parsed = json.loads(raw)
+    if not isinstance(parsed, dict):
+        raise ValueError("the safetensors header is not a JSON object")
+    metadata = parsed.pop("__metadata__", None)
+    if not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
+        raise ValueError("expected prompts/metadata as strings in the safetensors header's __metadata__")
+    if "outputs" not in parsed or any(k != "outputs" and not k.startswith("source/") for k in parsed):
+        raise ValueError("expected a safetensors body with one tensor 'outputs' (and sources 'source/i/k')")
+    tensors = {name: _tensor_entry(name, entry) for name, entry in parsed.items()}
+    end = 0
+    for name, (_, _, begin, stop) in sorted(tensors.items(), key=lambda item: item[1][2:]):
+        if begin != end:
+            raise ValueError(f"tensor {name!r} starts at byte {begin}, expected {end} (tensors are packed)")
+        end = stop
+    start = 8 + len(raw)
+    if start + end != size:
+        raise ValueError(f"the tensors take {end} bytes, the body has {size - start} after its header")
+    return RequestHeader(tensors, metadata, start)
+
+
+def _tensor_entry(name: str, entry: Any) -> tuple[torch.dtype, tuple[int, ...], int, int]:
+    if not isinstance(entry, dict) or entry.get("dtype") not in DTYPES:
+        got = entry.get("dtype") if isinstance(entry, dict) else entry
+        raise ValueError(f"tensor {name!r}: dtype {str(got)[:40]!r}; expected one of {', '.join(DTYPES)}")
+    shape, offsets = entry.get("shape"), entry.get("data_offsets")
+    if not (isinstance(shape, list) and len(shape) <= 8 and all(_natural(n) for n in shape)):
+        raise ValueError(f"tensor {name!r}: shape {str(shape)[:80]}; expected at most 8 sizes >= 0")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_natural(n) for n in offsets)):
+        raise ValueError(f"tensor {name!r}: data_offsets {str(offsets)[:80]}; expected [begin, end]")
+    dtype, (begin, end) = DTYPES[entry["dtype"]], offsets
+    if end - begin != math.prod(shape) * dtype.itemsize:
+        raise ValueError(f"tensor {name!r}: {end - begin} bytes for shape {tuple(shape)} of {entry['dtype']}")
+    return dtype, tuple(shape), begin, end
+
+
+def _natural(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+@attrs.define
+class WireRequest:
+    """A request as it came: its tensors are views of the body in their wire dtype (the body lives
+    as long as they do); :func:`to_float` gives the reward's floats."""
+
+    outputs: torch.Tensor
+    prompts: list[str]
+    metadata: list[dict[str, Any]]
+    sources: list[tuple[torch.Tensor, ...]] | None
+    scale: float
+
+    @property
+    def n(self) -> int:
+        return len(self.prompts)
+
+
+def open_request(body: bytearray, header: RequestHeader) -> WireRequest:
+    """The request ``body`` (whose header is ``header``), its tensors viewed in place, not copied;
+    raises ValueError on anything that is not a well-formed request."""
+    views = {name: _view(body, header.start, entry) for name, entry in header.tensors.items()}
+    outputs = views["outputs"]
     n = outputs.shape[0] if outputs.dim() else -1
+    prompts = json.loads(header.metadata.get("prompts", "null"))
+    metadata = json.loads(header.metadata.get("metadata", "null"))
     if not (isinstance(prompts, list) and all(isinstance(p, str) for p in prompts) and len(prompts) == n):
         raise ValueError(f"expected {n} prompts (strings), got {str(prompts)[:200]}")
     if not (isinstance(metadata, list) and all(isinstance(m, dict) for m in metadata) and len(metadata) == n):
         raise ValueError(f"expected {n} metadata objects, got {str(metadata)[:200]}")
-    scale = 255.0 if header.get("wire") == "uint8" else 1.0
     sources = None
-    if "sources" in header:
-        counts = json.loads(header["sources"])
-        if not (isinstance(counts, list) and len(counts) == n and all(isinstance(c, int) and c >= 0 for c in counts)):
+    if "sources" in header.metadata:
+        counts = json.loads(header.metadata["sources"])
+        if not (isinstance(counts, list) and len(counts) == n and all(_natural(c) for c in counts)):
             raise ValueError(f"expected {n} source counts, got {str(counts)[:200]}")
         try:
-            sources = [
-                tuple(tensors[f"source/{i}/{k}"].float() / scale for k in range(c)) for i, c in enumerate(counts)
-            ]
+            sources = [tuple(views[f"source/{i}/{k}"] for k in range(c)) for i, c in enumerate(counts)]
         except KeyError as exc:
             raise ValueError(f"a source image the header announces is missing: {exc}") from None
-    outputs = outputs.float()
-    if scale != 1.0:
-        outputs.div_(scale)
-    return outputs, prompts, metadata, sources
+    scale = 255.0 if header.metadata.get("wire") == "uint8" else 1.0
+    return WireRequest(outputs, prompts, metadata, sources, scale)
+
+
+def _view(body: bytearray, start: int, entry: tuple[torch.dtype, tuple[int, ...], int, int]) -> torch.Tensor:
+    dtype, shape, begin, end = entry
+    if begin == end:  # frombuffer refuses an empty tensor
+        return torch.empty(shape, dtype=dtype)
+    tensor = torch.frombuffer(body, dtype=dtype, count=(end - begin) // dtype.itemsize, offset=start + begin)
+    if sys.byteorder == "big":  # safetensors is little-endian
+        tensor = torch.from_numpy(tensor.numpy().byteswap())
+    return tensor.view(shape)
+
+
+def to_float(wire: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``wire`` / ``scale`` as float32, written into ``out`` when given (a slice of a batch)."""
+    out = torch.empty(wire.shape, dtype=torch.float32) if out is None else out
+    out.copy_(wire)
+    return out.div_(scale) if scale != 1.0 else out
+
+
+def decode_request(
+    body: bytes | bytearray,
+) -> tuple[torch.Tensor, list[str], list[dict[str, Any]], list[tuple[torch.Tensor, ...]] | None]:
+    """(outputs, prompts, metadata, sources or None) as the reward gets them (float32); raises
+    ValueError on anything that is not a well-formed request."""
+    buffer = body if isinstance(body, bytearray) else bytearray(body)  # frombuffer wants it writable
+    length = header_length(buffer, len(buffer))
+    request = open_request(buffer, read_header(buffer[8 : 8 + length], len(buffer)))
+    sources = request.sources
+    if sources is not None:
+        sources = [tuple(to_float(s, request.scale) for s in row) for row in sources]
+    return to_float(request.outputs, request.scale), request.prompts, request.metadata, sources
 
 
 def _header(body: bytes) -> dict[str, str] | None:

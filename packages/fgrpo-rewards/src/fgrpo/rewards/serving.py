@@ -13,9 +13,16 @@ It holds under load and against hostile clients:
 - a request (head and body) must arrive within ``read_timeout_s`` of its connection (408), and
   its answer must be taken within the same time: a client trickling a byte a second is cut off;
 - the head is at most 64 KiB (431); ``Content-Length`` must be a plain decimal number (400), at
-  most ``max_bytes`` (413), and fit in the ``max_inflight_bytes`` all requests being read or
-  scored share (else 503 with ``Retry-After``, which ``remote`` retries), all checked before a
-  byte of the body is read; a body is held only as it arrives;
+  most ``max_bytes`` (413), and fit in the ``max_inflight_bytes`` all requests being read,
+  decoded or scored share (else 503 with ``Retry-After``, which ``remote`` retries), all checked
+  before a byte of the body is read; a body is held only as it arrives;
+- the body's safetensors header comes first: the float32 its tensors decode to (their declared
+  shapes, 4 bytes an element: what the reward is given) must be at most ``max_decoded_bytes``
+  (413) and fit in the same in-flight budget beside the wire bytes (503), checked before the rest
+  of the body is read. Decoding copies nothing: the tensors are views of the body until the
+  reward's thread writes them, as floats, into its batch, and the body is dropped once copied, so
+  a request holds its wire bytes plus its floats at most (it held 6x its size before, twice that
+  with a reward's own copies);
 - one log line per request: the client, what it asked, its size, the status and the time;
 - one worker thread calls the reward (one model, one device) and takes every request waiting
   when it is free, up to ``batch_size`` samples together: training processes that ask at the
@@ -49,7 +56,17 @@ import attrs
 import torch
 
 from fgrpo.core.protocols import RewardResult
-from fgrpo.rewards.remote import TOKEN_ENV, decode_request, encode_result
+from fgrpo.rewards.remote import (
+    MAX_HEADER_BYTES,
+    TOKEN_ENV,
+    RequestHeader,
+    WireRequest,
+    encode_result,
+    header_length,
+    open_request,
+    read_header,
+    to_float,
+)
 
 log = logging.getLogger("fgrpo.rewards.remote")
 
@@ -70,16 +87,22 @@ def is_loopback(host: str) -> bool:
 
 @attrs.define
 class _Job:
-    outputs: torch.Tensor
-    prompts: list[str]
-    metadata: list[dict[str, Any]]
+    request: WireRequest | None  # taken by the reward's thread when scored (its body goes with it)
+    n: int
+    shape: tuple[int, ...]  # of one sample: requests of the same shape are scored together
     done: concurrent.futures.Future
-    sources: list[tuple[torch.Tensor, ...]] | None = None  # edits: each sample's source images
     batch: dict[str, int] = attrs.Factory(dict)  # what it was scored with, for the log line
 
-    @property
-    def n(self) -> int:
-        return len(self.prompts)
+
+@attrs.define
+class _Exchange:
+    """One connection as its log line tells it, and the in-flight bytes its request holds."""
+
+    what: str = "-"
+    size: int = 0
+    status: int = 0
+    note: str = ""
+    held: int = 0
 
 
 class _Answer(Exception):
@@ -121,12 +144,14 @@ class RewardServer:
         max_connections: int = 512,
         read_timeout_s: float = 30.0,
         max_inflight_bytes: int | None = None,
+        max_decoded_bytes: int = 1024 * MiB,
         batch_size: int | None = None,
     ):
         self.socket, self.reward, self.name, self.params = sock, reward, name, dict(params)
         self.token = f"Bearer {token}".encode() if token else None
         self.max_bytes, self.max_connections, self.read_timeout_s = max_bytes, max_connections, read_timeout_s
         self.max_inflight_bytes = max(max_inflight_bytes or 2 * max_bytes, max_bytes)
+        self.max_decoded_bytes = max_decoded_bytes
         own = getattr(reward, "batch_size", None)
         self.batch_size = batch_size or (own if isinstance(own, int) and own > 0 else 64)
         self.server_address = sock.getsockname()[:2]
@@ -179,15 +204,19 @@ class RewardServer:
     def server_close(self) -> None:
         self.socket.close()
 
+    @property
+    def inflight_bytes(self) -> int:
+        """The wire and decoded bytes the requests being read, decoded or scored hold now."""
+        return self._inflight
+
     # --- one connection --------------------------------------------------------------------------
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         start = time.monotonic()
         peer = writer.get_extra_info("peername") or ("?", 0)
         client = f"[{peer[0]}]:{peer[1]}" if ":" in str(peer[0]) else f"{peer[0]}:{peer[1]}"
-        what, size, status, note = "-", 0, 0, ""
+        exchange = _Exchange()
         self._open += 1
-        reserved = 0
         try:
             deadline = self._now() + self.read_timeout_s
             try:
@@ -198,7 +227,7 @@ class RewardServer:
                         1,
                     )
                 method, path, headers = await self._head(reader, deadline)
-                what = f"{method} {path}"
+                exchange.what = f"{method} {path}"
                 if self.token is not None and not hmac.compare_digest(headers.get("authorization", b""), self.token):
                     raise _Answer(401, "missing or wrong token (Authorization: Bearer ...)")
                 if path not in ("/score", "/health"):
@@ -211,21 +240,17 @@ class RewardServer:
                         "params": self.params,
                         "accepts_sources": bool(getattr(self.reward, "accepts_sources", False)),
                     }
-                    status, payload, kind = 200, json.dumps(health).encode(), "application/json"
+                    exchange.status, payload, kind = 200, json.dumps(health).encode(), "application/json"
                 else:
-                    size = reserved = self._admit(headers)
-                    self._inflight += reserved
-                    if headers.get("expect", b"").lower() == b"100-continue":  # curl asks before a large body
-                        writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-                    body = await self._body(reader, size, deadline)
-                    payload, batch = await self._score(body)
-                    del body
-                    status, kind = 200, "application/octet-stream"
+                    payload, batch = await self._scored(reader, writer, headers, deadline, exchange)
+                    exchange.status, kind = 200, "application/octet-stream"
                     if batch.get("requests", 1) > 1:
-                        note = f" (scored with {batch['requests'] - 1} other request(s): {batch['samples']} samples)"
-                await self._send(writer, status, payload, kind, deadline)
+                        exchange.note = (
+                            f" (scored with {batch['requests'] - 1} other request(s): {batch['samples']} samples)"
+                        )
+                await self._send(writer, exchange.status, payload, kind, deadline)
             except _Answer as answer:
-                status, note = answer.status, ""
+                exchange.status, exchange.note = answer.status, ""
                 message = json.dumps({"error": answer.message}).encode()
                 await self._send(
                     writer, answer.status, message, "application/json", self._now() + LINGER_S, answer.retry_after
@@ -233,13 +258,44 @@ class RewardServer:
                 if answer.status != 408:  # a slow client is not waited for again
                     await self._linger(reader, writer)
         except (ConnectionError, asyncio.IncompleteReadError, OSError):
-            status = status or 499  # the client went away
+            exchange.status = exchange.status or 499  # the client went away
         finally:
             self._open -= 1
-            self._inflight -= reserved
+            self._inflight -= exchange.held
             writer.close()
-            ms = 1000 * (time.monotonic() - start)
-            log.info("%s %s %d bytes -> %s in %.1f ms%s", client, what, size, status, ms, note)
+            e, ms = exchange, 1000 * (time.monotonic() - start)
+            log.info("%s %s %d bytes -> %s in %.1f ms%s", client, e.what, e.size, e.status, ms, e.note)
+
+    async def _scored(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        headers: Mapping[str, bytes],
+        deadline: float,
+        exchange: _Exchange,
+    ) -> tuple[bytes, dict[str, int]]:
+        """The answer to a POST /score and what it was scored with. Its wire bytes are held in the
+        in-flight budget before its body is read, its decoded bytes once its header has come, so a
+        request that cannot fit is refused before the rest of it is read."""
+        exchange.size = self._admit(headers)
+        self._hold(exchange, exchange.size)
+        if headers.get("expect", b"").lower() == b"100-continue":  # curl asks before a large body
+            writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        body = bytearray()
+        header = await self._read_header(reader, body, exchange.size, deadline)
+        self._hold(exchange, self._admit_decoded(header, exchange.held))
+        await self._read(reader, body, exchange.size, exchange.size, deadline)
+        loop = asyncio.get_running_loop()  # the server's own loop (self._loop)
+        try:
+            request = await loop.run_in_executor(self._decoders, open_request, body, header)
+        except Exception as exc:  # noqa: BLE001 - any malformed body
+            raise _Answer(400, f"bad request: {exc}") from None
+        del body  # the request's tensors are views of it: it goes when the reward's thread has their floats
+        return await self._score(request)
+
+    def _hold(self, exchange: _Exchange, size: int) -> None:
+        self._inflight += size
+        exchange.held += size
 
     async def _head(self, reader: asyncio.StreamReader, deadline: float) -> tuple[str, str, dict[str, bytes]]:
         try:
@@ -282,20 +338,61 @@ class RewardServer:
         if size > self.max_bytes:
             raise _Answer(413, f"request of {size} bytes; the limit is {self.max_bytes} (--max-request-mb)")
         if self._inflight and self._inflight + size > self.max_inflight_bytes:
-            raise _Answer(
-                503,
-                f"the server is busy: {self._inflight} bytes of requests are being read or scored "
-                f"(--max-inflight-mb); retry",
-                1,
-            )
+            raise self._busy()
         return size
 
-    async def _body(self, reader: asyncio.StreamReader, size: int, deadline: float) -> bytes:
-        body = bytearray()
+    def _admit_decoded(self, header: RequestHeader, held: int) -> int:
+        """The bytes the request's tensors take once decoded, once they are allowed: before the
+        rest of its body is read. A request alone is let in whatever the budget: it could never
+        fit otherwise."""
+        decoded = header.decoded_bytes
+        if decoded > self.max_decoded_bytes:
+            raise _Answer(
+                413,
+                f"request decoding to {decoded} bytes ({header.largest()} as float32); the limit is "
+                f"{self.max_decoded_bytes} (--max-decoded-mb)",
+            )
+        if self._inflight > held and self._inflight + decoded > self.max_inflight_bytes:
+            raise self._busy()
+        return decoded
+
+    def _busy(self) -> _Answer:
+        return _Answer(
+            503,
+            f"the server is busy: {self._inflight} bytes of requests are being read, decoded or scored "
+            f"(--max-inflight-mb); retry",
+            1,
+        )
+
+    async def _read_header(
+        self, reader: asyncio.StreamReader, body: bytearray, size: int, deadline: float
+    ) -> RequestHeader:
+        """The safetensors header at the start of a ``size``-byte body, read into ``body`` (and
+        nothing after it) and checked."""
         try:
-            while len(body) < size:
+            await self._read(reader, body, min(8, size), size, deadline)
+            length = header_length(body, size)
+        except ValueError as exc:
+            raise _Answer(400, f"bad request: {exc}") from None
+        if length > MAX_HEADER_BYTES:
+            raise _Answer(
+                413, f"request header (prompts and metadata) of {length} bytes; the limit is {MAX_HEADER_BYTES}"
+            )
+        await self._read(reader, body, 8 + length, size, deadline)
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self._decoders, read_header, body[8:], size)
+        except Exception as exc:  # noqa: BLE001 - any malformed header (deep JSON: a RecursionError)
+            raise _Answer(400, f"bad request: {exc}") from None
+
+    async def _read(
+        self, reader: asyncio.StreamReader, body: bytearray, upto: int, size: int, deadline: float
+    ) -> None:
+        """Append what arrives to ``body`` until it holds ``upto`` bytes (of ``size``)."""
+        try:
+            while len(body) < upto:
                 chunk = await asyncio.wait_for(
-                    reader.read(min(MiB, size - len(body))), max(0.0, deadline - self._now())
+                    reader.read(min(MiB, upto - len(body))), max(0.0, deadline - self._now())
                 )
                 if not chunk:
                     raise asyncio.IncompleteReadError(b"", size)
@@ -306,18 +403,13 @@ class RewardServer:
                 f"the request did not arrive within {self.read_timeout_s:g} s (--read-timeout-s); "
                 f"{len(body)} of {size} bytes came",
             ) from None
-        return bytes(body)
 
-    async def _score(self, body: bytes) -> tuple[bytes, dict[str, int]]:
-        """The encoded result of the request ``body``, and what it was scored with, once the
-        reward's thread has scored it (with the other requests waiting then)."""
-        loop = asyncio.get_running_loop()  # the server's own loop (self._loop)
-        try:
-            outputs, prompts, metadata, sources = await loop.run_in_executor(self._decoders, decode_request, body)
-        except Exception as exc:  # noqa: BLE001 - any malformed body
-            raise _Answer(400, f"bad request: {exc}") from None
+    async def _score(self, request: WireRequest) -> tuple[bytes, dict[str, int]]:
+        """The encoded result of ``request``, and what it was scored with, once the reward's
+        thread has scored it (with the other requests waiting then)."""
         done: concurrent.futures.Future = concurrent.futures.Future()
-        job = _Job(outputs, prompts, metadata, done, sources)
+        job = _Job(request, request.n, tuple(request.outputs.shape[1:]), done)
+        del request  # the job holds the body now; the reward's thread lets it go
         with self._wake:
             self._pending.append(job)
             self._wake.notify()
@@ -380,24 +472,18 @@ class RewardServer:
 
     def _score_batches(self) -> None:
         while (batch := self._take()) is not None:
-            groups: dict[tuple, list[_Job]] = {}
+            groups: dict[tuple[int, ...], list[_Job]] = {}
             for job in batch:  # outputs of another shape cannot be concatenated: scored apart
-                groups.setdefault((tuple(job.outputs.shape[1:]), job.outputs.dtype), []).append(job)
+                groups.setdefault(job.shape, []).append(job)
             for jobs in groups.values():
                 self._score_group(jobs)
 
     def _score_group(self, jobs: list[_Job]) -> None:
         sizes = [job.n for job in jobs]
         try:
-            outputs = torch.cat([job.outputs for job in jobs]) if len(jobs) > 1 else jobs[0].outputs
-            prompts = [p for job in jobs for p in job.prompts]
-            metadata = [m for job in jobs for m in job.metadata]
-            extra = {}
-            if getattr(self.reward, "accepts_sources", False):  # edits: the sources the client sent (none: empty)
-                extra["sources"] = [
-                    s for job in jobs for s in (job.sources if job.sources is not None else [()] * job.n)
-                ]
+            outputs, prompts, metadata, extra = _as_batch(jobs, getattr(self.reward, "accepts_sources", False))
             result = self.reward(outputs, prompts, metadata, **extra)
+            del outputs, extra  # the batch's floats go before the answers are encoded
             payloads = [encode_result(part) for part in split_result(result, sizes)]
         except Exception as exc:  # the reward's own error, sent to every trainer that asked
             log.warning("reward %s failed on %d samples of %d request(s): %s", self.name, sum(sizes), len(jobs), exc)
@@ -407,6 +493,32 @@ class RewardServer:
         for job, payload in zip(jobs, payloads, strict=True):
             job.batch.update(requests=len(jobs), samples=sum(sizes))
             job.done.set_result((200, payload))
+
+
+def _as_batch(
+    jobs: Sequence[_Job], with_sources: bool
+) -> tuple[torch.Tensor, list[str], list[dict[str, Any]], dict[str, Any]]:
+    """(outputs, prompts, metadata, the reward's other arguments) of the jobs' samples together,
+    the outputs written as float32 straight into one batch: each job's body is let go once its
+    samples are copied, so a request never holds more than its wire bytes and its floats (and no
+    concatenation copies the floats again)."""
+    outputs = torch.empty((sum(job.n for job in jobs), *jobs[0].shape), dtype=torch.float32)
+    prompts: list[str] = []
+    metadata: list[dict[str, Any]] = []
+    sources: list[tuple[torch.Tensor, ...]] = []
+    at = 0
+    for job in jobs:
+        request, job.request = job.request, None
+        assert request is not None  # a job is scored once
+        to_float(request.outputs, request.scale, out=outputs[at : at + job.n])
+        prompts += request.prompts
+        metadata += request.metadata
+        if with_sources:  # edits: the sources the client sent (none: empty)
+            rows = request.sources if request.sources is not None else [()] * job.n
+            sources += [tuple(to_float(image, request.scale) for image in row) for row in rows]
+        at += job.n
+        del request  # the last view of the job's body
+    return outputs, prompts, metadata, ({"sources": sources} if with_sources else {})
 
 
 def split_result(result: RewardResult, sizes: Sequence[int]) -> list[RewardResult]:
@@ -507,22 +619,39 @@ def _descriptors_for(connections: int) -> int:
     return connections
 
 
-def serve(args: Any) -> int:
-    """``fgrpo serve-reward``: build the reward once, then answer until interrupted."""
-    import yaml
-
-    from fgrpo.core.config import ConfigError, RecipeError
-    from fgrpo.rewards.http import token_from_env
+def reward_params(overrides: Sequence[str]) -> dict[str, Any]:
+    """The reward's parameters from ``--set KEY=VALUE`` items, each VALUE plain YAML (no tags);
+    raises RecipeError with one line per bad item."""
+    from fgrpo.core.config import ConfigError, RecipeError, shown
+    from fgrpo.core.yaml_reading import read_yaml
 
     params, errors = {}, []
-    for item in args.overrides:
+    for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key:
             errors.append(ConfigError("--set", f"got {item!r}; expected KEY=VALUE"))
             continue
-        params[key] = yaml.safe_load(value)
+        try:
+            params[key] = read_yaml(value, f"--set {key}")
+        except RecipeError as exc:
+            problems = "; ".join(error.message for error in exc.errors)
+            errors.append(
+                ConfigError(
+                    f"--set {key}",
+                    f"got {shown(value)}: {problems}; expected a plain YAML value (a number, a string, true or "
+                    f"false, [a, list], {{a: mapping}})",
+                )
+            )
     if errors:
         raise RecipeError(errors)
+    return params
+
+
+def serve(args: Any) -> int:
+    """``fgrpo serve-reward``: build the reward once, then answer until interrupted."""
+    from fgrpo.rewards.http import token_from_env
+
+    params = reward_params(args.overrides)
     if not log.handlers and not logging.getLogger().handlers:  # one line per request on stderr
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
@@ -539,6 +668,7 @@ def serve(args: Any) -> int:
         max_connections=args.max_connections,
         read_timeout_s=args.read_timeout_s,
         max_inflight_bytes=int(args.max_inflight_mb * MiB),
+        max_decoded_bytes=int(args.max_decoded_mb * MiB),
         batch_size=args.batch_size,
     )
     host, port = server.server_address
