@@ -146,7 +146,7 @@ def test_report_out_that_cannot_be_written(outside, capsys):
     cases = [
         (folder, f"error: --out: {folder} is a folder; give the report's file name (e.g. {folder}/report.html)"),
         (run, f"error: --out: {run} is a folder; give the report's file name (e.g. {run}/report.html)"),
-        (Path("/proc/version"), "error: --out: cannot write /proc/version: "),
+        (Path("/proc/version"), "error: --out: cannot write /proc/version (a new file in /proc: "),
         (long, f"error: --out: cannot write {long}: File name too long"),
         (
             outside / "secret.txt" / "r.html",

@@ -637,6 +637,20 @@ def gold_section(run_dir: Path, rows: Sequence[Mapping[str, Any]], notes: list[s
     )
 
 
+def _unwritable(target: Path, exc: OSError) -> str:
+    """Why ``target`` could not be written. A report replaces the file through a new one beside it:
+    where the file exists but its folder takes no new file (/proc), "No such file" alone would
+    name the wrong one."""
+    why = exc.strerror or str(exc)
+    try:
+        exists = target.exists()
+    except OSError:  # a name too long to look up
+        exists = False
+    if exists:
+        return f"cannot write {target} (a new file in {target.parent}: {why}); nothing was written"
+    return f"cannot write {target}: {why}"
+
+
 def write(run_dir: Path, out: Path | None = None) -> Path:
     """Write the report of ``run_dir`` (default ``RUN/report.html``) atomically; returns its path.
     Refusals (not a run, a name leading out of it, an ``--out`` that cannot be written) are one
@@ -662,7 +676,5 @@ def write(run_dir: Path, out: Path | None = None) -> Path:
             target.parent.mkdir(parents=True)
         confine.write_atomic(target, page)
     except OSError as exc:
-        where = f" (a new file in {target.parent}: {exc.strerror or exc})" if target.parent.is_dir() else ""
-        reason = where or f": {exc.strerror or exc}"
-        raise RecipeError([ConfigError("--out", f"cannot write {target}{reason}; nothing was written")]) from None
+        raise RecipeError([ConfigError("--out", _unwritable(target, exc))]) from None
     return target
