@@ -15,6 +15,7 @@ import base64
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import struct
@@ -32,6 +33,7 @@ from fgrpo.core import cli
 
 RECIPE = str(ROOT / "recipes" / "vector.yaml")
 QUIET = ["--quiet", "--set", "log.plots=false", "--set", "log.trackers=[]"]
+PRISTINE = ["--set", "train.checkpoint_every=1"]  # the run's recipe, which a resume must repeat
 SECRET = b"SECRET-50: a file outside the run folder\n"
 SECONDS = 10
 MEMORY = 512 << 20
@@ -77,6 +79,11 @@ def _png() -> bytes:
 # --- hostile forms: (what the folder holds, how it is damaged) ------------------------------------
 
 NEWEST = "checkpoints/iter_000002"
+ALIAS_BOMB = (
+    "a: &a [x, x, x, x, x, x, x, x, x]\n"
+    + "".join(f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join([f'*{chr(97 + i)}'] * 9)}]\n" for i in range(9))
+    + "model: {name: *j}\n"
+)
 
 
 def _fifo(path: Path) -> None:
@@ -144,14 +151,8 @@ FORMS: dict[str, Callable[[Path, Path], None]] = {
     ),
     "metrics_not_rows": lambda run, out: (run / "metrics.jsonl").write_text('[1, 2]\n"x"\n{"iteration": true}\n'),
     # recipe.resolved.yaml
-    "recipe_alias_bomb": lambda run, out: (run / "recipe.resolved.yaml").write_text(
-        "a: &a [x, x, x, x, x, x, x, x, x]\n"
-        + "".join(
-            f"{chr(98 + i)}: &{chr(98 + i)} [*{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, "
-            f"*{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}]\n"
-            for i in range(9)
-        )
-    ),
+    # str() of model.name, which the report shows, would make 9**10 strings (before: MemoryError)
+    "recipe_alias_bomb": lambda run, out: (run / "recipe.resolved.yaml").write_text(ALIAS_BOMB),
     "recipe_tag": lambda run, out: (run / "recipe.resolved.yaml").write_text("seed: !!python/name:os.system\n"),
     "recipe_fifo": lambda run, out: _fifo(run / "recipe.resolved.yaml"),
     "recipe_dev_zero": lambda run, out: _link(run / "recipe.resolved.yaml", "/dev/zero"),
@@ -221,6 +222,8 @@ READERS = {
 }
 #: one form of each file for the default suite
 DEFAULT = (
+    "gold_index_fifo",
+    "state_iteration_negative",
     "metrics_dev_zero",
     "metrics_huge_integer",
     "recipe_alias_bomb",
@@ -253,7 +256,7 @@ def verb_args(verb: str, run: Path, tmp: Path) -> list[str]:
             "--n",
             "1",
         ]
-    return ["compose", RECIPE, "--out", str(run), "--resume", *QUIET, "--set", "train.iterations=3"]
+    return ["compose", RECIPE, "--out", str(run), "--resume", *QUIET, *PRISTINE, "--set", "train.iterations=3"]
 
 
 def cases(forms) -> list[tuple[str, str]]:
@@ -325,7 +328,50 @@ def judge(
         if verb != "resume":
             changed = {k for k in set(before) | set(after) if before.get(k) != after.get(k)}
             assert changed <= set(MAY_WRITE[verb]), changed
+        else:  # before: "iteration": -7 resumed, retrained and wrote checkpoints/iter_-00004
+            assert all(re.fullmatch(r"checkpoints/iter_\d{6,}(/.*)?|[^/]+(/.*)?", k) for k in after), sorted(after)
+            assert not [k for k in after if k.startswith("checkpoints/iter_-")]
     assert outside_before == outside_after, "something outside the run folder changed"
+
+
+class Reads:
+    """The files outside the run folder this process opens while armed (Python's audit hooks see
+    ``open`` and ``os.open``, whoever calls them): the secret's folder, /dev/zero, /etc/passwd and
+    any process's environ. An open refused because the path is a link (``O_NOFOLLOW``) reads nothing."""
+
+    armed: list[Path] = []
+    hits: list[str] = []
+    installed = False
+
+    @classmethod
+    def watch(cls, outside: Path, allowed: list[Path]) -> None:
+        if not cls.installed:
+            sys.addaudithook(cls._hook)
+            cls.installed = True
+        cls.armed, cls.allowed, cls.hits = [outside.resolve()], [p.resolve() for p in allowed], []
+
+    @classmethod
+    def stop(cls) -> list[str]:
+        cls.armed = []
+        return cls.hits
+
+    @classmethod
+    def _hook(cls, event: str, args: tuple) -> None:
+        if not cls.armed or event != "open" or not args or not isinstance(args[0], (str, bytes, os.PathLike)):
+            return
+        given = os.fsdecode(args[0])
+        flags = args[2] if len(args) > 2 and isinstance(args[2], int) else 0
+        if flags & os.O_NOFOLLOW and os.path.islink(given):
+            return
+        real = Path(os.path.realpath(given))
+        outside = any(real.is_relative_to(a) for a in cls.armed) and not any(
+            real.is_relative_to(a) for a in cls.allowed
+        )
+        special = str(real) in ("/dev/zero", "/etc/passwd") or (
+            str(real).startswith("/proc/") and real.name == "environ"
+        )
+        if outside or special:
+            cls.hits.append(str(real))
 
 
 def run_in_process(pristine: Path, tmp: Path, form: str, verb: str, capsys) -> None:
@@ -339,13 +385,16 @@ def run_in_process(pristine: Path, tmp: Path, form: str, verb: str, capsys) -> N
     previous = signal.signal(signal.SIGALRM, too_long)
     signal.alarm(SECONDS)
     tracemalloc.start()
+    Reads.watch(outside, allowed=[run, tmp / "exported", tmp / "made", tmp / "prompts.txt"])
     try:
         code = cli.main(args)
     finally:
+        read_outside = Reads.stop()
         _, peak = tracemalloc.get_traced_memory()
         tracemalloc.stop()
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
+    assert read_outside == [], f"{verb} opened files outside the run folder"
     captured = capsys.readouterr()
     after = snapshot(run)
     outside_after = {k: v for k, v in snapshot(outside).items() if not k.startswith("run/")}
@@ -353,6 +402,11 @@ def run_in_process(pristine: Path, tmp: Path, form: str, verb: str, capsys) -> N
     assert peak < MEMORY, f"{peak >> 20} MiB allocated by Python"
     written = [tmp / "exported", tmp / "made"]
     assert leaks([captured.out.encode(), captured.err.encode()], run, *written) == []
+    if code == 0 and verb == "export":  # "exported" is a claim: every file it wrote loads (before: H4)
+        from safetensors.torch import load_file
+
+        for path in (tmp / "exported").rglob("*.safetensors"):
+            load_file(str(path))
 
 
 @pytest.mark.parametrize("form, verb", cases(DEFAULT))

@@ -17,7 +17,7 @@ from fgrpo.core.building import build_run
 from fgrpo.core.config import ConfigError, RecipeError, first_line
 from fgrpo.core.recipe import Recipe
 from fgrpo.core.run import Run
-from fgrpo.core.runlog import MetricsLog
+from fgrpo.core.runlog import MetricsLog, metrics_rows
 from fgrpo.core.saving import restore
 
 
@@ -95,6 +95,8 @@ def start_writing(run: Run, folder: rundir.RunFolder, *, resumed: bool) -> None:
     The trackers start first: one that fails to start (its options were checked at `validate`; a
     library can still refuse) is one line, and the run did not begin."""
     at = run.start_iteration if resumed else None
+    if resumed:  # its rows are read (and cut after the checkpoint) below: what cannot be read refuses first
+        metrics_rows(folder.path)
     try:
         trackers.start(run.accelerator, run.recipe, folder.path, resume_from=at)
     except Exception as exc:  # noqa: BLE001 - any tracker library's own error
