@@ -550,6 +550,8 @@ HOSTILE_REFUSALS = REFUSALS + (
     "no complete checkpoint",
     "holds no state.json",
     "is not a checkpoint folder",
+    "does not exist; expected RUN",
+    "is a file; expected a folder",
 )
 
 

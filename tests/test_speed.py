@@ -299,11 +299,14 @@ def test_compile_key_compiles_the_transformer_or_says_why_not(root):
 def test_a_compiled_transformer_computes_what_the_eager_one_does_and_stays_on_policy(root):
     eager = _shapes_run(root)
     run = _shapes_run(root, "train.compile=true")
-    cond = eager.policy.encode(eager.prompts.train_prompts()[:2])
+    cond = eager.learner.policy.encode(eager.prompts.train_prompts()[:2])
     x, sigma = torch.randn(2, 3, 24, 24, generator=torch.Generator().manual_seed(0)), torch.tensor([0.7, 0.3])
     with torch.no_grad():
         torch.testing.assert_close(
-            run.learner.policy.velocity(x, sigma, cond), eager.policy.velocity(x, sigma, cond), rtol=1e-4, atol=1e-5
+            run.learner.policy.velocity(x, sigma, cond),
+            eager.learner.policy.velocity(x, sigma, cond),
+            rtol=1e-4,
+            atol=1e-5,
         )
     # the rollout (a no-grad graph) and the update (a training graph) give the same log-probabilities
     metrics = iteration(run, 0)
