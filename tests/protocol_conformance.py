@@ -45,7 +45,7 @@ from fgrpo.samplers.kernels.cps import CPSKernel
 from fgrpo.samplers.kernels.dance import DanceKernel
 from fgrpo.samplers.kernels.dpmpp2m import DPMpp2MKernel
 from fgrpo.samplers.kernels.dpmpp3m import DPMpp3MKernel
-from fgrpo.samplers.kernels.ode import ODEKernel
+from fgrpo.samplers.kernels.euler import EulerKernel
 from fgrpo.samplers.kernels.sde import SDEKernel
 from fgrpo.samplers.kernels.wan_sde import WanSDEKernel
 from fgrpo.samplers.mixgrpo import MixGRPOSampler
@@ -68,7 +68,7 @@ KERNELS: dict[str, type[Kernel]] = {
     "dance": DanceKernel,
     "dpmpp2m": DPMpp2MKernel,
     "dpmpp3m": DPMpp3MKernel,
-    "ode": ODEKernel,
+    "euler": EulerKernel,
     "sde": SDEKernel,
     "wan-sde": WanSDEKernel,
 }

@@ -285,7 +285,7 @@ def test_generate_is_the_euler_ode(root):
     run = build_run(vector_recipe(root), out_dir=None, console=QUIET, quiet=True)
     policy, prompts = run.learner.policy, ["target 1 1", "target -1 0"]
     out = evaluation.generate(policy, prompts, 3, 6, torch.Generator().manual_seed(1))
-    ode = registry.create("kernel", "ode")
+    ode = registry.create("kernel", "euler")
     x = policy.initial_noise(6, torch.Generator().manual_seed(1))
     cond = tensors.repeat_interleave(policy.encode(prompts), 3)
     sigmas = policy.sigmas(6)

@@ -69,7 +69,7 @@ def test_unknown_name_lists_available_and_closest():
         registry.load("kernel", "sdee")
     message = str(info.value)
     assert "did you mean 'sde'?" in message
-    for name in ("cps", "dance", "dpmpp2m", "ode", "sde"):
+    for name in ("cps", "dance", "dpmpp2m", "euler", "sde"):
         assert name in message
 
 
@@ -86,7 +86,7 @@ def test_plugins_json_lists_builtins_example_and_broken(third_party):
     assert result.returncode == 0, result.stderr
     rows = {(r["kind"], r["name"]): r for r in json.loads(result.stdout)["components"]}
     builtins = (
-        {("kernel", n) for n in ("ode", "sde", "wan-sde", "dance", "cps", "dpmpp2m", "dpmpp3m")}
+        {("kernel", n) for n in ("euler", "sde", "wan-sde", "dance", "cps", "dpmpp2m", "dpmpp3m")}
         | {("sampler", n) for n in ("full", "fast", "mixgrpo")}
         | {("objective", "grpo"), ("objective", "grpo-guard"), ("model", "vector"), ("prompts", "list")}
     )

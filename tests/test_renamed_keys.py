@@ -81,3 +81,14 @@ def test_the_shipped_recipes_use_the_new_names(root):
                 recipe_mod.load(path)
             except RecipeError:
                 pass
+
+
+def test_the_kernel_ode_is_the_kernel_euler_with_a_note(root):
+    """``ode`` named both a kernel (the Euler step) and a sampler (deterministic rollouts); the
+    kernel is ``euler`` now, and a recipe with the old name still validates, resolved to it."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        recipe = recipe_mod.load(root / "recipes" / "vector.yaml", ["sampler={name: ode, steps: 4, kernel: ode}"])
+    assert recipe.data["sampler"]["kernel"]["name"] == "euler"
+    notes = [str(w.message) for w in caught if issubclass(w.category, DeprecatedKey)]
+    assert notes == ["sampler.kernel.name: the kernel 'ode' is deprecated: it is now 'euler'"]

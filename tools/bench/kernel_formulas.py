@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         "sde": ({"eta": 0.7}, explicit_sde, 0.7),
         "cps": ({"eta": 0.8}, explicit_cps, 0.8),
         "dance": ({"eta": 0.3}, explicit_dance, 0.3),
-        "ode": ({}, explicit_ode, 0.0),
+        "euler": ({}, explicit_ode, 0.0),
     }
     rows = []
     for name, (params, explicit, eta) in cases.items():

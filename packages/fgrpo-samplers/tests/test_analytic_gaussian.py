@@ -139,7 +139,7 @@ def test_kernel_reproduces_the_gaussian(name, params):
 
 def test_dpmpp2m_is_second_order():
     """DPM-Solver++(2M) error falls ~T^-2, Euler's ~T^-1 (deterministic: no MC error at all)."""
-    dpm, ode = registry.create("kernel", "dpmpp2m"), registry.create("kernel", "ode")
+    dpm, ode = registry.create("kernel", "dpmpp2m"), registry.create("kernel", "euler")
 
     def var_error(kernel, steps):
         mean, var = deterministic_moments(kernel, linear(steps))

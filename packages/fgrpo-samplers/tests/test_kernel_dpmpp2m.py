@@ -44,7 +44,7 @@ def test_two_steps_by_hand():
 
 def test_first_step_and_mismatched_history_are_euler():
     k = registry.create("kernel", "dpmpp2m")
-    ode = registry.create("kernel", "ode")
+    ode = registry.create("kernel", "euler")
     g = torch.Generator().manual_seed(0)
     x, v = torch.randn(3, 4, generator=g), torch.randn(3, 4, generator=g)
     sigmas = torch.tensor([1.0, 0.7, 0.4, 0.2, 0.0])

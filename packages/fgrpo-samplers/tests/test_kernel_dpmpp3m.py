@@ -51,7 +51,7 @@ def test_third_step_by_hand():
 
 def test_broken_history_restarts_at_first_order():
     k = registry.create("kernel", "dpmpp3m")
-    ode = registry.create("kernel", "ode")
+    ode = registry.create("kernel", "euler")
     g = torch.Generator().manual_seed(3)
     x, v = torch.randn(3, 4, generator=g), torch.randn(3, 4, generator=g)
     sigmas = torch.tensor([1.0, 0.7, 0.4, 0.2, 0.0])

@@ -139,7 +139,7 @@ def test_registry_builds_nested_kernel_and_rejects_bad_keys():
 
 # errors that involve several keys: raised when building, and reported by check_keys without building
 CROSS_KEY_ERRORS = [
-    ("full", {"kernel": "ode"}, "sampler.kernel"),  # a deterministic kernel cannot be trained
+    ("full", {"kernel": "euler"}, "sampler.kernel"),  # a deterministic kernel cannot be trained
     ("fast", {"kernel": {"name": "dpmpp2m"}}, "sampler.kernel"),
     ("full", {"timestep_fraction": 0.05}, "sampler.timestep_fraction"),  # int(10 * 0.05) = 0
     ("fast", {"window": 11}, "sampler.window"),
@@ -187,13 +187,13 @@ class Overshoot(KernelBase):
 
 
 def install_overshoot(tmp_path, monkeypatch):
-    """A distribution that registers its kernel as ``ode``, ``dpmpp2m`` and ``dpmpp3m``."""
+    """A distribution that registers its kernel as ``euler``, ``dpmpp2m`` and ``dpmpp3m``."""
     (tmp_path / "overshoot_kernels.py").write_text(PLUGIN)
     info = tmp_path / "overshoot_kernels-0.1.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: overshoot-kernels\nVersion: 0.1\n")
     (info / "entry_points.txt").write_text(
-        "[fgrpo.kernels]\n" + "".join(f"{n} = overshoot_kernels:Overshoot\n" for n in ("ode", "dpmpp2m", "dpmpp3m"))
+        "[fgrpo.kernels]\n" + "".join(f"{n} = overshoot_kernels:Overshoot\n" for n in ("euler", "dpmpp2m", "dpmpp3m"))
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(registry, "_loaded", {})
@@ -209,11 +209,11 @@ PLUGIN_CASES = [
 
 @pytest.mark.parametrize("how", ["beside", "instead"])
 @pytest.mark.parametrize(("name", "keys", "iteration"), PLUGIN_CASES)
-def test_a_plugin_registering_ode_does_not_change_the_builtin_samplers(
+def test_a_plugin_registering_euler_does_not_change_the_builtin_samplers(
     tmp_path, monkeypatch, how, name, keys, iteration
 ):
     """The Euler prefix/suffix and the Flash solver are the built-in kernels, whatever is registered
-    under their names: ``beside`` = the plugin and fgrpo-samplers both register ``ode`` (a recipe
+    under their names: ``beside`` = the plugin and fgrpo-samplers both register ``euler`` (a recipe
     naming it is refused as ambiguous); ``instead`` = the name resolves to the plugin's kernel."""
 
     def rollout():
@@ -226,12 +226,12 @@ def test_a_plugin_registering_ode_does_not_change_the_builtin_samplers(
     install_overshoot(tmp_path, monkeypatch)
     if how == "beside":
         with pytest.raises(registry.AmbiguousComponent, match="overshoot-kernels"):
-            registry.create("kernel", "ode")
+            registry.create("kernel", "euler")
     else:
         overshoot = importlib.import_module("overshoot_kernels").Overshoot
-        for kernel in ("ode", "dpmpp2m", "dpmpp3m"):
+        for kernel in ("euler", "dpmpp2m", "dpmpp3m"):
             registry._loaded[("kernel", kernel)] = overshoot
-        assert type(registry.create("kernel", "ode")).__name__ == "Overshoot"  # the name is the plugin's now
+        assert type(registry.create("kernel", "euler")).__name__ == "Overshoot"  # the name is the plugin's now
     after = rollout()
     start = before.info["window_start"]
     assert after.info["window_start"] == start and start > 0

@@ -15,7 +15,7 @@ COMPONENTS: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
     ("kernel", "dance"): ("fgrpo-samplers", ()),
     ("kernel", "dpmpp2m"): ("fgrpo-samplers", ()),
     ("kernel", "dpmpp3m"): ("fgrpo-samplers", ()),
-    ("kernel", "ode"): ("fgrpo-samplers", ()),
+    ("kernel", "euler"): ("fgrpo-samplers", ()),
     ("kernel", "sde"): ("fgrpo-samplers", ()),
     ("kernel", "wan-sde"): ("fgrpo-samplers", ()),
     ("model", "flux"): ("fgrpo-models", ("diffusers",)),

@@ -12,13 +12,14 @@ from __future__ import annotations
 import difflib
 import importlib.metadata as md
 import re
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import attrs
 from packaging.requirements import InvalidRequirement, Requirement
 
-from fgrpo.core.config import ConfigError, RecipeError, check_params
+from fgrpo.core.config import ConfigError, DeprecatedKey, RecipeError, check_params
 from fgrpo.core.shipped import missing_provider_hint
 
 #: kind -> entry-point group
@@ -245,6 +246,8 @@ _loaded: dict[tuple[str, str], Any] = {}
 
 def load(kind: str, name: str) -> Any:
     """The component class (or factory) registered as ``name``; raises a ComponentError."""
+    if (kind, name) in RENAMED and name not in _entry_points(kind):  # the old name of a built-in
+        name = RENAMED[(kind, name)]
     key = (kind, name)
     if key in _loaded:
         return _loaded[key]
@@ -318,6 +321,22 @@ def split_spec(kind: str, spec: Any, key: str = "") -> tuple[str, dict[str, Any]
     raise RecipeError([ConfigError(key or kind, f"expected a {kind} name or a mapping with 'name', got {spec!r}")])
 
 
+#: built-in components renamed, (kind, old name) -> new name: a recipe that names the old one gets
+#: it, with one ``note:`` line (the kernel ``ode`` became ``euler``: ``ode`` is the sampler's name)
+RENAMED: dict[tuple[str, str], str] = {("kernel", "ode"): "euler"}
+
+
+def current_name(kind: str, name: str, key: str = "") -> str:
+    """``name``, or the new name of a renamed built-in (a :class:`~fgrpo.core.config.DeprecatedKey`
+    warning names it) unless a plugin registers the old name itself."""
+    new = RENAMED.get((kind, name))
+    if new is None or name in _entry_points(kind):
+        return name
+    where = f"{key}.name" if key else "name"
+    warnings.warn(DeprecatedKey(f"{where}: the {kind} {name!r} is deprecated: it is now {new!r}"), stacklevel=3)
+    return new
+
+
 def check_spec(kind: str, spec: Any, key: str = "") -> tuple[dict[str, Any], list[ConfigError]]:
     """Validate a spec without building it: returns ({name, **params with defaults}, errors)."""
     if not isinstance(spec, (str, Mapping)):
@@ -327,6 +346,7 @@ def check_spec(kind: str, spec: Any, key: str = "") -> tuple[dict[str, Any], lis
         name, params = split_spec(kind, spec, key)
     except RecipeError as exc:
         return {}, exc.errors
+    name = current_name(kind, name, key)
     try:
         cls = load(kind, name)
     except ComponentError as exc:

@@ -44,11 +44,11 @@ from fgrpo.core.config import ConfigError, RecipeError, param, shown
 from fgrpo.core.protocols import Kernel, Policy, Trajectory
 from fgrpo.samplers import _rollout
 from fgrpo.samplers._rollout import FINALS, Plan, Step
-from fgrpo.samplers.kernels.ode import ODEKernel
+from fgrpo.samplers.kernels.euler import EulerKernel
 from fgrpo.samplers.schedules import Schedule, check_sigmas
 
 #: the deterministic Euler step every built-in sampler takes outside its stochastic steps (stateless)
-EULER = ODEKernel()
+EULER = EulerKernel()
 
 
 # --- recipe keys every sampler shares -----------------------------------------------------------

@@ -1,6 +1,6 @@
 """``ode``: deterministic rollouts for the objectives that train on the forward process.
 
-Every step is the deterministic ``kernel`` (``ode`` = Euler, ``dpmpp2m``, ``dpmpp3m``; any other
+Every step is the deterministic ``kernel`` (``euler``, ``dpmpp2m``, ``dpmpp3m``; any other
 kernel with ``stochastic = False``) on the sampler's schedule, at any step count, with the
 model's own classifier-free guidance if it has one. Nothing but the final samples and their
 conditioning is kept: the trajectory has no trained steps (S = 0), since nft, awm and dpo re-noise
@@ -35,7 +35,7 @@ class ODESampler(GroupSampler):
         "solver)",
     )
     schedule: dict | None = schedule_param()
-    kernel: Any = component("kernel", default="ode", help="the deterministic solver: ode (Euler), dpmpp2m, dpmpp3m")
+    kernel: Any = component("kernel", default="euler", help="the deterministic solver: euler, dpmpp2m, dpmpp3m")
 
     # the state after the last step (a deterministic step: x0 at sigma' = 0); fixed here, a recipe key elsewhere
     final: ClassVar[str] = "sample"  # type: ignore[misc]
@@ -58,7 +58,7 @@ class ODESampler(GroupSampler):
                 ConfigError(
                     key(prefix, "kernel"),
                     f"got the stochastic kernel {shown_name!r}; the ode sampler takes deterministic steps only "
-                    "(ode, dpmpp2m, dpmpp3m); stochastic windows are the full, fast and mixgrpo samplers'",
+                    "(euler, dpmpp2m, dpmpp3m); stochastic windows are the full, fast and mixgrpo samplers'",
                 )
             ]
         return []

@@ -1,4 +1,5 @@
-"""The deterministic Euler step of the flow ODE."""
+"""The deterministic Euler step of the flow ODE (kernel ``euler``; ``ode`` before, a name the
+``ode`` sampler now has alone)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from fgrpo.samplers.kernels.base import KernelBase, StepInputs
 
 
 @attrs.define
-class ODEKernel(KernelBase):
+class EulerKernel(KernelBase):
     """Euler step of dx/dsigma = v: ``x' = x + dt * v`` with dt = sigma' - sigma < 0.
 
     Deterministic (``stochastic = False``): ``std`` and ``log_prob`` are zeros and ``mean`` is x'.
