@@ -88,7 +88,9 @@ def test_the_kernel_ode_is_the_kernel_euler_with_a_note(root):
     kernel is ``euler`` now, and a recipe with the old name still validates, resolved to it."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        recipe = recipe_mod.load(root / "recipes" / "vector.yaml", ["sampler={name: ode, steps: 4, kernel: ode}"])
+        recipe = recipe_mod.load(
+            root / "recipes" / "vector.yaml", ["sampler={name: ode, steps: 4, kernel: ode}", "objective={name: awm}"]
+        )
     assert recipe.data["sampler"]["kernel"]["name"] == "euler"
     notes = [str(w.message) for w in caught if issubclass(w.category, DeprecatedKey)]
     assert notes == ["sampler.kernel.name: the kernel 'ode' is deprecated: it is now 'euler'"]
