@@ -398,23 +398,8 @@ def test_tracker_options_of_the_wrong_kind_are_refused_at_validate(root, tmp_pat
     assert not out.exists()
 
 
-def test_a_tracker_that_fails_at_start_leaves_no_folder_and_the_command_runs_again(
-    root, tmp_path, monkeypatch, capsys
-):
-    """A tracker its library refuses at start (a full disk, a server): one line, and the new folder
-    is gone, so the same command runs again (before: "already holds a run")."""
-    from fgrpo.core import trackers
-
-    real = trackers.start
-
-    def failing(accelerator, recipe, out_dir, *, resume_from):
-        (out_dir / "tensorboard").mkdir()
-        (out_dir / "tensorboard" / "events.partial").write_bytes(b"x")
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(trackers, "start", failing)
-    out = tmp_path / "run"
-    args = [
+def _one_iteration(root: Path, out: Path) -> list[str]:
+    return [
         "compose",
         str(root / "recipes" / "vector.yaml"),
         "--out",
@@ -423,6 +408,26 @@ def test_a_tracker_that_fails_at_start_leaves_no_folder_and_the_command_runs_aga
         "--set",
         "train.iterations=1",
     ]
+
+
+def _fail_to_start(out_dir: Path) -> None:
+    """What a tracker whose library fails at start leaves: its folder, half written."""
+    (out_dir / "tensorboard").mkdir()
+    (out_dir / "tensorboard" / "events.partial").write_bytes(b"x")
+    raise OSError(28, "No space left on device")
+
+
+def test_a_tracker_that_fails_at_start_leaves_no_folder_and_the_command_runs_again(
+    root, tmp_path, monkeypatch, capsys
+):
+    """A tracker its library refuses at start (a full disk, a server): one line, and the new folder
+    is gone, so the same command runs again (before: "already holds a run")."""
+    from fgrpo.core import trackers
+
+    real = trackers.start
+    monkeypatch.setattr(trackers, "start", lambda accelerator, recipe, out_dir, **_: _fail_to_start(out_dir))
+    out = tmp_path / "run"
+    args = _one_iteration(root, out)
     assert cli.main(args) == 2
     err = capsys.readouterr().err
     assert "error: log.trackers: a tracker could not start: OSError" in err and "Traceback" not in err
@@ -437,18 +442,8 @@ def test_a_tracker_failing_in_a_folder_that_held_files_leaves_them(root, tmp_pat
 
     out = tmp_path / "run"
     out.mkdir()
-    monkeypatch.setattr(
-        trackers, "start", lambda *a, **k: (out / "tensorboard").mkdir() or (_ for _ in ()).throw(OSError(28, "full"))
-    )
-    args = [
-        "compose",
-        str(root / "recipes" / "vector.yaml"),
-        "--out",
-        str(out),
-        "--quiet",
-        "--set",
-        "train.iterations=1",
-    ]
+    monkeypatch.setattr(trackers, "start", lambda accelerator, recipe, out_dir, **_: _fail_to_start(out_dir))
+    args = _one_iteration(root, out)
     assert cli.main(args) == 2
     assert out.is_dir() and list(out.iterdir()) == []
 

@@ -103,6 +103,17 @@ def _why(path: Path, exc: OSError) -> str:
     return f"cannot be read ({exc.strerror})"
 
 
+def _regular(path: Path, name: str) -> int | str:
+    """A read-only descriptor of the regular file ``path``, or why there is none (a sentence that
+    starts with ``name``)."""
+    try:
+        return open_regular(path, follow=False)
+    except OSError as exc:
+        return f"{name} {_why(path, exc)}"
+    except ValueError as exc:  # "PATH: is a FIFO, not a regular file"
+        return f"{name} {str(exc).rpartition(': ')[2]}"
+
+
 def _size(limit: int) -> str:
     return f"{limit / MiB:g} MiB" if limit >= MiB else f"{limit} bytes"
 
@@ -161,12 +172,9 @@ def safetensors_problem(path: Path, name: str | None = None) -> str | None:
     overlap up to the end of the file. A truncated copy, a flipped bit in a shape or a dtype, or
     trailing bytes all fail here, before safetensors or torch allocates anything."""
     name = name or path.name
-    try:
-        fd = open_regular(path, follow=False)
-    except FileNotFoundError:
-        return f"{name} is missing"
-    except (OSError, ValueError) as exc:
-        return f"{name} {_why(path, exc) if isinstance(exc, OSError) else str(exc).rpartition(': ')[2]}"
+    fd = _regular(path, name)
+    if isinstance(fd, str):
+        return fd
     with open(fd, "rb") as fh:
         size = os.fstat(fh.fileno()).st_size
         prefix = fh.read(8)
@@ -233,12 +241,9 @@ def read_safetensors(path: Path, device: str = "cpu", *, what: str) -> dict[str,
 
 def torch_file_problem(path: Path) -> str | None:
     """Why ``path`` is not a whole ``torch.save`` archive (a regular zip file with its end record)."""
-    try:
-        fd = open_regular(path, follow=False)
-    except FileNotFoundError:
-        return f"{path.name} is missing"
-    except (OSError, ValueError) as exc:
-        return f"{path.name} {_why(path, exc) if isinstance(exc, OSError) else str(exc).rpartition(': ')[2]}"
+    fd = _regular(path, path.name)
+    if isinstance(fd, str):
+        return fd
     with open(fd, "rb") as fh:
         if not zipfile.is_zipfile(fh):  # torch.save writes a zip archive; a truncated one has no end record
             return f"{path.name} is truncated or not a torch.save file"
