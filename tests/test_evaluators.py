@@ -14,7 +14,7 @@ import torch
 from _helpers import crash_after
 from fgrpo.core import cli, registry
 from fgrpo.core.config import param
-from fgrpo.core.guard import Guard, GuardConfig
+from fgrpo.core.guard import Guard
 from fgrpo.core.protocols import EvalContext, Evaluator, EvaluatorResult, Picture
 from fgrpo.core.runlog import read_metrics
 from fgrpo.core.seeding import generator
@@ -181,11 +181,68 @@ def test_guard_direction_lower_is_better_from_the_evaluator():
         guard.observe(2, {"eval/reward_mean": 0.3, "gold/miss/miss/left": 3.0})["guard/fired"] == 1.0
     )  # patience 2: fires now
     assert guard.fired_at == [2]
-    quiet = Guard(GuardConfig(metric="gold/x/y", min_change=0.5))
+    quiet = Guard.from_recipe({"metric": "gold/x/y", "min_change": 0.5}, {})
     quiet.observe(0, {"eval/reward_mean": 0.0, "gold/x/y": 1.0})
     assert (
         quiet.observe(1, {"eval/reward_mean": 0.4, "gold/x/y": 0.0})["guard/streak"] == 0.0
     )  # the proxy moved too little
+
+
+#: the shortened driving run of issue 53: the proxy and the CL-score held or rose while the planner
+#: learnt to speed (0.04 -> 1.76 m/s above the limit) and jerk (6.2 -> 10.7)
+SPEEDING = [
+    {"eval/reward_mean": 0.50, "cl_score": 0.80, "collision": 0.10, "speed_excess": 0.04, "jerk": 6.2},
+    {"eval/reward_mean": 0.55, "cl_score": 0.80, "collision": 0.10, "speed_excess": 0.90, "jerk": 8.1},
+    {"eval/reward_mean": 0.60, "cl_score": 0.81, "collision": 0.09, "speed_excess": 1.76, "jerk": 10.7},
+]
+
+
+def _closed_loop_rows(rows):
+    label = "gold/driving-closed-loop/"
+    return [{k if k.startswith("eval/") else label + k: v for k, v in row.items()} for row in rows]
+
+
+def test_guard_watches_every_limit_the_world_names():
+    from fgrpo.worlds.driving.closed_loop import ClosedLoop
+
+    guard = Guard.from_recipe({}, {"driving-closed-loop": ClosedLoop()})
+    assert [w.key.split("/")[-1] for w in guard.watched] == ["cl_score", "collision", "speed_excess", "jerk"]
+    assert [w.higher_is_better for w in guard.watched] == [True, False, False, False]
+    seen = [guard.observe(i * 25, row) for i, row in enumerate(_closed_loop_rows(SPEEDING))]
+    assert [s["guard/fired"] for s in seen] == [0.0, 0.0, 1.0]
+    assert guard.fired_by == ["gold/driving-closed-loop/speed_excess", "gold/driving-closed-loop/jerk"]
+    message = guard.message(50)
+    assert "speed_excess rose, gold/driving-closed-loop/jerk rose for 2 evaluation(s)" in message
+    # watching the CL-score alone, as the guard did, it never fires on this run
+    alone = Guard.from_recipe({"metric": "gold/driving-closed-loop/cl_score"}, {"driving-closed-loop": ClosedLoop()})
+    assert [alone.observe(i, row)["guard/fired"] for i, row in enumerate(_closed_loop_rows(SPEEDING))] == [0.0] * 3
+
+
+def test_a_change_within_the_world_s_tolerance_is_no_change():
+    from fgrpo.worlds.driving.closed_loop import LIMITS, ClosedLoop
+
+    guard = Guard.from_recipe({}, {"driving-closed-loop": ClosedLoop()})
+    rows = [
+        dict(SPEEDING[0], **{"eval/reward_mean": 0.5 + 0.1 * i, "jerk": 6.2 + i * LIMITS["jerk"]}) for i in range(4)
+    ]
+    assert all(guard.observe(i, row)["guard/fired"] == 0.0 for i, row in enumerate(_closed_loop_rows(rows)))
+
+
+def test_a_guard_state_of_one_metric_resumes_into_the_new_guard():
+    from fgrpo.worlds.driving.closed_loop import ClosedLoop
+
+    guard = Guard.from_recipe({"metric": "gold/driving-closed-loop/cl_score"}, {"driving-closed-loop": ClosedLoop()})
+    guard.load_state_dict({"previous": [0.5, 0.8], "streak": 1, "best": 0.8, "best_iteration": 25, "fired_at": []})
+    fired = guard.observe(50, {"eval/reward_mean": 0.6, "gold/driving-closed-loop/cl_score": 0.7})
+    assert fired == {"guard/streak": 0.0, "guard/fired": 1.0, "guard/new_best": 0.0}
+
+
+def test_a_guard_without_metric_needs_an_evaluator_that_names_limits(root, capsys):
+    args = ["validate", str(root / "recipes" / "vector.yaml"), "--set", "evaluator=scripted", "--set", "eval.guard={}"]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert "eval.guard.metric: missing, and the recipe's evaluators name no limits to watch" in err, err
+    assert cli.main(["validate", "driving", "--set", "eval.guard={}"]) == 0
 
 
 def test_guard_resumes_exactly(root, tmp_path):
@@ -219,7 +276,8 @@ def test_guard_resumes_exactly(root, tmp_path):
         ),
         (
             ["eval.guard={proxy: eval/reward_mean}"],
-            "eval.guard: got {'proxy': 'eval/reward_mean'}; metric: missing required key",
+            "eval.guard.metric: missing, and the recipe has no evaluator to watch; allowed: a metric of its "
+            "evaluators (none: add an evaluator section)",
         ),
     ],
 )

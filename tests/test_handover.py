@@ -183,6 +183,22 @@ def test_the_log_file_holds_fgrpo_lines_and_no_progress_bar(short_run):
     assert sum(line.startswith("iter ") for line in log.splitlines()) == ITERATIONS
 
 
+def test_each_iteration_line_says_the_time_left_and_the_threads_it_was_measured_at(short_run):
+    _, log, _ = short_run
+    lines = [line for line in log.splitlines() if line.startswith("iter ")]
+    # OMP_NUM_THREADS=1: the count is fixed at one; the last iteration has nothing left
+    assert all(re.search(r"  eta \d+:\d\d at 1 thread$", line) for line in lines[:-1]), lines
+    assert "eta" not in lines[-1]
+
+
+def test_the_estimate_is_the_median_recent_pace_times_what_is_left():
+    from fgrpo.core.runlog import eta_text
+
+    assert eta_text([1.0, 9.0, 1.2, 1.1], 100, 2) == "1:55 at 2 threads"  # median 1.15 s, one slow outlier ignored
+    assert eta_text([2.0] * 20, 3600, 1) == "2:00:00 at 1 thread"
+    assert eta_text([], 10, 2) == "" and eta_text([1.0], 0, 2) == ""
+
+
 def test_debug_gives_the_libraries_their_bars_back(monkeypatch):
     import diffusers.utils.logging as diffusers_logging
     import transformers.utils.logging as transformers_logging

@@ -248,7 +248,9 @@ def test_report_holds_every_figure_and_image_it_claims(shapes_run):
             assert img["alt"].startswith(tiles[it][i]["prompt"])  # the same prompt along the row
             data = base64.b64decode(img["src"].split(",", 1)[1])
             assert data == (out / "samples" / f"eval_{it:06d}" / tiles[it][i]["file"]).read_bytes()
-            assert Image.open(io.BytesIO(data)).size == (24, 24)
+            # a 24 px cell grid is stored magnified 4x (nearest) and shown at that size
+            assert Image.open(io.BytesIO(data)).size == (96, 96) == (tiles[it][i]["width"], tiles[it][i]["height"])
+            assert img["style"] == "width:96px"
     verdicts = [("pass" if t["score"] == 1 else "fail") for it in evaluations for t in tiles[it]]
     assert sorted(page.scores) == sorted(f"score {v}" for v in verdicts)  # strict scores: pass/fail
     text = (out / "report.html").read_text()
@@ -365,12 +367,16 @@ def test_constant_metrics_are_one_line_and_eval_time_has_its_own_chart():
 def test_filmstrip_scores_are_coloured():
     from fgrpo.core.report import score_style
 
-    style, binary = score_style([0.0, 1.0, 1.0])
-    assert binary and style(1.0) == ("score pass", "") and style(0.0) == ("score fail", "")
-    style, binary = score_style([0.2, 0.5, 0.8])
-    assert not binary
-    (low, low_css), (high, high_css) = style(0.2), style(0.8)
+    style, kind = score_style([0.0, 1.0, 1.0])
+    assert kind == "binary" and style(1.0) == ("score pass", "", "1") and style(0.0) == ("score fail", "", "0")
+    style, kind = score_style([0.2, 0.5, 0.8])
+    assert kind == "graded"
+    (low, low_css, _), (high, high_css, _) = style(0.2), style(0.8)
     assert low == high == "score graded" and "hsl(0," in low_css and "hsl(120," in high_css
+    # a world's verdict wins over the score: a combined score of 1.15 that failed the rule is a fail
+    style, kind = score_style([0.149, 1.15], [True, False])
+    assert kind == "verdict"
+    assert style(1.15, False) == ("score fail", "", "fail · 1.15") and style(0.149, True)[0] == "score pass"
 
 
 def test_filmstrip_keeps_prompts_and_noise_fixed_across_evaluations(shapes_run):

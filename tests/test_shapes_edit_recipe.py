@@ -7,11 +7,12 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import torch
 from safetensors.torch import load_file
 
 from _helpers import rewind_to
-from fgrpo.core import cli
+from fgrpo.core import cli, visuals
 from fgrpo.core.runlog import read_metrics
 
 #: a tiny randomly initialised editing network (the shipped base is tested by the recipe's own checks)
@@ -77,9 +78,16 @@ def test_shapes_edit_smoke_run_with_sources(root, tmp_path):
     from PIL import Image
 
     tile = Image.open(out / "samples" / "eval_000002" / tiles[0]["file"])
-    assert tile.size == (24 + 1 + 24, 24)  # source, a white line, output
+    assert tile.size == (4 * (24 + 1 + 24), 4 * 24)  # source, a white line, output, magnified 4x
+    # the cells the instruction touches are outlined on the source and the output
+    pixels = np.asarray(tile.convert("RGB"))
+    marked = (pixels == visuals.MARK).all(-1)
+    assert marked[:, : 4 * 24].any() and marked[:, 4 * 25 :].any()
+    # the badge is the world's verdict (edit done and the rest preserved), not the combined score
+    assert all(isinstance(t["passed"], bool) for t in tiles)
     report = (out / "report.html").read_text()
-    assert 'class="tile edit1"' in report
+    assert 'class="tile edit1" style="width:196px"' in report
+    assert "by the world's pass rule" in report and ("fail · " in report or "pass · " in report)
 
 
 def test_resume_with_sources_is_exact(root, tmp_path):

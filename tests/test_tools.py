@@ -118,3 +118,21 @@ def test_no_tool_is_named_like_an_installed_module(root):
         if path.stem in sys.builtin_module_names or importlib.machinery.PathFinder.find_spec(path.stem, search)
     )
     assert shadowing == []
+
+
+def test_recipe_times_measures_each_thread_count_and_writes_the_header_line(root, tmp_path, monkeypatch, capsys):
+    """The figures behind each CPU recipe's '# time:' line: a fresh process per thread count, the
+    whole recipe estimated from its iterations and evaluations."""
+    bench = load_tool("bench/recipe_times.py", "recipe_times_bench")
+    shipped = (root / "recipes" / "vector.yaml").read_text()
+    (tmp_path / "vector.yaml").write_text(bench.TIME_LINE.sub("# time: old", shipped))
+    monkeypatch.setattr(bench, "RECIPES", tmp_path)
+    assert bench.main(["vector", "--threads", "1", "--iterations", "3", "--skip", "1", "--write"]) == 0
+    printed = capsys.readouterr().out
+    row = next(line.split() for line in printed.splitlines() if line.startswith("vector "))
+    assert row[1] == "1" and float(row[2]) > 0
+    line = next(ln for ln in (tmp_path / "vector.yaml").read_text().splitlines() if ln.startswith("# time:"))
+    assert " on 1 thread (" in line and "s an iteration" in line and "old" not in line
+    # the estimate is set-up + iterations x pace + evaluations x their pace, from the recipe as shipped
+    figures = {"iteration_s": 2.0, "eval_s": 10.0, "setup_s": 5.0}
+    assert bench.whole(figures, (100, 11)) == 5.0 + 200.0 + 110.0

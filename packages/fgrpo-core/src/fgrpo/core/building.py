@@ -165,7 +165,7 @@ def build_run(
         schedule=schedule,
         evaluators=evaluators,
         guard=Guard.from_recipe(recipe.eval.guard, dict((s.label, e) for s, e in evaluators))
-        if recipe.eval.guard
+        if recipe.eval.guard is not None
         else None,
     )
 

@@ -20,7 +20,7 @@ from typing import Any, NoReturn
 from rich.table import Table
 from rich.tree import Tree
 
-from fgrpo.core import registry, trained
+from fgrpo.core import discovery, registry, trained
 from fgrpo.core import report as run_report
 from fgrpo.core.config import ConfigError, DeprecatedKey, RecipeError, first_line, help_lines
 from fgrpo.core.consoles import err, out
@@ -152,6 +152,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--keys", action="store_true", help="also list every component's recipe keys")
     p.set_defaults(handler=cmd_plugins)
+
+    p = sub.add_parser("recipes", help="the shipped recipes: model, objective, what each shows, what it measured")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(handler=discovery.cmd_recipes)
+
+    p = sub.add_parser("keys", help="every recipe key of a section or component: type, default, bounds, help")
+    p.add_argument("section", nargs="?", help="train, eval, log, a kind (objective) or kind.name (model.sd3)")
+    p.set_defaults(handler=discovery.cmd_keys)
+
+    p = sub.add_parser("init", help="a starting recipe with comments, for a world or a model")
+    p.add_argument("--world", help="shapes, shapes-edit, driving or vector: the shipped recipe to start from")
+    p.add_argument("--model", help="a registered model (sd3, flux, wan, ...): a Flow-GRPO recipe for it")
+    p.add_argument("--out", help="a new file to write (default: print it)")
+    p.set_defaults(handler=discovery.cmd_init)
 
     p = sub.add_parser("validate", help="check a recipe and report every problem")
     _add_recipe_args(p)

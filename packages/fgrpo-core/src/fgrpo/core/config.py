@@ -178,7 +178,8 @@ def param(
     validators = [_bounds_validator(ge, gt, le, lt, tuple(choices) if choices else None)]
     if validator is not None:
         validators.append(validator)
-    metadata = {"fgrpo_help": help, "fgrpo_choices": tuple(choices) if choices else None}
+    bounds = " ".join(f"{op} {v:g}" for op, v in ((">=", ge), (">", gt), ("<=", le), ("<", lt)) if v is not None)
+    metadata = {"fgrpo_help": help, "fgrpo_choices": tuple(choices) if choices else None, "fgrpo_bounds": bounds}
     if factory is not None:
         default = attrs.Factory(factory)
     return attrs.field(
@@ -337,6 +338,44 @@ def dotted(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
+#: what other toolkits (diffusers' scripts, flow_grpo, TRL) call a key fgrpo names otherwise: an
+#: unknown key that is one of these suggests fgrpo's name (where the component has that key)
+SYNONYMS = {
+    "learning_rate": "lr",
+    "lr_scheduler": "lr_schedule",
+    "scheduler": "lr_schedule",
+    "warmup": "warmup_iterations",
+    "warmup_steps": "warmup_iterations",
+    "lr_warmup_steps": "warmup_iterations",
+    "num_iterations": "iterations",
+    "max_steps": "iterations",
+    "num_epochs": "iterations",
+    "epochs": "iterations",
+    "num_inference_steps": "steps",
+    "num_steps": "steps",
+    "sample_steps": "steps",
+    "guidance": "guidance_scale",
+    "cfg": "guidance_scale",
+    "cfg_scale": "guidance_scale",
+    "max_grad": "max_grad_norm",
+    "grad_clip": "max_grad_norm",
+    "clip_grad_norm": "max_grad_norm",
+    "ema": "ema_decay",
+    "num_generations": "group_size",
+    "num_image_per_prompt": "group_size",
+    "clip_epsilon": "clip_range",
+    "epsilon": "clip_range",
+    "beta": "kl_beta",
+    "kl_coef": "kl_beta",
+    "init_kl_coef": "kl_beta",
+    "model_path": "path",
+    "pretrained_model": "path",
+    "pretrained_model_name_or_path": "path",
+    "noise_level": "eta",
+    "lora_rank": "lora",
+}
+
+
 def check_params(cls: type, params: Mapping[str, Any], prefix: str = "") -> tuple[dict, list]:
     """Check ``params`` against the attrs fields of ``cls``.
 
@@ -358,7 +397,8 @@ def check_params(cls: type, params: Mapping[str, Any], prefix: str = "") -> tupl
     hints = _field_types(cls)
     for name in params:
         if name not in fields:
-            close = difflib.get_close_matches(str(name), list(fields), n=1)
+            synonym = [SYNONYMS[name]] if SYNONYMS.get(name) in fields else []
+            close = synonym or difflib.get_close_matches(str(name), list(fields), n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             allowed = ", ".join(sorted(fields)) or "none"
             errors.append(ConfigError(key(str(name)), f"unknown key{hint}; allowed keys: {allowed}"))
@@ -407,8 +447,26 @@ def _clean(message: str, value: Any) -> str:
 
 def help_lines(cls: type) -> list[tuple[str, str, str]]:
     """(key, default, help) for every recipe key of ``cls``: used by ``fgrpo plugins --keys``."""
+    return [(row["key"], row["default"], row["help"]) for row in key_rows(cls)]
+
+
+def key_rows(cls: type) -> list[dict[str, str]]:
+    """Every recipe key of ``cls``: its name, type, default, bounds (or choices) and help, as
+    ``fgrpo keys`` prints them."""
+    hints = _field_types(cls)
     rows = []
     for field in public_fields(cls):
-        shown = "required" if field.default is attrs.NOTHING else repr(default_value(field.default))
-        rows.append((field.name, shown, field.metadata.get("fgrpo_help", "")))
+        choices = field.metadata.get("fgrpo_choices")
+        allowed = ("one of " + ", ".join(map(repr, choices))) if choices else field.metadata.get("fgrpo_bounds", "")
+        kind = field.metadata.get("fgrpo_kind")
+        typed = f"a {kind}" if kind else _type_name(hints[field.name]) if field.name in hints else ""
+        rows.append(
+            {
+                "key": field.name,
+                "type": typed,
+                "default": "required" if field.default is attrs.NOTHING else repr(default_value(field.default)),
+                "allowed": "" if allowed == typed else allowed or "",
+                "help": field.metadata.get("fgrpo_help", ""),
+            }
+        )
     return rows

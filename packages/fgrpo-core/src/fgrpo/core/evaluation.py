@@ -211,6 +211,7 @@ def write_gold_pictures(pictures: Sequence[Any], folder: Path) -> None:
             "sample": 0,
             "score": None if p.score is None else round(float(p.score), 4),
             "read": p.read,
+            **({"passed": bool(p.passed)} if getattr(p, "passed", None) is not None else {}),
         }
         for p in pictures
     ]
@@ -244,6 +245,32 @@ def evaluation_samples(run: Run, iteration: int) -> tuple[Any, list[str]] | None
     return (torch.cat(outputs) if isinstance(outputs[0], torch.Tensor) else tensors.cat(outputs)), all_prompts
 
 
+#: the most evaluation prompts a filmstrip and a sample grid show
+SHOWN_PROMPTS = 32
+
+
+def spread_over_categories(categories: Sequence[str | None], count: int = SHOWN_PROMPTS) -> list[int]:
+    """Up to ``count`` indices of prompts, taken in turn from each category (in the order the
+    categories first appear, each category's prompts in order), so that a filmstrip of a test set
+    sorted by category shows every category rather than the first one's 32 prompts."""
+    by_category: dict[str | None, list[int]] = {}
+    for i, category in enumerate(categories):
+        by_category.setdefault(category, []).append(i)
+    queues = list(by_category.values())
+    picked: list[int] = []
+    for rank in range(max(map(len, queues), default=0)):
+        picked += [queue[rank] for queue in queues if rank < len(queue)]
+    return sorted(picked[:count])
+
+
+def prompt_category(metadata: Mapping[str, Any]) -> str | None:
+    """A prompt's category as its source names it (``category``; GenEval's ``tag``), or None."""
+    for key in ("category", "tag"):
+        if isinstance(metadata.get(key), str):
+            return str(metadata[key])
+    return None
+
+
 def write_eval_samples(
     run: Run,
     iteration: int,
@@ -253,27 +280,44 @@ def write_eval_samples(
     total: torch.Tensor,
     details: dict[str, Any],
 ) -> None:
-    """The first sample of (up to) 32 test prompts — the same prompts and noise at every
-    evaluation — as a grid with each image's score and what the rewards read
+    """The first sample of (up to) 32 test prompts spread over their categories — the same prompts
+    and noise at every evaluation — as a grid with each image's score and what the rewards read
     (``samples/eval_N.png``, also sent to the trackers) and as tiles for the report's filmstrip
-    (``samples/eval_N/``)."""
-    pick = list(range(0, len(prompts), run.recipe.eval.samples_per_prompt))[:32]
-    reads = [
-        d["read"] for d in details.values() if isinstance(d, dict) and _per_sample_strings(d.get("read"), len(prompts))
-    ]
+    (``samples/eval_N/``). A reward's per-sample ``passed`` (its world's pass rule) makes the
+    tile's badge pass/fail; its ``marks`` (boxes in fractions of the output) are outlined."""
+    per_prompt = run.recipe.eval.samples_per_prompt
+    firsts = list(range(0, len(prompts), per_prompt))
+    shown = spread_over_categories([prompt_category(run.prompts.metadata(prompts[i])) for i in firsts])
+    pick = [firsts[k] for k in shown]
+    reward_details = [d for d in details.values() if isinstance(d, dict)]
+    reads = [d["read"] for d in reward_details if _per_sample_strings(d.get("read"), len(prompts))]
+    verdicts = [v for d in reward_details if (v := _per_sample_bools(d.get("passed"), len(prompts))) is not None]
+    marks = next((d["marks"] for d in reward_details if _per_sample_boxes(d.get("marks"), len(prompts))), None)
     rows: list[dict[str, Any]] = [
         {
             "prompt": prompts[i],
             "sample": 0,
             "score": round(total[i].item(), 4),
             "read": "; ".join(r[i] for r in reads),
+            **({"passed": all(v[i] for v in verdicts)} if verdicts else {}),
             **({"sources": len(media.source_images(prompts[i]))} if media.source_images(prompts[i]) else {}),
         }
         for i in pick
     ]
-    notes = [f"score {row['score']:.3g}" + (f" · read: {row['read']}" if row["read"] else "") for row in rows]
+    notes = [
+        ("pass · " if row.get("passed") else "fail · " if "passed" in row else "")
+        + f"score {row['score']:.3g}"
+        + (f" · read: {row['read']}" if row["read"] else "")
+        for row in rows
+    ]
     name = f"eval_{iteration:06d}"
-    shown_images = sources_then_outputs(outputs[pick], [prompts[i] for i in pick])
+    shown_prompts = [prompts[i] for i in pick]
+    shown_images = sources_then_outputs(outputs[pick], shown_prompts)
+    if marks is not None:
+        boxes = [[(float(x0), float(y0), float(x1), float(y1)) for x0, y0, x1, y1 in marks[i]] for i in pick]
+        shown_images = visuals.outline(
+            shown_images, boxes, panels=[1 + len(media.source_images(p)) for p in shown_prompts]
+        )
     grid = visuals.sample_grid(
         shown_images, [row["prompt"] for row in rows], out_dir / "samples" / f"{name}.png", notes=notes
     )
@@ -291,6 +335,31 @@ def sources_then_outputs(images: torch.Tensor, prompts: Sequence[str]) -> torch.
 
 def _per_sample_strings(value: Any, n: int) -> bool:
     return isinstance(value, (list, tuple)) and len(value) == n and all(isinstance(v, str) for v in value)
+
+
+def _per_sample_bools(value: Any, n: int) -> list[bool] | None:
+    """A per-sample verdict (bool or 0/1 values, a tensor or a list) as bools, else None."""
+    if isinstance(value, torch.Tensor) and value.dim() == 1 and len(value) == n:
+        value = value.tolist()
+    if isinstance(value, (list, tuple)) and len(value) == n and all(v in (0, 1) for v in value):
+        return [bool(v) for v in value]
+    return None
+
+
+def _per_sample_boxes(value: Any, n: int) -> bool:
+    """``[[x0, y0, x1, y1], ...]`` per sample, fractions of the output image."""
+    return (
+        isinstance(value, (list, tuple))
+        and len(value) == n
+        and all(
+            isinstance(boxes, (list, tuple))
+            and all(
+                isinstance(b, (list, tuple)) and len(b) == 4 and all(isinstance(c, (int, float)) for c in b)
+                for b in boxes
+            )
+            for boxes in value
+        )
+    )
 
 
 def write_samples(

@@ -1,17 +1,21 @@
 """The over-optimisation guard (``eval.guard``): the proxy reward rises while a gold metric falls.
 
 Reward hacking shows as a divergence between what RL optimises (the proxy: the held-out reward,
-``eval/reward_mean`` by default) and a gold metric it does not optimise (an evaluator's, e.g.
-``gold/driving-closed-loop/cl_score``). At every evaluation the guard compares both with the
-previous evaluation; ``patience`` evaluations in a row where the proxy went up and the gold went
-the wrong way (down for a metric where higher is better) make it fire:
+``eval/reward_mean`` by default) and gold metrics it does not optimise (an evaluator's, e.g.
+``gold/driving-closed-loop/cl_score``). The guard watches every gold metric a world names as a
+limit (an evaluator's ``limits``: the driving world's CL-score, speed above the limit, jerk and
+collisions), or the ones ``metric`` names. At every evaluation it compares each with the previous
+evaluation; ``patience`` evaluations in a row where the proxy went up and one watched metric went
+the wrong way (down for a metric where higher is better) by more than its tolerance make it fire:
 
 - ``action: warn``: one line on the terminal and ``guard/fired = 1`` in the metrics; training
   goes on (and the guard counts afresh);
 - ``action: stop``: the run stops after that evaluation with a checkpoint of the iteration it
-  stopped at, and ``checkpoints/best`` names the checkpoint of the best gold value seen (the guard
-  writes one at every evaluation that improves it).
+  stopped at, and ``checkpoints/best`` names the checkpoint of the best value seen of the first
+  watched metric (the headline: the guard writes one at every evaluation that improves it).
 
+A world's tolerance per limit (``limits = {"jerk": 0.25, ...}``, in the metric's units) keeps its
+evaluation noise from firing the guard; ``min_change`` raises every tolerance, the proxy's too.
 Its counters and best value travel in every checkpoint (``state.json``), so a resumed run fires
 exactly where the uninterrupted one would have.
 """
@@ -19,7 +23,7 @@ exactly where the uninterrupted one would have.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal, TypeGuard
 
 import attrs
@@ -34,7 +38,11 @@ DIRECTIONS = ("auto", "higher", "lower")
 class GuardConfig:
     """The keys of ``eval.guard``."""
 
-    metric: str = param(help="the gold metric watched, a logged key such as gold/driving-closed-loop/cl_score")
+    metric: str | list[str] | None = param(
+        None,
+        help="the gold metrics watched: a logged key such as gold/driving-closed-loop/cl_score, a list of them, or "
+        "null for every limit the recipe's evaluators name (the first watched is the one checkpoints/best follows)",
+    )
     proxy: str = param(
         "eval/reward_mean", help="the proxy watched, a logged evaluation key (default the held-out reward)"
     )
@@ -47,9 +55,11 @@ class GuardConfig:
     direction: Literal["auto", "higher", "lower"] = param(
         "auto",
         choices=DIRECTIONS,
-        help="which way the gold metric is better; auto: the evaluator's declaration (else higher)",
+        help="which way the gold metrics are better; auto: the evaluator's declaration (else higher)",
     )
-    min_change: float = param(0.0, ge=0, help="changes of at most this size (either metric) count as no change")
+    min_change: float = param(
+        0.0, ge=0, help="changes of at most this size (the proxy or a gold metric) count as no change"
+    )
 
 
 def check_guard(_instance: Any, _attribute: Any, value: Any) -> None:
@@ -66,20 +76,65 @@ def check_guard(_instance: Any, _attribute: Any, value: Any) -> None:
         raise ValueError("; ".join(str(e) for e in errors))
 
 
+def declared_limits(evaluator: Any) -> dict[str, float]:
+    """The gold metrics an evaluator (class or instance) names as the limits a guard watches, with
+    the smallest change of each that counts (its ``limits``: a mapping, or a list for no tolerance)."""
+    limits = getattr(evaluator, "limits", None) or {}
+    return {str(k): float(v) for k, v in limits.items()} if isinstance(limits, Mapping) else dict.fromkeys(limits, 0.0)
+
+
+def watched_metrics(metric: str | Sequence[str] | None, evaluators: Mapping[str, Any]) -> list[str]:
+    """The logged keys a guard watches: ``metric`` as given, or every limit of ``evaluators``
+    (label -> evaluator class or instance), in the recipe's order."""
+    if metric is not None:
+        return [metric] if isinstance(metric, str) else list(metric)
+    return [f"gold/{label}/{key}" for label, evaluator in evaluators.items() for key in declared_limits(evaluator)]
+
+
 def guard_recipe_errors(resolved: Mapping[str, Any]) -> list[ConfigError]:
-    """The guard's gold metric must come from an evaluator of the recipe (``gold/<label>/...``)."""
+    """The guard's gold metrics must come from the recipe's evaluators (``gold/<label>/...``); with
+    no ``metric``, the evaluators must name limits."""
     guard = (resolved.get("eval") or {}).get("guard")
-    if not guard:
+    if guard is None:
         return []
-    metric = str(guard.get("metric", ""))
-    labels = [e.get("label") for e in resolved.get("evaluator") or [] if isinstance(e, Mapping)]
-    parts = metric.split("/")
-    if len(parts) < 3 or parts[0] != "gold" or parts[1] not in labels:
-        known = ", ".join(f"gold/{label}/..." for label in labels) or "none: add an evaluator section"
-        return [
-            ConfigError("eval.guard.metric", f"got {metric!r}; allowed: a metric of the recipe's evaluators ({known})")
-        ]
-    return []
+    from fgrpo.core import registry
+
+    specs = [e for e in resolved.get("evaluator") or [] if isinstance(e, Mapping)]
+    labels = [e.get("label") for e in specs]
+    known = ", ".join(f"gold/{label}/..." for label in labels) or "none: add an evaluator section"
+    if guard.get("metric") is None:
+        evaluators = {}
+        for spec in specs:
+            try:
+                evaluators[str(spec.get("label"))] = registry.load("evaluator", str(spec.get("name")))
+            except registry.ComponentError:
+                return []  # the evaluator's own error is reported
+        if watched_metrics(None, evaluators):
+            return []
+        why = "the recipe's evaluators name no limits to watch" if specs else "the recipe has no evaluator to watch"
+        return [ConfigError("eval.guard.metric", f"missing, and {why}; allowed: a metric of its evaluators ({known})")]
+    errors = []
+    for metric in watched_metrics(guard.get("metric"), {}):
+        parts = str(metric).split("/")
+        if len(parts) < 3 or parts[0] != "gold" or parts[1] not in labels:
+            errors.append(
+                ConfigError(
+                    "eval.guard.metric", f"got {metric!r}; allowed: a metric of the recipe's evaluators ({known})"
+                )
+            )
+    return errors
+
+
+@attrs.define
+class Watched:
+    """One gold metric the guard watches: its key, which way is better, its tolerance."""
+
+    key: str
+    higher_is_better: bool = True
+    tolerance: float = 0.0
+
+    def signed(self, value: float) -> float:
+        return value if self.higher_is_better else -value
 
 
 @attrs.define
@@ -87,46 +142,71 @@ class Guard:
     """The guard's state between evaluations; :meth:`observe` takes each evaluation's metrics."""
 
     config: GuardConfig
-    higher_is_better: bool = True
-    previous: tuple[float, float] | None = None  # (proxy, gold) at the last evaluation
-    streak: int = 0
-    best: float | None = None
+    watched: list[Watched] = attrs.Factory(list)
+    previous: dict[str, float] | None = None  # the proxy and each watched metric (signed) at the last evaluation
+    streaks: dict[str, int] = attrs.Factory(dict)
+    best: float | None = None  # of the first watched metric (signed)
     best_iteration: int | None = None
     fired_at: list[int] = attrs.Factory(list)
+    fired_by: list[str] = attrs.Factory(list)  # the metrics that made it fire last
 
     @classmethod
     def from_recipe(cls, spec: Mapping[str, Any], evaluators: Mapping[str, Any]) -> Guard:
         config = GuardConfig(**dict(spec))
-        higher = config.direction != "lower"
-        if config.direction == "auto":
-            label, metric = config.metric.split("/")[1], "/".join(config.metric.split("/")[2:])
-            declared = getattr(evaluators.get(label), "directions", {}) or {}
-            higher = declared.get(metric, declared.get(metric.split("/")[0], "higher")) != "lower"
-        return cls(config=config, higher_is_better=higher)
+        watched = []
+        for key in watched_metrics(config.metric, evaluators):
+            label, metric = key.split("/")[1], "/".join(key.split("/")[2:])
+            higher = config.direction != "lower"
+            if config.direction == "auto":
+                declared = getattr(evaluators.get(label), "directions", {}) or {}
+                higher = declared.get(metric, declared.get(metric.split("/")[0], "higher")) != "lower"
+            limits = declared_limits(evaluators.get(label))
+            tolerance = limits.get(metric, limits.get(metric.split("/")[0], 0.0))
+            watched.append(Watched(key, higher, max(tolerance, config.min_change)))
+        return cls(config=config, watched=watched)
+
+    @property
+    def headline(self) -> Watched:
+        return self.watched[0]
+
+    @property
+    def higher_is_better(self) -> bool:
+        return self.headline.higher_is_better
+
+    def watches(self, metrics: Mapping[str, Any]) -> bool:
+        """Whether this evaluation logged what the guard watches (the proxy and its headline)."""
+        return self.config.proxy in metrics and self.headline.key in metrics
 
     def observe(self, iteration: int, metrics: Mapping[str, Any]) -> dict[str, float]:
         """Update with one evaluation; returns the ``guard/...`` metrics of it (``fired`` 1 when
-        it fires now, ``new_best`` 1 when the gold is the best seen)."""
+        it fires now, ``new_best`` 1 when the headline gold metric is the best seen, ``streak``
+        the longest run of worsening among the watched metrics)."""
         cfg = self.config
-        proxy, gold = metrics.get(cfg.proxy), metrics.get(cfg.metric)
-        if not (_finite(proxy) and _finite(gold)):
+        proxy = metrics.get(cfg.proxy)
+        values = {w.key: metrics.get(w.key) for w in self.watched}
+        if not (_finite(proxy) and _finite(values[self.headline.key])):
             return {}
-        proxy, gold = float(proxy), float(gold)
-        signed = gold if self.higher_is_better else -gold
-        new_best = self.best is None or signed > self.best
+        now = {"proxy": float(proxy)} | {
+            w.key: w.signed(float(v)) for w in self.watched if _finite(v := values[w.key])
+        }
+        new_best = self.best is None or now[self.headline.key] > self.best
         if new_best:
-            self.best, self.best_iteration = signed, iteration
+            self.best, self.best_iteration = now[self.headline.key], iteration
         fired = False
         if self.previous is not None:
-            rose = proxy - self.previous[0] > cfg.min_change
-            worse = (self.previous[1] - signed) > cfg.min_change
-            self.streak = self.streak + 1 if (rose and worse) else 0
-            if self.streak >= cfg.patience:
+            rose = now["proxy"] - self.previous["proxy"] > cfg.min_change
+            for w in self.watched:
+                worse = w.key in now and w.key in self.previous and self.previous[w.key] - now[w.key] > w.tolerance
+                self.streaks[w.key] = self.streaks.get(w.key, 0) + 1 if (rose and worse) else 0
+            by = [w.key for w in self.watched if self.streaks.get(w.key, 0) >= cfg.patience]
+            if by:
                 fired = True
                 self.fired_at.append(iteration)
-                self.streak = 0
-        self.previous = (proxy, signed)
-        return {"guard/streak": float(self.streak), "guard/fired": float(fired), "guard/new_best": float(new_best)}
+                self.fired_by = by
+                self.streaks = {}
+        self.previous = now
+        streak = max(self.streaks.values(), default=0)
+        return {"guard/streak": float(streak), "guard/fired": float(fired), "guard/new_best": float(new_best)}
 
     @property
     def stops(self) -> bool:
@@ -134,35 +214,45 @@ class Guard:
 
     def message(self, iteration: int) -> str:
         cfg = self.config
-        way = "fell" if self.higher_is_better else "rose"
+        by = {w.key: w for w in self.watched}
+        moved = ", ".join(f"{key} {'fell' if by[key].higher_is_better else 'rose'}" for key in self.fired_by)
         what = "stopping the run" if cfg.action == "stop" else "training goes on (eval.guard.action: warn)"
         kept = " (checkpoints/best)" if cfg.action == "stop" else ""
         best = (
             ""
             if self.best_iteration is None
-            else f"; the best {cfg.metric} was at iteration {self.best_iteration}{kept}"
+            else f"; the best {self.headline.key} was at iteration {self.best_iteration}{kept}"
         )
         return (
-            f"over-optimisation guard: {cfg.proxy} rose while {cfg.metric} {way} for {cfg.patience} evaluation(s) "
+            f"over-optimisation guard: {cfg.proxy} rose while {moved} for {cfg.patience} evaluation(s) "
             f"in a row (iteration {iteration}); {what}{best}"
         )
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "previous": list(self.previous) if self.previous is not None else None,
-            "streak": self.streak,
+            "previous": self.previous,
+            "streaks": dict(self.streaks),
             "best": self.best,
             "best_iteration": self.best_iteration,
             "fired_at": list(self.fired_at),
+            "fired_by": list(self.fired_by),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         previous = state.get("previous")
-        self.previous = tuple(previous) if previous is not None else None
-        self.streak = int(state.get("streak", 0))
+        if isinstance(previous, list):  # a checkpoint of one watched metric: [proxy, gold]
+            previous = {"proxy": previous[0], self.headline.key: previous[1]}
+        self.previous = dict(previous) if previous is not None else None
+        streaks = state.get("streaks")
+        self.streaks = (
+            {str(k): int(v) for k, v in streaks.items()}
+            if isinstance(streaks, Mapping)
+            else {self.headline.key: int(state.get("streak", 0))}
+        )
         self.best = state.get("best")
         self.best_iteration = state.get("best_iteration")
         self.fired_at = list(state.get("fired_at", []))
+        self.fired_by = list(state.get("fired_by", []))
 
 
 def _finite(value: Any) -> TypeGuard[float]:

@@ -412,12 +412,14 @@ class EvalContext:
 @attrs.define
 class Picture:
     """One picture an evaluator shows in the report (a filmstrip row per ``prompt``): float
-    (3, H, W) in [0, 1], a score and a caption line (``read``)."""
+    (3, H, W) in [0, 1], a score, a caption line (``read``) and, where the world has a pass rule,
+    its verdict (``passed``: the report's badge then says pass or fail, not the score alone)."""
 
     prompt: str
     image: torch.Tensor
     score: float | None = None
     read: str = ""
+    passed: bool | None = None
 
 
 @attrs.define

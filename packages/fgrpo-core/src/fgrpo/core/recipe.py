@@ -141,9 +141,10 @@ class EvalConfig:
     guard: dict | None = param(
         None,
         validator=check_guard,
-        help="over-optimisation guard: {metric: gold/LABEL/METRIC, proxy: eval/reward_mean, patience: 2, "
-        "action: warn | stop, direction: auto}; fires when the proxy rose while the gold metric fell for "
-        "`patience` evaluations in a row (fgrpo.core.guard); null = off",
+        help="over-optimisation guard: {metric: gold/LABEL/METRIC (or a list; omitted: every limit the "
+        "evaluators name), proxy: eval/reward_mean, patience: 2, action: warn | stop, direction: auto}; fires when "
+        "the proxy rose while a watched gold metric worsened for `patience` evaluations in a row "
+        "(fgrpo.core.guard); {} = on with those defaults; null = off",
     )
 
     @staticmethod

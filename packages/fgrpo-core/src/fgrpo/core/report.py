@@ -243,8 +243,11 @@ def gold_filmstrip(run_dir: Path, notes: list[str] | None = None) -> tuple[str, 
                 by_label.setdefault(label_folder.name, []).append((iteration, tiles))
     parts, images = [], 0
     for label, evals in sorted(by_label.items()):
-        table, n, _ = strip_table(evals)
-        parts.append(f'<h3>{html.escape(label)}</h3><div class="wide">{table}</div>')
+        table, n, badges = strip_table(evals)
+        parts.append(
+            f'<h3>{html.escape(label)}</h3><p class="legend-line">Badges: {html.escape(LEGENDS[badges])}.</p>'
+            f'<div class="wide">{table}</div>'
+        )
         images += n
     return "\n".join(parts), images
 
@@ -361,46 +364,78 @@ def evaluations_with_tiles(run_dir: Path, notes: list[str] | None = None) -> lis
 
 def tile_class(tile: Mapping[str, Any]) -> str:
     """The CSS class of a filmstrip tile: an edit's tile (source -> output, ``sources`` in its
-    index row) is shown wider, in proportion to the images it holds."""
+    index row) is shown wider, in proportion to the images it holds (tiles written before tiles
+    named their size; a tile that names it is shown at that size: :func:`tile_size`)."""
     sources = tile.get("sources")
     return f"tile edit{min(int(sources), 3)}" if is_number(sources) and sources else "tile"
 
 
-def score_style(scores: Sequence[Any]) -> Any:
-    """How a filmstrip score is coloured: pass (green) / fail (red) when every score is 0 or 1
-    (a verifier's strict verdict), else from red (the strip's lowest) to green (its highest)."""
+def tile_size(tile: Mapping[str, Any]) -> str:
+    """``style="width:Wpx"`` for a tile whose index names its width (its file's own: a driving
+    scene is 384 px wide, a magnified shapes cell grid 96), else nothing (the CSS class decides)."""
+    width: Any = tile.get("width")
+    return f' style="width:{int(width)}px"' if is_number(width) and 8 <= float(width) <= 1024 else ""
+
+
+#: what each kind of badge means, under the filmstrip
+LEGENDS = {
+    "verdict": "green: passed, red: failed, by the world's pass rule (the score beside it)",
+    "binary": "green: passed (score 1), red: failed (score 0)",
+    "graded": "coloured from red (the lowest score shown) to green (the highest)",
+}
+
+
+def score_style(scores: Sequence[Any], verdicts: Sequence[Any] = ()) -> Any:
+    """How a filmstrip badge is drawn: the world's verdict (``passed`` in the tile: pass / fail
+    with the score beside it) where the tiles carry one; else pass (green) / fail (red) when every
+    score is 0 or 1 (a verifier's strict verdict); else from red (the strip's lowest) to green (its
+    highest). Returns (style(score, passed) -> (classes, inline style, text), the kind)."""
     finite = [s for s in scores if is_number(s)]
-    binary = bool(finite) and all(s in (0, 1) for s in finite)
+    kind = (
+        "verdict"
+        if any(isinstance(v, bool) for v in verdicts)
+        else "binary"
+        if finite and all(s in (0, 1) for s in finite)
+        else "graded"
+    )
     lo, hi = (min(finite), max(finite)) if finite else (0.0, 1.0)
 
-    def style(score: Any) -> tuple[str, str]:
+    def style(score: Any, passed: Any = None) -> tuple[str, str, str]:
+        shown = f"{score:.3g}" if is_number(score) else ""
+        if kind == "verdict" and isinstance(passed, bool):
+            return (
+                ("score pass" if passed else "score fail"),
+                "",
+                ("pass" if passed else "fail") + (f" · {shown}" if shown else ""),
+            )
         if not is_number(score):
-            return "score", ""
-        if binary:
-            return ("score pass" if score == 1 else "score fail"), ""
+            return "score", "", ""
+        if kind == "binary":
+            return ("score pass" if score == 1 else "score fail"), "", shown
         t = (score - lo) / (hi - lo) if hi > lo else 1.0
         hue = round(120 * t)  # 0 red, 60 amber, 120 green
-        return "score graded", f' style="background:hsl({hue},70%,88%);color:hsl({hue},80%,24%)"'
+        return "score graded", f' style="background:hsl({hue},70%,88%);color:hsl({hue},80%,24%)"', shown
 
-    return style, binary
+    return style, kind
 
 
-def filmstrip(run_dir: Path, notes: list[str] | None = None) -> tuple[str, int, bool]:
-    """A table: one row per evaluation prompt, one column per evaluation; (html, images, whether
-    the scores are pass/fail)."""
+def filmstrip(run_dir: Path, notes: list[str] | None = None) -> tuple[str, int, str]:
+    """A table: one row per evaluation prompt, one column per evaluation; (html, images, the kind
+    of its badges: a key of :data:`LEGENDS`)."""
     evals = evaluations_with_tiles(run_dir, notes)
     if not evals:
-        return "<p>No evaluation images in this run.</p>", 0, False
+        return "<p>No evaluation images in this run.</p>", 0, "graded"
     return strip_table(evals)
 
 
-def strip_table(evals: Sequence[tuple[int, list[dict[str, Any]]]]) -> tuple[str, int, bool]:
+def strip_table(evals: Sequence[tuple[int, list[dict[str, Any]]]]) -> tuple[str, int, str]:
     """The filmstrip of ``evals`` ((iteration, tiles) each): one row per prompt, one column per
-    evaluation; (html, images, whether the scores are pass/fail)."""
+    evaluation; (html, images, the kind of its badges)."""
     n = max((len(tiles) for _, tiles in evals), default=0)
     if n == 0:  # evaluations whose every tile was left out (the notes say why)
-        return "", 0, False
-    style, binary = score_style([t.get("score") for _, tiles in evals for t in tiles])
+        return "", 0, "graded"
+    every = [t for _, tiles in evals for t in tiles]
+    style, kind = score_style([t.get("score") for t in every], [t.get("passed") for t in every])
     head = f"<thead><tr><th>prompt</th>{''.join(f'<th>iter {it}</th>' for it, _ in evals)}</tr></thead>"
     body, images = [], 0
     for i in range(n):
@@ -413,14 +448,14 @@ def strip_table(evals: Sequence[tuple[int, list[dict[str, Any]]]]) -> tuple[str,
             tile = tiles[i]
             read = tile.get("read") or ""
             score = tile.get("score")
-            classes, inline = style(score)
-            caption = (f'<span class="{classes}"{inline}>{score:.3g}</span>' if is_number(score) else "") + (
+            classes, inline, text = style(score, tile.get("passed"))
+            caption = (f'<span class="{classes}"{inline}>{html.escape(text)}</span>' if text else "") + (
                 f"<br><span class=read>{html.escape(read)}</span>" if read else ""
             )
             alt = html.escape(f"{prompt} (score {score})", quote=True)
             cells.append(
                 f'<td><img src="{_data_uri(tile["path"], str(tile["path"]))}" alt="{alt}" '
-                f'title="{html.escape(read, quote=True)}" class="{tile_class(tile)}">'
+                f'title="{html.escape(read, quote=True)}" class="{tile_class(tile)}"{tile_size(tile)}>'
                 f"<div class=caption>{caption}</div></td>"
             )
             images += 1
@@ -432,7 +467,7 @@ def strip_table(evals: Sequence[tuple[int, list[dict[str, Any]]]]) -> tuple[str,
         f'<table class="filmstrip">{head}<tbody>{"".join(body[i : i + size])}</tbody></table>'
         for i in range(0, len(body), size)
     ]
-    return f'<div class="side">{"".join(tables)}</div>', images, binary
+    return f'<div class="side">{"".join(tables)}</div>', images, kind
 
 
 # --- the page ----------------------------------------------------------------------------------
@@ -456,7 +491,7 @@ svg .grid{stroke:#eee}
 .constant{color:#555;font-size:12px}
 .warning{background:#fff4e5;border-left:4px solid #f29900;padding:6px 10px;margin:10px 0}
 table{border-collapse:collapse;font-size:12px}td,th{border:1px solid #ddd;padding:3px 6px;text-align:right}
-table.filmstrip td{text-align:center;vertical-align:top;width:84px}
+table.filmstrip td{text-align:center;vertical-align:top;min-width:84px}
 table.filmstrip th.prompt{text-align:left;max-width:220px;font-weight:normal}
 img.tile{width:72px;height:auto;image-rendering:pixelated;display:block;margin:auto}
 img.tile.edit1{width:146px}img.tile.edit2{width:220px}img.tile.edit3{width:294px}
@@ -533,7 +568,7 @@ def render(run_dir: Path) -> str:
         )
     recipe_text, recipe = _recipe(run_dir, notes)
     figs = figures(rows, recipe)
-    strip, n_images, binary = filmstrip(run_dir, notes)
+    strip, n_images, badges = filmstrip(run_dir, notes)
     handed_over = weights.checkpoint_warnings(last) if (last := ckpt.last_complete(run_dir / "checkpoints")) else []
     warnings = "".join(f'<p class="warning">warning: {html.escape(line)}</p>' for line in handed_over)
     done = max((r["iteration"] for r in rows), default=0)
@@ -589,11 +624,7 @@ def render(run_dir: Path) -> str:
         if figs.constant
         else ""
     )
-    legend = (
-        "green: passed (score 1), red: failed (score 0)"
-        if binary
-        else "coloured from red (the lowest score shown) to green (the highest)"
-    )
+    legend = LEGENDS[badges]
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>fgrpo report: {html.escape(run_dir.name)}</title>
 <style>{STYLE}</style></head><body>

@@ -7,13 +7,24 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterator, Mapping
+import statistics
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    ProgressColumn,
+    Task,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.text import Text
 
 from fgrpo.core import confine, runread
 from fgrpo.core.registry import ComponentError
@@ -103,13 +114,32 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
 SUMMARY_KEYS = ("reward_mean", "ratio_mean", "clipfrac", "kl", "time_iteration_s")
 
 
-def summary_line(iteration: int, total: int, row: Mapping[str, Any]) -> str:
-    """One iteration's headline numbers (evaluations get their own line: :func:`evaluation_line`)."""
+def summary_line(iteration: int, total: int, row: Mapping[str, Any], eta: str = "") -> str:
+    """One iteration's headline numbers (evaluations get their own line: :func:`evaluation_line`)
+    and the time left, when known."""
     parts = [f"iter {iteration}/{total}"]
     for key in SUMMARY_KEYS:
         if key in row and isinstance(row[key], (int, float)):
             parts.append(f"{key} {row[key]:.4g}")
-    return "  ".join(parts)
+    return "  ".join(parts + ([f"eta {eta}"] if eta else []))
+
+
+def _clock(seconds: float) -> str:
+    seconds = round(seconds)
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
+
+
+def eta_text(seconds_per_iteration: Sequence[float], left: int, threads: Any) -> str:
+    """``4:10 at 2 threads``: the iterations left at the median of the recent ones' times. A CPU
+    run's pace depends on its thread count (the governor changes it when other work starts:
+    :mod:`fgrpo.core.threads`), so the estimate names the count it was measured at."""
+    recent = seconds_per_iteration[-10:]
+    if not recent or left <= 0:
+        return ""
+    median = statistics.median(recent)
+    at = f" at {threads} thread{'s' if threads != 1 else ''}" if isinstance(threads, int) else ""
+    return f"{_clock(median * left)}{at}"
 
 
 def evaluation_line(iteration: int, total: int, metrics: Mapping[str, Any], weights: str | None = None) -> str:
@@ -124,6 +154,13 @@ def evaluation_line(iteration: int, total: int, metrics: Mapping[str, Any], weig
     )
     parts = [f"{k[len('eval/') :]} {metrics[k]:.4g}" for k in keys if isinstance(metrics.get(k), (int, float))]
     return f"{head}: " + "  ".join(parts)
+
+
+class ThreadsColumn(ProgressColumn):
+    """The thread count the time left was measured at (``at 2 threads``), on the iterations' bar."""
+
+    def render(self, task: Task) -> Text:
+        return Text(str(task.fields.get("at", "")))
 
 
 class Display:
@@ -145,6 +182,7 @@ class Display:
         self.total = total
         self.enabled = enabled
         self.progress: Progress | None = None
+        self.seconds: list[float] = []
 
     def __enter__(self) -> Display:
         if self.enabled and not self.quiet:
@@ -155,6 +193,7 @@ class Display:
                 TimeElapsedColumn(),
                 TextColumn("eta"),
                 TimeRemainingColumn(),
+                ThreadsColumn(),
                 console=self.console,
                 transient=False,
             )
@@ -184,10 +223,14 @@ class Display:
             self.progress.remove_task(task)
 
     def iteration_done(self, iteration: int, row: Mapping[str, Any]) -> None:
+        seconds = row.get("time_iteration_s")
+        if isinstance(seconds, (int, float)):
+            self.seconds.append(float(seconds))
+        eta = eta_text(self.seconds, self.total - iteration, row.get("threads"))
         if self.progress is not None:
-            self.progress.advance(self.iterations)
+            self.progress.update(self.iterations, advance=1, at=eta.partition(" ")[2])
         if self.per_iteration:
-            self._print(summary_line(iteration, self.total, row))
+            self._print(summary_line(iteration, self.total, row, eta))
 
     def evaluation_done(self, iteration: int, metrics: Mapping[str, Any], weights: str | None = None) -> None:
         """One line per evaluation, the one before training included, bars or not; ``weights``

@@ -114,10 +114,14 @@ def find_recipe(arg: str) -> Path:
     shipped = recipes_folder() / (arg if arg.endswith(".yaml") else f"{arg}.yaml")
     if shipped.is_file():
         return shipped
+    close = difflib.get_close_matches(path.stem if path.suffix == ".yaml" else arg, recipe_names(), n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
     raise RecipeError(
         [
             ConfigError(
-                arg, f"no such recipe file, and no built-in recipe of that name; built-in recipes: {recipes_like(arg)}"
+                arg,
+                f"no such recipe file, and no built-in recipe of that name{hint}; built-in recipes: "
+                f"{recipes_like(arg)}; fgrpo recipes lists each with what it shows",
             )
         ]
     )
@@ -131,4 +135,4 @@ def recipes_like(arg: str, room: int = 300) -> str:
     if not names or len(listed) <= room:
         return listed or "none installed"
     closest = difflib.get_close_matches(arg, names, n=8, cutoff=0.0)
-    return f"{', '.join(closest)} and {len(names) - len(closest)} more (every *.yaml in {recipes_folder()})"
+    return f"{', '.join(closest)} and {len(names) - len(closest)} more"

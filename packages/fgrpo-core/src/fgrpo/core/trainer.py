@@ -117,7 +117,7 @@ def watch(run: Run, done: int, metrics: dict[str, Any]) -> tuple[bool, bool]:
     if guard is None:
         return False, False
     stop = best = False
-    if run.is_main and guard.config.metric in metrics:
+    if run.is_main and guard.watches(metrics):
         metrics.update(guard.observe(done, metrics))
         best = bool(metrics["guard/new_best"]) and guard.config.action == "stop"
         if metrics["guard/fired"]:

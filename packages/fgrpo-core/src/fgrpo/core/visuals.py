@@ -93,15 +93,58 @@ def sample_grid(
 
 
 THUMBNAIL = 256  #: the largest side of a stored tile; larger images are scaled down and kept as JPEG
+SMALL = (
+    96  #: a tile whose height is under this is stored magnified (nearest, an integer factor): shown at its own size
+)
+MARK = (255, 0, 255)  #: the outline of a marked region (an edit's target cells)
+
+
+def magnified(images: torch.Tensor, least: int = SMALL) -> torch.Tensor:
+    """(B, 3, H, W) magnified by the integer factor that brings H to ``least`` or more (nearest:
+    every pixel a crisp block), unchanged when H is that already."""
+    factor = max(1, -(-least // images.shape[-2]))
+    return images if factor == 1 else images.repeat_interleave(factor, -2).repeat_interleave(factor, -1)
+
+
+def outline(
+    images: torch.Tensor, boxes: Sequence[Sequence[tuple[float, float, float, float]]], panels: Sequence[int]
+) -> torch.Tensor:
+    """The images magnified (:func:`magnified`) with each box outlined in every panel of its image:
+    an image of ``panels[i]`` panels side by side (an edit's sources, then its output, a one-pixel
+    gap between them) has each box, in fractions of one panel, drawn on each of them."""
+    height = images.shape[-2]
+    big = magnified(images)
+    factor = big.shape[-2] // height
+    out = []
+    for image, marks, count in zip(to_uint8(big), boxes, panels, strict=True):
+        picture = Image.fromarray(image)
+        draw = ImageDraw.Draw(picture)
+        panel = (images.shape[-1] - (count - 1)) / count  # a panel's width before magnifying
+        for k in range(count):
+            left = k * (panel + 1) * factor
+            for x0, y0, x1, y1 in marks:
+                draw.rectangle(
+                    (
+                        round(left + x0 * panel * factor),
+                        round(y0 * height * factor),
+                        round(left + x1 * panel * factor) - 1,
+                        round(y1 * height * factor) - 1,
+                    ),
+                    outline=MARK,
+                    width=max(1, factor // 2),
+                )
+        out.append(torch.from_numpy(np.asarray(picture, dtype=np.float32) / 255.0).permute(2, 0, 1))
+    return torch.stack(out)
 
 
 def write_tiles(images: torch.Tensor, rows: Sequence[dict[str, Any]], folder: Path) -> Path:
-    """One file per image (PNG at its own size up to THUMBNAIL px, else a THUMBNAIL-px JPEG) and
-    ``index.json`` listing each tile's file with ``rows[i]`` (prompt, score, what was read ...):
+    """One file per image (PNG at its own size up to THUMBNAIL px, else a THUMBNAIL-px JPEG; one
+    under SMALL px high magnified) and ``index.json`` listing each tile's file, its ``width`` and
+    ``height`` (what the report shows it at) and ``rows[i]`` (prompt, score, what was read ...):
     what the run report's filmstrip shows, evaluation by evaluation."""
     folder.mkdir(parents=True, exist_ok=True)
     index = []
-    for i, (pic, row) in enumerate(zip(to_uint8(images), rows, strict=True)):
+    for i, (pic, row) in enumerate(zip(to_uint8(magnified(images)), rows, strict=True)):
         image = Image.fromarray(pic)
         if max(image.size) > THUMBNAIL:
             image.thumbnail((THUMBNAIL, THUMBNAIL), Image.Resampling.LANCZOS)
@@ -110,7 +153,7 @@ def write_tiles(images: torch.Tensor, rows: Sequence[dict[str, Any]], folder: Pa
         else:
             name = f"{i:03d}.png"
             image.save(folder / name)
-        index.append({"file": name, **row})
+        index.append({"file": name, "width": image.size[0], "height": image.size[1], **row})
     (folder / "index.json").write_text(json.dumps(index, indent=1))
     return folder
 

@@ -18,7 +18,8 @@ scenario the evaluator measures (over ``seconds``, 12 by default):
 - ``speed_excess``: mean speed above the scenario's limit (m/s; 0 for a driver that keeps it).
 
 Each metric also per scenario type (``cl_score/cut-in`` ...). Lower is better for collision,
-off_road, stuck, jerk and speed_excess (``directions``, read by the over-optimisation guard).
+off_road, stuck, jerk and speed_excess (``directions``); the CL-score, collisions, speed above
+the limit and jerk are the world's limits (``LIMITS``), which the over-optimisation guard watches.
 """
 
 from __future__ import annotations
@@ -59,6 +60,10 @@ DIRECTIONS = {
     "jerk": "lower",
     "speed_excess": "lower",
 }
+#: the gold metrics the driving world names as limits, watched by the over-optimisation guard
+#: (``eval.guard: {}``), with the smallest change of each that counts (the evaluation's own
+#: noise: one CL-score on the 1000 held-out scenarios has a standard error of about 0.013)
+LIMITS = {"cl_score": 0.01, "collision": 0.01, "speed_excess": 0.1, "jerk": 0.25}
 STUCK_SPEED = 2.0
 REPLAN = 0.5  #: s between two plans in the closed loop
 
@@ -237,6 +242,7 @@ class ClosedLoop:
     pictures: int = param(5, ge=0, help="closed loops drawn for the report (the first of each type first)")
 
     directions = DIRECTIONS
+    limits = LIMITS
 
     def __call__(self, context: Any) -> EvaluatorResult:
         prompts = list(context.prompts)

@@ -32,7 +32,7 @@ import fgrpo.worlds.driving.scenes as scene_store
 import fgrpo.worlds.driving.sim as sim
 from fgrpo.core.config import param
 from fgrpo.core.protocols import EvaluatorResult
-from fgrpo.worlds.driving.closed_loop import DIRECTIONS, REPLAN, Drive, pictures, policy_planner
+from fgrpo.worlds.driving.closed_loop import DIRECTIONS, LIMITS, REPLAN, Drive, pictures, policy_planner
 from fgrpo.worlds.driving.rewards import free_distance, speed_excess
 from fgrpo.worlds.driving.world import (
     HORIZON_STEPS,
@@ -219,6 +219,7 @@ class HighwayEvaluator:
     pictures: int = param(2, ge=0, help="episodes drawn for the report (their executed paths)")
 
     directions = DIRECTIONS
+    limits = LIMITS
 
     def __call__(self, context: Any) -> EvaluatorResult:
         episodes = list(range(self.seed, self.seed + self.episodes))

@@ -283,6 +283,7 @@ class ShapesGoldEvaluator:
     glyph_tolerance: int = param(GLYPH_TOLERANCE, ge=0, le=5, help="as for the shapes reward")
 
     directions = {"gold_error": "lower"}
+    limits = {"gold_error": 0.005}  # a change under 2.5 % of the base's 0.199 counts as none
 
     def __call__(self, context: Any) -> EvaluatorResult:
         gold = gold_error(context.samples, self.pixel_tolerance, self.glyph_tolerance).float()

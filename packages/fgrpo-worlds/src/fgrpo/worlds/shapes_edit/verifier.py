@@ -41,7 +41,8 @@ def evaluate(
     """Per image (B,): ``edit`` (0/1), ``preserved`` (0/1), ``preserved_cells`` (fraction of
     untouched cells read as in the source), ``gold_preservation_error`` (mean |output - source| in
     0-255 over the untouched cells' pixels; 0 when the instruction touches every cell), ``clean``,
-    ``category`` and ``read``."""
+    ``category``, ``read``, ``passed`` (the world's pass rule: the edit done and every untouched
+    cell preserved) and ``marks`` (the touched cells as boxes, for the report to outline)."""
     if not (len(edits) == len(sources) == images.shape[0]):
         raise ValueError(f"{images.shape[0]} images, {len(edits)} edits, {len(sources)} sources")
     reading = read_cells(images, pixel_tolerance, glyph_tolerance)
@@ -49,10 +50,12 @@ def evaluate(
     source_pixels = render_batch(list(sources)) * 255.0
     diff = (pixels - source_pixels).abs().mean(1)  # (B, H, W)
     cell_error = diff.reshape(-1, GRID, CELL, GRID, CELL).mean((2, 4))  # (B, GRID, GRID)
-    done, preserved, cells, error = [], [], [], []
+    done, preserved, cells, error, marks = [], [], [], [], []
     for b, (edit, source) in enumerate(zip(edits, sources, strict=True)):
         codes = reading.codes[b].numpy()
-        untouched = [c for c in ALL_CELLS if c not in touched_cells(edit, source)]
+        touched = touched_cells(edit, source)
+        untouched = [c for c in ALL_CELLS if c not in touched]
+        marks.append([[col / GRID, row / GRID, (col + 1) / GRID, (row + 1) / GRID] for row, col in sorted(touched)])
         expected = scene_codes(source)
         same = [codes[c] == expected[c] for c in untouched]
         done.append(float(edit_done(edit, source, codes)))
@@ -67,6 +70,8 @@ def evaluate(
         "clean": reading.clean.float(),
         "category": [e.category for e in edits],
         "read": [reading.describe(b) for b in range(len(edits))],
+        "passed": torch.tensor(done).bool() & torch.tensor(preserved).bool(),
+        "marks": marks,
     }
 
 
@@ -147,6 +152,7 @@ class ShapesEditGoldEvaluator:
     glyph_tolerance: int = param(GLYPH_TOLERANCE, ge=0, le=5, help="as for the shapes-edit reward")
 
     directions = GOLD_DIRECTIONS
+    limits = {"preserved": 0.01}
 
     def __call__(self, context: Any) -> EvaluatorResult:
         pairs = [edit_and_source(p, context.metadata(p)) for p in context.sample_prompts]
