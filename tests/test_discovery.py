@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from fgrpo.core import cli, recipe
+from fgrpo.core import cli, discovery, recipe
 from fgrpo.core.config import RecipeError
 from fgrpo.core.recipe import TrainConfig
 from fgrpo.core.shipped import recipe_names, recipes_folder
@@ -60,6 +60,7 @@ def test_a_cpu_recipe_states_its_time_with_the_conditions_and_the_one_thread_fig
     line = next((ln for ln in text.splitlines() if ln.startswith("# time:")), None)
     assert line is not None, f"{name}.yaml has no '# time:' header line"
     assert "2 idle threads" in line and "1 thread" in line, line
+    assert any(r["time"] == line[len("# time:") :].strip() for r in discovery.recipe_rows() if r["name"] == name)
 
 
 def test_recipes_prints_one_block_per_recipe(capsys):

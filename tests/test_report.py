@@ -279,7 +279,8 @@ def test_every_chart_offers_three_x_axes_and_a_legend_outside_the_plot(shapes_ru
         assert set(chart["axes"]) == {"iteration", "time", "samples"}
         assert all(series == chart["series"] for series in chart["axes"].values()), chart["label"]
         assert not any(" = " in t for t in chart["texts"])  # no legend inside the plot
-        assert len(chart["legend"]) == len(chart["series"])
+        drawn = [entry for entry in chart["legend"] if not entry.startswith("base (iteration 0) = ")]
+        assert len(drawn) == len(chart["series"])  # and one entry for the base's dashed line, where marked
     assert ("div", "grid") in page.classes and ("div", "top") in page.classes
 
 
@@ -318,7 +319,9 @@ def test_train_reward_is_smoothed_with_the_raw_points_faint_and_eval_on_its_own(
     figs = report.figures(rows, {"train": {"group_size": 8, "prompts_per_iteration": 8}})
     anchor, _, (train, held_out) = figs.items[0]
     assert (
-        anchor == "fig-reward" and 'aria-label="train reward"' in train and 'aria-label="held-out reward"' in held_out
+        anchor == "fig-reward"
+        and 'aria-label="train reward"' in train
+        and 'aria-label="held-out reward (higher is better)"' in held_out
     )
     page = Page()
     page.feed(f'<figure id="f">{train}{held_out}</figure>')

@@ -96,6 +96,36 @@ def fmt(v: float) -> str:
     return f"{v:.4g}" if v != 0 else "0"
 
 
+def legend_value(v: float) -> str:
+    """``v`` with the fewest significant digits (4 to 8) within 1e-4 of it relatively: a ratio of
+    1.00025 reads 1.0003, not 1."""
+    text = fmt(v)
+    for digits in range(5, 9):
+        if abs(float(text) - v) <= 1e-4 * abs(v):
+            break
+        text = f"{v:.{digits}g}"
+    return text
+
+
+#: the narrowest band a chart's y axis spans, as a fraction of its largest |value|: a held-out
+#: reward moving from 0.5664 to 0.5668 is drawn nearly flat, not as a cliff
+MIN_RELATIVE_SPAN = 0.02
+
+
+def y_range(ys: Sequence[float], base: float | None, min_relative_span: float) -> tuple[float, float]:
+    """The y axis's (low, high): the values (and the base's, where marked) with 5% to spare, at
+    least ``min_relative_span`` of the largest |value| wide, about the values' middle."""
+    values = list(ys) + ([base] if base is not None else [])
+    lo, hi = min(values), max(values)
+    span = max(hi - lo, min_relative_span * max(abs(lo), abs(hi)))
+    if span <= 0:
+        span = max(abs(lo) * 0.1, 2e-2)
+    middle = (lo + hi) / 2
+    lo, hi = min(lo, middle - span / 2), max(hi, middle + span / 2)
+    pad = (hi - lo) * 0.05
+    return lo - pad, hi + pad
+
+
 def _tick_label(v: float, step: float, size: float) -> str:
     """Enough decimals to tell neighbouring ticks apart (1.0002 and 1.0000, not 1 and 1);
     ``size`` is the largest |tick|: tiny or huge axes get the short general format."""
@@ -117,18 +147,21 @@ def line_chart(
     axes: Mapping[str, Mapping[float, float]] | None = None,
     width: int = 560,
     height: int = 240,
+    base: float | None = None,
+    better: str | None = None,
+    min_relative_span: float = MIN_RELATIVE_SPAN,
 ) -> str:
     """One chart of one or more series: an inline SVG (one group of lines per x axis of
     :data:`AXES`, the chosen one shown, each over the whole run) and an HTML legend under it,
-    each series with its last value; ``""`` when nothing to draw."""
+    each series with its last value; ``""`` when nothing to draw. ``base``: the base model's
+    value, drawn as a dashed line; ``better``: "higher" or "lower", said in the title. The chart
+    is shown at most ``width`` pixels wide, so every chart's text is the same size."""
     lines = [line for line in lines if line.points]
     if not lines:
         return ""
     axes = axes or {"iteration": {x: x for line in lines for x, _ in line.points}}
-    ys = [y for line in lines for _, y in line.points]
-    y0, y1 = min(ys), max(ys)
-    pad = (y1 - y0) * 0.05 or max(abs(y0) * 0.05, 1e-3)
-    y0, y1 = y0 - pad, y1 + pad
+    y0, y1 = y_range([y for line in lines for _, y in line.points], base, min_relative_span)
+    title = f"{title} ({better} is better)" if better in ("higher", "lower") else title
     left, right, top, bottom = 58, 12, 22, 32
     pw, ph = width - left - right, height - top - bottom
 
@@ -142,6 +175,12 @@ def line_chart(
         f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" class="frame"/>',
     ]
     yticks = _ticks(y0, y1)
+    if base is not None:
+        out.append(
+            f'<line x1="{left}" x2="{left + pw}" y1="{py(base):.1f}" y2="{py(base):.1f}" class="base"/>'
+            f'<text x="{left + pw - 4}" y="{py(base) - 3:.1f}" text-anchor="end" class="base">'
+            f"base {legend_value(base)}</text>"
+        )
     for t in yticks:
         label = _tick_label(t, yticks[1] - yticks[0], max(map(abs, yticks))) if len(yticks) > 1 else fmt(t)
         out.append(f'<line x1="{left}" x2="{left + pw}" y1="{py(t):.1f}" y2="{py(t):.1f}" class="grid"/>')
@@ -187,7 +226,12 @@ def line_chart(
     out.append("</svg>")
     legend = []
     for i, line in enumerate(lines):
-        value = "" if line.faint else f" = {fmt(line.points[-1][1])}"
+        value = "" if line.faint else f" = {legend_value(line.points[-1][1])}"
         swatch = f'<i style="background:{_color(line, i)}"{" class=faint" if line.faint else ""}></i>'
         legend.append(f"<span>{swatch}{html.escape(line.label)}{value}</span>")
-    return f'<div class="chart">{"".join(out)}<div class="legend">{"".join(legend)}</div></div>'
+    if base is not None:
+        legend.append(f'<span><i class="base"></i>base (iteration 0) = {legend_value(base)}</span>')
+    return (
+        f'<div class="chart" style="flex:0 1 {width}px">{"".join(out)}'
+        f'<div class="legend">{"".join(legend)}</div></div>'
+    )

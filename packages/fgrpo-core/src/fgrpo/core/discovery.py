@@ -16,6 +16,8 @@ from fgrpo.core.consoles import out
 
 #: a shipped recipe's header line that says what it measured (the CPU recipes have one)
 MEASURED = re.compile(r"^#\s*measured:\s*(.+)$", re.IGNORECASE | re.MULTILINE)
+#: its time on CPUs, with the conditions (tools/bench/recipe_times.py writes it)
+TIMED = re.compile(r"^#\s*time:\s*(.+)$", re.IGNORECASE | re.MULTILINE)
 #: the worlds ``fgrpo init --world`` starts from, and the shipped recipe each copies
 WORLDS = {"shapes": "shapes", "shapes-edit": "shapes-edit", "driving": "driving", "vector": "vector"}
 
@@ -47,7 +49,8 @@ def _name_of(section: Any) -> str:
 
 def recipe_rows() -> list[dict[str, str]]:
     """One row per shipped recipe: its name, model, objective, sampler, what it shows (its
-    header's first sentence) and what it measured (its ``# measured:`` line)."""
+    header's first sentence), what it measured (its ``# measured:`` line) and how long it takes on
+    CPUs (its ``# time:`` line; none for the recipes that need GPUs)."""
     from fgrpo.core.shipped import recipe_names, recipes_folder
     from fgrpo.core.yaml_reading import load_yaml
 
@@ -56,7 +59,7 @@ def recipe_rows() -> list[dict[str, str]]:
         text = read_text_file(recipes_folder() / f"{name}.yaml", limit=1 << 20, what="a recipe")
         data, _ = load_yaml(text, name)
         data = data if isinstance(data, dict) else {}
-        measured = MEASURED.search(text)
+        measured, timed = MEASURED.search(text), TIMED.search(text)
         rows.append(
             {
                 "name": name,
@@ -66,6 +69,7 @@ def recipe_rows() -> list[dict[str, str]]:
                 "reward": _name_of(data.get("reward")),
                 "shows": _first_sentence(_header(text)) or "(no header)",
                 "measured": measured.group(1).strip() if measured else "not measured here (the GPUs its header names)",
+                "time": timed.group(1).strip() if timed else "",
             }
         )
     return rows
@@ -79,7 +83,8 @@ def cmd_recipes(args: argparse.Namespace) -> int:
     for row in rows:
         out.print(
             f"{row['name']}: {row['model']}, {row['objective']} ({row['sampler']}), reward {row['reward']}\n"
-            f"    {row['shows']}\n    measured: {row['measured']}",
+            f"    {row['shows']}\n    measured: {row['measured']}"
+            + (f"\n    time: {row['time']}" if row["time"] else ""),
             markup=False,
         )
     out.print(f"{len(rows)} recipes; run one by name: fgrpo compose shapes", markup=False)

@@ -19,7 +19,7 @@ from typing import Any
 import attrs
 
 from fgrpo.core import checkpoint as ckpt
-from fgrpo.core import confine, runread, weights
+from fgrpo.core import confine, registry, runread, weights
 from fgrpo.core.charts import (
     AXES,
     Series,
@@ -72,7 +72,14 @@ class Figures:
     constant: dict[str, float] = attrs.Factory(dict)  # what stayed the same: metric (or chart) -> value
 
     def chart(
-        self, lines: Sequence[Series], *, title: str, width: int = 560, height: int = 240, categories: bool = False
+        self,
+        lines: Sequence[Series],
+        *,
+        title: str,
+        width: int = 560,
+        height: int = 240,
+        categories: bool = False,
+        **marks: Any,
     ) -> str:
         """A chart of the series that vary; the constant ones are noted once, not drawn
         (``categories``: a metric and its per-category series, noted as one entry when all agree)."""
@@ -87,7 +94,7 @@ class Figures:
                 self.constant.setdefault(line.key or line.label, line.points[0][1])
         if all(line.faint for line in drawn):
             return ""
-        return line_chart(drawn, title=title, axes=self.axes, width=width, height=height)
+        return line_chart(drawn, title=title, axes=self.axes, width=width, height=height, **marks)
 
     def add(self, anchor: str, title: str, *charts: str) -> None:
         charts = tuple(c for c in charts if c)
@@ -95,9 +102,16 @@ class Figures:
             self.items.append((anchor, title, list(charts)))
 
 
+def base_value(rows: Sequence[Mapping[str, Any]], key: str) -> float | None:
+    """The base model's value of an evaluation metric: the evaluation at iteration 0 (``eval.at_start``)."""
+    value = next((r.get(key) for r in rows if r.get("iteration") == 0 and key in r), None)
+    return float(value) if value is not None and is_number(value) else None
+
+
 def figures(rows: Sequence[Mapping[str, Any]], recipe: Mapping[str, Any] | None = None) -> Figures:
     """Every chart the metrics allow, in reading order, on the x axes of :func:`x_axes`."""
     keys = _keys(rows)
+    traits = component_traits(recipe or {})
     figs = Figures(x_axes(rows, recipe or {}))
     chart = figs.chart
 
@@ -114,12 +128,13 @@ def figures(rows: Sequence[Mapping[str, Any]], recipe: Mapping[str, Any] | None 
         "fig-reward",
         "Reward: training batches (smoothed; each iteration faint) and held-out evaluation",
         chart(train, title="train reward"),
-        chart(held_out, title="held-out reward"),
+        chart(held_out, title="held-out reward", base=base_value(rows, "eval/reward_mean"), better="higher"),
     )
     categorised = _categorised(keys)
     for base, categories in categorised.items():
-        title = f"Held-out {base[len('eval/') :]} per category"
-        lines = [series(rows, base, "all")] + [series(rows, f"{base}/{c}", c) for c in categories]
+        noun = traits.category_noun.get(f"reward/{base.split('/')[1]}", "category")
+        title = f"Held-out {base[len('eval/') :]} per {noun}"
+        lines = [series(rows, base, ALL_LABEL)] + [series(rows, f"{base}/{c}", category_label(c)) for c in categories]
         figs.add(f"fig-{_slug(base)}", title, chart(lines, title=base, categories=True))
     # a reward's own "gold" detail (runs without an evaluator); an evaluator's gold/... metrics
     # are drawn by gold_figures instead
@@ -133,7 +148,9 @@ def figures(rows: Sequence[Mapping[str, Any]], recipe: Mapping[str, Any] | None 
     ]
     if plain:
         figs.add(
-            "fig-eval", "Held-out metrics", *[chart([series(rows, k)], title=k, width=360, height=210) for k in plain]
+            "fig-eval",
+            "Held-out metrics",
+            *[chart([series(rows, k)], title=k, width=360, height=210, base=base_value(rows, k)) for k in plain],
         )
     for gold in golds:
         label = gold.split("/")[1]
@@ -141,14 +158,19 @@ def figures(rows: Sequence[Mapping[str, Any]], recipe: Mapping[str, Any] | None 
         figs.add(
             f"fig-gold-{_slug(gold)}",
             f"Proxy against gold: {proxy} (optimised) and {gold} (not optimised)",
-            chart([series(rows, proxy)], title=f"proxy: {proxy}"),
-            chart([series(rows, gold, color=1)], title=f"gold: {gold}"),
+            chart([series(rows, proxy)], title=f"proxy: {proxy}", base=base_value(rows, proxy), better="higher"),
+            chart([series(rows, gold, color=1)], title=f"gold: {gold}", base=base_value(rows, gold)),
         )
-    gold_figures(figs, rows, keys)
+    gold_figures(figs, rows, keys, traits)
     figs.add(
         "fig-ratio",
         "Importance ratio, clipping and KL",
-        chart([series(rows, k) for k in ("ratio_mean", "ratio_min", "ratio_max")], title="ratio", width=420),
+        chart(
+            [series(rows, k) for k in ("ratio_mean", "ratio_min", "ratio_max")],
+            title="ratio",
+            width=420,
+            min_relative_span=0.0,  # a ratio's distance from 1 is the information, however small
+        ),
         chart(
             [series(rows, k) for k in ("clipfrac", "clipfrac_above", "clipfrac_below")],
             title="clip fraction",
@@ -184,35 +206,102 @@ def gold_metrics(keys: Sequence[str]) -> dict[str, dict[str, list[str]]]:
     return found
 
 
-def gold_figures(figs: Figures, rows: Sequence[Mapping[str, Any]], keys: Sequence[str]) -> None:
-    """Per evaluator: the optimised proxy (the held-out reward) beside each gold metric, then each
-    gold metric per category (scenario type) that reports categories."""
+def gold_figures(
+    figs: Figures, rows: Sequence[Mapping[str, Any]], keys: Sequence[str], traits: Traits | None = None
+) -> None:
+    """Per evaluator: the optimised proxy (the held-out reward) beside each gold metric, each with
+    the base's value and which way is better, then each gold metric per category (scenario type,
+    edit kind: the evaluator's ``category_noun``) that reports categories."""
+    traits = traits or Traits()
     proxy = "eval/reward_mean"
     for label, metrics in gold_metrics(keys).items():
+        directions = traits.directions.get(label, {})
+        noun = traits.category_noun.get(label, "category")
         gold = [
-            figs.chart([series(rows, f"gold/{label}/{m}", color=1)], title=f"gold: {m}", width=360, height=210)
+            figs.chart(
+                [series(rows, f"gold/{label}/{m}", color=1)],
+                title=f"gold: {m}",
+                width=360,
+                height=210,
+                base=base_value(rows, f"gold/{label}/{m}"),
+                better=directions.get(m),
+            )
             for m in metrics
         ]
         if any(gold):
             figs.add(
                 f"fig-gold-{_slug(label)}",
                 f"Proxy against gold: {proxy} (optimised) and {label}'s metrics (not optimised)",
-                figs.chart([series(rows, proxy)], title=f"proxy: {proxy}", width=360, height=210),
+                figs.chart(
+                    [series(rows, proxy)],
+                    title=f"proxy: {proxy}",
+                    width=360,
+                    height=210,
+                    base=base_value(rows, proxy),
+                    better="higher",
+                ),
                 *gold,
             )
         per_category = [
             figs.chart(
-                [series(rows, f"gold/{label}/{m}/{c}", c, color=i) for i, c in enumerate(categories)],
-                title=f"{m} per type",
+                [series(rows, f"gold/{label}/{m}/{c}", category_label(c), color=i) for i, c in enumerate(categories)],
+                title=f"{m} per {noun}",
+                width=420,
                 categories=True,
+                better=directions.get(m),
             )
             for m, categories in metrics.items()
             if categories
         ]
-        figs.add(f"fig-gold-{_slug(label)}-types", f"Gold per scenario type: {label}", *per_category)
+        figs.add(f"fig-gold-{_slug(label)}-types", f"Gold per {noun}: {label}", *per_category)
 
 
-def gold_table(rows: Sequence[Mapping[str, Any]]) -> str:
+@attrs.frozen
+class Traits:
+    """What the recipe's components declare about their metrics, for the charts' words: per
+    evaluator label (and ``"reward/<label>"`` per reward), which way each gold metric is better and what its
+    categories are called."""
+
+    directions: Mapping[str, Mapping[str, str]] = attrs.Factory(dict)
+    category_noun: Mapping[str, str] = attrs.Factory(dict)
+
+
+def component_traits(recipe: Mapping[str, Any]) -> Traits:
+    """:class:`Traits` of the recipe's reward and evaluators, read from their registered classes
+    (``directions``, ``category_noun``); a component that is not installed, or a recipe the report
+    cannot read, gives the generic words."""
+    named: dict[str, tuple[str, Any]] = {}
+    for kind, section, prefix in (("reward", "reward", "reward/"), ("evaluator", "evaluator", "")):
+        given = recipe.get(section)
+        for spec in given if isinstance(given, list) else [given] if given else []:
+            name = spec if isinstance(spec, str) else spec.get("name") if isinstance(spec, dict) else None
+            label = (spec.get("label") or name) if isinstance(spec, dict) else name
+            if isinstance(name, str) and isinstance(label, str):
+                named[prefix + label] = (kind, name)
+    directions, nouns = {}, {}
+    for label, (kind, name) in named.items():
+        try:
+            cls = registry.load(kind, name) if isinstance(name, str) else None
+        except Exception:  # noqa: BLE001 - a report is drawn with generic words rather than not at all
+            cls = None
+        declared = getattr(cls, "directions", None)
+        if isinstance(declared, Mapping):
+            directions[label] = {str(k): str(v) for k, v in declared.items()}
+        noun = getattr(cls, "category_noun", None)
+        if isinstance(noun, str) and noun:
+            nouns[label] = noun
+    return Traits(directions, nouns)
+
+
+#: the per-category charts' two averages: every sample counts the same in one, every category in the other
+ALL_LABEL = "all samples (mean of every sample)"
+
+
+def category_label(category: str) -> str:
+    return "overall (mean of the categories' means)" if category == "overall" else category
+
+
+def gold_table(rows: Sequence[Mapping[str, Any]], traits: Traits | None = None) -> str:
     """The gold metrics (and the guard's) at every evaluation, then the first metric per category."""
     evals = [r for r in rows if any(k.startswith("gold/") for k in r)]
     if not evals:
@@ -226,7 +315,8 @@ def gold_table(rows: Sequence[Mapping[str, Any]]) -> str:
         for metric, categories in metrics.items():
             if categories:
                 base = f"gold/{label}/{metric}"
-                parts.append(f"<h3>{html.escape(base)} per type</h3>")
+                noun = (traits or Traits()).category_noun.get(label, "category")
+                parts.append(f"<h3>{html.escape(base)} per {html.escape(noun)}</h3>")
                 parts.append(_table(evals, [base] + [f"{base}/{c}" for c in categories], strip=f"{base}/"))
     return "\n".join(parts)
 
@@ -482,12 +572,12 @@ nav a{margin-right:12px}
 .grid{display:grid;grid-template-columns:repeat(auto-fit,minmax(560px,1fr));gap:20px 28px}
 figure{margin:0;min-width:0}figure.span{grid-column:1/-1}
 figcaption{font-weight:600;margin-bottom:4px}
-.charts{display:grid;grid-template-columns:repeat(auto-fit,minmax(300px,1fr));gap:8px 16px}
+.charts{display:flex;flex-wrap:wrap;gap:8px 24px}.charts>.chart{min-width:0}
 svg.chart{font:11px sans-serif;display:block}svg .title{font-weight:600}svg .frame{fill:none;stroke:#999}
-svg .grid{stroke:#eee}
+svg .grid{stroke:#eee}svg line.base{stroke:#555;stroke-dasharray:5 3}svg text.base{fill:#555}
 .legend{font-size:11px;margin:2px 0 0 58px}.legend span{display:inline-block;margin:0 14px 2px 0;white-space:nowrap}
 .legend i{display:inline-block;width:14px;height:3px;vertical-align:middle;margin-right:5px}
-.legend i.faint{opacity:.35}
+.legend i.faint{opacity:.35}.legend i.base{height:0;border-top:2px dashed #555;background:none}
 .constant{color:#555;font-size:12px}
 .warning{background:#fff4e5;border-left:4px solid #f29900;padding:6px 10px;margin:10px 0}
 table{border-collapse:collapse;font-size:12px}td,th{border:1px solid #ddd;padding:3px 6px;text-align:right}
@@ -593,7 +683,7 @@ def render(run_dir: Path) -> str:
         )
     )
     nav = "".join(f'<a href="#{a}">{html.escape(t.split(":")[0])}</a>' for a, t, _ in figs.items)
-    gold = gold_section(run_dir, rows, notes)
+    gold = gold_section(run_dir, rows, notes, component_traits(recipe))
     nav += '<a href="#evaluations">evaluations</a><a href="#filmstrip">filmstrip</a>' + (
         '<a href="#gold">gold</a>' if gold else ""
     )
@@ -656,9 +746,11 @@ under each its score ({legend}) and, in grey, what the reward read.</p>
 """
 
 
-def gold_section(run_dir: Path, rows: Sequence[Mapping[str, Any]], notes: list[str] | None = None) -> str:
+def gold_section(
+    run_dir: Path, rows: Sequence[Mapping[str, Any]], notes: list[str] | None = None, traits: Traits | None = None
+) -> str:
     """The evaluators' part of the page (empty without one): their table and their filmstrip."""
-    table = gold_table(rows)
+    table = gold_table(rows, traits)
     strip, n = gold_filmstrip(run_dir, notes)
     if not table and not n:
         return ""

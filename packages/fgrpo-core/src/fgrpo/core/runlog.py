@@ -144,8 +144,9 @@ def eta_text(seconds_per_iteration: Sequence[float], left: int, threads: Any) ->
 
 def evaluation_line(iteration: int, total: int, metrics: Mapping[str, Any], weights: str | None = None) -> str:
     """``eval at iteration 25/200 (31.2 s, EMA weights after 3 updates): reward_mean 0.45
-    shapes/accuracy 0.45 ...``: every overall evaluation metric (per-category ones stay in
-    metrics.jsonl and the report)."""
+    shapes/accuracy 0.45 ... | gold: driving-closed-loop/cl_score 0.84 ...``: every overall
+    evaluation metric, then every overall gold metric (per-category ones stay in metrics.jsonl
+    and the report)."""
     seconds = metrics.get("time_eval_s")
     notes = ([f"{seconds:.1f} s"] if isinstance(seconds, (int, float)) else []) + ([weights] if weights else [])
     head = f"eval at iteration {iteration}/{total}" + (f" ({', '.join(notes)})" if notes else "")
@@ -153,7 +154,9 @@ def evaluation_line(iteration: int, total: int, metrics: Mapping[str, Any], weig
         k for k in metrics if k.startswith("eval/") and k.count("/") <= 2 and k != "eval/reward_mean"
     )
     parts = [f"{k[len('eval/') :]} {metrics[k]:.4g}" for k in keys if isinstance(metrics.get(k), (int, float))]
-    return f"{head}: " + "  ".join(parts)
+    gold = sorted(k for k in metrics if k.startswith("gold/") and k.count("/") == 2)
+    golds = [f"{k[len('gold/') :]} {metrics[k]:.4g}" for k in gold if isinstance(metrics.get(k), (int, float))]
+    return f"{head}: " + "  ".join(parts) + (" | gold: " + "  ".join(golds) if golds else "")
 
 
 class ThreadsColumn(ProgressColumn):

@@ -170,7 +170,9 @@ def finish(run: Run) -> None:
     if run.is_main and run.io.out_dir is not None and run.recipe.log.plots:
         if visuals.have_matplotlib():
             try:
-                visuals.curves(read_metrics(run.io.out_dir), run.io.out_dir / "curves.png")
+                declared = [getattr(e, "directions", None) or {} for _, e in run.evaluators]
+                directions = {m: d for each in declared for m, d in each.items()}
+                visuals.curves(read_metrics(run.io.out_dir), run.io.out_dir / "curves.png", directions)
             except OSError as exc:  # a full disk: the trained run stands, the old picture too
                 run.io.display.say(f"curves.png not written: {exc.strerror or exc}")
         else:

@@ -6,7 +6,7 @@ import io
 import json
 import math
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -159,17 +159,20 @@ def write_tiles(images: torch.Tensor, rows: Sequence[dict[str, Any]], folder: Pa
 
 
 def curve_keys(rows: Sequence[dict]) -> list[str]:
+    """The panels of ``curves.png``: the training reward, the held-out reward (the proxy RL
+    optimises), the held-out accuracy and a reward's own gold detail, then every gold metric of
+    every evaluator (``gold/<label>/<metric>``; per-category keys have one more part)."""
     keys: list[str] = []
     for row in rows:
         for key, value in row.items():
             if key in keys or not isinstance(value, (int, float)) or isinstance(value, bool):
                 continue
-            last = key.split("/")[-1]  # eval/<reward>/<detail>; per-category keys have one more part
-            if key in ("reward_mean", "eval/reward_mean") or (
-                key.count("/") == 2 and key.startswith("eval/") and (last.endswith("accuracy") or "gold" in last)
-            ):
+            head, last, parts = key.split("/")[0], key.split("/")[-1], key.count("/") + 1
+            scored = "accuracy" in last or "gold" in last or last == "strict"
+            held_out_score = head == "eval" and parts == 3 and scored
+            if key in ("reward_mean", "eval/reward_mean") or held_out_score or (head == "gold" and parts == 3):
                 keys.append(key)
-    return keys
+    return sorted(keys, key=lambda k: (not k.startswith("reward_mean"), k.startswith("gold/")))
 
 
 def have_matplotlib() -> bool:
@@ -178,8 +181,10 @@ def have_matplotlib() -> bool:
     return importlib.util.find_spec("matplotlib") is not None
 
 
-def curves(rows: Sequence[dict], path: Path) -> Path | None:
-    """Train reward, evaluation accuracy and gold metrics against iteration (needs matplotlib)."""
+def curves(rows: Sequence[dict], path: Path, directions: Mapping[str, str] | None = None) -> Path | None:
+    """Train reward, the held-out reward and accuracy and every gold metric against iteration, each
+    with the base's value (needs matplotlib); ``directions``: gold metric -> "higher" / "lower"."""
+    directions = directions or {}
     try:
         import matplotlib
 
@@ -190,13 +195,23 @@ def curves(rows: Sequence[dict], path: Path) -> Path | None:
     keys = curve_keys(rows)
     if not keys:
         return None
-    fig, axes = plt.subplots(len(keys), 1, figsize=(7, 2.2 * len(keys)), sharex=True, squeeze=False)
-    for ax, key in zip(axes[:, 0], keys, strict=True):
+    columns = 1 if len(keys) <= 4 else 2
+    height = -(-len(keys) // columns)
+    fig, axes = plt.subplots(height, columns, figsize=(7 * columns, 2.2 * height), sharex=True, squeeze=False)
+    for ax, key in zip(axes.flat, keys, strict=False):
         pts = [(r["iteration"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="." if len(pts) < 50 else None)
-        ax.set_ylabel(key, fontsize=8)
+        base = next((v for it, v in pts if it == 0), None)
+        if base is not None and key != "reward_mean":  # the base's value, from the evaluation at iteration 0
+            ax.axhline(base, color="0.4", linestyle="--", linewidth=1, label=f"base {base:.4g}")
+            ax.legend(fontsize=7, loc="best")
+        better = directions.get(key.split("/")[-1]) if key.startswith("gold/") else None
+        ax.set_title(key + (f" ({better} is better)" if better else ""), fontsize=9)
         ax.grid(alpha=0.3)
-    axes[-1, 0].set_xlabel("iteration")
+    for ax in list(axes.flat)[len(keys) :]:
+        ax.set_visible(False)
+    for ax in axes[-1]:
+        ax.set_xlabel("iteration")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     png = io.BytesIO()

@@ -15,7 +15,11 @@ scenario the evaluator measures (over ``seconds``, 12 by default):
 - ``jerk``: RMS jerk of the ego's longitudinal acceleration (m/s^3);
 - ``cl_score`` = (no collision) x (on road) x progress, the headline;
 - ``speed``: mean speed (m/s);
-- ``speed_excess``: mean speed above the scenario's limit (m/s; 0 for a driver that keeps it).
+- ``speed_excess``: mean speed above the scenario's limit (m/s; 0 for a driver that keeps it);
+- ``pass_rate``: the world's pass rule, the verdict on a picture's badge (``passes``): no
+  collision, on the road, not stuck, at most 1 m/s above the limit on average and an RMS jerk
+  within nuPlan's comfort bound, so a CL-score of 1 at 35 m/s on a 25 m/s road fails
+  (``rewards.PASS_RULE``).
 
 Each metric also per scenario type (``cl_score/cut-in`` ...). Lower is better for collision,
 off_road, stuck, jerk and speed_excess (``directions``); the CL-score, collisions, speed above
@@ -36,11 +40,14 @@ import fgrpo.worlds.driving.sim as sim
 from fgrpo.core.config import ConfigError, param
 from fgrpo.core.protocols import EvaluatorResult, Picture, RewardResult
 from fgrpo.core.seeding import generator
+from fgrpo.worlds.driving.draw import frame_times
 from fgrpo.worlds.driving.rewards import (
+    STUCK_SPEED,
     DrivingTerm,
     check_plans,
     free_distance,
     jerk_factor,
+    passes,
     reading,
     speed_excess,
     speeding_factor,
@@ -49,8 +56,9 @@ from fgrpo.worlds.driving.world import TYPES, Scene
 
 #: a planner: (scenes, the replanning round) -> plans (B, T, 2) in each scene's ego frame
 Planner = Callable[[Scene, int], torch.Tensor]
-METRICS = ("cl_score", "collision", "off_road", "progress", "stuck", "jerk", "speed", "speed_excess")
+METRICS = ("cl_score", "collision", "off_road", "progress", "stuck", "jerk", "speed", "speed_excess", "pass_rate")
 DIRECTIONS = {
+    "pass_rate": "higher",
     "cl_score": "higher",
     "progress": "higher",
     "speed": "higher",
@@ -64,7 +72,6 @@ DIRECTIONS = {
 #: (``eval.guard: {}``), with the smallest change of each that counts (the evaluation's own
 #: noise: one CL-score on the 1000 held-out scenarios has a standard error of about 0.013)
 LIMITS = {"cl_score": 0.01, "collision": 0.01, "speed_excess": 0.1, "jerk": 0.25}
-STUCK_SPEED = 2.0
 REPLAN = 0.5  #: s between two plans in the closed loop
 
 
@@ -95,6 +102,11 @@ class Drive:
     def cl_score(self) -> torch.Tensor:
         return (~self.collision).float() * (~self.off_road).float() * self.progress
 
+    @property
+    def passed(self) -> torch.Tensor:
+        """The world's pass rule (:data:`fgrpo.worlds.driving.rewards.PASS_RULE`), per drive."""
+        return passes(self.collision, self.off_road, self.mean_speed, self.speed_excess, self.jerk)
+
     def metrics(self) -> dict[str, torch.Tensor]:
         return {
             "cl_score": self.cl_score,
@@ -105,6 +117,7 @@ class Drive:
             "jerk": self.jerk,
             "speed": self.mean_speed,
             "speed_excess": self.speed_excess,
+            "pass_rate": self.passed.float(),
         }
 
 
@@ -208,7 +221,9 @@ def summarize(drive_: Drive, kinds: torch.Tensor) -> dict[str, float]:
 
 
 def pictures(drive_: Drive, prompts: Sequence[str], count: int) -> list[Picture]:
-    """The first closed loop of each scenario type (up to ``count``): its executed path drawn."""
+    """The first closed loop of each scenario type (up to ``count``) drawn as frames among its
+    traffic (the drive's snapshots; the start and the end where it kept none), with the world's
+    pass rule as its verdict."""
     from fgrpo.worlds.driving.draw import draw_closed_loop
 
     chosen, seen = [], set()
@@ -220,13 +235,17 @@ def pictures(drive_: Drive, prompts: Sequence[str], count: int) -> list[Picture]
     out = []
     for b in chosen:
         step = int(drive_.collision_step[b])
-        image = draw_closed_loop(drive_.start, drive_.end, b, drive_.path[b], step + 1 if step >= 0 else None)
+        frames = drive_.snapshots or {0.0: drive_.start, (drive_.path.shape[1] - 1) * sim.DT: drive_.end}
+        image = draw_closed_loop(frames, b, drive_.path[b], step + 1 if step >= 0 else None)
         read = (
-            f"CL {drive_.cl_score[b]:.2f}, {drive_.mean_speed[b]:.1f} m/s, jerk {drive_.jerk[b]:.1f}"
+            f"CL {drive_.cl_score[b]:.2f}, {drive_.mean_speed[b]:.1f} m/s"
+            + (f" ({drive_.speed_excess[b]:.1f} above the limit)" if drive_.speed_excess[b] > 0.05 else "")
+            + f", jerk {drive_.jerk[b]:.1f}"
             + (", collision" if drive_.collision[b] else "")
             + (", off road" if drive_.off_road[b] else "")
         )
-        out.append(Picture(prompt=prompts[b], image=image, score=float(drive_.cl_score[b]), read=read))
+        score, verdict = float(drive_.cl_score[b]), bool(drive_.passed[b])
+        out.append(Picture(prompt=prompts[b], image=image, score=score, read=read, passed=verdict))
     return out
 
 
@@ -239,9 +258,10 @@ class ClosedLoop:
 
     seconds: float = param(12.0, gt=0.0, le=20.0, help="length of each closed loop [s]")
     scenarios: int = param(0, ge=0, help="held-out scenarios driven; 0 = every test prompt")
-    pictures: int = param(5, ge=0, help="closed loops drawn for the report (the first of each type first)")
+    pictures: int = param(5, ge=0, help="closed loops drawn for the report (the first of each type first), as frames")
 
     directions = DIRECTIONS
+    category_noun = "scenario type"
     limits = LIMITS
 
     def __call__(self, context: Any) -> EvaluatorResult:
@@ -249,7 +269,7 @@ class ClosedLoop:
         prompts = prompts[: self.scenarios] if self.scenarios else prompts
         start = scene_store.scenes_for(prompts)
         planner = policy_planner(context.generate, "cl", context.seed)
-        result = drive(planner, start, self.seconds)
+        result = drive(planner, start, self.seconds, keep=frame_times(self.seconds, REPLAN) if self.pictures else ())
         metrics = summarize(result, start.kind)
         return EvaluatorResult(metrics=metrics, pictures=pictures(result, prompts, self.pictures))
 
@@ -280,6 +300,8 @@ class Rollout:
     the driver who keeps the limit for the other 6 s dilutes the plan's speeding fourfold, while the
     closed loop is made of nothing but executed parts: a planner trained that way drove 1.09 m/s
     above the limit on average (0.16 priced on the plan; docs/planners.md)."""
+
+    category_noun = "scenario type"
 
     seconds: float = param(8.0, gt=0.5, le=20.0, help="length of each loop [s], the plan's part included")
     execute: float = param(

@@ -219,6 +219,7 @@ class HighwayEvaluator:
     pictures: int = param(2, ge=0, help="episodes drawn for the report (their executed paths)")
 
     directions = DIRECTIONS
+    category_noun = "scenario type"
     limits = LIMITS
 
     def __call__(self, context: Any) -> EvaluatorResult:

@@ -119,6 +119,26 @@ class Outcome:
     executed: torch.Tensor  # (B, S+1, 5) the ego's states
 
 
+STUCK_SPEED = 2.0  #: m/s: a mean speed under it is stuck
+SPEED_MARGIN = 1.0  #: m/s above the limit on average that a passing drive may keep
+#: m/s^3: nuPlan's comfort bound on the ego's jerk (nuplan-devkit ego_jerk, max_abs_mag_jerk 8.37),
+#: here on its RMS over the drive, which a drive within nuPlan's bound keeps a fortiori
+JERK_BOUND = 8.37
+PASS_RULE = (
+    f"no collision, on the road, not stuck (mean speed {STUCK_SPEED:g} m/s or more), at most {SPEED_MARGIN:g} m/s "
+    f"above the limit on average, RMS jerk at most {JERK_BOUND:g} m/s^3"
+)
+
+
+def passes(
+    collision: torch.Tensor, off_road: torch.Tensor, speed: torch.Tensor, excess: torch.Tensor, jerk: torch.Tensor
+) -> torch.Tensor:
+    """The driving world's pass rule (:data:`PASS_RULE`) per drive or plan: the verdict on a
+    picture's badge, so a CL-score of 1 at 35 m/s on a 25 m/s road fails."""
+    safe = ~collision.bool() & ~off_road.bool() & (speed >= STUCK_SPEED)
+    return safe & (excess <= SPEED_MARGIN) & (jerk <= JERK_BOUND)
+
+
 def free_distance(v0: torch.Tensor, limit: torch.Tensor, seconds: float, accel: float = 1.5) -> torch.Tensor:
     """Metres covered in ``seconds`` from speed v0 accelerating at ``accel`` up to ``limit`` (or
     holding v0 when it is at or above the limit)."""
@@ -231,6 +251,7 @@ class DrivingTerm:
     reactive: bool
     #: the term's name in ``details`` (also the reward's score); the reward is ``driving-<key>``
     key: ClassVar[str] = "score"
+    category_noun: ClassVar[str] = "scenario type"
 
     def score(self, o: Outcome, plans: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
         raise NotImplementedError
@@ -249,6 +270,7 @@ class DrivingTerm:
                 "progress_ratio": o.progress_ratio,
                 "jerk_rms": o.jerk_rms,
                 "mean_speed": o.mean_speed,
+                "passed": passes(o.collision, o.off_road, o.mean_speed, o.speed_excess, o.jerk_rms),
                 "category": [TYPES[int(k)] for k in o.scenes.kind],
                 "read": [_reading(o, b) for b in range(len(prompts))],
             },

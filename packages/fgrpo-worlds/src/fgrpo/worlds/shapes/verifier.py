@@ -232,6 +232,8 @@ class ShapesVerifier:
     w * gold_error / 255 (a fidelity term against sub-threshold drift; 0 = off).
     """
 
+    category_noun = "GenEval category"
+
     score: Literal["strict", "partial"] = param(
         "partial", choices=("strict", "partial"), help="partial: fraction of constraints met; strict: 0/1 accuracy"
     )
@@ -283,6 +285,7 @@ class ShapesGoldEvaluator:
     glyph_tolerance: int = param(GLYPH_TOLERANCE, ge=0, le=5, help="as for the shapes reward")
 
     directions = {"gold_error": "lower"}
+    category_noun = "GenEval category"
     limits = {"gold_error": 0.005}  # a change under 2.5 % of the base's 0.199 counts as none
 
     def __call__(self, context: Any) -> EvaluatorResult:

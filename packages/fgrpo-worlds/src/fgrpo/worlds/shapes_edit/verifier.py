@@ -95,6 +95,8 @@ class ShapesEditVerifier:
     result would (a count or add edit counts the item instances instead). Preservation of the
     untouched cells is reported (``preserved``, ``gold_preservation_error``), never rewarded."""
 
+    category_noun = "edit kind"
+
     score: Literal["strict", "partial"] = param(
         "strict", choices=("strict", "partial"), help="strict: 0/1 edit done; partial: graded"
     )
@@ -152,6 +154,7 @@ class ShapesEditGoldEvaluator:
     glyph_tolerance: int = param(GLYPH_TOLERANCE, ge=0, le=5, help="as for the shapes-edit reward")
 
     directions = GOLD_DIRECTIONS
+    category_noun = "edit kind"
     limits = {"preserved": 0.01}
 
     def __call__(self, context: Any) -> EvaluatorResult:
