@@ -226,6 +226,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", required=True, help="a new (or empty) folder for the samples and their index.jsonl")
     p.add_argument("--no-ema", action="store_true", help="the raw trained weights even when the run keeps an EMA")
+    p.add_argument(
+        "--no-scores",
+        action="store_true",
+        help="do not build the recipe's rewards: index.jsonl without each sample's scores and details",
+    )
     p.set_defaults(handler=trained.cmd_sample)
 
     p = sub.add_parser("export", help="a checkpoint's trained weights in the backbone's own format (diffusers LoRA)")

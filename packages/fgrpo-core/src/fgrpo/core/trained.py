@@ -49,9 +49,21 @@ def cmd_sample(args: argparse.Namespace) -> int:
     check_prompts(policy, prompts, "--prompts", lambda p: metadata.get(p, {}))
     if checkpoint is not None:
         load_checkpoint_weights(policy, checkpoint, 0.0 if args.no_ema else recipe.train.ema_decay)
+    # every score a reward gives and what it read, into index.jsonl: built before any file is written
+    rewards = [] if args.no_scores else recipe.build_rewards()
     with confine.new_folder(target) as folder:
-        written = write_samples(policy, prompts, args.n, args.steps or recipe.eval.steps, args.seed, folder)
-    out.print(f"wrote {written} samples to {args.out}", markup=False)
+        written = write_samples(
+            policy,
+            prompts,
+            args.n,
+            args.steps or recipe.eval.steps,
+            args.seed,
+            folder,
+            rewards=rewards,
+            metadata=lambda p: metadata.get(p, {}),
+        )
+    scored = f", scored by {', '.join(spec.label or spec.name for spec, _ in rewards)}" if rewards else ""
+    out.print(f"wrote {written} samples to {args.out}{scored}", markup=False)
     return 0
 
 
