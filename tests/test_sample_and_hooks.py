@@ -44,6 +44,37 @@ def test_sample_writes_outputs_and_index(root, tmp_path):
     assert (base / rows[0]["file"]).read_bytes() != (tuned / rows[0]["file"]).read_bytes()
 
 
+def test_sample_writes_each_rewards_scores_and_what_it_read(root, tmp_path, capsys):
+    """``index.jsonl`` holds, per image, every reward's score and its per-sample details (the shapes
+    verifier's reading of that very PNG); ``--no-scores`` leaves the rewards unbuilt."""
+    import torch
+    from PIL import Image
+
+    from fgrpo.core import media
+    from fgrpo.worlds.shapes.verifier import ShapesVerifier
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red circle\ntwo blue squares\n")
+    out = tmp_path / "scored"
+    args = ["sample", str(root / "recipes" / "shapes.yaml"), "--prompts", str(prompts), "--n", "2", "--steps", "8"]
+    assert cli.main([*args, "--out", str(out)]) == 0
+    assert "scored by shapes" in capsys.readouterr().out
+    rows = [json.loads(line) for line in (out / "index.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 and all(set(r["scores"]) == {"shapes"} for r in rows)
+    images = torch.stack([media.to_tensor(Image.open(out / r["file"])) for r in rows])
+    again = ShapesVerifier(score="strict")(images, [r["prompt"] for r in rows], [{}] * len(rows))
+    for i, row in enumerate(rows):
+        read = row["details"]["shapes"]
+        assert read["read"] == again.details["read"][i] and read["category"] == again.details["category"][i]
+        assert row["scores"]["shapes"] == read["accuracy"] == again.scores[i].item()
+    assert any(r["scores"]["shapes"] == 1.0 for r in rows)  # the shipped base draws some of them right
+
+    plain = tmp_path / "plain"
+    assert cli.main([*args, "--out", str(plain), "--no-scores"]) == 0
+    rows = [json.loads(line) for line in (plain / "index.jsonl").read_text().splitlines()]
+    assert rows and all(set(r) == {"file", "prompt", "seed", "index"} for r in rows)
+
+
 def test_sample_bad_checkpoint_exits_2(root, tmp_path, capsys):
     prompts = tmp_path / "p.txt"
     prompts.write_text("target 1 1\n")

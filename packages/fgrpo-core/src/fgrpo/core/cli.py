@@ -1,4 +1,4 @@
-"""The ``fgrpo`` command: plugins, validate, compose, report, check, sample, export.
+"""The ``fgrpo`` command: plugins, validate, compose, report, check, sample, export, push.
 
 Bad input (a recipe error, an unknown or broken component) prints one line per problem and exits
 with code 2, never a traceback.
@@ -20,7 +20,7 @@ from typing import Any, NoReturn
 from rich.table import Table
 from rich.tree import Tree
 
-from fgrpo.core import discovery, registry, trained
+from fgrpo.core import discovery, push, registry, trained
 from fgrpo.core import report as run_report
 from fgrpo.core.config import ConfigError, DeprecatedKey, RecipeError, first_line, help_lines
 from fgrpo.core.consoles import err, out
@@ -226,6 +226,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", required=True, help="a new (or empty) folder for the samples and their index.jsonl")
     p.add_argument("--no-ema", action="store_true", help="the raw trained weights even when the run keeps an EMA")
+    p.add_argument(
+        "--no-scores",
+        action="store_true",
+        help="do not build the recipe's rewards: index.jsonl without each sample's scores and details",
+    )
     p.set_defaults(handler=trained.cmd_sample)
 
     p = sub.add_parser("export", help="a checkpoint's trained weights in the backbone's own format (diffusers LoRA)")
@@ -235,6 +240,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="folder to write (e.g. for pipe.load_lora_weights(OUT))")
     p.add_argument("--no-ema", action="store_true", help="the raw trained weights even when the run keeps an EMA")
     p.set_defaults(handler=trained.cmd_export)
+
+    p = sub.add_parser(
+        "push",
+        help="upload a run's export (its newest checkpoint, a checkpoint or an export folder) and a model card to "
+        "the Hugging Face Hub",
+    )
+    p.add_argument("source", help="a run folder (its newest checkpoint), a checkpoint folder, or an export folder")
+    p.add_argument("repo", help="the hub model repository, OWNER/NAME (created when absent)")
+    p.add_argument("--private", action="store_true", help="create the repository private")
+    p.add_argument("--dry-run", action="store_true", help="print what would be uploaded; no token, no network")
+    p.add_argument("--no-ema", action="store_true", help="the raw trained weights even when the run keeps an EMA")
+    p.add_argument(
+        "--timeout",
+        type=integer_at_least(1, 86400),
+        default=600,
+        help="seconds the upload may take in all (the token check and the repository's creation: 15 s each)",
+    )
+    p.set_defaults(handler=push.cmd_push)
 
     p = sub.add_parser(
         "launch",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -363,10 +363,22 @@ def _per_sample_boxes(value: Any, n: int) -> bool:
 
 
 def write_samples(
-    policy: Any, prompts: Sequence[str], n: int, steps: int, seed: int, out: Path, batch_size: int = 64
+    policy: Any,
+    prompts: Sequence[str],
+    n: int,
+    steps: int,
+    seed: int,
+    out: Path,
+    batch_size: int = 64,
+    *,
+    rewards: Sequence[tuple[Any, Any]] = (),
+    metadata: Callable[[str], Any] = lambda _prompt: {},
 ) -> int:
     """``n`` samples of every prompt as PNG files (tensors as .pt for non-image outputs) and an
     ``index.jsonl`` naming each file's prompt, seed and index; returns how many were written.
+    With ``rewards`` ((spec, reward) pairs, as a run holds them) each row also holds every reward's
+    score (``scores``) and its per-sample details (``details``: what a verifier read, whether the
+    sample passed, ...), each prompt's ``n`` samples scored as one group with its ``metadata``.
 
     Prompts are generated together, about ``batch_size`` samples per forward; the initial noise of
     prompt ``i`` is drawn from its own generator (seed, "sample", i), so a prompt's samples do not
@@ -383,6 +395,7 @@ def write_samples(
             ]
         )
         images = generate(policy, chunk, n, steps, None, noise=noise)
+        judged = _scored_rows(rewards, images, chunk, n, metadata) if rewards else [{}] * (len(chunk) * n)
         for j, prompt in enumerate(chunk):
             i = start + j
             for k in range(n):
@@ -395,6 +408,67 @@ def write_samples(
                 else:
                     name = f"{i:05d}_{k:02d}.pt"
                     torch.save(images[row].cpu(), out / name)
-                rows.append({"file": name, "prompt": prompt, "seed": seed, "index": k})
-    (out / "index.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+                rows.append({"file": name, "prompt": prompt, "seed": seed, "index": k, **judged[row]})
+    (out / "index.jsonl").write_text("".join(json.dumps(r, allow_nan=False) + "\n" for r in rows))
     return len(rows)
+
+
+def _scored_rows(
+    rewards: Sequence[tuple[Any, Any]], outputs: Any, chunk: list[str], n: int, metadata: Callable[[str], Any]
+) -> list[dict[str, Any]]:
+    """Each sample's ``scores`` (every reward's, by its label) and ``details`` (each reward's
+    per-sample details) for ``index.jsonl``; a prompt's ``n`` samples are one group."""
+    prompts = [p for p in chunk for _ in range(n)]
+    scores, details = score(
+        rewards,
+        outputs,
+        prompts,
+        [metadata(p) for p in prompts],
+        where="fgrpo sample",
+        groups=torch.arange(len(prompts)) // n,
+    )
+    return [
+        {
+            "scores": {label: _json_value(s[i].item()) for label, s in scores.items()},
+            "details": {label: per_sample_details(d, i, len(prompts)) for label, d in details.items()},
+        }
+        for i in range(len(prompts))
+    ]
+
+
+def per_sample_details(details: Any, i: int, n: int) -> dict[str, Any]:
+    """Sample ``i``'s entry of every per-sample detail (a tensor or a list of ``n`` values) that
+    JSON can hold; details of the whole batch (scalars, other lengths) are left out."""
+    if not isinstance(details, Mapping):
+        return {}
+    picked = {}
+    for key, value in details.items():
+        if isinstance(value, torch.Tensor) and value.dim() and len(value) == n:
+            value = value[i].tolist()
+        elif isinstance(value, (list, tuple)) and len(value) == n:
+            value = value[i]
+        else:
+            continue
+        value = _json_value(value)
+        if value is not _SKIP:
+            picked[str(key)] = value
+    return picked
+
+
+_SKIP = object()
+
+
+def _json_value(value: Any) -> Any:
+    """``value`` as JSON holds it (non-finite numbers as null), or ``_SKIP`` for what it cannot."""
+    import math
+
+    if isinstance(value, torch.Tensor):
+        value = value.tolist()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        items = [_json_value(v) for v in value]
+        return _SKIP if any(v is _SKIP for v in items) else items
+    return _SKIP

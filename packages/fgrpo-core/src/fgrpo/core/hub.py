@@ -84,7 +84,7 @@ def _probe(repo_id: str) -> str | None:
     except ImportError:  # pragma: no cover
         return None
     try:
-        _within(PROBE_TIMEOUT_S, model_info, repo_id, timeout=PROBE_TIMEOUT_S)
+        within(PROBE_TIMEOUT_S, model_info, repo_id, timeout=PROBE_TIMEOUT_S)
     except GatedRepoError:
         return None  # it exists; the download itself says how to accept the licence
     except RepositoryNotFoundError:
@@ -96,7 +96,7 @@ def _probe(repo_id: str) -> str | None:
     return None
 
 
-def _within(seconds: float, fn: Any, *args: Any, **kwargs: Any) -> Any:
+def within(seconds: float, fn: Any, *args: Any, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)``, or TimeoutError after ``seconds`` in all: huggingface_hub's own
     ``timeout`` bounds each socket operation, so a server trickling bytes could hold it longer.
     (A call that overruns goes on in a daemon thread; its answer is dropped.)"""
@@ -167,4 +167,11 @@ def pretrained_source(value: str, *, key: str) -> PretrainedSource:
     raise WeightsUnavailable(unavailable_message(key, value, f"is not in the local hub cache and {why}"))
 
 
-__all__ = ["PretrainedSource", "WeightsUnavailable", "looks_like_a_path", "pretrained_source", "unavailable_message"]
+__all__ = [
+    "PretrainedSource",
+    "WeightsUnavailable",
+    "looks_like_a_path",
+    "pretrained_source",
+    "unavailable_message",
+    "within",
+]

@@ -49,9 +49,21 @@ def cmd_sample(args: argparse.Namespace) -> int:
     check_prompts(policy, prompts, "--prompts", lambda p: metadata.get(p, {}))
     if checkpoint is not None:
         load_checkpoint_weights(policy, checkpoint, 0.0 if args.no_ema else recipe.train.ema_decay)
+    # every score a reward gives and what it read, into index.jsonl: built before any file is written
+    rewards = [] if args.no_scores else recipe.build_rewards()
     with confine.new_folder(target) as folder:
-        written = write_samples(policy, prompts, args.n, args.steps or recipe.eval.steps, args.seed, folder)
-    out.print(f"wrote {written} samples to {args.out}", markup=False)
+        written = write_samples(
+            policy,
+            prompts,
+            args.n,
+            args.steps or recipe.eval.steps,
+            args.seed,
+            folder,
+            rewards=rewards,
+            metadata=lambda p: metadata.get(p, {}),
+        )
+    scored = f", scored by {', '.join(spec.label or spec.name for spec, _ in rewards)}" if rewards else ""
+    out.print(f"wrote {written} samples to {args.out}{scored}", markup=False)
     return 0
 
 
@@ -76,42 +88,58 @@ def cmd_export(args: argparse.Namespace) -> int:
         )
     _verify(folder, "checkpoint", ema=not args.no_ema)
     out_dir = rundir.output_folder(Path(args.out))
-    ema_in_use = ckpt.ema_decay(ckpt.read_state(folder)) > 0  # then the checkpoint's export/ holds the EMA's weights
-    ready = folder / ckpt.EXPORT
     with confine.new_folder(out_dir) as tmp:
-        if ready.is_dir() and not (args.no_ema and ema_in_use):
-            made = _copy_tree(ready, tmp)
-        else:
-            recipe = rundir.recipe_for_checkpoint(folder, None, [])
-            policy = _build_policy(recipe)
-            export = getattr(policy, "export", None)
-            if export is None:
-                raise RecipeError(
-                    [
-                        ConfigError(
-                            "model",
-                            f"{recipe.data['model']['name']!r} has no export(): its weights are in "
-                            f"{folder / ckpt.TRAINABLE}",
-                        )
-                    ]
-                )
-            from fgrpo.core.saving import load_checkpoint_weights
-
-            load_checkpoint_weights(policy, folder, 0.0 if args.no_ema else recipe.train.ema_decay)
-            made = [Path(p) for p in export(str(tmp))]
+        made = checkpoint_export(folder, tmp, no_ema=args.no_ema)
         share_files(tmp)
         verify_export(tmp, out_dir)  # before the folder appears under its name: whole and readable, or absent
         written = [str(out_dir / p.relative_to(tmp)) if p.is_relative_to(tmp) else str(p) for p in made]
     for path in written:
         out.print(f"wrote {path}", markup=False)
-    state = ckpt.read_state(folder)
-    summary = None if args.no_ema or not ema_in_use else weights.summary_of_checkpoint(state)
+    summary = exported_weights(folder, no_ema=args.no_ema)
     used = "raw weights" if summary is None else f"EMA weights after {summary.get('updates', '?')} update(s)"
     out.print(f"exported {folder} ({used}) to {out_dir}", markup=False)
-    every = (state["recipe"].get("train") or {}).get("ema_every", 1)
+    every = (ckpt.read_state(folder)["recipe"].get("train") or {}).get("ema_every", 1)
     for line in weights.ema_warnings(summary, every) + weights.lora_warnings(out_dir):
         err.print(f"warning: {line}", markup=False)
     return 0
+
+
+def exported_weights(folder: Path, *, no_ema: bool) -> dict[str, Any] | None:
+    """The EMA summary of the weights checkpoint ``folder``'s export holds, None for the raw weights."""
+    from fgrpo.core import checkpoint as ckpt
+    from fgrpo.core import weights
+
+    state = ckpt.read_state(folder)
+    return None if no_ema or ckpt.ema_decay(state) <= 0 else weights.summary_of_checkpoint(state)
+
+
+def checkpoint_export(folder: Path, target: Path, *, no_ema: bool) -> list[Path]:
+    """The export of the (verified) checkpoint ``folder`` written into the folder ``target``: a copy
+    of the ``export/`` it holds (the EMA's weights when the run keeps one; not with ``no_ema``),
+    else its model built, its weights loaded and exported by the policy. Returns the files written."""
+    from fgrpo.core import checkpoint as ckpt
+    from fgrpo.core import rundir
+
+    ema_in_use = ckpt.ema_decay(ckpt.read_state(folder)) > 0  # then the checkpoint's export/ holds the EMA's weights
+    ready = folder / ckpt.EXPORT
+    if ready.is_dir() and not (no_ema and ema_in_use):
+        return _copy_tree(ready, target)
+    recipe = rundir.recipe_for_checkpoint(folder, None, [])
+    policy = _build_policy(recipe)
+    export = getattr(policy, "export", None)
+    if export is None:
+        raise RecipeError(
+            [
+                ConfigError(
+                    "model",
+                    f"{recipe.data['model']['name']!r} has no export(): its weights are in {folder / ckpt.TRAINABLE}",
+                )
+            ]
+        )
+    from fgrpo.core.saving import load_checkpoint_weights
+
+    load_checkpoint_weights(policy, folder, 0.0 if no_ema else recipe.train.ema_decay)
+    return [Path(p) for p in export(str(target))]
 
 
 def verify_export(folder: Path, shown: Path) -> None:

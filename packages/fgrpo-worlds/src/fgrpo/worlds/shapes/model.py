@@ -14,6 +14,12 @@ transformer (``rank > 0``). ``reference()`` is the base model: LoRA disabled, or
 fine-tuning, a frozen copy of the base transformer kept at construction (``reference_copy``;
 the network is small).
 
+Export (``fgrpo export``, and every LoRA checkpoint's ``export/``): a LoRA as a PEFT adapter
+folder, ``PeftModel.from_pretrained(load_network(base).transformer, folder)``; a fully fine-tuned
+transformer as a whole shapes-dit weights file that a recipe's ``path`` loads. No diffusers LoRA
+file: the transformer is an ``SD3Transformer2DModel`` but no diffusers pipeline can carry it (its
+own text encoder and patch embedding), so ``pipe.load_lora_weights`` has nothing to load it into.
+
 diffusers, peft and safetensors are imported lazily: listing plugins never imports them.
 """
 
@@ -22,6 +28,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
@@ -37,6 +44,7 @@ from fgrpo.models.lora import (
     inject_lora,
     load_trainable_state,
     lora_param,
+    save_peft_adapter,
     trainable_state,
 )
 from fgrpo.worlds.shapes.network import (
@@ -46,6 +54,7 @@ from fgrpo.worlds.shapes.network import (
     default_vocabulary,
     default_weights_path,
     load_network,
+    save_network,
     to_velocity,
     transformer_output,
 )
@@ -55,6 +64,9 @@ if TYPE_CHECKING:  # from its own module: mypy reads diffusers' top-level names 
 
 #: LoRA on both attention streams of every joint block, as for sd3.
 SHAPES_LORA_TARGETS = JOINT_ATTENTION_LORA_TARGETS
+
+#: The export of a fully fine-tuned network (a LoRA exports as a PEFT adapter folder).
+EXPORT_FILE = "shapes-dit.safetensors"
 
 #: Recipe keys that describe the architecture (null = the weights file's value).
 ARCH_KEYS = ("hidden", "layers", "heads", "text_width", "text_layers", "max_words")
@@ -303,9 +315,31 @@ class ShapesDiT:
     def load_trainable_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         load_trainable_state(self.transformer, state, lora=self.lora is not None)
 
+    # --- export ---------------------------------------------------------------------------------
+
+    @property
+    def export_in_checkpoints(self) -> bool:
+        """Checkpoints also hold :meth:`export`'s files (an adapter is small; a whole network is not)."""
+        return self.lora is not None
+
+    def export(self, folder: str, state: Mapping[str, torch.Tensor] | None = None) -> list[str]:
+        """The trained weights: a LoRA as peft's ``save_pretrained`` writes it (``adapter_config.json``
+        and ``adapter_model.safetensors``: ``PeftModel.from_pretrained(base_transformer, folder)``),
+        or with full fine-tuning the whole network as ``shapes-dit.safetensors`` (float32, a recipe's
+        ``model.path``). ``state``: a :meth:`trainable_state_dict` to write instead of the
+        transformer's current weights. Returns the files written."""
+        if self.lora is not None:
+            return save_peft_adapter(self.transformer, folder, state)
+        path = Path(folder) / EXPORT_FILE
+        save_network(
+            self.network, path, dtype=torch.float32, extra={"exported_from": "fgrpo"}, transformer_state=state
+        )
+        return [str(path)]
+
 
 __all__ = [
     "ARCH_KEYS",
+    "EXPORT_FILE",
     "SHAPES_LORA_TARGETS",
     "ShapesDiT",
 ]

@@ -457,14 +457,20 @@ def save_network(
     path: str | Path,
     dtype: torch.dtype = torch.float16,
     extra: Mapping[str, str] | None = None,
+    *,
+    transformer_state: Mapping[str, torch.Tensor] | None = None,
 ) -> None:
     """Write ``network`` as safetensors (floating tensors cast to ``dtype``) with its architecture
-    (and ``extra`` strings, e.g. how it was trained) in the metadata."""
+    (and ``extra`` strings, e.g. how it was trained) in the metadata; ``transformer_state``: the
+    transformer's weights to write instead of its current ones (a checkpoint's, or the EMA's)."""
     from safetensors.torch import save_file
 
+    whole = dict(network.state_dict())
+    if transformer_state is not None:
+        whole.update({f"transformer.{k}": v for k, v in transformer_state.items()})
     state = {
         k: (v.detach().to("cpu", dtype) if v.is_floating_point() else v.detach().cpu()).contiguous()
-        for k, v in network.state_dict().items()
+        for k, v in whole.items()
     }
     metadata = {"format": "pt", "fgrpo_model": "shapes-dit", "architecture": network.arch.to_json(), **(extra or {})}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
