@@ -153,3 +153,26 @@ def rewind_to(checkpoints: Path, iteration: int) -> None:
             folder.rename(checkpoints.parent / f"set-aside-{folder.name}")
     (checkpoints / "last").unlink()
     (checkpoints / "last").symlink_to(folder_name(iteration))
+
+
+def assert_same_training(reference: Path, other: Path) -> None:
+    """Two run folders trained the same: byte-identical trainable weights in ``checkpoints/last``
+    and the same metrics rows (all but the timings)."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+
+    a, b = (load_file(str(d / "checkpoints" / "last" / "trainable.safetensors")) for d in (reference, other))
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+    def rows(folder: Path) -> list[dict]:
+        lines = (folder / "metrics.jsonl").read_text().splitlines()
+        return [
+            {k: v for k, v in json.loads(line).items() if not k.startswith(("time_", "samples_per_s"))}
+            for line in lines
+        ]
+
+    assert rows(reference) == rows(other)

@@ -11,6 +11,8 @@ import errno
 import json
 import math
 import os
+import shlex
+import signal
 import sys
 import warnings
 from collections.abc import Sequence
@@ -31,6 +33,10 @@ MAX_SAMPLES = 100_000
 MAX_STEPS = 10_000
 #: a write that failed for want of room: a full disk, a quota, a file-size limit, a read-only disk
 FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
+#: the environment variable through which fgrpo launch tells its processes the launch options it got
+LAUNCH_OPTIONS = "FGRPO_LAUNCH_OPTIONS"
+#: the exit codes of a run stopped by Ctrl-C (SIGINT) or SIGTERM: 128 + the signal, as a shell reports it
+STOPPED_BY_SIGNAL = (128 + signal.SIGINT, 128 + signal.SIGTERM)
 
 
 def _add_recipe_args(p: argparse.ArgumentParser, optional: bool = False) -> None:
@@ -426,6 +432,7 @@ def cmd_compose(args: argparse.Namespace) -> int:
         out.print(composition_tree(recipe, f"composed {args.recipe} (dry run)"))
         out.print(f"built {len(components)} components; nothing trained (--dry-run)", markup=False)
         return 0
+    from fgrpo.core.interrupts import Interrupts
     from fgrpo.core.opening import close_run, end_process_group, open_run
     from fgrpo.core.trainer import train
 
@@ -434,11 +441,15 @@ def cmd_compose(args: argparse.Namespace) -> int:
     assert folder is not None  # compose always trains into a run folder
     try:
         run.io.display.say(f"training {recipe.source} -> {folder} ({accelerate_summary(run)})")
-        with run.io.display:
-            train(run)
+        with run.io.display, Interrupts(note=run.is_main) as interrupts:
+            train(run, interrupts)
     finally:
         close_run(run)
     end_process_group()
+    if interrupts.stopped_by is not None:
+        if run.is_main:
+            err.print(interrupted_line(args, run), markup=False)
+        return interrupts.exit_code
     run.io.display.say(
         f"done: metrics in {folder / 'metrics.jsonl'}, weights in {folder / 'checkpoints' / 'last'}"
         + (f", curves in {folder / 'curves.png'}" if (folder / "curves.png").exists() else "")
@@ -446,6 +457,25 @@ def cmd_compose(args: argparse.Namespace) -> int:
     if run.io.report is not None:  # else the run said why it is missing
         run.io.display.say(f"report: {run.io.report}")
     return 0
+
+
+def interrupted_line(args: argparse.Namespace, run: Any) -> str:
+    """What a signal left (the checkpoint of the last iteration, the report) and the command that
+    goes on from it: the same recipe, overrides and run folder, with --resume."""
+    from fgrpo.core import checkpoint as ckpt
+
+    assert run.io.out_dir is not None and run.saved_at is not None  # the trainer checkpointed its stop
+    checkpoint = run.io.out_dir / "checkpoints" / ckpt.folder_name(run.saved_at)
+    command = ["fgrpo", "compose", args.recipe, "--out", args.out or str(run.io.out_dir)]
+    command += [word for o in args.overrides for word in ("--set", o)] + ["--resume"]
+    launch = os.environ.get(LAUNCH_OPTIONS)  # set by fgrpo launch for the processes it starts
+    if launch is not None:
+        command[1:1] = ["launch", *shlex.split(launch)]
+    report = f"; report {run.io.report}" if run.io.report is not None else ""
+    return (
+        f"interrupted after iteration {run.saved_at}: checkpoint {checkpoint}{report}; "
+        f"go on with: {shlex.join(command)}"
+    )
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -539,6 +569,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
     launch_args = launch_command_parser().parse_args([*options, "--module", "fgrpo.core.cli", *command])
     if logs.current() != "debug":  # the processes print their own errors; the agent's summary repeats them
         logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    # the processes inherit the environment: they name the options in the line that says how to go on
+    os.environ[LAUNCH_OPTIONS] = shlex.join(rest[:at])
     try:
         launch_command(launch_args)
     except subprocess.CalledProcessError as exc:
@@ -549,9 +581,11 @@ def cmd_launch(args: argparse.Namespace) -> int:
             raise
         rank, first = failure()
         code = first.exitcode if isinstance(first.exitcode, int) and first.exitcode > 0 else 1
-        if code != EXIT_USAGE:
+        if code not in (EXIT_USAGE, *STOPPED_BY_SIGNAL):  # the processes said why themselves
             err.print(f"error: process {rank} of the launch failed (exit code {first.exitcode})", markup=False)
         return code
+    finally:
+        os.environ.pop(LAUNCH_OPTIONS, None)
     return 0
 
 
@@ -640,9 +674,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except registry.ComponentError as exc:
         report_once([f"error: {exc}"])
         return EXIT_USAGE
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:  # a second Ctrl-C or SIGTERM while training (fgrpo.core.interrupts)
         err.print("interrupted", markup=False)
-        return 130
+        return 128 + getattr(exc, "signum", signal.SIGINT)
     except OSError as exc:
         if exc.errno not in FULL:
             raise

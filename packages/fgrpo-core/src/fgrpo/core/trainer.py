@@ -17,6 +17,7 @@ from fgrpo.core import checkpoint as ckpt
 from fgrpo.core import evaluation, report, rollout, scoring, timing, trackers, update, visuals, weights
 from fgrpo.core.config import RecipeError, first_line
 from fgrpo.core.hookspecs import plugin_manager
+from fgrpo.core.interrupts import Interrupts
 from fgrpo.core.opening import close_run
 from fgrpo.core.registry import ComponentError
 from fgrpo.core.run import Run
@@ -70,8 +71,10 @@ def iteration(run: Run, it: int) -> dict[str, Any]:
     }
 
 
-def train(run: Run) -> dict[str, Any]:
-    """Iterations from ``run.start_iteration`` to ``train.iterations``; returns the last metrics."""
+def train(run: Run, interrupts: Interrupts | None = None) -> dict[str, Any]:
+    """Iterations from ``run.start_iteration`` to ``train.iterations``; returns the last metrics.
+    ``interrupts``: a signal it received stops the run after the iteration in progress, checkpointed
+    (as the guard's stop is)."""
     cfg, hooks = run.recipe.train, plugin_manager().hook
     total = cfg.iterations
     row: dict[str, Any] = {}
@@ -96,6 +99,8 @@ def train(run: Run) -> dict[str, Any]:
         row = record(run, done, metrics)
         hooks.fgrpo_iteration_end(run=run, iteration=done, metrics=row)
         run.io.display.iteration_done(done, row)
+        if interrupts is not None and done < total and interrupts.agreed(run.learner.launch):
+            stop = True
         if run.io.out_dir is not None and (
             stop or best or done == total or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0)
         ):

@@ -42,6 +42,12 @@ class Processes:
         broadcast_object_list(box, from_process=0)
         return box[0]
 
+    def largest(self, value: int) -> int:
+        if self.processes == 1:
+            return value
+        acc = self.accelerator
+        return int(acc.gather(torch.tensor([value], device=acc.device)).max())
+
     def wait(self) -> None:
         self.accelerator.wait_for_everyone()
 

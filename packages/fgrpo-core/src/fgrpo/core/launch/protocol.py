@@ -116,6 +116,10 @@ class Launch(Protocol):
         """The main process's ``value`` on every process."""
         ...
 
+    def largest(self, value: int) -> int:
+        """The largest of the processes' ``value`` on every process (what any one of them saw)."""
+        ...
+
     def wait(self) -> None:
         """Wait until every process gets here."""
         ...
