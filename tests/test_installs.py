@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from fgrpo.core import cli, shipped
+from fgrpo.core import shipped
 
 PACKAGES = list(shipped.DISTRIBUTIONS)
 
@@ -102,15 +102,18 @@ def test_launch_finds_the_shipped_accelerate_configs_by_name(tmp_path, monkeypat
         "multi-node",
     ]
     monkeypatch.chdir(tmp_path)
-    assert cli._shipped_config(["--config_file", "ddp", "--num_processes", "2"]) == [
+    assert shipped.with_shipped_configs(["--config_file", "ddp", "--num_processes", "2"]) == [
         "--config_file",
         str(configs["ddp"]),
         "--num_processes",
         "2",
     ]
-    assert cli._shipped_config(["--config_file=fsdp-lora.yaml"]) == [f"--config_file={configs['fsdp-lora']}"]
+    assert shipped.with_shipped_configs(["--config_file=fsdp-lora.yaml"]) == [f"--config_file={configs['fsdp-lora']}"]
     (tmp_path / "ddp").write_text("mine")
-    assert cli._shipped_config(["--config_file", "ddp"]) == ["--config_file", "ddp"]  # a file of that name wins
+    assert shipped.with_shipped_configs(["--config_file", "ddp"]) == [
+        "--config_file",
+        "ddp",
+    ]  # a file of that name wins
 
 
 def install_block(text: str, marker: str) -> list[str]:

@@ -34,7 +34,6 @@ MAX_STEPS = 10_000
 #: a write that failed for want of room: a full disk, a quota, a file-size limit, a read-only disk
 FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
 #: the environment variable through which fgrpo launch tells its processes the launch options it got
-LAUNCH_OPTIONS = "FGRPO_LAUNCH_OPTIONS"
 #: the exit codes of a run stopped by Ctrl-C (SIGINT) or SIGTERM: 128 + the signal, as a shell reports it
 STOPPED_BY_SIGNAL = (128 + signal.SIGINT, 128 + signal.SIGTERM)
 
@@ -432,7 +431,7 @@ def cmd_compose(args: argparse.Namespace) -> int:
         out.print(composition_tree(recipe, f"composed {args.recipe} (dry run)"))
         out.print(f"built {len(components)} components; nothing trained (--dry-run)", markup=False)
         return 0
-    from fgrpo.core.interrupts import Interrupts
+    from fgrpo.core.interrupts import Interrupts, resume_line
     from fgrpo.core.opening import close_run, end_process_group, open_run
     from fgrpo.core.trainer import train
 
@@ -448,7 +447,7 @@ def cmd_compose(args: argparse.Namespace) -> int:
     end_process_group()
     if interrupts.stopped_by is not None:
         if run.is_main:
-            err.print(interrupted_line(args, run), markup=False)
+            err.print(resume_line(args.recipe, args.out, args.overrides, run), markup=False)
         return interrupts.exit_code
     run.io.display.say(
         f"done: metrics in {folder / 'metrics.jsonl'}, weights in {folder / 'checkpoints' / 'last'}"
@@ -457,25 +456,6 @@ def cmd_compose(args: argparse.Namespace) -> int:
     if run.io.report is not None:  # else the run said why it is missing
         run.io.display.say(f"report: {run.io.report}")
     return 0
-
-
-def interrupted_line(args: argparse.Namespace, run: Any) -> str:
-    """What a signal left (the checkpoint of the last iteration, the report) and the command that
-    goes on from it: the same recipe, overrides and run folder, with --resume."""
-    from fgrpo.core import checkpoint as ckpt
-
-    assert run.io.out_dir is not None and run.saved_at is not None  # the trainer checkpointed its stop
-    checkpoint = run.io.out_dir / "checkpoints" / ckpt.folder_name(run.saved_at)
-    command = ["fgrpo", "compose", args.recipe, "--out", args.out or str(run.io.out_dir)]
-    command += [word for o in args.overrides for word in ("--set", o)] + ["--resume"]
-    launch = os.environ.get(LAUNCH_OPTIONS)  # set by fgrpo launch for the processes it starts
-    if launch is not None:
-        command[1:1] = ["launch", *shlex.split(launch)]
-    report = f"; report {run.io.report}" if run.io.report is not None else ""
-    return (
-        f"interrupted after iteration {run.saved_at}: checkpoint {checkpoint}{report}; "
-        f"go on with: {shlex.join(command)}"
-    )
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -549,9 +529,12 @@ def cmd_launch(args: argparse.Namespace) -> int:
                 )
             ]
         )
+    from fgrpo.core.interrupts import LAUNCH_OPTIONS
+    from fgrpo.core.shipped import with_shipped_configs
+
     command, errors = rest[at:], []
     try:
-        options = _shipped_config(rest[:at])
+        options = with_shipped_configs(rest[:at])
     except RecipeError as exc:  # reported with the recipe's errors, all at once
         errors, options = exc.errors, []
     checked = build_parser().parse_args(command)
@@ -587,27 +570,6 @@ def cmd_launch(args: argparse.Namespace) -> int:
     finally:
         os.environ.pop(LAUNCH_OPTIONS, None)
     return 0
-
-
-def _shipped_config(options: list[str]) -> list[str]:
-    """accelerate's ``--config_file NAME`` with NAME a shipped config (``ddp``, ``fsdp-lora``, ...)
-    replaced by its path; a RecipeError for a NAME that is neither a file nor shipped, or none."""
-    from fgrpo.core.shipped import accelerate_configs_allowed, find_accelerate_config
-
-    out, errors = list(options), []
-    for i, word in enumerate(out):
-        try:
-            if word == "--config_file" and i + 1 < len(out):
-                out[i + 1] = find_accelerate_config(out[i + 1])
-            elif word == "--config_file":
-                errors.append(ConfigError("--config_file", f"got nothing; {accelerate_configs_allowed()}"))
-            elif word.startswith("--config_file="):
-                out[i] = "--config_file=" + find_accelerate_config(word.split("=", 1)[1])
-        except RecipeError as exc:
-            errors += exc.errors
-    if errors:
-        raise RecipeError(errors)
-    return out
 
 
 # --- entry -------------------------------------------------------------------------------------

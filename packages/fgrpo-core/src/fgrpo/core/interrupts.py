@@ -10,9 +10,11 @@ checkpoint needs every process, and a process that left early would hang the oth
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import threading
 import time
+from collections.abc import Sequence
 from types import FrameType, TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -88,3 +90,26 @@ class Interrupts:
 
 
 STOPPING = "stopping after the iteration in progress, with its checkpoint and report"
+
+
+#: set by ``fgrpo launch`` for the processes it starts: its own options, for the resume command
+LAUNCH_OPTIONS = "FGRPO_LAUNCH_OPTIONS"
+
+
+def resume_line(recipe: str, out: str | None, overrides: Sequence[str], run: Any) -> str:
+    """What a signal left (the checkpoint of the last iteration, the report) and the command that
+    goes on from it: the same recipe, overrides and run folder, with --resume."""
+    from fgrpo.core import checkpoint as ckpt
+
+    assert run.io.out_dir is not None and run.saved_at is not None  # the trainer checkpointed its stop
+    checkpoint = run.io.out_dir / "checkpoints" / ckpt.folder_name(run.saved_at)
+    command = ["fgrpo", "compose", recipe, "--out", out or str(run.io.out_dir)]
+    command += [word for o in overrides for word in ("--set", o)] + ["--resume"]
+    launch = os.environ.get(LAUNCH_OPTIONS)
+    if launch is not None:
+        command[1:1] = ["launch", *shlex.split(launch)]
+    report = f"; report {run.io.report}" if run.io.report is not None else ""
+    return (
+        f"interrupted after iteration {run.saved_at}: checkpoint {checkpoint}{report}; "
+        f"go on with: {shlex.join(command)}"
+    )

@@ -136,3 +136,22 @@ def recipes_like(arg: str, room: int = 300) -> str:
         return listed or "none installed"
     closest = difflib.get_close_matches(arg, names, n=8, cutoff=0.0)
     return f"{', '.join(closest)} and {len(names) - len(closest)} more"
+
+
+def with_shipped_configs(options: list[str]) -> list[str]:
+    """accelerate's ``--config_file NAME`` with NAME a shipped config (``ddp``, ``fsdp-lora``, ...)
+    replaced by its path; a RecipeError for a NAME that is neither a file nor shipped, or none."""
+    out, errors = list(options), []
+    for i, word in enumerate(out):
+        try:
+            if word == "--config_file" and i + 1 < len(out):
+                out[i + 1] = find_accelerate_config(out[i + 1])
+            elif word == "--config_file":
+                errors.append(ConfigError("--config_file", f"got nothing; {accelerate_configs_allowed()}"))
+            elif word.startswith("--config_file="):
+                out[i] = "--config_file=" + find_accelerate_config(word.split("=", 1)[1])
+        except RecipeError as exc:
+            errors += exc.errors
+    if errors:
+        raise RecipeError(errors)
+    return out
