@@ -61,7 +61,11 @@ def test_builtin_recipe_by_name_from_anywhere(tmp_path, monkeypatch, capsys):
     assert "shapes: ok" in capsys.readouterr().out
     assert cli.main(["validate", "shapez"]) == 2
     err = capsys.readouterr().err
-    assert "shapez: no such recipe file, and no built-in recipe of that name; built-in recipes: " in err
+    assert (
+        "shapez: no such recipe file, and no built-in recipe of that name (did you mean 'shapes'?); built-in recipes: "
+        in err
+    )
+    assert "fgrpo recipes lists each" in err
     assert "shapes-fast" in err
 
 

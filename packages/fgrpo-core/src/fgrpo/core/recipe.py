@@ -71,12 +71,15 @@ class TrainConfig:
     )
     shuffle_minibatches: bool = param(True, help="shuffle samples before splitting into minibatches")
     lr: float = param(1e-4, gt=0, le=1, help="AdamW learning rate")
-    weight_decay: float = param(1e-4, ge=0)
+    weight_decay: float = param(1e-4, ge=0, help="AdamW's decoupled weight decay (flow_grpo's adam_weight_decay)")
     adam_betas: tuple[float, float] = param((0.9, 0.999), ge=0, lt=1, help="AdamW (beta1, beta2), each in [0, 1)")
-    adam_eps: float = param(1e-8, gt=0)
+    adam_eps: float = param(1e-8, gt=0, help="AdamW epsilon, added to the denominator")
     max_grad_norm: float = param(1.0, ge=0, help="gradient-norm clip; 0 = off")
-    lr_schedule: Literal["constant", "linear", "cosine"] = param("constant")
-    warmup_iterations: int = param(0, ge=0)
+    lr_schedule: Literal["constant", "linear", "cosine"] = param(
+        "constant",
+        help="the learning rate over the run, after the warm-up: constant, or decaying to 0 linearly or by cosine",
+    )
+    warmup_iterations: int = param(0, ge=0, help="iterations of linear learning-rate warm-up from 0")
     ema_decay: float = param(0.0, ge=0, lt=1, help="EMA of the trainable weights; 0 = off")
     ema_every: int = param(1, ge=1, help="update the EMA every N optimizer steps (counted over the whole run)")
     ema_warmup: bool = param(
@@ -134,9 +137,9 @@ class EvalConfig:
         ge=1.0,
         help="the model's guidance_scale at evaluation (flow_grpo eval_guidance_scale); null = the training one",
     )
-    samples_per_prompt: int = param(4, ge=1)
+    samples_per_prompt: int = param(4, ge=1, help="samples drawn per held-out prompt at each evaluation")
     max_prompts: int = param(0, ge=0, help="test prompts used; 0 = all")
-    batch_size: int = param(64, ge=1)
+    batch_size: int = param(64, ge=1, help="samples generated at once during an evaluation")
     at_start: bool = param(True, help="evaluate the base before training")
     guard: dict | None = param(
         None,
