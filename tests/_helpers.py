@@ -176,3 +176,20 @@ def assert_same_training(reference: Path, other: Path) -> None:
         ]
 
     assert rows(reference) == rows(other)
+
+
+#: ``--set`` values for a tiny randomly initialised shapes network (LoRA rank 4) and one short iteration
+TINY_SHAPES = [
+    "model.random_init=true",
+    "model.hidden=32",
+    "model.heads=1",
+    "model.layers=1",
+    "model.text_width=32",
+    "model.lora.rank=4",
+    "train.iterations=1",
+    "train.prompts_per_iteration=2",
+    "train.group_size=2",
+    "train.minibatch_size=0",
+    "sampler.steps=2",
+    "log.plots=false",
+]

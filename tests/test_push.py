@@ -9,27 +9,10 @@ import time
 
 import pytest
 
-from _helpers import free_port
+from _helpers import TINY_SHAPES, free_port
 from fgrpo.core import cli, push
 
-TINY = [
-    "model.random_init=true",
-    "model.hidden=32",
-    "model.heads=1",
-    "model.layers=1",
-    "model.text_width=32",
-    "model.lora.rank=4",
-    "train.iterations=1",
-    "train.prompts_per_iteration=2",
-    "train.group_size=2",
-    "train.minibatch_size=0",
-    "sampler.steps=2",
-    "eval.every=1",
-    "eval.steps=2",
-    "eval.samples_per_prompt=1",
-    "eval.max_prompts=4",
-    "log.plots=false",
-]
+TINY = [*TINY_SHAPES, "eval.every=1", "eval.steps=2", "eval.samples_per_prompt=1", "eval.max_prompts=4"]
 EXPORT = ["adapter_config.json", "adapter_model.safetensors"]
 
 

@@ -10,28 +10,14 @@ import torch
 
 pytest.importorskip("peft")
 
+from _helpers import TINY_SHAPES
 from fgrpo.core import cli, rundir
 from fgrpo.core import recipe as recipe_mod
 from fgrpo.core.saving import load_checkpoint_weights
 from fgrpo.core.seeding import derive_seed
 
-#: a tiny randomly initialised shapes network and one short iteration
-TINY_SHAPES = [
-    "model.random_init=true",
-    "model.hidden=32",
-    "model.heads=1",
-    "model.layers=1",
-    "model.text_width=32",
-    "model.lora.rank=4",
-    "train.iterations=1",
-    "train.prompts_per_iteration=2",
-    "train.group_size=2",
-    "train.minibatch_size=0",
-    "sampler.steps=2",
-    "eval.every=0",
-    "log.plots=false",
-]
-TINY_EDIT = [*TINY_SHAPES, "prompts.train_size=20", "prompts.test_per_category=1"]
+TINY = [*TINY_SHAPES, "eval.every=0"]
+TINY_EDIT = [*TINY, "prompts.train_size=20", "prompts.test_per_category=1"]
 TINY_DRIVING = [
     "prompts.train_seeds=3",
     "prompts.test_seeds=1",
@@ -100,7 +86,7 @@ def peft_loaded(checkpoint, folder):
     return fresh
 
 
-@pytest.mark.parametrize(("recipe", "tiny"), [("shapes.yaml", TINY_SHAPES), ("shapes-edit.yaml", TINY_EDIT)])
+@pytest.mark.parametrize(("recipe", "tiny"), [("shapes.yaml", TINY), ("shapes-edit.yaml", TINY_EDIT)])
 def test_shapes_worlds_export_a_peft_adapter_that_round_trips(root, tmp_path, capsys, recipe, tiny):
     run = tmp_path / "run"
     assert compose(root, recipe, run, tiny) == 0
@@ -132,7 +118,7 @@ def test_a_fully_fine_tuned_shapes_network_exports_a_weights_file_a_recipe_loads
     from fgrpo.worlds.shapes.model import EXPORT_FILE, ShapesDiT
 
     run = tmp_path / "run"
-    assert compose(root, "shapes.yaml", run, [*TINY_SHAPES, "model.lora=null"]) == 0
+    assert compose(root, "shapes.yaml", run, [*TINY, "model.lora=null"]) == 0
     last = run / "checkpoints" / "last"
     assert not (last / "export").exists()  # a whole network is not copied into every checkpoint
     assert cli.main(["export", str(last), "--out", str(tmp_path / "out")]) == 0
