@@ -20,8 +20,8 @@ import torch
 
 from fgrpo.core.registry import ComponentError
 
-Aggregation = Literal["reward_sum", "advantage_sum", "reward_product"]
-AGGREGATIONS = ("reward_sum", "advantage_sum", "reward_product")
+Aggregation = Literal["reward_sum", "advantage_sum", "reward_product", "gdpo"]
+AGGREGATIONS = ("reward_sum", "advantage_sum", "reward_product", "gdpo")
 
 
 class NegativeReward(ComponentError, ValueError):
@@ -154,10 +154,13 @@ def combine(
     reward with a large scale or spread does not drown the others.
     ``reward_product``: normalise the product of the rewards, each raised to its weight (CaRL's
     multiplicative reward across separately registered rewards; every reward must be >= 0).
+    ``gdpo`` (GDPO, as Pref-GRPO's ``apply_gdpo``): ``advantage_sum``, then that sum renormalised
+    over the whole batch by ``_renormalise``.
 
     Statistics: those of the weighted reward sum (what flow_grpo logs as ``avg``), plus
-    ``reward_mean/NAME`` and ``reward_std/NAME`` for each reward. In ``advantage_sum`` mode a group
-    counts in ``zero_std_ratio`` when it is flat for every reward (its advantages are all zero).
+    ``reward_mean/NAME`` and ``reward_std/NAME`` for each reward. In ``advantage_sum`` and ``gdpo``
+    modes a group counts in ``zero_std_ratio`` when it is flat for every reward (its advantages are
+    all zero).
     """
     if mode not in AGGREGATIONS:
         raise ValueError(f"unknown mode {mode!r}; allowed: {', '.join(map(repr, AGGREGATIONS))}")
@@ -170,7 +173,7 @@ def combine(
     total = total_reward(rewards, weights, mode)
     options: dict[str, Any] = {"global_std": global_std, "eps": eps, "per_prompt": per_prompt, "unbiased": unbiased}
     advantages, stats = group_advantages(total, group_index, **options)
-    if mode == "advantage_sum":
+    if mode in ("advantage_sum", "gdpo"):
         advantages = torch.zeros_like(total)
         all_flat = None
         for k in names:
@@ -179,8 +182,27 @@ def combine(
             all_flat = flat_k if all_flat is None else all_flat & flat_k
         assert all_flat is not None  # names is not empty
         stats["zero_std_ratio"] = all_flat.double().mean().item()
+    if mode == "gdpo":
+        advantages = _renormalise(advantages, eps, unbiased)
     for k in names:
         r = rewards[k].detach().to(torch.float64)
         stats[f"reward_mean/{k}"] = r.mean().item()
         stats[f"reward_std/{k}"] = r.std(unbiased=False).item()
     return advantages.to(out_dtype), stats
+
+
+def _renormalise(summed: torch.Tensor, eps: float, unbiased: bool) -> torch.Tensor:
+    """GDPO's last step (Pref-GRPO fastvideo/rewards/dispatcher.py:698-704 at 3e787f6): the
+    weighted sum of the per-reward advantages, z-scored over the whole batch of every process
+    (Pref-GRPO gathers it; fgrpo's batch is already gathered) with the same std estimator and eps
+    as the per-reward step.
+
+    Every per-reward advantage sums to 0 over its group (or over the batch), so the batch mean is 0
+    up to rounding and the step is in effect a division by the batch std. An exact 0 (a group flat
+    for every reward, or advantages that cancel) therefore stays an exact 0, so that
+    ``drop_zero_advantage`` still finds it, where the reference leaves -mean / (std + eps), a
+    rounding error (measured below 1e-16 in float64).
+    """
+    # a batch of one has no unbiased std (0/0); its one advantage is 0 and stays 0 below anyway
+    std = summed.std(unbiased=unbiased) if summed.numel() > 1 else summed.new_zeros(())
+    return torch.where(summed == 0, 0.0, (summed - summed.mean()) / (std + eps))

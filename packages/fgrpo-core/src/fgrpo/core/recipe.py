@@ -96,10 +96,11 @@ class TrainConfig:
         help="updates applied at each of those steps: flow_grpo steps its EMA once per training minibatch, so "
         "its gradient_accumulation_steps times per optimizer step (minibatch_size / its train.batch_size)",
     )
-    advantage: Literal["reward_sum", "advantage_sum", "reward_product"] = param(
+    advantage: Literal["reward_sum", "advantage_sum", "reward_product", "gdpo"] = param(
         "reward_sum",
         help="reward_sum: weight rewards then normalise; advantage_sum: normalise each then weight; "
-        "reward_product: normalise the product of the rewards, each raised to its weight (rewards >= 0)",
+        "reward_product: normalise the product of the rewards, each raised to its weight (rewards >= 0); "
+        "gdpo: advantage_sum, then renormalised over the whole batch (Pref-GRPO apply_gdpo)",
     )
     global_std: bool = param(False, help="normalise by the std of the whole batch instead of the group's")
     per_prompt: bool = param(
