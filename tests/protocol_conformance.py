@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from fgrpo.core.objectives.awm import AWM
 from fgrpo.core.objectives.dpo import DPO
+from fgrpo.core.objectives.flow_dppo import FlowDPPO
 from fgrpo.core.objectives.grpo import GRPO
 from fgrpo.core.objectives.grpo_guard import GRPOGuard
 from fgrpo.core.objectives.nft import NFT
@@ -129,6 +130,7 @@ MODELS: dict[str, type[Policy]] = {
 OBJECTIVES: dict[str, type[Objective]] = {
     "awm": AWM,
     "dpo": DPO,
+    "flow-dppo": FlowDPPO,
     "grpo": GRPO,
     "grpo-guard": GRPOGuard,
     "nft": NFT,

@@ -19,6 +19,7 @@ SHAPES = [
     "shapes-awm.yaml",
     "shapes-dpo.yaml",
     "shapes-pairwise.yaml",
+    "shapes-dppo.yaml",
 ]
 
 

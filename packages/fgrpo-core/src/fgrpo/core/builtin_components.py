@@ -36,6 +36,7 @@ COMPONENTS: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
     ("model", "z-image"): ("fgrpo-models", ("diffusers",)),
     ("objective", "awm"): ("fgrpo-core", ()),
     ("objective", "dpo"): ("fgrpo-core", ()),
+    ("objective", "flow-dppo"): ("fgrpo-core", ()),
     ("objective", "grpo"): ("fgrpo-core", ()),
     ("objective", "grpo-guard"): ("fgrpo-core", ()),
     ("objective", "nft"): ("fgrpo-core", ()),
