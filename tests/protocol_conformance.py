@@ -40,6 +40,7 @@ from fgrpo.rewards.similarity import ImageSimilarity
 from fgrpo.rewards.target import TargetDistance
 from fgrpo.rewards.vlm_judge import VLMJudge
 from fgrpo.samplers.fast import FastSampler
+from fgrpo.samplers.flash import FlashSampler
 from fgrpo.samplers.full import FullSampler
 from fgrpo.samplers.kernels.correlated import CorrelatedKernel
 from fgrpo.samplers.kernels.cps import CPSKernel
@@ -75,6 +76,7 @@ KERNELS: dict[str, type[Kernel]] = {
 }
 SAMPLERS: dict[str, type[Sampler]] = {
     "fast": FastSampler,
+    "flash": FlashSampler,
     "full": FullSampler,
     "mixgrpo": MixGRPOSampler,
     "ode": ODESampler,

@@ -75,6 +75,7 @@ COMPONENTS: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
     ("reward", "target-distance"): ("fgrpo-rewards", ()),
     ("reward", "vlm-judge"): ("fgrpo-rewards", ()),
     ("sampler", "fast"): ("fgrpo-samplers", ()),
+    ("sampler", "flash"): ("fgrpo-samplers", ()),
     ("sampler", "full"): ("fgrpo-samplers", ()),
     ("sampler", "mixgrpo"): ("fgrpo-samplers", ()),
     ("sampler", "ode"): ("fgrpo-samplers", ()),
