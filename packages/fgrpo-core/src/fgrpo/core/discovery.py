@@ -47,6 +47,12 @@ def _name_of(section: Any) -> str:
     return str(section or "")
 
 
+def unmeasured(text: str) -> str:
+    """What ``fgrpo recipes`` says of a recipe without a ``# measured:`` line: one for GPUs this
+    machine may lack, or one not trained yet."""
+    return "not measured here (the GPUs its header names)" if "GPU" in _header(text) else "not measured yet"
+
+
 def recipe_rows() -> list[dict[str, str]]:
     """One row per shipped recipe: its name, model, objective, sampler, what it shows (its
     header's first sentence), what it measured (its ``# measured:`` line) and how long it takes on
@@ -68,7 +74,7 @@ def recipe_rows() -> list[dict[str, str]]:
                 "sampler": _name_of(data.get("sampler")),
                 "reward": _name_of(data.get("reward")),
                 "shows": _first_sentence(_header(text)) or "(no header)",
-                "measured": measured.group(1).strip() if measured else "not measured here (the GPUs its header names)",
+                "measured": measured.group(1).strip() if measured else unmeasured(text),
                 "time": timed.group(1).strip() if timed else "",
             }
         )
