@@ -293,6 +293,36 @@ def test_awm_samples_from_the_current_weights(root):
     assert built(vector(root, ODE, "objective={name: awm, ema_kl_beta: 0.0}")).learner.old_policy is None
 
 
+def test_awm_idle_iterations_train_nothing_then_train_as_a_run_started_there(root):
+    """AWM's reference idles epochs 0-1 (train_sd3_awm.py:880-881, 936-937): those iterations roll
+    out nothing and leave the weights, the lagged policy, the EMA, the optimizer and the scheduler
+    as they were; the first trained iteration is the one a fresh run makes at that index."""
+    idle = built(vector(root, ODE, "objective={name: awm, kl_beta: 0.01, idle_iterations: 2}", "train.ema_decay=0.9"))
+    plain = built(vector(root, ODE, OBJECTIVES["awm"], "train.ema_decay=0.9"))
+    start = [p.detach().clone() for p in idle.learner.trainable]
+    assert idle.learner.old_policy is not None and idle.learner.ema is not None
+    old, ema = [s.clone() for s in idle.learner.old_policy.shadow], [s.clone() for s in idle.learner.ema.shadow]
+    lr = idle.learner.scheduler.get_last_lr()
+    for it in range(2):
+        row = iteration(idle, it)
+        assert row["idle"] == 1.0 and "nfe_rollout" not in row
+        assert all(torch.equal(p, q) for p, q in zip(idle.learner.trainable, start, strict=True))
+        assert all(torch.equal(s, q) for s, q in zip(idle.learner.old_policy.shadow, old, strict=True))
+        assert all(torch.equal(s, q) for s, q in zip(idle.learner.ema.shadow, ema, strict=True))
+        assert idle.learner.optimizer_steps == 0 and not idle.learner.optimizer.state
+        assert idle.learner.scheduler.get_last_lr() == lr
+    row, want = iteration(idle, 2), iteration(plain, 2)
+    assert "idle" not in row and idle.learner.optimizer_steps == plain.learner.optimizer_steps > 0
+    assert {k: v for k, v in row.items() if k.startswith("reward")} == {
+        k: v for k, v in want.items() if k.startswith("reward")
+    }
+    assert not all(torch.equal(p, q) for p, q in zip(idle.learner.trainable, start, strict=True))
+    for p, q in zip(idle.learner.trainable, plain.learner.trainable, strict=True):
+        assert torch.equal(p, q)
+    for s, q in zip(idle.learner.old_policy.shadow, plain.learner.old_policy.shadow, strict=True):
+        assert torch.equal(s, q)
+
+
 @pytest.mark.parametrize("name", list(OBJECTIVES))
 def test_fgrpo_check_passes_for_forward_objectives(root, name, capsys):
     assert cli.main(["check", str(root / "recipes" / "vector.yaml"), "--set", ODE, "--set", OBJECTIVES[name]]) == 0
@@ -324,16 +354,20 @@ def weights(folder: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("name", list(OBJECTIVES))
+RESUMED = {**OBJECTIVES, "awm-idle": "objective={name: awm, kl_beta: 0.01, idle_iterations: 4}"}
+
+
+@pytest.mark.parametrize("name", list(RESUMED))
 def test_stop_and_resume_is_bit_exact(root, tmp_path, name):
     """Stopped after iteration 5 with the checkpoint of iteration 3 as the newest, then resumed: the
     weights, the old policy's and every metric equal an uninterrupted run's (in-process; the
-    kill -9 and two-process variants are slow tests)."""
+    kill -9 and two-process variants are slow tests). ``awm-idle`` resumes inside AWM's idle
+    iterations and crosses into training."""
     sets = [
         "--set",
         ODE,
         "--set",
-        OBJECTIVES[name],
+        RESUMED[name],
         "--set",
         "train.iterations=8",
         "--set",
@@ -357,6 +391,8 @@ def test_stop_and_resume_is_bit_exact(root, tmp_path, name):
     assert cli.main(["compose", recipe, "--out", str(tmp_path / "b"), *sets, "--resume"]) == 0
     a, b = weights(tmp_path / "a"), weights(tmp_path / "b")
     assert a.keys() == b.keys() and (name == "dpo" or any(k.startswith("old.") for k in a))
+    idle = [r.get("idle") for r in read(tmp_path / "a") if r["iteration"] > 0]
+    assert idle == ([1.0] * 4 + [None] * 4 if name == "awm-idle" else [None] * 8)
     for key in a:
         assert torch.equal(a[key], b[key]), key
     assert strip(read(tmp_path / "a")) == strip(read(tmp_path / "b"))

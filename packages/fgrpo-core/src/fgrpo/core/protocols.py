@@ -324,7 +324,9 @@ class Objective(Protocol[BatchT_contra]):
     - ``needs_reference``: the adapter-disabled reference's predictions are computed (a KL);
     - ``needs_old``: it keeps an old policy (a lagged copy of the trained weights; then
       ``old_decay``), ``samples_from_old``: rollouts come from that old policy (DiffusionNFT);
-    - ``pairwise``: it trains on (preferred, rejected) pairs of samples of one group (``pairs``).
+    - ``pairwise``: it trains on (preferred, rejected) pairs of samples of one group (``pairs``);
+    - optionally ``idle_iterations`` (0 when absent): the run's first iterations only spend their
+      prompts (no rollout, no update; AWM's reference idles two epochs).
     """
 
     @property

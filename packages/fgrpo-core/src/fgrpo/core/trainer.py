@@ -29,6 +29,8 @@ from fgrpo.core.threads import ThreadGovernor
 def iteration(run: Run, it: int) -> dict[str, Any]:
     clock = run.io.clock
     clock.read()  # what evaluation or set-up left on the clock is not this iteration's
+    if it < idle_iterations(run):
+        return {"idle": 1.0, "lr": run.learner.optimizer.param_groups[0]["lr"]}
     timing.synchronize(run.learner.policy.device)
     t0 = time.perf_counter()
     run.sampler.advance(it)
@@ -69,6 +71,14 @@ def iteration(run: Run, it: int) -> dict[str, Any]:
         **timing.accounting(clock.read(), t3 - t0),
         "samples_per_s": n_samples / (t3 - t0),
     }
+
+
+def idle_iterations(run: Run) -> int:
+    """The objective's first iterations that do nothing (an optional ``idle_iterations``, AWM's
+    two epochs that only draw prompts): no rollout, no score, no update, no move of the old policy
+    or the EMA, no scheduler step. Their prompts are spent (a later iteration draws the prompts it
+    would draw anyway), and the row says ``idle: 1``."""
+    return int(getattr(run.objective, "idle_iterations", 0))
 
 
 def train(run: Run, interrupts: Interrupts | None = None) -> dict[str, Any]:

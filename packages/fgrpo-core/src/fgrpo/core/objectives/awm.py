@@ -18,6 +18,11 @@ rollouts use the current weights), moved after every iteration to ema <- d ema +
 d = min(kl_ema_decay, 0.001 n) after n optimizer steps (``kl_ema_decay_type: linear``) or
 d = kl_ema_decay (``constant``).
 
+The reference's first two epochs only draw prompts (``if epoch < 2: continue`` before sampling and
+before training, train_sd3_awm.py:880-881 and 936-937, "the group size collected in the first two
+epochs has a bug"): ``idle_iterations: 2`` does the same (fgrpo's iteration is the reference's
+epoch), default 0.
+
 The reference's ratio uses, after the first optimizer step of an iteration, the log-probs of the
 weights the iteration started with; its configs make one optimizer step per iteration, where that
 is exactly this (``off_policy: False``); fgrpo's ratio is 1 at every step (docs/method.md).
@@ -120,6 +125,12 @@ class AWM(ForwardProcessObjective):
     )
     time_shift: float = param(
         3.0, gt=0, help="uniform and logit_normal: the time shift of the drawn t (config.time_shift)"
+    )
+    idle_iterations: int = param(
+        0,
+        ge=0,
+        help="the first iterations only spend their prompts: no rollout, no update, no move of the lagged "
+        "policy (the reference idles its epochs 0-1: 2)",
     )
     #: the keys' names before they meant one thing across objectives
     renamed_keys: ClassVar[dict[str, str]] = {
