@@ -10,6 +10,7 @@ that the tables name exactly the components the four fgrpo distributions registe
 from __future__ import annotations
 
 from fgrpo.core.objectives.awm import AWM
+from fgrpo.core.objectives.dgpo import DGPO
 from fgrpo.core.objectives.dpo import DPO
 from fgrpo.core.objectives.flow_dppo import FlowDPPO
 from fgrpo.core.objectives.grpo import GRPO
@@ -131,6 +132,7 @@ MODELS: dict[str, type[Policy]] = {
 }
 OBJECTIVES: dict[str, type[Objective]] = {
     "awm": AWM,
+    "dgpo": DGPO,
     "dpo": DPO,
     "flow-dppo": FlowDPPO,
     "grpo": GRPO,

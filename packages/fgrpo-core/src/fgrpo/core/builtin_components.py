@@ -35,6 +35,7 @@ COMPONENTS: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
     ("model", "wan-i2v"): ("fgrpo-models", ("diffusers",)),
     ("model", "z-image"): ("fgrpo-models", ("diffusers",)),
     ("objective", "awm"): ("fgrpo-core", ()),
+    ("objective", "dgpo"): ("fgrpo-core", ()),
     ("objective", "dpo"): ("fgrpo-core", ()),
     ("objective", "flow-dppo"): ("fgrpo-core", ()),
     ("objective", "grpo"): ("fgrpo-core", ()),

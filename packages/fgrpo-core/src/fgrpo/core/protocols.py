@@ -300,6 +300,9 @@ class ForwardBatch:
     velocity: torch.Tensor  # (b, *shape) float32, with gradient
     old_velocity: torch.Tensor | None = None
     ref_velocity: torch.Tensor | None = None
+    #: (b,) for a grouped objective (``grouped = True``): rows with one id are one prompt group's
+    #: samples at one shared (t, noise); None elsewhere
+    groups: torch.Tensor | None = None
 
     @property
     def target(self) -> torch.Tensor:

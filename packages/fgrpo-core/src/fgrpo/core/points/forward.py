@@ -2,10 +2,11 @@
 
 For the objectives that train on the forward process (``trains_on = "forward"``: nft, awm, dpo).
 An *item* is what minibatches are made of: a sample, or for a pairwise objective a (preferred,
-rejected) pair of samples of one group; each item has K *points* (t, noise), drawn at the start of
+rejected) pair of samples of one group, or for a grouped objective (dgpo) a whole prompt group; each
+item has K *points* (t, noise), drawn at the start of
 every epoch from a generator seeded by (seed, iteration, epoch, the item's global sample ids), so
 that a resumed run, or the same run on another number of processes, draws the same points. The
-pair's two samples share them. x_t = (1 - t) x0 + t noise.
+item's samples share them. x_t = (1 - t) x0 + t noise.
 
 Before the epoch's optimizer steps, the old policy's and the reference's predictions at every point
 the objective asks for are computed once, without gradient, in forward passes of
@@ -40,6 +41,15 @@ def needs_old(run: Run) -> bool:
     return run.objective.needs_old or run.checking
 
 
+def grouped_members(group_index: torch.Tensor) -> torch.Tensor:
+    """(groups, G) the sample indices of each prompt group, groups in sorted order; every group
+    must have the same size."""
+    rows = [(group_index == g).nonzero().squeeze(1) for g in torch.unique(group_index, sorted=True).tolist()]
+    if len({len(r) for r in rows}) > 1:
+        raise ValueError(f"a grouped objective needs equal groups, got sizes {sorted({len(r) for r in rows})}")
+    return torch.stack(rows).to(torch.long)
+
+
 class ForwardPoints:
     """The forward-process points of one update (see the module docstring)."""
 
@@ -48,11 +58,16 @@ class ForwardPoints:
         # these points are made for an objective that trains on them: trains_on == "forward"
         self.objective = cast(ForwardObjective, run.objective)
         self.pairwise = self.objective.pairwise
+        self.grouped = bool(getattr(self.objective, "grouped", False))
         if self.pairwise:
             # pairs are formed inside groups, and every group lies on one process
             self.members = self.objective.pairs(adv, traj.group_index).to(torch.long)
             self.advantages = torch.ones(len(self.members), device=adv.device)  # every pair is informative
             self.sign = torch.tensor([1.0, -1.0], device=adv.device)
+        elif self.grouped:
+            # a prompt group is one item (every group lies on one process): its samples share the points
+            self.members = grouped_members(traj.group_index.cpu())
+            self.advantages = adv[self.members.to(adv.device)].abs().amax(1)  # a flat group is uninformative
         else:
             self.members = torch.arange(traj.batch_size)[:, None]
             self.advantages = adv
@@ -186,6 +201,7 @@ class ForwardPoints:
             velocity=v,
             old_velocity=self.old[its, place, pts] if self.old is not None else None,
             ref_velocity=self.ref[its, place, pts] if self.ref is not None else None,
+            groups=its * self.units + pts if self.grouped else None,
         )
         return batch, len(samples) * policy.evaluations_per_call
 
