@@ -53,6 +53,7 @@ from fgrpo.samplers.kernels.sde import SDEKernel
 from fgrpo.samplers.kernels.wan_sde import WanSDEKernel
 from fgrpo.samplers.mixgrpo import MixGRPOSampler
 from fgrpo.samplers.ode import ODESampler
+from fgrpo.samplers.tempflow import TempFlowSampler
 from fgrpo.worlds.driving.closed_loop import ClosedLoop, Rollout
 from fgrpo.worlds.driving.highway import HighwayEvaluator
 from fgrpo.worlds.driving.planner import TrajectoryPolicy
@@ -81,6 +82,7 @@ SAMPLERS: dict[str, type[Sampler]] = {
     "full": FullSampler,
     "mixgrpo": MixGRPOSampler,
     "ode": ODESampler,
+    "tempflow": TempFlowSampler,
 }
 REWARDS: dict[str, type[Reward]] = {
     "aesthetic": Aesthetic,
