@@ -127,8 +127,9 @@ def test_the_closed_loop_reports_its_pass_rate_overall_and_per_scenario_type():
     assert closed_loop.DIRECTIONS["pass_rate"] == "higher"
 
 
-def test_a_driving_reward_gives_each_sample_the_world_s_verdict():
-    reward = registry.load("reward", "driving-pdms")()
+@pytest.mark.parametrize("name", ["driving-pdms", "driving-rollout"])
+def test_a_driving_reward_gives_each_sample_the_world_s_verdict(name):
+    reward = registry.load("reward", name)()
     prompts, scenes = _scenes(["free", "stopped"])
     t = torch.arange(1, 9, dtype=torch.float32) * 0.5
     speeding = torch.stack([40.0 * t, torch.zeros(8)], -1)  # 40 m/s on a road whose limit is lower

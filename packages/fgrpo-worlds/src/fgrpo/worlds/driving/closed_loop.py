@@ -363,6 +363,7 @@ class Rollout:
                 "progress_ratio": result.progress,
                 "jerk_rms": result.jerk,
                 "mean_speed": result.mean_speed,
+                "passed": passes(result.collision, result.off_road, result.mean_speed, excess, result.jerk),
                 "category": [TYPES[int(k)] for k in start.kind],
                 "read": [
                     reading(

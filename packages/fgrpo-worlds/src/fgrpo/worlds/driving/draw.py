@@ -22,7 +22,7 @@ import fgrpo.worlds.driving.sim as sim
 from fgrpo.worlds.driving.world import CAR_LENGTH, Scene
 
 SCALE = 2  #: pixels per pixel of the first pictures (192 x 72): a report shows these at their native width
-WIDTH, HEIGHT = 192 * SCALE, 72 * SCALE
+WIDTH, HEIGHT = 192 * SCALE, 48 * SCALE  #: a four-lane road (71 px at this scale) with room for plans beside it
 PROFILE = 36 * SCALE  #: the distance-against-time panel under a sample's road
 FRAME = 46 * SCALE  #: one closed-loop frame: a line of text over the road
 LABEL = 12  #: pixels of a frame's text line
