@@ -133,8 +133,17 @@ def test_a_driving_reward_gives_each_sample_the_world_s_verdict(name):
     prompts, scenes = _scenes(["free", "stopped"])
     t = torch.arange(1, 9, dtype=torch.float32) * 0.5
     speeding = torch.stack([40.0 * t, torch.zeros(8)], -1)  # 40 m/s on a road whose limit is lower
+    from fgrpo.worlds.driving.rewards import passes
+
     result = reward(torch.stack([speeding, speeding]), prompts, [{}, {}])
-    assert result.details["passed"].dtype == torch.bool and not result.details["passed"].any()
+    d = result.details
+    assert d["passed"].dtype == torch.bool
+    assert (
+        d["passed"].tolist()
+        == passes(d["collision"], d["off_road"], d["mean_speed"], d["speed_excess"], d["jerk_rms"]).tolist()
+    )
+    if name == "driving-pdms":  # the whole 4 s plan is judged: 40 m/s is far above the limit
+        assert not d["passed"].any()
 
 
 # --- charts ------------------------------------------------------------------------------------------

@@ -270,6 +270,7 @@ class DrivingTerm:
                 "progress_ratio": o.progress_ratio,
                 "jerk_rms": o.jerk_rms,
                 "mean_speed": o.mean_speed,
+                "speed_excess": o.speed_excess,
                 "passed": passes(o.collision, o.off_road, o.mean_speed, o.speed_excess, o.jerk_rms),
                 "category": [TYPES[int(k)] for k in o.scenes.kind],
                 "read": [_reading(o, b) for b in range(len(prompts))],
