@@ -8,6 +8,7 @@ import json
 import math
 
 import numpy as np
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -77,7 +78,8 @@ def test_shapes_edit_smoke_run_with_sources(root, tmp_path):
     assert tiles and all(t["sources"] == 1 for t in tiles)
     from PIL import Image
 
-    tile = Image.open(out / "samples" / "eval_000002" / tiles[0]["file"])
+    fixed = next(t for t in tiles if t["prompt"].split()[0] in ("make", "remove", "move"))  # a fixed target cell
+    tile = Image.open(out / "samples" / "eval_000002" / fixed["file"])
     assert tile.size == (4 * (24 + 1 + 24), 4 * 24)  # source, a white line, output, magnified 4x
     # the cells the instruction touches are outlined on the source and the output
     pixels = np.asarray(tile.convert("RGB"))
@@ -109,3 +111,22 @@ def test_resume_with_sources_is_exact(root, tmp_path):
 def test_fgrpo_check_is_exact_on_shapes_edit(root, capsys):
     assert cli.main(["check", str(root / "recipes" / "shapes-edit.yaml"), *TINY, "--tolerance", "0"]) == 0
     assert "on-policy check passed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("category", ["color", "remove", "move", "add", "count"])
+def test_the_marks_outline_the_target_cells_or_the_cells_an_add_or_count_changed(category):
+    from fgrpo.worlds.shapes.world import GRID, render_batch
+    from fgrpo.worlds.shapes_edit.verifier import evaluate
+    from fgrpo.worlds.shapes_edit.world import all_edits, edit_pair, scene_codes, touched_cells
+
+    rng = np.random.default_rng(0)
+    edit = all_edits(category)[0]
+    source, target = edit_pair(edit, rng)  # the correct result
+    marks = evaluate(render_batch([target]), [edit], [source])["marks"][0]
+    cells = {(round(y0 * GRID), round(x0 * GRID)) for x0, y0, _, _ in marks}
+    if category in ("add", "count"):  # any free cell may take the item: the ones the output changed
+        before, after = scene_codes(source), scene_codes(target)
+        changed = {(r, c) for r in range(GRID) for c in range(GRID) if before[r, c] != after[r, c]}
+        assert cells == changed and 0 < len(cells) < GRID * GRID
+    else:
+        assert cells == set(touched_cells(edit, source))

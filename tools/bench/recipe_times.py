@@ -7,9 +7,12 @@
 
 Each (recipe, thread count) is one ``fgrpo compose`` in a fresh process with ``OMP_NUM_THREADS``
 fixed (no governor), ``--iterations`` iterations and the recipe's own evaluation at the start and
-the end. The figures: the median seconds per iteration after the first ``--skip``, the median
-seconds per evaluation, and the set-up (the process's wall time less both). The whole recipe's
-time is estimated from them: set-up + iterations x median + evaluations x their median. Run it
+the end. The figures: the mean seconds per iteration after the first ``--skip`` (the mean, not
+the median: an iteration that does more now and then, as driving's closed-loop restarts every
+20, is part of the recipe's time; measure such a recipe over more iterations than its period),
+the median seconds per evaluation, and the set-up (the process's wall time less both). The
+whole recipe's time is estimated from them: set-up + iterations x that mean + evaluations x
+their median. Run it
 on an idle machine, alone: two torch processes on 2 cores slow each other several-fold
 (``tools/bench/contention.py`` measures by how much), and a figure taken beside other work says
 nothing about the recipe.
@@ -81,7 +84,7 @@ def measure(name: str, threads: int, iterations: int, skip: int) -> dict[str, fl
     evaluations = [r["time_eval_s"] for r in rows if "time_eval_s" in r]
     spent = sum(r.get("time_iteration_s", 0.0) + r.get("time_eval_s", 0.0) for r in rows)
     return {
-        "iteration_s": statistics.median(per_iteration),
+        "iteration_s": statistics.fmean(per_iteration),
         "eval_s": statistics.median(evaluations) if evaluations else 0.0,
         "setup_s": max(0.0, wall - spent),
     }

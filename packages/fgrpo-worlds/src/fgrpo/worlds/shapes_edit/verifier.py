@@ -42,7 +42,8 @@ def evaluate(
     untouched cells read as in the source), ``gold_preservation_error`` (mean |output - source| in
     0-255 over the untouched cells' pixels; 0 when the instruction touches every cell), ``clean``,
     ``category``, ``read``, ``passed`` (the world's pass rule: the edit done and every untouched
-    cell preserved) and ``marks`` (the touched cells as boxes, for the report to outline)."""
+    cell preserved) and ``marks`` (boxes for the report to outline: the cells a colour, remove or
+    move edit targets; the cells an add or count edit changed, which may be any free cell)."""
     if not (len(edits) == len(sources) == images.shape[0]):
         raise ValueError(f"{images.shape[0]} images, {len(edits)} edits, {len(sources)} sources")
     reading = read_cells(images, pixel_tolerance, glyph_tolerance)
@@ -55,8 +56,14 @@ def evaluate(
         codes = reading.codes[b].numpy()
         touched = touched_cells(edit, source)
         untouched = [c for c in ALL_CELLS if c not in touched]
-        marks.append([[col / GRID, row / GRID, (col + 1) / GRID, (row + 1) / GRID] for row, col in sorted(touched)])
         expected = scene_codes(source)
+        # an add or a count may use any free cell: outline the ones the output changed, not all nine
+        shown = (
+            touched
+            if edit.category in ("color", "remove", "move")
+            else {c for c in touched if codes[c] != expected[c]}
+        )
+        marks.append([[col / GRID, row / GRID, (col + 1) / GRID, (row + 1) / GRID] for row, col in sorted(shown)])
         same = [codes[c] == expected[c] for c in untouched]
         done.append(float(edit_done(edit, source, codes)))
         preserved.append(float(all(same)))
