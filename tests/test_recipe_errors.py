@@ -14,7 +14,8 @@ BAD = Path(__file__).parent / "bad_recipes"
 # file -> the error lines expected (substrings, one per reported error, in any order)
 EXPECTED = {
     "unknown_component.yaml": [
-        "sampler.name: unknown sampler 'ful' (did you mean 'full'?); available: fast, flash, full, mixgrpo, ode, tempflow"
+        "sampler.name: unknown sampler 'ful' (did you mean 'full'?); "
+        "available: fast, flash, full, mixgrpo, ode, tempflow"
     ],
     "wrong_type.yaml": ["train.iterations: expected an integer, got 'many'"],
     "missing_section.yaml": ["objective: missing required section"],
