@@ -344,3 +344,20 @@ __all__ = [
     "stochastic_steps",
     "with_final",
 ]
+
+
+def step_range_errors(keys: Mapping[str, Any], prefix: str, name: str) -> list[ConfigError]:
+    """A sampler's ``[low, high]`` range of step indices (``name``) within its ``steps``."""
+    given, steps = keys.get(name), keys.get("steps")
+    if given is None or steps is None or (len(given) == 2 and 0 <= given[0] < given[1] <= steps):
+        return []
+    return [
+        ConfigError(
+            key(prefix, name), f"got {list(given)!r}; allowed: [low, high] with 0 <= low < high <= steps ({steps})"
+        )
+    ]
+
+
+def drawn_range(given: Sequence[int] | None, default: tuple[int, int]) -> tuple[int, int]:
+    """[low, high) of a step drawn per rollout: the recipe's range, else ``default``."""
+    return default if given is None else (int(given[0]), int(given[1]))

@@ -29,11 +29,12 @@ from fgrpo.samplers.base import (
     GroupSampler,
     Plan,
     Step,
+    drawn_range,
     final_param,
-    key,
     kl_steps_param,
     randint,
     schedule_param,
+    step_range_errors,
 )
 
 
@@ -58,23 +59,12 @@ class FlashSampler(GroupSampler):
 
     @classmethod
     def check_keys(cls, keys: Mapping[str, Any], prefix: str = "sampler") -> list[ConfigError]:
-        errors = super().check_keys(keys, prefix)
-        given, steps = keys.get("step_range"), keys.get("steps")
-        if given is not None and steps is not None and (len(given) != 2 or not 0 <= given[0] < given[1] <= steps):
-            errors.append(
-                ConfigError(
-                    key(prefix, "step_range"),
-                    f"got {list(given)!r}; allowed: [low, high] with 0 <= low < high <= steps ({steps})",
-                )
-            )
-        return errors
+        return super().check_keys(keys, prefix) + step_range_errors(keys, prefix, "step_range")
 
     @property
     def bounds(self) -> tuple[int, int]:
         """[low, high): the stochastic step's candidates."""
-        if self.step_range is None:
-            return 0, max(self.steps // 2, 1)
-        return int(self.step_range[0]), int(self.step_range[1])
+        return drawn_range(self.step_range, (0, max(self.steps // 2, 1)))
 
     def program(self, sigmas: torch.Tensor, generator: torch.Generator | None) -> Plan:
         low, high = self.bounds

@@ -38,11 +38,12 @@ from fgrpo.samplers.base import (
     GroupSampler,
     Plan,
     Step,
+    drawn_range,
     final_param,
-    key,
     kl_steps_param,
     randint,
     schedule_param,
+    step_range_errors,
 )
 
 
@@ -80,23 +81,12 @@ class TempFlowSampler(GroupSampler):
 
     @classmethod
     def check_keys(cls, keys: Mapping[str, Any], prefix: str = "sampler") -> list[ConfigError]:
-        errors = super().check_keys(keys, prefix)
-        given, steps = keys.get("branch_range"), keys.get("steps")
-        if given is not None and steps is not None and (len(given) != 2 or not 0 <= given[0] < given[1] <= steps):
-            errors.append(
-                ConfigError(
-                    key(prefix, "branch_range"),
-                    f"got {list(given)!r}; allowed: [low, high] with 0 <= low < high <= steps ({steps})",
-                )
-            )
-        return errors
+        return super().check_keys(keys, prefix) + step_range_errors(keys, prefix, "branch_range")
 
     @property
     def bounds(self) -> tuple[int, int]:
         """[low, high): the branching step's candidates."""
-        if self.branch_range is None:
-            return 0, max(self.steps - 1, 1)
-        return int(self.branch_range[0]), int(self.branch_range[1])
+        return drawn_range(self.branch_range, (0, max(self.steps - 1, 1)))
 
     def program(self, sigmas: torch.Tensor, generator: torch.Generator | None) -> Plan:
         low, high = self.bounds
