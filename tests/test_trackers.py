@@ -154,22 +154,7 @@ def test_mlflow_resumes_its_run_and_takes_another_store(root, tmp_path, monkeypa
 
 def test_no_trackers_writes_no_events(root, tmp_path):
     out = tmp_path / "run"
-    assert (
-        cli.main(
-            [
-                "compose",
-                str(root / "recipes" / "vector.yaml"),
-                "--out",
-                str(out),
-                "--quiet",
-                "--set",
-                "train.iterations=1",
-                "--set",
-                "log.trackers=[]",
-            ]
-        )
-        == 0
-    )
+    assert cli.main([*_one_iteration(root, out), "--set", "log.trackers=[]"]) == 0
     assert not (out / "tensorboard").exists() and read_metrics(out)
 
 
