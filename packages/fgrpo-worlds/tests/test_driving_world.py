@@ -12,31 +12,10 @@ import torch
 from fgrpo.core import registry
 from fgrpo.core.config import check_params
 from fgrpo.worlds.driving import closed_loop, features, prompts, rewards, scenes, sim
+from fgrpo.worlds.driving.testing import constant_speed, custom
 from fgrpo.worlds.driving.world import CAR_LENGTH, HORIZON_STEPS, LANE_WIDTH, TYPES, Scene, generate, uniforms
 
 T = torch.arange(1, HORIZON_STEPS + 1, dtype=torch.float32) * 0.5
-
-
-def custom(name: str, lanes: int = 3, limit: float = 30.0, ego: tuple[int, float] = (1, 20.0), agents=()) -> str:
-    """Register a hand-made scene (the scenario-file format) under a prompt of its own."""
-    row = {
-        "type": "free",
-        "seed": 0,
-        "lanes": lanes,
-        "speed_limit": limit,
-        "ego": {"lane": ego[0], "speed": ego[1]},
-        "agents": [{"lane": lane, "x": x, "speed": v} for lane, x, v in agents],
-    }
-    problems = prompts._scenario_problems(row)
-    assert not problems, problems
-    _, scene = prompts._build([row])
-    prompt = f"free 0 t0 {name}"
-    scenes.register([prompt], scene)
-    return prompt
-
-
-def constant_speed(v: float, y: float = 0.0, n: int = 1) -> torch.Tensor:
-    return torch.stack([v * T, torch.full_like(T, y)], -1).expand(n, -1, -1).clone()
 
 
 def score(name: str, plans: torch.Tensor, prompt_list, **keys):

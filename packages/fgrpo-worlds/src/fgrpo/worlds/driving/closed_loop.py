@@ -35,6 +35,7 @@ from typing import Any, ClassVar
 import attrs
 import torch
 
+import fgrpo.worlds.driving.safety as safety
 import fgrpo.worlds.driving.scenes as scene_store
 import fgrpo.worlds.driving.sim as sim
 from fgrpo.core.config import ConfigError, param
@@ -181,10 +182,11 @@ def judge(start: Scene, steps: Sequence[Scene], seconds: float, snapshots: dict[
     )
 
 
-def policy_planner(generate: Callable[..., Any], tag: str, seed: int) -> Planner:
+def policy_planner(generate: Callable[..., Any], tag: str, seed: int, per_scene: int = 1) -> Planner:
     """A planner from an evaluation's ``generate(prompts, per_prompt, generator)``: each scene is
-    registered under ``"<type> <seed> t<round> <tag>"`` and generated like a prompt (one plan,
-    the noise seeded by (seed, tag, round): the same at every evaluation)."""
+    registered under ``"<type> <seed> t<round> <tag>"`` and generated like a prompt (one plan, or
+    ``per_scene`` plans (B, per_scene, T, 2); the noise seeded by (seed, tag, round): the same at
+    every evaluation)."""
 
     def plan(scenes: Scene, round_: int) -> torch.Tensor:
         names = [
@@ -192,10 +194,35 @@ def policy_planner(generate: Callable[..., Any], tag: str, seed: int) -> Planner
             for i, (k, s) in enumerate(zip(scenes.kind, scenes.seed, strict=True))
         ]
         scene_store.register(names, scenes)
-        plans = generate(names, 1, generator(seed, tag, round_))
-        return torch.as_tensor(plans).detach().float().cpu()
+        plans = torch.as_tensor(generate(names, per_scene, generator(seed, tag, round_))).detach().float().cpu()
+        return plans if per_scene == 1 else plans.reshape(len(scenes), per_scene, *plans.shape[1:])
 
     return plan
+
+
+def evaluation_planner(context: Any, tag: str, filter_value: Any) -> tuple[Planner, safety.Interventions | None]:
+    """The policy as an evaluation drives it: alone, or behind the safety filter an evaluator's
+    ``safety_filter`` sets (:mod:`fgrpo.worlds.driving.safety`), whose candidates are the very plan
+    the policy alone would execute, ``candidates - 1`` more draws and, with ``base``, the
+    behaviour-cloning base's plan (the policy's reference network)."""
+    own = policy_planner(context.generate, tag, context.seed)
+    chosen = safety.build(filter_value)
+    if chosen is None:
+        return own, None
+    more = policy_planner(context.generate, f"{tag}-more", context.seed, chosen.candidates - 1)
+    base = policy_planner(context.generate, f"{tag}-base", context.seed)
+
+    def candidates(scenes: Scene, round_: int) -> torch.Tensor:
+        plans = [own(scenes, round_)[:, None]]
+        if chosen.candidates > 1:
+            plans.append(more(scenes, round_))
+        if chosen.base:
+            with context.policy.reference():
+                plans.append(base(scenes, round_)[:, None])
+        return torch.cat(plans, 1)
+
+    tally = safety.Interventions()
+    return safety.filtered_planner(candidates, chosen, tally), tally
 
 
 def teacher_planner(scenes: Scene, _round: int) -> torch.Tensor:
@@ -259,6 +286,7 @@ class ClosedLoop:
     seconds: float = param(12.0, gt=0.0, le=20.0, help="length of each closed loop [s]")
     scenarios: int = param(0, ge=0, help="held-out scenarios driven; 0 = every test prompt")
     pictures: int = param(5, ge=0, help="closed loops drawn for the report (the first of each type first), as frames")
+    safety_filter: dict | None = param(None, validator=safety.validate, help=safety.HELP)
 
     directions = DIRECTIONS
     category_noun = "scenario type"
@@ -268,9 +296,9 @@ class ClosedLoop:
         prompts = list(context.prompts)
         prompts = prompts[: self.scenarios] if self.scenarios else prompts
         start = scene_store.scenes_for(prompts)
-        planner = policy_planner(context.generate, "cl", context.seed)
+        planner, tally = evaluation_planner(context, "cl", self.safety_filter)
         result = drive(planner, start, self.seconds, keep=frame_times(self.seconds, REPLAN) if self.pictures else ())
-        metrics = summarize(result, start.kind)
+        metrics = summarize(result, start.kind) | (tally.metrics() if tally is not None else {})
         return EvaluatorResult(metrics=metrics, pictures=pictures(result, prompts, self.pictures))
 
 

@@ -28,11 +28,12 @@ from typing import Any
 import attrs
 import torch
 
+import fgrpo.worlds.driving.safety as safety
 import fgrpo.worlds.driving.scenes as scene_store
 import fgrpo.worlds.driving.sim as sim
 from fgrpo.core.config import param
 from fgrpo.core.protocols import EvaluatorResult
-from fgrpo.worlds.driving.closed_loop import DIRECTIONS, LIMITS, REPLAN, Drive, pictures, policy_planner
+from fgrpo.worlds.driving.closed_loop import DIRECTIONS, LIMITS, REPLAN, Drive, evaluation_planner, pictures
 from fgrpo.worlds.driving.rewards import free_distance, speed_excess
 from fgrpo.worlds.driving.world import (
     HORIZON_STEPS,
@@ -217,6 +218,7 @@ class HighwayEvaluator:
     # every episode's seed, seed + episodes - 1 the last, names a scene (an int64 Scene.seed)
     seed: int = param(0, ge=0, le=MAX_SEED - MAX_EPISODES, help="the first episode's highway-env seed")
     pictures: int = param(2, ge=0, help="episodes drawn for the report (their executed paths)")
+    safety_filter: dict | None = param(None, validator=safety.validate, help=safety.HELP)
 
     directions = DIRECTIONS
     category_noun = "scenario type"
@@ -228,11 +230,12 @@ class HighwayEvaluator:
         try:
             for env, episode in zip(envs, episodes, strict=True):
                 env.reset(seed=episode)
-            planner = policy_planner(context.generate, "highway", context.seed)
+            planner, tally = evaluation_planner(context, "highway", self.safety_filter)
             result = drive_highway(planner, envs, episodes, self.seconds)
         finally:
             for env in envs:
                 env.close()
         metrics = {name: values.float().mean().item() for name, values in result.metrics().items()}
+        metrics |= tally.metrics() if tally is not None else {}
         names = [scene_store.prompt_of(KIND, e, 0.0, "highway") for e in episodes]
         return EvaluatorResult(metrics=metrics, pictures=pictures(result, names, self.pictures))
