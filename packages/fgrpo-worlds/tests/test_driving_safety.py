@@ -103,12 +103,12 @@ def test_bad_filter_keys_are_one_line(value, message):
     assert message in str(raised.value) and "\n" not in str(raised.value)
 
 
-def _context(generate, policy):
+def _context(generate, policy, prompts=()):
     from fgrpo.core.protocols import EvalContext
 
     return EvalContext(
         policy=policy,
-        prompts=[],
+        prompts=list(prompts),
         metadata=lambda p: {},
         generate=generate,
         samples=None,
@@ -173,3 +173,54 @@ def test_the_closed_loop_with_the_filter_keeps_clear_of_a_stopped_car():
     )
     assert alone.collision.item() and not filtered.collision.item()
     assert tally.braked >= 1 and tally.replannings == 12
+
+
+# --- shadow mode ---------------------------------------------------------------------------------
+
+
+def test_shadow_metrics_by_hand():
+    """A plan that is the driver's path has ADE = FDE = 0; one 1 m to its left everywhere 1 m; the
+    plan that holds 20 m/s into a stopped car 50 m ahead would collide, the driver who stops not."""
+    from fgrpo.worlds.driving import shadow
+
+    s = scene_of(custom("shadow-wall", agents=[(1, 50.0, 0.0)]))
+    stop = safety.braking_plan(s, 5.0)
+    same = shadow.shadow_metrics(stop.clone(), stop, s)
+    assert same["ade"].item() == 0.0 and same["fde"].item() == 0.0 and same["collision"].item() == 0.0
+    left = stop + torch.tensor([0.0, 1.0])
+    assert shadow.shadow_metrics(left, stop, s)["ade"].item() == pytest.approx(1.0, abs=1e-6)
+    fast = shadow.shadow_metrics(constant_speed(20.0), stop, s)
+    assert fast["collision"].item() == 1.0 and fast["ttc_under_2s"].item() == 1.0
+    assert fast["driver_collision"].item() == 0.0
+    assert fast["fde"].item() == pytest.approx(80.0 - stop[0, -1, 0].item(), abs=1e-4)
+
+
+def test_shadow_mode_of_the_teacher_beside_its_own_logs_disagrees_by_nothing():
+    """The teacher as the planner (its own plan from each scene the evaluator registers) beside
+    the teacher's logs: ADE 0 to rounding, its would-be figures the driver's, per scenario type."""
+    from fgrpo.worlds.driving import shadow
+
+    prompts = [scenes.prompt_of(kind, 1_000_000 + i) for i, kind in enumerate(["stopped", "cut-in"])]
+
+    def generate(names, per_prompt, _g):
+        return scenes.teacher_plans(list(names))
+
+    evaluator = shadow.ShadowEvaluator(times=[0.0, 2.5])
+    metrics = evaluator(_context(generate, _Reference(), prompts)).metrics
+    assert metrics["ade"] == pytest.approx(0.0, abs=1e-4) and metrics["fde"] == pytest.approx(0.0, abs=1e-4)
+    assert metrics["collision"] == metrics["driver_collision"]
+    assert metrics["ttc_under_2s"] == metrics["driver_ttc_under_2s"]
+    assert {"ade/stopped", "ade/cut-in"} <= set(metrics)
+
+
+def test_shadow_mode_in_highway_env_records_its_idm_drivers_path():
+    """highway-env's IDM ego drives; every 0.5 s a scene and the 4 s the driver went on, in that
+    scene's ego frame (forward, at about its speed)."""
+    pytest.importorskip("highway_env")
+    from fgrpo.worlds.driving import shadow
+
+    start, driven = shadow.highway_drives(episodes=1, seed=3, seconds=5.0, lanes=3, vehicles=5)
+    assert len(start) == 2 and start.t.tolist() == [0.0, 0.5] and driven.shape == (2, 8, 2)
+    speed = start.ego[0, 3].item()
+    assert driven[0, 0, 0].item() == pytest.approx(0.5 * speed, rel=0.2)  # half a second at about its speed
+    assert torch.all(driven[:, 1:, 0] > driven[:, :-1, 0])
