@@ -192,7 +192,7 @@ def test_the_model_recipes_cover_every_model_section(root):
         return yaml.safe_dump(yaml.safe_load((root / "recipes" / f"{name}.yaml").read_text())["model"], sort_keys=True)
 
     flow_grpo = [n for n, e in TABLE["recipes"].items() if e["reference"]["source"] == "flow_grpo"]
-    pref_grpo = [n for n, e in TABLE["recipes"].items() if e["reference"]["source"] == "pref_grpo" and "flux" in n]
+    pref_grpo = [n for n, e in TABLE["recipes"].items() if e["reference"]["source"] == "pref_grpo"]
     assert {section(n) for n in flow_grpo + pref_grpo} == {section(n) for n in MODEL_RECIPES}
 
 
