@@ -41,16 +41,20 @@ RECIPES = [
     "sd35m-awm-ocr",
     "sd35m-awm-pickscore",
     "sd35m-pref-grpo",
+    "flux-pref-grpo",
 ]
 
 
 def stand_in_datasets(folder):
     """flow_grpo's layout: text prompts for OCR and PickScore, GenEval's metadata JSONL; Flow-Factory's
-    t2is (JSONL prompts) and sharegpt4o_image_mini (JSONL rows naming an image in images/)."""
+    t2is (JSONL prompts) and sharegpt4o_image_mini (JSONL rows naming an image in images/); Pref-GRPO's
+    data/unigenbench_train_data.txt."""
     for task in ("ocr", "pickscore"):
         (folder / "dataset" / task).mkdir(parents=True)
         for split in ("train", "test"):
             (folder / "dataset" / task / f"{split}.txt").write_text('a sign that says "fgrpo"\na cat on a mat\n')
+    (folder / "data").mkdir()  # Pref-GRPO's prompt file
+    (folder / "data" / "unigenbench_train_data.txt").write_text("a whale over the Forbidden City\na cat on a mat\n")
     (folder / "dataset" / "geneval").mkdir(parents=True)
     row = {
         "prompt": "a photo of a cat",

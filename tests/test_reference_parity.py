@@ -19,6 +19,7 @@ import yaml
 
 from fgrpo.core import cli, parity, registry
 from fgrpo.core import recipe as recipe_mod
+from fgrpo.models.lora import LORA_INITS
 from test_real_recipes import stand_in_datasets
 
 TABLE = parity.load_table()
@@ -154,6 +155,7 @@ def tiny_pipeline(backbone: str):
 MODEL_RECIPES = [
     "sd35m-ocr",
     "flux-pickscore",
+    "flux-pref-grpo",
     "qwen-image-pickscore",
     "wan-ocr",
     "flux-kontext-counting-edit",
@@ -181,16 +183,17 @@ def sample_prompt(policy):
 
 
 def test_the_model_recipes_cover_every_model_section(root):
-    """Every flow_grpo recipe's model section is built below. The Flow-Factory and UniRL recipes'
-    backbones (FLUX.2, Z-Image, Wan 2.2, HunyuanVideo 1.5) are checked against their pipelines by
-    their conformance classes (packages/fgrpo-models/tests), their LoRA rank, alpha, init and
-    targets by the table."""
+    """Every flow_grpo recipe's model section is built below (and Pref-GRPO's FLUX one). The Flow-Factory
+    and UniRL recipes' backbones (FLUX.2, Z-Image, Wan 2.2, HunyuanVideo 1.5) are checked against their
+    pipelines by their conformance classes (packages/fgrpo-models/tests), their LoRA rank, alpha, init
+    and targets by the table."""
 
     def section(name):
         return yaml.safe_dump(yaml.safe_load((root / "recipes" / f"{name}.yaml").read_text())["model"], sort_keys=True)
 
     flow_grpo = [n for n, e in TABLE["recipes"].items() if e["reference"]["source"] == "flow_grpo"]
-    assert {section(n) for n in flow_grpo} == {section(n) for n in MODEL_RECIPES}
+    pref_grpo = [n for n, e in TABLE["recipes"].items() if e["reference"]["source"] == "pref_grpo"]
+    assert {section(n) for n in flow_grpo + pref_grpo} == {section(n) for n in MODEL_RECIPES}
 
 
 @pytest.fixture(scope="module", params=MODEL_RECIPES)
@@ -217,7 +220,7 @@ def reference_adapter(backbone: str, values):
     config = LoraConfig(
         r=values["lora_rank"]["value"],
         lora_alpha=values["lora_alpha"]["value"],
-        init_lora_weights=values["lora_init"]["value"],
+        init_lora_weights=LORA_INITS[values["lora_init"]["value"]],
         target_modules=values["lora_targets"]["value"],
     )
     return get_peft_model(transformer, config).base_model.model
@@ -236,7 +239,9 @@ def adapted(module) -> dict[str, int]:
 
 def test_lora_is_placed_and_initialised_as_the_references(built):
     """Issue 21, items 3 and 4: the same modules (exact names: not SD3.5's attn2, not Wan's
-    feed-forward) with the same parameter count, and A drawn N(0, 1/r) as peft's gaussian init."""
+    feed-forward) with the same parameter count, and A drawn N(0, 1/r) as peft's gaussian init, or
+    (Pref-GRPO's init_lora_weights=True) uniform in +-1/sqrt(fan_in) as peft's default (kaiming_uniform_
+    with a = sqrt(5)), std 1/sqrt(3 fan_in)."""
     name, checked, values, policy = built
     ours, theirs = adapted(policy.transformer), adapted(reference_adapter(checked["name"], values))
     assert ours == theirs, name
@@ -245,10 +250,21 @@ def test_lora_is_placed_and_initialised_as_the_references(built):
             ".attn2." in n for n, _ in policy.transformer.named_modules()
         )
     rank = values["lora_rank"]["value"]
-    a = torch.cat([p.detach().flatten() for n, p in policy.transformer.named_parameters() if "lora_A" in n])
-    b = torch.cat([p.detach().flatten() for n, p in policy.transformer.named_parameters() if "lora_B" in n])
-    assert math.isclose(float(a.std()), 1 / rank, rel_tol=0.1) and abs(float(a.mean())) < 0.2 / rank
+    named = dict(policy.transformer.named_parameters())
+    b = torch.cat([p.detach().flatten() for n, p in named.items() if "lora_B" in n])
     assert torch.count_nonzero(b) == 0  # starts as the base model
+    if values["lora_init"]["value"] == "gaussian":
+        a = torch.cat([p.detach().flatten() for n, p in named.items() if "lora_A" in n])
+        assert math.isclose(float(a.std()), 1 / rank, rel_tol=0.1) and abs(float(a.mean())) < 0.2 / rank
+        return
+    assert values["lora_init"]["value"] == "default", name
+    by_fan_in: dict[int, list[torch.Tensor]] = {}
+    for n, p in named.items():
+        if "lora_A" in n:
+            by_fan_in.setdefault(p.shape[1], []).append(p.detach().flatten())
+    for fan_in, parts in by_fan_in.items():
+        a, bound = torch.cat(parts), 1 / math.sqrt(fan_in)
+        assert float(a.abs().max()) <= bound and math.isclose(float(a.std()), bound / math.sqrt(3), rel_tol=0.1)
 
 
 def test_text_is_encoded_to_the_references_length(built):

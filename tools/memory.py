@@ -278,8 +278,9 @@ def estimate(data: Mapping[str, Any], gpus: int) -> dict[str, Any]:
 
 
 def _trained_steps(sampler: Mapping[str, Any]) -> int:
-    if sampler["name"] == "full":
-        return max(1, int(sampler.get("steps", 10) * sampler.get("timestep_fraction", 0.99)))
+    if sampler["name"] == "full":  # ignore_last: the fraction of all steps but the last
+        pool = sampler.get("steps", 10) - (1 if sampler.get("ignore_last") else 0)
+        return max(1, int(pool * sampler.get("timestep_fraction", 0.99)))
     if sampler["name"] in ("fast", "mixgrpo"):
         return int(sampler.get("window", 2))
     return max(1, int(sampler.get("last", sampler.get("steps", 1))))

@@ -40,6 +40,20 @@ class TestFullDanceRandomSubset(SamplerConformance):
     }
 
 
+class TestFullPrefGRPO(SamplerConformance):
+    """Pref-GRPO's FLUX choice: shared initial noise, a random 60% of all steps but the last."""
+
+    sampler_name = "full"
+    sampler_params = {
+        "steps": 6,
+        "timestep_fraction": 0.6,
+        "random_subset": True,
+        "ignore_last": True,
+        "share_noise": True,
+        "final": "x0",
+    }
+
+
 class TestFullCPSSharedNoise(SamplerConformance):
     sampler_name = "full"
     sampler_params = {"steps": 6, "kernel": "cps", "share_noise": True}

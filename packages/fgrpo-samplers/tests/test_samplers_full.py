@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from fgrpo.core import registry
@@ -114,3 +115,61 @@ def test_final_ode_makes_the_last_step_deterministic_and_untrained(make_policy):
         policy, ["a"], 2, generator=gen(2)
     )
     assert default.info["final"] == "sample" and torch.equal(default.final, default.next_latents[:, -1])
+
+
+def reference_trained_steps(steps: int, fraction: float, keys: torch.Tensor) -> list[list[int]]:
+    """Pref-GRPO's (and DanceGRPO's) choice, written as its train_flux.py does it (:622-689): the
+    rollout's last step is sliced off (``[:, :-1]``), each sample permutes the remaining steps
+    (``perms[i]``, here the argsort of ``keys``) and trains the first ``int(len * fraction)``."""
+    kept = list(range(steps))[:-1]
+    train_timesteps = int(len(kept) * fraction)
+    rows = []
+    for row in keys:
+        perm = row.argsort().tolist()
+        rows.append(sorted(kept[j] for j in perm[:train_timesteps]))
+    return rows
+
+
+def test_ignore_last_trains_int_of_the_other_steps_as_pref_grpo(policy):
+    # Pref-GRPO's FLUX script: 25 steps, fraction 0.6, the last step sliced off: int(24 x 0.6) = 14
+    # steps of 0..23 per sample (without ignore_last: int(25 x 0.6) = 15 of 0..24)
+    sampler = registry.create("sampler", "full", steps=25, timestep_fraction=0.6, random_subset=True, ignore_last=True)
+    assert sampler.num_trained == 14
+    traj = sampler.rollout(policy, ["a", "b"], 3, generator=gen(4))
+    rows = traj.step_index.tolist()
+    assert all(len(set(r)) == 14 and max(r) <= 23 for r in rows)
+    assert traj.nfe == 25 * 6  # the last step is still sampled
+    # the same draw as the reference's permutation of the 24 kept steps
+    ours = sampler.trained_steps(list(range(25)), 6, gen(9))
+    keys = torch.rand((6, 24), generator=gen(9))  # the keys our draw makes: one per kept step
+    assert ours.tolist() == reference_trained_steps(25, 0.6, keys)
+    plain = registry.create("sampler", "full", steps=25, timestep_fraction=0.6, random_subset=True)
+    assert plain.num_trained == 15
+
+
+def test_ignore_last_draws_every_kept_step_equally_often(policy):
+    sampler = registry.create("sampler", "full", steps=25, timestep_fraction=0.6, random_subset=True, ignore_last=True)
+    drawn = sampler.trained_steps(list(range(25)), 4000, gen(3))
+    counts = torch.bincount(drawn.flatten(), minlength=25).double()
+    assert counts[24] == 0
+    expected = 4000 * 14 / 24  # each of 24 steps is in a uniform 14-subset with probability 14/24
+    sd = (4000 * (14 / 24) * (10 / 24)) ** 0.5
+    assert ((counts[:24] - expected).abs() < 5 * sd).all()
+
+
+def test_ignore_last_in_order_trains_the_first_steps(policy):
+    # without random_subset: the first int(9 x 0.6) = 5 steps of the 9 kept
+    sampler = registry.create("sampler", "full", steps=10, timestep_fraction=0.6, ignore_last=True)
+    assert sampler.rollout(policy, ["a"], 2, generator=gen()).step_index.tolist() == [[0, 1, 2, 3, 4]] * 2
+    # fraction 1: every step but the last (flow_grpo reaches the same with 0.99 on 10 steps)
+    every = registry.create("sampler", "full", steps=10, timestep_fraction=1.0, ignore_last=True)
+    assert every.rollout(policy, ["a"], 1, generator=gen()).step_index.tolist() == [list(range(9))]
+
+
+def test_ignore_last_refuses_a_fraction_that_trains_nothing():
+    from fgrpo.core.config import RecipeError
+
+    with pytest.raises(RecipeError, match=r"int\(3 \* 0.3\) = 0 trained steps.*>= 0.333333 for 3 trainable"):
+        registry.create("sampler", "full", steps=4, timestep_fraction=0.3, ignore_last=True)
+    with pytest.raises(RecipeError, match="sampler.ignore_last: got true with steps 1"):
+        registry.create("sampler", "full", steps=1, timestep_fraction=1.0, ignore_last=True)

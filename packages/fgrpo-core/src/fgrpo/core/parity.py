@@ -91,12 +91,16 @@ def _optimizer_steps(data: Mapping[str, Any], processes: int) -> int:
 
 def _trained_steps(data: Mapping[str, Any], _processes: int) -> str:
     """Which steps are stochastic and trained, as text: "0-8" (full), "window 2 at 3-4" or
-    "window 2, start 0-3" (fast), "random 6 of 16" (full, random subset)."""
+    "window 2, start 0-3" (fast), "random 6 of 16" (full, random subset), "random 14 of 0-23"
+    (full, random subset of all steps but the last: ignore_last)."""
     sampler = data["sampler"]
     steps = sampler["steps"]
     if sampler["name"] == "full":
-        n = int(steps * sampler["timestep_fraction"])
-        return f"random {n} of {steps}" if sampler.get("random_subset") else f"0-{n - 1}"
+        pool = steps - 1 if sampler.get("ignore_last") else steps
+        n = int(pool * sampler["timestep_fraction"])
+        if not sampler.get("random_subset"):
+            return f"0-{n - 1}"
+        return f"random {n} of 0-{pool - 1}" if sampler.get("ignore_last") else f"random {n} of {steps}"
     if sampler["name"] == "fast":
         window = sampler["window"]
         low, high = sampler.get("window_range") or (0, max(steps // 2, window))
