@@ -199,3 +199,18 @@ def test_real_size_bench_reads_the_expected_peak_and_refuses_an_unknown_backbone
     assert bench.expected_peak(str(tmp_path / "e.json")) == 5.0
     assert bench.main(["--backbone", "no-such-model"]) == 2
     assert "--backbone: got 'no-such-model'; allowed: " in capsys.readouterr().err
+
+
+def test_memory_counts_the_sparse_samplers_trained_steps_as_it_trains(root):
+    """tools/memory.py's activations scale with the trained steps: for ``sparse`` the steps a
+    rollout of the sampler itself records (HunyuanVideo 1.5's recipe: 8 of 16)."""
+    import torch
+
+    from fgrpo.core.testing.toys import GaussianPolicy
+    from fgrpo.samplers.sparse import SparseSampler
+
+    memory = _load(root, "memory")
+    for keys in ({"steps": 16, "trained": 8, "step_range": [0, 9]}, {"steps": 6}, {"steps": 6, "step_range": [2, 5]}):
+        sampler = SparseSampler(**keys)
+        traj = sampler.rollout(GaussianPolicy(), ["a"], 2, generator=torch.Generator().manual_seed(0))
+        assert memory._trained_steps({"name": "sparse", **keys}) == traj.num_trained_steps, keys
