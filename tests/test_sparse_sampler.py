@@ -45,6 +45,13 @@ class TestSparseSamplerSharedNoiseSeeded(SamplerConformance):
     sampler_params = {"steps": 6, "trained": 2, "seed": 11, "share_noise": True}
 
 
+class TestSparseSamplerCPSToTheEnd(SamplerConformance):
+    """``cps`` has std 0 on its step to sigma' = 0: drawn there, that step is sampled, not trained."""
+
+    sampler_name = "sparse"
+    sampler_params = {"steps": 6, "trained": 2, "step_range": [3, 6], "kernel": "cps", "kl_steps": "all"}
+
+
 def unirl_sde_indices(num_timesteps, timestep_fraction, num_sde_steps, step):
     """UniRL's ``AllSDEScheduler.get_sde_indices`` (unirl/utils/scheduler_utils.py 86-124 @ 1a7b501)
     and ``resolve_sde_indices`` (unirl/types/sampling.py 127: sorted), written out again."""
