@@ -53,6 +53,7 @@ from fgrpo.samplers.kernels.sde import SDEKernel
 from fgrpo.samplers.kernels.wan_sde import WanSDEKernel
 from fgrpo.samplers.mixgrpo import MixGRPOSampler
 from fgrpo.samplers.ode import ODESampler
+from fgrpo.samplers.sparse import SparseSampler
 from fgrpo.samplers.tempflow import TempFlowSampler
 from fgrpo.worlds.driving.closed_loop import ClosedLoop, Rollout
 from fgrpo.worlds.driving.highway import HighwayEvaluator
@@ -82,6 +83,7 @@ SAMPLERS: dict[str, type[Sampler]] = {
     "full": FullSampler,
     "mixgrpo": MixGRPOSampler,
     "ode": ODESampler,
+    "sparse": SparseSampler,
     "tempflow": TempFlowSampler,
 }
 REWARDS: dict[str, type[Reward]] = {

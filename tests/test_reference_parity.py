@@ -127,6 +127,24 @@ def test_validate_against_reference_prints_the_table(root, datasets, monkeypatch
     assert "entries:" in capsys.readouterr().err
 
 
+def test_hunyuan_video_draws_unirls_sde_steps(root, datasets, monkeypatch):
+    """HunyuanVideo 1.5's recipe, built, draws at every iteration the SDE steps UniRL's
+    AllSDEScheduler draws from the reference config's own numbers (16 steps, timestep_fraction
+    [0.0, 0.6], num_sde_steps 8: yaml:155,175-176), the same for every sample, Euler elsewhere."""
+    from fgrpo.samplers.sparse import SparseSampler
+    from test_sparse_sampler import unirl_sde_indices
+
+    data = resolved(root, "hunyuan-video-1.5-pickscore", datasets, monkeypatch)
+    spec = dict(data["sampler"])
+    assert spec.pop("name") == "sparse"
+    sampler = SparseSampler(**spec)
+    for it in range(200):
+        sampler.advance(it)
+        assert sampler.state_dict()["drawn"] == unirl_sde_indices(16, (0.0, 0.6), 8, it), f"iteration {it}"
+    plan = sampler.program(torch.linspace(1.0, 0.0, 17), None)
+    assert [step.kernel.stochastic for step in plan.steps] == [i in plan.info["drawn"] for i in range(16)]
+
+
 # --- the recipes' models on tiny pipelines ------------------------------------------------------
 
 

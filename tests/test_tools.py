@@ -136,3 +136,81 @@ def test_recipe_times_measures_each_thread_count_and_writes_the_header_line(root
     # the estimate is set-up + iterations x pace + evaluations x their pace, from the recipe as shipped
     figures = {"iteration_s": 2.0, "eval_s": 10.0, "setup_s": 5.0}
     assert bench.whole(figures, (100, 11)) == 5.0 + 200.0 + 110.0
+
+
+# --- tools/gpu/bench_real_size.py: every backbone with a published config -----------------------
+
+
+def test_real_size_bench_builds_every_published_backbone_at_its_size(root):
+    """Each backbone whose policy declares a published transformer config is built from it at real
+    size (on the meta device: nothing allocated): every published key accepted, only the encoders'
+    widths taken from the tiny pipeline (a few parameters of the text projection), and the count
+    within 12% of the published figure (SD3.5-Medium's "2.5B" is its marketing round-up of 2.24B)."""
+    pytest.importorskip("diffusers")
+    import torch
+
+    bench = load_tool("gpu/bench_real_size.py")
+    backbones = bench.published_backbones()
+    assert {"sd3", "flux", "qwen-image", "wan"} <= set(backbones)
+    for name, (checkpoint, published) in backbones.items():
+        tiny = bench.tiny_builder(name)().transformer
+        config, taken = bench.real_config(published, tiny, shrink=False)
+        assert set(published.config) == set(config), f"{name}: published keys the class does not take"
+        assert set(taken) <= set(bench.STAND_IN_KEYS), name
+        assert all(config[k] == published.config[k] for k in set(config) - set(taken)), name
+        with torch.device("meta"):
+            count = sum(p.numel() for p in type(tiny)(**config).parameters())
+        assert abs(count / published.transformer - 1) < 0.12, f"{name} ({checkpoint}): {count / 1e9:.3f}B"
+
+
+def test_real_size_bench_runs_every_text_backbone_shrunk_on_the_cpu(root, tmp_path, capsys):
+    """``--all --shrink``: one line per setting of every text backbone (iteration phases, the floor,
+    the peak or why not, against the --expected-json figure), the editing ones said skipped."""
+    pytest.importorskip("diffusers")
+    import json
+
+    bench = load_tool("gpu/bench_real_size.py")
+    argv = ["--all", "--shrink", "--resolution", "64", "--frames", "5", "--group", "2", "--steps", "2"]
+    argv += ["--iterations", "1", "--repeats", "1", "--micro-batch", "2", "--settings", "nocfg"]
+    path = tmp_path / "expected.json"  # tools/memory.py --json's shape
+    path.write_text(json.dumps({"kinds": {"ddp": {"total": 3 * bench.GIB}}}))
+    assert bench.main([*argv, "--expected-json", str(path)]) == 0
+    out = capsys.readouterr().out
+    for name in bench.published_backbones():
+        if bench.needs_images(name):
+            assert f"{name}: skipped" in out
+            continue
+        line = next(line for line in out.splitlines() if line.startswith(f"{name}: "))
+        assert "(shrunk)" in line
+    ran = [line for line in out.splitlines() if line.strip().startswith("nocfg:")]
+    assert len(ran) == sum(not bench.needs_images(n) for n in bench.published_backbones())
+    assert all("phases, s: rollout" in line and "train" in line and "ratio" in line for line in ran)
+    assert all("expected 3.00 GiB" in line for line in ran)
+
+
+def test_real_size_bench_reads_the_expected_peak_and_refuses_an_unknown_backbone(root, tmp_path, capsys):
+    import json
+
+    bench = load_tool("gpu/bench_real_size.py")
+    for text, want in (("1073741824", 1.0), ('{"total": 2147483648}', 2.0), ('{"total_gib": 1.5}', 1.5)):
+        (tmp_path / "e.json").write_text(text)
+        assert bench.expected_peak(str(tmp_path / "e.json")) == want * bench.GIB
+    (tmp_path / "e.json").write_text(json.dumps({"kinds": {"ddp": {"total": 5.0}, "fsdp": {"total": 1.0}}}))
+    assert bench.expected_peak(str(tmp_path / "e.json")) == 5.0
+    assert bench.main(["--backbone", "no-such-model"]) == 2
+    assert "--backbone: got 'no-such-model'; allowed: " in capsys.readouterr().err
+
+
+def test_memory_counts_the_sparse_samplers_trained_steps_as_it_trains(root):
+    """tools/memory.py's activations scale with the trained steps: for ``sparse`` the steps a
+    rollout of the sampler itself records (HunyuanVideo 1.5's recipe: 8 of 16)."""
+    import torch
+
+    from fgrpo.core.testing.toys import GaussianPolicy
+    from fgrpo.samplers.sparse import SparseSampler
+
+    memory = _load(root, "memory")
+    for keys in ({"steps": 16, "trained": 8, "step_range": [0, 9]}, {"steps": 6}, {"steps": 6, "step_range": [2, 5]}):
+        sampler = SparseSampler(**keys)
+        traj = sampler.rollout(GaussianPolicy(), ["a"], 2, generator=torch.Generator().manual_seed(0))
+        assert memory._trained_steps({"name": "sparse", **keys}) == traj.num_trained_steps, keys

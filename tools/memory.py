@@ -283,6 +283,9 @@ def _trained_steps(sampler: Mapping[str, Any]) -> int:
         return max(1, int(pool * sampler.get("timestep_fraction", 0.99)))
     if sampler["name"] in ("fast", "mixgrpo"):
         return int(sampler.get("window", 2))
+    if sampler["name"] == "sparse":  # `trained` of step_range (null: the whole range, default [0, steps])
+        low, high = sampler.get("step_range") or (0, sampler.get("steps", 10))
+        return min(int(sampler.get("trained") or high - low), high - low)
     return max(1, int(sampler.get("last", sampler.get("steps", 1))))
 
 

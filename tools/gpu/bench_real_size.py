@@ -1,15 +1,22 @@
 #!/usr/bin/env python
 """fgrpo iterations at real model size, against the floor their network evaluations imply.
 
-    python tools/gpu/bench_real_size.py                 # SD3.5-Medium-size transformer, 512 px
-    python tools/gpu/bench_real_size.py --flux          # FLUX.1-dev-size transformer
-    python tools/gpu/bench_real_size.py --small --resolution 64 --group 4 --steps 4   # a CPU check
+    python tools/gpu/bench_real_size.py                     # SD3.5-Medium-size transformer, 512 px
+    python tools/gpu/bench_real_size.py --backbone wan --frames 33   # any backbone with a published config
+    python tools/gpu/bench_real_size.py --all --expected-json peak.json   # every one, beside a memory figure
+    python tools/gpu/bench_real_size.py --all --shrink --resolution 64 --group 2 --steps 2   # a CPU check
 
-The transformer has the real architecture and random weights in bf16 (SD3.5-Medium: 24 joint
-blocks, 24 heads x 64, 13 dual-attention blocks, ~2.5B parameters; FLUX.1-dev: 19 + 38 blocks,
-24 heads x 128, ~12B); the text encoders are one-layer stand-ins with the real output widths (the
-prompt embeddings are cached after the first iteration anyway) and the VAE a small one with the
-real latent layout (16 channels, 8x down-sampling), so the seconds are the transformer's.
+Every backbone whose policy class declares a published transformer config (``published`` in
+``fgrpo.models.sizes``: today SD3.5-Medium, FLUX.1-dev, Qwen-Image and Wan 2.1 1.3B, the editing
+and image-to-video backbones sharing them) is built from that config with random weights, in bf16
+on the GPU, inside the backbone's tiny pipeline (``fgrpo.models.testing.pipelines``), whose text
+encoders and VAE stand in: the prompt embeddings are cached after the first iteration anyway, so
+the seconds are the transformer's. The transformer takes its conditioning widths (the text
+projection's input, ``joint_attention_dim``/``text_dim``, the latent channels) from the tiny one:
+a few million parameters of one projection against billions (the counts are printed; the default
+suite checks each against the published figure). ``--shrink`` (``--small``) also takes the tiny
+sizes (layers, heads, widths) for a CPU check. Backbones whose prompts carry source images (the
+editing and image-to-video ones) are said skipped: their transformer is their text backbone's.
 
 For each setting (CFG 4.5 and no CFG; gradient checkpointing on and off) the script measures, in
 the same run: the cost of one NFE forward at the rollout's batch, one NFE forward at the
@@ -18,7 +25,10 @@ the update's batch, then full fgrpo iterations (group ``--group``, ``--steps`` S
 r32 on both attention streams, the first steps trained as flow_grpo's 0.99 fraction does, KL 0.04,
 the whole batch one optimizer step) with a cheap reward on the decoded images. It prints each
 iteration's time over its floor: rollout NFE x forward cost + trained NFE x forward+backward cost +
-reference NFE x no-grad cost (the target is <= 1.25).
+reference NFE x no-grad cost (the target is <= 1.25), the iteration's phases (rollout, train,
+model, reward, decode, overhead) and ``torch.cuda.max_memory_allocated`` over the setting beside the
+figure read from ``--expected-json`` (a number of bytes, ``{"total": bytes}``, ``{"total_gib": GiB}``
+or ``tools/memory.py --json``'s output, whose ``ddp`` total is the one-GPU figure).
 
 On the GPU machine (torch, transformers, peft, accelerate there; diffusers and fgrpo not):
 carry wheels as the device notes say (``.whl``: diffusers and its missing requirements), install
@@ -33,141 +43,144 @@ import sys
 import time
 from typing import Any
 
-
-def published_config(flux: bool) -> dict[str, Any]:
-    """The SD3.5-Medium or FLUX.1-dev transformer config as published, as the backbones declare it."""
-    if flux:
-        from fgrpo.models.flux import FluxPolicy
-
-        return dict(FluxPolicy.published["black-forest-labs/FLUX.1-dev"].config or {})
-    from fgrpo.models.sd3 import SD3Policy
-
-    return dict(SD3Policy.published["stabilityai/stable-diffusion-3.5-medium"].config or {})
+GIB = 1024**3
 
 
-def small(config: dict[str, Any], flux: bool) -> dict[str, Any]:
-    """The same architecture shrunk for a CPU check (2 layers, 2 heads x 16, narrow text)."""
-    out = dict(config, num_layers=2, attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32)
-    if flux:
-        out.update(num_single_layers=2, pooled_projection_dim=32, axes_dims_rope=(4, 6, 6))
-    else:
-        out.update(
-            caption_projection_dim=32, pooled_projection_dim=64, dual_attention_layers=(0,), pos_embed_max_size=64
-        )
-    return out
+#: conditioning widths of a transformer that must match its text encoders' and VAE's outputs: a
+#: real-size transformer takes them from the backbone's tiny pipeline (whose encoders stand in)
+STAND_IN_KEYS = (
+    "joint_attention_dim",
+    "pooled_projection_dim",
+    "text_dim",
+    "image_dim",
+    "in_channels",
+    "out_channels",
+)
+#: the size of a transformer: ``--shrink`` takes them from the backbone's tiny pipeline
+SIZE_KEYS = (
+    "num_layers",
+    "num_single_layers",
+    "num_refiner_layers",
+    "num_attention_heads",
+    "attention_head_dim",
+    "axes_dims_rope",
+    "rope_axes_dim",
+    "ffn_dim",
+    "caption_projection_dim",
+    "dual_attention_layers",
+    "pos_embed_max_size",
+    "rope_max_seq_len",
+    "sample_size",
+)
 
 
-def tokenizers() -> tuple[Any, Any]:
-    """The offline CLIP and T5 tokenizer builders of fgrpo's testing modules."""
-    import importlib
-
-    for name in ("fgrpo.models.testing.pipelines", "fgrpo.models.testing"):
-        try:
-            module = importlib.import_module(name)
-        except ImportError:
-            continue
-        if hasattr(module, "tiny_t5_tokenizer"):
-            return module.tiny_clip_tokenizer, module.tiny_t5_tokenizer
-    raise SystemExit("fgrpo's tiny tokenizer builders are not installed (fgrpo-models)")
-
-
-def text_stack(flux: bool, width: int, pooled: int) -> dict[str, Any]:
-    """One-layer CLIP(s) and T5 with the real output widths, and tokenizers built offline."""
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config, T5EncoderModel
-
-    tiny_clip_tokenizer, tiny_t5_tokenizer = tokenizers()
-
-    def clip(hidden: int, projection: int | None) -> Any:
-        cfg = CLIPTextConfig(
-            bos_token_id=512,
-            eos_token_id=513,
-            pad_token_id=513,
-            hidden_size=hidden,
-            intermediate_size=2 * hidden,
-            num_attention_heads=max(1, hidden // 64),
-            num_hidden_layers=1,
-            vocab_size=514,
-            max_position_embeddings=77,
-            projection_dim=projection or hidden,
-        )
-        return CLIPTextModelWithProjection(cfg) if projection else CLIPTextModel(cfg)
-
-    t5 = T5EncoderModel(
-        T5Config(
-            vocab_size=98,
-            d_model=width,
-            d_kv=64,
-            d_ff=2 * width,
-            num_layers=1,
-            num_heads=max(1, width // 64),
-            relative_attention_num_buckets=8,
-            pad_token_id=0,
-            eos_token_id=1,
-        )
-    )
-    if flux:
-        return dict(
-            text_encoder=clip(pooled, None),
-            tokenizer=tiny_clip_tokenizer(),
-            text_encoder_2=t5,
-            tokenizer_2=tiny_t5_tokenizer(),
-        )
-    # SD3: the pooled vector is [CLIP-L, CLIP-G] projections; their hidden states are padded to width
-    half = pooled // 2
-    return dict(
-        text_encoder=clip(half, half),
-        tokenizer=tiny_clip_tokenizer(),
-        text_encoder_2=clip(pooled - half, pooled - half),
-        tokenizer_2=tiny_clip_tokenizer(),
-        text_encoder_3=t5,
-        tokenizer_3=tiny_t5_tokenizer(),
-    )
-
-
-def build_pipeline(flux: bool, shrink: bool, dtype: Any) -> Any:
-    import diffusers
-    import torch
-
-    config = published_config(flux)
-    if shrink:
-        config = small(config, flux)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        if flux:
-            transformer = diffusers.FluxTransformer2DModel(**config)
-        else:
-            transformer = diffusers.SD3Transformer2DModel(**config)
-    transformer.to(dtype)
-    vae = diffusers.AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4,
-        block_out_channels=(32, 32, 32, 32),
-        layers_per_block=1,
-        latent_channels=16,
-        norm_num_groups=8,
-        scaling_factor=1.5305,
-        shift_factor=0.0609,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-    )
-    width = config["joint_attention_dim"]
-    pooled = config["pooled_projection_dim"]
-    parts = text_stack(flux, width, pooled)
-    if flux:
-        scheduler = diffusers.FlowMatchEulerDiscreteScheduler(
-            shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15
-        )
-        return diffusers.FluxPipeline(transformer=transformer, scheduler=scheduler, vae=vae, **parts)
-    return diffusers.StableDiffusion3Pipeline(
-        transformer=transformer, scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae, **parts
-    )
-
-
-def make_policy(pipe: Any, flux: bool, keys: dict[str, Any]) -> Any:
+def published_backbones() -> dict[str, tuple[str, Any]]:
+    """Every installed backbone whose policy class declares a published transformer config:
+    model name -> (checkpoint, its ``Published``), the first such checkpoint of each."""
     from fgrpo.core import registry
 
-    return registry.load("model", "flux" if flux else "sd3").from_pipeline(pipe, **keys)
+    found = {}
+    for name in registry.names("model"):
+        try:
+            cls = registry.load("model", name)
+        except registry.ComponentError:
+            continue
+        for checkpoint, published in (getattr(cls, "published", None) or {}).items():
+            if published.config:
+                found[name] = (checkpoint, published)
+                break
+    return dict(sorted(found.items()))
+
+
+def tiny_builder(backbone: str) -> Any:
+    """The backbone's tiny pipeline builder (``fgrpo.models.testing.pipelines``), named after it."""
+    from fgrpo.models.testing import pipelines
+
+    kind, options = BUILDERS.get(backbone, (backbone.replace("-", "_"), {}))
+    builders = pipelines.builders()
+    if kind not in builders:
+        raise SystemExit(
+            f"bench_real_size: no tiny pipeline builder for {backbone!r} (builders: {', '.join(builders)})"
+        )
+    return lambda: builders[kind](**options)
+
+
+#: backbones whose tiny builder is not named after them, or takes options: model -> (kind, options)
+BUILDERS: dict[str, tuple[str, dict[str, Any]]] = {
+    "sd3": ("sd3", {"sd35": True}),  # SD3.5's dual-attention blocks, as the published SD3.5-Medium config
+    "wan-i2v": ("wan22_i2v", {}),
+    "qwen-image-edit-plus": ("qwen_image_edit", {"plus": True}),
+}
+
+
+def real_config(published: Any, tiny: Any, shrink: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the transformer config to build, the keys taken from the tiny pipeline's transformer): the
+    published config with the stand-in encoders' widths, and with ``shrink`` the tiny sizes."""
+    import inspect
+
+    accepted = set(inspect.signature(type(tiny).__init__).parameters) - {"self"}
+    tiny_config = dict(tiny.config)
+    config = {k: v for k, v in dict(published.config).items() if k in accepted}
+    taken = {
+        k: tiny_config[k] for k in STAND_IN_KEYS if k in config and k in tiny_config and config[k] != tiny_config[k]
+    }
+    if shrink:
+        taken.update({k: tiny_config[k] for k in SIZE_KEYS if k in tiny_config and k in accepted})
+    return {**config, **taken}, taken
+
+
+def build_pipeline(backbone: str, shrink: bool, dtype: Any) -> tuple[Any, dict[str, Any]]:
+    """The backbone's tiny pipeline (its text encoders and VAE stand in) with a transformer of the
+    published architecture (random weights, built on the GPU when there is one), and the config
+    keys taken from the tiny one."""
+    import torch
+
+    _, published = published_backbones()[backbone]
+    pipe = tiny_builder(backbone)()
+    config, taken = real_config(published, pipe.transformer, shrink)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        transformer = type(pipe.transformer)(**config)
+    transformer.to(dtype)
+    pipe.register_modules(transformer=transformer)
+    if getattr(pipe, "transformer_2", None) is not None:  # a second expert (Wan 2.2): the same architecture
+        with torch.device(transformer.device):
+            pipe.register_modules(transformer_2=type(transformer)(**config).to(dtype))
+    return pipe, taken
+
+
+def model_keys(backbone: str, dtype: Any, args: Any, guidance: float, checkpointing: bool) -> dict[str, Any]:
+    """The backbone's recipe keys for one setting (the guidance key it has; frames for video)."""
+    import attrs
+
+    from fgrpo.core import registry
+
+    fields = {f.name for f in attrs.fields(registry.load("model", backbone))}
+    keys: dict[str, Any] = dict(
+        dtype=str(dtype).replace("torch.", ""),
+        resolution=args.resolution,
+        gradient_checkpointing=checkpointing,
+        lora={"rank": 32, "alpha": 64, "init": "gaussian"},
+    )
+    keys["true_cfg_scale" if "true_cfg_scale" in fields else "guidance_scale"] = guidance  # FLUX.1-dev: true CFG
+    if args.frames is not None and "num_frames" in fields:
+        keys["num_frames"] = args.frames
+    return keys
+
+
+def expected_peak(path: str | None) -> float | None:
+    """The expected peak in bytes from ``--expected-json``: a number, ``{"total": bytes}``,
+    ``{"total_gib": GiB}`` or ``tools/memory.py --json``'s ``{"kinds": {"ddp": {"total": ...}}}``."""
+    if path is None:
+        return None
+    import json
+    from pathlib import Path
+
+    data = json.loads(Path(path).read_text())
+    if isinstance(data, dict) and "kinds" in data:
+        data = data["kinds"]["ddp"]
+    if isinstance(data, dict):
+        return float(data["total"]) if "total" in data else float(data["total_gib"]) * 1024**3
+    return float(data)
 
 
 def per_nfe_costs(policy: Any, rollout_rows: int, train_rows: int, repeats: int) -> dict[str, float]:
@@ -214,9 +227,12 @@ def per_nfe_costs(policy: Any, rollout_rows: int, train_rows: int, repeats: int)
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--flux", action="store_true", help="a FLUX.1-dev-size transformer instead of SD3.5-Medium")
-    parser.add_argument("--small", action="store_true", help="shrink the architecture (a CPU check of the script)")
+    parser.add_argument("--backbone", default="sd3", help="a model name (fgrpo plugins) with a published config")
+    parser.add_argument("--all", action="store_true", help="every backbone with a published config, one after another")
+    parser.add_argument("--flux", action="store_true", help="the same as --backbone flux")
+    parser.add_argument("--shrink", "--small", action="store_true", help="the tiny sizes (a CPU check of the script)")
     parser.add_argument("--resolution", type=int, default=512)
+    parser.add_argument("--frames", type=int, default=None, help="frames of a video backbone (null: its default)")
     parser.add_argument("--group", type=int, default=16)
     parser.add_argument("--prompts", type=int, default=1, help="prompt groups per iteration")
     parser.add_argument("--steps", type=int, default=10)
@@ -224,8 +240,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iterations", type=int, default=3, help="timed iterations per setting (after one warm-up)")
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per per-NFE cost")
     parser.add_argument("--settings", default="cfg,nocfg,cfg+ckpt,nocfg+ckpt")
+    parser.add_argument(
+        "--expected-json",
+        default=None,
+        help="the expected peak (e.g. fgrpo memory's JSON) to print beside the measured",
+    )
     args = parser.parse_args(argv)
+    known = published_backbones()
+    backbones = list(known) if args.all else ["flux" if args.flux else args.backbone]
+    for backbone in backbones:
+        if backbone not in known:
+            print(f"bench_real_size: --backbone: got {backbone!r}; allowed: {', '.join(known)}", file=sys.stderr)
+            return 2
+    for backbone in backbones:
+        bench(backbone, args)
+    return 0
 
+
+def needs_images(backbone: str) -> bool:
+    from fgrpo.core import registry
+
+    return registry.load("model", backbone).source_image_count[0] > 0
+
+
+def bench(backbone: str, args: Any) -> None:
+    """Every setting of ``args.settings`` on one backbone: per-NFE costs, iterations, the peak."""
     import torch
     from rich.console import Console
 
@@ -233,43 +272,43 @@ def main(argv: list[str] | None = None) -> int:
     from fgrpo.core.building import build_run
     from fgrpo.core.trainer import iteration
 
+    checkpoint = published_backbones()[backbone][0]
+    if needs_images(backbone):  # the bench's prompts are text: its transformer is timed as its text backbone's
+        print(f"{backbone}: skipped (its prompts carry source images); its transformer is {checkpoint}'s")
+        return
     cuda = torch.cuda.is_available()
     dtype = torch.bfloat16 if cuda else torch.float32
     print(
-        f"{'FLUX.1-dev' if args.flux else 'SD3.5-Medium'}-size transformer{' (shrunk)' if args.small else ''}, "
+        f"{backbone}: {checkpoint}-size transformer{' (shrunk)' if args.shrink else ''}, "
         f"{args.resolution} px, group {args.group} x {args.prompts} prompt(s), {args.steps} steps, LoRA r32, "
         f"{torch.cuda.get_device_name() if cuda else 'CPU'}, {str(dtype).replace('torch.', '')}"
     )
-    pipe = build_pipeline(args.flux, args.small, dtype)
+    pipe, taken = build_pipeline(backbone, args.shrink, dtype)
     n_params = sum(p.numel() for p in pipe.transformer.parameters())
-    print(f"transformer: {n_params / 1e9:.2f}B parameters")
+    print(f"transformer: {n_params / 1e9:.2f}B parameters; from the tiny pipeline: {taken}")
+    expected = expected_peak(args.expected_json)
 
     for setting in [s for s in args.settings.split(",") if s]:
         guidance = 1.0 if "nocfg" in setting else 4.5
         checkpointing = "ckpt" in setting
-        keys = dict(
-            dtype=str(dtype).replace("torch.", ""),
-            resolution=args.resolution,
-            gradient_checkpointing=checkpointing,
-            lora={"rank": 32, "alpha": 64, "init": "gaussian"},
-            **({"true_cfg_scale": guidance} if args.flux else {"guidance_scale": guidance}),  # FLUX.1-dev: true CFG
-        )
-        policy = make_policy(pipe, args.flux, keys)
+        policy = registry_policy(backbone, pipe, model_keys(backbone, dtype, args, guidance, checkpointing))
         recipe = recipe_mod.from_text(
             f"""
             seed: 0
-            model: {{name: {"flux" if args.flux else "sd3"}, path: unused}}
+            model: {{name: {backbone}, path: unused}}
             sampler: {{name: full, steps: {args.steps}, timestep_fraction: 0.99, kernel: {{name: sde, eta: 0.7}}}}
             reward: {{name: jpeg-compressibility}}
             objective: {{name: grpo, clip_range: 1.0e-4, kl_beta: 0.04}}
             prompts: {{name: list, train: ["a cat holding a sign", "a red bicycle", "a bowl of ramen",
                                           "a lighthouse at night"]}}
             train: {{iterations: 100, group_size: {args.group}, prompts_per_iteration: {args.prompts}, lr: 3.0e-4,
-                     micro_batch_size: {args.micro_batch}}}
+                     micro_batch_size: {args.micro_batch}, drop_zero_advantage: false}}
             log: {{quiet: true, trackers: [], sample_grid: false, plots: false}}
             """,
             source="bench_real_size",
         )
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
         run = build_run(recipe, out_dir=None, console=Console(quiet=True), quiet=True, policy=policy)
         costs = per_nfe_costs(policy, args.group * args.prompts, args.micro_batch, args.repeats)
         rows = []
@@ -277,31 +316,59 @@ def main(argv: list[str] | None = None) -> int:
             m = iteration(run, it)
             if it:
                 rows.append(m)
-        it_s = statistics.median(m["time_iteration_s"] for m in rows)
-        m = rows[-1]
-        ref = m.get("nfe_reference", 0)
-        floor = (
-            m["nfe_rollout"] * costs["rollout_fwd"]
-            + (m["nfe_train"] - ref) * costs["fwd_bwd"]
-            + ref * costs["nograd_fwd"]
-        )
-        print(
-            f"{setting:>11}: forward {costs['rollout_fwd'] * 1e3:.2f} ms/NFE (rollout batch), "
-            f"{costs['nograd_fwd'] * 1e3:.2f} (no grad, "
-            f"update batch), forward+backward {costs['fwd_bwd'] * 1e3:.2f} ms/NFE; NFE rollout {m['nfe_rollout']}, "
-            f"train "
-            f"{m['nfe_train'] - ref} + reference {ref}; iteration {it_s:.2f} s, floor {floor:.2f} s, ratio "
-            f"{it_s / floor:.2f} "
-            f"(model {m['time_model_s']:.2f} s, reward {m['time_reward_s']:.2f}, decode {m['time_decode_s']:.2f}, "
-            f"overhead {m['time_overhead_s']:.2f})"
-        )
+        print(f"{setting:>11}: {report(rows, costs)}; {peak_line(cuda, expected)}")
         if checkpointing:
             policy.transformer.disable_gradient_checkpointing()
         del run, policy
         _remove_lora(pipe.transformer)
         if cuda:
             torch.cuda.empty_cache()
-    return 0
+
+
+def registry_policy(backbone: str, pipe: Any, keys: dict[str, Any]) -> Any:
+    from fgrpo.core import registry
+
+    return registry.load("model", backbone).from_pipeline(pipe, **keys)
+
+
+def report(rows: list[dict[str, Any]], costs: dict[str, float]) -> str:
+    """One setting's line: per-NFE costs, NFE, the iteration against its floor, and its phases."""
+    it_s = statistics.median(m["time_iteration_s"] for m in rows)
+    m = rows[-1]
+    ref = m.get("nfe_reference", 0)
+    floor = (
+        m["nfe_rollout"] * costs["rollout_fwd"] + (m["nfe_train"] - ref) * costs["fwd_bwd"] + ref * costs["nograd_fwd"]
+    )
+    phases = ", ".join(
+        f"{name.removeprefix('time_').removesuffix('_s')} {statistics.median(r[name] for r in rows):.2f}"
+        for name in (
+            "time_rollout_s",
+            "time_train_s",
+            "time_model_s",
+            "time_reward_s",
+            "time_decode_s",
+            "time_overhead_s",
+        )
+        if name in m
+    )
+    return (
+        f"forward {costs['rollout_fwd'] * 1e3:.2f} ms/NFE (rollout batch), {costs['nograd_fwd'] * 1e3:.2f} (no grad, "
+        f"update batch), forward+backward {costs['fwd_bwd'] * 1e3:.2f} ms/NFE; NFE rollout {m['nfe_rollout']}, train "
+        f"{m['nfe_train'] - ref} + reference {ref}; iteration {it_s:.2f} s, floor {floor:.2f} s, ratio "
+        f"{it_s / floor:.2f} (phases, s: {phases})"
+    )
+
+
+def peak_line(cuda: bool, expected: float | None) -> str:
+    """``torch.cuda.max_memory_allocated`` since the setting began, beside the expected figure."""
+    import torch
+
+    want = f"expected {expected / GIB:.2f} GiB" if expected is not None else "no --expected-json"
+    if not cuda:
+        return f"peak not measured (no CUDA); {want}"
+    peak = torch.cuda.max_memory_allocated()
+    ratio = f", expected / measured {expected / peak:.2f}" if expected is not None else ""
+    return f"max_memory_allocated {peak / GIB:.2f} GiB; {want}{ratio}"
 
 
 def _remove_lora(transformer: Any) -> None:

@@ -80,5 +80,6 @@ COMPONENTS: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
     ("sampler", "full"): ("fgrpo-samplers", ()),
     ("sampler", "mixgrpo"): ("fgrpo-samplers", ()),
     ("sampler", "ode"): ("fgrpo-samplers", ()),
+    ("sampler", "sparse"): ("fgrpo-samplers", ()),
     ("sampler", "tempflow"): ("fgrpo-samplers", ()),
 }

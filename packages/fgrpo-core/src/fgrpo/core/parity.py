@@ -91,8 +91,9 @@ def _optimizer_steps(data: Mapping[str, Any], processes: int) -> int:
 
 def _trained_steps(data: Mapping[str, Any], _processes: int) -> str:
     """Which steps are stochastic and trained, as text: "0-8" (full), "window 2 at 3-4" or
-    "window 2, start 0-3" (fast), "random 6 of 16" (full, random subset), "random 14 of 0-23"
-    (full, random subset of all steps but the last: ignore_last)."""
+    "window 2, start 0-3" (fast), "random 6 of 16" (full, random subset: drawn per sample),
+    "random 14 of 0-23" (full, random subset of all steps but the last: ignore_last), "random 8 of
+    0-8 per iteration" (sparse: drawn once per iteration for the whole batch)."""
     sampler = data["sampler"]
     steps = sampler["steps"]
     if sampler["name"] == "full":
@@ -107,6 +108,12 @@ def _trained_steps(data: Mapping[str, Any], _processes: int) -> str:
         if high - window == low:
             return f"window {window} at {low}-{low + window - 1}"
         return f"window {window}, start {low}-{high - window}"
+    if sampler["name"] == "sparse":
+        low, high = sampler.get("step_range") or (0, steps)
+        count = sampler.get("trained")
+        if count is None or count >= high - low:
+            return f"{low}-{high - 1}"
+        return f"random {count} of {low}-{high - 1} per iteration"
     return f"{sampler['name']} sampler"
 
 
