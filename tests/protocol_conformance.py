@@ -60,6 +60,7 @@ from fgrpo.worlds.driving.highway import HighwayEvaluator
 from fgrpo.worlds.driving.planner import TrajectoryPolicy
 from fgrpo.worlds.driving.prompts import DrivingPrompts
 from fgrpo.worlds.driving.rewards import PDMS, CaRL, Comfort, Consistency, Drivable, Imitation, Progress, Rules, Safety
+from fgrpo.worlds.driving.shadow import ShadowEvaluator
 from fgrpo.worlds.shapes.model import ShapesDiT
 from fgrpo.worlds.shapes.prompts import ShapesPrompts
 from fgrpo.worlds.shapes.verifier import ShapesGold, ShapesGoldEvaluator, ShapesVerifier
@@ -154,6 +155,7 @@ PROMPTS: dict[str, type[PromptSource]] = {
 EVALUATORS: dict[str, type[Evaluator]] = {
     "driving-closed-loop": ClosedLoop,
     "driving-highway": HighwayEvaluator,
+    "driving-shadow": ShadowEvaluator,
     "shapes-edit-gold": ShapesEditGoldEvaluator,
     "shapes-gold": ShapesGoldEvaluator,
 }

@@ -8,6 +8,7 @@ from __future__ import annotations
 COMPONENTS: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
     ("evaluator", "driving-closed-loop"): ("fgrpo-worlds", ()),
     ("evaluator", "driving-highway"): ("fgrpo-worlds", ("highway",)),
+    ("evaluator", "driving-shadow"): ("fgrpo-worlds", ()),
     ("evaluator", "shapes-edit-gold"): ("fgrpo-worlds", ()),
     ("evaluator", "shapes-gold"): ("fgrpo-worlds", ()),
     ("kernel", "correlated"): ("fgrpo-samplers", ()),
