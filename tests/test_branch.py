@@ -267,6 +267,60 @@ def test_depth_pruning_leaves_out_its_depths_and_slides_up_to_the_stop_depth():
     assert rollout(fixed, policy, 4, 0).step_index[0].tolist() == [1, 2, 3, 4]
 
 
+def naive_width_pruning_mode_1(rewards, group, steps, splits, ratio):
+    """The reference's ``width_pruning_mode`` 1 on one tree, literally: the edges collected depth first
+    (``collect_all_transitions``), those whose parent step is after the last split grouped by the
+    node they descend from at step last + 1, each group sorted by advantage (descending, stable) and
+    cut to max(1, int(n * ratio)). Returns the kept edges as (step, node index at depth step + 1)."""
+    adv = naive_tree_advantages(rewards, group, steps, splits)
+
+    def width(depth):
+        return 2 ** sum(1 for s in splits if s < depth)
+
+    samples = []
+
+    def collect(step, node, branch):  # the edges below the node at depth ``step``
+        if step == steps:
+            return
+        for child in (2 * node, 2 * node + 1) if step in splits else (node,):
+            size = group // width(step + 1)
+            below = child if step + 1 == max(splits) + 1 else branch
+            samples.append({"step": step, "node": child, "adv": float(adv[child * size, step]), "branch": below})
+            collect(step + 1, child, below)
+
+    collect(0, 0, None)
+    last = max(splits)
+    others = [x for x in samples if x["step"] <= last]
+    branches: dict = {}
+    for x in samples:
+        if x["step"] > last:
+            branches.setdefault(x["branch"], []).append(x)
+    kept = list(others)
+    for members in branches.values():
+        ordered = sorted(members, key=lambda x: x["adv"], reverse=True)
+        kept += ordered[: max(1, int(len(members) * ratio))]
+    return {(x["step"], x["node"]) for x in kept}
+
+
+@pytest.mark.parametrize(("steps", "splits", "ratio"), [(10, [0, 3, 6], 0.5), (8, [1, 2], 0.3), (6, [0, 1], 1.0)])
+def test_width_pruning_mode_1_keeps_the_references_edges(steps, splits, ratio):
+    group = 2 ** len(splits)
+    sampler = registry.create(
+        "sampler", "branch", steps=steps, split_points=splits, width_pruning=1, width_pruning_ratio=ratio
+    )
+    traj = rollout(sampler, GaussianPolicy(shape=(2,)), group, 0, prompts=PROMPTS[:1])
+    trained = traj.step_index[0].tolist()
+    ours = {
+        (trained[c], int(traj.step_nodes[b, c]))
+        for b in range(group)
+        for c in range(len(trained))
+        if traj.policy_weight[b, c] == 1
+    }
+    for seed in range(3):
+        rewards = torch.rand(group, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+        assert ours == naive_width_pruning_mode_1(rewards, group, steps, splits, ratio)
+
+
 def test_group_size_must_be_the_leaf_count():
     sampler = registry.create("sampler", "branch", steps=6, split_points=[0, 2])
     with pytest.raises(ValueError, match="2 \\*\\* len\\(split_points\\)"):

@@ -21,8 +21,10 @@ advantage: the mean of the leaves' advantages below the node, z-scored among the
 depth in the tree (:func:`fgrpo.core.advantages.tree_advantages`, the reference's
 ``compute_node_rewards_from_leaves`` and ``compute_hierarchical_advantages_by_depth``).
 
+Width pruning mode 1 (``width_pruning: 1``) keeps the first ``width_pruning_ratio`` of each leaf's
+edges after the last split (what the reference's advantage sort keeps, see ``width_pruned``).
 Not implemented (docs/method.md): the mixed ODE/SDE window (``mix_ode_sde_tree``), width pruning
-(``width_pruning_mode`` 1, 2), the probability-weighted node rewards (``tree_prob_weighted``) and
+mode 2, the probability-weighted node rewards (``tree_prob_weighted``) and
 ``pruning_step_ratio``; the shipped script leaves all of them off.
 """
 
@@ -104,6 +106,15 @@ class BranchSampler(GroupSampler):
     depth_pruning_stop_depth: int | None = param(
         None, help="the shallowest pruned depth stops moving here; null = the last split point (the reference)"
     )
+    width_pruning: int = param(
+        0,
+        choices=(0, 1),
+        help="1: of the edges after the last split point, train only the first width_pruning_ratio of each leaf's "
+        "(the reference's width_pruning_mode 1); 0: all (mode 2 is not implemented)",
+    )
+    width_pruning_ratio: float = param(
+        0.5, gt=0, le=1, help="the share of those edges width_pruning keeps (at least 1)"
+    )
     schedule: dict | None = schedule_param()
     final: str | None = final_param()
     kernel: Any = component(
@@ -159,6 +170,19 @@ class BranchSampler(GroupSampler):
         shift = min((self.iteration + 1) // self.depth_pruning_slide_interval, max(0, base[0] - stop))
         return {d - shift for d in base}
 
+    def width_pruned(self, trained: list[int], splits: Sequence[int]) -> list[int]:
+        """``width_pruning: 1``: the trained steps after the last split point cut to their first
+        max(1, int(n * ratio)). The reference sorts each last-split branch's later edges by advantage
+        and keeps the best; those edges all lead to nodes of one leaf at depths where every node is a
+        leaf, so they share one advantage and its stable sort keeps them in step order."""
+        if not self.width_pruning or not splits:
+            return trained
+        later = [s for s in trained if s > max(splits)]
+        if not later:
+            return trained
+        keep = max(1, int(len(later) * self.width_pruning_ratio))
+        return [s for s in trained if s <= max(splits)] + later[:keep]
+
     def program(self, sigmas: torch.Tensor, generator: torch.Generator | None) -> Plan:
         raise NotImplementedError("branch grows a tree: its rollout is its own (BranchSampler.rollout)")
 
@@ -184,6 +208,7 @@ class BranchSampler(GroupSampler):
         stds = self.kernel_stds(sigmas)
         pruned = self.pruned_depths(splits)
         trained = [i for i in range(self.steps) if kernels[i] is self.kernel and stds[i] > 0 and i + 1 not in pruned]
+        trained = self.width_pruned(trained, splits)
         if not trained:
             raise ValueError(
                 f"no edge of the tree to train: std {stds.tolist()} on {sigmas.tolist()}, "
