@@ -138,6 +138,21 @@ def test_the_update_gives_each_step_its_nodes_advantage_times_the_owner_weight()
     )
 
 
+def test_a_leaf_with_zero_advantage_still_trains_its_ancestors_edges():
+    """Rewards 2, 1, 3, 2 (mean 2): leaf 0's own advantage is 0, but it owns the edges into depth 1
+    and 2's first node (means 1.5 of leaves 0-1 vs 2.5 of leaves 2-3: +-1/sqrt 2), so the zero-advantage
+    filter must keep it; leaf 3 (also 0) owns only its own edges and is left out."""
+    from fgrpo.core.points.transitions import Transitions
+
+    sampler = registry.create("sampler", "branch", steps=3, split_points=[0, 1])
+    traj = rollout(sampler, GaussianPolicy(shape=(2,)), 4, 0, prompts=PROMPTS[:1])
+    leaf_adv, _ = group_advantages(torch.tensor([2.0, 1.0, 3.0, 2.0]), traj.group_index)
+    assert leaf_adv[0] == 0 and leaf_adv[3] == 0
+    points = Transitions(None, traj, leaf_adv)  # type: ignore[arg-type]  # the run is not read here
+    assert points.advantages[0].item() == pytest.approx(1 / math.sqrt(2), abs=1e-6)
+    assert points.advantages[3].item() == 0.0 and points.advantages[1].item() > 0
+
+
 # --- the naive float64 twin from the reference's definitions -------------------------------------
 
 

@@ -138,13 +138,13 @@ class Transitions:
 
     def __init__(self, run: Run, traj: Trajectory, adv: torch.Tensor, iteration: int = 0):
         self.run, self.traj = run, traj
-        self.advantages = adv  # per sample: what the zero-advantage filter reads
-        # a tree rollout (BranchGRPO): each step has its node's advantage, normalised per depth
-        self.adv = (
-            adv
-            if traj.step_nodes is None
-            else tree_advantages(adv, traj.group_index, traj.step_nodes).to(device=adv.device, dtype=adv.dtype)
-        )
+        self.adv = self.advantages = adv  # per sample; ``advantages`` is what the zero-advantage filter reads
+        if traj.step_nodes is not None:  # a tree rollout (BranchGRPO): each step its node's advantage
+            self.adv = tree_advantages(adv, traj.group_index, traj.step_nodes).to(device=adv.device, dtype=adv.dtype)
+            # a sample is informative when any step it trains is: a leaf whose own advantage is 0 may
+            # still carry the edges of its ancestors, whose nodes' advantages are not
+            weight = traj.policy_weight.to(adv.device) if traj.policy_weight is not None else 1.0
+            self.advantages = (self.adv * weight).abs().amax(1)
         self.items = traj.batch_size
         self.units = traj.num_trained_steps
         self.ref: Reference | None = None
