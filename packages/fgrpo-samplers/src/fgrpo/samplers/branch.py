@@ -93,7 +93,9 @@ class BranchSampler(GroupSampler):
         help="steps where every node splits in two (the reference script: [0, 3, 6, 9]); group_size must be "
         "2 ** len(split_points); null = log2(group_size) splits at i * (steps // log2(group_size))",
     )
-    split_noise_scale: float = param(4.0, gt=0, help="the split steps' noise is scaled by this (the reference: 4.0)")
+    split_noise_scale: float = param(
+        4.0, gt=0, help="the split steps' noise is scaled by this (the reference's script: 4.0, its default 0.3)"
+    )
     depth_pruning: list[int] | None = param(
         None,
         validator=check_points,
@@ -102,7 +104,9 @@ class BranchSampler(GroupSampler):
     depth_pruning_slide: bool = param(
         False, help="the pruned depths move up by one every depth_pruning_slide_interval iterations"
     )
-    depth_pruning_slide_interval: int = param(30, ge=1, help="iterations between two moves of the pruned depths")
+    depth_pruning_slide_interval: int = param(
+        30, ge=1, help="iterations between two moves of the pruned depths (the script: 30)"
+    )
     depth_pruning_stop_depth: int | None = param(
         None, help="the shallowest pruned depth stops moving here; null = the last split point (the reference)"
     )
