@@ -40,6 +40,7 @@ from fgrpo.rewards.remote import RemoteReward
 from fgrpo.rewards.similarity import ImageSimilarity
 from fgrpo.rewards.target import TargetDistance
 from fgrpo.rewards.vlm_judge import VLMJudge
+from fgrpo.samplers.branch import BranchSampler
 from fgrpo.samplers.fast import FastSampler
 from fgrpo.samplers.flash import FlashSampler
 from fgrpo.samplers.full import FullSampler
@@ -79,6 +80,7 @@ KERNELS: dict[str, type[Kernel]] = {
     "wan-sde": WanSDEKernel,
 }
 SAMPLERS: dict[str, type[Sampler]] = {
+    "branch": BranchSampler,
     "fast": FastSampler,
     "flash": FlashSampler,
     "full": FullSampler,

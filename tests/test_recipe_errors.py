@@ -15,7 +15,7 @@ BAD = Path(__file__).parent / "bad_recipes"
 EXPECTED = {
     "unknown_component.yaml": [
         "sampler.name: unknown sampler 'ful' (did you mean 'full'?); "
-        "available: fast, flash, full, mixgrpo, ode, sparse, tempflow"
+        "available: branch, fast, flash, full, mixgrpo, ode, sparse, tempflow"
     ],
     "wrong_type.yaml": ["train.iterations: expected an integer, got 'many'"],
     "missing_section.yaml": ["objective: missing required section"],

@@ -206,3 +206,51 @@ def _renormalise(summed: torch.Tensor, eps: float, unbiased: bool) -> torch.Tens
     # a batch of one has no unbiased std (0/0); its one advantage is 0 and stays 0 below anyway
     std = summed.std(unbiased=unbiased) if summed.numel() > 1 else summed.new_zeros(())
     return torch.where(summed == 0, 0.0, (summed - summed.mean()) / (std + eps))
+
+
+#: BranchGRPO's per-depth normalisation (Fredreic1849/BranchGRPO fastvideo/train_branchgrpo_flux.py
+#: at ffc3c90, ``compute_hierarchical_advantages_by_depth``): a depth whose node std is below FLAT_STD
+#: has zero advantages; otherwise (m - mean) / (std + DEPTH_EPS), with the unbiased std over the nodes
+TREE_FLAT_STD = 1e-6
+TREE_DEPTH_EPS = 1e-8
+
+
+def tree_advantages(advantages: torch.Tensor, group_index: torch.Tensor, step_nodes: torch.Tensor) -> torch.Tensor:
+    """(B, S) float64 advantage of every trained transition of a tree rollout (BranchGRPO).
+
+    ``advantages`` (B,): each leaf's (sample's) group-normalised advantage; ``step_nodes`` (B, S):
+    the node of its prompt's tree that step s of sample b leads to (numbered within the tree, so
+    that (group_index[b], step_nodes[b, s]) names a node). A node's value is the mean over the
+    leaves below it; at each depth (column s) of each tree the nodes' values are z-scored among
+    the nodes of that depth: (m - mean) / (std + 1e-8), the unbiased std over the nodes, 0 when
+    the depth has one node or its std is below 1e-6 (a flat depth). The reference averages the
+    leaves' raw rewards, not their advantages: a z-score of the means is the same for any positive
+    affine map of the leaf values, so the two agree up to the epsilons (docs/method.md).
+    """
+    if step_nodes.dim() != 2 or step_nodes.shape[0] != advantages.shape[0]:
+        raise ValueError(f"step_nodes must be (B={advantages.shape[0]}, S), got {tuple(step_nodes.shape)}")
+    a = advantages.detach().to(torch.float64)
+    groups = group_index.to(a.device).long()
+    out = torch.zeros(step_nodes.shape, dtype=torch.float64, device=a.device)
+    for s in range(step_nodes.shape[1]):
+        out[:, s] = _depth_advantages(a, groups, step_nodes[:, s].to(a.device).long())
+    return out
+
+
+def _depth_advantages(a: torch.Tensor, groups: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
+    """(B,) one depth: each row's node value z-scored among the nodes of its tree at this depth."""
+    keys = torch.stack([groups, nodes], 1)
+    unique, node_of_row = torch.unique(keys, dim=0, return_inverse=True)
+    n_nodes = unique.shape[0]
+    zeros = a.new_zeros(n_nodes)
+    value = zeros.index_add(0, node_of_row, a) / zeros.index_add(0, node_of_row, torch.ones_like(a))
+    _, tree_of_node = torch.unique(unique[:, 0], return_inverse=True)
+    n_trees = int(tree_of_node.max()) + 1
+    count = a.new_zeros(n_trees).index_add(0, tree_of_node, torch.ones_like(value))
+    mean = a.new_zeros(n_trees).index_add(0, tree_of_node, value) / count
+    centred = value - mean[tree_of_node]
+    # a depth with one node has no unbiased std (0/0): its advantage is 0 below
+    std = (a.new_zeros(n_trees).index_add(0, tree_of_node, centred**2) / (count - 1).clamp(min=1)).sqrt()
+    flat = (count[tree_of_node] <= 1) | (std[tree_of_node] < TREE_FLAT_STD)
+    node_adv = torch.where(flat, 0.0, centred / (std[tree_of_node] + TREE_DEPTH_EPS))
+    return node_adv[node_of_row]

@@ -76,6 +76,7 @@ COMPONENTS: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
     ("reward", "shapes-gold"): ("fgrpo-worlds", ()),
     ("reward", "target-distance"): ("fgrpo-rewards", ()),
     ("reward", "vlm-judge"): ("fgrpo-rewards", ()),
+    ("sampler", "branch"): ("fgrpo-samplers", ()),
     ("sampler", "fast"): ("fgrpo-samplers", ()),
     ("sampler", "flash"): ("fgrpo-samplers", ()),
     ("sampler", "full"): ("fgrpo-samplers", ()),

@@ -176,6 +176,10 @@ class Trajectory:
     #: (B,) long: each sample's id over the whole batch of every process (its prompt's global slot x
     #: group_size + its place in the group), set by the trainer's rollout; None straight from a sampler
     sample_ids: torch.Tensor | None = None
+    #: (B, S) long: the node of its prompt's tree each trained transition leads to, numbered within the
+    #: tree (a tree sampler, ``branch``); the step's advantage is then its node's, normalised among the
+    #: nodes of its depth (:func:`fgrpo.core.advantages.tree_advantages`). None: the sample's advantage
+    step_nodes: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:

@@ -52,6 +52,11 @@ def cat_trajectories(parts: Sequence[Trajectory]) -> Trajectory:
         if len(weights) != len(parts):
             raise ValueError("trajectories to join: some have a policy_weight and some do not")
         joined["policy_weight"] = torch.cat(weights)
+    if first.step_nodes is not None:  # numbered within each prompt's tree: chunks join as they are
+        nodes = [p.step_nodes for p in parts if p.step_nodes is not None]
+        if len(nodes) != len(parts):
+            raise ValueError("trajectories to join: some have step_nodes and some do not")
+        joined["step_nodes"] = torch.cat(nodes)
     return Trajectory(
         prompts=[p for part in parts for p in part.prompts],
         cond=tensors.cat([p.cond for p in parts]),

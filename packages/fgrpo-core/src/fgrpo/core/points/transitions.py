@@ -13,6 +13,7 @@ import attrs
 import torch
 
 from fgrpo.core import tensors
+from fgrpo.core.advantages import tree_advantages
 from fgrpo.core.protocols import StepBatch, Trajectory
 from fgrpo.core.run import Run
 from fgrpo.core.timing import TimedPolicy
@@ -50,7 +51,7 @@ def step_batch(
     batch = StepBatch(
         log_prob=new.log_prob,
         old_log_prob=traj.log_probs[rows, cols],
-        advantages=adv[rows] if traj.policy_weight is None else adv[rows] * traj.policy_weight[rows, cols],
+        advantages=step_advantages(traj, adv, rows, cols),
         mean=white(new.mean),
         old_mean=white(traj.means[rows, cols]),
         std=traj.stds[rows, cols],
@@ -60,6 +61,14 @@ def step_batch(
         ref_velocity=ref_velocity,
     )
     return batch, nfe
+
+
+def step_advantages(traj: Trajectory, adv: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """The advantage of these (sample, step) pairs: ``adv`` is (B,) per sample, or (B, S) per step
+    (a tree rollout's, :func:`fgrpo.core.advantages.tree_advantages`), times the trajectory's
+    ``policy_weight`` of the step where it has one."""
+    a = adv[rows] if adv.dim() == 1 else adv[rows, cols]
+    return a if traj.policy_weight is None else a * traj.policy_weight[rows, cols]
 
 
 @attrs.frozen
@@ -128,8 +137,14 @@ class Transitions:
     once per iteration, whatever the epochs (``iteration`` changes nothing here)."""
 
     def __init__(self, run: Run, traj: Trajectory, adv: torch.Tensor, iteration: int = 0):
-        self.run, self.traj, self.adv = run, traj, adv
-        self.advantages = adv
+        self.run, self.traj = run, traj
+        self.adv = self.advantages = adv  # per sample; ``advantages`` is what the zero-advantage filter reads
+        if traj.step_nodes is not None:  # a tree rollout (BranchGRPO): each step its node's advantage
+            self.adv = tree_advantages(adv, traj.group_index, traj.step_nodes).to(device=adv.device, dtype=adv.dtype)
+            # a sample is informative when any step it trains is: a leaf whose own advantage is 0 may
+            # still carry the edges of its ancestors, whose nodes' advantages are not
+            weight = traj.policy_weight.to(adv.device) if traj.policy_weight is not None else 1.0
+            self.advantages = (self.adv * weight).abs().amax(1)
         self.items = traj.batch_size
         self.units = traj.num_trained_steps
         self.ref: Reference | None = None
