@@ -4,11 +4,12 @@ weights before sharding, which elements of the transformer's safetensors files i
 at ``safetensors.safe_open``, whoever reads), its shards' sizes, and every weight, LoRA matrix and
 buffer that differs from a whole load of the same folder with the same seed.
 
-Usage: load_worker.py PIPELINE_FOLDER DTYPE OUT
+Usage: load_worker.py BACKBONE PIPELINE_FOLDER DTYPE OUT (BACKBONE: sd3, or wan22: two experts)
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
@@ -22,6 +23,16 @@ import torch
 from sharded_worker import LAUNCHES
 
 READ: Counter = Counter()
+
+
+BACKBONES = {  # policy class, model keys, the networks FSDP2 shards
+    "sd3": ("fgrpo.models.sd3:SD3Policy", {"max_sequence_length": 8}, ["transformer"]),
+    "wan22": (
+        "fgrpo.models.wan:WanPolicy",
+        {"max_sequence_length": 8, "resolution": 32, "num_frames": 5},
+        ["transformer", "transformer_2"],
+    ),
+}
 
 
 class CountingSlice:
@@ -42,7 +53,8 @@ class CountingOpen:
 
     def __init__(self, filename, *args, **kwargs):
         self.inner = ORIGINAL(filename, *args, **kwargs)
-        self.counted = "transformer" in Path(str(filename)).parent.name
+        self.folder = Path(str(filename)).parent.name
+        self.counted = self.folder.startswith("transformer")
 
     def __enter__(self):
         self.inner.__enter__()
@@ -54,11 +66,12 @@ class CountingOpen:
     def get_tensor(self, key):
         out = self.inner.get_tensor(key)
         if self.counted:
-            READ[key] += out.numel()
+            READ[f"{self.folder}/{key}"] += out.numel()
         return out
 
     def get_slice(self, key):
-        return CountingSlice(self.inner.get_slice(key), key) if self.counted else self.inner.get_slice(key)
+        inner = self.inner.get_slice(key)
+        return CountingSlice(inner, f"{self.folder}/{key}") if self.counted else inner
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -76,52 +89,60 @@ def storage_bytes(tensors) -> int:
 
 
 def main() -> None:
-    folder, dtype, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+    backbone, folder, dtype, out = sys.argv[1], sys.argv[2], sys.argv[3], Path(sys.argv[4])
+    policy_path, keys, sharded = BACKBONES[backbone]
     os.environ.update(LAUNCHES["fsdp"])
     safetensors.safe_open = safetensors.torch.safe_open = CountingOpen
 
-    from diffusers import StableDiffusion3Pipeline
+    from torch.distributed.tensor import DTensor
 
     from fgrpo.core import launch
-    from fgrpo.models.sd3 import SD3Policy
 
+    module, _, name = policy_path.partition(":")
+    policy_class = getattr(importlib.import_module(module), name)
     parallel = launch.start()
-    keys = {"device": "cpu", "dtype": dtype, "max_sequence_length": 8, "lora": {"rank": 4, "init": "gaussian"}}
+    keys = {**keys, "device": "cpu", "dtype": dtype, "lora": {"rank": 4, "init": "gaussian"}}
     torch.manual_seed(0)
-    policy = SD3Policy(path=folder, **keys)
-    base = [p for n, p in policy.transformer.named_parameters() if "lora_" not in n]
+    policy = policy_class(path=folder, **keys)
+    networks = {n: getattr(policy.pipeline, n) for n in sharded}
+    base = [p for m in networks.values() for n, p in m.named_parameters() if "lora_" not in n]
     held = storage_bytes(base)
     optimizer = torch.optim.AdamW([p for p in policy.trainable_parameters() if p.requires_grad], lr=1e-3)
     parallel.prepare(policy, optimizer, None)
     read = dict(READ)
 
-    # the whole load of the same folder, with the same seed (its LoRA matrices are the same draw)
+    # the whole load of the same folder as a data-parallel run loads it, with the same seed (the
+    # LoRA matrices are the same draw: loading draws as much from the global RNG either way)
     safetensors.safe_open = safetensors.torch.safe_open = ORIGINAL
-    whole_pipe = StableDiffusion3Pipeline.from_pretrained(folder, torch_dtype=getattr(torch, dtype))
+    launch.loads_shards = lambda: False
     torch.manual_seed(0)
-    whole = SD3Policy.from_pipeline(whole_pipe, path=folder, **keys).transformer
-    expected = dict(whole.state_dict())
-    shard_rows, mismatches = {}, []
-    persistent = {n for n, _ in whole.named_buffers() if n in expected}
-    for name, value in policy.transformer.state_dict().items():  # the same order on every process
-        full = launch.full(value)
-        if full.dtype != expected[name].dtype or not torch.equal(full, expected[name]):
-            mismatches.append(name)
-        if "lora_" in name:
-            continue
-        key = name.replace(".base_layer", "")
-        local = value.to_local() if launch.is_sharded_tensor(value) else value
-        if local.numel() and (launch.is_sharded_tensor(value) or name in persistent):
-            shard_rows[key] = local.numel()
+    whole = policy_class(path=folder, **keys).pipeline
+    assert not any(isinstance(p, DTensor) for p in whole.transformer.parameters())  # loaded whole
+    shard_rows, mismatches, compared, whole_bytes, whole_numel = {}, [], 0, 0, 0
+    for component, network in networks.items():
+        expected = dict(getattr(whole, component).state_dict())
+        persistent = {n for n, _ in network.named_buffers() if n in expected}
+        for name, value in network.state_dict().items():  # the same order on every process
+            full = launch.full(value)
+            compared += 1
+            if full.dtype != expected[name].dtype or not torch.equal(full, expected[name]):
+                mismatches.append(f"{component}/{name}")
+            if "lora_" in name:
+                continue
+            whole_bytes += full.numel() * full.element_size()
+            whole_numel += full.numel()
+            local = value.to_local() if launch.is_sharded_tensor(value) else value
+            if local.numel() and (launch.is_sharded_tensor(value) or name in persistent):
+                shard_rows[f"{component}/{name.replace('.base_layer', '')}"] = local.numel()
     report = {
         "held_before_sharding": held,
         "weights": len(base),
-        "whole_bytes": sum(t.numel() * t.element_size() for n, t in expected.items() if "lora_" not in n),
-        "whole_numel": sum(t.numel() for n, t in expected.items() if "lora_" not in n),
+        "whole_bytes": whole_bytes,
+        "whole_numel": whole_numel,
         "read": read,
         "shard_rows": shard_rows,
         "mismatches": mismatches,
-        "compared": len(expected),
+        "compared": compared,
     }
     (out / f"load-rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(report, indent=1))
 

@@ -89,22 +89,26 @@ def test_each_network_moves_once_and_text_encoders_never_reach_the_accelerator(m
     assert {p.device for p in pipe.transformer.parameters()} == {meta}
 
 
-@pytest.fixture(scope="module")
-def tiny_sd3_folder(tmp_path_factory) -> str:
-    from fgrpo.models.testing import build_tiny_sd3_pipeline
-
-    path = tmp_path_factory.mktemp("tiny-sd3-load")
-    build_tiny_sd3_pipeline(path, sd35=True)
-    return str(path)
-
-
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
-def test_under_fsdp2_each_process_reads_only_its_shard_and_gets_the_whole_loads_weights(
-    dtype, tiny_sd3_folder, tmp_path
-):
+@pytest.mark.parametrize(
+    "backbone, dtype",
+    [
+        ("sd3", "float32"),
+        pytest.param("sd3", "bfloat16", marks=pytest.mark.slow),
+        # both experts sharded; Wan keeps some modules in float32 under bf16 (_keep_in_fp32_modules)
+        pytest.param("wan22", "bfloat16", marks=pytest.mark.slow),
+    ],
+)
+def test_under_fsdp2_each_process_reads_only_its_shard_and_gets_the_whole_loads_weights(backbone, dtype, tmp_path):
+    from fgrpo.models.testing import build_tiny_sd3_pipeline, build_tiny_wan22_pipeline
+
+    folder = tmp_path / backbone
+    if backbone == "sd3":
+        build_tiny_sd3_pipeline(folder, sd35=True)
+    else:
+        build_tiny_wan22_pipeline(folder)
     done = subprocess.run(
-        [*torchrun(), str(HERE / "load_worker.py"), tiny_sd3_folder, dtype, str(tmp_path)],
+        [*torchrun(), str(HERE / "load_worker.py"), backbone, str(folder), dtype, str(tmp_path)],
         env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
         timeout=600,
         capture_output=True,

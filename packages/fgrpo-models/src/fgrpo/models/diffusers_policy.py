@@ -440,8 +440,7 @@ class DiffusersPolicy:
         stand-ins are sharded empty, then each process reads its shard (nothing after a whole load)."""
         sharded_load.to_meta(self._stand_ins)
         yield
-        trained = next((p for p in self.trainable_module.parameters() if not p.is_meta), None)
-        sharded_load.fill(self._stand_ins, trained.device if trained is not None else self.device)
+        sharded_load.fill(self._stand_ins, sharded_load.shard_device(self.trainable_module, self.device))
         self._stand_ins = []
 
     def text_encoders(self) -> list[torch.nn.Module]:

@@ -155,6 +155,15 @@ def fill(pending: Sequence[StandIn], device: torch.device | str) -> None:
                     _swap_local(param, local)
 
 
+def shard_device(module: torch.nn.Module, default: torch.device | str) -> torch.device | str:
+    """Where the launch keeps ``module``'s shards: those of its trainable (LoRA) weights, which are
+    never stand-ins (the accelerator, or the CPU when FSDP offloads them); else ``default``."""
+    trained = next((p for p in module.parameters() if p.requires_grad), None)
+    if trained is None:
+        return default
+    return trained.to_local().device if hasattr(trained, "to_local") else trained.device
+
+
 def _swap_local(param: Any, local: torch.Tensor) -> None:
     """Give the DTensor parameter ``param`` the local shard ``local``, in place: FSDP keeps the
     parameter object."""
