@@ -38,7 +38,8 @@ import torch
 from fgrpo.core import media
 from fgrpo.core.config import param
 from fgrpo.models import _diffusers as dx
-from fgrpo.models import context_parallel, load_plan, sharded_load
+from fgrpo.models import context_parallel, sharded_load
+from fgrpo.models.load_plan import Placement, plan
 from fgrpo.models.lora import (
     adapters_disabled,
     inject_lora,
@@ -407,12 +408,12 @@ class DiffusersPolicy:
         """Of ``components``, those a sharded launch splits (inside :attr:`trainable_module`)."""
         return [n for n in components if n == "transformer"]
 
-    def load_plan(self, shards: bool = False) -> list[load_plan.Placement]:
+    def load_plan(self, shards: bool = False) -> list[Placement]:
         """:func:`fgrpo.models.load_plan.plan` of this policy's keys and (once loaded) its pipeline."""
         keys = {f.name: getattr(self, f.name) for f in attrs.fields(type(self)) if f.init and f.alias == f.name}
         pipe = self._pipeline
         found = None if pipe is None else [n for n, m in pipe.components.items() if isinstance(m, torch.nn.Module)]
-        return load_plan.plan(type(self), keys, shards, found)
+        return plan(type(self), keys, shards, found)
 
     def _load(self) -> Any:
         """The pipeline from ``path``, on the host; under FSDP2 with stand-ins (:mod:`.sharded_load`)."""
@@ -423,8 +424,7 @@ class DiffusersPolicy:
         return pipe
 
     def _place(self) -> None:
-        """Each network moved once, straight to its planned device and dtype: a text encoder kept on
-        the CPU never passes through the accelerator; stand-ins are already where they go."""
+        """Each network once, straight to its planned device and dtype (stand-ins are already there)."""
         filled_later = {id(s.owner) for s in self._stand_ins}
         for placement in self.load_plan():
             module = getattr(self._pipeline, placement.name)

@@ -198,7 +198,7 @@ def load(policy: Any, sharded: Sequence[str]) -> tuple[Any, list[StandIn]]:
 
     if not sharded:
         return dx.load_pipeline(policy.pipeline_class_name, policy.path, policy._torch_dtype), []
-    folder = pipeline_folder(policy.path)
+    folder = pipeline_folder(policy.path, policy.pipeline_class())
     built: dict[str, Any] = {}
     pending: list[StandIn] = []
     for name in sharded:
@@ -209,14 +209,10 @@ def load(policy: Any, sharded: Sequence[str]) -> tuple[Any, list[StandIn]]:
     return dx.load_pipeline(policy.pipeline_class_name, str(folder), policy._torch_dtype, **built), pending
 
 
-def pipeline_folder(path: str, key: str = "model.path") -> Path:
+def pipeline_folder(path: str, pipeline_class: Any, key: str = "model.path") -> Path:
     """The local folder of a pipeline: the folder itself, or the hub cache's snapshot of an id
-    (downloaded as ``from_pretrained`` would)."""
+    (downloaded as ``pipeline_class.from_pretrained`` would)."""
     from fgrpo.core.hub import pretrained_source
 
     source = pretrained_source(path, key=key)
-    if source.local:
-        return Path(source.location)
-    from diffusers import DiffusionPipeline
-
-    return Path(DiffusionPipeline.download(source.location, **source.kwargs))
+    return Path(source.location) if source.local else Path(pipeline_class.download(source.location, **source.kwargs))
