@@ -53,6 +53,29 @@ def test_the_plan_keeps_text_encoders_on_the_host_and_shards_the_transformer_und
     assert {p.role for p in plan(SD3Policy, {"device": "cpu"})} == {"host"}
 
 
+def test_only_an_fsdp2_launch_without_accelerates_own_low_memory_load_loads_shards(monkeypatch):
+    from types import SimpleNamespace
+
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DistributedType
+
+    from fgrpo.core.launch import loads_shards
+
+    def launched(kind, **plugin):
+        monkeypatch.setattr(
+            AcceleratorState,
+            "_shared_state",
+            {"distributed_type": kind, "fsdp_plugin": plugin and SimpleNamespace(**plugin)},
+        )
+        return loads_shards()
+
+    assert launched(DistributedType.FSDP, cpu_ram_efficient_loading=False)
+    assert not launched(DistributedType.FSDP, cpu_ram_efficient_loading=True)
+    assert not launched(DistributedType.MULTI_GPU) and not launched(DistributedType.DEEPSPEED)
+    monkeypatch.setattr(AcceleratorState, "_shared_state", {})
+    assert not loads_shards()  # no Accelerator made
+
+
 def test_each_network_moves_once_and_text_encoders_never_reach_the_accelerator(monkeypatch):
     """The meta device stands in for the accelerator. The old order (the whole pipeline to the
     device, then the text encoders back to ``text_device``) sends them there first."""
