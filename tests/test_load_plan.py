@@ -76,12 +76,22 @@ def test_only_an_fsdp2_launch_without_accelerates_own_low_memory_load_loads_shar
     assert not loads_shards()  # no Accelerator made
 
 
-def test_each_network_moves_once_and_text_encoders_never_reach_the_accelerator(monkeypatch):
+@pytest.mark.parametrize(
+    "policy_class, builder, keys",
+    [
+        (SD3Policy, "build_tiny_sd3_pipeline", {"max_sequence_length": 8}),
+        (Flux2Policy, "build_tiny_flux2_pipeline", {"max_sequence_length": 48, "text_encoder_out_layers": [1, 2, 2]}),
+    ],
+    ids=["sd3", "flux2"],
+)
+def test_each_network_moves_once_and_text_encoders_never_reach_the_accelerator(
+    policy_class, builder, keys, monkeypatch
+):
     """The meta device stands in for the accelerator. The old order (the whole pipeline to the
     device, then the text encoders back to ``text_device``) sends them there first."""
-    from fgrpo.models.testing import build_tiny_sd3_pipeline
+    from fgrpo.models import testing
 
-    pipe = build_tiny_sd3_pipeline()
+    pipe = getattr(testing, builder)()
     names = {id(m): n for n, m in pipe.components.items() if isinstance(m, torch.nn.Module)}
     moves: list[tuple[str, torch.device | None, torch.dtype | None]] = []
     original = torch.nn.Module.to
@@ -95,12 +105,12 @@ def test_each_network_moves_once_and_text_encoders_never_reach_the_accelerator(m
     monkeypatch.setattr(torch.nn.Module, "to", spy)
     meta = torch.device("meta")
     try:
-        policy = SD3Policy.from_pipeline(
-            pipe, device=meta, text_encoder_device="cpu", dtype="bfloat16", vae_dtype="float32", max_sequence_length=8
+        policy = policy_class.from_pipeline(
+            pipe, device=meta, text_encoder_device="cpu", dtype="bfloat16", vae_dtype="float32", **keys
         )
     except NotImplementedError:  # a module moved off the meta device: the records below say which
         policy = None
-    text = ("text_encoder", "text_encoder_2", "text_encoder_3")
+    text = policy_class.text_encoder_names
     assert [m for m in moves if m[0] in text and m[1] is not None and m[1].type != "cpu"] == []
     moved = sorted(n for n, _, _ in moves)
     assert moved == sorted(names.values()), "each network moves exactly once"
