@@ -117,9 +117,12 @@ def freeze(*modules: torch.nn.Module | None) -> None:
 # --- loading ------------------------------------------------------------------------------------
 
 
-def load_pipeline(pipeline_class: Any, path: str, torch_dtype: torch.dtype, *, key: str = "model.path") -> Any:
+def load_pipeline(
+    pipeline_class: Any, path: str, torch_dtype: torch.dtype, *, key: str = "model.path", **components: Any
+) -> Any:
     """``pipeline_class.from_pretrained(path)`` in ``torch_dtype``, from a local folder or a hub id;
-    ``pipeline_class`` may be a diffusers class name (imported after the weights are found).
+    ``pipeline_class`` may be a diffusers class name (imported after the weights are found);
+    ``components``: modules already built (not read from the folder).
 
     Absent weights fail at once with one message naming ``key``, the id and the remedies
     (:func:`fgrpo.core.hub.pretrained_source`); a folder that is not a pipeline of this class is
@@ -137,7 +140,7 @@ def load_pipeline(pipeline_class: Any, path: str, torch_dtype: torch.dtype, *, k
     logs.quiet_libraries()  # diffusers' "Loading pipeline components" bars follow fgrpo's log level
     try:
         return pipeline_class.from_pretrained(
-            source.location, **source.kwargs, **from_pretrained_dtype_kwargs(torch_dtype)
+            source.location, **source.kwargs, **components, **from_pretrained_dtype_kwargs(torch_dtype)
         )
     except WeightsUnavailable:
         raise

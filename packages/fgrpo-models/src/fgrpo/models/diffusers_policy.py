@@ -38,7 +38,8 @@ import torch
 from fgrpo.core import media
 from fgrpo.core.config import param
 from fgrpo.models import _diffusers as dx
-from fgrpo.models import context_parallel
+from fgrpo.models import context_parallel, sharded_load
+from fgrpo.models.load_plan import Placement, plan
 from fgrpo.models.lora import (
     adapters_disabled,
     inject_lora,
@@ -190,6 +191,8 @@ class DiffusersPolicy:
     #: sigma (float32) -> the scheduler's integer timestep, from every grid sigmas() made
     _timestep_table: dict = attrs.field(init=False, factory=dict, repr=False)
     _timestep_tensors: tuple | None = attrs.field(init=False, default=None, repr=False)
+    #: weights still to read after the launch shards them (:mod:`fgrpo.models.sharded_load`)
+    _stand_ins: list[sharded_load.StandIn] = attrs.field(init=False, factory=list, repr=False)
     _latent_shape: tuple[int, ...] = attrs.field(init=False, repr=False)
     _size: tuple[int, int] = attrs.field(init=False, repr=False)
 
@@ -327,15 +330,10 @@ class DiffusersPolicy:
         self.device = dx.resolve_device(self.device)
         self._torch_dtype = dx.parse_dtype(self.dtype)
         if self._pipeline is None:
-            self._pipeline = dx.load_pipeline(self.pipeline_class_name, self.path, self._torch_dtype)
+            self._pipeline = self._load()
         pipe = self._pipeline
         self._check_pipeline(pipe)
-        for module, dtype in self._module_dtypes():
-            if module.dtype != dtype:
-                module.to(dtype=dtype)  # only when needed: diffusers warns on every cast
-        pipe.to(self.device)
-        for module in self.text_encoders():
-            module.to(self.text_device)
+        self._place()
         if hasattr(pipe, "set_progress_bar_config"):
             pipe.set_progress_bar_config(disable=True)
         dx.freeze(*self.modules())
@@ -398,16 +396,52 @@ class DiffusersPolicy:
     def text_device(self) -> torch.device:
         return dx.resolve_device(self.text_encoder_device if self.text_encoder_device is not None else self.device)
 
-    def _module_dtypes(self) -> list[tuple[torch.nn.Module, torch.dtype]]:
-        """(module, weights dtype) of the transformer, VAE and text encoders."""
-        vae = dx.parse_dtype(self.vae_dtype) if self.vae_dtype is not None else self._torch_dtype
-        text = dx.parse_dtype(self.text_encoder_dtype) if self.text_encoder_dtype is not None else self._torch_dtype
-        found = [
-            (getattr(self._pipeline, "transformer", None), self._torch_dtype),
-            (getattr(self._pipeline, "vae", None), vae),
-        ]
-        found += [(m, text) for m in self.text_encoders()]
-        return [(m, d) for m, d in found if isinstance(m, torch.nn.Module)]
+    # --- loading: where each network goes (fgrpo.models.load_plan) --------------------------------
+
+    @classmethod
+    def planned_components(cls, keys: Mapping[str, Any]) -> tuple[str, ...]:
+        """The networks of this backbone's pipelines, before one is loaded (the load plan's default)."""
+        return ("transformer", "vae", *cls.text_encoder_names)
+
+    @classmethod
+    def sharded_components(cls, keys: Mapping[str, Any], components: Sequence[str]) -> list[str]:
+        """Of ``components``, those a sharded launch splits (inside :attr:`trainable_module`)."""
+        return [n for n in components if n == "transformer"]
+
+    def load_plan(self, shards: bool = False) -> list[Placement]:
+        """:func:`fgrpo.models.load_plan.plan` of this policy's keys and (once loaded) its pipeline."""
+        keys = {f.name: getattr(self, f.name) for f in attrs.fields(type(self)) if f.init and f.alias == f.name}
+        pipe = self._pipeline
+        found = None if pipe is None else [n for n, m in pipe.components.items() if isinstance(m, torch.nn.Module)]
+        return plan(type(self), keys, shards, found)
+
+    def _load(self) -> Any:
+        """The pipeline from ``path``, on the host; under FSDP2 with stand-ins (:mod:`.sharded_load`)."""
+        from fgrpo.core.launch import loads_shards  # a run makes its launch before its policy
+
+        sharded = [p.name for p in self.load_plan(loads_shards()) if p.sharded]
+        pipe, self._stand_ins = sharded_load.load(self, sharded)
+        return pipe
+
+    def _place(self) -> None:
+        """Each network once, straight to its planned device and dtype (stand-ins are already there)."""
+        filled_later = {id(s.owner) for s in self._stand_ins}
+        for placement in self.load_plan():
+            module = getattr(self._pipeline, placement.name)
+            if any(id(m) in filled_later for m in module.modules()):
+                continue
+            device = self.text_device if placement.name in self.text_encoder_names else self.device
+            same = getattr(module, "dtype", None) == placement.dtype  # cast only when needed: diffusers warns
+            module.to(device=device, dtype=None if same else placement.dtype)
+
+    @contextmanager
+    def shard_loading(self) -> Iterator[None]:
+        """Around the launch's sharding of :attr:`trainable_module` (FSDP2): the networks loaded as
+        stand-ins are sharded empty, then each process reads its shard (nothing after a whole load)."""
+        sharded_load.to_meta(self._stand_ins)
+        yield
+        sharded_load.fill(self._stand_ins, sharded_load.shard_device(self.trainable_module, self.device))
+        self._stand_ins = []
 
     def text_encoders(self) -> list[torch.nn.Module]:
         found = (getattr(self._pipeline, n, None) for n in self.text_encoder_names)

@@ -209,11 +209,15 @@ class WanPolicy(DiffusersPolicy):
         second = getattr(self._pipeline, "transformer_2", None)
         return super().modules() + ([second] if isinstance(second, torch.nn.Module) else [])
 
-    def _module_dtypes(self) -> list[tuple[torch.nn.Module, torch.dtype]]:
-        second = getattr(self._pipeline, "transformer_2", None)
-        return super()._module_dtypes() + (
-            [(second, self._torch_dtype)] if isinstance(second, torch.nn.Module) else []
-        )
+    @classmethod
+    def planned_components(cls, keys: Mapping[str, Any]) -> tuple[str, ...]:
+        """Wan 2.2 A14B's low-noise expert too (absent from Wan 2.1 and TI2V-5B folders)."""
+        return ("transformer", "transformer_2", *super().planned_components(keys)[1:])
+
+    @classmethod
+    def sharded_components(cls, keys: Mapping[str, Any], components: Sequence[str]) -> list[str]:
+        """Both experts: :class:`WanExperts`, which a sharded launch splits, holds the frozen one too."""
+        return [n for n in components if n in ("transformer", "transformer_2")]
 
     def _check_pipeline(self, pipe: Any) -> None:
         if getattr(pipe, "transformer", None) is None:

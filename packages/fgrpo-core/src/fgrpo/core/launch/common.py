@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 import torch
@@ -19,6 +19,9 @@ class Processes:
     """What every kind reads the same way from accelerate's processes (the kinds build on it)."""
 
     accelerator: Any
+    #: a policy may load the network this kind shards shard by shard: built without weights, each
+    #: process reading its own shard once ``prepare`` has cut it (fgrpo.models.load_plan)
+    loads_shards: ClassVar[bool] = False
 
     @staticmethod
     def check(accelerator: Any) -> None:

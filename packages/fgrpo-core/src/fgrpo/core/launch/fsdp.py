@@ -11,6 +11,11 @@ every backward involves every process: a process with fewer passes pads them. Ch
 whole tensors (every process takes part in gathering them, the main process writes), the same
 files as a data-parallel run; loading keeps each process's shard.
 
+A policy may load the network it shards without its weights (the diffusers backbones do under
+FSDP2: :mod:`fgrpo.models.sharded_load`): its ``shard_loading()`` context, around the sharding
+in :func:`shard_policy`, reads each process's shard once ``fully_shard`` has cut the module, and
+no process ever holds the network whole.
+
 accelerate 1.15 sets FSDP up only on accelerators: on a machine without one, an FSDP launch is
 completed over gloo (:func:`enable_on_cpu`), so that the code paths run (slowly) on a laptop or
 in CI.
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
+from contextlib import nullcontext
 from typing import Any, ClassVar, TypeVar
 
 import attrs
@@ -46,6 +52,7 @@ class FSDP2(Processes):
     sharded: ClassVar[bool] = True
     sharded_weights: ClassVar[bool] = True
     description: ClassVar[str] = "sharded (FSDP2)"
+    loads_shards: ClassVar[bool] = True  # through the policy's shard_loading() (shard_policy)
 
     def prepare(self, policy: Any, optimizer: torch.optim.Optimizer, train: Any) -> list[torch.nn.Parameter]:
         broadcast_parameters(self.accelerator, trainable_of(optimizer))
@@ -110,7 +117,9 @@ def shard_policy(accelerator: Any, policy: Any, optimizer: torch.optim.Optimizer
             "module in place); set fsdp_version: 2 (recipes/accelerate/fsdp-lora.yaml, fsdp-full.yaml)",
         )
     _as_data_parallel(plugin)
-    prepared, _ = accelerator.prepare(module, optimizer)
+    loading = getattr(policy, "shard_loading", None)  # a policy that reads its shards once sharded
+    with loading() if callable(loading) else nullcontext():
+        prepared, _ = accelerator.prepare(module, optimizer)
     if prepared is not module:  # the policy would keep calling the unsharded module
         raise RuntimeError("accelerate replaced the policy's trainable_module instead of sharding it in place")
     params = trainable_of(optimizer)

@@ -69,6 +69,21 @@ def launch_class(
     )
 
 
+def loads_shards() -> bool:
+    """Whether this process's launch, as accelerate set it up (a run makes its launch before its
+    policy), lets the policy load the network it shards shard by shard (its class's
+    ``loads_shards``: FSDP2). False when no Accelerator was made (tools, tests, a notebook), and
+    with accelerate's own low-memory load (``fsdp_cpu_ram_efficient_loading``: the main process
+    loads whole and broadcasts what the module holds at ``prepare``)."""
+    from accelerate.state import AcceleratorState
+
+    state = AcceleratorState._shared_state
+    if getattr(state.get("fsdp_plugin"), "cpu_ram_efficient_loading", False):
+        return False
+    name = str(state.get("distributed_type")).split(".")[-1]
+    return bool(getattr(SHARDED.get(name), "loads_shards", False))
+
+
 def start(cpu: bool | None = None, train: Any = None, **options: Any) -> Launch:
     """The launch of a run: :func:`make_accelerator`'s Accelerator and the object that serves it."""
     return of(make_accelerator(cpu, train, **options))
