@@ -57,7 +57,7 @@ def iteration(run: Run, it: int) -> dict[str, Any]:
         **update.summarize(stats),
     }
     t3 = time.perf_counter()
-    n_samples = traj.batch_size * run.learner.launch.processes
+    n_samples = traj.batch_size * run.learner.launch.data_processes
     return {
         **metrics,
         "lr": run.learner.optimizer.param_groups[0]["lr"],
@@ -159,8 +159,9 @@ def run_evaluation(run: Run, it: int) -> dict[str, float]:
             metrics["time_eval_s"] = time.perf_counter() - t0
         run.io.display.evaluation_done(it, metrics, evaluated_weights(run))
         plugin_manager().hook.fgrpo_evaluation(run=run, iteration=it, metrics=metrics)
-    elif run.learner.launch.sharded_weights:
-        evaluation.evaluation_samples(run, it)  # the main process's forwards need this process's shards
+    elif run.learner.launch.sharded_weights or run.learner.launch.data_rank == 0:
+        # the main process's forwards need this process's shards, or its share of the tokens (context parallel)
+        evaluation.evaluation_samples(run, it)
     run.learner.launch.wait()
     return metrics
 

@@ -192,6 +192,8 @@ class DiffusersPolicy:
     _timestep_tensors: tuple | None = attrs.field(init=False, default=None, repr=False)
     _latent_shape: tuple[int, ...] = attrs.field(init=False, repr=False)
     _size: tuple[int, int] = attrs.field(init=False, repr=False)
+    #: processes that split each sample's tokens (model.context_parallel's group; 1: off)
+    context_parallel_size: int = attrs.field(init=False, default=1, repr=False)
 
     # --- what a backbone module provides --------------------------------------------------------
 
@@ -368,6 +370,10 @@ class DiffusersPolicy:
         self._size = (height, width)
         self.resolution = height if height == width else [height, width]
         self._latent_shape = tuple(self._latent_shape_for(height, width))
+        networks = [getattr(pipe, n, None) for n in ("transformer", "transformer_2")]  # Wan 2.2: both experts
+        self.context_parallel_size = context_parallel.enable(
+            [m for m in networks if isinstance(m, torch.nn.Module)], self.context_parallel, pipe
+        )
 
     # --- what the policy is made of -------------------------------------------------------------
 
