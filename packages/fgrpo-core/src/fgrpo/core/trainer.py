@@ -159,9 +159,12 @@ def run_evaluation(run: Run, it: int) -> dict[str, float]:
             metrics["time_eval_s"] = time.perf_counter() - t0
         run.io.display.evaluation_done(it, metrics, evaluated_weights(run))
         plugin_manager().hook.fgrpo_evaluation(run=run, iteration=it, metrics=metrics)
-    elif run.learner.launch.sharded_weights or run.learner.launch.data_rank == 0:
-        # the main process's forwards need this process's shards, or its share of the tokens (context parallel)
-        evaluation.evaluation_samples(run, it)
+    elif run.learner.launch.sharded_weights:
+        evaluation.evaluation_samples(run, it)  # the main process's forwards need this process's shards
+    elif run.learner.launch.data_rank == 0:
+        # context parallel: every forward of the main process (evaluators' too) needs its group's
+        # processes, which evaluate alongside it the same way, writing nothing
+        evaluation.evaluate(run, it, None)
     run.learner.launch.wait()
     return metrics
 
