@@ -110,3 +110,14 @@ def test_a_sharded_launch_refuses_it():
     optimizer = torch.optim.SGD(policy.trainable_module.parameters(), lr=1.0)
     with pytest.raises(RecipeError, match="runs under a data-parallel launch only"):
         trainable_module(policy, optimizer)
+
+
+def test_a_processor_fgrpo_does_not_replace_is_refused():
+    from diffusers.models.attention_processor import AttnProcessor2_0
+
+    from fgrpo.models.testing import build_tiny_sd3_pipeline
+
+    transformer = build_tiny_sd3_pipeline().transformer
+    transformer.transformer_blocks[0].attn.set_processor(AttnProcessor2_0())
+    with pytest.raises(ValueError, match="attention uses AttnProcessor2_0; fgrpo splits the sequence for diffusers' "):
+        context_parallel.install(transformer, None)  # refused before anything is installed

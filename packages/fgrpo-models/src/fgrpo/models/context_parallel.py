@@ -136,15 +136,19 @@ def install(transformer: torch.nn.Module, ulysses: Ulysses) -> None:
 def _wire_sd3(transformer: Any, ulysses: Ulysses) -> None:
     from diffusers.models.attention_processor import JointAttnProcessor2_0
 
-    for module in transformer.modules():
-        if isinstance(getattr(module, "processor", None), JointAttnProcessor2_0):
-            module.set_processor(JointUlysses(ulysses))
+    attention = [m for m in transformer.modules() if hasattr(m, "set_processor")]
+    _only(attention, JointAttnProcessor2_0)
+    for module in attention:
+        module.set_processor(JointUlysses(ulysses))
     transformer.pos_embed.register_forward_hook(lambda _m, _a, out: ulysses.split(out, "image"))
     transformer.context_embedder.register_forward_hook(lambda _m, _a, out: ulysses.split(out, "text"))
     transformer.proj_out.register_forward_hook(lambda _m, _a, out: ulysses.gather(out, "image"))
 
 
 def _wire_wan(transformer: Any, ulysses: Ulysses) -> None:
+    from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+
+    _only([block.attn1 for block in transformer.blocks], WanAttnProcessor)
     for block in transformer.blocks:
         block.attn1.set_processor(WanUlysses(ulysses))  # attn2 (cross-attention) keeps diffusers': text whole
 
@@ -154,6 +158,17 @@ def _wire_wan(transformer: Any, ulysses: Ulysses) -> None:
 
     transformer.patch_embedding.register_forward_hook(split_patches)
     transformer.proj_out.register_forward_hook(lambda _m, _a, out: ulysses.gather(out, "image"))
+
+
+def _only(attention: list[Any], expected: type) -> None:
+    """Refuse attention modules whose processor is not diffusers' ``expected`` one, which fgrpo's
+    processor replaces (another, e.g. a custom backend's, would attend over this process's tokens only)."""
+    others = sorted({type(m.processor).__name__ for m in attention if type(m.processor) is not expected})
+    if others:
+        raise ValueError(
+            f"model.context_parallel: the transformer's attention uses {', '.join(others)}; fgrpo splits the "
+            f"sequence for diffusers' {expected.__name__} only; set model.context_parallel: null"
+        )
 
 
 #: how each transformer class is split
