@@ -15,6 +15,7 @@ from rich.console import Console
 from fgrpo.core import launch, rollout, scoring, update
 from fgrpo.core import recipe as recipe_mod
 from fgrpo.core.building import build_run
+from fgrpo.core.cli import accelerate_summary
 from fgrpo.core.opening import end_process_group
 from fgrpo.core.trainer import run_evaluation
 
@@ -40,6 +41,7 @@ def main() -> None:
     report = {
         "processes": acc.num_processes,
         "replicas": parallel.replicas,
+        "summary": accelerate_summary(run),  # the start-up line
         "latents": shares(traj.latents),
         "final": shares(traj.final),
         "log_probs": shares(traj.log_probs),

@@ -134,4 +134,5 @@ def test_two_groups_of_two_with_data_parallel_equal_one(tmp_path, one_process, b
     recipe, one = one_process(backbone)
     four = _run(recipe, tmp_path / "four.json", 4, "model.context_parallel.ulysses_degree=2")
     assert (four["processes"], four["replicas"]) == (4, 2)
+    assert four["summary"].startswith("4 process(es), context parallel: 2 group(s) of 2, device cpu")
     _same(one, four)
