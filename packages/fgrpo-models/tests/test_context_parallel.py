@@ -1,10 +1,13 @@
-"""model.context_parallel: the key validates (bad values one line each, at `fgrpo validate`), and
-a run that asks for it is refused when built, with the reason for the machine (no GPUs: diffusers
-cannot set it up; GPUs: fgrpo's group-to-process mapping is not built), exit 2, no traceback."""
+"""model.context_parallel: the key validates (bad values one line each, at `fgrpo validate`; ring
+attention is refused there, with its reason), and what a launch or a transformer cannot run is
+refused when the run is built, one line (the 2- and 4-process runs: tests/test_context_parallel_runs.py)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
+import torch
 import yaml
 
 pytest.importorskip("diffusers")
@@ -32,6 +35,10 @@ def test_every_diffusers_backbone_takes_the_key(policy):
         ({"ring_degree": 1.5}, "got ring_degree 1.5; allowed: a positive integer"),
         ({"ulysses_degree": True}, "got ulysses_degree True; allowed: a positive integer"),
         ({"ulysses_degree": 1, "ring_degree": 1}, "one process per sample is no context parallelism"),
+        (
+            {"ulysses_degree": 2, "ring_degree": 2},
+            "got ring_degree 2: ring attention (key/value blocks passed round) is not built",
+        ),
         (4, "expected a mapping or null, got 4"),
     ],
 )
@@ -46,7 +53,7 @@ def recipe(tmp_path, pipeline_path: str) -> str:
             "name": "sd3",
             "path": pipeline_path,
             "device": "cpu",
-            "context_parallel": {"ulysses_degree": 2, "ring_degree": 2},
+            "context_parallel": {"ulysses_degree": 2},
         },
         "sampler": {"name": "full", "steps": 2},
         "reward": "jpeg-compressibility",
@@ -59,19 +66,58 @@ def recipe(tmp_path, pipeline_path: str) -> str:
     return str(path)
 
 
-def test_validate_accepts_it_and_a_cpu_run_is_refused_with_the_reason(tmp_path, capsys):
+def test_validate_accepts_it_and_one_process_is_refused_with_the_reason(tmp_path, capsys):
     path = recipe(tmp_path, str(tmp_path / "no-pipeline-needed"))  # refused before the pipeline loads
     assert cli.main(["validate", path]) == 0
     assert cli.main(["check", path]) == 2
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.strip()]
     assert "Traceback" not in err and len([line for line in lines if "context_parallel" in line]) == 1
-    assert "model.context_parallel (4 processes per sample) needs GPUs" in err
-    assert "ZeroDivisionError in diffusers 0.42.1 modeling_utils.py:1719" in err
-    assert "set model.context_parallel: null on a CPU" in err
+    assert "got ulysses_degree 2 under 1 process(es); the processes must make whole groups of 2" in err
 
 
-def test_on_gpus_the_missing_mapping_is_the_reason():
-    reason = context_parallel.refusal({"ulysses_degree": 2, "ring_degree": 1}, accelerators=8)
-    assert reason.startswith("model.context_parallel (2 processes per sample) is not supported yet")
-    assert "same prompts, noise and rewards" in reason
+@pytest.mark.parametrize("processes, refused", [(1, True), (2, False), (3, True), (4, False), (6, False)])
+def test_the_processes_must_make_whole_groups(processes, refused):
+    reason = context_parallel.refusal({"ulysses_degree": 2, "ring_degree": 1}, processes)
+    assert (reason is not None) == refused
+    if refused:
+        assert f"got ulysses_degree 2 under {processes} process(es)" in reason
+
+
+def test_the_degree_must_divide_the_heads():
+    from fgrpo.models.testing import build_tiny_sd3_pipeline
+
+    transformer = build_tiny_sd3_pipeline().transformer  # 4 heads
+    with pytest.raises(ValueError, match="got ulysses_degree 3; it must divide the transformer's 4 attention heads"):
+        context_parallel.enable([transformer], {"ulysses_degree": 3, "ring_degree": 1})
+
+
+def test_other_transformers_and_wan_ti2v_are_refused():
+    from fgrpo.models.testing import build_tiny_flux_pipeline
+
+    with pytest.raises(ValueError, match="got a FluxTransformer2DModel; allowed: the SD3 and Wan transformers"):
+        context_parallel.enable([build_tiny_flux_pipeline().transformer], {"ulysses_degree": 2, "ring_degree": 1})
+    ti2v = SimpleNamespace(config={"expand_timesteps": True})
+    with pytest.raises(ValueError, match="Wan 2.2 TI2V"):
+        context_parallel.enable([], {"ulysses_degree": 2, "ring_degree": 1}, ti2v)
+
+
+def test_a_sharded_launch_refuses_it():
+    from fgrpo.core.config import RecipeError
+    from fgrpo.core.launch.common import trainable_module
+
+    policy = SimpleNamespace(context_parallel_size=2, trainable_module=torch.nn.Linear(2, 2))
+    optimizer = torch.optim.SGD(policy.trainable_module.parameters(), lr=1.0)
+    with pytest.raises(RecipeError, match="runs under a data-parallel launch only"):
+        trainable_module(policy, optimizer)
+
+
+def test_a_processor_fgrpo_does_not_replace_is_refused():
+    from diffusers.models.attention_processor import AttnProcessor2_0
+
+    from fgrpo.models.testing import build_tiny_sd3_pipeline
+
+    transformer = build_tiny_sd3_pipeline().transformer
+    transformer.transformer_blocks[0].attn.set_processor(AttnProcessor2_0())
+    with pytest.raises(ValueError, match="attention uses AttnProcessor2_0; fgrpo splits the sequence for diffusers' "):
+        context_parallel.install(transformer, None)  # refused before anything is installed

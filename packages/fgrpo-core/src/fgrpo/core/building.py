@@ -132,17 +132,19 @@ def build_run(
     )
     trainable = parallel.prepare(policy, optimizer, cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-    if cfg.prompts_per_iteration % parallel.processes:
+    # the processes of a context-parallel group hold the same prompts: the batch is shared per group
+    shares = parallel.data_processes
+    if cfg.prompts_per_iteration % shares:
+        held = f"{shares} context-parallel groups" if parallel.replicas > 1 else f"{shares} processes"
         raise RecipeError(
             [
                 ConfigError(
-                    "train.prompts_per_iteration",
-                    f"got {cfg.prompts_per_iteration}; must be a multiple of the {parallel.processes} processes",
+                    "train.prompts_per_iteration", f"got {cfg.prompts_per_iteration}; must be a multiple of the {held}"
                 )
             ]
         )
     schedule = PromptSchedule(
-        prompts.train_prompts(), cfg.prompts_per_iteration, recipe.seed, acc.process_index, parallel.processes
+        prompts.train_prompts(), cfg.prompts_per_iteration, recipe.seed, parallel.data_rank, shares
     )
     display = Display(console, quiet=quiet or recipe.log.quiet, total=cfg.iterations, enabled=parallel.is_main)
     learner = Learner(

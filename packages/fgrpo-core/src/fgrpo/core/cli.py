@@ -467,6 +467,8 @@ def cmd_report(args: argparse.Namespace) -> int:
 def accelerate_summary(run: Any) -> str:
     acc, launched = run.accelerator, run.learner.launch
     kind = launched.description
+    if launched.replicas > 1:
+        kind = f"context parallel: {launched.data_processes} group(s) of {launched.replicas}"
     return (
         f"{launched.processes} process(es){', ' + kind if kind else ''}, device {run.learner.policy.device}, "
         f"mixed precision {acc.mixed_precision}, "

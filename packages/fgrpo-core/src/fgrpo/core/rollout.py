@@ -119,10 +119,10 @@ def nfe_by_phase(traj: Trajectory) -> dict[str, int]:
 def advantages(run: Run, traj: Trajectory, scores: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
     """Group-normalised advantages computed on the whole batch gathered from every process
     (identically on each), then this process's slice."""
-    acc = run.accelerator
+    acc, shares = run.accelerator, run.learner.launch  # a context-parallel group's replicas count once
     device = run.learner.policy.device
-    gathered = {k: acc.gather(v.to(device)) for k, v in scores.items()}
-    groups = acc.gather(traj.group_index.to(device))
+    gathered = {k: shares.one_per_share(acc.gather(v.to(device))) for k, v in scores.items()}
+    groups = shares.one_per_share(acc.gather(traj.group_index.to(device)))
     weights = {spec.label or spec.name: spec.weight for spec in run.recipe.rewards}  # built specs carry their label
     cfg = run.recipe.train
     adv, stats = combine(
@@ -138,5 +138,5 @@ def advantages(run: Run, traj: Trajectory, scores: dict[str, torch.Tensor]) -> t
     # what the update leaves out (samples whose advantage is exactly 0), over every process
     stats["dropped_fraction"] = (adv == 0).double().mean().item() if cfg.drop_zero_advantage else 0.0
     n = traj.batch_size
-    local = adv[acc.process_index * n : (acc.process_index + 1) * n]
+    local = adv[shares.data_rank * n : (shares.data_rank + 1) * n]
     return local.to(device=device, dtype=torch.float32), stats

@@ -57,7 +57,7 @@ def iteration(run: Run, it: int) -> dict[str, Any]:
         **update.summarize(stats),
     }
     t3 = time.perf_counter()
-    n_samples = traj.batch_size * run.learner.launch.processes
+    n_samples = traj.batch_size * run.learner.launch.data_processes
     return {
         **metrics,
         "lr": run.learner.optimizer.param_groups[0]["lr"],
@@ -161,6 +161,10 @@ def run_evaluation(run: Run, it: int) -> dict[str, float]:
         plugin_manager().hook.fgrpo_evaluation(run=run, iteration=it, metrics=metrics)
     elif run.learner.launch.sharded_weights:
         evaluation.evaluation_samples(run, it)  # the main process's forwards need this process's shards
+    elif run.learner.launch.data_rank == 0:
+        # context parallel: every forward of the main process (evaluators' too) needs its group's
+        # processes, which evaluate alongside it the same way, writing nothing
+        evaluation.evaluate(run, it, None)
     run.learner.launch.wait()
     return metrics
 

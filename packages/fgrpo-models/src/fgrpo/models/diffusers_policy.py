@@ -195,6 +195,7 @@ class DiffusersPolicy:
     _stand_ins: list[sharded_load.StandIn] = attrs.field(init=False, factory=list, repr=False)
     _latent_shape: tuple[int, ...] = attrs.field(init=False, repr=False)
     _size: tuple[int, int] = attrs.field(init=False, repr=False)
+    context_parallel_size: int = attrs.field(init=False, default=1, repr=False)  # 1: each sample whole
 
     # --- what a backbone module provides --------------------------------------------------------
 
@@ -366,6 +367,7 @@ class DiffusersPolicy:
         self._size = (height, width)
         self.resolution = height if height == width else [height, width]
         self._latent_shape = tuple(self._latent_shape_for(height, width))
+        self.context_parallel_size = context_parallel.enable_on(pipe, self.context_parallel)
 
     # --- what the policy is made of -------------------------------------------------------------
 

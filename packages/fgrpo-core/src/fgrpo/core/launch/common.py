@@ -22,6 +22,9 @@ class Processes:
     #: a policy may load the network this kind shards shard by shard: built without weights, each
     #: process reading its own shard once ``prepare`` has cut it (fgrpo.models.load_plan)
     loads_shards: ClassVar[bool] = False
+    #: processes that hold the same samples: a context-parallel group, which splits each sample's
+    #: tokens over its processes (the policy's ``context_parallel_size``, set by ``prepare``); 1: none
+    replicas: int = 1
 
     @staticmethod
     def check(accelerator: Any) -> None:
@@ -30,6 +33,23 @@ class Processes:
     @property
     def processes(self) -> int:
         return self.accelerator.num_processes
+
+    @property
+    def data_processes(self) -> int:
+        """How many different shares of the batch the processes hold (processes / replicas)."""
+        return self.processes // self.replicas
+
+    @property
+    def data_rank(self) -> int:
+        """Which share of the batch this process holds (its context-parallel group's index)."""
+        return self.accelerator.process_index // self.replicas
+
+    def one_per_share(self, gathered: torch.Tensor) -> torch.Tensor:
+        """``gathered`` (every process's equally long block, in process order) with one block per
+        share of the batch: the replicas of a context-parallel group hold the same samples."""
+        if self.replicas == 1:
+            return gathered
+        return gathered.unflatten(0, (self.processes, -1))[:: self.replicas].flatten(0, 1)
 
     @property
     def is_main(self) -> bool:
@@ -114,6 +134,12 @@ def passes_behind(accelerator: Any, passes: int) -> int:
     return int(counts.max()) - passes
 
 
+def context_parallel_size(policy: Any) -> int:
+    """How many processes split each of ``policy``'s samples (its ``context_parallel_size``; 1 when it
+    names none)."""
+    return int(getattr(policy, "context_parallel_size", 1) or 1)
+
+
 def trainable_of(optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
     """The optimizer's parameters, in its order."""
     return [p for group in optimizer.param_groups for p in group["params"]]
@@ -128,6 +154,12 @@ def trainable_module(policy: Any, optimizer: torch.optim.Optimizer) -> torch.nn.
     every parameter the optimizer trains."""
     module = getattr(policy, "trainable_module", None)
     name = type(policy).__name__
+    if context_parallel_size(policy) > 1:
+        raise refuse(
+            "model.context_parallel",
+            "runs under a data-parallel launch only (its groups sum their partial gradients in the data-parallel "
+            "all-reduce); launch it with recipes/accelerate/ddp.yaml or set model.context_parallel: null",
+        )
     if not isinstance(module, torch.nn.Module):
         raise refuse(
             "model",

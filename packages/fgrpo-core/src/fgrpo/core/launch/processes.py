@@ -1,6 +1,11 @@
 """Data parallel, over one process or several: every process keeps the whole network and
 optimizer and rolls out its own prompt groups; gradients are averaged by one all-reduce per
-optimizer step (a Policy need not be one nn.Module, so DDP's forward hooks are not used)."""
+optimizer step (a Policy need not be one nn.Module, so DDP's forward hooks are not used).
+
+Under context parallelism (a policy whose ``context_parallel_size`` U is > 1) the U processes of a
+group roll out and train on the same samples, each holding 1/U of every sample's tokens: each
+one's gradient is its tokens' part, so the group's gradient is their sum, and the step averages
+those sums over the groups (the all-reduce's mean over every process, times U)."""
 
 from __future__ import annotations
 
@@ -10,7 +15,14 @@ from typing import Any, ClassVar, TypeVar
 import attrs
 import torch
 
-from fgrpo.core.launch.common import Processes, broadcast_parameters, scaled_backward, trainable_of, unscale_clip_step
+from fgrpo.core.launch.common import (
+    Processes,
+    broadcast_parameters,
+    context_parallel_size,
+    scaled_backward,
+    trainable_of,
+    unscale_clip_step,
+)
 
 T = TypeVar("T")
 
@@ -27,6 +39,7 @@ class DataParallel(Processes):
 
     def prepare(self, policy: Any, optimizer: torch.optim.Optimizer, train: Any) -> list[torch.nn.Parameter]:
         params = trainable_of(optimizer)
+        self.replicas = context_parallel_size(policy)
         broadcast_parameters(self.accelerator, params)
         return params
 
@@ -37,7 +50,7 @@ class DataParallel(Processes):
         self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], max_grad_norm: float
     ) -> torch.Tensor | None:
         if self.processes > 1:
-            average_gradients(self.accelerator, params)
+            average_gradients(self.accelerator, params, scale=self.replicas)
         return unscale_clip_step(self.accelerator, optimizer, params, max_grad_norm)
 
     def missing_forwards(self, passes: int) -> int:
@@ -50,10 +63,13 @@ class DataParallel(Processes):
         return collect() if self.is_main else None
 
 
-def average_gradients(accelerator: Any, params: Sequence[torch.nn.Parameter]) -> None:
-    """Average gradients over processes: one all-reduce of a flat buffer."""
+def average_gradients(accelerator: Any, params: Sequence[torch.nn.Parameter], scale: int = 1) -> None:
+    """Average gradients over processes: one all-reduce of a flat buffer (times ``scale``: the
+    processes of a context-parallel group, whose partial gradients add up)."""
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     flat = accelerator.reduce(torch.cat([g.reshape(-1) for g in grads]), reduction="mean")
+    if scale != 1:
+        flat = flat * scale
     offset = 0
     for p, g in zip(params, grads, strict=True):
         n = g.numel()

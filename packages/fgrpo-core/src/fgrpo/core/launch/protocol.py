@@ -53,6 +53,25 @@ class Launch(Protocol):
     def processes(self) -> int: ...
 
     @property
+    def replicas(self) -> int:
+        """Processes that hold the same samples (a context-parallel group; 1 without)."""
+        ...
+
+    @property
+    def data_processes(self) -> int:
+        """How many different shares of the batch the processes hold (processes / replicas)."""
+        ...
+
+    @property
+    def data_rank(self) -> int:
+        """Which share of the batch this process holds (its context-parallel group's index)."""
+        ...
+
+    def one_per_share(self, gathered: torch.Tensor) -> torch.Tensor:
+        """A gather over every process with the replicas of each share left out."""
+        ...
+
+    @property
     def is_main(self) -> bool: ...
 
     def prepare(self, policy: Any, optimizer: torch.optim.Optimizer, train: Any) -> list[torch.nn.Parameter]:
