@@ -28,7 +28,7 @@ import torch
 
 from fgrpo.core import tensors
 from fgrpo.core.ema import ema_weights
-from fgrpo.core.points import lockstep
+from fgrpo.core.points.lockstep import plan
 from fgrpo.core.protocols import ForwardBatch, ForwardObjective, Trajectory
 from fgrpo.core.run import Run
 from fgrpo.core.seeding import generator, randn
@@ -148,7 +148,7 @@ class ForwardPoints:
         cfg = run.recipe.train
         passes = list(self.passes(kept, self.per_forward(cfg.reference_batch_size or cfg.micro_batch_size)))
         launch = run.learner.launch
-        planned = lockstep.plan(policy, passes, self.levels, launch.missing_forwards, launch.sharded_weights)
+        planned = plan(policy, passes, self.levels, launch.missing_forwards, launch.sharded_weights)
         nfe = 0
         for made, level in planned:  # the plan's collective was before any pass
             if made is None:

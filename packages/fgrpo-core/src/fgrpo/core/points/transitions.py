@@ -16,7 +16,7 @@ import attrs
 import torch
 
 from fgrpo.core import tensors
-from fgrpo.core.points import lockstep
+from fgrpo.core.points.lockstep import plan
 from fgrpo.core.protocols import StepBatch, Trajectory
 from fgrpo.core.run import Run
 from fgrpo.core.timing import TimedPolicy
@@ -95,7 +95,7 @@ def reference(run: Run, traj: Trajectory, samples: torch.Tensor) -> Reference | 
         else []
     )
     launch = run.learner.launch
-    planned = lockstep.plan(policy, passes, partial(levels, traj), launch.missing_forwards, launch.sharded_weights)
+    planned = plan(policy, passes, partial(levels, traj), launch.missing_forwards, launch.sharded_weights)
     with policy.reference():
         for made, level in planned:
             if made is None:
