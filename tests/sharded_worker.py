@@ -31,7 +31,7 @@ from rich.console import Console
 from fgrpo.core import launch, update
 from fgrpo.core import recipe as recipe_mod
 from fgrpo.core.opening import close_run, open_run
-from fgrpo.core.points import transitions
+from fgrpo.core.points import forward, transitions
 from fgrpo.core.trainer import train
 
 LAUNCHES = {  # what `accelerate launch --config_file recipes/accelerate/<config>.yaml` sets
@@ -95,9 +95,17 @@ def fewer_on_process_1(informative):
 
 
 def counted(idle_passes):
-    def padding(run, traj, adv, count):
+    def padding(run, traj, adv, count, *level):
         PADDING[0] += count
-        idle_passes(run, traj, adv, count)
+        idle_passes(run, traj, adv, count, *level)
+
+    return padding
+
+
+def counted_points(idle):
+    def padding(self, count, *level):
+        PADDING[0] += count
+        idle(self, count, *level)
 
     return padding
 
@@ -137,6 +145,7 @@ def main() -> None:
     out, n = Path(out), int(n)
     update.informative = fewer_on_process_1(update.informative)
     transitions.idle_passes = counted(transitions.idle_passes)
+    forward.ForwardPoints.idle = counted_points(forward.ForwardPoints.idle)
     report = {"ddp": run(path, out / "ddp", n, overrides), "crossed_ddp": run(path, out / "crossed", n - 1, overrides)}
     os.environ.update(launch_environment(kind, out))
     if kind != "fsdp":  # a DeepSpeed launch starts fresh processes: accelerate's state starts over here

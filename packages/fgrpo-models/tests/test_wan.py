@@ -204,6 +204,20 @@ class TestWan22(DiffusersBackboneConformance):
         assert [name for name, _ in calls] == ["transformer", "transformer_2"]  # one forward per expert
 
     @torch.no_grad()
+    def test_forward_groups_are_the_experts_velocity_runs(self, policy):
+        """The policy's forward groups (what a sharded update keeps in lockstep): per row, the
+        expert ``velocity`` calls, high-noise first; each group's level runs that group's expert."""
+        groups = policy.forward_groups
+        sigmas = policy.sigmas(3)[:-1]
+        assert groups.of(sigmas).tolist() == [0 if high else 1 for high in policy.high_noise(sigmas).tolist()]
+        assert groups.of(torch.tensor(groups.levels)).tolist() == [0, 1]
+        x, _ = self.state(policy, n=1)
+        cond = self.cond(policy, n=1)
+        for level, expert in zip(groups.levels, ["transformer", "transformer_2"], strict=True):
+            calls = expert_calls(policy, lambda level=level: policy.velocity(x, torch.tensor([level]), cond))
+            assert [name for name, _ in calls] == [expert]
+
+    @torch.no_grad()
     def test_the_low_noise_experts_own_guidance_scale(self, model_keys):
         """guidance_scale for the high-noise expert, guidance_scale_2 for the low-noise one, as the pipeline."""
         policy = self.make_policy(

@@ -36,6 +36,21 @@ class KernelStep:
     log_prob: torch.Tensor
 
 
+@attrs.frozen
+class ForwardGroups:
+    """A policy's optional ``forward_groups`` (see :class:`Policy`): its rows run through one of
+    several networks chosen by their noise level (Wan 2.2 A14B's high- and low-noise experts).
+
+    - ``of(sigma)``: (B,) int64, the group of each row at noise level ``sigma`` (B,); one
+      ``velocity`` call makes one forward per group present, in increasing group order;
+    - ``levels``: a noise level of each group (``of(torch.tensor(levels))`` is 0, 1, ...), at which
+      a padding pass of that group evaluates.
+    """
+
+    of: Callable[[torch.Tensor], torch.Tensor]
+    levels: tuple[float, ...]
+
+
 @runtime_checkable
 class Kernel(Protocol):
     """One step of a sampler; ``stochastic`` kernels have a std and a log-prob and can be trained.
@@ -110,7 +125,11 @@ class Policy(Protocol):
     shards it in place, so its parameters become DTensor shards; DeepSpeed ZeRO-3 partitions its
     weights in place and the trainer calls the two state-dict methods with them gathered whole.
     ``trainable_state_dict`` then returns whole tensors (every process calls it) and
-    ``load_trainable_state_dict`` takes whole tensors.
+    ``load_trainable_state_dict`` takes whole tensors. A policy whose network depends on the noise
+    level (Wan 2.2's two experts) says so with ``forward_groups`` (a :class:`ForwardGroups`; absent
+    or None: one network for every row): where every process takes part in each forward or
+    backward, the update then makes every pass of one group only, and every process the same
+    groups in the same order (:mod:`fgrpo.core.points.lockstep`).
     """
 
     # a recipe key typed as the recipe gives it ('cpu', 'auto', ...); built-ins resolve it to a

@@ -15,7 +15,8 @@ from typing import cast
 import attrs
 import torch
 
-from fgrpo.core.points import TrainingPoints, training_points
+from fgrpo.core.points import TrainingPoints, lockstep, training_points
+from fgrpo.core.points.lockstep import Pass, Planned
 from fgrpo.core.protocols import ForwardObjective, Trajectory
 from fgrpo.core.run import Run
 from fgrpo.core.seeding import generator
@@ -127,6 +128,13 @@ def train_pass(
     stats.record(out.metrics, nfe, lambda: points.deviation(batch))
 
 
+def step_plan(run: Run, points: TrainingPoints, passes: list[Pass]) -> list[Planned]:
+    """An optimizer step's passes with the launch's padding passes (zero-weighted), where every
+    backward involves every process in the same order of forward groups (:mod:`fgrpo.core.points.lockstep`)."""
+    launch = run.learner.launch
+    return lockstep.plan(run.learner.policy, passes, points.levels, launch.missing_backwards, launch.sharded)
+
+
 def optimizer_step(run: Run, stats: UpdateStats) -> None:
     """One step on the accumulated gradients (averaged over the processes, unscaled, clipped to
     ``train.max_grad_norm``: :meth:`~fgrpo.core.launch.Launch.step`), then the EMA's."""
@@ -159,11 +167,12 @@ def update(run: Run, traj: Trajectory, adv: torch.Tensor, iteration: int) -> Upd
             stats.prepared(points.ref_nfe, points.old_nfe)
             for passes in epoch_steps(run, points, kept, most, iteration, epoch):
                 run.learner.launch.zero_grad(run.learner.optimizer)
-                idle = run.learner.launch.missing_backwards(len(passes))  # a collective: before any pass
                 units = sum(len(rows) for rows, _ in passes)
-                for rows, cols in passes:
-                    train_pass(run, points, rows, cols, len(rows) / units, stats)
-                points.idle(idle)
+                for made, level in step_plan(run, points, passes):  # a collective: before any pass
+                    if made is None:
+                        points.idle(1, level)
+                    else:
+                        train_pass(run, points, *made, len(made[0]) / units, stats)
                 optimizer_step(run, stats)
                 advance()
     return stats

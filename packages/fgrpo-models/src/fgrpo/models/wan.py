@@ -55,6 +55,7 @@ import torch
 
 from fgrpo.core import media
 from fgrpo.core.config import param
+from fgrpo.core.protocols import ForwardGroups
 from fgrpo.models import _diffusers as dx
 from fgrpo.models.diffusers_policy import NEGATIVE, DiffusersPolicy
 from fgrpo.models.lora import lora_param
@@ -193,6 +194,16 @@ class WanPolicy(DiffusersPolicy):
             return torch.ones_like(sigma, dtype=torch.bool)
         boundary = self.boundary_ratio * self._pipeline.scheduler.config.num_train_timesteps
         return self._timestep(sigma.to(torch.float32)) >= boundary
+
+    @property
+    def forward_groups(self) -> ForwardGroups | None:
+        """Wan 2.2 A14B: a row runs through the high-noise expert (group 0) or the low-noise one
+        (group 1), in that order (:meth:`velocity`); sigma 1 is the high-noise expert's (timestep
+        1000), sigma 0 the low-noise one's. A sharded update keeps every process on the same expert
+        (:mod:`fgrpo.core.points.lockstep`)."""
+        if not self.is_moe:
+            return None
+        return ForwardGroups(of=lambda sigma: (~self.high_noise(sigma)).long(), levels=(1.0, 0.0))
 
     def trained_transformers(self) -> list[tuple[str, ModelMixin]]:
         if not self.is_moe:

@@ -134,6 +134,15 @@ class DeepSpeedZeRO3(DeepSpeedZeRO2):
         check_deepspeed(accelerator)
         load_models_whole()
 
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        """DeepSpeed's, and the partitions' gradients zeroed: ZeRO-3 copies a gradient into its
+        partition in the step's first backward and adds it in later ones, so a weight the first pass
+        did not reach (the other expert of Wan 2.2) would add to the previous step's gradient."""
+        super().zero_grad(optimizer)
+        flat = getattr(self.engine.optimizer, "grad_partitions_flat_buffer", None)
+        if flat is not None:
+            flat.zero_()
+
     def missing_forwards(self, passes: int) -> int:
         return passes_behind(self.accelerator, passes)  # each forward all-gathers the weights
 

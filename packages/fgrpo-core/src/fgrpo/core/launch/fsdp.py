@@ -64,6 +64,7 @@ class FSDP2(Processes):
     def step(
         self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], max_grad_norm: float
     ) -> torch.Tensor | None:
+        zero_missing_gradients(params)
         return unscale_clip_step(self.accelerator, optimizer, params, max_grad_norm)  # averaged in backward
 
     def missing_forwards(self, passes: int) -> int:
@@ -75,6 +76,15 @@ class FSDP2(Processes):
     def gathered(self, collect: Callable[[], T]) -> T | None:
         value = collect()
         return value if self.is_main else None
+
+
+def zero_missing_gradients(params: list[torch.nn.Parameter]) -> None:
+    """A zero gradient for every parameter no pass of the step reached on any process (Wan 2.2's
+    expert without trained steps in it): data parallel's average gives it zeros, so AdamW moves it
+    by its momentum and weight decay; without this, AdamW would skip it here."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
 
 
 # --- set-up -------------------------------------------------------------------------------------

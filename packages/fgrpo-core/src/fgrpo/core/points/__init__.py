@@ -49,8 +49,13 @@ class TrainingPoints(Protocol[BatchT]):
         """The batch's largest departure from the sampling policy (|ratio - 1|, or the relative
         velocity difference to the old policy); None when there is nothing to compare with."""
 
-    def idle(self, count: int) -> None:
-        """``count`` forward/backward passes that change no gradient (padding for the launch)."""
+    def levels(self, made: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The noise level of each (item, unit) pair of a pass: which of the policy's forward groups
+        runs it (:mod:`fgrpo.core.points.lockstep`)."""
+
+    def idle(self, count: int, level: float | None = None) -> None:
+        """``count`` forward/backward passes that change no gradient (padding for the launch), at
+        noise level ``level`` (None: any)."""
 
 
 #: the points of each kind of objective (``Objective.trains_on``)

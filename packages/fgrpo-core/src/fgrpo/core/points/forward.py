@@ -22,12 +22,13 @@ is the same for both.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import cast
+from typing import Any, cast
 
 import torch
 
 from fgrpo.core import tensors
 from fgrpo.core.ema import ema_weights
+from fgrpo.core.points.lockstep import plan
 from fgrpo.core.protocols import ForwardBatch, ForwardObjective, Trajectory
 from fgrpo.core.run import Run
 from fgrpo.core.seeding import generator, randn
@@ -146,9 +147,14 @@ class ForwardPoints:
         out = torch.zeros((self.items, r, self.units, *traj.final.shape[1:]), device=traj.final.device)
         cfg = run.recipe.train
         passes = list(self.passes(kept, self.per_forward(cfg.reference_batch_size or cfg.micro_batch_size)))
-        padding = run.learner.launch.missing_forwards(len(passes))  # a collective: before any pass
+        launch = run.learner.launch
+        planned = plan(policy, passes, self.levels, launch.missing_forwards, launch.sharded_weights)
         nfe = 0
-        for items, points in passes:
+        for made, level in planned:  # the plan's collective was before any pass
+            if made is None:
+                self.idle_forward(policy, level)
+                continue
+            items, points = made
             samples, pts, its = self.rows(items, points)
             _, t, _, x_t = self.x_t(samples, its, pts)
             with run.accelerator.autocast():
@@ -156,8 +162,6 @@ class ForwardPoints:
             place = torch.arange(r).repeat_interleave(len(items))
             out[its.to(out.device), place.to(out.device), pts.to(out.device)] = v.float()
             nfe += len(samples) * policy.evaluations_per_call
-        for _ in range(padding):
-            self.idle_forward(policy)
         return out, nfe
 
     # --- the update's passes --------------------------------------------------------------------
@@ -213,16 +217,23 @@ class ForwardPoints:
         old = batch.old_velocity
         return ((batch.velocity.detach() - old).abs().max() / (old.abs().mean() + 1e-12)).float()
 
-    def idle(self, count: int) -> None:
+    def levels(self, made: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The drawn level t of each (item, point) pair (the rows of a pair of samples share it)."""
+        assert self.t is not None  # drawn when the update starts
+        items, points = made
+        return self.t[items.to(self.t.device), points.to(self.t.device)]
+
+    def idle(self, count: int, level: float | None = None) -> None:
         """``count`` forward/backward passes that change no gradient (``run.learner.launch.missing_backwards``)."""
         policy = TimedPolicy(self.run.learner.policy, self.run.io.clock)
         for _ in range(count):
             with self.run.accelerator.autocast():
-                v = self.idle_forward(policy)
+                v = self.idle_forward(policy, level)
             self.run.learner.launch.backward(v.float().sum() * 0.0)
 
-    def idle_forward(self, policy) -> torch.Tensor:
+    def idle_forward(self, policy: Any, level: float | None = None) -> torch.Tensor:
+        """A padding pass's velocity: the first sample at noise level ``level`` (None: 0.5)."""
         traj = self.traj
         one = torch.zeros(1, dtype=torch.long, device=traj.final.device)
-        half = torch.full((1,), 0.5, device=traj.final.device)
-        return policy.velocity(traj.final[one].float(), half, tensors.index(traj.cond, one))
+        t = torch.full((1,), 0.5 if level is None else level, device=traj.final.device)
+        return policy.velocity(traj.final[one].float(), t, tensors.index(traj.cond, one))

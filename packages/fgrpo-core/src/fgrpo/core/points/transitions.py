@@ -9,11 +9,15 @@ points it trains on (:class:`fgrpo.core.points.TrainingPoints`).
 
 from __future__ import annotations
 
+from functools import partial
+from typing import Any
+
 import attrs
 import torch
 
 from fgrpo.core import tensors
 from fgrpo.core.advantages import tree_advantages
+from fgrpo.core.points.lockstep import plan
 from fgrpo.core.protocols import StepBatch, Trajectory
 from fgrpo.core.run import Run
 from fgrpo.core.timing import TimedPolicy
@@ -99,36 +103,50 @@ def reference(run: Run, traj: Trajectory, samples: torch.Tensor) -> Reference | 
         if len(samples)
         else []
     )
-    padding = run.learner.launch.missing_forwards(len(passes))
+    launch = run.learner.launch
+    planned = plan(policy, passes, partial(levels, traj), launch.missing_forwards, launch.sharded_weights)
     with policy.reference():
-        for rows, cols in passes:
+        for made, level in planned:
+            if made is None:
+                with run.accelerator.autocast():
+                    idle_velocity(policy, traj, level)
+                continue
+            rows, cols = made
             x, index = traj.latents[rows, cols], traj.step_index[rows, cols]
             with run.accelerator.autocast():
                 v = policy.velocity(x, traj.sigmas[index], tensors.index(traj.cond, rows))
             velocity[rows, cols] = v.float()
             mean[rows, cols] = kernel.step(v, x, traj.sigmas, index, prev_sample=traj.next_latents[rows, cols]).mean
             nfe += len(rows) * policy.evaluations_per_call
-        first = torch.zeros(1, dtype=torch.long, device=traj.latents.device)
-        for _ in range(padding):
-            with run.accelerator.autocast():
-                policy.velocity(
-                    traj.latents[first, first],
-                    traj.sigmas[traj.step_index[first, first]],
-                    tensors.index(traj.cond, first),
-                )
     return Reference(mean=mean, velocity=velocity, nfe=nfe)
 
 
-def idle_passes(run: Run, traj: Trajectory, adv: torch.Tensor, count: int) -> None:
+def levels(traj: Trajectory, made: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """The noise level of each (sample, step) pair: where its stored transition starts."""
+    rows, cols = made
+    return traj.sigmas[traj.step_index[rows, cols]]
+
+
+def idle_velocity(policy: Any, traj: Trajectory, level: float | None) -> torch.Tensor:
+    """A padding pass's velocity: the first stored pair's state, at noise level ``level`` (None:
+    the pair's own), so that it runs the forward group a padding pass of that level must."""
+    first = torch.zeros(1, dtype=torch.long, device=traj.latents.device)
+    sigma = traj.sigmas[traj.step_index[first, first]]
+    if level is not None:
+        sigma = torch.full_like(sigma, level)
+    return policy.velocity(traj.latents[first, first], sigma, tensors.index(traj.cond, first))
+
+
+def idle_passes(run: Run, traj: Trajectory, adv: torch.Tensor, count: int, level: float | None = None) -> None:
     """``count`` forward/backward passes that change no gradient (loss weight 0), on this process's
-    first (sample, step) pair: where every backward involves every process, a process makes as
-    many passes as the busiest one (``run.learner.launch.missing_backwards``)."""
-    one = torch.zeros(1, dtype=torch.long, device=traj.latents.device)
+    first (sample, step) pair at noise level ``level`` (None: the pair's own): where every backward
+    involves every process, a process makes as many passes as the busiest one
+    (``run.learner.launch.missing_backwards``; per forward group, :mod:`fgrpo.core.points.lockstep`)."""
+    policy = TimedPolicy(run.learner.policy, run.io.clock)
     for _ in range(count):
         with run.accelerator.autocast():
-            batch, _ = step_batch(run, traj, adv, one, one)
-        assert batch.velocity is not None  # step_batch always computes it
-        run.learner.launch.backward(batch.velocity.float().sum() * 0.0)
+            v = idle_velocity(policy, traj, level)
+        run.learner.launch.backward(v.float().sum() * 0.0)
 
 
 class Transitions:
@@ -169,5 +187,8 @@ class Transitions:
     def deviation(self, batch: StepBatch) -> torch.Tensor:
         return (batch.log_prob.detach() - batch.old_log_prob).exp().sub(1).abs().max()
 
-    def idle(self, count: int) -> None:
-        idle_passes(self.run, self.traj, self.adv, count)
+    def levels(self, made: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return levels(self.traj, made)
+
+    def idle(self, count: int, level: float | None = None) -> None:
+        idle_passes(self.run, self.traj, self.adv, count, level)
