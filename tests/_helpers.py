@@ -158,8 +158,6 @@ def rewind_to(checkpoints: Path, iteration: int) -> None:
 def assert_same_training(reference: Path, other: Path) -> None:
     """Two run folders trained the same: byte-identical trainable weights in ``checkpoints/last``
     and the same metrics rows (all but the timings)."""
-    import json
-
     import torch
     from safetensors.torch import load_file
 
@@ -167,15 +165,53 @@ def assert_same_training(reference: Path, other: Path) -> None:
     assert a.keys() == b.keys()
     for key in a:
         assert torch.equal(a[key], b[key]), key
+    assert metric_rows(reference) == metric_rows(other)
 
-    def rows(folder: Path) -> list[dict]:
-        lines = (folder / "metrics.jsonl").read_text().splitlines()
-        return [
-            {k: v for k, v in json.loads(line).items() if not k.startswith(("time_", "samples_per_s"))}
-            for line in lines
-        ]
 
-    assert rows(reference) == rows(other)
+def metric_rows(folder: Path) -> list[dict]:
+    """The rows of a run folder's metrics.jsonl without the timings (they differ run to run)."""
+    import json
+
+    lines = (folder / "metrics.jsonl").read_text().splitlines()
+    return [
+        {k: v for k, v in json.loads(line).items() if not k.startswith(("time_", "samples_per_s"))} for line in lines
+    ]
+
+
+def stop_and_resume(recipe: str | Path, runs: Path, sets: list[str], *, stop: int, newest: int) -> tuple[Path, Path]:
+    """``recipe`` with the ``--set`` arguments ``sets`` composed in process twice: ``runs/a``
+    uninterrupted, ``runs/b`` stopped after iteration ``stop`` with the checkpoint of iteration
+    ``newest`` as its newest (:func:`rewind_to`), then resumed. Returns (a, b)."""
+    from fgrpo.core import cli
+
+    a, b = runs / "a", runs / "b"
+    assert cli.main(["compose", str(recipe), "--out", str(a), *sets]) == 0
+    assert cli.main(["compose", str(recipe), "--out", str(b), *sets, "--set", f"train.iterations={stop}"]) == 0
+    rewind_to(b / "checkpoints", newest)
+    assert cli.main(["compose", str(recipe), "--out", str(b), *sets, "--resume"]) == 0
+    return a, b
+
+
+def registration(kind: str, name: str, component: Any) -> Any:
+    """A module-scoped autouse fixture (bind it to a name in the test module, where pytest finds it)
+    that registers ``component`` as the ``kind`` named ``name`` for the module's tests where the
+    editable install predates its entry point (a fresh install registers it: nothing to do)."""
+    import pytest
+
+    from fgrpo.core import registry
+
+    @pytest.fixture(autouse=True, scope="module")
+    def fixture() -> Iterator[None]:
+        try:
+            registry.load(kind, name)
+        except registry.ComponentError:
+            registry.register(kind, name, component)
+            yield
+            registry.unregister(kind, name)
+        else:
+            yield
+
+    return fixture
 
 
 #: ``--set`` values for a tiny randomly initialised shapes network (LoRA rank 4) and one short iteration

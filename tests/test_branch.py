@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
 
-from _helpers import rewind_to
+from _helpers import assert_same_training, metric_rows, registration, stop_and_resume
 from fgrpo.core import cli, registry
 from fgrpo.core.advantages import group_advantages, tree_advantages
 from fgrpo.core.points.transitions import step_advantages
@@ -20,16 +18,8 @@ from fgrpo.samplers.branch import BranchSampler
 PROMPTS = ["a cat", "a dog"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def branch_registered():
-    """The entry point, where the editable install predates it (a fresh install registers it)."""
-    try:
-        registry.load("sampler", "branch")
-        yield
-    except registry.ComponentError:
-        registry.register("sampler", "branch", BranchSampler)
-        yield
-        registry.unregister("sampler", "branch")
+#: the entry point, where the editable install predates it (a fresh install registers it)
+branch_registered = registration("sampler", "branch", BranchSampler)
 
 
 class TestBranchSampler(SamplerConformance):
@@ -379,26 +369,8 @@ def test_check_passes_on_the_shapes_branch_recipe(root, capsys):
 def test_stop_and_resume_is_bit_exact(root, tmp_path):
     """Stopped after iteration 5 with the checkpoint of iteration 3 as the newest, then resumed (the
     pruned depths slide meanwhile): the weights and every metric equal an uninterrupted run's."""
-    from safetensors.torch import load_file
-
     sets = ["--set", BRANCH, "--set", "train.iterations=8", "--set", "train.checkpoint_every=3"]
     sets += ["--set", "eval.every=4", "--set", "log.plots=false", "--set", "log.trackers=[]", "--quiet"]
-    recipe = str(root / "recipes" / "vector.yaml")
-    assert cli.main(["compose", recipe, "--out", str(tmp_path / "a"), *sets]) == 0
-    assert cli.main(["compose", recipe, "--out", str(tmp_path / "b"), *sets, "--set", "train.iterations=5"]) == 0
-    rewind_to(tmp_path / "b" / "checkpoints", 3)
-    assert cli.main(["compose", recipe, "--out", str(tmp_path / "b"), *sets, "--resume"]) == 0
-
-    def weights(folder: Path) -> dict[str, torch.Tensor]:
-        return load_file(str(folder / "checkpoints" / "last" / "trainable.safetensors"))
-
-    def rows(folder: Path) -> list[dict]:
-        lines = (folder / "metrics.jsonl").read_text().splitlines()
-        return [
-            {k: v for k, v in json.loads(ln).items() if not k.startswith(("time_", "samples_per_s"))} for ln in lines
-        ]
-
-    a, b = weights(tmp_path / "a"), weights(tmp_path / "b")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert rows(tmp_path / "a") == rows(tmp_path / "b")
-    assert len(rows(tmp_path / "a")) >= 8
+    a, b = stop_and_resume(root / "recipes" / "vector.yaml", tmp_path, sets, stop=5, newest=3)
+    assert_same_training(a, b)
+    assert len(metric_rows(a)) >= 8

@@ -4,14 +4,12 @@ conformance suite, ``fgrpo check`` and a stop-and-resume."""
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
 
-from _helpers import rewind_to
+from _helpers import assert_same_training, metric_rows, registration, stop_and_resume
 from fgrpo.core import cli, registry
 from fgrpo.core.objectives.dgpo import DGPO
 from fgrpo.core.protocols import ForwardBatch
@@ -20,16 +18,8 @@ from fgrpo.core.testing import ObjectiveConformance
 DGPO_SET = "objective={name: dgpo, dpo_beta: 5.0, trunc_steps: 4, timesteps: 2}"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def dgpo_registered():
-    """The entry point, where the editable install predates it (a fresh install registers it)."""
-    try:
-        registry.load("objective", "dgpo")
-        yield
-    except registry.ComponentError:
-        registry.register("objective", "dgpo", DGPO)
-        yield
-        registry.unregister("objective", "dgpo")
+#: the entry point, where the editable install predates it (a fresh install registers it)
+dgpo_registered = registration("objective", "dgpo", DGPO)
 
 
 def batch(x0, noise, v, v_ref, adv, groups, t=None, grad=True) -> ForwardBatch:
@@ -183,25 +173,9 @@ def test_registered_as_dgpo():
 
 
 def test_stop_and_resume_is_bit_exact(root, tmp_path):
-    from safetensors.torch import load_file
-
     sets = ["--set", "sampler={name: ode, steps: 10, kernel: dpmpp2m}", "--set", DGPO_SET]
     sets += ["--set", "train.iterations=6", "--set", "train.checkpoint_every=3"]
     sets += ["--set", "eval.every=4", "--set", "log.plots=false", "--set", "log.trackers=[]", "--quiet"]
-    recipe = str(root / "recipes" / "vector.yaml")
-    assert cli.main(["compose", recipe, "--out", str(tmp_path / "a"), *sets]) == 0
-    assert cli.main(["compose", recipe, "--out", str(tmp_path / "b"), *sets, "--set", "train.iterations=4"]) == 0
-    rewind_to(tmp_path / "b" / "checkpoints", 3)
-    assert cli.main(["compose", recipe, "--out", str(tmp_path / "b"), *sets, "--resume"]) == 0
-
-    def rows(folder: Path) -> list[dict]:
-        lines = (folder / "metrics.jsonl").read_text().splitlines()
-        return [
-            {k: v for k, v in json.loads(ln).items() if not k.startswith(("time_", "samples_per_s"))} for ln in lines
-        ]
-
-    a = load_file(str(tmp_path / "a" / "checkpoints" / "last" / "trainable.safetensors"))
-    b = load_file(str(tmp_path / "b" / "checkpoints" / "last" / "trainable.safetensors"))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert rows(tmp_path / "a") == rows(tmp_path / "b")
-    assert any("group_nll" in k for r in rows(tmp_path / "a") for k in r)
+    a, b = stop_and_resume(root / "recipes" / "vector.yaml", tmp_path, sets, stop=4, newest=3)
+    assert_same_training(a, b)
+    assert any("group_nll" in k for r in metric_rows(a) for k in r)

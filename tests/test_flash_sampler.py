@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from _helpers import registration
 from fgrpo.core import cli, registry
 from fgrpo.core.testing import SamplerConformance
 from fgrpo.core.testing.toys import GaussianPolicy
@@ -15,16 +16,8 @@ from fgrpo.samplers.flash import FlashSampler
 PROMPTS = ["a cat", "a dog"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def flash_registered():
-    """The entry point, where the editable install predates it (a fresh install registers it)."""
-    try:
-        registry.load("sampler", "flash")
-        yield
-    except registry.ComponentError:
-        registry.register("sampler", "flash", FlashSampler)
-        yield
-        registry.unregister("sampler", "flash")
+#: the entry point, where the editable install predates it (a fresh install registers it)
+flash_registered = registration("sampler", "flash", FlashSampler)
 
 
 class TestFlashSampler(SamplerConformance):

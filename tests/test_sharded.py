@@ -39,21 +39,15 @@ def tiny_sd3(tmp_path_factory) -> str:
     return str(path)
 
 
-def sd3_recipe(folder: Path, pipeline: str, *, lora: bool) -> Path:
-    """Two prompts per iteration (one per process), CFG, KL to the base with LoRA, an EMA, an
-    evaluation at the start and every 2 iterations, a checkpoint every iteration."""
+def two_process_recipe(path: Path, model: dict, sampler: dict, objective: dict, evaluation: dict, **train) -> Path:
+    """The recipe of a sharded run written to ``path``: two prompts per iteration (one per process),
+    3 iterations, a checkpoint every iteration, an EMA; ``train`` sets group_size and lr."""
     data = {
         "seed": 0,
-        "model": {
-            "name": "sd3",
-            "path": pipeline,
-            "device": "cpu",
-            "max_sequence_length": 16,
-            "lora": {"rank": 4} if lora else None,
-        },
-        "sampler": {"name": "full", "steps": 2, "kernel": {"name": "sde", "eta": 0.7}},
+        "model": model,
+        "sampler": sampler,
         "reward": {"name": "target-distance"},  # continuous in the pixels: tiny weight differences stay tiny
-        "objective": {"name": "grpo", "clip_range": 1e-3, "kl_beta": 0.01 if lora else 0.0},
+        "objective": objective,
         "prompts": {
             "name": "list",
             "train": ["a red circle", "two blue squares", "a green triangle", "one yellow star"],
@@ -61,21 +55,39 @@ def sd3_recipe(folder: Path, pipeline: str, *, lora: bool) -> Path:
         },
         "train": {
             "iterations": 3,
-            "group_size": 2,
             "prompts_per_iteration": 2,
             "micro_batch_size": 1,
-            "lr": 1e-2 if lora else 1e-3,
             "adam_eps": 1e-6,
             "drop_zero_advantage": False,
             "checkpoint_every": 1,
             "ema_decay": 0.9,
+            **train,
         },
-        "eval": {"every": 2, "samples_per_prompt": 1, "steps": 2},
+        "eval": evaluation,
         "log": {"plots": False, "quiet": True, "sample_grid": False},
     }
-    path = folder / ("sd3-lora.yaml" if lora else "sd3-full.yaml")
     path.write_text(yaml.safe_dump(data))
     return path
+
+
+def sd3_recipe(folder: Path, pipeline: str, *, lora: bool) -> Path:
+    """Two prompts per iteration (one per process), CFG, KL to the base with LoRA, an EMA, an
+    evaluation at the start and every 2 iterations, a checkpoint every iteration."""
+    return two_process_recipe(
+        folder / ("sd3-lora.yaml" if lora else "sd3-full.yaml"),
+        {
+            "name": "sd3",
+            "path": pipeline,
+            "device": "cpu",
+            "max_sequence_length": 16,
+            "lora": {"rank": 4} if lora else None,
+        },
+        {"name": "full", "steps": 2, "kernel": {"name": "sde", "eta": 0.7}},
+        {"name": "grpo", "clip_range": 1e-3, "kl_beta": 0.01 if lora else 0.0},
+        {"every": 2, "samples_per_prompt": 1, "steps": 2},
+        group_size=2,
+        lr=1e-2 if lora else 1e-3,
+    )
 
 
 def rows(run_dir: Path) -> list[dict]:
@@ -121,6 +133,29 @@ def needs(kind: str) -> None:
         pytest.importorskip("deepspeed", reason="DeepSpeed runs need the deepspeed package (fgrpo-core[deepspeed])")
 
 
+def run_worker(kind: str, recipe: Path, runs: Path) -> list[dict]:
+    """tests/sharded_worker.py on 2 processes: ``recipe`` for 3 iterations data parallel, sharded as
+    ``kind``, resumed and crossed, each in its folder under ``runs``; the two processes' reports."""
+    done = subprocess.run(
+        [*torchrun(), str(HERE / "sharded_worker.py"), kind, str(recipe), str(runs), "3"],
+        env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
+        timeout=900,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return [json.loads((runs / f"report-rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def assert_rows_close(reference: list[dict], other: list[dict], rel: float) -> None:
+    """The same metrics rows, their float values (all but the timings) within ``rel``."""
+    for x, y in zip(reference, other, strict=True):
+        assert x.keys() == y.keys()
+        for key, value in x.items():
+            if isinstance(value, float) and not key.startswith(("time_", "samples_per_s")):
+                assert y[key] == pytest.approx(value, rel=rel, abs=1e-6), key
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("kind, variant", SHARDED)
 def test_sharded_run_equals_data_parallel_and_resumes_exactly(kind, variant, tiny_sd3, tmp_path):
@@ -129,17 +164,8 @@ def test_sharded_run_equals_data_parallel_and_resumes_exactly(kind, variant, tin
     and full fine-tuning."""
     needs(kind)
     recipe = sd3_recipe(tmp_path, tiny_sd3, lora=variant == "lora")
-    launcher = torchrun()
-    done = subprocess.run(
-        [*launcher, str(HERE / "sharded_worker.py"), kind, str(recipe), str(tmp_path / "runs"), "3"],
-        env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
-        timeout=900,
-        capture_output=True,
-        text=True,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
     runs = tmp_path / "runs"
-    report = [json.loads((runs / f"report-rank{r}.json").read_text()) for r in (0, 1)]
+    report = run_worker(kind, recipe, runs)
     ddp, sharded = report[0]["ddp"], report[0]["sharded"]
     assert not ddp["sharded"] and ddp["stepped_numel"] == ddp["trainable_numel"]
     # sharded for real: each process holds and steps about half of the optimizer state
@@ -178,11 +204,7 @@ def test_sharded_run_equals_data_parallel_and_resumes_exactly(kind, variant, tin
     assert a.keys() == b.keys()
     for key in a:
         torch.testing.assert_close(b[key], a[key], rtol=0, atol=1e-5)
-    for x, y in zip(rows(runs / "ddp"), rows(runs / "sharded"), strict=True):
-        assert x.keys() == y.keys()
-        for key, value in x.items():
-            if isinstance(value, float) and not key.startswith(("time_", "samples_per_s")):
-                assert y[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+    assert_rows_close(rows(runs / "ddp"), rows(runs / "sharded"), rel=1e-4)
     # resumed sharded from a sharded run's checkpoint: bit for bit the uninterrupted run
     for name in files + ["optimizer.pt"]:
         if name.endswith(".safetensors"):

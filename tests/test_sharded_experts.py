@@ -10,23 +10,25 @@ low-noise one): a window in steps 0-1 crosses the boundary."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from safetensors.torch import load_file
 
 pytest.importorskip("diffusers")
 pytest.importorskip("peft")
 
-from _helpers import torchrun
-from test_sharded import last, needs, optimizer_tensors, rows, without_timing
-
-HERE = Path(__file__).parent
+from test_sharded import (
+    assert_rows_close,
+    last,
+    needs,
+    optimizer_tensors,
+    rows,
+    run_worker,
+    two_process_recipe,
+    without_timing,
+)
 
 GRPO = {"name": "grpo", "clip_range": 1e-3, "kl_beta": 0.01}
 #: (sampler, objective) of each case: the window straddles the boundary (both experts in every
@@ -56,43 +58,20 @@ def tiny_wan22(tmp_path_factory) -> str:
 def wan22_recipe(folder: Path, pipeline: str, case: str) -> Path:
     """Two prompts per iteration (one per process), LoRA on both experts, KL to the base (a
     reference pass), an EMA, a checkpoint every iteration."""
-    data = {
-        "seed": 0,
-        "model": {
-            "name": "wan",
-            "path": pipeline,
-            "device": "cpu",
-            "max_sequence_length": 16,
-            "resolution": 32,
-            "num_frames": 5,
-            "guidance_scale": 1.0,
-            "lora": {"rank": 4},
-        },
-        "sampler": SETTINGS[case][0] | ({"kernel": {"name": "sde", "eta": 0.7}} if case != "nft" else {}),
-        "reward": {"name": "target-distance"},  # continuous in the pixels: tiny weight differences stay tiny
-        "objective": SETTINGS[case][1],
-        "prompts": {
-            "name": "list",
-            "train": ["a red circle", "two blue squares", "a green triangle", "one yellow star"],
-            "test": ["a red square", "a blue circle"],
-        },
-        "train": {
-            "iterations": 3,
-            "group_size": 3,
-            "prompts_per_iteration": 2,
-            "micro_batch_size": 1,
-            "lr": 1e-2,
-            "adam_eps": 1e-6,
-            "drop_zero_advantage": False,
-            "checkpoint_every": 1,
-            "ema_decay": 0.9,
-        },
-        "eval": {"every": 0},
-        "log": {"plots": False, "quiet": True, "sample_grid": False},
+    model = {
+        "name": "wan",
+        "path": pipeline,
+        "device": "cpu",
+        "max_sequence_length": 16,
+        "resolution": 32,
+        "num_frames": 5,
+        "guidance_scale": 1.0,
+        "lora": {"rank": 4},
     }
-    path = folder / f"wan22-{case}.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
+    sampler = SETTINGS[case][0] | ({"kernel": {"name": "sde", "eta": 0.7}} if case != "nft" else {})
+    return two_process_recipe(
+        folder / f"wan22-{case}.yaml", model, sampler, SETTINGS[case][1], {"every": 0}, group_size=3, lr=1e-2
+    )
 
 
 def largest_difference(a: dict, b: dict) -> float:
@@ -116,15 +95,7 @@ def test_both_experts_sharded_equal_data_parallel_and_resume_exactly(kind, case,
     needs(kind)
     recipe = wan22_recipe(tmp_path, tiny_wan22, case)
     runs = tmp_path / "runs"
-    done = subprocess.run(
-        [*torchrun(), str(HERE / "sharded_worker.py"), kind, str(recipe), str(runs), "3"],
-        env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
-        timeout=900,
-        capture_output=True,
-        text=True,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    report = [json.loads((runs / f"report-rank{r}.json").read_text()) for r in (0, 1)]
+    report = run_worker(kind, recipe, runs)
     assert report[0]["sharded"]["sharded"] and report[1]["sharded"]["padding_passes"] > 0
     # both experts trained: each one's LoRA moved from its initial (zero) up-projection
     trained = load_file(str(last(runs / "ddp") / "trainable.safetensors"))
@@ -150,11 +121,7 @@ def test_both_experts_sharded_equal_data_parallel_and_resume_exactly(kind, case,
         assert largest_difference(a, b) <= 1e-4, (name, largest_difference(a, b))
     a, b = optimizer_tensors(runs / "ddp"), optimizer_tensors(runs / "sharded")
     assert a.keys() == b.keys() and largest_difference(a, b) <= 1e-4
-    for x, y in zip(rows(runs / "ddp"), rows(runs / "sharded"), strict=True):
-        assert x.keys() == y.keys()
-        for key, value in x.items():
-            if isinstance(value, float) and not key.startswith(("time_", "samples_per_s")):
-                assert y[key] == pytest.approx(value, rel=1e-3, abs=1e-6), key
+    assert_rows_close(rows(runs / "ddp"), rows(runs / "sharded"), rel=1e-3)
     # resumed sharded: bit for bit the uninterrupted sharded run
     for name in ("trainable.safetensors", "ema.safetensors"):
         a, b = load_file(str(last(runs / "sharded") / name)), load_file(str(last(runs / "resumed") / name))

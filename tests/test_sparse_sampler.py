@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from _helpers import registration
 from fgrpo.core import cli, registry
 from fgrpo.core.config import RecipeError
 from fgrpo.core.seeding import derive_seed
@@ -22,16 +23,8 @@ PROMPTS = ["a cat", "a dog"]
 HUNYUAN = {"steps": 16, "trained": 8, "step_range": [0, 9], "kernel": {"name": "sde", "eta": 0.25}}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def sparse_registered():
-    """The entry point, where the editable install predates it (a fresh install registers it)."""
-    try:
-        registry.load("sampler", "sparse")
-        yield
-    except registry.ComponentError:
-        registry.register("sampler", "sparse", SparseSampler)
-        yield
-        registry.unregister("sampler", "sparse")
+#: the entry point, where the editable install predates it (a fresh install registers it)
+sparse_registered = registration("sampler", "sparse", SparseSampler)
 
 
 class TestSparseSampler(SamplerConformance):

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from _helpers import registration
 from fgrpo.core import cli, registry
 from fgrpo.core.protocols import StepBatch
 from fgrpo.core.testing import SamplerConformance
@@ -16,16 +17,8 @@ from fgrpo.samplers.tempflow import TempFlowSampler
 PROMPTS = ["a cat", "a dog"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def tempflow_registered():
-    """The entry point, where the editable install predates it (a fresh install registers it)."""
-    try:
-        registry.load("sampler", "tempflow")
-        yield
-    except registry.ComponentError:
-        registry.register("sampler", "tempflow", TempFlowSampler)
-        yield
-        registry.unregister("sampler", "tempflow")
+#: the entry point, where the editable install predates it (a fresh install registers it)
+tempflow_registered = registration("sampler", "tempflow", TempFlowSampler)
 
 
 class TestTempFlowSampler(SamplerConformance):

@@ -39,11 +39,11 @@ class Ulysses:
 
     def to_heads(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         """(B, my tokens, H, D) -> (B, all tokens, H / size, D): the whole sequence, my heads."""
-        return _ToHeads.apply(x, self, sizes)
+        return _Exchange.apply(x, self, sizes, True)
 
     def to_tokens(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         """(B, all tokens, H / size, D) -> (B, my tokens, H, D): the inverse of :meth:`to_heads`."""
-        return _ToTokens.apply(x, self, sizes)
+        return _Exchange.apply(x, self, sizes, False)
 
     def gather(self, x: torch.Tensor, kind: str) -> torch.Tensor:
         """(B, my tokens, ...) -> (B, all tokens, ...), the same on every process of the group."""
@@ -76,26 +76,17 @@ def heads_to_tokens(x: torch.Tensor, ulysses: Ulysses, sizes: list[int]) -> torc
     return got.reshape(u, mine, batch, part, dim).permute(2, 1, 0, 3, 4).reshape(batch, mine, u * part, dim)
 
 
-class _ToHeads(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, ulysses: Ulysses, sizes: list[int]) -> torch.Tensor:
-        ctx.ulysses, ctx.sizes = ulysses, sizes
-        return tokens_to_heads(x, ulysses, sizes)
+class _Exchange(torch.autograd.Function):
+    """:func:`tokens_to_heads` (``to_heads``) or :func:`heads_to_tokens`; its backward is the other."""
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return heads_to_tokens(grad, ctx.ulysses, ctx.sizes), None, None
-
-
-class _ToTokens(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, ulysses: Ulysses, sizes: list[int]) -> torch.Tensor:
-        ctx.ulysses, ctx.sizes = ulysses, sizes
-        return heads_to_tokens(x, ulysses, sizes)
+    def forward(ctx: Any, x: torch.Tensor, ulysses: Ulysses, sizes: list[int], to_heads: bool) -> torch.Tensor:
+        ctx.ulysses, ctx.sizes, ctx.to_heads = ulysses, sizes, to_heads
+        return (tokens_to_heads if to_heads else heads_to_tokens)(x, ulysses, sizes)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return tokens_to_heads(grad, ctx.ulysses, ctx.sizes), None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return (heads_to_tokens if ctx.to_heads else tokens_to_heads)(grad, ctx.ulysses, ctx.sizes), None, None, None
 
 
 class _Gather(torch.autograd.Function):
