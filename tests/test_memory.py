@@ -53,3 +53,36 @@ def test_fgrpo_memory_measures_a_tiny_recipe_exactly(tmp_path):
     assert after["Optstate"] == 2 * lora + 4 * tensors
     assert result["phases"]["rollout"]["storage"]["Rollout"] > 0
     assert memory.total(result["phases"]["update"], "host") == 0
+
+
+def _real_recipes() -> list[str]:
+    """The shipped recipes of a diffusers backbone (the real-size ones)."""
+    from pathlib import Path
+
+    import yaml
+
+    from fgrpo.models.fake_size import TINY
+
+    root = Path(__file__).resolve().parents[1] / "recipes"
+    return sorted(
+        p.name
+        for p in root.glob("*.yaml")
+        if (yaml.safe_load(p.read_text()) or {}).get("model", {}).get("name") in TINY
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", _real_recipes())
+def test_every_real_recipe_fits_its_declared_launch_on_8_x_80_gib(root, name):
+    """Issue 48, item 3: at load, in the rollout, the update and the checkpoint gather, each process's
+    accelerator holds at most 76 GiB (80 GiB less 5 % headroom) under the launch its header names."""
+    from fgrpo.core import memory, memory_formula
+
+    path = root / "recipes" / name
+    launch = memory.declared_launch(path.read_text())
+    assert launch is not None, f"{name}: its header names no recipes/accelerate config"
+    data, problem = memory_formula.read_recipe(str(path), [])
+    assert problem == ""
+    result = memory.measure(data, 8, launch)
+    peaks = {phase: memory.total(parts, "accelerator") / memory.GIB for phase, parts in result["phases"].items()}
+    assert max(peaks.values()) <= 0.95 * 80, peaks

@@ -64,6 +64,36 @@ def _snapshot(tracker: Any, which: str = "peak") -> dict[str, dict[str, int]]:
     return out
 
 
+def _weights_at_load(parts: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    """At load every tensor made is a weight: MemTracker files what is made outside a module's
+    forward as activations, and the flat stand-ins as other."""
+    for kinds in parts.values():
+        for kind in ("Activation", "Other"):
+            kinds["Parameter"] = kinds.get("Parameter", 0) + kinds.pop(kind, 0)
+    return parts
+
+
+class _SourceImage:
+    """A source image of the recipe's size (editing backbones), as ``fgrpo.core.media`` reads one."""
+
+    def __init__(self, size: tuple[int, int]) -> None:
+        self.size = size
+
+    def to_pil(self) -> Any:
+        from PIL import Image
+
+        return Image.new("RGB", (self.size[1], self.size[0]))
+
+
+def _prompts(policy: Any, count: int) -> list[str]:
+    """``count`` prompts, with the fewest source images the backbone takes (none for text-to-image)."""
+    from fgrpo.core.media import Prompt
+
+    least = int(getattr(policy, "source_image_count", (0, 0))[0])
+    image = _SourceImage(tuple(policy.size))
+    return [Prompt(f"prompt {i}", images=(image,) * least) for i in range(count)]
+
+
 def _reset_peak(tracker: Any) -> None:
     # MemTracker keeps one peak over its whole context; each phase reports its own from here on
     tracker._peak_mem_snap = tracker.get_tracker_snapshot("current")
@@ -119,7 +149,7 @@ def measure(data: Mapping[str, Any], gpus: int, launch: str) -> dict[str, Any]:
         tracker = _tracker()
         with tracker:
             built = fake_size.materialise(policy, name, launch)
-        phases["load"] = _snapshot(tracker)
+        phases["load"] = _weights_at_load(_snapshot(tracker))
         modules = [m for m in (getattr(policy.pipeline, a, None) for a in ("transformer", "transformer_2")) if m]
         trainable = [p for p in policy.trainable_parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(trainable, lr=1e-4, foreach=False)
@@ -127,7 +157,7 @@ def measure(data: Mapping[str, Any], gpus: int, launch: str) -> dict[str, Any]:
         tracker.track_external(*modules, optimizer, *built["flat"].values())
         with tracker:
             with torch.no_grad():
-                traj = sampler.rollout(policy, ["a prompt"] * min(chunk, prompts_here), group)
+                traj = sampler.rollout(policy, _prompts(policy, min(chunk, prompts_here)), group)
             phases["rollout"] = _snapshot(tracker)
             kept = _trajectory_bytes(traj)
             # one chunk ran; the others' trajectories, of the same size, are held as well

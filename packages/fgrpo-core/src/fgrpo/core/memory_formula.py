@@ -232,7 +232,11 @@ def estimate(data: Mapping[str, Any], gpus: int) -> dict[str, Any]:
     trained = sum(s["transformers"][: _trained_count(model, len(s["transformers"]))]) if full else sum(s["lora"])
     ema = 4 * trained if float(train.get("ema_decay") or 0) > 0 else 0
     image_tokens, text_tokens = tokens(model)
-    seq = image_tokens + text_tokens
+    # an editing backbone's source images are tokens of the sequence too (FLUX.1 Kontext, Qwen-Image-Edit:
+    # the packing backbones; Wan's image-to-video concatenates its first frame along the channels instead)
+    cls = backbone(model)
+    sources = int(getattr(cls, "source_image_count", (0, 0))[1]) if getattr(cls, "packs_2x2", False) else 0
+    seq = image_tokens * (1 + sources) + text_tokens
     pairs = int(train.get("micro_batch_size") or 1) * backbone(model).forwards_per_sample(model)
     act_full = 34 * seq * s["hidden"] * s["layers"] * pairs
     act_ckpt = (2 * seq * s["hidden"] * s["layers"] + 34 * seq * s["hidden"]) * pairs

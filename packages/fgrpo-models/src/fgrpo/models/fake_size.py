@@ -281,11 +281,17 @@ def _standin_class(cls: type) -> type:
     """``cls`` with the text encoders' outputs stood in (real shapes, no encoder run)."""
 
     def _encode_uncached(self: Any, prompts: list[str], device: torch.device) -> dict[str, torch.Tensor]:
-        with placing():
-            return {
-                k: torch.zeros((len(prompts), *shape), dtype=dtype, device=ACCELERATOR)
-                for k, (shape, dtype) in self._fake_text_shapes.items()
-            }
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        out = {}
+        for k, (shape, dtype) in self._fake_text_shapes.items():
+            if dtype.is_floating_point:
+                with placing():
+                    out[k] = torch.zeros((len(prompts), *shape), dtype=dtype, device=ACCELERATOR)
+            else:  # masks and ids: values the backbone reads (all tokens kept: the longest prompt)
+                with unset_fake_temporarily():
+                    out[k] = torch.ones((len(prompts), *shape), dtype=dtype, device=ACCELERATOR)
+        return out
 
     def sigmas(self: Any, steps: int) -> torch.Tensor:
         # the schedule is data (the sampler reads its values): real numbers on the host, which fake
@@ -331,7 +337,9 @@ def materialise(policy: Any, name: str, launch: str) -> dict[str, Any]:
         config, source = transformer_config(cls, str(policy.path), small)
         config = {**_structure(small.config), **config}
         place = placements[attr]
-        with torch.device("meta"):
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily(), torch.device("meta"):  # real meta tensors: no memory, not counted
             big = tclass(**config).to(place.dtype)
         device = ACCELERATOR if place.role == "accelerator" else HOST
         with placing():
@@ -396,7 +404,14 @@ def _text_shapes_after(policy: Any, tiny: Mapping[str, Any], real: Mapping[str, 
 
 def record_text_shapes(policy: Any) -> None:
     """Outside fake mode: the tiny encoders' output shapes (batch dropped)."""
-    out = type(policy).__mro__[1]._encode_uncached(policy, ["a photo of a cat"], policy.text_device)
+    layers = getattr(policy, "text_encoder_out_layers", None)
+    if layers is not None:  # FLUX.2 stacks 3 hidden layers; the tiny encoder has 2 (3 x its width either way)
+        policy.text_encoder_out_layers = [1, 2, 2]
+    try:
+        out = type(policy).__mro__[1]._encode_uncached(policy, ["a photo of a cat"], policy.text_device)
+    finally:
+        if layers is not None:
+            policy.text_encoder_out_layers = layers
     policy._fake_text_shapes_pending = {k: (tuple(v.shape[1:]), v.dtype) for k, v in out.items()}
 
 
