@@ -89,7 +89,7 @@ def param_count(module: Any) -> int:
     counts once, which a module built on the meta device does not know yet."""
     params = dict(module.named_parameters())
     total = sum(p.numel() for p in params.values())
-    config = getattr(module, "config", None)
+    config: Any = getattr(module, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     for tied, target in dict(getattr(module, "_tied_weights_keys", None) or {}).items():
         head = "lm_head" in tied

@@ -139,10 +139,27 @@ class _Devices(torch.overrides.TorchFunctionMode):
             if target is not None and target != HOST:  # from the host's placements: a fake copy
                 dtype = _target_dtype(args[1:], kwargs) or tensors[0].dtype
                 return torch.empty(tensors[0].shape, dtype=dtype, device=ACCELERATOR)
+        if func is torch.Tensor.__getitem__ and _masked_by_real(args):
+            # a real boolean mask (a prompt's tokens) picks rows of a fake tensor: its real indices
+            # give the shape a fake mask cannot
+            with unset_fake_temporarily():
+                rows = args[1].nonzero().squeeze(1)
+            return args[0].index_select(0, rows)
         if not self.placing and _real_numbers(func, args, kwargs, tensors):
             with unset_fake_temporarily():
                 return func(*args, **kwargs)
         return func(*args, **kwargs)
+
+
+def _masked_by_real(args: Any) -> bool:
+    return (
+        len(args) == 2
+        and _is_fake(args[0])
+        and isinstance(args[1], torch.Tensor)
+        and not _is_fake(args[1])
+        and args[1].dtype == torch.bool
+        and args[1].ndim == 1
+    )
 
 
 def _accelerator(value: Any) -> Any:
@@ -277,7 +294,7 @@ def tiny_pipeline(name: str, path: str) -> Any:
     return pipelines.builders()[kind](**kwargs)
 
 
-def _standin_class(cls: type) -> type:
+def _standin_class(cls: Any) -> Any:
     """``cls`` with the text encoders' outputs stood in (real shapes, no encoder run)."""
 
     def _encode_uncached(self: Any, prompts: list[str], device: torch.device) -> dict[str, torch.Tensor]:
@@ -323,7 +340,7 @@ def materialise(policy: Any, name: str, launch: str) -> dict[str, Any]:
     as :func:`_placements` says; returns what it built (modules, flat weights, sources)."""
     from fgrpo.models.lora import inject_lora
 
-    cls = type(policy).__mro__[1]
+    cls: Any = type(policy).__mro__[1]
     placements = {p.name: p for p in _placements(policy, launch)}
     trained = {n for n, _ in policy.trained_transformers()}
     built: dict[str, Any] = {"sources": {}, "flat": {}}
@@ -408,7 +425,8 @@ def record_text_shapes(policy: Any) -> None:
     if layers is not None:  # FLUX.2 stacks 3 hidden layers; the tiny encoder has 2 (3 x its width either way)
         policy.text_encoder_out_layers = [1, 2, 2]
     try:
-        out = type(policy).__mro__[1]._encode_uncached(policy, ["a photo of a cat"], policy.text_device)
+        backbone: Any = type(policy).__mro__[1]  # the recipe's class, under the stand-in
+        out = backbone._encode_uncached(policy, ["a photo of a cat"], policy.text_device)
     finally:
         if layers is not None:
             policy.text_encoder_out_layers = layers
