@@ -370,6 +370,7 @@ def materialise(policy: Any, name: str, launch: str) -> dict[str, Any]:
             if policy.gradient_checkpointing:
                 big.enable_gradient_checkpointing()
         setattr(policy.pipeline, attr, big)
+        _swap_held(policy, small, big)
         built["sources"][attr] = source
         real_config, tiny_config = dict(big.config), dict(small.config)
     built["text_shapes"] = _text_shapes_after(policy, tiny_config, real_config)
@@ -397,6 +398,17 @@ def placing() -> Iterator[None]:
         yield
     finally:
         mode.placing = False
+
+
+def _swap_held(policy: Any, small: torch.nn.Module, big: torch.nn.Module) -> None:
+    """Where the policy holds the transformer besides its pipeline (Wan 2.2's experts module)."""
+    for field in attrs.fields(type(policy)):
+        holder = getattr(policy, field.name, None)
+        if isinstance(holder, torch.nn.Module) and holder is not small and holder is not big:
+            for module in holder.modules():
+                for key, child in list(module._modules.items()):
+                    if child is small:
+                        module._modules[key] = big
 
 
 def _fake_empty(count: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
