@@ -103,6 +103,8 @@ _FACTORIES = {
     torch.tensor,
     torch.as_tensor,
     torch.randint,
+    torch.randperm,
+    torch.rand,
 }
 #: a factory of at most this many values makes real numbers (a schedule, step indices, a probe),
 #: which the samplers read; larger ones (states, embeddings, storage) are fake
@@ -185,8 +187,8 @@ def _numel(func: Any, args: Any, kwargs: Mapping[str, Any]) -> int:
         import numpy as np
 
         return int(np.size(args[0])) if args else 0
-    if func in (torch.arange, torch.linspace):
-        return SMALL  # schedules and step counts
+    if func in (torch.arange, torch.linspace, torch.randperm):
+        return SMALL  # schedules, step counts and their random subsets
     size = kwargs.get("size", args[2] if func is torch.randint and len(args) > 2 else args[0] if args else ())
     if func is torch.full:
         size = args[0] if args else kwargs.get("size", ())
