@@ -1,5 +1,5 @@
-"""``fgrpo memory``: a recipe's memory measured on fake tensors (fgrpo.core.memory with the diffusers
-harness fgrpo.models.fake_size). The default suite runs one tiny-size measurement; the real-size
+"""``fgrpo memory``: a recipe's memory measured on fake tensors (fgrpo.models.memory with the
+diffusers harness fgrpo.models.fake_size). The default suite runs one tiny-size measurement; the real-size
 runs of the shipped recipes are ``slow``."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def test_fgrpo_memory_measures_a_tiny_recipe_exactly(tmp_path):
     """At load the accelerator holds exactly the transformer's weights (bfloat16) and its float32
     LoRA; after AdamW's step, its two moments (float32, the LoRA's size each); the rollout ran the
     sampler and stored its trajectory; the host holds nothing (text encoders on the accelerator)."""
-    from fgrpo.core import memory, memory_formula
+    from fgrpo.models import memory, memory_formula
 
     recipe = tmp_path / "tiny.yaml"
     recipe.write_text(TINY_SD3)
@@ -76,10 +76,11 @@ def _real_recipes() -> list[str]:
 def test_every_real_recipe_fits_its_declared_launch_on_8_x_80_gib(root, name):
     """Issue 48, item 3: at load, in the rollout, the update and the checkpoint gather, each process's
     accelerator holds at most 76 GiB (80 GiB less 5 % headroom) under the launch its header names."""
-    from fgrpo.core import memory, memory_formula
+    from fgrpo.core.launch.memory import declared_launch
+    from fgrpo.models import memory, memory_formula
 
     path = root / "recipes" / name
-    launch = memory.declared_launch(path.read_text())
+    launch = declared_launch(path.read_text())
     assert launch is not None, f"{name}: its header names no recipes/accelerate config"
     data, problem = memory_formula.read_recipe(str(path), [])
     assert problem == ""

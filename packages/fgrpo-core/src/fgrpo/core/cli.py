@@ -278,9 +278,6 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"accelerate launch options, then one of {', '.join(LAUNCHED)} with its arguments",
     )
     p.set_defaults(handler=cmd_launch)
-    from fgrpo.core import memory
-
-    memory.add_parser(sub)  # fgrpo memory RECIPE: measured on fake tensors (its module imports torch lazily)
 
     from fgrpo.core.hookspecs import register_commands
 

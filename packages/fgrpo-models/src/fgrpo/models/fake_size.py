@@ -70,7 +70,9 @@ class Placement:
 def _placements(policy: Any, launch: str) -> list[Placement]:
     """The load placement of ``policy``'s modules under ``launch`` (the semantics of
     ``fgrpo.models.load_plan.plan``, which replaces this function when it lands)."""
-    sharded = launch in ("fsdp", "zero3")
+    from fgrpo.core.launch.memory import shards_weights
+
+    sharded = shards_weights(launch)
     found = [Placement(name, "accelerator", policy._torch_dtype, sharded) for name, _ in policy.trained_transformers()]
     frozen = [n for n in ("transformer", "transformer_2") if getattr(policy.pipeline, n, None) is not None]
     found += [

@@ -36,20 +36,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from fgrpo.core.launch.memory import FORMULA_LAUNCHES as LAUNCHES
+from fgrpo.core.launch.memory import FORMULA_NOTES as LAUNCH_NOTES
+from fgrpo.core.launch.memory import SPLIT_WEIGHTS
+
 GIB = 1024**3
 BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
-
-LAUNCHES = ("ddp", "fsdp", "deepspeed-zero2", "deepspeed-zero3", "zero2-offload", "zero3-offload")
-LAUNCH_NOTES = {
-    "ddp": "recipes/accelerate/ddp.yaml",
-    "fsdp": "fsdp-lora.yaml / fsdp-full.yaml",
-    "deepspeed-zero2": "deepspeed-zero2.yaml",
-    "deepspeed-zero3": "deepspeed-zero3.yaml",
-    "zero2-offload": "deepspeed-zero2-offload.yaml",
-    "zero3-offload": "deepspeed-zero3-offload.yaml",
-}
-#: the kinds whose transformer weights are split over the GPUs (one block gathered at a time)
-SPLIT_WEIGHTS = ("fsdp", "deepspeed-zero3", "zero3-offload")
 
 
 # --- sizes from configs -------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """``fgrpo memory RECIPE``: a recipe's peak memory per process at the real size, measured on fake
 tensors (``FakeTensorMode``: shapes and dtypes, no storage) with torch's ``MemTracker``, beside
-the formula estimate (:mod:`fgrpo.core.memory_formula`).
+the formula estimate (:mod:`fgrpo.models.memory_formula`).
 
 The recipe's own code runs: its policy (the backbone's velocity, guidance, LoRA, checkpointing;
 built by the backbone's fake-size harness, ``fgrpo.models.fake_size``), its sampler's rollout of
@@ -18,11 +18,12 @@ import json
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from fgrpo.core.launch.memory import FORMULA_KIND, MEASURED, declared_launch, sharding_note, share
+
 if TYPE_CHECKING:
     import torch
 
 GIB = 1024**3
-LAUNCHES = ("ddp", "fsdp", "zero2", "zero3")
 KINDS = ("Parameter", "Buffer", "Gradient", "Activation", "Temp", "Optstate", "Other")
 
 
@@ -120,7 +121,7 @@ def _attrs_values(obj: Any) -> list[Any]:
 
 def measure(data: Mapping[str, Any], gpus: int, launch: str) -> dict[str, Any]:
     """Per phase (load, rollout, update, gather): {accelerator|host: {kind: peak bytes}} and the parts
-    that are formula; ``data``: the recipe read by :func:`fgrpo.core.memory_formula.read_recipe`."""
+    that are formula; ``data``: the recipe read by :func:`fgrpo.models.memory_formula.read_recipe`."""
     import torch
 
     from fgrpo.core import registry
@@ -139,11 +140,8 @@ def measure(data: Mapping[str, Any], gpus: int, launch: str) -> dict[str, Any]:
     group = int(train.get("group_size", 8))
     micro = int(train.get("micro_batch_size") or 1)
     formula = ["VAE decode", "reward models", "text encoders (published parameter count, outputs stood in)"]
-    if launch != "ddp":
-        what = "gradients and AdamW state" + (
-            ", transformer weights (+ one block gathered)" if launch != "zero2" else ""
-        )
-        formula.append(f"{launch} sharding: the measured {what} / {gpus}")
+    if sharding_note(launch, gpus):
+        formula.append(sharding_note(launch, gpus))
     phases: dict[str, Any] = {}
     with fake_size.fake_runtime():
         tracker = _tracker()
@@ -194,7 +192,7 @@ def measure(data: Mapping[str, Any], gpus: int, launch: str) -> dict[str, Any]:
         weights = sum(p.numel() * p.element_size() for m in trained for p in m.parameters())
         block = max((_bytes(b) for m in trained for b in _blocks(m)), default=0)
         for phase in phases.values():
-            _share(phase.get("accelerator", {}), gpus, launch, weights, block)
+            share(phase.get("accelerator", {}), gpus, launch, weights, block)
     return {
         "phases": phases,
         "after_step": after_step,
@@ -212,24 +210,6 @@ def _blocks(module: Any) -> list[Any]:
 
 def _bytes(module: Any) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
-
-
-def _share(parts: dict[str, int], gpus: int, launch: str, weights: int, block: int) -> None:
-    """The sharded launches, from the unsharded measurement: gradients and AdamW state split over the
-    processes (ZeRO-2, ZeRO-3, FSDP2); with ZeRO-3 and FSDP2 the trained transformer's weights too,
-    one block gathered at a time."""
-    saved = 0
-    for kind in ("Gradient", "Optstate"):
-        if kind in parts:
-            cut = parts[kind] - parts[kind] // gpus
-            parts[kind] -= cut
-            saved += cut
-    if launch != "zero2" and "Parameter" in parts:
-        cut = max(weights - weights // gpus - block, 0)
-        parts["Parameter"] -= cut
-        saved += cut
-    if saved:
-        parts["Total"] = parts.get("Total", 0) - saved
 
 
 def total(parts: Mapping[str, Mapping[str, int]], role: str) -> int:
@@ -257,34 +237,13 @@ def render(result: Mapping[str, Any], estimate: Mapping[str, Any] | None) -> lis
     return lines
 
 
-#: the accelerate config a recipe's header names (``# Run: ... --config_file recipes/accelerate/X.yaml``)
-DECLARED = {
-    "ddp": "ddp",
-    "fsdp-lora": "fsdp",
-    "fsdp-full": "fsdp",
-    "deepspeed-zero2": "zero2",
-    "deepspeed-zero3": "zero3",
-}
-
-
-def declared_launch(text: str) -> str | None:
-    """The launch the recipe's header declares, or None."""
-    import re
-
-    found = re.search(r"recipes/accelerate/([a-z0-9-]+)\.yaml", text)
-    return DECLARED.get(found.group(1)) if found else None
-
-
-FORMULA_KIND = {"ddp": "ddp", "fsdp": "fsdp", "zero2": "deepspeed-zero2", "zero3": "deepspeed-zero3"}
-
-
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("memory", help="a recipe's peak memory per process at the real size, measured on fake tensors")
     p.add_argument("recipe", help="a recipe file")
     p.add_argument("--gpus", type=int, default=8, help="processes (GPUs) the run is launched on")
     p.add_argument(
         "--launch",
-        choices=LAUNCHES,
+        choices=MEASURED,
         default=None,
         help="how the run is launched; default: the one the recipe's header names",
     )
@@ -295,8 +254,8 @@ def add_parser(sub: Any) -> None:
 
 
 def cmd_memory(args: argparse.Namespace) -> int:
-    from fgrpo.core import memory_formula
     from fgrpo.core.consoles import err
+    from fgrpo.models import memory_formula
 
     if args.gpus < 1:
         err.print(f"--gpus: got {args.gpus}; must be >= 1")
