@@ -427,6 +427,9 @@ def _text_shapes_after(policy: Any, tiny: Mapping[str, Any], real: Mapping[str, 
     for key, (dims, dtype) in shapes.items():
         dims = list(dims)
         order = TEXT_WIDTH_KEYS[::-1] if len(dims) == 1 else TEXT_WIDTH_KEYS
+        # a second encoder's output (HunyuanVideo 1.5's ByT5: prompt_embeds_2) takes the second width
+        # first: tiny widths may coincide
+        order = tuple(sorted(order, key=lambda k: ("_2" in k) != ("_2" in key)))
         width = next((k for k in order if tiny.get(k) == dims[-1] and k in real), None)
         if width is not None:
             dims[-1] = int(real[width])
