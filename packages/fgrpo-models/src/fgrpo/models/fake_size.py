@@ -426,7 +426,7 @@ def _text_shapes_after(policy: Any, tiny: Mapping[str, Any], real: Mapping[str, 
     out = {}
     for key, (dims, dtype) in shapes.items():
         dims = list(dims)
-        order = TEXT_WIDTH_KEYS[::-1] if len(dims) == 1 else TEXT_WIDTH_KEYS
+        order: tuple[str, ...] = TEXT_WIDTH_KEYS[::-1] if len(dims) == 1 else TEXT_WIDTH_KEYS
         # a second encoder's output (HunyuanVideo 1.5's ByT5: prompt_embeds_2) takes the second width
         # first: tiny widths may coincide
         order = tuple(sorted(order, key=lambda k: ("_2" in k) != ("_2" in key)))
@@ -438,6 +438,27 @@ def _text_shapes_after(policy: Any, tiny: Mapping[str, Any], real: Mapping[str, 
     return out
 
 
+class SourceImage:
+    """A source image of the recipe's size (editing backbones), as ``fgrpo.core.media`` reads one."""
+
+    def __init__(self, size: tuple[int, int]) -> None:
+        self.size = size
+
+    def to_pil(self) -> Any:
+        from PIL import Image
+
+        return Image.new("RGB", (self.size[1], self.size[0]))
+
+
+def prompts(policy: Any, count: int) -> list[str]:
+    """``count`` prompts with the fewest source images the backbone takes (none for text-to-image)."""
+    from fgrpo.core.media import Prompt
+
+    least = int(getattr(policy, "source_image_count", (0, 0))[0])
+    image = SourceImage(tuple(policy.size))
+    return [Prompt(f"prompt {i}", images=(image,) * least) for i in range(count)]
+
+
 def record_text_shapes(policy: Any) -> None:
     """Outside fake mode: the tiny encoders' output shapes (batch dropped)."""
     layers = getattr(policy, "text_encoder_out_layers", None)
@@ -445,7 +466,7 @@ def record_text_shapes(policy: Any) -> None:
         policy.text_encoder_out_layers = [1, 2, 2]
     try:
         backbone: Any = type(policy).__mro__[1]  # the recipe's class, under the stand-in
-        out = backbone._encode_uncached(policy, ["a photo of a cat"], policy.text_device)
+        out = backbone._encode_uncached(policy, prompts(policy, 1), policy.text_device)
     finally:
         if layers is not None:
             policy.text_encoder_out_layers = layers

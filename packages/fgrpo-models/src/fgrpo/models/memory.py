@@ -40,6 +40,18 @@ def _tracker() -> Any:
                 self.reset_mod_stats()
             super()._pre_fw_hook(module, inputs)
 
+        def _post_fw_hook(self, module: torch.nn.Module, inputs: Any, outputs: Any) -> None:
+            if module in self.memory_tracking:  # not when a root's restart cleared it (a VAE's encoder)
+                super()._post_fw_hook(module, inputs, outputs)
+
+        def _pre_bw_hook(self, module: torch.nn.Module, args: Any) -> None:
+            if module in self.memory_tracking:
+                super()._pre_bw_hook(module, args)
+
+        def _post_bw_hook(self, module: torch.nn.Module, args: Any) -> None:
+            if module in self.memory_tracking:
+                super()._post_bw_hook(module, args)
+
         def _update_peak_stats(self, peak_state: Any) -> None:
             # the global peak only (what this command reports): MemTracker's own also walks every
             # module's stats on every op, which at the real size costs minutes per forward
@@ -74,25 +86,11 @@ def _weights_at_load(parts: dict[str, dict[str, int]]) -> dict[str, dict[str, in
     return parts
 
 
-class _SourceImage:
-    """A source image of the recipe's size (editing backbones), as ``fgrpo.core.media`` reads one."""
-
-    def __init__(self, size: tuple[int, int]) -> None:
-        self.size = size
-
-    def to_pil(self) -> Any:
-        from PIL import Image
-
-        return Image.new("RGB", (self.size[1], self.size[0]))
-
-
 def _prompts(policy: Any, count: int) -> list[str]:
     """``count`` prompts, with the fewest source images the backbone takes (none for text-to-image)."""
-    from fgrpo.core.media import Prompt
+    from fgrpo.models.fake_size import prompts
 
-    least = int(getattr(policy, "source_image_count", (0, 0))[0])
-    image = _SourceImage(tuple(policy.size))
-    return [Prompt(f"prompt {i}", images=(image,) * least) for i in range(count)]
+    return prompts(policy, count)
 
 
 def _reset_peak(tracker: Any) -> None:
