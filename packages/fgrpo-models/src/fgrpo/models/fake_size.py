@@ -339,9 +339,25 @@ def real_size_policy(name: str, keys: Mapping[str, Any], launch: str) -> tuple[A
     return policy, {"tiny": tiny}
 
 
-def materialise(policy: Any, name: str, launch: str) -> dict[str, Any]:
-    """Inside :func:`fake_runtime`: the real-size transformers, text encoder and VAE weights placed
-    as :func:`_placements` says; returns what it built (modules, flat weights, sources)."""
+def meta_transformers(policy: Any, launch: str) -> dict[str, tuple[Any, str]]:
+    """Outside fake mode (nothing counted): the real-size transformers on the meta device in their
+    load dtype, with where their config comes from, by pipeline attribute."""
+    cls: Any = type(policy).__mro__[1]
+    placements = {p.name: p for p in _placements(policy, launch)}
+    found = {}
+    for attr in ("transformer", "transformer_2"):
+        small = getattr(policy.pipeline, attr, None)
+        if small is not None:
+            config, source = transformer_config(cls, str(policy.path), small)
+            with torch.device("meta"):
+                big = type(small)(**{**_structure(small.config), **config}).to(placements[attr].dtype)
+            found[attr] = (big, source)
+    return found
+
+
+def materialise(policy: Any, name: str, launch: str, metas: Mapping[str, tuple[Any, str]]) -> dict[str, Any]:
+    """Inside :func:`fake_runtime`: the transformers of :func:`meta_transformers`, text encoder and
+    VAE weights placed as :func:`_placements` says; returns what it built (flat weights, sources)."""
     from fgrpo.models.lora import inject_lora
 
     cls: Any = type(policy).__mro__[1]
@@ -354,14 +370,8 @@ def materialise(policy: Any, name: str, launch: str) -> dict[str, Any]:
         small = getattr(policy.pipeline, attr, None)
         if small is None:
             continue
-        tclass = type(small)
-        config, source = transformer_config(cls, str(policy.path), small)
-        config = {**_structure(small.config), **config}
+        big, source = metas[attr]
         place = placements[attr]
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-        with unset_fake_temporarily(), torch.device("meta"):  # real meta tensors: no memory, not counted
-            big = tclass(**config).to(place.dtype)
         device = ACCELERATOR if place.role == "accelerator" else HOST
         with placing():
             big.to_empty(device=device)

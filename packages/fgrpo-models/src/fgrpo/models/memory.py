@@ -141,10 +141,11 @@ def measure(data: Mapping[str, Any], gpus: int, launch: str) -> dict[str, Any]:
     if sharding_note(launch, gpus):
         formula.append(sharding_note(launch, gpus))
     phases: dict[str, Any] = {}
+    metas = fake_size.meta_transformers(policy, launch)
     with fake_size.fake_runtime():
         tracker = _tracker()
         with tracker:
-            built = fake_size.materialise(policy, name, launch)
+            built = fake_size.materialise(policy, name, launch, metas)
         phases["load"] = _weights_at_load(_snapshot(tracker))
         modules = [m for m in (getattr(policy.pipeline, a, None) for a in ("transformer", "transformer_2")) if m]
         trainable = [p for p in policy.trainable_parameters() if p.requires_grad]
