@@ -161,8 +161,10 @@ def measure(data: Mapping[str, Any], gpus: int, launch: str) -> dict[str, Any]:
             more = (chunks - 1) * kept
             phases["rollout"]["storage"] = {"Rollout": chunks * kept}
             _reset_peak(tracker)
-            x = traj.latents[:micro, 0]
-            sigma = traj.sigmas[traj.step_index[:micro, 0]] if traj.step_index.numel() else traj.sigmas[:micro]
+            if traj.latents.shape[1]:  # a step of the rollout
+                x, sigma = traj.latents[:micro, 0], traj.sigmas[traj.step_index[:micro, 0]]
+            else:  # forward-process objectives (NFT, AWM) train on the final samples, noised at a drawn time
+                x, sigma = traj.final[:micro], traj.sigmas[len(traj.sigmas) // 2]
             cond = {k: v[:micro] for k, v in traj.cond.items() if isinstance(v, torch.Tensor)}
             loss = policy.velocity(x, sigma, cond).float().square().mean()
             loss.backward()
