@@ -174,12 +174,25 @@ class Flux2KleinPolicy(Flux2Policy):
 
     pipeline_class_name = "Flux2KleinPipeline"
     published = {
-        "black-forest-labs/FLUX.2-klein-9B": Published(
-            transformer=9.1e9, text=8.2e9, vae=0.08e9, hidden=4096, layers=32
-        ),
-        "black-forest-labs/FLUX.2-klein-base-9B": Published(
-            transformer=9.1e9, text=8.2e9, vae=0.08e9, hidden=4096, layers=32
-        ),
+        name: Published(
+            transformer=9.1e9,
+            text=8.2e9,
+            vae=0.08e9,
+            hidden=4096,
+            layers=32,
+            # not read from the published file (no network here): the structure its sizes give, 8 double
+            # and 24 single blocks of 32 heads x 128 over Qwen3-8B's 3 x 4096 stacked hidden states;
+            # 9.096B parameters on the meta device, the published 9.1B (fgrpo memory builds it)
+            config=dict(
+                num_layers=8,
+                num_single_layers=24,
+                attention_head_dim=128,
+                num_attention_heads=32,
+                joint_attention_dim=12288,
+            ),
+            source="reconstructed from the published sizes (9.096B parameters), not the file",
+        )
+        for name in ("black-forest-labs/FLUX.2-klein-9B", "black-forest-labs/FLUX.2-klein-base-9B")
     }
 
     @classmethod

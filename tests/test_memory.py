@@ -1,0 +1,90 @@
+"""``fgrpo memory``: a recipe's memory measured on fake tensors (fgrpo.models.memory with the
+diffusers harness fgrpo.models.fake_size). The default suite runs one tiny-size measurement; the real-size
+runs of the shipped recipes are ``slow``."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("diffusers")
+
+TINY_SD3 = """
+model: {name: sd3, path: tiny/sd3-not-published, dtype: bfloat16, resolution: 64, lora: {rank: 4}}
+sampler: {name: full, steps: 2, kernel: {name: sde, eta: 0.7}}
+objective: {name: grpo}
+reward: {name: jpeg}
+prompts: {name: folder, path: nowhere}
+train: {prompts_per_iteration: 2, group_size: 2, micro_batch_size: 1}
+"""
+
+
+def _tiny_counts(lora: dict) -> tuple[int, int, int]:
+    """(bytes of the tiny SD3.5 transformer's weights in bfloat16 plus its float32 LoRA, bytes of the
+    LoRA, its tensors) counted on real modules, apart from the harness."""
+    import torch
+
+    from fgrpo.models.lora import inject_lora
+    from fgrpo.models.testing.pipelines import build_tiny_sd3_pipeline
+
+    transformer = build_tiny_sd3_pipeline(sd35=True).transformer.to(torch.bfloat16)
+    inject_lora(transformer, lora)
+    weights = sum(p.numel() * p.element_size() for p in transformer.parameters())
+    lora = sum(p.numel() * p.element_size() for p in transformer.parameters() if p.requires_grad)
+    return weights, lora, sum(1 for p in transformer.parameters() if p.requires_grad)
+
+
+def test_fgrpo_memory_measures_a_tiny_recipe_exactly(tmp_path):
+    """At load the accelerator holds exactly the transformer's weights (bfloat16) and its float32
+    LoRA; after AdamW's step, its two moments (float32, the LoRA's size each); the rollout ran the
+    sampler and stored its trajectory; the host holds nothing (text encoders on the accelerator)."""
+    from fgrpo.models import memory, memory_formula
+
+    recipe = tmp_path / "tiny.yaml"
+    recipe.write_text(TINY_SD3)
+    data, problem = memory_formula.read_recipe(str(recipe), [])
+    assert problem == ""
+    result = memory.measure(data, 1, "ddp")
+    weights, lora, tensors = _tiny_counts(data["model"]["lora"])
+    load = result["phases"]["load"]["accelerator"]
+    assert load["Total"] >= weights
+    after = result["after_step"]["accelerator"]
+    assert after["Parameter"] == weights
+    # AdamW's two moments, and its step count: one float32 scalar per trained tensor
+    assert after["Optstate"] == 2 * lora + 4 * tensors
+    assert result["phases"]["rollout"]["storage"]["Rollout"] > 0
+    # the meta-device build is no memory: nothing on the host at load either
+    assert memory.total(result["phases"]["update"], "host") == memory.total(result["phases"]["load"], "host") == 0
+
+
+def _real_recipes() -> list[str]:
+    """The shipped recipes of a diffusers backbone (the real-size ones)."""
+    from pathlib import Path
+
+    import yaml
+
+    from fgrpo.models.fake_size import TINY
+
+    root = Path(__file__).resolve().parents[1] / "recipes"
+    return sorted(
+        p.name
+        for p in root.glob("*.yaml")
+        if (yaml.safe_load(p.read_text()) or {}).get("model", {}).get("name") in TINY
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", _real_recipes())
+def test_every_real_recipe_fits_its_declared_launch_on_8_x_80_gib(root, name):
+    """Issue 48, item 3: at load, in the rollout, the update and the checkpoint gather, each process's
+    accelerator holds at most 76 GiB (80 GiB less 5 % headroom) under the launch its header names."""
+    from fgrpo.core.launch.memory import declared_launch
+    from fgrpo.models import memory, memory_formula
+
+    path = root / "recipes" / name
+    launch = declared_launch(path.read_text())
+    assert launch is not None, f"{name}: its header names no recipes/accelerate config"
+    data, problem = memory_formula.read_recipe(str(path), [])
+    assert problem == ""
+    result = memory.measure(data, 8, launch)
+    peaks = {phase: memory.total(parts, "accelerator") / memory.GIB for phase, parts in result["phases"].items()}
+    assert max(peaks.values()) <= 0.95 * 80, peaks
