@@ -207,9 +207,9 @@ def test_memory_counts_the_sparse_samplers_trained_steps_as_it_trains(root):
     import torch
 
     from fgrpo.core.testing.toys import GaussianPolicy
+    from fgrpo.models import memory_formula as memory  # tools/memory.py's formula
     from fgrpo.samplers.sparse import SparseSampler
 
-    memory = _load(root, "memory")
     for keys in ({"steps": 16, "trained": 8, "step_range": [0, 9]}, {"steps": 6}, {"steps": 6, "step_range": [2, 5]}):
         sampler = SparseSampler(**keys)
         traj = sampler.rollout(GaussianPolicy(), ["a"], 2, generator=torch.Generator().manual_seed(0))

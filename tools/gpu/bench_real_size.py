@@ -164,6 +164,8 @@ def model_keys(backbone: str, dtype: Any, args: Any, guidance: float, checkpoint
     keys["true_cfg_scale" if "true_cfg_scale" in fields else "guidance_scale"] = guidance  # FLUX.1-dev: true CFG
     if args.frames is not None and "num_frames" in fields:
         keys["num_frames"] = args.frames
+    if "text_encoder_out_layers" in fields:  # FLUX.2: the stand-in text encoder has 2 layers, not 30
+        keys["text_encoder_out_layers"] = [1, 2, 2]
     return keys
 
 
