@@ -168,7 +168,9 @@ def highway_drives(episodes: int, seed: int, seconds: float, lanes: int, vehicle
             ego = IDMVehicle(base.road, was.position, was.heading, was.speed, was.lane_index, float(lane.speed_limit))
             base.road.vehicles[base.road.vehicles.index(base.vehicle)] = ego
             base.controlled_vehicles = [ego]
-            states, positions, speeds = [], [], []
+            states: list[Scene] = []
+            positions: list[torch.Tensor] = []
+            speeds: list[float] = []
             for step in range((rounds + HORIZON_STEPS) * per + 1):
                 if step % per == 0:
                     accel = (speeds[-1] - speeds[-2]) / sim.DT if len(speeds) > 1 else 0.0
