@@ -145,6 +145,11 @@ def main() -> None:
         "compared": compared,
     }
     (out / f"load-rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(report, indent=1))
+    # leave together: a process that exits while gloo's threads still serve the other one aborts
+    # ("terminate called without an active exception")
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
