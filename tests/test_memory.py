@@ -85,6 +85,39 @@ def test_every_real_recipe_fits_its_declared_launch_on_8_x_80_gib(root, name):
     assert launch is not None, f"{name}: its header names no recipes/accelerate config"
     data, problem = memory_formula.read_recipe(str(path), [])
     assert problem == ""
-    result = memory.measure(data, 8, launch)
+    try:
+        result = memory.measure(data, 8, launch)
+    except memory.FAKE_LIMITS:  # HunyuanVideo 1.5's forward reads a value off its data: the formula alone
+        assert name in FORMULA_ONLY, f"{name}: fake tensors stopped, and it is not one known to stop them"
+        formula = memory_formula.estimate(data, 8)["kinds"][memory.FORMULA_KIND[launch]]
+        assert formula["total"] / memory.GIB <= 0.95 * 80, formula["total"] / memory.GIB
+        return
     peaks = {phase: memory.total(parts, "accelerator") / memory.GIB for phase, parts in result["phases"].items()}
     assert max(peaks.values()) <= 0.95 * 80, peaks
+
+
+#: recipes whose backbone's forward fake tensors cannot pass (transformer_hunyuan_video15.py:702 reads a value)
+FORMULA_ONLY = {"hunyuan-video-1.5-pickscore.yaml"}
+
+
+def test_a_run_fake_tensors_cannot_pass_falls_back_to_the_formula_and_says_where(root, monkeypatch, capsys):
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+
+    from fgrpo.core import cli
+    from fgrpo.models import memory
+
+    def stopped(*_args):
+        raise DataDependentOutputException(torch_op())
+
+    def torch_op():
+        import torch
+
+        return torch.ops.aten._local_scalar_dense.default
+
+    monkeypatch.setattr(memory, "measure", stopped)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the formula takes the published sizes; nothing is fetched
+    code = cli.main(["memory", str(root / "recipes" / "sd35m-pickscore.yaml"), "--gpus", "8"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "measured: nothing (fake tensors cannot pass DataDependentOutputException at " in out
+    assert "formula (not measured)" in out and "fits in 76.0 GiB" in out and "Traceback" not in out

@@ -268,8 +268,11 @@ def cmd_memory(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     args.launch = args.launch or declared_launch(Path(args.recipe).read_text(encoding="utf-8")) or "ddp"
-    result = measure(data, args.gpus, args.launch)
     formula = memory_formula.estimate(data, args.gpus)["kinds"][FORMULA_KIND[args.launch]]
+    try:
+        result = measure(data, args.gpus, args.launch)
+    except FAKE_LIMITS as exc:  # a data-dependent value or an op fake tensors lack: the formula alone
+        return _formula_only(args, formula, exc)
     result["estimate"] = {"total": formula["total"], "kind": FORMULA_KIND[args.launch], "parts": formula}
     peak = max(total(p, "accelerator") for p in result["phases"].values())
     limit = 0.95 * args.gpu_memory * GIB
@@ -284,3 +287,49 @@ def cmd_memory(args: argparse.Namespace) -> int:
             f"(95 % of {args.gpu_memory})"
         )
     return 0 if result["fits"] else 1
+
+
+def _fake_limits() -> tuple[type[BaseException], ...]:
+    from torch._subclasses import fake_tensor
+
+    names = ("DataDependentOutputException", "DynamicOutputShapeException", "UnsupportedOperatorException")
+    return tuple(getattr(fake_tensor, n) for n in names if hasattr(fake_tensor, n))
+
+
+#: what fake tensors cannot pass (a value read off the data, a shape that depends on it, an op without a fake kernel)
+FAKE_LIMITS = _fake_limits()
+
+
+SKIPPED = ("/torch/", "fake_size.py")  #: frames of the machinery, not of the code that read a value
+
+
+def _where(exc: BaseException) -> str:
+    """The last frame of the traceback outside torch: the model code that needed a real value."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not any(s in f.filename for s in SKIPPED)]
+    if not frames:
+        return "torch"
+    last = frames[-1]
+    return f"{last.filename.split('site-packages/')[-1]}:{last.lineno} ({last.name})"
+
+
+def _formula_only(args: argparse.Namespace, formula: Mapping[str, Any], exc: BaseException) -> int:
+    """The run cannot pass on fake tensors: say where, and judge the fit by the formula, marked as such."""
+    where = f"{type(exc).__name__} at {_where(exc)}"
+    peak = float(formula["total"])
+    limit = 0.95 * args.gpu_memory * GIB
+    fits = peak <= limit
+    if args.json:
+        print(
+            json.dumps(
+                {"measured": None, "fake_tensors_stopped": where, "formula": formula, "fits": fits}, default=float
+            )
+        )
+    else:
+        print(f"measured: nothing (fake tensors cannot pass {where}); every phase falls back to the formula")
+        print(
+            f"formula (not measured) {peak / GIB:.2f} GiB per accelerator ({FORMULA_KIND[args.launch]}): "
+            f"{'fits' if fits else 'does NOT fit'} in {limit / GIB:.1f} GiB (95 % of {args.gpu_memory})"
+        )
+    return 0 if fits else 1
