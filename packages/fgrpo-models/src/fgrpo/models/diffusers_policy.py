@@ -300,9 +300,8 @@ class DiffusersPolicy:
 
     def _image_seq_len(self) -> int:
         """Image tokens of one latent (for the resolution-dependent time shift)."""
-        patch = self._patch()
         h, w = self._latent_shape[-2:]
-        return (h // patch) * (w // patch)
+        return (h // self._patch()) * (w // self._patch())
 
     def _shift_mu(self, steps: int) -> float | None:
         """The dynamic time shift the pipeline passes to its scheduler for ``steps`` steps; None: the
@@ -339,12 +338,7 @@ class DiffusersPolicy:
             pipe.set_progress_bar_config(disable=True)
         dx.freeze(*self.modules())
         for _, transformer in self.trained_transformers():
-            if self.lora is not None:
-                inject_lora(transformer, self.lora)
-            else:
-                transformer.requires_grad_(True)
-            if self.gradient_checkpointing:
-                transformer.enable_gradient_checkpointing()
+            self.make_trainable(transformer)
         if self.lora is not None and self.lora_path is not None:
             self.load_trainable_state_dict(self._read_adapter(self.lora_path))
         if self.vae_tiling and hasattr(pipe.vae, "enable_tiling"):
@@ -380,9 +374,17 @@ class DiffusersPolicy:
         return self._pipeline.transformer
 
     def trained_transformers(self) -> list[tuple[str, ModelMixin]]:
-        """(pipeline attribute, module) of every network that trains: the transformer (Wan 2.2 A14B:
-        the experts its recipe trains)."""
+        """(pipeline attribute, module) of every network that trains (Wan 2.2 A14B: its experts)."""
         return [("transformer", self.transformer)]
+
+    def make_trainable(self, transformer: ModelMixin) -> None:
+        """The recipe's LoRA adapter (or every weight) and gradient checkpointing on ``transformer``."""
+        if self.lora is not None:
+            inject_lora(transformer, self.lora)
+        else:
+            transformer.requires_grad_(True)
+        if self.gradient_checkpointing:
+            transformer.enable_gradient_checkpointing()
 
     def _single_transformer(self) -> bool:
         """State keys and exports keep the plain one-transformer layout (no module prefix)."""
@@ -390,8 +392,7 @@ class DiffusersPolicy:
 
     @property
     def trainable_module(self) -> torch.nn.Module:
-        """What a sharded (FSDP) run splits over the processes: the transformer, one FSDP unit per
-        block (its ``_no_split_modules``)."""
+        """What a sharded (FSDP) run splits: the transformer, one unit per block (``_no_split_modules``)."""
         return self.transformer
 
     @property

@@ -358,7 +358,6 @@ def meta_transformers(policy: Any, launch: str) -> dict[str, tuple[Any, str]]:
 def materialise(policy: Any, name: str, launch: str, metas: Mapping[str, tuple[Any, str]]) -> dict[str, Any]:
     """Inside :func:`fake_runtime`: the transformers of :func:`meta_transformers`, text encoder and
     VAE weights placed as :func:`_placements` says; returns what it built (flat weights, sources)."""
-    from fgrpo.models.lora import inject_lora
 
     cls: Any = type(policy).__mro__[1]
     placements = {p.name: p for p in _placements(policy, launch)}
@@ -377,12 +376,7 @@ def materialise(policy: Any, name: str, launch: str, metas: Mapping[str, tuple[A
             big.to_empty(device=device)
         big.requires_grad_(False)
         if attr in trained:
-            if policy.lora is not None:
-                inject_lora(big, policy.lora)
-            else:
-                big.requires_grad_(True)
-            if policy.gradient_checkpointing:
-                big.enable_gradient_checkpointing()
+            policy.make_trainable(big)
         setattr(policy.pipeline, attr, big)
         _swap_held(policy, small, big)
         built["sources"][attr] = source
