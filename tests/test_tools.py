@@ -214,3 +214,40 @@ def test_memory_counts_the_sparse_samplers_trained_steps_as_it_trains(root):
         sampler = SparseSampler(**keys)
         traj = sampler.rollout(GaussianPolicy(), ["a"], 2, generator=torch.Generator().manual_seed(0))
         assert memory._trained_steps({"name": "sparse", **keys}) == traj.num_trained_steps, keys
+
+
+# --- tools/bench/planners.py: the planners in both worlds, resumable -------------------------------
+
+
+@pytest.mark.slow
+def test_planners_bench_trains_evaluates_in_both_worlds_and_resumes(tmp_path, capsys):
+    """Shrunk: the base and one trained planner, our gold, one highway-env configuration behind the
+    filter and shadow mode; a second call finds every cell saved and only prints the table."""
+    bench = load_tool("bench/planners.py", "planners_bench")
+    small = [
+        "train.iterations=1",
+        "train.prompts_per_iteration=2",
+        "train.group_size=2",
+        "prompts.train_seeds=1",
+        "prompts.test_seeds=1",
+        "prompts.closed_loop=null",
+        "sampler.steps=2",
+        "eval.steps=2",
+        "eval.every=0",
+        "train.checkpoint_every=1",
+    ]
+    argv = ["--work", str(tmp_path), "--seeds", "0", "--planners", "bc,nft-our-world", "--episodes", "1"]
+    argv += ["--shadow-episodes", "1", "--only", "gold,highway:aggressive+filter,shadow:highway"]
+    argv += [f"--set={item}" for item in small]
+    assert bench.main(argv) == 0
+    cells = sorted(p.name for p in (tmp_path / "cells").glob("*.json"))
+    assert cells == sorted(
+        f"{p}-0-{n}.json" for p in ("bc", "nft-our-world") for n in ("gold", "highway_aggressive+filter", "shadow_highway")
+    )
+    first = capsys.readouterr().out
+    row = next(line for line in first.splitlines() if line.startswith("| nft-our-world"))
+    assert row.count("|") == 2 + 2 * 3 + 1 and "-" not in row.split("|")[3]  # planner, seeds, 3 x 2 figures
+    stamps = {p: p.stat().st_mtime_ns for p in (tmp_path / "cells").glob("*.json")}
+    assert bench.main(argv) == 0
+    assert {p: p.stat().st_mtime_ns for p in stamps} == stamps  # nothing was run again
+    assert capsys.readouterr().out.splitlines()[1:] == first.splitlines()[1:]

@@ -127,3 +127,73 @@ def test_a_car_leaving_the_road_is_off_road():
 
     drive = highway.drive_highway(swerve, [env_with([], ego=(0, 20.0))], [0], 4.0)
     assert drive.off_road.tolist() == [True] and drive.cl_score.tolist() == [0.0]
+
+
+def test_each_car_is_read_with_its_own_idm_parameters():
+    env = env_with([(1, 30.0, 15.0), (2, -10.0, 25.0)])
+    car = env.unwrapped.road.vehicles[1]
+    car.target_speed, car.TIME_WANTED = 17.0, 1.1
+    scene = highway.read_scenes([env], torch.zeros(1), 0.0, [0])
+    row = scene.idm[0, (scene.agents[0, :, 0] - 130.0).abs() < 1e-3][0]
+    # highway-env's gap of 10 m centre to centre is ours 5 m bumper to bumper for its 5 m cars
+    assert row.tolist() == pytest.approx([17.0, 1.1, 10.0 - car.LENGTH, 3.0, 5.0])
+    # our traffic then drives it by that IDM: free road, it accelerates towards 17 m/s at most 3 m/s^2
+    a = sim.idm_acceleration(torch.tensor(15.0), torch.tensor(math.inf), torch.tensor(0.0), row)
+    assert a.item() == pytest.approx(3.0 * (1 - (15.0 / 17.0) ** 4), rel=1e-5)
+    env.close()
+
+
+@pytest.mark.parametrize(("behaviour", "cls"), [("aggressive", "AggressiveVehicle"), ("linear", "LinearVehicle")])
+def test_configurations_set_density_and_the_drivers_class(behaviour, cls):
+    env = highway.make_env(3, 12, 5.0, density=2.0, behaviour=behaviour)
+    env.reset(seed=4)
+    others = [v for v in env.unwrapped.road.vehicles if v is not env.unwrapped.vehicle]
+    assert len(others) == 12 and {type(v).__name__ for v in others} == {cls}
+    assert env.unwrapped.config["vehicles_density"] == 2.0
+    env.close()
+
+
+def test_highway_starts_are_the_states_of_highway_envs_own_driver_registered_as_prompts():
+    from fgrpo.worlds.driving import highway_starts, scenes, shadow
+
+    spec = {"episodes": 1, "seed": 5, "seconds": 5.0, "configs": [{"lanes": 3, "vehicles": 6}]}
+    names = highway_starts.register_starts(spec)
+    assert names == ["dense 5 t0 highway0", "dense 5 t0.5 highway0"]  # every 0.5 s of the first 5 - 4 s
+    expected, _ = shadow.highway_drives(1, 5, 5.0, 3, 6)
+    got = scenes.scenes_for(names)
+    assert torch.equal(got.ego, expected.ego) and torch.equal(got.idm, expected.idm)
+    assert (got.idm[got.valid][:, 0] > 0).all()  # every car read with a desired speed of its own
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ({"episodes": 0}, "episodes: got 0; allowed: an integer from 1 to 1000"),
+        ({"configs": [{"lanes": 9}]}, "configs.0.lanes: got 9; allowed: a number from 2 to 6"),
+        ({"configs": [{"behaviour": "polite"}]}, "configs.0.behaviour: got 'polite'; allowed: idm, aggressive"),
+        ({"every": 1}, "every: unknown key"),
+    ],
+)
+def test_bad_highway_starts_are_one_line(value, message):
+    from fgrpo.worlds.driving import highway_starts
+
+    with pytest.raises(ValueError, match=message):
+        highway_starts.validate(None, None, value)
+
+
+def test_stepping_without_observations_is_highway_envs_own_step():
+    import numpy as np
+
+    envs = [highway.make_env(3, 10, 5.0) for _ in range(2)]
+    for env in envs:
+        env.reset(seed=11)
+    for k in range(15):
+        action = np.array([0.2 * math.sin(k), 0.1 * math.cos(k)])
+        envs[0].step(action)
+        highway.step_env(envs[1], action)
+    a, b = (env.unwrapped for env in envs)
+    assert a.time == b.time and a.steps == b.steps
+    for u, v in zip(a.road.vehicles, b.road.vehicles, strict=True):
+        assert np.array_equal(u.position, v.position) and u.speed == v.speed and u.heading == v.heading
+    for env in envs:
+        env.close()

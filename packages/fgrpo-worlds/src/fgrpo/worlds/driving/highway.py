@@ -50,9 +50,18 @@ KIND = TYPES.index("dense")
 SIGHT = 100.0  #: m ahead and behind within which cars are read into the scene
 
 
-def make_env(lanes: int, vehicles: int, seconds: float) -> Any:
+#: highway-env's classes of other drivers (``other_vehicles_type``), by the name a recipe gives
+BEHAVIOURS = {
+    "idm": "highway_env.vehicle.behavior.IDMVehicle",
+    "aggressive": "highway_env.vehicle.behavior.AggressiveVehicle",
+    "defensive": "highway_env.vehicle.behavior.DefensiveVehicle",
+    "linear": "highway_env.vehicle.behavior.LinearVehicle",
+}
+
+
+def make_env(lanes: int, vehicles: int, seconds: float, density: float = 1.0, behaviour: str = "idm") -> Any:
     """highway-env's ``highway-v0`` at 10 Hz with continuous actions in our acceleration and
-    steering ranges."""
+    steering ranges; ``density`` its ``vehicles_density``, ``behaviour`` a key of :data:`BEHAVIOURS`."""
     try:
         import gymnasium
         import highway_env  # noqa: F401  (registers the highway-v0 task)
@@ -69,10 +78,21 @@ def make_env(lanes: int, vehicles: int, seconds: float) -> Any:
         "policy_frequency": int(round(1 / sim.DT)),
         "lanes_count": lanes,
         "vehicles_count": vehicles,
+        "vehicles_density": density,
+        "other_vehicles_type": BEHAVIOURS[behaviour],
         "duration": seconds + 1.0,
         "offscreen_rendering": True,
     }
     return gymnasium.make("highway-v0", config=config)
+
+
+def step_env(env: Any, action: Any) -> None:
+    """highway-env's ``step`` without its observation, reward and info: the same simulation
+    (``AbstractEnv.step`` = clock, ``_simulate``, then those three, which change nothing), for half
+    the time; every reader here takes the state from the road itself."""
+    base = env.unwrapped
+    base.time += 1 / base.config["policy_frequency"]
+    base._simulate(action)
 
 
 def highway_steering(steer: torch.Tensor) -> torch.Tensor:
@@ -86,9 +106,24 @@ def highway_steering(steer: torch.Tensor) -> torch.Tensor:
     return torch.atan(2 * torch.tan(torch.asin(s)))
 
 
+def idm_parameters(vehicle: Any) -> list[float]:
+    """A highway-env car's IDM as ours reads it: (desired speed, time headway, minimum bumper gap,
+    maximum acceleration, comfortable deceleration). highway-env's minimum gap is centre to centre
+    (``DISTANCE_WANTED``), ours bumper to bumper; a car without an IDM of its own keeps its speed."""
+    speed = float(vehicle.speed)
+    return [
+        float(getattr(vehicle, "target_speed", speed) or speed),
+        float(getattr(vehicle, "TIME_WANTED", 1.5)),
+        max(float(getattr(vehicle, "DISTANCE_WANTED", 10.0)) - float(vehicle.LENGTH), 0.5),
+        float(getattr(vehicle, "COMFORT_ACC_MAX", 3.0)),
+        -float(getattr(vehicle, "COMFORT_ACC_MIN", -5.0)),
+    ]
+
+
 def read_scenes(envs: Sequence[Any], accel: torch.Tensor, t: float, episodes: Sequence[int]) -> Scene:
     """Each env's state as a driving-world scene: our frame is highway-env's shifted by half a lane
-    (our lane i is centred at (i + 0.5) W, highway-env's at i W), headings and speeds as they are."""
+    (our lane i is centred at (i + 0.5) W, highway-env's at i W), headings and speeds as they are,
+    each car's IDM parameters its own (:func:`idm_parameters`)."""
     rows = []
     for env, a, episode in zip(envs, accel.tolist(), episodes, strict=True):
         road = env.unwrapped.road
@@ -104,7 +139,9 @@ def read_scenes(envs: Sequence[Any], accel: torch.Tensor, t: float, episodes: Se
         agents[..., 0] = 1.0e4
         valid = torch.zeros(1, MAX_AGENTS, dtype=torch.bool)
         lane_change = torch.zeros(1, MAX_AGENTS, 4)
+        idm = torch.zeros(1, MAX_AGENTS, 5)
         for i, v in enumerate(others):
+            idm[0, i] = torch.tensor(idm_parameters(v))
             oy = float(v.position[1]) + width / 2
             agents[0, i] = torch.tensor([float(v.position[0]), oy, v.heading, v.speed])
             valid[0, i] = True
@@ -118,7 +155,7 @@ def read_scenes(envs: Sequence[Any], accel: torch.Tensor, t: float, episodes: Se
                 ego=ego.float(),
                 agents=agents,
                 valid=valid,
-                idm=torch.zeros(1, MAX_AGENTS, 5),
+                idm=idm,
                 lane_change=lane_change,
                 road=torch.tensor([[float(lanes), width, limit]]),
                 teacher=torch.tensor([[sim.EXPERT[k] for k in TEACHER_KEYS]]),
@@ -147,7 +184,7 @@ def act(
         if not live[i]:
             continue
         action = np.array([(float(accel[i]) - sim.A_MIN) / span - 1.0, float(wheel[i]) / (math.pi / 4)])
-        env.step(action)
+        step_env(env, action)
         crashed[i] = bool(env.unwrapped.vehicle.crashed)
     return crashed, accel
 
@@ -215,6 +252,8 @@ class HighwayEvaluator:
     seconds: float = param(20.0, gt=0.0, le=60.0, help="length of each episode [s]")
     lanes: int = param(4, ge=2, le=6, help="lanes of the road")
     vehicles: int = param(30, ge=0, le=100, help="other cars")
+    density: float = param(1.0, gt=0.0, le=4.0, help="highway-env's vehicles_density (1: its default spacing)")
+    behaviour: str = param("idm", choices=tuple(BEHAVIOURS), help="the other drivers' highway-env class")
     # every episode's seed, seed + episodes - 1 the last, names a scene (an int64 Scene.seed)
     seed: int = param(0, ge=0, le=MAX_SEED - MAX_EPISODES, help="the first episode's highway-env seed")
     pictures: int = param(2, ge=0, help="episodes drawn for the report (their executed paths)")
@@ -226,7 +265,7 @@ class HighwayEvaluator:
 
     def __call__(self, context: Any) -> EvaluatorResult:
         episodes = list(range(self.seed, self.seed + self.episodes))
-        envs = [make_env(self.lanes, self.vehicles, self.seconds) for _ in episodes]
+        envs = [make_env(self.lanes, self.vehicles, self.seconds, self.density, self.behaviour) for _ in episodes]
         try:
             for env, episode in zip(envs, episodes, strict=True):
                 env.reset(seed=episode)

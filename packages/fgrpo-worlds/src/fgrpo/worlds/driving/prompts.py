@@ -31,6 +31,8 @@ import attrs
 import torch
 
 import fgrpo.worlds.driving.features as features
+import fgrpo.worlds.driving.highway_starts as highway_starts
+import fgrpo.worlds.driving.randomize as randomization
 import fgrpo.worlds.driving.scenes as scenes
 from fgrpo.core.config import ConfigError, dotted, param, read_text_file, shown
 from fgrpo.worlds.driving.world import (
@@ -104,6 +106,18 @@ class DrivingPrompts:
         validator=_closed_loop,
         help="starting states from the policy's own closed loop: {scenarios, every, times, steps}; null = off",
     )
+    randomize: dict | None = param(
+        None,
+        validator=randomization.validate,
+        help="the training scenarios' drivers and density drawn per scenario: {key: [low, high]} of "
+        f"{', '.join(randomization.KEYS)}; held-out scenarios keep the defaults; null = off",
+    )
+    highway: dict | None = param(
+        None,
+        validator=highway_starts.validate,
+        help="training starts from highway-env episodes: {episodes, seed, seconds, configs: [{lanes, vehicles, "
+        "density, behaviour}]}; null = off",
+    )
     scenarios: str | None = param(None, help="a JSON-lines file of your own scenarios (added at t0)")
     split: str = param("test", choices=("train", "test"), help="where the file's scenarios go")
     _train: list[str] = attrs.field(init=False, factory=list, repr=False)
@@ -144,6 +158,10 @@ class DrivingPrompts:
             scenes.prompt_of(t, s, time) for t in self.types for s in range(self.train_seeds) for time in self.times
         ]
         self._test = [scenes.prompt_of(t, TEST_SEED_BASE + s) for t in self.types for s in range(self.test_seeds)]
+        if self.randomize is not None:
+            self._register_randomized_logs()
+        if self.highway is not None:
+            self._train.extend(highway_starts.register_starts(self.highway))
         if self.scenarios is not None:
             names, built = read_scenario_file(self.scenarios)
             scenes.register(names, built)
@@ -154,6 +172,14 @@ class DrivingPrompts:
             self._self = [scenes.prompt_of(t, s, time, SELF_TAG) for t, s in pool for time in spec["times"]]
             self._train.extend(self._self)
             self._register_teacher_states()
+
+    def _register_randomized_logs(self) -> None:
+        """The training scenarios drawn by ``randomize``, and the teacher's logs of them at every
+        time a training or closed-loop prompt starts from."""
+        pairs = [(TYPES.index(t), s) for t in self.types for s in range(self.train_seeds)]
+        start = randomization.randomize(generate([k for k, _ in pairs], [s for _, s in pairs]), self.randomize)
+        times = set(self.times) | set(self._closed_loop_spec()["times"] if self.closed_loop is not None else [])
+        scenes.register_logs(start, sorted(times))
 
     def _closed_loop_spec(self) -> dict[str, Any]:
         return {

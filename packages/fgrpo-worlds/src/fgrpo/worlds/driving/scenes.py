@@ -93,9 +93,14 @@ def teacher_logs(keys: Sequence[tuple[int, int]], until: float) -> None:
     if not need:
         return
     until = max([until] + [len(_LOGS[k].scenes) * PLAN_DT for k in need if k in _LOGS])
+    logs = _drive_logs(generate([k for k, _ in need], [s for _, s in need]), until)
+    _LOGS.update(zip(need, logs, strict=True))
+
+
+def _drive_logs(scene: Scene, until: float) -> list[Log]:
+    """The teacher driving each of the t0 scenes ``scene`` to ``until`` s (+ the plan horizon)."""
     snapshots = int(round(until / PLAN_DT)) + 1
     per = int(round(PLAN_DT / sim.DT))
-    scene = generate([k for k, _ in need], [s for _, s in need])
     scenes, positions = [scene], [scene.ego[:, :2]]
     for k in range(1, snapshots + HORIZON_STEPS):
         for _ in range(per):
@@ -105,12 +110,32 @@ def teacher_logs(keys: Sequence[tuple[int, int]], until: float) -> None:
         if k < snapshots:
             scenes.append(scene)
     path = torch.stack(positions, 1)
-    for i, key in enumerate(need):
+    out = []
+    for i in range(len(scene)):
         log_scenes = Scene.cat([s.index(slice(i, i + 1)) for s in scenes])
         # a log scene's previous plan: the teacher's plan made PLAN_DT earlier (none at t = 0)
         previous = torch.stack([path[i, k : k + HORIZON_STEPS] for k in range(len(scenes))])
         previous[0] = float("nan")
-        _LOGS[key] = Log(scenes=log_scenes.replace(previous_plan=previous), positions=path[i])
+        out.append(Log(scenes=log_scenes.replace(previous_plan=previous), positions=path[i]))
+    return out
+
+
+def register_logs(start: Scene, times: Sequence[float]) -> list[str]:
+    """Make the prompts ``"<type> <seed> t<time>"`` (and ``"<type> <seed>"``) of the t0 scenes
+    ``start`` name the teacher's log of *these* scenes (a randomised world's training scenarios)
+    instead of the generator's; the prompts registered."""
+    names: list[str] = []
+    for i, log in enumerate(_drive_logs(start, max(times))):
+        kind, seed = int(start.kind[i]), int(start.seed[i])
+        for t in sorted(set(times) | {0.0}):
+            prompt = prompt_of(kind, seed, t)
+            k = int(round(t / PLAN_DT))
+            _REGISTERED[prompt] = log.scenes.index(slice(k, k + 1))
+            ahead = log.positions[k + 1 : k + 1 + HORIZON_STEPS]
+            _TEACHER_PLANS[prompt] = sim.world_to_frame(ahead[None], _REGISTERED[prompt].ego)[0]
+            names.append(prompt)
+        _REGISTERED[f"{TYPES[kind]} {seed}"] = log.scenes.index(slice(0, 1))
+    return names
 
 
 # --- lookup ----------------------------------------------------------------------------------

@@ -114,6 +114,10 @@ class ShadowEvaluator:
     seconds: float = param(20.0, gt=4.0, le=60.0, help="world highway: length of each episode [s]")
     lanes: int = param(4, ge=2, le=6, help="world highway: lanes")
     vehicles: int = param(30, ge=0, le=100, help="world highway: other cars")
+    density: float = param(1.0, gt=0.0, le=4.0, help="world highway: highway-env's vehicles_density")
+    behaviour: str = param(
+        "idm", choices=("idm", "aggressive", "defensive", "linear"), help="world highway: the other drivers' class"
+    )
     seed: int = param(0, ge=0, le=MAX_SEED - 10_000, help="world highway: the first episode's seed")
 
     directions = DIRECTIONS
@@ -137,7 +141,9 @@ class ShadowEvaluator:
         return shadow_metrics(plans, driven, scenes), scenes.kind
 
     def _highway(self, context: Any) -> tuple[dict[str, torch.Tensor], None]:
-        scenes, driven = highway_drives(self.episodes, self.seed, self.seconds, self.lanes, self.vehicles)
+        scenes, driven = highway_drives(
+            self.episodes, self.seed, self.seconds, self.lanes, self.vehicles, self.density, self.behaviour
+        )
         names = [
             scene_store.prompt_of("dense", int(s), float(t), "shadow")
             for s, t in zip(scenes.seed, scenes.t, strict=True)
@@ -146,19 +152,27 @@ class ShadowEvaluator:
         return shadow_metrics(plans, driven, scenes), None
 
 
-def highway_drives(episodes: int, seed: int, seconds: float, lanes: int, vehicles: int) -> tuple[Scene, torch.Tensor]:
+def highway_drives(
+    episodes: int,
+    seed: int,
+    seconds: float,
+    lanes: int,
+    vehicles: int,
+    density: float = 1.0,
+    behaviour: str = "idm",
+) -> tuple[Scene, torch.Tensor]:
     """highway-env episodes with its IDM + MOBIL driving the ego: the scene every 0.5 s of the first
     ``seconds - 4`` s and where the ego was over the 4 s after each (B, T, 2, in that scene's ego frame)."""
     from highway_env.vehicle.behavior import IDMVehicle
 
-    from fgrpo.worlds.driving.highway import make_env, read_scenes
+    from fgrpo.worlds.driving.highway import make_env, read_scenes, step_env
 
     scenes: list[Scene] = []
     driven: list[torch.Tensor] = []
     per = int(round(PLAN_DT / sim.DT))
     rounds = int(round((seconds - HORIZON_STEPS * PLAN_DT) / PLAN_DT))
     for episode in range(seed, seed + episodes):
-        env = make_env(lanes, vehicles, seconds)
+        env = make_env(lanes, vehicles, seconds, density, behaviour)
         try:
             env.reset(seed=episode)
             base = env.unwrapped
@@ -181,7 +195,7 @@ def highway_drives(episodes: int, seed: int, seconds: float, lanes: int, vehicle
                 speeds.append(float(ego.speed))
                 if ego.crashed:
                     break
-                env.step(env.action_space.sample() * 0)
+                step_env(env, env.action_space.sample() * 0)
         finally:
             env.close()
         path = torch.stack(positions)

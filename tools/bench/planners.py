@@ -1,0 +1,221 @@
+"""The planners against our gold and highway-env in one run: the BC base, Flow-GRPO on the rollout,
+the NFT recipe of our world alone and the shipped ``recipes/driving.yaml``, each trained on the
+recipe's seeds, judged on the 1000 held-out scenarios of our world and in highway-env under the
+standard configuration and two that no recipe trains on, alone and behind the safety filter, with
+shadow mode in both worlds. Out of CI: each highway-env configuration costs about 10 min of one
+thread per planner at 300 episodes.
+
+    python tools/bench/planners.py --work /tmp/planners --seeds 0,1,2 --episodes 300 --jobs 2
+
+Every cell (a training run, an evaluation) is a process of its own whose result is saved under
+``--work``: a stopped bench resumes where it stopped, and ``--table`` prints what is there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import _bench
+import _leaderboard
+
+RECIPE = str(_bench.ROOT / "recipes" / "driving.yaml")
+#: what the shipped recipe added for transfer, undone: the NFT recipe of our world alone (93e83e7..)
+WORLD_ONLY = ["prompts.randomize=null", "prompts.highway=null"]
+PLANNERS: dict[str, list[str] | None] = {
+    "bc": None,  # the base: nothing trained
+    "flow-grpo": WORLD_ONLY + _leaderboard.DRIVING["grpo"][1],
+    "nft-our-world": WORLD_ONLY,
+    "driving.yaml": [],
+}
+#: highway-env configurations judged: the standard one (driving-highway's defaults) and two that
+#: no recipe trains on (prompts.highway's configurations are others; docs/planners.md)
+HIGHWAY = {
+    "standard": {},
+    "3-lane-dense": {"lanes": 3, "vehicles": 30, "density": 1.5},
+    "aggressive": {"lanes": 4, "vehicles": 30, "behaviour": "aggressive"},
+}
+FIRST_EPISODE = 10_000
+FILTER = "{}"  # the safety filter's defaults
+METRICS = ("cl_score", "collision")
+
+
+def flow(mapping: dict[str, Any]) -> str:
+    return "{" + ", ".join(f"{k}: {v}" for k, v in mapping.items()) + "}"
+
+
+def evaluators(episodes: int, shadow_episodes: int) -> dict[str, str]:
+    """Every evaluation of a planner by name: its ``evaluator=`` value."""
+    out = {
+        "gold": "{name: driving-closed-loop}",
+        "gold+filter": f"{{name: driving-closed-loop, safety_filter: {FILTER}}}",
+    }
+    for name, config in HIGHWAY.items():
+        base = {"name": "driving-highway", "episodes": episodes, "seed": FIRST_EPISODE, **config}
+        out[f"highway:{name}"] = flow(base)
+        out[f"highway:{name}+filter"] = flow({**base, "safety_filter": FILTER})
+    out["shadow:driving"] = "{name: driving-shadow, world: driving}"
+    out["shadow:highway"] = flow(
+        {"name": "driving-shadow", "world": "highway", "episodes": shadow_episodes, "seed": FIRST_EPISODE}
+    )
+    return out
+
+
+# --- cells (each runs in a process of its own: ``--cell``) ----------------------------------------
+
+
+def train_cell(work: Path, planner: str, seed: int, extra: Sequence[str] = ()) -> Path | None:
+    """The planner's final weights for ``seed`` (trained once, kept under ``work``); None for the base."""
+    overrides = PLANNERS[planner]
+    if overrides is None:
+        return None
+    out = work / "runs" / f"{planner}-{seed}"
+    done = sorted(out.glob("checkpoints/iter_*/trainable.safetensors"))
+    if not (out / "finished").exists():
+        command = [sys.executable, "-m", "fgrpo.core.cli", "compose", RECIPE, "--out", str(out), "--quiet"]
+        command += ["--resume"] if done else []
+        for item in [*overrides, *extra, f"seed={seed}"]:
+            command += ["--set", item]
+        subprocess.run(command, check=True)
+        (out / "finished").write_text("")
+        done = sorted(out.glob("checkpoints/iter_*/trainable.safetensors"))
+    return done[-1]
+
+
+def evaluate(planner: str, weights: Path | None, evaluator: str, extra: Sequence[str] = ()) -> dict[str, float]:
+    """One evaluation of the planner's weights (the base's without): the evaluator's metrics."""
+    from safetensors.torch import load_file
+
+    from fgrpo.core import evaluation
+
+    recipe = _bench.load_recipe(RECIPE, [*(PLANNERS[planner] or []), *extra, f"evaluator={evaluator}"])
+    run = _bench.build(recipe)
+    if weights is not None:
+        run.learner.policy.load_trainable_state_dict(load_file(str(weights)))
+    metrics = evaluation.gold_metrics(run, 0, None, None, [])
+    out = {}
+    for key, value in metrics.items():
+        name = key.split("/", 2)[2] if key.startswith("gold/") else "/"
+        if "/" not in name or name.startswith("filter/"):  # the overall figures, not those per type
+            out[name] = float(value)
+    return out
+
+
+def run_cell(work: Path, planner: str, seed: int, name: str, evaluator: str, extra: Sequence[str] = ()) -> None:
+    file = work / "cells" / f"{planner}-{seed}-{name.replace(':', '_')}.json"
+    if file.exists():
+        return
+    weights = train_cell(work, planner, seed, extra)
+    start = time.process_time()
+    metrics = evaluate(planner, weights, evaluator, extra)
+    row = {"planner": planner, "seed": seed, "evaluation": name, "metrics": metrics}
+    row["cpu_s"] = time.process_time() - start
+    file.parent.mkdir(parents=True, exist_ok=True)
+    file.write_text(json.dumps(row))
+
+
+# --- the table ---------------------------------------------------------------------------------------
+
+
+def cell_text(values: Sequence[float]) -> str:
+    if not values:
+        return "-"
+    if len(values) == 1:
+        return f"{values[0]:.3f}"
+    return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}"
+
+
+def table(rows: Sequence[dict[str, Any]], names: Sequence[str]) -> str:
+    planners = [p for p in PLANNERS if any(r["planner"] == p for r in rows)]
+    header = ["planner", "seeds"] + [f"{n} {m}" for n in names if not n.startswith("shadow") for m in METRICS]
+    header += [f"{n} {m}" for n in names if n.startswith("shadow") for m in ("ade", "collision")]
+    body = []
+    for planner in planners:
+        mine = [r for r in rows if r["planner"] == planner]
+        line: list[Any] = [planner, ",".join(sorted({str(r["seed"]) for r in mine}))]
+        for n in [n for n in names if not n.startswith("shadow")] + [n for n in names if n.startswith("shadow")]:
+            keys = ("ade", "collision") if n.startswith("shadow") else METRICS
+            for metric in keys:
+                line.append(
+                    cell_text([r["metrics"][metric] for r in mine if r["evaluation"] == n and metric in r["metrics"]])
+                )
+        body.append(line)
+    return _bench.table(header, body)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--work", type=Path, required=True, help="where runs and results are kept (resumable)")
+    parser.add_argument("--seeds", default="0,1,2", help="the recipes' seeds (the base has one)")
+    parser.add_argument("--planners", default=",".join(PLANNERS), help=f"of {', '.join(PLANNERS)}")
+    parser.add_argument("--episodes", type=int, default=300, help="highway-env episodes per configuration")
+    parser.add_argument("--shadow-episodes", type=int, default=30, help="highway-env episodes of shadow mode")
+    parser.add_argument("--only", default="", help="comma-separated evaluations (default: all)")
+    parser.add_argument("--jobs", type=int, default=1, help="cells at once, each in its own process")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a recipe override for all")
+    parser.add_argument("--table", action="store_true", help="print the table of what is saved (no work)")
+    parser.add_argument("--cell", nargs=4, metavar=("PLANNER", "SEED", "NAME", "EVALUATOR"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.cell:
+        planner, seed, name, evaluator = args.cell
+        run_cell(args.work, planner, int(seed), name, evaluator, args.set)
+        return 0
+    every = evaluators(args.episodes, args.shadow_episodes)
+    names = [n for n in args.only.split(",") if n] or list(every)
+    unknown = [n for n in names if n not in every] + [p for p in args.planners.split(",") if p not in PLANNERS]
+    if unknown:
+        raise SystemExit(
+            f"unknown evaluation(s) or planner(s): {', '.join(unknown)}; allowed: {', '.join([*every, *PLANNERS])}"
+        )
+    if not args.table:
+        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+        cells = [
+            (p, s if PLANNERS[p] is not None else 0, n)
+            for p in args.planners.split(",")
+            for s in (seeds if PLANNERS[p] is not None else [0])
+            for n in names
+        ]
+        # a planner's first cell trains it: its other cells wait for that one
+        first = {(p, s): i for i, (p, s, _) in reversed(list(enumerate(cells)))}
+        for group in (sorted(set(first.values())), [i for i in range(len(cells)) if i not in first.values()]):
+            run_all([cells[i] for i in group], args, every)
+    rows = [json.loads(f.read_text()) for f in sorted((args.work / "cells").glob("*.json"))]
+    print(_bench.machine_line())
+    print(table(rows, names))
+    return 0
+
+
+def run_all(cells: Sequence[tuple[str, int, str]], args: argparse.Namespace, every: dict[str, str]) -> None:
+    pending, running = list(cells), []
+    while pending or running:
+        while pending and len(running) < args.jobs:
+            planner, seed, name = pending.pop(0)
+            command = [
+                sys.executable,
+                __file__,
+                "--work",
+                str(args.work),
+                "--cell",
+                planner,
+                str(seed),
+                name,
+                every[name],
+            ]
+            running.append(subprocess.Popen(command))
+        for proc in list(running):
+            if proc.poll() is not None:
+                running.remove(proc)
+                if proc.returncode:
+                    raise SystemExit(f"a cell failed ({proc.returncode}): {' '.join(proc.args)}")
+        time.sleep(0.5)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
