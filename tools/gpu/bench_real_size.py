@@ -1,38 +1,44 @@
 #!/usr/bin/env python
-"""fgrpo iterations at real model size, against the floor their network evaluations imply.
+"""fgrpo at real model size: every shipped real recipe's phases timed, its allocator peak beside ``fgrpo memory``'s.
 
-    python tools/gpu/bench_real_size.py                     # SD3.5-Medium-size transformer, 512 px
-    python tools/gpu/bench_real_size.py --backbone wan --frames 33   # any backbone with a published config
-    python tools/gpu/bench_real_size.py --all --expected-json peak.json   # every one, beside a memory figure
-    python tools/gpu/bench_real_size.py --all --shrink --resolution 64 --group 2 --steps 2   # a CPU check
+    python tools/gpu/bench_real_size.py --all                 # every real backbone / checkpoint, one recipe each
+    python tools/gpu/bench_real_size.py --recipe recipes/flux2-t2i.yaml --memory   # one, fgrpo memory run here too
+    python tools/gpu/bench_real_size.py --all --memory-dir mem/   # beside mem/<recipe>.json (fgrpo memory --json)
+    python tools/gpu/bench_real_size.py --all --shrink         # the same code path, tiny, on a CPU (the test)
+    python tools/gpu/bench_real_size.py --backbone sd3         # per-NFE costs and iterations against their floor
 
-Every backbone whose policy class declares a published transformer config (``published`` in
-``fgrpo.models.sizes``: today SD3.5-Medium, FLUX.1-dev, Qwen-Image and Wan 2.1 1.3B, the editing
-and image-to-video backbones sharing them) is built from that config with random weights, in bf16
-on the GPU, inside the backbone's tiny pipeline (``fgrpo.models.testing.pipelines``), whose text
-encoders and VAE stand in: the prompt embeddings are cached after the first iteration anyway, so
-the seconds are the transformer's. The transformer takes its conditioning widths (the text
-projection's input, ``joint_attention_dim``/``text_dim``, the latent channels) from the tiny one:
-a few million parameters of one projection against billions (the counts are printed; the default
-suite checks each against the published figure). ``--shrink`` (``--small``) also takes the tiny
-sizes (layers, heads, widths) for a CPU check. Backbones whose prompts carry source images (the
-editing and image-to-video ones) are said skipped: their transformer is their text backbone's.
+Recipe mode (``--all``, ``--recipe``; :mod:`fgrpo.models.real_size`): the recipe's policy around its
+backbone's tiny pipeline, its trained transformer(s) (both Wan 2.2 experts) built with random
+weights from the config ``fgrpo memory`` takes (:func:`fgrpo.models.fake_size.transformer_config`:
+the published ``config.json``, else the diffusers defaults of the published size), the text
+encoders' outputs stood in at their real shapes and their weights (and the VAE's) as flat tensors
+of the published counts where the load plan puts them on the accelerator. It then runs what
+``fgrpo memory`` runs on fake tensors: one process's rollout (``--gpus`` processes share the
+recipe's prompts) with the recipe's sampler, one update micro-batch (forward, backward, AdamW's
+step) and the checkpoint gather; per phase it prints seconds and ``torch.cuda.max_memory_allocated``
+beside ``fgrpo memory --launch ddp --gpus N``'s accelerator figure (one GPU holds the whole model:
+the ddp figure is the comparable one). ``--all`` takes the first shipped recipe of each
+(backbone, checkpoint): SD3.5-M, FLUX.1 [dev], FLUX.1 Kontext, FLUX.2 [dev] and [klein],
+Qwen-Image, Qwen-Image-Edit, Z-Image and Z-Image-Turbo, Wan 2.1 1.3B, Wan 2.2 T2V and I2V A14B (two
+experts), HunyuanVideo 1.5 (whose forward fake tensors cannot pass: ``fgrpo memory`` gives its
+formula). ``--shrink`` takes the tiny pipeline's sizes for every integer of the transformer config
+and runs one prompt of two samples at 64 px: the default suite runs it on the CPU.
 
-For each setting (CFG 4.5 and no CFG; gradient checkpointing on and off) the script measures, in
-the same run: the cost of one NFE forward at the rollout's batch, one NFE forward at the
-update's batch without gradient (the reference pass of the KL term), one NFE forward+backward at
-the update's batch, then full fgrpo iterations (group ``--group``, ``--steps`` SDE steps, LoRA
-r32 on both attention streams, the first steps trained as flow_grpo's 0.99 fraction does, KL 0.04,
-the whole batch one optimizer step) with a cheap reward on the decoded images. It prints each
-iteration's time over its floor: rollout NFE x forward cost + trained NFE x forward+backward cost +
-reference NFE x no-grad cost (the target is <= 1.25), the iteration's phases (rollout, train,
-model, reward, decode, overhead) and ``torch.cuda.max_memory_allocated`` over the setting beside the
-figure read from ``--expected-json`` (a number of bytes, ``{"total": bytes}``, ``{"total_gib": GiB}``
-or ``tools/memory.py --json``'s output, whose ``ddp`` total is the one-GPU figure).
+Backbone mode (``--backbone``): every backbone whose policy class declares a published transformer
+config (``published`` in ``fgrpo.models.sizes``) is built from that config with random weights, in
+bf16 on the GPU, inside the backbone's tiny pipeline (``fgrpo.models.testing.pipelines``), whose
+text encoders and VAE stand in. The transformer takes its conditioning widths (the text
+projection's input, ``joint_attention_dim``/``text_dim``, the latent channels) from the tiny one.
+For each setting (CFG 4.5 and no CFG; gradient checkpointing on and off) the script measures the
+cost of one NFE forward at the rollout's batch, one NFE forward at the update's batch without
+gradient, one NFE forward+backward at the update's batch, then full fgrpo iterations (group
+``--group``, ``--steps`` SDE steps, LoRA r32, KL 0.04) with a cheap reward on the decoded images,
+and prints each iteration's time over its floor (the target is <= 1.25), its phases and
+``torch.cuda.max_memory_allocated`` beside ``--expected-json``'s figure.
 
-On the GPU machine (torch, transformers, peft, accelerate there; diffusers and fgrpo not):
-carry wheels as the device notes say (``.whl``: diffusers and its missing requirements), install
-them and fgrpo's packages without dependencies into /tmp/site, then run this script.
+On the GPU machine (torch, transformers, peft, accelerate there; diffusers and fgrpo not): carry
+wheels (``.whl``: diffusers and its missing requirements), install them and fgrpo's packages
+without dependencies into /tmp/site, then run this script (docs/backbones.md has the commands).
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ import argparse
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 GIB = 1024**3
@@ -229,8 +236,14 @@ def per_nfe_costs(policy: Any, rollout_rows: int, train_rows: int, repeats: int)
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--backbone", default="sd3", help="a model name (fgrpo plugins) with a published config")
-    parser.add_argument("--all", action="store_true", help="every backbone with a published config, one after another")
+    parser.add_argument("--all", action="store_true", help="every shipped real recipe's backbone (one per checkpoint)")
+    parser.add_argument("--recipe", action="append", default=[], help="a recipe file (repeatable)")
+    parser.add_argument("--list", action="store_true", help="print the recipes --all runs, one a line, and stop")
+    parser.add_argument("--gpus", type=int, default=8, help="processes the recipe's prompts are shared by")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--memory", action="store_true", help="run fgrpo memory (fake tensors, CPU) here too")
+    parser.add_argument("--memory-dir", default=None, help="a folder of fgrpo memory --json outputs, <recipe>.json")
+    parser.add_argument("--backbone", default=None, help="backbone mode: a model name with a published config")
     parser.add_argument("--flux", action="store_true", help="the same as --backbone flux")
     parser.add_argument("--shrink", "--small", action="store_true", help="the tiny sizes (a CPU check of the script)")
     parser.add_argument("--resolution", type=int, default=512)
@@ -245,18 +258,147 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--expected-json",
         default=None,
-        help="the expected peak (e.g. fgrpo memory's JSON) to print beside the measured",
+        help="backbone mode: the expected peak (e.g. fgrpo memory's JSON) to print beside the measured",
     )
     args = parser.parse_args(argv)
+    if args.list:
+        print("\n".join(str(p.relative_to(ROOT)) for p in all_recipes()))
+        return 0
+    if args.all or args.recipe:
+        return recipe_mode(args)
     known = published_backbones()
-    backbones = list(known) if args.all else ["flux" if args.flux else args.backbone]
-    for backbone in backbones:
-        if backbone not in known:
-            print(f"bench_real_size: --backbone: got {backbone!r}; allowed: {', '.join(known)}", file=sys.stderr)
-            return 2
-    for backbone in backbones:
-        bench(backbone, args)
+    backbone = "flux" if args.flux else args.backbone or "sd3"
+    if backbone not in known:
+        print(f"bench_real_size: --backbone: got {backbone!r}; allowed: {', '.join(known)}", file=sys.stderr)
+        return 2
+    bench(backbone, args)
     return 0
+
+
+# --- recipe mode: a shipped recipe's phases at real size (fgrpo.models.real_size) -----------------
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def all_recipes() -> list[Path]:
+    """The first shipped recipe of each real (backbone, checkpoint)."""
+    from fgrpo.models import real_size
+
+    return real_size.one_per_checkpoint(real_size.real_recipes(ROOT / "recipes"))
+
+
+def recipe_mode(args: Any) -> int:
+    paths = [Path(p) for p in args.recipe] + (all_recipes() if args.all else [])
+    for path in paths:
+        if not path.is_file():
+            print(f"bench_real_size: --recipe: got {str(path)!r}; allowed: a recipe file", file=sys.stderr)
+            return 2
+    for path in paths:
+        code = bench_recipe(path, args)
+        if code:
+            return code
+    return 0
+
+
+def bench_recipe(path: Any, args: Any) -> int:
+    """One recipe: its phases at real size (``--shrink``: tiny), each beside fgrpo memory's figure."""
+    import torch
+
+    from fgrpo.models import memory_formula, real_size
+
+    data, problem = memory_formula.read_recipe(str(path), args.overrides)
+    if not problem and args.shrink:
+        data, problem = memory_formula.read_recipe(str(path), real_size.shrunk_overrides(data) + args.overrides)
+    if problem:
+        print(f"bench_real_size: {path}: {problem}", file=sys.stderr)
+        return 2
+    expected = memory_figure(path, data, args)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = data["model"]
+    try:
+        built, phases = real_size.run(data, args.gpus, device, args.shrink)
+    except torch.cuda.OutOfMemoryError as exc:  # the next recipe still runs: one GPU holds the whole model
+        said = str(exc).splitlines()[0][:160]
+    else:
+        said = ""
+    if said:
+        _free()
+        figures = [v[0] / GIB for v in expected.values() if isinstance(v, tuple)]
+        want = f"fgrpo memory's peak {max(figures):.2f} GiB" if figures else "fgrpo memory -"
+        print(f"{model['name']}: {path.name}: out of memory on one GPU ({want}): {said}")
+        return 0
+    print(
+        f"{model['name']}: {path.name}, {model['path']}-size transformer{' (shrunk)' if args.shrink else ''} "
+        f"{_count(built.parameters)} parameters ({'; '.join(built.sources.values())}), {model.get('dtype')}, "
+        f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}, 1 of {args.gpus} processes"
+    )
+    for name in real_size.PHASES:
+        print(f"  {name:>7}: {phases[name].seconds:8.2f} s; {phase_peak(phases[name].peak, expected.get(name))}")
+    if "note" in expected:
+        print(f"  fgrpo memory: {expected['note']}")
+    del built, phases
+    _free()
+    return 0
+
+
+def _free() -> None:
+    """Let the next recipe start from an empty allocator."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
+
+
+def memory_figure(path: Any, data: dict[str, Any], args: Any) -> dict[str, Any]:
+    """fgrpo memory's accelerator figure per phase (ddp, ``--gpus``): read from ``--memory-dir``,
+    measured here with ``--memory``, or a note saying why there is none."""
+    import json
+
+    if args.memory_dir is not None:
+        file = Path(args.memory_dir) / f"{path.stem}.json"
+        if not file.is_file():
+            return {"note": f"no {file}"}
+        return memory_phases(json.loads(file.read_text()))
+    if not args.memory:
+        return {"note": "not run (--memory, or --memory-dir with fgrpo memory --json outputs)"}
+    if args.shrink:
+        return {"note": "real size only (without --shrink)"}
+    from fgrpo.models import memory
+
+    try:
+        return memory_phases(json.loads(json.dumps(memory.measure(data, args.gpus, "ddp"), default=float)))
+    except memory.FAKE_LIMITS:  # HunyuanVideo 1.5: the formula alone
+        from fgrpo.models import memory_formula
+
+        return memory_phases({"measured": None, "formula": memory_formula.estimate(data, args.gpus)["kinds"]["ddp"]})
+
+
+def memory_phases(result: dict[str, Any]) -> dict[str, Any]:
+    """{phase: (bytes, how)} from ``fgrpo memory --json``'s output (measured, or the formula alone)."""
+    if result.get("measured", True) is None:
+        total = float(result["formula"]["total"])
+        return {phase: (total, "formula") for phase in ("load", "rollout", "update", "gather")}
+    return {
+        phase: (float(parts.get("accelerator", {}).get("Total", 0)), "measured")
+        for phase, parts in result["phases"].items()
+    }
+
+
+def phase_peak(peak: int | None, expected: tuple[float, str] | None) -> str:
+    """``max_memory_allocated`` over a phase beside fgrpo memory's figure for it."""
+    want = f"fgrpo memory {expected[0] / GIB:.2f} GiB ({expected[1]})" if expected else "fgrpo memory -"
+    if peak is None:
+        return f"max_memory_allocated - (no CUDA); {want}"
+    ratio = f", fgrpo memory / measured {expected[0] / peak:.2f}" if expected and peak else ""
+    return f"max_memory_allocated {peak / GIB:.2f} GiB; {want}{ratio}"
 
 
 def needs_images(backbone: str) -> bool:
