@@ -95,7 +95,9 @@ def evaluate(planner: str, weights: Path | None, evaluator: str, extra: Sequence
 
     from fgrpo.core import evaluation
 
-    recipe = _bench.load_recipe(RECIPE, [*(PLANNERS[planner] or []), *extra, f"evaluator={evaluator}"])
+    # the guard watches a run's evaluations over time: one evaluation has nothing to watch
+    overrides = [*(PLANNERS[planner] or []), *extra, f"evaluator={evaluator}", "eval.guard=null"]
+    recipe = _bench.load_recipe(RECIPE, overrides)
     run = _bench.build(recipe)
     if weights is not None:
         run.learner.policy.load_trainable_state_dict(load_file(str(weights)))
@@ -208,6 +210,7 @@ def run_all(cells: Sequence[tuple[str, int, str]], args: argparse.Namespace, eve
                 name,
                 every[name],
             ]
+            command += [f"--set={item}" for item in args.set]
             running.append(subprocess.Popen(command))
         for proc in list(running):
             if proc.poll() is not None:
