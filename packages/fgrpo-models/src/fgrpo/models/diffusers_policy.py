@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
@@ -411,18 +411,18 @@ class DiffusersPolicy:
         """Of ``components``, those a sharded launch splits (inside :attr:`trainable_module`)."""
         return [n for n in components if n == "transformer"]
 
-    def load_plan(self, shards: bool = False) -> list[Placement]:
+    def load_plan(self, shards: bool = False, trained_shards: bool = False) -> list[Placement]:
         """:func:`fgrpo.models.load_plan.plan` of this policy's keys and (once loaded) its pipeline."""
         keys = {f.name: getattr(self, f.name) for f in attrs.fields(type(self)) if f.init and f.alias == f.name}
         pipe = self._pipeline
         found = None if pipe is None else [n for n, m in pipe.components.items() if isinstance(m, torch.nn.Module)]
-        return plan(type(self), keys, shards, found)
+        return plan(type(self), keys, shards, found, trained_shards)
 
     def _load(self) -> Any:
-        """The pipeline from ``path``, on the host; under FSDP2 with stand-ins (:mod:`.sharded_load`)."""
-        from fgrpo.core.launch import loads_shards  # a run makes its launch before its policy
+        """The pipeline from ``path``, on the host; under FSDP2 or ZeRO-3 with stand-ins (:mod:`.sharded_load`)."""
+        from fgrpo.core.launch import loads_shards, loads_trained_shards  # a run makes its launch first
 
-        sharded = [p.name for p in self.load_plan(loads_shards()) if p.sharded]
+        sharded = [p.name for p in self.load_plan(loads_shards(), loads_trained_shards()) if p.sharded]
         pipe, self._stand_ins = sharded_load.load(self, sharded)
         return pipe
 
@@ -437,14 +437,12 @@ class DiffusersPolicy:
             same = getattr(module, "dtype", None) == placement.dtype  # cast only when needed: diffusers warns
             module.to(device=device, dtype=None if same else placement.dtype)
 
-    @contextmanager
-    def shard_loading(self) -> Iterator[None]:
-        """Around the launch's sharding of :attr:`trainable_module` (FSDP2): the networks loaded as
-        stand-ins are sharded empty, then each process reads its shard (nothing after a whole load)."""
-        sharded_load.to_meta(self._stand_ins)
-        yield
-        sharded_load.fill(self._stand_ins, sharded_load.shard_device(self.trainable_module, self.device))
-        self._stand_ins = []
+    def shard_loading(self, place: Any = None) -> AbstractContextManager[None]:
+        """Around the launch's sharding of :attr:`trainable_module`: the networks loaded as stand-ins
+        become this process's shards (FSDP2) or partitions (ZeRO-3's ``place``), read from their
+        files (:func:`.sharded_load.sharding`); nothing after a whole load."""
+        pending, self._stand_ins = self._stand_ins, []
+        return sharded_load.sharding(pending, self.trainable_module, self.device, place)
 
     def text_encoders(self) -> list[torch.nn.Module]:
         found = (getattr(self._pipeline, n, None) for n in self.text_encoder_names)
