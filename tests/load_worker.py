@@ -7,8 +7,8 @@ partition holds, and row length), and every weight, LoRA matrix and buffer that 
 whole load of the same folder with the same seed.
 
 Usage: load_worker.py BACKBONE PIPELINE_FOLDER DTYPE OUT [LAUNCH] (BACKBONE: sd3, or wan22: two
-experts; LAUNCH: fsdp, the default, zero3 or zero3-offload, ZeRO-3 with ``-bf16`` (DeepSpeed's
-bf16 mode) or ``-full`` (full fine-tuning instead of LoRA))
+experts; LAUNCH: fsdp, the default, zero3 or zero3-offload, with ``-full`` (full fine-tuning
+instead of LoRA) and / or ``-bf16`` (mixed precision bf16))
 """
 
 from __future__ import annotations
@@ -97,9 +97,10 @@ def main() -> None:
     backbone, folder, dtype, out = sys.argv[1], sys.argv[2], sys.argv[3], Path(sys.argv[4])
     kind = sys.argv[5] if len(sys.argv) > 5 else "fsdp"
     policy_path, keys, sharded = BACKBONES[backbone]
-    bf16, fine_tuned = kind.endswith("-bf16"), kind.endswith("-full")
-    os.environ.update(launch_environment(kind.removesuffix("-bf16").removesuffix("-full"), out))
-    if bf16:  # DeepSpeed's bf16 mode: it casts every floating weight to bf16
+    bf16, fine_tuned = "-bf16" in kind, "-full" in kind
+    fsdp = kind.startswith("fsdp")
+    os.environ.update(launch_environment(kind.replace("-bf16", "").replace("-full", ""), out))
+    if bf16:
         os.environ["ACCELERATE_MIXED_PRECISION"] = "bf16"
     safetensors.safe_open = safetensors.torch.safe_open = CountingOpen
 
@@ -145,7 +146,11 @@ def main() -> None:
             compared += 1
             want = expected[name]
             if bf16 and isinstance(value, torch.nn.Parameter) and want.is_floating_point():
-                want = want.to(torch.bfloat16)  # as DeepSpeed's engine casts a module it partitions itself
+                # what the launch makes of the whole load's weights: accelerate's FSDP2 upcasts the
+                # trained ones to float32; DeepSpeed's bf16 mode casts every weight to bf16
+                want = (
+                    want.to(torch.float32 if value.requires_grad else want.dtype) if fsdp else want.to(torch.bfloat16)
+                )
             if full.dtype != want.dtype or not torch.equal(full, want):
                 mismatches.append(f"{component}/{name}")
             if "lora_" in name:

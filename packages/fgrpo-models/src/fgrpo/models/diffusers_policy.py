@@ -411,18 +411,18 @@ class DiffusersPolicy:
         """Of ``components``, those a sharded launch splits (inside :attr:`trainable_module`)."""
         return [n for n in components if n == "transformer"]
 
-    def load_plan(self, shards: bool = False, trained_shards: bool = False) -> list[Placement]:
+    def load_plan(self, shards: bool = False) -> list[Placement]:
         """:func:`fgrpo.models.load_plan.plan` of this policy's keys and (once loaded) its pipeline."""
         keys = {f.name: getattr(self, f.name) for f in attrs.fields(type(self)) if f.init and f.alias == f.name}
         pipe = self._pipeline
         found = None if pipe is None else [n for n, m in pipe.components.items() if isinstance(m, torch.nn.Module)]
-        return plan(type(self), keys, shards, found, trained_shards)
+        return plan(type(self), keys, shards, found)
 
     def _load(self) -> Any:
         """The pipeline from ``path``, on the host; under FSDP2 or ZeRO-3 with stand-ins (:mod:`.sharded_load`)."""
-        from fgrpo.core.launch import loads_shards, loads_trained_shards  # a run makes its launch first
+        from fgrpo.core.launch import loads_shards  # a run makes its launch before its policy
 
-        sharded = [p.name for p in self.load_plan(loads_shards(), loads_trained_shards()) if p.sharded]
+        sharded = [p.name for p in self.load_plan(loads_shards()) if p.sharded]
         pipe, self._stand_ins = sharded_load.load(self, sharded)
         return pipe
 

@@ -8,8 +8,8 @@ follows it when it loads, moving each module once, straight from the loader to i
 and dtype. So a text encoder kept on the CPU (``text_encoder_device: cpu``) never passes through
 the GPU, and the VAE and text encoders are cast on the host before they move.
 
-``sharded`` components (the networks an FSDP2 launch splits with LoRA, or a DeepSpeed ZeRO-3
-launch splits with LoRA or fully fine-tuned: the transformer, Wan 2.2's two experts) are never
+``sharded`` components (the networks an FSDP2 or DeepSpeed ZeRO-3 launch splits, with LoRA or
+fully fine-tuned: the transformer, Wan 2.2's two experts) are never
 whole in one process: they are built from their config without weights, and each process reads
 only its shard of the safetensors files (:mod:`fgrpo.models.sharded_load`). Other launch kinds
 load them whole (docs/backbones.md, "Load plan").
@@ -51,20 +51,11 @@ def _role(device: Any) -> str:
     return HOST if kind == "cpu" else ACCELERATOR
 
 
-def full_fine_tuning(keys: Mapping[str, Any]) -> bool:
-    """``lora: null`` (or rank 0) in the model keys; an absent key is the backbone's default LoRA."""
-    if "lora" not in keys:
-        return False
-    lora = keys["lora"]
-    return lora is None or (isinstance(lora, Mapping) and not lora.get("rank", 1))
-
-
 def plan(
     policy_class: Any,
     keys: Mapping[str, Any],
     shards: bool = False,
     components: Sequence[str] | None = None,
-    trained_shards: bool = False,
 ) -> list[Placement]:
     """The load plan of a diffusers backbone (``policy_class``: a
     :class:`~fgrpo.models.diffusers_policy.DiffusersPolicy` subclass) with the recipe's model
@@ -72,9 +63,8 @@ def plan(
     ``text_encoder_device``, ``lora``, the backbone's own). ``shards``: the launch loads the
     network it shards shard by shard: the ``loads_shards`` of its class in
     :mod:`fgrpo.core.launch` (FSDP2: ``launch_class("FSDP").loads_shards``; a run's own:
-    :func:`fgrpo.core.launch.loads_shards`); data parallel and DeepSpeed ZeRO-2 load whole.
-    ``trained_shards``: it does so under full fine-tuning too (ZeRO-3:
-    :func:`fgrpo.core.launch.loads_trained_shards`; FSDP2 loads a fully fine-tuned network whole).
+    :func:`fgrpo.core.launch.loads_shards`; ZeRO-3 too), with LoRA or fully fine-tuned; data
+    parallel and DeepSpeed ZeRO-2 load whole.
     ``components``: the pipeline's network attributes when known (a built policy passes its
     own); by default the backbone's ``planned_components(keys)``.
 
@@ -88,9 +78,6 @@ def plan(
     device = keys.get("device") or "auto"
     text_device = keys.get("text_encoder_device") or device
     names = list(components) if components is not None else list(policy_class.planned_components(keys))
-    # FSDP2's full fine-tuning loads whole: accelerate broadcasts and upcasts the trained weights
-    # before it shards them; ZeRO-3 makes its float32 masters from the partitions
-    shards = shards and (trained_shards or not full_fine_tuning(keys))
     sharded = set(policy_class.sharded_components(keys, names)) if shards else set()
     text = set(policy_class.text_encoder_names)
     placements = []

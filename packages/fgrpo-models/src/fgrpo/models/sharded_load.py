@@ -46,6 +46,9 @@ class StandIn:
     attr: str
     key: str  # its name in the safetensors files
     file: Path
+    #: the dtype ``from_pretrained`` gives it: the file's values pass through it, as in a whole load,
+    #: also when the launch upcasts the (trained) parameter before reading (FSDP2 under mixed precision)
+    dtype: torch.dtype
 
 
 def weight_files(folder: Path) -> dict[str, Path] | None:
@@ -97,7 +100,7 @@ def stand_in_model(
         owner, attr = _owner(model, key)
         blank = torch.zeros((), dtype=_load_dtype(cls, key, dtype) if param.is_floating_point() else param.dtype)
         owner._parameters[attr] = torch.nn.Parameter(blank.to(device).expand(param.shape), requires_grad=False)
-        pending.append(StandIn(owner, attr, key, files[key]))
+        pending.append(StandIn(owner, attr, key, files[key], blank.dtype))
     _read_buffers(model, cls, persistent, files, dtype)
     for buffer_owner in model.modules():  # non-persistent buffers, as built: on the device, as the pipeline moves them
         for attr, buffer in buffer_owner._buffers.items():
@@ -125,11 +128,13 @@ def _read_buffers(model: torch.nn.Module, cls: Any, names: Sequence[str], files:
 
 def to_meta(pending: Sequence[StandIn]) -> None:
     """The stand-ins as meta tensors, just before the launch shards the module: ``fully_shard``
-    takes no zero-stride tensor, and keeps a meta one on meta, sharded, for :func:`fill`."""
+    takes no zero-stride tensor, and keeps a meta one on meta, sharded, for :func:`fill`. In place
+    (the same parameter objects): under full fine-tuning the optimizer holds them, and accelerate
+    matches its parameters to the sharded ones by the identity of meta parameters."""
     for item in pending:
         param = getattr(item.owner, item.attr)
         meta = torch.empty(param.shape, dtype=param.dtype, device="meta")
-        item.owner._parameters[item.attr] = torch.nn.Parameter(meta, requires_grad=param.requires_grad)
+        torch.utils.swap_tensors(param, torch.nn.Parameter(meta, requires_grad=param.requires_grad))
 
 
 def fill(pending: Sequence[StandIn], device: torch.device | str) -> None:
@@ -149,7 +154,7 @@ def fill(pending: Sequence[StandIn], device: torch.device | str) -> None:
                 for item in items:
                     param = getattr(item.owner, item.attr)
                     if not is_sharded_tensor(param):
-                        whole = f.get_tensor(item.key).to(device, param.dtype)
+                        whole = f.get_tensor(item.key).to(item.dtype).to(device, param.dtype)
                         item.owner._parameters[item.attr] = torch.nn.Parameter(
                             whole, requires_grad=param.requires_grad
                         )
@@ -157,7 +162,7 @@ def fill(pending: Sequence[StandIn], device: torch.device | str) -> None:
                     meta, start = _local_rows(param)
                     local = torch.empty(meta.shape, dtype=meta.dtype, device=device)
                     if local.numel():
-                        local.copy_(f.get_slice(item.key)[start : start + local.shape[0]])
+                        local.copy_(f.get_slice(item.key)[start : start + local.shape[0]].to(item.dtype))
                     _swap_local(param, local)
 
 
@@ -195,7 +200,7 @@ def partition(pending: Sequence[StandIn], place: Callable[[torch.nn.Parameter, F
             with safe_open(str(file), framework="pt") as f:
                 for item in items:
                     param = getattr(item.owner, item.attr)
-                    place(param, FlatReader(f, item.key, tuple(param.shape), param.dtype))
+                    place(param, FlatReader(f, item.key, tuple(param.shape), item.dtype))
 
 
 @attrs.frozen
@@ -219,12 +224,14 @@ class FlatReader:
 
 
 def shard_device(module: torch.nn.Module, default: torch.device | str) -> torch.device | str:
-    """Where the launch keeps ``module``'s shards: those of its trainable (LoRA) weights, which are
-    never stand-ins (the accelerator, or the CPU when FSDP offloads them); else ``default``."""
-    trained = next((p for p in module.parameters() if p.requires_grad), None)
-    if trained is None:
-        return default
-    return trained.to_local().device if hasattr(trained, "to_local") else trained.device
+    """Where the launch keeps ``module``'s shards: those of its trainable (LoRA) weights that are not
+    stand-ins (the accelerator, or the CPU when FSDP offloads them); else ``default`` (full
+    fine-tuning: every weight is a stand-in)."""
+    for p in module.parameters():
+        device = p.to_local().device if hasattr(p, "to_local") else p.device
+        if p.requires_grad and device.type != "meta":
+            return device
+    return default
 
 
 def _swap_local(param: Any, local: torch.Tensor) -> None:

@@ -22,8 +22,6 @@ class Processes:
     #: a policy may load the network this kind shards shard by shard: built without weights, each
     #: process reading its own shard once ``prepare`` has cut it (fgrpo.models.load_plan)
     loads_shards: ClassVar[bool] = False
-    #: ... under full fine-tuning too (the trained weights read into their shards as the frozen ones)
-    loads_trained_shards: ClassVar[bool] = False
     #: processes that hold the same samples: a context-parallel group, which splits each sample's
     #: tokens over its processes (the policy's ``context_parallel_size``, set by ``prepare``); 1: none
     replicas: int = 1

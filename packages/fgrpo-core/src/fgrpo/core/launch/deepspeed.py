@@ -132,7 +132,6 @@ class DeepSpeedZeRO3(DeepSpeedZeRO2):
     sharded_weights: ClassVar[bool] = True
     stage: ClassVar[int] = 3
     loads_shards: ClassVar[bool] = True  # through the policy's shard_loading(place) (zero3_load)
-    loads_trained_shards: ClassVar[bool] = True  # DeepSpeed makes its float32 masters from the partitions
 
     def prepare(self, policy: Any, optimizer: torch.optim.Optimizer, train: Any) -> list[torch.nn.Parameter]:
         """The weights the policy has not read yet (stand-ins) partitioned from their files first

@@ -79,13 +79,6 @@ def loads_shards() -> bool:
     return bool(found is not None and found.loads_shards)
 
 
-def loads_trained_shards() -> bool:
-    """Whether the launch loads shard by shard under full fine-tuning too (its class's
-    ``loads_trained_shards``: DeepSpeed ZeRO-3)."""
-    found = _loading_class()
-    return bool(found is not None and found.loads_shards and found.loads_trained_shards)
-
-
 def _loading_class() -> type[FSDP2] | type[DeepSpeedZeRO2] | None:
     """The class of the launch accelerate set up in this process, when it may load shard by shard."""
     from accelerate.state import AcceleratorState
