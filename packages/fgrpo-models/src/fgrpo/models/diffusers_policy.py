@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
@@ -419,7 +419,7 @@ class DiffusersPolicy:
         return plan(type(self), keys, shards, found)
 
     def _load(self) -> Any:
-        """The pipeline from ``path``, on the host; under FSDP2 with stand-ins (:mod:`.sharded_load`)."""
+        """The pipeline from ``path``, on the host; under FSDP2 or ZeRO-3 with stand-ins (:mod:`.sharded_load`)."""
         from fgrpo.core.launch import loads_shards  # a run makes its launch before its policy
 
         sharded = [p.name for p in self.load_plan(loads_shards()) if p.sharded]
@@ -437,14 +437,12 @@ class DiffusersPolicy:
             same = getattr(module, "dtype", None) == placement.dtype  # cast only when needed: diffusers warns
             module.to(device=device, dtype=None if same else placement.dtype)
 
-    @contextmanager
-    def shard_loading(self) -> Iterator[None]:
-        """Around the launch's sharding of :attr:`trainable_module` (FSDP2): the networks loaded as
-        stand-ins are sharded empty, then each process reads its shard (nothing after a whole load)."""
-        sharded_load.to_meta(self._stand_ins)
-        yield
-        sharded_load.fill(self._stand_ins, sharded_load.shard_device(self.trainable_module, self.device))
-        self._stand_ins = []
+    def shard_loading(self, place: Any = None) -> AbstractContextManager[None]:
+        """Around the launch's sharding of :attr:`trainable_module`: the networks loaded as stand-ins
+        become this process's shards (FSDP2) or partitions (ZeRO-3's ``place``), read from their
+        files (:func:`.sharded_load.sharding`); nothing after a whole load."""
+        pending, self._stand_ins = self._stand_ins, []
+        return sharded_load.sharding(pending, self.trainable_module, self.device, place)
 
     def text_encoders(self) -> list[torch.nn.Module]:
         found = (getattr(self._pipeline, n, None) for n in self.text_encoder_names)

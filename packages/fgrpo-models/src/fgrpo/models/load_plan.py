@@ -8,11 +8,11 @@ follows it when it loads, moving each module once, straight from the loader to i
 and dtype. So a text encoder kept on the CPU (``text_encoder_device: cpu``) never passes through
 the GPU, and the VAE and text encoders are cast on the host before they move.
 
-``sharded`` components (the networks an FSDP2 launch splits with LoRA: the transformer, Wan
-2.2's two experts) are never whole in one process: they are built from their config without weights,
-the launch shards them, and each process then reads only its rows of the safetensors files
-(:mod:`fgrpo.models.sharded_load`). Other launch kinds load them whole (docs/backbones.md,
-"Load plan").
+``sharded`` components (the networks an FSDP2 or DeepSpeed ZeRO-3 launch splits, with LoRA or
+fully fine-tuned: the transformer, Wan 2.2's two experts) are never
+whole in one process: they are built from their config without weights, and each process reads
+only its shard of the safetensors files (:mod:`fgrpo.models.sharded_load`). Other launch kinds
+load them whole (docs/backbones.md, "Load plan").
 """
 
 from __future__ import annotations
@@ -51,14 +51,6 @@ def _role(device: Any) -> str:
     return HOST if kind == "cpu" else ACCELERATOR
 
 
-def full_fine_tuning(keys: Mapping[str, Any]) -> bool:
-    """``lora: null`` (or rank 0) in the model keys; an absent key is the backbone's default LoRA."""
-    if "lora" not in keys:
-        return False
-    lora = keys["lora"]
-    return lora is None or (isinstance(lora, Mapping) and not lora.get("rank", 1))
-
-
 def plan(
     policy_class: Any,
     keys: Mapping[str, Any],
@@ -71,7 +63,8 @@ def plan(
     ``text_encoder_device``, ``lora``, the backbone's own). ``shards``: the launch loads the
     network it shards shard by shard: the ``loads_shards`` of its class in
     :mod:`fgrpo.core.launch` (FSDP2: ``launch_class("FSDP").loads_shards``; a run's own:
-    :func:`fgrpo.core.launch.loads_shards`); data parallel and DeepSpeed load whole.
+    :func:`fgrpo.core.launch.loads_shards`; ZeRO-3 too), with LoRA or fully fine-tuned; data
+    parallel and DeepSpeed ZeRO-2 load whole.
     ``components``: the pipeline's network attributes when known (a built policy passes its
     own); by default the backbone's ``planned_components(keys)``.
 
@@ -85,9 +78,6 @@ def plan(
     device = keys.get("device") or "auto"
     text_device = keys.get("text_encoder_device") or device
     names = list(components) if components is not None else list(policy_class.planned_components(keys))
-    # full fine-tuning loads whole: its weights are trained, and the launch broadcasts and upcasts
-    # them before it shards (what a later change may lift)
-    shards = shards and not full_fine_tuning(keys)
     sharded = set(policy_class.sharded_components(keys, names)) if shards else set()
     text = set(policy_class.text_encoder_names)
     placements = []

@@ -1,4 +1,4 @@
-"""Loading the networks an FSDP2 launch shards without ever holding them whole.
+"""Loading the networks an FSDP2 or DeepSpeed ZeRO-3 launch shards without ever holding them whole.
 
 A sharded component of the load plan (:mod:`fgrpo.models.load_plan`) is built from its config
 without weights (accelerate's ``init_empty_weights``); each weight then becomes a *stand-in*: a
@@ -15,6 +15,11 @@ Just before ``accelerator.prepare`` the stand-ins become meta tensors (:func:`to
 ever whole, neither in host nor in accelerator memory. The values are the whole load's: the
 file's tensor cast to the dtype ``from_pretrained`` gives it (float32 for the modules the
 model class keeps in float32, else the load dtype).
+
+Under DeepSpeed ZeRO-3 the stand-ins stay until ``prepare`` (the frozen ones of LoRA, or every
+weight under full fine-tuning), which first makes each a partitioned parameter holding only this
+process's flat partition (:func:`partition`, with the launch's ``place``:
+:mod:`fgrpo.core.launch.zero3_load`), read from the rows of the file that hold it.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +46,9 @@ class StandIn:
     attr: str
     key: str  # its name in the safetensors files
     file: Path
+    #: the dtype ``from_pretrained`` gives it: the file's values pass through it, as in a whole load,
+    #: also when the launch upcasts the (trained) parameter before reading (FSDP2 under mixed precision)
+    dtype: torch.dtype
 
 
 def weight_files(folder: Path) -> dict[str, Path] | None:
@@ -91,7 +100,7 @@ def stand_in_model(
         owner, attr = _owner(model, key)
         blank = torch.zeros((), dtype=_load_dtype(cls, key, dtype) if param.is_floating_point() else param.dtype)
         owner._parameters[attr] = torch.nn.Parameter(blank.to(device).expand(param.shape), requires_grad=False)
-        pending.append(StandIn(owner, attr, key, files[key]))
+        pending.append(StandIn(owner, attr, key, files[key], blank.dtype))
     _read_buffers(model, cls, persistent, files, dtype)
     for buffer_owner in model.modules():  # non-persistent buffers, as built: on the device, as the pipeline moves them
         for attr, buffer in buffer_owner._buffers.items():
@@ -119,11 +128,13 @@ def _read_buffers(model: torch.nn.Module, cls: Any, names: Sequence[str], files:
 
 def to_meta(pending: Sequence[StandIn]) -> None:
     """The stand-ins as meta tensors, just before the launch shards the module: ``fully_shard``
-    takes no zero-stride tensor, and keeps a meta one on meta, sharded, for :func:`fill`."""
+    takes no zero-stride tensor, and keeps a meta one on meta, sharded, for :func:`fill`. In place
+    (the same parameter objects): under full fine-tuning the optimizer holds them, and accelerate
+    matches its parameters to the sharded ones by the identity of meta parameters."""
     for item in pending:
         param = getattr(item.owner, item.attr)
         meta = torch.empty(param.shape, dtype=param.dtype, device="meta")
-        item.owner._parameters[item.attr] = torch.nn.Parameter(meta, requires_grad=param.requires_grad)
+        torch.utils.swap_tensors(param, torch.nn.Parameter(meta, requires_grad=param.requires_grad))
 
 
 def fill(pending: Sequence[StandIn], device: torch.device | str) -> None:
@@ -143,7 +154,7 @@ def fill(pending: Sequence[StandIn], device: torch.device | str) -> None:
                 for item in items:
                     param = getattr(item.owner, item.attr)
                     if not is_sharded_tensor(param):
-                        whole = f.get_tensor(item.key).to(device, param.dtype)
+                        whole = f.get_tensor(item.key).to(item.dtype).to(device, param.dtype)
                         item.owner._parameters[item.attr] = torch.nn.Parameter(
                             whole, requires_grad=param.requires_grad
                         )
@@ -151,17 +162,76 @@ def fill(pending: Sequence[StandIn], device: torch.device | str) -> None:
                     meta, start = _local_rows(param)
                     local = torch.empty(meta.shape, dtype=meta.dtype, device=device)
                     if local.numel():
-                        local.copy_(f.get_slice(item.key)[start : start + local.shape[0]])
+                        local.copy_(f.get_slice(item.key)[start : start + local.shape[0]].to(item.dtype))
                     _swap_local(param, local)
 
 
+@contextmanager
+def sharding(
+    pending: Sequence[StandIn], module: torch.nn.Module, device: torch.device | str, place: Any = None
+) -> Iterator[None]:
+    """Around the launch's sharding of ``module``, the network the stand-ins ``pending`` belong to.
+    FSDP2 (no ``place``): the stand-ins become meta tensors that ``fully_shard`` shards empty, then
+    each process reads its shard (:func:`fill`). ZeRO-3: ``place`` makes each stand-in a
+    partitioned parameter on entering (:func:`partition`); DeepSpeed then takes the module as
+    built partitioned (as under ``deepspeed.zero.Init``)."""
+    if place is not None:
+        partition(pending, place)
+        yield
+        return
+    to_meta(pending)
+    yield
+    fill(pending, shard_device(module, device))
+
+
+def partition(pending: Sequence[StandIn], place: Callable[[torch.nn.Parameter, FlatReader], None]) -> None:
+    """DeepSpeed ZeRO-3, before ``prepare``: ``place(param, read)`` (the launch's) turns each stand-in
+    into a partitioned parameter that holds this process's flat partition only, which it reads with
+    ``read(start, stop)``: the elements ``start:stop`` of the flattened weight, in the stand-in's
+    dtype. Each weight is read from its file by the rows that hold those elements (at most two rows
+    more than the partition)."""
+    from safetensors import safe_open
+
+    by_file: dict[Path, list[StandIn]] = {}
+    for item in pending:
+        by_file.setdefault(item.file, []).append(item)
+    with torch.no_grad():
+        for file, items in by_file.items():
+            with safe_open(str(file), framework="pt") as f:
+                for item in items:
+                    param = getattr(item.owner, item.attr)
+                    place(param, FlatReader(f, item.key, tuple(param.shape), item.dtype))
+
+
+@attrs.frozen
+class FlatReader:
+    """The elements ``start:stop`` of one weight of an open safetensors file, flattened, cast to ``dtype``."""
+
+    file: Any  # safe_open's handle
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def __call__(self, start: int, stop: int) -> torch.Tensor:
+        if not self.shape:  # a scalar: its one element
+            return self.file.get_tensor(self.key).reshape(-1)[start:stop].to(self.dtype)
+        row = math.prod(self.shape[1:])
+        if stop <= start or row == 0:
+            return torch.empty(0, dtype=self.dtype)
+        first, last = start // row, -(-stop // row)
+        rows = self.file.get_slice(self.key)[first:last].reshape(-1)
+        return rows[start - first * row : stop - first * row].to(self.dtype)
+
+
 def shard_device(module: torch.nn.Module, default: torch.device | str) -> torch.device | str:
-    """Where the launch keeps ``module``'s shards: those of its trainable (LoRA) weights, which are
-    never stand-ins (the accelerator, or the CPU when FSDP offloads them); else ``default``."""
-    trained = next((p for p in module.parameters() if p.requires_grad), None)
-    if trained is None:
-        return default
-    return trained.to_local().device if hasattr(trained, "to_local") else trained.device
+    """Where the launch keeps ``module``'s shards: those of its trainable (LoRA) weights that are not
+    stand-ins (the accelerator, or the CPU when FSDP offloads them); else ``default`` (full
+    fine-tuning: every weight is a stand-in)."""
+    for p in module.parameters():
+        device = p.to_local().device if hasattr(p, "to_local") else p.device
+        if p.requires_grad and device.type != "meta":
+            return device
+    return default
 
 
 def _swap_local(param: Any, local: torch.Tensor) -> None:

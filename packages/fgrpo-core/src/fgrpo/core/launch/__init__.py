@@ -17,7 +17,14 @@ A new kind is one class satisfying :class:`Launch` (and its set-up), named in
 from fgrpo.core.launch.processes import DataParallel
 from fgrpo.core.launch.protocol import Launch
 from fgrpo.core.launch.shards import full, full_state, is_partitioned, is_sharded_tensor, local, shard_like
-from fgrpo.core.launch.start import accelerate_settings, kind, loads_shards, make_accelerator, of, start
+from fgrpo.core.launch.start import (
+    accelerate_settings,
+    kind,
+    loads_shards,
+    make_accelerator,
+    of,
+    start,
+)
 
 __all__ = [
     "DataParallel",

@@ -9,6 +9,8 @@ fewer passes pads them), forwards do not.
 ZeRO-3 (:class:`DeepSpeedZeRO3`): the weights are partitioned too (the frozen base weights of a
 LoRA run as well). DeepSpeed's hooks on the module all-gather each submodule's weights for its
 forward and free them after, so every forward involves every process (padded as under FSDP);
+a policy that loads its network shard by shard (the diffusers backbones) hands DeepSpeed a module
+already partitioned, each process having read only its partitions (:mod:`.zero3_load`);
 consecutive rollout steps reuse gathered weights as far as DeepSpeed's
 ``stage3_max_live_parameters`` / ``stage3_max_reuse_distance`` allow, and weights under
 ``stage3_param_persistence_threshold`` stay whole. Whatever reads or writes whole weights outside a
@@ -48,7 +50,8 @@ from fgrpo.core.launch.common import (
     trainable_module,
     trainable_of,
 )
-from fgrpo.core.launch.shards import full, shard_like
+from fgrpo.core.launch.shards import full, is_partitioned, shard_like
+from fgrpo.core.launch.zero3_load import Partitions
 
 T = TypeVar("T")
 
@@ -128,6 +131,20 @@ class DeepSpeedZeRO3(DeepSpeedZeRO2):
 
     sharded_weights: ClassVar[bool] = True
     stage: ClassVar[int] = 3
+    loads_shards: ClassVar[bool] = True  # through the policy's shard_loading(place) (zero3_load)
+
+    def prepare(self, policy: Any, optimizer: torch.optim.Optimizer, train: Any) -> list[torch.nn.Parameter]:
+        """The weights the policy has not read yet (stand-ins) partitioned from their files first
+        (:mod:`.zero3_load`); then, as ZeRO-2, the trainable weights every process holds whole
+        made process 0's, and the module and optimizer given to DeepSpeed."""
+        loading = getattr(policy, "shard_loading", None)
+        if not callable(loading):
+            return super().prepare(policy, optimizer, train)
+        partitions = Partitions(self.accelerator.state.deepspeed_plugin.deepspeed_config)
+        with loading(partitions):
+            partitions.finish(trainable_module(policy, optimizer))
+            broadcast_parameters(self.accelerator, [p for p in trainable_of(optimizer) if not is_partitioned(p)])
+            return prepare_deepspeed(self.accelerator, policy, optimizer, train)
 
     @staticmethod
     def check(accelerator: Any) -> None:
@@ -168,7 +185,8 @@ def load_models_whole() -> None:
     """accelerate hands a stage-3 DeepSpeed config to transformers whatever ``zero3_init_flag``
     says, and transformers then builds every model it loads inside ``deepspeed.zero.Init``
     (partitioned): the frozen text encoders would be split outside any engine that gathers them
-    for a forward. The policy loads whole; ZeRO-3 partitions the trained network at prepare."""
+    for a forward. Only the trained network is partitioned: by :meth:`DeepSpeedZeRO3.prepare`
+    from the policy's files (:mod:`.zero3_load`), or by DeepSpeed at prepare after a whole load."""
     # accelerate imports transformers' deepspeed integration when it sets that config: when the
     # module is not loaded there is nothing to unset (and fgrpo-core does not depend on transformers)
     integration = sys.modules.get("transformers.integrations.deepspeed")

@@ -55,7 +55,6 @@ class FSDP2(Processes):
     loads_shards: ClassVar[bool] = True  # through the policy's shard_loading() (shard_policy)
 
     def prepare(self, policy: Any, optimizer: torch.optim.Optimizer, train: Any) -> list[torch.nn.Parameter]:
-        broadcast_parameters(self.accelerator, trainable_of(optimizer))
         return shard_policy(self.accelerator, policy, optimizer)
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -129,6 +128,9 @@ def shard_policy(accelerator: Any, policy: Any, optimizer: torch.optim.Optimizer
     _as_data_parallel(plugin)
     loading = getattr(policy, "shard_loading", None)  # a policy that reads its shards once sharded
     with loading() if callable(loading) else nullcontext():
+        # process 0's initial weights on every process; the weights still to read (meta) are the
+        # files' on every process
+        broadcast_parameters(accelerator, [p for p in trainable_of(optimizer) if not p.is_meta])
         prepared, _ = accelerator.prepare(module, optimizer)
     if prepared is not module:  # the policy would keep calling the unsharded module
         raise RuntimeError("accelerate replaced the policy's trainable_module instead of sharding it in place")

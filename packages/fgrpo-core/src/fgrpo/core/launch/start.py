@@ -72,16 +72,27 @@ def launch_class(
 def loads_shards() -> bool:
     """Whether this process's launch, as accelerate set it up (a run makes its launch before its
     policy), lets the policy load the network it shards shard by shard (its class's
-    ``loads_shards``: FSDP2). False when no Accelerator was made (tools, tests, a notebook), and
-    with accelerate's own low-memory load (``fsdp_cpu_ram_efficient_loading``: the main process
-    loads whole and broadcasts what the module holds at ``prepare``)."""
+    ``loads_shards``: FSDP2, DeepSpeed ZeRO-3). False when no Accelerator was made (tools, tests,
+    a notebook), and with accelerate's own low-memory load (``fsdp_cpu_ram_efficient_loading``:
+    the main process loads whole and broadcasts what the module holds at ``prepare``)."""
+    found = _loading_class()
+    return bool(found is not None and found.loads_shards)
+
+
+def _loading_class() -> type[FSDP2] | type[DeepSpeedZeRO2] | None:
+    """The class of the launch accelerate set up in this process, when it may load shard by shard."""
     from accelerate.state import AcceleratorState
 
     state = AcceleratorState._shared_state
     if getattr(state.get("fsdp_plugin"), "cpu_ram_efficient_loading", False):
-        return False
+        return None
     name = str(state.get("distributed_type")).split(".")[-1]
-    return bool(getattr(SHARDED.get(name), "loads_shards", False))
+    if name == "DEEPSPEED":
+        plugins = state.get("deepspeed_plugins")  # accelerate's: one plugin, or a dict with one selected
+        found = plugins.values() if isinstance(plugins, dict) else [plugins] if plugins is not None else []
+        stages = {getattr(p, "zero_stage", None) for p in found if getattr(p, "selected", True)}
+        return DeepSpeedZeRO3 if stages == {3} else DeepSpeedZeRO2
+    return SHARDED.get(name)
 
 
 def start(cpu: bool | None = None, train: Any = None, **options: Any) -> Launch:
