@@ -180,7 +180,7 @@ def test_under_fsdp2_each_process_reads_only_its_shard_and_gets_the_whole_loads_
 @pytest.mark.parametrize(
     "backbone, launch_kind",
     [
-        ("sd3", "zero3"),
+        pytest.param("sd3", "zero3", marks=pytest.mark.slow),  # FSDP2 keeps the default suite's case
         # DeepSpeed's bf16 mode: the partitions and the LoRA matrices cast to bf16, as the engine casts
         pytest.param("sd3", "zero3-bf16", marks=pytest.mark.slow),
         # the partitions in CPU memory (offload_param), stepped by AdamW there

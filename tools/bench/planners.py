@@ -134,20 +134,24 @@ def cell_text(values: Sequence[float]) -> str:
     return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}"
 
 
+def columns(name: str) -> tuple[str, ...]:
+    """The figures of one evaluation in the table."""
+    if name.startswith("shadow"):
+        return ("ade", "collision")
+    return (*METRICS, "filter/intervened") if name.endswith("+filter") else METRICS
+
+
 def table(rows: Sequence[dict[str, Any]], names: Sequence[str]) -> str:
     planners = [p for p in PLANNERS if any(r["planner"] == p for r in rows)]
-    header = ["planner", "seeds"] + [f"{n} {m}" for n in names if not n.startswith("shadow") for m in METRICS]
-    header += [f"{n} {m}" for n in names if n.startswith("shadow") for m in ("ade", "collision")]
+    header = ["planner", "seeds"] + [f"{n} {m}" for n in names for m in columns(n)]
     body = []
     for planner in planners:
         mine = [r for r in rows if r["planner"] == planner]
         line: list[Any] = [planner, ",".join(sorted({str(r["seed"]) for r in mine}))]
-        for n in [n for n in names if not n.startswith("shadow")] + [n for n in names if n.startswith("shadow")]:
-            keys = ("ade", "collision") if n.startswith("shadow") else METRICS
-            for metric in keys:
-                line.append(
-                    cell_text([r["metrics"][metric] for r in mine if r["evaluation"] == n and metric in r["metrics"]])
-                )
+        for n in names:
+            for metric in columns(n):
+                found = [r["metrics"][metric] for r in mine if r["evaluation"] == n and metric in r["metrics"]]
+                line.append(cell_text(found))
         body.append(line)
     return _bench.table(header, body)
 
