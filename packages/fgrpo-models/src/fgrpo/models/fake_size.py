@@ -322,7 +322,19 @@ def _standin_class(cls: Any) -> Any:
         with unset_fake_temporarily():
             return cls.sigmas(self, steps)
 
-    return type(f"RealSize{cls.__name__}", (cls,), {"_encode_uncached": _encode_uncached, "sigmas": sigmas})
+    @contextlib.contextmanager
+    def shard_loading(self: Any) -> Iterator[None]:
+        # the launch's sharded load (DiffusersPolicy.shard_loading) with the shards allocated, not read
+        from fgrpo.models import fake_fsdp, sharded_load
+
+        with fake_fsdp.sharding_on_meta():
+            sharded_load.to_meta(self._stand_ins)
+            yield
+            fake_fsdp.fill(self._stand_ins, ACCELERATOR)
+        self._stand_ins = []
+
+    members = {"_encode_uncached": _encode_uncached, "sigmas": sigmas, "shard_loading": shard_loading}
+    return type(f"RealSize{cls.__name__}", (cls,), members)
 
 
 def real_size_policy(name: str, keys: Mapping[str, Any], launch: str) -> tuple[Any, dict[str, Any]]:
@@ -372,8 +384,14 @@ def materialise(policy: Any, name: str, launch: str, metas: Mapping[str, tuple[A
         big, source = metas[attr]
         place = placements[attr]
         device = ACCELERATOR if place.role == "accelerator" else HOST
-        with placing():
-            big.to_empty(device=device)
+        if place.sharded and launch == "fsdp":  # loaded as the launch loads it: stand-ins, sharded later
+            from fgrpo.models import fake_fsdp
+
+            big.requires_grad_(False)
+            policy._stand_ins += fake_fsdp.stand_ins(big, device)
+        else:
+            with placing():
+                big.to_empty(device=device)
         big.requires_grad_(False)
         if attr in trained:
             policy.make_trainable(big)

@@ -6,9 +6,18 @@ The recipe's own code runs: its policy (the backbone's velocity, guidance, LoRA,
 built by the backbone's fake-size harness, ``fgrpo.models.fake_size``), its sampler's rollout of
 this process's prompts, one update micro-batch through the velocity with backward and AdamW's step,
 and the checkpoint gather (the trainable state dict). Fake tensors on ``cuda`` stand for the
-accelerator, on ``cpu`` for the host. What cannot run on fake tensors is marked ``formula``:
-DeepSpeed's sharding (ZeRO-2/3: gradients, optimizer state and, with ZeRO-3, weights divided by the
-processes from the measured sizes), VAE decoding and reward models (not run).
+accelerator, on ``cpu`` for the host.
+
+Under ``--launch fsdp`` the launch's sharding runs too (:mod:`fgrpo.models.fake_fsdp`): the
+trained transformer loads shard by shard and is sharded by the launch's own code (FSDP2
+``fully_shard``, one unit per block) on a fake process group of ``--gpus`` ranks, and torch's
+``FSDPMemTracker`` measures rank 0: its padded shards of the weights, gradients and AdamW state,
+and the blocks' all-gathered weights while they compute.
+
+What cannot run on fake tensors is marked ``formula``: DeepSpeed's sharding (ZeRO-2/3: gradients,
+optimizer state and, with ZeRO-3, weights divided by the processes from the measured sizes, plus
+one block gathered; DeepSpeed's allocator does not run on fake tensors), VAE decoding and reward
+models (not run).
 """
 
 from __future__ import annotations
@@ -25,20 +34,48 @@ if TYPE_CHECKING:
 
 GIB = 1024**3
 KINDS = ("Parameter", "Buffer", "Gradient", "Activation", "Temp", "Optstate", "Other")
+#: FSDPMemTracker's kinds as this command names them: a process's shards are its parameters,
+#: gradients and optimizer state; what a block gathers for its forward and backward is apart
+FSDP_KINDS = {
+    "Sharded Param": "Parameter",
+    "Unsharded Param": "Parameter (gathered)",
+    "Sharded Grad": "Gradient",
+    "Unsharded Grad": "Gradient (unsharded)",
+    "OptState": "Optstate",
+    "All Gather": "All-gather buffer",
+    "Reduce Scatter": "Reduce-scatter buffer",
+    "Inputs": "Activation",
+}
 
 
-def _tracker() -> Any:
-    """``MemTracker`` that allows a root module to be called again (the sampler's steps): its
-    per-module stats restart there; the peaks this command reports are global."""
+def _tracker(root: Any = None, optimizer: Any = None) -> Any:
+    """``MemTracker`` (``FSDPMemTracker`` of the sharded ``root`` and its ``optimizer`` under FSDP2)
+    that allows a root module to be called again (the sampler's steps): its per-module stats
+    restart there; the peaks this command reports are global."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    class Tracker(MemTracker):
-        def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
+    from fgrpo.models import fake_fsdp
+
+    class Tracker(FSDPMemTracker if root is not None else MemTracker):  # type: ignore[misc]
+        def _again(self, module: torch.nn.Module) -> None:
             name = self._mod_tracker.get_known_fqn(module)
             again = module in self.memory_tracking and not self._mod_tracker.is_bw
             if again and set(self._mod_tracker.parents) - {name} == {"Global"}:
                 self.reset_mod_stats()
+
+        def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
+            self._again(module)
             super()._pre_fw_hook(module, inputs)
+
+        def _fsdp_state_pre_forward(self, module: torch.nn.Module, original: Any) -> Any:
+            hook = super()._fsdp_state_pre_forward(module, original)  # runs before _pre_fw_hook
+
+            def again(*args: Any, **kwargs: Any) -> Any:
+                self._again(module)
+                return hook(*args, **kwargs)
+
+            return again
 
         def _post_fw_hook(self, module: torch.nn.Module, inputs: Any, outputs: Any) -> None:
             if module in self.memory_tracking:  # not when a root's restart cleared it (a VAE's encoder)
@@ -60,7 +97,20 @@ def _tracker() -> Any:
                     self._peak_mem[device] = snap["Total"]
                     self._peak_mem_snap[device] = dict(snap)
 
-    return Tracker()
+        def _track(self, reftype: Any, t: torch.Tensor) -> None:
+            if not fake_fsdp.untracked(t):  # the launch's meta tensors, which hold no memory
+                super()._track(reftype, t)
+
+        def track_external(self, *external: Any) -> None:
+            MemTracker.track_external(self, *external)  # FSDPMemTracker's is a no-op
+
+        def _update_snap(self, kind: Any, winfo: Any, *args: Any, **kwargs: Any) -> None:
+            # MemTracker's kinds (what track_external files) beside FSDPMemTracker's
+            snap = self._curr_mem_snap.setdefault(winfo.device, dict.fromkeys(self._ref_class, 0))
+            snap.setdefault(winfo.reftype, 0)
+            super()._update_snap(kind, winfo, *args, **kwargs)
+
+    return Tracker(root, optimizer) if root is not None else Tracker()
 
 
 def _snapshot(tracker: Any, which: str = "peak") -> dict[str, dict[str, int]]:
@@ -73,6 +123,7 @@ def _snapshot(tracker: Any, which: str = "peak") -> dict[str, dict[str, int]]:
         into = out.setdefault(role, {})
         for kind, value in parts.items():
             name = str(getattr(kind, "value", kind))  # MemTracker's kinds: "Parameter", "Gradient", ...
+            name = FSDP_KINDS.get(name, name)
             into[name] = into.get(name, 0) + int(value)
     return out
 
@@ -120,10 +171,13 @@ def _attrs_values(obj: Any) -> list[Any]:
 def measure(data: Mapping[str, Any], gpus: int, launch: str) -> dict[str, Any]:
     """Per phase (load, rollout, update, gather): {accelerator|host: {kind: peak bytes}} and the parts
     that are formula; ``data``: the recipe read by :func:`fgrpo.models.memory_formula.read_recipe`."""
+    import contextlib
+
     import torch
 
     from fgrpo.core import registry
-    from fgrpo.models import fake_size  # the diffusers backbones' harness (fgrpo-models)
+    from fgrpo.core.launch.fsdp import shard_policy
+    from fgrpo.models import fake_fsdp, fake_size  # the diffusers backbones' harness (fgrpo-models)
 
     model, train, sampler_spec = dict(data["model"]), dict(data["train"]), dict(data["sampler"])
     name = model.pop("name")
@@ -140,18 +194,32 @@ def measure(data: Mapping[str, Any], gpus: int, launch: str) -> dict[str, Any]:
     formula = ["VAE decode", "reward models", "text encoders (published parameter count, outputs stood in)"]
     if sharding_note(launch, gpus):
         formula.append(sharding_note(launch, gpus))
+    # "auto": the launcher's, which fsdp-lora.yaml / fsdp-full.yaml set to bf16
+    precision = str(train.get("mixed_precision") or "auto").replace("auto", "bf16")
     phases: dict[str, Any] = {}
     metas = fake_size.meta_transformers(policy, launch)
-    with fake_size.fake_runtime():
+    sharded = launch == "fsdp"  # the launch's own sharding, run on a fake process group (fgrpo.models.fake_fsdp)
+    with fake_fsdp.fake_group(gpus) if sharded else contextlib.nullcontext() as mesh, fake_size.fake_runtime():
         tracker = _tracker()
         with tracker:
             built = fake_size.materialise(policy, name, launch, metas)
+            trainable = [p for p in policy.trainable_parameters() if p.requires_grad]
+            optimizer = torch.optim.AdamW(trainable, lr=1e-4, foreach=False)
+            if sharded:
+                trainable = shard_policy(fake_fsdp.accelerator(mesh, precision), policy, optimizer)
+            modules = [m for m in (getattr(policy.pipeline, a, None) for a in ("transformer", "transformer_2")) if m]
+            tracker.track_external(*modules)  # what they hold now, small tensors (real numbers) included
+            tracker._update_peak_stats(None)
         phases["load"] = _weights_at_load(_snapshot(tracker))
-        modules = [m for m in (getattr(policy.pipeline, a, None) for a in ("transformer", "transformer_2")) if m]
-        trainable = [p for p in policy.trainable_parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(trainable, lr=1e-4, foreach=False)
-        tracker = _tracker()
-        tracker.track_external(*modules, optimizer, *built["flat"].values())
+        after_load = _weights_at_load(_snapshot(tracker, "current"))
+        if sharded:
+            root = policy.trainable_module
+            tracker = _tracker(root, optimizer)
+            inside = {id(m) for m in root.modules()}
+            tracker.track_external(*(m for m in modules if id(m) not in inside), *built["flat"].values())
+        else:
+            tracker = _tracker()
+            tracker.track_external(*modules, optimizer, *built["flat"].values())
         with tracker:
             with torch.no_grad():
                 traj = sampler.rollout(policy, _prompts(policy, min(chunk, prompts_here)), group)
@@ -188,7 +256,7 @@ def measure(data: Mapping[str, Any], gpus: int, launch: str) -> dict[str, Any]:
                 acc["Total"] = acc.get("Total", 0) + value
     if chunks > 1:
         formula.append(f"rollout storage of {chunks - 1} more chunk(s) (the measured chunk's size)")
-    if launch != "ddp":
+    if launch in ("zero2", "zero3"):
         trained = [m for _, m in policy.trained_transformers()]
         weights = sum(p.numel() * p.element_size() for m in trained for p in m.parameters())
         block = max((_bytes(b) for m in trained for b in _blocks(m)), default=0)
@@ -196,6 +264,7 @@ def measure(data: Mapping[str, Any], gpus: int, launch: str) -> dict[str, Any]:
             share(phase.get("accelerator", {}), gpus, launch, weights, block)
     return {
         "phases": phases,
+        "after_load": after_load,
         "after_step": after_step,
         "formula": formula,
         "sources": built["sources"],

@@ -44,8 +44,9 @@ def shards_weights(launch: str) -> bool:
 
 
 def sharding_note(launch: str, gpus: int) -> str:
-    """What :func:`share` divides, in words (empty for data parallel)."""
-    if launch == "ddp":
+    """What :func:`share` divides, in words (empty for data parallel, and for FSDP2, whose sharding
+    ``fgrpo memory`` runs on a fake process group and measures)."""
+    if launch in ("ddp", "fsdp"):
         return ""
     what = "gradients and AdamW state" + (
         ", transformer weights (+ one block gathered)" if shards_weights(launch) else ""
@@ -54,9 +55,10 @@ def sharding_note(launch: str, gpus: int) -> str:
 
 
 def share(parts: dict[str, int], gpus: int, launch: str, weights: int, block: int) -> None:
-    """A sharded launch's bytes per process from an unsharded measurement ``parts`` ({kind: bytes}):
-    gradients and AdamW state split over the processes (ZeRO-2, ZeRO-3, FSDP2); with ZeRO-3 and
-    FSDP2 the trained transformer's ``weights`` too, one ``block`` gathered at a time."""
+    """A DeepSpeed launch's bytes per process from an unsharded measurement ``parts`` ({kind: bytes}):
+    gradients and AdamW state split over the processes (ZeRO-2, ZeRO-3); with ZeRO-3 the trained
+    transformer's ``weights`` too, one ``block`` gathered at a time. (FSDP2 is measured, not divided:
+    ``fgrpo memory`` runs its sharding on a fake process group.)"""
     if launch == "ddp":
         return
     saved = 0
