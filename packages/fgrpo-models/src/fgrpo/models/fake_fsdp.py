@@ -98,7 +98,9 @@ def accelerator(mesh: Any, mixed_precision: str = "bf16") -> Any:
         torch_device_mesh=mesh,
         parallelism_config=SimpleNamespace(fsdp_dim_names=(SHARD_DIM,)),
         mixed_precision=mixed_precision,
-        is_main_process=True,
+        # fsdp2_prepare_model reads it only to log (accelerate's logger wants a PartialState, which
+        # this fake launch does not make) and for cpu_ram_efficient_loading, which the configs leave off
+        is_main_process=False,
         device=torch.device("cpu"),
     )
     acc.prepare = lambda module, optimizer: _prepare(acc, module, optimizer)

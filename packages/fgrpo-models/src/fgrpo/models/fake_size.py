@@ -374,6 +374,8 @@ def materialise(policy: Any, name: str, launch: str, metas: Mapping[str, tuple[A
     cls: Any = type(policy).__mro__[1]
     placements = {p.name: p for p in _placements(policy, launch)}
     trained = {n for n, _ in policy.trained_transformers()}
+    # what the FSDP2 launch loads shard by shard (the load plan's; full fine-tuning loads whole)
+    by_shards = {p.name for p in policy.load_plan(shards=True) if p.sharded} if launch == "fsdp" else set()
     built: dict[str, Any] = {"sources": {}, "flat": {}}
     real_config: dict[str, Any] = {}
     tiny_config: dict[str, Any] = {}
@@ -384,7 +386,7 @@ def materialise(policy: Any, name: str, launch: str, metas: Mapping[str, tuple[A
         big, source = metas[attr]
         place = placements[attr]
         device = ACCELERATOR if place.role == "accelerator" else HOST
-        if place.sharded and launch == "fsdp":  # loaded as the launch loads it: stand-ins, sharded later
+        if attr in by_shards:  # loaded as the launch loads it: stand-ins, sharded later
             from fgrpo.models import fake_fsdp
 
             big.requires_grad_(False)
