@@ -121,6 +121,28 @@ def test_fgrpo_memory_fsdp_at_other_process_counts(tmp_path, ranks):
     _fsdp_measurement(tmp_path, ranks)
 
 
+@pytest.mark.slow
+def test_fgrpo_memory_fsdp_full_fine_tuning_holds_float32_shards(tmp_path):
+    """``model.lora: null`` under fsdp-full.yaml: the transformer loads whole, accelerate upcasts what
+    trains to float32 and shards it; rank 0 then holds float32 shards of every weight, their
+    gradients and AdamW's two moments."""
+    import math
+
+    from fgrpo.models import memory, memory_formula
+    from fgrpo.models.testing.pipelines import build_tiny_sd3_pipeline
+
+    recipe = tmp_path / "tiny.yaml"
+    recipe.write_text(TINY_SD3)
+    data, problem = memory_formula.read_recipe(str(recipe), ["model.lora=null"])
+    assert problem == ""
+    result = memory.measure(data, 3, "fsdp")
+    params = list(build_tiny_sd3_pipeline(sd35=True).transformer.parameters())
+    shards = sum(math.ceil(p.shape[0] / 3) * (p.numel() // p.shape[0]) * 4 for p in params)
+    after = result["after_step"]["accelerator"]
+    assert after["Parameter"] == after["Gradient"] == shards
+    assert after["Optstate"] == 2 * shards + 4 * len(params)
+
+
 def _real_recipes() -> list[str]:
     """The shipped recipes of a diffusers backbone (the real-size ones)."""
     from pathlib import Path
