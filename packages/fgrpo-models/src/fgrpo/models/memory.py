@@ -52,7 +52,7 @@ def _tracker(root: Any = None, optimizer: Any = None) -> Any:
     """``MemTracker`` (``FSDPMemTracker`` of the sharded ``root`` and its ``optimizer`` under FSDP2)
     that allows a root module to be called again (the sampler's steps): its per-module stats
     restart there; the peaks this command reports are global."""
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPModMemStats
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from fgrpo.models import fake_fsdp
@@ -76,6 +76,25 @@ def _tracker(root: Any = None, optimizer: Any = None) -> Any:
                 return hook(*args, **kwargs)
 
             return again
+
+        def _known(self, module: torch.nn.Module) -> None:
+            # a block that ran before the last restart only (Wan 2.2's other expert in the rollout):
+            # FSDP finalises it after the backward, which FSDPMemTracker's hooks take for a block of this pass
+            if module not in self.memory_tracking:
+                self.memory_tracking[module] = _FSDPModMemStats(self._mod_tracker.get_known_fqn(module) or "")
+
+        def _fsdp_param_group_pre_backward(self, module: torch.nn.Module, original: Any) -> Any:
+            return self._after_known(module, super()._fsdp_param_group_pre_backward(module, original))
+
+        def _fsdp_param_group_post_backward(self, module: torch.nn.Module, original: Any) -> Any:
+            return self._after_known(module, super()._fsdp_param_group_post_backward(module, original))
+
+        def _after_known(self, module: torch.nn.Module, hook: Any) -> Any:
+            def known(*args: Any, **kwargs: Any) -> Any:
+                self._known(module)
+                return hook(*args, **kwargs)
+
+            return known
 
         def _post_fw_hook(self, module: torch.nn.Module, inputs: Any, outputs: Any) -> None:
             if module in self.memory_tracking:  # not when a root's restart cleared it (a VAE's encoder)
