@@ -8,7 +8,7 @@ this process's prompts, one update micro-batch through the velocity with backwar
 and the checkpoint gather (the trainable state dict). Fake tensors on ``cuda`` stand for the
 accelerator, on ``cpu`` for the host.
 
-Under ``--launch fsdp`` the launch's sharding runs too (:mod:`fgrpo.models.fake_fsdp`): the
+Under ``--launch fsdp`` the launch's sharding runs too (:mod:`fgrpo.core.launch.fake_fsdp`): the
 trained transformer loads shard by shard and is sharded by the launch's own code (FSDP2
 ``fully_shard``, one unit per block) on a fake process group of ``--gpus`` ranks, and torch's
 ``FSDPMemTracker`` measures rank 0: its padded shards of the weights, gradients and AdamW state,
@@ -27,6 +27,7 @@ import json
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from fgrpo.core.launch import memory as launch_memory
 from fgrpo.core.launch.memory import FORMULA_KIND, MEASURED, declared_launch, sharding_note, share
 
 if TYPE_CHECKING:
@@ -34,102 +35,55 @@ if TYPE_CHECKING:
 
 GIB = 1024**3
 KINDS = ("Parameter", "Buffer", "Gradient", "Activation", "Temp", "Optstate", "Other")
-#: FSDPMemTracker's kinds as this command names them: a process's shards are its parameters,
-#: gradients and optimizer state; what a block gathers for its forward and backward is apart
-FSDP_KINDS = {
-    "Sharded Param": "Parameter",
-    "Unsharded Param": "Parameter (gathered)",
-    "Sharded Grad": "Gradient",
-    "Unsharded Grad": "Gradient (unsharded)",
-    "OptState": "Optstate",
-    "All Gather": "All-gather buffer",
-    "Reduce Scatter": "Reduce-scatter buffer",
-    "Inputs": "Activation",
-}
+
+
+class _Restart:
+    """MemTracker hooks that allow a root module to be called again (the sampler's steps): its
+    per-module stats restart there; the peaks this command reports are global."""
+
+    def _again(self: Any, module: torch.nn.Module) -> None:
+        name = self._mod_tracker.get_known_fqn(module)
+        again = module in self.memory_tracking and not self._mod_tracker.is_bw
+        if again and set(self._mod_tracker.parents) - {name} == {"Global"}:
+            self.reset_mod_stats()
+
+    def _pre_fw_hook(self: Any, module: torch.nn.Module, inputs: Any) -> None:
+        self._again(module)
+        super()._pre_fw_hook(module, inputs)  # type: ignore[misc]
+
+    def _post_fw_hook(self: Any, module: torch.nn.Module, inputs: Any, outputs: Any) -> None:
+        if module in self.memory_tracking:  # not when a root's restart cleared it (a VAE's encoder)
+            super()._post_fw_hook(module, inputs, outputs)  # type: ignore[misc]
+
+    def _pre_bw_hook(self: Any, module: torch.nn.Module, args: Any) -> None:
+        if module in self.memory_tracking:
+            super()._pre_bw_hook(module, args)  # type: ignore[misc]
+
+    def _post_bw_hook(self: Any, module: torch.nn.Module, args: Any) -> None:
+        if module in self.memory_tracking:
+            super()._post_bw_hook(module, args)  # type: ignore[misc]
+
+    def _update_peak_stats(self: Any, peak_state: Any) -> None:
+        # the global peak only (what this command reports): MemTracker's own also walks every
+        # module's stats on every op, which at the real size costs minutes per forward
+        for device, snap in self._curr_mem_snap.items():
+            if self._peak_mem.get(device, 0) < snap["Total"]:
+                self._peak_mem[device] = snap["Total"]
+                self._peak_mem_snap[device] = dict(snap)
+
+    def _track(self: Any, reftype: Any, t: torch.Tensor) -> None:
+        if not launch_memory.untracked(t):  # the launch's meta tensors while it shards: no memory
+            super()._track(reftype, t)  # type: ignore[misc]
 
 
 def _tracker(root: Any = None, optimizer: Any = None) -> Any:
-    """``MemTracker`` (``FSDPMemTracker`` of the sharded ``root`` and its ``optimizer`` under FSDP2)
-    that allows a root module to be called again (the sampler's steps): its per-module stats
-    restart there; the peaks this command reports are global."""
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPModMemStats
+    """``MemTracker`` with :class:`_Restart`'s hooks; with a sharded ``root`` module (and its
+    ``optimizer``), the sharded launch's tracker (``FSDPMemTracker``)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from fgrpo.models import fake_fsdp
-
-    class Tracker(FSDPMemTracker if root is not None else MemTracker):  # type: ignore[misc]
-        def _again(self, module: torch.nn.Module) -> None:
-            name = self._mod_tracker.get_known_fqn(module)
-            again = module in self.memory_tracking and not self._mod_tracker.is_bw
-            if again and set(self._mod_tracker.parents) - {name} == {"Global"}:
-                self.reset_mod_stats()
-
-        def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
-            self._again(module)
-            super()._pre_fw_hook(module, inputs)
-
-        def _fsdp_state_pre_forward(self, module: torch.nn.Module, original: Any) -> Any:
-            hook = super()._fsdp_state_pre_forward(module, original)  # runs before _pre_fw_hook
-
-            def again(*args: Any, **kwargs: Any) -> Any:
-                self._again(module)
-                return hook(*args, **kwargs)
-
-            return again
-
-        def _known(self, module: torch.nn.Module) -> None:
-            # a block that ran before the last restart only (Wan 2.2's other expert in the rollout):
-            # FSDP finalises it after the backward, which FSDPMemTracker's hooks take for a block of this pass
-            if module not in self.memory_tracking:
-                self.memory_tracking[module] = _FSDPModMemStats(self._mod_tracker.get_known_fqn(module) or "")
-
-        def _fsdp_param_group_pre_backward(self, module: torch.nn.Module, original: Any) -> Any:
-            return self._after_known(module, super()._fsdp_param_group_pre_backward(module, original))
-
-        def _fsdp_param_group_post_backward(self, module: torch.nn.Module, original: Any) -> Any:
-            return self._after_known(module, super()._fsdp_param_group_post_backward(module, original))
-
-        def _after_known(self, module: torch.nn.Module, hook: Any) -> Any:
-            def known(*args: Any, **kwargs: Any) -> Any:
-                self._known(module)
-                return hook(*args, **kwargs)
-
-            return known
-
-        def _post_fw_hook(self, module: torch.nn.Module, inputs: Any, outputs: Any) -> None:
-            if module in self.memory_tracking:  # not when a root's restart cleared it (a VAE's encoder)
-                super()._post_fw_hook(module, inputs, outputs)
-
-        def _pre_bw_hook(self, module: torch.nn.Module, args: Any) -> None:
-            if module in self.memory_tracking:
-                super()._pre_bw_hook(module, args)
-
-        def _post_bw_hook(self, module: torch.nn.Module, args: Any) -> None:
-            if module in self.memory_tracking:
-                super()._post_bw_hook(module, args)
-
-        def _update_peak_stats(self, peak_state: Any) -> None:
-            # the global peak only (what this command reports): MemTracker's own also walks every
-            # module's stats on every op, which at the real size costs minutes per forward
-            for device, snap in self._curr_mem_snap.items():
-                if self._peak_mem.get(device, 0) < snap["Total"]:
-                    self._peak_mem[device] = snap["Total"]
-                    self._peak_mem_snap[device] = dict(snap)
-
-        def _track(self, reftype: Any, t: torch.Tensor) -> None:
-            if not fake_fsdp.untracked(t):  # the launch's meta tensors, which hold no memory
-                super()._track(reftype, t)
-
-        def track_external(self, *external: Any) -> None:
-            MemTracker.track_external(self, *external)  # FSDPMemTracker's is a no-op
-
-        def _update_snap(self, kind: Any, winfo: Any, *args: Any, **kwargs: Any) -> None:
-            # MemTracker's kinds (what track_external files) beside FSDPMemTracker's
-            snap = self._curr_mem_snap.setdefault(winfo.device, dict.fromkeys(self._ref_class, 0))
-            snap.setdefault(winfo.reftype, 0)
-            super()._update_snap(kind, winfo, *args, **kwargs)
-
-    return Tracker(root, optimizer) if root is not None else Tracker()
+    if root is not None:
+        return launch_memory.sharded_tracker(_Restart, root, optimizer)
+    return type("Tracker", (_Restart, MemTracker), {})()
 
 
 def _snapshot(tracker: Any, which: str = "peak") -> dict[str, dict[str, int]]:
@@ -142,7 +96,7 @@ def _snapshot(tracker: Any, which: str = "peak") -> dict[str, dict[str, int]]:
         into = out.setdefault(role, {})
         for kind, value in parts.items():
             name = str(getattr(kind, "value", kind))  # MemTracker's kinds: "Parameter", "Gradient", ...
-            name = FSDP_KINDS.get(name, name)
+            name = launch_memory.kind_name(name)
             into[name] = into.get(name, 0) + int(value)
     return out
 
@@ -190,13 +144,10 @@ def _attrs_values(obj: Any) -> list[Any]:
 def measure(data: Mapping[str, Any], gpus: int, launch: str) -> dict[str, Any]:
     """Per phase (load, rollout, update, gather): {accelerator|host: {kind: peak bytes}} and the parts
     that are formula; ``data``: the recipe read by :func:`fgrpo.models.memory_formula.read_recipe`."""
-    import contextlib
-
     import torch
 
     from fgrpo.core import registry
-    from fgrpo.core.launch.fsdp import shard_policy
-    from fgrpo.models import fake_fsdp, fake_size  # the diffusers backbones' harness (fgrpo-models)
+    from fgrpo.models import fake_size  # the diffusers backbones' harness (fgrpo-models)
 
     model, train, sampler_spec = dict(data["model"]), dict(data["train"]), dict(data["sampler"])
     name = model.pop("name")
@@ -217,15 +168,15 @@ def measure(data: Mapping[str, Any], gpus: int, launch: str) -> dict[str, Any]:
     precision = str(train.get("mixed_precision") or "auto").replace("auto", "bf16")
     phases: dict[str, Any] = {}
     metas = fake_size.meta_transformers(policy, launch)
-    sharded = launch == "fsdp"  # the launch's own sharding, run on a fake process group (fgrpo.models.fake_fsdp)
-    with fake_fsdp.fake_group(gpus) if sharded else contextlib.nullcontext() as mesh, fake_size.fake_runtime():
+    sharded = launch_memory.runs_sharding(launch)  # the launch's own sharding, on a fake process group
+    with launch_memory.sharded_run(launch, gpus) as mesh, fake_size.fake_runtime():
         tracker = _tracker()
         with tracker:
             built = fake_size.materialise(policy, name, launch, metas)
             trainable = [p for p in policy.trainable_parameters() if p.requires_grad]
             optimizer = torch.optim.AdamW(trainable, lr=1e-4, foreach=False)
             if sharded:
-                trainable = shard_policy(fake_fsdp.accelerator(mesh, precision), policy, optimizer)
+                trainable = launch_memory.shard(mesh, policy, optimizer, precision)
             modules = [m for m in (getattr(policy.pipeline, a, None) for a in ("transformer", "transformer_2")) if m]
             tracker.track_external(*modules)  # what they hold now, small tensors (real numbers) included
             tracker._update_peak_stats(None)

@@ -5,7 +5,10 @@ package (tests/test_layout.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Iterator
+from typing import Any
 
 #: the formula's launch kinds and the shipped configs they stand for
 FORMULA_LAUNCHES = ("ddp", "fsdp", "deepspeed-zero2", "deepspeed-zero3", "zero2-offload", "zero3-offload")
@@ -73,3 +76,58 @@ def share(parts: dict[str, int], gpus: int, launch: str, weights: int, block: in
         saved += cut
     if saved:
         parts["Total"] = parts.get("Total", 0) - saved
+
+
+# --- the launches fgrpo memory runs on a fake process group (FSDP2: fgrpo.core.launch.fake_fsdp) ---
+
+
+def runs_sharding(launch: str) -> bool:
+    """Whether ``fgrpo memory`` runs ``launch``'s own sharding (FSDP2) rather than dividing."""
+    return launch == "fsdp"
+
+
+@contextlib.contextmanager
+def sharded_run(launch: str, gpus: int) -> Iterator[Any]:
+    """Outside fake mode: the fake process group of ``gpus`` ranks that ``launch`` shards over, and its
+    device mesh (None, and no group, for the other launches)."""
+    if not runs_sharding(launch):
+        yield None
+        return
+    from fgrpo.core.launch import fake_fsdp
+
+    with fake_fsdp.fake_group(gpus) as mesh:
+        yield mesh
+
+
+def shard(mesh: Any, policy: Any, optimizer: Any, precision: str) -> list[Any]:
+    """The launch's sharding of ``policy`` and ``optimizer`` on the fake group's ``mesh``."""
+    from fgrpo.core.launch import fake_fsdp
+
+    return fake_fsdp.shard(mesh, policy, optimizer, precision)
+
+
+def sharded_tracker(restart: type, root: Any, optimizer: Any) -> Any:
+    """The memory tracker of the sharded ``root`` module and its ``optimizer``, with ``restart``'s hooks."""
+    from fgrpo.core.launch import fake_fsdp
+
+    return fake_fsdp.tracker_class(restart)(root, optimizer)
+
+
+def kind_name(name: str) -> str:
+    """A memory kind of the sharded launch's tracker as ``fgrpo memory`` names it."""
+    from fgrpo.core.launch import fake_fsdp
+
+    return fake_fsdp.KINDS.get(name, name)
+
+
+def sharding_on_meta() -> Any:
+    """Around the launch's sharding on meta tensors: the meta tensors it makes are not counted."""
+    from fgrpo.core.launch import fake_fsdp
+
+    return fake_fsdp.sharding_on_meta()
+
+
+def untracked(t: Any) -> bool:
+    from fgrpo.core.launch import fake_fsdp
+
+    return fake_fsdp.untracked(t)

@@ -6,18 +6,16 @@ ranks (``FakeStore``: every collective returns at once, nothing is communicated)
 rank 0, whose shards are each parameter's first ``ceil(dim0 / N)`` rows (FSDP2 pads dim 0 to a
 multiple of N).
 
-The trained transformer loads as the launch loads it (:mod:`fgrpo.models.sharded_load`): zero-stride
-stand-ins, the recipe's LoRA on them, meta tensors just before ``fully_shard``, then this process's
-shard of each weight allocated (a fake tensor: nothing is read). The peaks are measured with torch's
-``FSDPMemTracker``: sharded weights, the blocks' all-gathered weights during forward and backward,
-reduce-scattered gradients and the optimizer state of the shards are what it sees.
+The peaks are measured with torch's ``FSDPMemTracker`` (:func:`tracker_class`): sharded weights, the
+blocks' all-gathered weights during forward and backward, reduce-scattered gradients and the
+optimizer state of the shards are what it sees. The backbones' harness (``fgrpo.models.fake_size``)
+loads the network as the launch loads it, shard by shard.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -42,38 +40,6 @@ def fake_group(ranks: int) -> Iterator[Any]:
         yield init_device_mesh("cpu", (ranks,), mesh_dim_names=(SHARD_DIM,))
     finally:
         dist.destroy_process_group()
-
-
-def stand_ins(module: torch.nn.Module, device: torch.device) -> list[Any]:
-    """Inside fake mode: ``module``'s (on meta) weights as the launch's zero-stride stand-ins on
-    ``device`` and its buffers allocated there; returns them as :class:`sharded_load.StandIn`."""
-    from fgrpo.models import fake_size, sharded_load
-
-    pending = []
-    with fake_size.placing():
-        for key, param in list(module.named_parameters()):
-            owner, attr = sharded_load._owner(module, key)
-            blank = torch.zeros((), dtype=param.dtype, device=device).expand(param.shape)
-            owner._parameters[attr] = torch.nn.Parameter(blank, requires_grad=False)
-            pending.append(sharded_load.StandIn(owner, attr, key, Path("(fake)")))
-        for owner in module.modules():
-            for attr, buffer in owner._buffers.items():
-                if buffer is not None:
-                    owner._buffers[attr] = torch.empty(buffer.shape, dtype=buffer.dtype, device=device)
-    return pending
-
-
-def fill(pending: list[Any], device: torch.device) -> None:
-    """Inside fake mode, once sharded: this process's shard of each stand-in, allocated on ``device``
-    (what :func:`sharded_load.fill` reads from the files)."""
-    from fgrpo.models import fake_size, sharded_load
-
-    for item in pending:
-        param = getattr(item.owner, item.attr)
-        local, _ = sharded_load._local_rows(param)
-        with fake_size.placing():
-            shard = torch.empty(local.shape, dtype=local.dtype, device=device)
-        sharded_load._swap_local(param, shard)
 
 
 def accelerator(mesh: Any, mixed_precision: str = "bf16") -> Any:
@@ -107,6 +73,14 @@ def accelerator(mesh: Any, mixed_precision: str = "bf16") -> Any:
     return acc
 
 
+def shard(mesh: Any, policy: Any, optimizer: torch.optim.Optimizer, precision: str) -> list[torch.nn.Parameter]:
+    """The launch's sharding of ``policy`` (:func:`fgrpo.core.launch.fsdp.shard_policy`) on the fake
+    group's ``mesh``."""
+    from fgrpo.core.launch.fsdp import shard_policy
+
+    return shard_policy(accelerator(mesh, precision), policy, optimizer)
+
+
 def _prepare(acc: Any, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[Any, Any]:
     """accelerate's FSDP2 ``prepare`` of one module and its optimizer: ``fsdp2_prepare_model``, then the
     optimizer's parameters switched to the sharded ones of the same name."""
@@ -137,3 +111,66 @@ def sharding_on_meta() -> Iterator[None]:
 def untracked(t: torch.Tensor) -> bool:
     """A tensor the memory trackers leave out: one of the launch's meta tensors (see :data:`_ON_META`)."""
     return _ON_META[0] and t.device.type == "meta"
+
+
+#: FSDPMemTracker's kinds as ``fgrpo memory`` names them: a process's shards are its parameters,
+#: gradients and optimizer state; what a block gathers for its forward and backward is apart
+KINDS = {
+    "Sharded Param": "Parameter",
+    "Unsharded Param": "Parameter (gathered)",
+    "Sharded Grad": "Gradient",
+    "Unsharded Grad": "Gradient (unsharded)",
+    "OptState": "Optstate",
+    "All Gather": "All-gather buffer",
+    "Reduce Scatter": "Reduce-scatter buffer",
+    "Inputs": "Activation",
+}
+
+
+def tracker_class(restart: type) -> type:
+    """``FSDPMemTracker`` with ``restart`` (``fgrpo memory``'s hooks that let a root module be called
+    again) also where FSDP's own hooks run first, and with MemTracker's ``track_external``."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPModMemStats
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class Tracker(restart, FSDPMemTracker):
+        def _fsdp_state_pre_forward(self, module: Any, original: Any) -> Any:
+            hook = super()._fsdp_state_pre_forward(module, original)  # runs before _pre_fw_hook
+
+            def again(*args: Any, **kwargs: Any) -> Any:
+                self._again(module)
+                return hook(*args, **kwargs)
+
+            return again
+
+        def _known(self, module: Any) -> None:
+            # a block that ran before the last restart only (Wan 2.2's other expert in the rollout):
+            # FSDP finalises it after the backward, which FSDPMemTracker's hooks take for a block of this pass
+            if module not in self.memory_tracking:
+                self.memory_tracking[module] = _FSDPModMemStats(self._mod_tracker.get_known_fqn(module) or "")
+
+        def _fsdp_param_group_pre_backward(self, module: Any, original: Any) -> Any:
+            return self._after_known(module, super()._fsdp_param_group_pre_backward(module, original))
+
+        def _fsdp_param_group_post_backward(self, module: Any, original: Any) -> Any:
+            return self._after_known(module, super()._fsdp_param_group_post_backward(module, original))
+
+        def _after_known(self, module: Any, hook: Any) -> Any:
+            def known(*args: Any, **kwargs: Any) -> Any:
+                self._known(module)
+                return hook(*args, **kwargs)
+
+            return known
+
+        def track_external(self, *external: Any) -> None:
+            MemTracker.track_external(self, *external)  # FSDPMemTracker's is a no-op
+
+        def _update_snap(
+            self, u_type: Any, winfo: Any, old_mem_consumed: int | None = None, old_reftype: Any = None
+        ) -> None:
+            # MemTracker's kinds (what track_external files) beside FSDPMemTracker's
+            snap = self._curr_mem_snap.setdefault(winfo.device, dict.fromkeys(self._ref_class, 0))
+            snap.setdefault(winfo.reftype, 0)
+            super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
+
+    return Tracker
