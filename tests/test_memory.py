@@ -56,6 +56,93 @@ def test_fgrpo_memory_measures_a_tiny_recipe_exactly(tmp_path):
     assert memory.total(result["phases"]["update"], "host") == memory.total(result["phases"]["load"], "host") == 0
 
 
+def _tiny_shards(lora: dict, ranks: int) -> tuple[int, int, int, int, int]:
+    """(bytes of rank 0's FSDP2 shards of the tiny SD3.5 transformer's weights, of its LoRA's, the
+    LoRA's tensors, the whole weights' bytes, its buffers' bytes), counted on a real module apart from the harness:
+    FSDP2 cuts every parameter of the sharded module (LoRA included) on dim 0 into ``ranks`` pieces of
+    ceil(dim0 / ranks) rows, padded; buffers stay whole."""
+    import math
+
+    import torch
+
+    from fgrpo.models.lora import inject_lora
+    from fgrpo.models.testing.pipelines import build_tiny_sd3_pipeline
+
+    transformer = build_tiny_sd3_pipeline(sd35=True).transformer.to(torch.bfloat16)
+    inject_lora(transformer, lora)
+
+    def shard(p: torch.Tensor) -> int:
+        rows = p.shape[0]
+        return math.ceil(rows / ranks) * (p.numel() // rows) * p.element_size()
+
+    trained = [p for p in transformer.parameters() if p.requires_grad]
+    whole = sum(p.numel() * p.element_size() for p in transformer.parameters())
+    buffers = sum(b.numel() * b.element_size() for b in transformer.buffers())
+    shards = sum(shard(p) for p in transformer.parameters())
+    return shards, sum(shard(p) for p in trained), len(trained), whole, buffers
+
+
+def _fsdp_measurement(tmp_path, ranks: int) -> tuple[int, int]:
+    """``fgrpo memory --launch fsdp --gpus N``: the launch's FSDP2 sharding run on a fake process group;
+    rank 0's weights, gradients and AdamW state are exactly its shards; the blocks' gathered weights
+    show during forward and backward; the process group is gone afterwards."""
+    import torch.distributed as dist
+
+    from fgrpo.models import memory, memory_formula
+
+    recipe = tmp_path / "tiny.yaml"
+    recipe.write_text(TINY_SD3)
+    data, problem = memory_formula.read_recipe(str(recipe), [])
+    assert problem == ""
+    result = memory.measure(data, ranks, "fsdp")
+    assert not dist.is_initialized()
+    weights, lora, tensors, whole, buffers = _tiny_shards(data["model"]["lora"], ranks)
+    loaded, after = result["after_load"]["accelerator"], result["after_step"]["accelerator"]
+    assert loaded["Parameter"] == after["Parameter"] == weights
+    assert loaded["Buffer"] == after["Buffer"] == buffers
+    assert loaded["Total"] == weights + buffers
+    assert after["Gradient"] == lora
+    assert after["Optstate"] == 2 * lora + 4 * tensors  # the moments of the shards; a float32 step per tensor
+    assert result["phases"]["update"]["accelerator"]["Parameter (gathered)"] > 0
+    assert not any("sharding" in part for part in result["formula"])
+    return weights, whole
+
+
+def test_fgrpo_memory_runs_the_fsdp_launchs_sharding_on_a_fake_process_group(tmp_path):
+    """At 3 ranks the padded shards (ceil(dim0 / 3) rows each) are not the whole weights / 3, which
+    the old estimate divided."""
+    weights, whole = _fsdp_measurement(tmp_path, 3)
+    assert weights != whole // 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_fgrpo_memory_fsdp_at_other_process_counts(tmp_path, ranks):
+    _fsdp_measurement(tmp_path, ranks)
+
+
+@pytest.mark.slow
+def test_fgrpo_memory_fsdp_full_fine_tuning_holds_float32_shards(tmp_path):
+    """``model.lora: null`` under fsdp-full.yaml: the transformer loads whole, accelerate upcasts what
+    trains to float32 and shards it; rank 0 then holds float32 shards of every weight, their
+    gradients and AdamW's two moments."""
+    import math
+
+    from fgrpo.models import memory, memory_formula
+    from fgrpo.models.testing.pipelines import build_tiny_sd3_pipeline
+
+    recipe = tmp_path / "tiny.yaml"
+    recipe.write_text(TINY_SD3)
+    data, problem = memory_formula.read_recipe(str(recipe), ["model.lora=null"])
+    assert problem == ""
+    result = memory.measure(data, 3, "fsdp")
+    params = list(build_tiny_sd3_pipeline(sd35=True).transformer.parameters())
+    shards = sum(math.ceil(p.shape[0] / 3) * (p.numel() // p.shape[0]) * 4 for p in params)
+    after = result["after_step"]["accelerator"]
+    assert after["Parameter"] == after["Gradient"] == shards
+    assert after["Optstate"] == 2 * shards + 4 * len(params)
+
+
 def _real_recipes() -> list[str]:
     """The shipped recipes of a diffusers backbone (the real-size ones)."""
     from pathlib import Path

@@ -322,7 +322,20 @@ def _standin_class(cls: Any) -> Any:
         with unset_fake_temporarily():
             return cls.sigmas(self, steps)
 
-    return type(f"RealSize{cls.__name__}", (cls,), {"_encode_uncached": _encode_uncached, "sigmas": sigmas})
+    @contextlib.contextmanager
+    def shard_loading(self: Any) -> Iterator[None]:
+        # the launch's sharded load (DiffusersPolicy.shard_loading) with the shards allocated, not read
+        from fgrpo.core.launch.memory import sharding_on_meta
+        from fgrpo.models import sharded_load
+
+        with sharding_on_meta():
+            sharded_load.to_meta(self._stand_ins)
+            yield
+            fill_shards(self._stand_ins, ACCELERATOR)
+        self._stand_ins = []
+
+    members = {"_encode_uncached": _encode_uncached, "sigmas": sigmas, "shard_loading": shard_loading}
+    return type(f"RealSize{cls.__name__}", (cls,), members)
 
 
 def real_size_policy(name: str, keys: Mapping[str, Any], launch: str) -> tuple[Any, dict[str, Any]]:
@@ -362,6 +375,10 @@ def materialise(policy: Any, name: str, launch: str, metas: Mapping[str, tuple[A
     cls: Any = type(policy).__mro__[1]
     placements = {p.name: p for p in _placements(policy, launch)}
     trained = {n for n, _ in policy.trained_transformers()}
+    # what the FSDP2 launch loads shard by shard (the load plan's; full fine-tuning loads whole)
+    from fgrpo.core.launch.memory import runs_sharding
+
+    by_shards = {p.name for p in policy.load_plan(shards=True) if p.sharded} if runs_sharding(launch) else set()
     built: dict[str, Any] = {"sources": {}, "flat": {}}
     real_config: dict[str, Any] = {}
     tiny_config: dict[str, Any] = {}
@@ -372,8 +389,12 @@ def materialise(policy: Any, name: str, launch: str, metas: Mapping[str, tuple[A
         big, source = metas[attr]
         place = placements[attr]
         device = ACCELERATOR if place.role == "accelerator" else HOST
-        with placing():
-            big.to_empty(device=device)
+        if attr in by_shards:  # loaded as the launch loads it: stand-ins, sharded later
+            big.requires_grad_(False)
+            policy._stand_ins += stand_ins(big, device)
+        else:
+            with placing():
+                big.to_empty(device=device)
         big.requires_grad_(False)
         if attr in trained:
             policy.make_trainable(big)
@@ -484,3 +505,40 @@ STRUCTURE_KEYS = ("in_channels", "out_channels", "guidance_embeds")
 
 def _structure(config: Mapping[str, Any]) -> dict[str, Any]:
     return {k: config[k] for k in STRUCTURE_KEYS if k in config}
+
+
+# --- the sharded load (fgrpo.models.sharded_load) on fake tensors ----------------------------------
+
+
+def stand_ins(module: torch.nn.Module, device: torch.device) -> list[Any]:
+    """Inside fake mode: ``module``'s (on meta) weights as the sharded load's zero-stride stand-ins on
+    ``device``, its buffers allocated there; returns them as :class:`sharded_load.StandIn`."""
+    from pathlib import Path
+
+    from fgrpo.models import sharded_load
+
+    pending = []
+    with placing():
+        for key, param in list(module.named_parameters()):
+            owner, attr = sharded_load._owner(module, key)
+            blank = torch.zeros((), dtype=param.dtype, device=device).expand(param.shape)
+            owner._parameters[attr] = torch.nn.Parameter(blank, requires_grad=False)
+            pending.append(sharded_load.StandIn(owner, attr, key, Path("(fake)")))
+        for owner in module.modules():
+            for attr, buffer in owner._buffers.items():
+                if buffer is not None:
+                    owner._buffers[attr] = torch.empty(buffer.shape, dtype=buffer.dtype, device=device)
+    return pending
+
+
+def fill_shards(pending: list[Any], device: torch.device) -> None:
+    """Inside fake mode, once sharded: this process's shard of each stand-in, allocated on ``device``
+    (what :func:`sharded_load.fill` reads from the files)."""
+    from fgrpo.models import sharded_load
+
+    for item in pending:
+        param = getattr(item.owner, item.attr)
+        local, _ = sharded_load._local_rows(param)
+        with placing():
+            shard = torch.empty(local.shape, dtype=local.dtype, device=device)
+        sharded_load._swap_local(param, shard)

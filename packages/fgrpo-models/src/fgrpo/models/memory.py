@@ -6,9 +6,18 @@ The recipe's own code runs: its policy (the backbone's velocity, guidance, LoRA,
 built by the backbone's fake-size harness, ``fgrpo.models.fake_size``), its sampler's rollout of
 this process's prompts, one update micro-batch through the velocity with backward and AdamW's step,
 and the checkpoint gather (the trainable state dict). Fake tensors on ``cuda`` stand for the
-accelerator, on ``cpu`` for the host. What cannot run on fake tensors is marked ``formula``:
-DeepSpeed's sharding (ZeRO-2/3: gradients, optimizer state and, with ZeRO-3, weights divided by the
-processes from the measured sizes), VAE decoding and reward models (not run).
+accelerator, on ``cpu`` for the host.
+
+Under ``--launch fsdp`` the launch's sharding runs too (:mod:`fgrpo.core.launch.fake_fsdp`): the
+trained transformer loads shard by shard and is sharded by the launch's own code (FSDP2
+``fully_shard``, one unit per block) on a fake process group of ``--gpus`` ranks, and torch's
+``FSDPMemTracker`` measures rank 0: its padded shards of the weights, gradients and AdamW state,
+and the blocks' all-gathered weights while they compute.
+
+What cannot run on fake tensors is marked ``formula``: DeepSpeed's sharding (ZeRO-2/3: gradients,
+optimizer state and, with ZeRO-3, weights divided by the processes from the measured sizes, plus
+one block gathered; DeepSpeed's allocator does not run on fake tensors), VAE decoding and reward
+models (not run).
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ import json
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from fgrpo.core.launch import memory as launch_memory
 from fgrpo.core.launch.memory import FORMULA_KIND, MEASURED, declared_launch, sharding_note, share
 
 if TYPE_CHECKING:
@@ -27,40 +37,53 @@ GIB = 1024**3
 KINDS = ("Parameter", "Buffer", "Gradient", "Activation", "Temp", "Optstate", "Other")
 
 
-def _tracker() -> Any:
-    """``MemTracker`` that allows a root module to be called again (the sampler's steps): its
+class _Restart:
+    """MemTracker hooks that allow a root module to be called again (the sampler's steps): its
     per-module stats restart there; the peaks this command reports are global."""
+
+    def _again(self: Any, module: torch.nn.Module) -> None:
+        name = self._mod_tracker.get_known_fqn(module)
+        again = module in self.memory_tracking and not self._mod_tracker.is_bw
+        if again and set(self._mod_tracker.parents) - {name} == {"Global"}:
+            self.reset_mod_stats()
+
+    def _pre_fw_hook(self: Any, module: torch.nn.Module, inputs: Any) -> None:
+        self._again(module)
+        super()._pre_fw_hook(module, inputs)  # type: ignore[misc]
+
+    def _post_fw_hook(self: Any, module: torch.nn.Module, inputs: Any, outputs: Any) -> None:
+        if module in self.memory_tracking:  # not when a root's restart cleared it (a VAE's encoder)
+            super()._post_fw_hook(module, inputs, outputs)  # type: ignore[misc]
+
+    def _pre_bw_hook(self: Any, module: torch.nn.Module, args: Any) -> None:
+        if module in self.memory_tracking:
+            super()._pre_bw_hook(module, args)  # type: ignore[misc]
+
+    def _post_bw_hook(self: Any, module: torch.nn.Module, args: Any) -> None:
+        if module in self.memory_tracking:
+            super()._post_bw_hook(module, args)  # type: ignore[misc]
+
+    def _update_peak_stats(self: Any, peak_state: Any) -> None:
+        # the global peak only (what this command reports): MemTracker's own also walks every
+        # module's stats on every op, which at the real size costs minutes per forward
+        for device, snap in self._curr_mem_snap.items():
+            if self._peak_mem.get(device, 0) < snap["Total"]:
+                self._peak_mem[device] = snap["Total"]
+                self._peak_mem_snap[device] = dict(snap)
+
+    def _track(self: Any, reftype: Any, t: torch.Tensor) -> None:
+        if not launch_memory.untracked(t):  # the launch's meta tensors while it shards: no memory
+            super()._track(reftype, t)  # type: ignore[misc]
+
+
+def _tracker(root: Any = None, optimizer: Any = None) -> Any:
+    """``MemTracker`` with :class:`_Restart`'s hooks; with a sharded ``root`` module (and its
+    ``optimizer``), the sharded launch's tracker (``FSDPMemTracker``)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    class Tracker(MemTracker):
-        def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
-            name = self._mod_tracker.get_known_fqn(module)
-            again = module in self.memory_tracking and not self._mod_tracker.is_bw
-            if again and set(self._mod_tracker.parents) - {name} == {"Global"}:
-                self.reset_mod_stats()
-            super()._pre_fw_hook(module, inputs)
-
-        def _post_fw_hook(self, module: torch.nn.Module, inputs: Any, outputs: Any) -> None:
-            if module in self.memory_tracking:  # not when a root's restart cleared it (a VAE's encoder)
-                super()._post_fw_hook(module, inputs, outputs)
-
-        def _pre_bw_hook(self, module: torch.nn.Module, args: Any) -> None:
-            if module in self.memory_tracking:
-                super()._pre_bw_hook(module, args)
-
-        def _post_bw_hook(self, module: torch.nn.Module, args: Any) -> None:
-            if module in self.memory_tracking:
-                super()._post_bw_hook(module, args)
-
-        def _update_peak_stats(self, peak_state: Any) -> None:
-            # the global peak only (what this command reports): MemTracker's own also walks every
-            # module's stats on every op, which at the real size costs minutes per forward
-            for device, snap in self._curr_mem_snap.items():
-                if self._peak_mem.get(device, 0) < snap["Total"]:
-                    self._peak_mem[device] = snap["Total"]
-                    self._peak_mem_snap[device] = dict(snap)
-
-    return Tracker()
+    if root is not None:
+        return launch_memory.sharded_tracker(_Restart, root, optimizer)
+    return type("Tracker", (_Restart, MemTracker), {})()
 
 
 def _snapshot(tracker: Any, which: str = "peak") -> dict[str, dict[str, int]]:
@@ -73,6 +96,7 @@ def _snapshot(tracker: Any, which: str = "peak") -> dict[str, dict[str, int]]:
         into = out.setdefault(role, {})
         for kind, value in parts.items():
             name = str(getattr(kind, "value", kind))  # MemTracker's kinds: "Parameter", "Gradient", ...
+            name = launch_memory.kind_name(name)
             into[name] = into.get(name, 0) + int(value)
     return out
 
@@ -140,18 +164,32 @@ def measure(data: Mapping[str, Any], gpus: int, launch: str) -> dict[str, Any]:
     formula = ["VAE decode", "reward models", "text encoders (published parameter count, outputs stood in)"]
     if sharding_note(launch, gpus):
         formula.append(sharding_note(launch, gpus))
+    # "auto": the launcher's, which fsdp-lora.yaml / fsdp-full.yaml set to bf16
+    precision = str(train.get("mixed_precision") or "auto").replace("auto", "bf16")
     phases: dict[str, Any] = {}
     metas = fake_size.meta_transformers(policy, launch)
-    with fake_size.fake_runtime():
+    sharded = launch_memory.runs_sharding(launch)  # the launch's own sharding, on a fake process group
+    with launch_memory.sharded_run(launch, gpus) as mesh, fake_size.fake_runtime():
         tracker = _tracker()
         with tracker:
             built = fake_size.materialise(policy, name, launch, metas)
+            trainable = [p for p in policy.trainable_parameters() if p.requires_grad]
+            optimizer = torch.optim.AdamW(trainable, lr=1e-4, foreach=False)
+            if sharded:
+                trainable = launch_memory.shard(mesh, policy, optimizer, precision)
+            modules = [m for m in (getattr(policy.pipeline, a, None) for a in ("transformer", "transformer_2")) if m]
+            tracker.track_external(*modules)  # what they hold now, small tensors (real numbers) included
+            tracker._update_peak_stats(None)
         phases["load"] = _weights_at_load(_snapshot(tracker))
-        modules = [m for m in (getattr(policy.pipeline, a, None) for a in ("transformer", "transformer_2")) if m]
-        trainable = [p for p in policy.trainable_parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(trainable, lr=1e-4, foreach=False)
-        tracker = _tracker()
-        tracker.track_external(*modules, optimizer, *built["flat"].values())
+        after_load = _weights_at_load(_snapshot(tracker, "current"))
+        if sharded:
+            root = policy.trainable_module
+            tracker = _tracker(root, optimizer)
+            inside = {id(m) for m in root.modules()}
+            tracker.track_external(*(m for m in modules if id(m) not in inside), *built["flat"].values())
+        else:
+            tracker = _tracker()
+            tracker.track_external(*modules, optimizer, *built["flat"].values())
         with tracker:
             with torch.no_grad():
                 traj = sampler.rollout(policy, _prompts(policy, min(chunk, prompts_here)), group)
@@ -188,7 +226,7 @@ def measure(data: Mapping[str, Any], gpus: int, launch: str) -> dict[str, Any]:
                 acc["Total"] = acc.get("Total", 0) + value
     if chunks > 1:
         formula.append(f"rollout storage of {chunks - 1} more chunk(s) (the measured chunk's size)")
-    if launch != "ddp":
+    if launch in ("zero2", "zero3"):
         trained = [m for _, m in policy.trained_transformers()]
         weights = sum(p.numel() * p.element_size() for m in trained for p in m.parameters())
         block = max((_bytes(b) for m in trained for b in _blocks(m)), default=0)
@@ -196,6 +234,7 @@ def measure(data: Mapping[str, Any], gpus: int, launch: str) -> dict[str, Any]:
             share(phase.get("accelerator", {}), gpus, launch, weights, block)
     return {
         "phases": phases,
+        "after_load": after_load,
         "after_step": after_step,
         "formula": formula,
         "sources": built["sources"],

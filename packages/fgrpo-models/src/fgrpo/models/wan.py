@@ -102,6 +102,15 @@ class WanExperts(torch.nn.Module):
     def forward(self, name: str, **inputs: Any) -> Any:
         return self.experts[name](**inputs)
 
+    @property
+    def _no_split_modules(self) -> list[str]:
+        """The experts' block classes: accelerate's transformer-based wrap (fsdp-lora.yaml,
+        fsdp-full.yaml) reads them off the module it shards, and gives each block its own FSDP2 unit,
+        as for one transformer; without them the whole module is one unit, and every forward
+        gathers both experts' weights whole (``fgrpo memory``: about 56 GiB for Wan 2.2 A14B)."""
+        names = (getattr(m, "_no_split_modules", None) or [] for m in self.experts.values())
+        return sorted({n for found in names for n in found})
+
 
 @attrs.define(eq=False)
 class WanPolicy(DiffusersPolicy):

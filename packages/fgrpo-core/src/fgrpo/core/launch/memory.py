@@ -5,7 +5,10 @@ package (tests/test_layout.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Iterator
+from typing import Any
 
 #: the formula's launch kinds and the shipped configs they stand for
 FORMULA_LAUNCHES = ("ddp", "fsdp", "deepspeed-zero2", "deepspeed-zero3", "zero2-offload", "zero3-offload")
@@ -44,8 +47,9 @@ def shards_weights(launch: str) -> bool:
 
 
 def sharding_note(launch: str, gpus: int) -> str:
-    """What :func:`share` divides, in words (empty for data parallel)."""
-    if launch == "ddp":
+    """What :func:`share` divides, in words (empty for data parallel, and for FSDP2, whose sharding
+    ``fgrpo memory`` runs on a fake process group and measures)."""
+    if launch in ("ddp", "fsdp"):
         return ""
     what = "gradients and AdamW state" + (
         ", transformer weights (+ one block gathered)" if shards_weights(launch) else ""
@@ -54,9 +58,10 @@ def sharding_note(launch: str, gpus: int) -> str:
 
 
 def share(parts: dict[str, int], gpus: int, launch: str, weights: int, block: int) -> None:
-    """A sharded launch's bytes per process from an unsharded measurement ``parts`` ({kind: bytes}):
-    gradients and AdamW state split over the processes (ZeRO-2, ZeRO-3, FSDP2); with ZeRO-3 and
-    FSDP2 the trained transformer's ``weights`` too, one ``block`` gathered at a time."""
+    """A DeepSpeed launch's bytes per process from an unsharded measurement ``parts`` ({kind: bytes}):
+    gradients and AdamW state split over the processes (ZeRO-2, ZeRO-3); with ZeRO-3 the trained
+    transformer's ``weights`` too, one ``block`` gathered at a time. (FSDP2 is measured, not divided:
+    ``fgrpo memory`` runs its sharding on a fake process group.)"""
     if launch == "ddp":
         return
     saved = 0
@@ -71,3 +76,58 @@ def share(parts: dict[str, int], gpus: int, launch: str, weights: int, block: in
         saved += cut
     if saved:
         parts["Total"] = parts.get("Total", 0) - saved
+
+
+# --- the launches fgrpo memory runs on a fake process group (FSDP2: fgrpo.core.launch.fake_fsdp) ---
+
+
+def runs_sharding(launch: str) -> bool:
+    """Whether ``fgrpo memory`` runs ``launch``'s own sharding (FSDP2) rather than dividing."""
+    return launch == "fsdp"
+
+
+@contextlib.contextmanager
+def sharded_run(launch: str, gpus: int) -> Iterator[Any]:
+    """Outside fake mode: the fake process group of ``gpus`` ranks that ``launch`` shards over, and its
+    device mesh (None, and no group, for the other launches)."""
+    if not runs_sharding(launch):
+        yield None
+        return
+    from fgrpo.core.launch import fake_fsdp
+
+    with fake_fsdp.fake_group(gpus) as mesh:
+        yield mesh
+
+
+def shard(mesh: Any, policy: Any, optimizer: Any, precision: str) -> list[Any]:
+    """The launch's sharding of ``policy`` and ``optimizer`` on the fake group's ``mesh``."""
+    from fgrpo.core.launch import fake_fsdp
+
+    return fake_fsdp.shard(mesh, policy, optimizer, precision)
+
+
+def sharded_tracker(restart: type, root: Any, optimizer: Any) -> Any:
+    """The memory tracker of the sharded ``root`` module and its ``optimizer``, with ``restart``'s hooks."""
+    from fgrpo.core.launch import fake_fsdp
+
+    return fake_fsdp.tracker_class(restart)(root, optimizer)
+
+
+def kind_name(name: str) -> str:
+    """A memory kind of the sharded launch's tracker as ``fgrpo memory`` names it."""
+    from fgrpo.core.launch import fake_fsdp
+
+    return fake_fsdp.KINDS.get(name, name)
+
+
+def sharding_on_meta() -> Any:
+    """Around the launch's sharding on meta tensors: the meta tensors it makes are not counted."""
+    from fgrpo.core.launch import fake_fsdp
+
+    return fake_fsdp.sharding_on_meta()
+
+
+def untracked(t: Any) -> bool:
+    from fgrpo.core.launch import fake_fsdp
+
+    return fake_fsdp.untracked(t)
