@@ -326,10 +326,9 @@ def _standin_class(cls: Any) -> Any:
     def shard_loading(self: Any) -> Iterator[None]:
         # the launch's sharded load (DiffusersPolicy.shard_loading) with the shards allocated, not read
         from fgrpo.core.launch.memory import sharding_on_meta
-        from fgrpo.models import sharded_load
 
         with sharding_on_meta():
-            sharded_load.to_meta(self._stand_ins)
+            stand_ins_to_meta(self._stand_ins)
             yield
             fill_shards(self._stand_ins, ACCELERATOR)
         self._stand_ins = []
@@ -523,12 +522,22 @@ def stand_ins(module: torch.nn.Module, device: torch.device) -> list[Any]:
             owner, attr = sharded_load._owner(module, key)
             blank = torch.zeros((), dtype=param.dtype, device=device).expand(param.shape)
             owner._parameters[attr] = torch.nn.Parameter(blank, requires_grad=False)
-            pending.append(sharded_load.StandIn(owner, attr, key, Path("(fake)")))
+            pending.append(sharded_load.StandIn(owner, attr, key, Path("(fake)"), param.dtype))
         for owner in module.modules():
             for attr, buffer in owner._buffers.items():
                 if buffer is not None:
                     owner._buffers[attr] = torch.empty(buffer.shape, dtype=buffer.dtype, device=device)
     return pending
+
+
+def stand_ins_to_meta(pending: list[Any]) -> None:
+    """:func:`sharded_load.to_meta` for fake stand-ins: fake tensors are weakly referenced by their
+    mode, which ``swap_tensors`` refuses, so each is replaced rather than swapped in place (the
+    harness's optimizer finds its parameters by name after sharding, not by identity)."""
+    for item in pending:
+        param = getattr(item.owner, item.attr)
+        meta = torch.empty(param.shape, dtype=param.dtype, device="meta")
+        item.owner._parameters[item.attr] = torch.nn.Parameter(meta, requires_grad=param.requires_grad)
 
 
 def fill_shards(pending: list[Any], device: torch.device) -> None:

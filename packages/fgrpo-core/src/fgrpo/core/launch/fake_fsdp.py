@@ -68,6 +68,8 @@ def accelerator(mesh: Any, mixed_precision: str = "bf16") -> Any:
         # this fake launch does not make) and for cpu_ram_efficient_loading, which the configs leave off
         is_main_process=False,
         device=torch.device("cpu"),
+        # the launch broadcasts process 0's initial weights: over the fake group, a collective that moves nothing
+        num_processes=mesh.size(),
     )
     acc.prepare = lambda module, optimizer: _prepare(acc, module, optimizer)
     return acc
