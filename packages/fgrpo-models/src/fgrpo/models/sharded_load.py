@@ -141,29 +141,33 @@ def fill(pending: Sequence[StandIn], device: torch.device | str) -> None:
     """Read each weight's values onto ``device``: this process's rows of an FSDP2 shard (a DTensor
     sharded on dim 0 in ``torch.chunk`` pieces; FSDP re-pads it at its first forward, as after
     ``to_empty``), or the whole tensor when nothing sharded it."""
-    from safetensors import safe_open
-
     from fgrpo.core.launch.shards import is_sharded_tensor
+
+    with torch.no_grad():
+        for f, item in _opened(pending):
+            param = getattr(item.owner, item.attr)
+            if not is_sharded_tensor(param):
+                whole = f.get_tensor(item.key).to(item.dtype).to(device, param.dtype)
+                item.owner._parameters[item.attr] = torch.nn.Parameter(whole, requires_grad=param.requires_grad)
+                continue
+            meta, start = _local_rows(param)
+            local = torch.empty(meta.shape, dtype=meta.dtype, device=device)
+            if local.numel():
+                local.copy_(f.get_slice(item.key)[start : start + local.shape[0]].to(item.dtype))
+            _swap_local(param, local)
+
+
+def _opened(pending: Sequence[StandIn]) -> Iterator[tuple[Any, StandIn]]:
+    """(the open safetensors file, the stand-in) for every stand-in, each file opened once."""
+    from safetensors import safe_open
 
     by_file: dict[Path, list[StandIn]] = {}
     for item in pending:
         by_file.setdefault(item.file, []).append(item)
-    with torch.no_grad():
-        for file, items in by_file.items():
-            with safe_open(str(file), framework="pt") as f:
-                for item in items:
-                    param = getattr(item.owner, item.attr)
-                    if not is_sharded_tensor(param):
-                        whole = f.get_tensor(item.key).to(item.dtype).to(device, param.dtype)
-                        item.owner._parameters[item.attr] = torch.nn.Parameter(
-                            whole, requires_grad=param.requires_grad
-                        )
-                        continue
-                    meta, start = _local_rows(param)
-                    local = torch.empty(meta.shape, dtype=meta.dtype, device=device)
-                    if local.numel():
-                        local.copy_(f.get_slice(item.key)[start : start + local.shape[0]].to(item.dtype))
-                    _swap_local(param, local)
+    for file, items in by_file.items():
+        with safe_open(str(file), framework="pt") as f:
+            for item in items:
+                yield f, item
 
 
 @contextmanager
@@ -190,17 +194,10 @@ def partition(pending: Sequence[StandIn], place: Callable[[torch.nn.Parameter, F
     ``read(start, stop)``: the elements ``start:stop`` of the flattened weight, in the stand-in's
     dtype. Each weight is read from its file by the rows that hold those elements (at most two rows
     more than the partition)."""
-    from safetensors import safe_open
-
-    by_file: dict[Path, list[StandIn]] = {}
-    for item in pending:
-        by_file.setdefault(item.file, []).append(item)
     with torch.no_grad():
-        for file, items in by_file.items():
-            with safe_open(str(file), framework="pt") as f:
-                for item in items:
-                    param = getattr(item.owner, item.attr)
-                    place(param, FlatReader(f, item.key, tuple(param.shape), item.dtype))
+        for f, item in _opened(pending):
+            param = getattr(item.owner, item.attr)
+            place(param, FlatReader(f, item.key, tuple(param.shape), item.dtype))
 
 
 @attrs.frozen
