@@ -327,8 +327,7 @@ def _standin_class(cls: Any) -> Any:
         # the launch's sharded load (DiffusersPolicy.shard_loading) with the shards allocated, not read
         from fgrpo.core.launch.memory import sharding_on_meta
 
-        with sharding_on_meta():
-            stand_ins_to_meta(self._stand_ins)
+        with sharding_on_meta(stand_ins_to_meta(self._stand_ins)):
             yield
             fill_shards(self._stand_ins, ACCELERATOR)
         self._stand_ins = []
@@ -530,14 +529,19 @@ def stand_ins(module: torch.nn.Module, device: torch.device) -> list[Any]:
     return pending
 
 
-def stand_ins_to_meta(pending: list[Any]) -> None:
+def stand_ins_to_meta(pending: list[Any]) -> dict[int, torch.nn.Parameter]:
     """:func:`sharded_load.to_meta` for fake stand-ins: fake tensors are weakly referenced by their
-    mode, which ``swap_tensors`` refuses, so each is replaced rather than swapped in place (the
-    harness's optimizer finds its parameters by name after sharding, not by identity)."""
+    mode, which ``swap_tensors`` refuses, so each is replaced rather than swapped in place; returns
+    {id of the replaced parameter: its replacement}, for the optimizer that holds the old ones
+    under full fine-tuning."""
+    replaced = {}
     for item in pending:
         param = getattr(item.owner, item.attr)
         meta = torch.empty(param.shape, dtype=param.dtype, device="meta")
-        item.owner._parameters[item.attr] = torch.nn.Parameter(meta, requires_grad=param.requires_grad)
+        replaced[id(param)] = item.owner._parameters[item.attr] = torch.nn.Parameter(
+            meta, requires_grad=param.requires_grad
+        )
+    return replaced
 
 
 def fill_shards(pending: list[Any], device: torch.device) -> None:

@@ -89,6 +89,8 @@ def _prepare(acc: Any, module: torch.nn.Module, optimizer: torch.optim.Optimizer
     from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 
     names = {id(p): n for n, p in module.named_parameters()}
+    for group in optimizer.param_groups:  # full fine-tuning: the optimizer holds the stand-ins replaced on meta
+        group["params"] = [_REPLACED.get(id(p), p) for p in group["params"]]
     prepared = fsdp2_prepare_model(acc, module)
     sharded = dict(prepared.named_parameters())
     for group in optimizer.param_groups:
@@ -99,15 +101,19 @@ def _prepare(acc: Any, module: torch.nn.Module, optimizer: torch.optim.Optimizer
 #: while the launch shards on meta (``sharded_load.to_meta`` up to the shards' fill): the meta
 #: tensors it makes, which the harness's host stand-in (meta) would otherwise count
 _ON_META = [False]
+#: id of a parameter the harness replaced by a meta one -> the replacement, while sharding
+_REPLACED: dict[int, torch.nn.Parameter] = {}
 
 
 @contextlib.contextmanager
-def sharding_on_meta() -> Iterator[None]:
+def sharding_on_meta(replaced: dict[int, torch.nn.Parameter]) -> Iterator[None]:
     _ON_META[0] = True
+    _REPLACED.update(replaced)
     try:
         yield
     finally:
         _ON_META[0] = False
+        _REPLACED.clear()
 
 
 def untracked(t: torch.Tensor) -> bool:

@@ -120,11 +120,13 @@ def kind_name(name: str) -> str:
     return fake_fsdp.KINDS.get(name, name)
 
 
-def sharding_on_meta() -> Any:
-    """Around the launch's sharding on meta tensors: the meta tensors it makes are not counted."""
+def sharding_on_meta(replaced: dict[int, Any]) -> Any:
+    """Around the launch's sharding on meta tensors: the meta tensors it makes are not counted;
+    ``replaced`` maps the id of each parameter the harness replaced by a meta one to its
+    replacement (the optimizer still holds the old one)."""
     from fgrpo.core.launch import fake_fsdp
 
-    return fake_fsdp.sharding_on_meta()
+    return fake_fsdp.sharding_on_meta(replaced)
 
 
 def untracked(t: Any) -> bool:

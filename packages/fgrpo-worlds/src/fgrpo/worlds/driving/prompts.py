@@ -159,7 +159,7 @@ class DrivingPrompts:
         ]
         self._test = [scenes.prompt_of(t, TEST_SEED_BASE + s) for t in self.types for s in range(self.test_seeds)]
         if self.randomize is not None:
-            self._register_randomized_logs()
+            self._register_randomized_logs(self.randomize)
         if self.highway is not None:
             self._train.extend(highway_starts.register_starts(self.highway))
         if self.scenarios is not None:
@@ -173,11 +173,11 @@ class DrivingPrompts:
             self._train.extend(self._self)
             self._register_teacher_states()
 
-    def _register_randomized_logs(self) -> None:
+    def _register_randomized_logs(self, spec: dict[str, Any]) -> None:
         """The training scenarios drawn by ``randomize``, and the teacher's logs of them at every
         time a training or closed-loop prompt starts from."""
         pairs = [(TYPES.index(t), s) for t in self.types for s in range(self.train_seeds)]
-        start = randomization.randomize(generate([k for k, _ in pairs], [s for _, s in pairs]), self.randomize)
+        start = randomization.randomize(generate([k for k, _ in pairs], [s for _, s in pairs]), spec)
         times = set(self.times) | set(self._closed_loop_spec()["times"] if self.closed_loop is not None else [])
         scenes.register_logs(start, sorted(times))
 
