@@ -237,6 +237,38 @@ def test_a_guard_state_of_one_metric_resumes_into_the_new_guard():
     assert fired == {"guard/streak": 0.0, "guard/fired": 1.0, "guard/new_best": 0.0}
 
 
+def test_an_evaluator_with_every_runs_at_the_iterations_it_names_and_the_last(root, tmp_path):
+    """``every: 0``: the last evaluation only (a slow judge, as highway-env for the planners);
+    ``every: 2``: iterations 0, 2 and the last, 3; the others at every evaluation."""
+    evaluators = (
+        "evaluator=[target-miss, {name: target-miss, label: end, every: 0}, {name: target-miss, label: two, every: 2}]"
+    )
+    rows = compose(root, tmp_path / "run", evaluators, "train.iterations=3", "eval.every=1")
+    evals = [r for r in rows if "eval/reward_mean" in r]
+    at = {
+        label: [r["iteration"] for r in evals if f"gold/{label}/miss" in r] for label in ("target-miss", "end", "two")
+    }
+    assert at == {"target-miss": [0, 1, 2, 3], "end": [3], "two": [0, 2, 3]}
+    # the same evaluator on the same weights: the same value, whenever it runs
+    assert evals[-1]["gold/end/miss"] == evals[-1]["gold/target-miss/miss"] == evals[-1]["gold/two/miss"]
+
+
+def test_the_guard_compares_a_sparse_metric_with_its_own_last_evaluation():
+    """A metric logged every other evaluation is compared with its last value and the proxy as it
+    was then; the evaluations without it leave its streak as it was."""
+    guard = Guard.from_recipe({"metric": ["gold/a/x", "gold/b/y"], "patience": 2}, {})
+    rows = [
+        {"eval/reward_mean": 0.1, "gold/a/x": 1.0, "gold/b/y": 1.0},
+        {"eval/reward_mean": 0.2, "gold/a/x": 1.0},
+        {"eval/reward_mean": 0.3, "gold/a/x": 1.0, "gold/b/y": 0.5},  # y fell while the proxy rose since it was seen
+        {"eval/reward_mean": 0.4, "gold/a/x": 1.0},
+        {"eval/reward_mean": 0.5, "gold/a/x": 1.0, "gold/b/y": 0.2},
+    ]
+    seen = [guard.observe(i, row) for i, row in enumerate(rows)]
+    assert [s["guard/fired"] for s in seen] == [0.0, 0.0, 0.0, 0.0, 1.0]
+    assert [s["guard/streak"] for s in seen[:4]] == [0.0, 0.0, 1.0, 1.0] and guard.fired_by == ["gold/b/y"]
+
+
 def test_a_guard_without_metric_needs_an_evaluator_that_names_limits(root, capsys):
     args = ["validate", str(root / "recipes" / "vector.yaml"), "--set", "evaluator=scripted", "--set", "eval.guard={}"]
     assert cli.main(args) == 2
@@ -266,6 +298,10 @@ def test_guard_resumes_exactly(root, tmp_path):
             "evaluator.label: got 'a/b'; allowed: a non-empty string without '/'",
         ),
         (["evaluator={name: scripted, pek: 2}"], "evaluator.pek: unknown key (did you mean 'peak'?)"),
+        (
+            ["evaluator={name: scripted, every: -1}"],
+            "evaluator.every: got -1; allowed: null (at every evaluation), 0 (at the last only) or N > 0",
+        ),
         (
             ["eval.guard={metric: gold/other/x}", "evaluator=scripted"],
             "eval.guard.metric: got 'gold/other/x'; allowed: a metric of the recipe's evaluators (gold/scripted/...)",

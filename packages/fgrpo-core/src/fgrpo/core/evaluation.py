@@ -142,8 +142,10 @@ def gold_metrics(
 ) -> dict[str, float]:
     """Every evaluator of the recipe on the held-out prompts, with the policy as evaluation uses it
     (EMA weights, ``eval.guidance_scale``): its metrics as ``gold/<label>/<key>``; its pictures as
-    tiles of the report's gold filmstrip (``samples/gold_N/<label>/``)."""
-    evaluators = getattr(run, "evaluators", None) or []
+    tiles of the report's gold filmstrip (``samples/gold_N/<label>/``). An evaluator with
+    ``every`` runs only at the iterations it names."""
+    last = run.recipe.train.iterations
+    evaluators = [(s, e) for s, e in getattr(run, "evaluators", None) or [] if s.runs_at(iteration, last)]
     if not evaluators:
         return {}
     cfg = run.recipe.eval

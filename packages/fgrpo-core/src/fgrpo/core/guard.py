@@ -143,7 +143,7 @@ class Guard:
 
     config: GuardConfig
     watched: list[Watched] = attrs.Factory(list)
-    previous: dict[str, float] | None = None  # the proxy and each watched metric (signed) at the last evaluation
+    previous: dict[str, float] | None = None  # the proxy, each watched metric (signed) and the proxy then, as last seen
     streaks: dict[str, int] = attrs.Factory(dict)
     best: float | None = None  # of the first watched metric (signed)
     best_iteration: int | None = None
@@ -194,9 +194,13 @@ class Guard:
             self.best, self.best_iteration = now[self.headline.key], iteration
         fired = False
         if self.previous is not None:
-            rose = now["proxy"] - self.previous["proxy"] > cfg.min_change
+            before = self.previous
             for w in self.watched:
-                worse = w.key in now and w.key in self.previous and self.previous[w.key] - now[w.key] > w.tolerance
+                if w.key not in now or w.key not in before:
+                    continue  # an evaluator that runs less often (its ``every``): its streak waits for it
+                # against its own last evaluation, and the proxy as it was then
+                rose = now["proxy"] - before.get(f"proxy/{w.key}", before["proxy"]) > cfg.min_change
+                worse = before[w.key] - now[w.key] > w.tolerance
                 self.streaks[w.key] = self.streaks.get(w.key, 0) + 1 if (rose and worse) else 0
             by = [w.key for w in self.watched if self.streaks.get(w.key, 0) >= cfg.patience]
             if by:
@@ -204,7 +208,8 @@ class Guard:
                 self.fired_at.append(iteration)
                 self.fired_by = by
                 self.streaks = {}
-        self.previous = now
+        seen = {f"proxy/{key}": now["proxy"] for key in now if key != "proxy"}
+        self.previous = {**(self.previous or {}), **now, **seen}
         streak = max(self.streaks.values(), default=0)
         return {"guard/streak": float(streak), "guard/fired": float(fired), "guard/new_best": float(new_best)}
 

@@ -223,7 +223,7 @@ SECTIONS: dict[str, str] = {
 }
 REQUIRED = ("model", "sampler", "reward", "objective", "prompts")
 OWN_SECTIONS = {"train": TrainConfig, "eval": EvalConfig, "log": LogConfig}
-EVALUATOR_EXTRA_KEYS = ("label",)
+EVALUATOR_EXTRA_KEYS = ("label", "every")
 
 
 @attrs.frozen
@@ -250,6 +250,14 @@ class EvaluatorSpec:
     name: str
     label: str  # its metrics are logged as gold/<label>/<key>
     params: dict[str, Any]
+    # None: at every evaluation; N: at the evaluations of iterations divisible by N, and the last;
+    # 0: at the last only (an evaluator too slow to run as often as the others)
+    every: int | None = None
+
+    def runs_at(self, iteration: int, last: int) -> bool:
+        if self.every is None or iteration == last:
+            return True
+        return self.every > 0 and iteration % self.every == 0
 
 
 @attrs.frozen
@@ -554,13 +562,23 @@ def _check_evaluators(value: Any) -> tuple[list[EvaluatorSpec], list[dict[str, A
         if label is not None and (not isinstance(label, str) or not label or "/" in label):
             errors.append(ConfigError(f"{key}.label", f"got {shown(label)}; allowed: a non-empty string without '/'"))
             label = None
+        every = item.get("every")
+        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 0):
+            errors.append(
+                ConfigError(
+                    f"{key}.every",
+                    f"got {shown(every)}; allowed: null (at every evaluation), 0 (at the last only) or N > 0 "
+                    "(iterations divisible by N, and the last)",
+                )
+            )
+            every = None
         params = {k: v for k, v in item.items() if k not in EVALUATOR_EXTRA_KEYS}
         spec, errs = registry.check_spec("evaluator", params, key)
         errors += errs
         label = label or str(spec.get("name", "?"))
-        resolved.append({**spec, "label": label})
+        resolved.append({**spec, "label": label, "every": every})
         if not errs:
-            specs.append(EvaluatorSpec(spec["name"], label, {k: v for k, v in spec.items() if k != "name"}))
+            specs.append(EvaluatorSpec(spec["name"], label, {k: v for k, v in spec.items() if k != "name"}, every))
     return specs, resolved, errors + _duplicate_labels("evaluator", resolved)
 
 
