@@ -143,7 +143,8 @@ class Guard:
 
     config: GuardConfig
     watched: list[Watched] = attrs.Factory(list)
-    previous: dict[str, float] | None = None  # the proxy, each watched metric (signed) and the proxy then, as last seen
+    # the proxy, each watched metric (signed) and the proxy when that metric was last seen
+    previous: dict[str, float] | None = None
     streaks: dict[str, int] = attrs.Factory(dict)
     best: float | None = None  # of the first watched metric (signed)
     best_iteration: int | None = None
