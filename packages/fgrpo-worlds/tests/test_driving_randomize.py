@@ -131,3 +131,14 @@ def test_a_bad_range_is_one_line_naming_the_key(value, allowed, capsys):
     assert code == 2 and "Traceback" not in captured.err and captured.out == ""
     lines = captured.err.splitlines()
     assert len(lines) == 2 and lines[0].startswith("error: prompts.randomize: ") and allowed in lines[0], lines
+
+
+def test_highway_starts_without_highway_env_are_one_line_naming_the_extra(monkeypatch, capsys):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "highway_env", None)  # import highway_env raises ImportError
+    code = cli.main(["validate", "driving", "--set", "prompts.highway={episodes: 2}"])
+    captured = capsys.readouterr()
+    assert code == 2 and "Traceback" not in captured.err
+    first = captured.err.splitlines()[0]
+    assert first.startswith("error: prompts.highway: ") and 'pip install "fgrpo-worlds[highway]"' in first, first

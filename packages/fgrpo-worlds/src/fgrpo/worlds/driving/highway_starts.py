@@ -54,7 +54,7 @@ def validate(_instance: Any, _attribute: Any, value: Any) -> None:
         return
     if not isinstance(value, Mapping):
         raise ValueError(f"got {value!r}; allowed: null or a mapping with keys {', '.join(KEYS)}")
-    problems = [f"{k}: unknown key" for k in value if k not in KEYS]
+    problems = [f"{k}: unknown key" for k in value if k not in KEYS] + _missing_highway_env()
     episodes, seed, seconds = value.get("episodes", 8), value.get("seed", 0), value.get("seconds", 10.0)
     if isinstance(episodes, bool) or not isinstance(episodes, int) or not 1 <= episodes <= 1000:
         problems.append(f"episodes: got {episodes!r}; allowed: an integer from 1 to 1000 (per configuration)")
@@ -70,6 +70,14 @@ def validate(_instance: Any, _attribute: Any, value: Any) -> None:
             problems += _config_problems(i, config)
     if problems:
         raise ValueError("; ".join(problems))
+
+
+def _missing_highway_env() -> list[str]:
+    try:
+        import highway_env  # noqa: F401
+    except ImportError:
+        return ['needs highway-env, which is not installed: pip install "fgrpo-worlds[highway]"']
+    return []
 
 
 def register_starts(spec: Mapping[str, Any]) -> list[str]:
