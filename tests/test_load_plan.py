@@ -148,21 +148,7 @@ def test_each_network_moves_once_and_text_encoders_never_reach_the_accelerator(
 def test_under_fsdp2_each_process_reads_only_its_shard_and_gets_the_whole_loads_weights(
     backbone, dtype, launch_kind, tmp_path
 ):
-    from fgrpo.models.testing import build_tiny_sd3_pipeline, build_tiny_wan22_pipeline
-
-    folder = tmp_path / backbone
-    if backbone == "sd3":
-        build_tiny_sd3_pipeline(folder, sd35=True)
-    else:
-        build_tiny_wan22_pipeline(folder)
-    done = subprocess.run(
-        [*torchrun(), str(HERE / "load_worker.py"), backbone, str(folder), dtype, str(tmp_path), launch_kind],
-        env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
-        timeout=600,
-        capture_output=True,
-        text=True,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
+    run_load_worker(backbone, dtype, launch_kind, tmp_path)
     for rank in (0, 1):
         report = json.loads((tmp_path / f"load-rank{rank}.json").read_text())
         # before the launch shards it, the transformer's weights take (almost) no memory: one
@@ -198,21 +184,7 @@ def test_under_zero3_each_process_reads_only_its_partitions_and_gets_the_whole_l
     launch before it loaded shards), a process held 1,295,488 bytes of the transformer's weights
     before DeepSpeed partitioned them, the whole model."""
     pytest.importorskip("deepspeed", reason="ZeRO-3 needs the deepspeed package (fgrpo-core[deepspeed])")
-    from fgrpo.models.testing import build_tiny_sd3_pipeline, build_tiny_wan22_pipeline
-
-    folder = tmp_path / backbone
-    if backbone == "sd3":
-        build_tiny_sd3_pipeline(folder, sd35=True)
-    else:
-        build_tiny_wan22_pipeline(folder)
-    done = subprocess.run(
-        [*torchrun(), str(HERE / "load_worker.py"), backbone, str(folder), "float32", str(tmp_path), launch_kind],
-        env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
-        timeout=600,
-        capture_output=True,
-        text=True,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
+    run_load_worker(backbone, "float32", launch_kind, tmp_path)
     reports = [json.loads((tmp_path / f"load-rank{rank}.json").read_text()) for rank in (0, 1)]
     for report in reports:
         # before DeepSpeed takes the module, one element per transformer weight, not the model
@@ -238,3 +210,23 @@ def test_under_zero3_each_process_reads_only_its_partitions_and_gets_the_whole_l
     # the two partitions of each weight hold all its elements once
     first, second = (r["partitions"] for r in reports)
     assert all(first[n][2] + second[n][2] == first[n][0] for n in first)
+
+
+def run_load_worker(backbone: str, dtype: str, launch_kind: str, tmp_path) -> None:
+    """load_worker.py on two processes over a tiny pipeline of ``backbone`` saved under ``tmp_path``;
+    each writes its report to ``tmp_path/load-rank<N>.json``."""
+    from fgrpo.models.testing import build_tiny_sd3_pipeline, build_tiny_wan22_pipeline
+
+    folder = tmp_path / backbone
+    if backbone == "sd3":
+        build_tiny_sd3_pipeline(folder, sd35=True)
+    else:
+        build_tiny_wan22_pipeline(folder)
+    done = subprocess.run(
+        [*torchrun(), str(HERE / "load_worker.py"), backbone, str(folder), dtype, str(tmp_path), launch_kind],
+        env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
+        timeout=600,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
