@@ -53,6 +53,26 @@ def test_every_draw_lies_in_its_range_and_depends_on_type_and_seed_only():
     assert (out.idm[stopped, 0, 0] == 0).all()
 
 
+def test_a_fraction_randomises_that_share_of_scenarios_and_leaves_the_others_as_generated():
+    base = generate(KINDS, SEEDS)
+    whole = randomize.randomize(base, SPEC)
+    half = randomize.randomize(base, {**SPEC, "fraction": 0.5})
+    fields = ("agents", "valid", "idm", "lane_change")
+
+    def same(a, b, i):
+        return all(torch.equal(getattr(a, f)[i].nan_to_num(), getattr(b, f)[i].nan_to_num()) for f in fields)
+
+    drawn = [i for i in range(len(KINDS)) if same(half, whole, i)]
+    kept = [i for i in range(len(KINDS)) if same(half, base, i)]
+    assert sorted(drawn + kept) == list(range(len(KINDS)))  # each scenario one or the other, whole
+    assert 0.3 * len(KINDS) < len(drawn) < 0.7 * len(KINDS)
+    # which ones does not depend on the batch, and a fraction of 1 is no fraction
+    alone = randomize.randomize(generate([KINDS[kept[0]]], [SEEDS[kept[0]]]), {**SPEC, "fraction": 0.5})
+    assert torch.equal(alone.idm, base.idm[kept[0] : kept[0] + 1])
+    everything = randomize.randomize(base, {**SPEC, "fraction": 1.0})
+    assert all(same(everything, whole, i) for i in range(len(KINDS)))
+
+
 def test_keys_left_out_keep_the_scenes_own_values():
     base = generate(KINDS, SEEDS)
     out = randomize.randomize(base, {"headway": [1.0, 1.1]})
@@ -123,6 +143,7 @@ def test_training_scenarios_and_their_logs_are_randomised_and_held_out_ones_are_
         ("{politeness: [0, 1]}", "politeness: unknown key"),
         ("{lane_change_rate: [0.1, 1.5]}", "lane_change_rate: got [0.1, 1.5]"),
         ("[1, 2]", "expected a mapping or null, got [1, 2]"),
+        ("{headway: [1, 2], fraction: 1.5}", "fraction: got 1.5; allowed: a number from 0 to 1"),
     ],
 )
 def test_a_bad_range_is_one_line_naming_the_key(value, allowed, capsys):

@@ -19,6 +19,8 @@ comparable with every earlier run.
   ``lane_change_duration``: how long a change takes [s].
 - ``cars_per_lane``: extra cars per lane, placed at least :data:`SPACING` m from every car of
   their lane and from the ego, driving 0.5-1.0 x the limit.
+- ``fraction`` (a number, not a range; default 1): the share of training scenarios randomised, drawn
+  per scenario on a stream of its own; the others keep the generator's drivers (a mixed world).
 
 The drivers here follow scripted lane changes, not MOBIL, so MOBIL's politeness and threshold have
 no counterpart but the lane-change rate, and a reaction delay none (docs/planners.md).
@@ -45,7 +47,7 @@ BOUNDS: dict[str, tuple[float, float]] = {
     "lane_change_duration": (1.0, 8.0),
     "cars_per_lane": (0.0, 6.0),
 }
-KEYS = tuple(BOUNDS)
+KEYS = (*BOUNDS, "fraction")
 SPACING = 12.0  #: m, centre to centre, between an added car and any car of its lane or the ego
 _STREAM = 7919  #: offsets the scenario type in the hash: the randomisation's draws are a stream of their own
 _PER_SCENE, _PER_CAR = 2, 8  #: draws per scenario, per car slot
@@ -57,7 +59,10 @@ def validate(_instance: Any, _attribute: Any, value: Any) -> None:
         return
     if not isinstance(value, Mapping) or not value:
         raise ValueError(f"got {value!r}; allowed: null or a mapping of {', '.join(KEYS)} to [low, high]")
-    problems = [f"{k}: unknown key" for k in value if k not in BOUNDS]
+    problems = [f"{k}: unknown key" for k in value if k not in KEYS]
+    fraction = value.get("fraction", 1.0)
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction <= 1:
+        problems.append(f"fraction: got {fraction!r}; allowed: a number from 0 to 1")
     for key, pair in value.items():
         if key not in BOUNDS:
             continue
@@ -106,7 +111,17 @@ def randomize(scene: Scene, spec: Mapping[str, Any]) -> Scene:
             idm[..., column] = _between(per_car[..., column], spec, key)
     if "lane_change_rate" in spec:
         lane_change = _lane_changes(scene, per_scene[:, 1], per_car, spec, agents, valid, lane_change)
-    return scene.replace(agents=agents, valid=valid, idm=idm, lane_change=lane_change)
+    drawn = uniforms(scene.kind + 2 * (_STREAM + len(TYPES)), scene.seed, 1)[:, 0] < float(spec.get("fraction", 1.0))
+
+    def kept(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+        return torch.where(drawn.view(-1, *([1] * (new.dim() - 1))), new, old)
+
+    return scene.replace(
+        agents=kept(agents, scene.agents),
+        valid=kept(valid, scene.valid),
+        idm=kept(idm, scene.idm),
+        lane_change=kept(lane_change, scene.lane_change),
+    )
 
 
 def _lane_changes(
