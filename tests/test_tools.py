@@ -361,19 +361,20 @@ def test_planners_bench_trains_evaluates_in_both_worlds_and_resumes(tmp_path, ca
         "eval.steps=2",
         "eval.every=0",
         "train.checkpoint_every=1",
+        "prompts.highway={episodes: 1, seed: 0, seconds: 5.0, configs: [{lanes: 3, vehicles: 10}]}",
     ]
-    argv = ["--work", str(tmp_path), "--seeds", "0", "--planners", "bc,nft-our-world", "--episodes", "1"]
+    argv = ["--work", str(tmp_path), "--seeds", "0", "--planners", "bc,driving-highway.yaml", "--episodes", "1"]
     argv += ["--shadow-episodes", "1", "--only", "gold,highway:aggressive+filter,shadow:highway"]
     argv += [f"--set={item}" for item in small]
     assert bench.main(argv) == 0
     cells = sorted(p.name for p in (tmp_path / "cells").glob("*.json"))
     assert cells == sorted(
         f"{p}-0-{n}.json"
-        for p in ("bc", "nft-our-world")
+        for p in ("bc", "driving-highway.yaml")
         for n in ("gold", "highway_aggressive+filter", "shadow_highway")
     )
     first = capsys.readouterr().out
-    row = next(line for line in first.splitlines() if line.startswith("nft-our-world")).split()
+    row = next(line for line in first.splitlines() if line.startswith("driving-highway.yaml")).split()
     # planner, seed, gold (CL, collisions), highway-env behind the filter (+ interventions), shadow (ADE, collisions)
     assert len(row) == 2 + 2 + 3 + 2 and "-" not in row
     stamps = {p: p.stat().st_mtime_ns for p in (tmp_path / "cells").glob("*.json")}

@@ -1,9 +1,9 @@
 """The planners against our gold and highway-env in one run: the BC base, Flow-GRPO on the rollout,
-the NFT recipe of our world alone and the shipped ``recipes/driving.yaml``, each trained on the
-recipe's seeds, judged on the 1000 held-out scenarios of our world and in highway-env under the
-standard configuration and two that no recipe trains on, alone and behind the safety filter, with
-shadow mode in both worlds. Out of CI: each highway-env configuration costs about 10 min of one
-thread per planner at 300 episodes.
+``recipes/driving.yaml`` (NFT in our world alone) and ``recipes/driving-highway.yaml`` (NFT with a
+randomised world and highway-env's states), each trained on the recipe's seeds, judged on the 1000
+held-out scenarios of our world and in highway-env under the standard configuration and two that no
+recipe trains on, alone and behind the safety filter, with shadow mode in both worlds. Out of CI:
+each highway-env configuration costs about 10 min of one thread per planner at 300 episodes.
 
     python tools/bench/planners.py --work /tmp/planners --seeds 0,1,2 --episodes 300 --jobs 2
 
@@ -26,15 +26,23 @@ from typing import Any
 import _bench
 import _leaderboard
 
-RECIPE = str(_bench.ROOT / "recipes" / "driving.yaml")
-#: what the shipped recipe added for transfer, undone: the NFT recipe of our world alone (93e83e7..)
-WORLD_ONLY = ["prompts.randomize=null", "prompts.highway=null"]
-PLANNERS: dict[str, list[str] | None] = {
-    "bc": None,  # the base: nothing trained
-    "flow-grpo": WORLD_ONLY + _leaderboard.DRIVING["grpo"][1],
-    "nft-our-world": WORLD_ONLY,
-    "driving.yaml": [],
+RECIPES = _bench.ROOT / "recipes"
+#: each planner: (its recipe, the overrides that make it), or None for the BC base (nothing trained)
+PLANNERS: dict[str, tuple[str, list[str]] | None] = {
+    "bc": None,
+    "flow-grpo": ("driving.yaml", _leaderboard.DRIVING["grpo"][1]),
+    "driving.yaml": ("driving.yaml", []),  # NFT in our world alone
+    # NFT with the transfer levers: a randomised world and highway-env's states
+    "driving-highway.yaml": ("driving-highway.yaml", []),
 }
+
+
+def recipe_of(planner: str) -> tuple[str, list[str]]:
+    """The planner's recipe file and overrides (the base: the driving recipe as it is)."""
+    name, overrides = PLANNERS[planner] or ("driving.yaml", [])
+    return str(RECIPES / name), list(overrides)
+
+
 #: highway-env configurations judged: the standard one (driving-highway's defaults) and two that
 #: no recipe trains on (prompts.highway's configurations are others; docs/planners.md)
 HIGHWAY = {
@@ -73,13 +81,13 @@ def evaluators(episodes: int, shadow_episodes: int) -> dict[str, str]:
 
 def train_cell(work: Path, planner: str, seed: int, extra: Sequence[str] = ()) -> Path | None:
     """The planner's final weights for ``seed`` (trained once, kept under ``work``); None for the base."""
-    overrides = PLANNERS[planner]
-    if overrides is None:
+    if PLANNERS[planner] is None:
         return None
+    recipe, overrides = recipe_of(planner)
     out = work / "runs" / f"{planner}-{seed}"
     done = sorted(out.glob("checkpoints/iter_*/trainable.safetensors"))
     if not (out / "finished").exists():
-        command = [sys.executable, "-m", "fgrpo.core.cli", "compose", RECIPE, "--out", str(out), "--quiet"]
+        command = [sys.executable, "-m", "fgrpo.core.cli", "compose", recipe, "--out", str(out), "--quiet"]
         command += ["--resume"] if done else []
         for item in [*overrides, *extra, f"seed={seed}"]:
             command += ["--set", item]
@@ -96,8 +104,9 @@ def evaluate(planner: str, weights: Path | None, evaluator: str, extra: Sequence
     from fgrpo.core import evaluation
 
     # the guard watches a run's evaluations over time: one evaluation has nothing to watch
-    overrides = [*(PLANNERS[planner] or []), *extra, f"evaluator={evaluator}", "eval.guard=null"]
-    recipe = _bench.load_recipe(RECIPE, overrides)
+    file, own = recipe_of(planner)
+    overrides = [*own, *extra, f"evaluator={evaluator}", "eval.guard=null"]
+    recipe = _bench.load_recipe(file, overrides)
     run = _bench.build(recipe)
     if weights is not None:
         run.learner.policy.load_trainable_state_dict(load_file(str(weights)))
