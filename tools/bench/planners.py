@@ -37,6 +37,10 @@ PLANNERS: dict[str, tuple[str, list[str]] | None] = {
 }
 
 
+#: an evaluation judges held-out scenarios only: the training starts are not built for it
+TRAINING_STARTS_OFF = ["prompts.randomize=null", "prompts.highway=null"]
+
+
 def recipe_of(planner: str) -> tuple[str, list[str]]:
     """The planner's recipe file and overrides (the base: the driving recipe as it is)."""
     name, overrides = PLANNERS[planner] or ("driving.yaml", [])
@@ -103,9 +107,11 @@ def evaluate(planner: str, weights: Path | None, evaluator: str, extra: Sequence
 
     from fgrpo.core import evaluation
 
-    # the guard watches a run's evaluations over time: one evaluation has nothing to watch
+    # the guard watches a run's evaluations over time: one evaluation has nothing to watch; the
+    # training starts (highway-env's episodes, the randomised scenes) are training's alone, and
+    # would cost every evaluation cell their set-up
     file, own = recipe_of(planner)
-    overrides = [*own, *extra, f"evaluator={evaluator}", "eval.guard=null"]
+    overrides = [*own, *extra, f"evaluator={evaluator}", "eval.guard=null", *TRAINING_STARTS_OFF]
     recipe = _bench.load_recipe(file, overrides)
     run = _bench.build(recipe)
     if weights is not None:
