@@ -13,7 +13,8 @@ limit (the leaderboard).
 Worlds (``--world``, tools/bench/_leaderboard.py): ``shapes`` (held-out strict accuracy read by the
 shapes verifier, gold error; thirteen recipes: grpo, grpo-guard, fast, mixgrpo-flash, nft, awm, dpo,
 pairwise, dgpo, flow-dppo, tempflow, flash, branch), ``shapes-edit`` (held-out edit accuracy, the
-preservation gold error; the editing recipe (awm) and grpo, nft, flow-dppo, dgpo on it) and
+preservation gold error; the editing recipe (nft), the previous one (awm), and nft-shapes, grpo,
+flow-dppo, dgpo on the previous recipe's reward) and
 ``driving`` (CL-score and collisions of the closed loop; the planner recipe (nft) and grpo, awm,
 flow-dppo, dgpo on it). The gold limit is 1.2x the base's gold on every seed (driving: collisions
 at most the base's).
