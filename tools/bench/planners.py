@@ -37,7 +37,8 @@ PLANNERS: dict[str, tuple[str, list[str]] | None] = {
 }
 
 
-#: an evaluation judges held-out scenarios only: the training starts are not built for it
+#: an evaluation judges held-out scenarios only: the training starts (highway-env's episodes, the
+#: randomised scenes) are not built for it, which would cost every evaluation cell their set-up
 TRAINING_STARTS_OFF = ["prompts.randomize=null", "prompts.highway=null"]
 
 
@@ -107,9 +108,7 @@ def evaluate(planner: str, weights: Path | None, evaluator: str, extra: Sequence
 
     from fgrpo.core import evaluation
 
-    # the guard watches a run's evaluations over time: one evaluation has nothing to watch; the
-    # training starts (highway-env's episodes, the randomised scenes) are training's alone, and
-    # would cost every evaluation cell their set-up
+    # the guard watches a run's evaluations over time: one evaluation has nothing to watch
     file, own = recipe_of(planner)
     overrides = [*own, *extra, f"evaluator={evaluator}", "eval.guard=null", *TRAINING_STARTS_OFF]
     recipe = _bench.load_recipe(file, overrides)
