@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 
 from _helpers import load_tool
 
@@ -381,3 +382,34 @@ def test_planners_bench_trains_evaluates_in_both_worlds_and_resumes(tmp_path, ca
     assert bench.main(argv) == 0
     assert {p: p.stat().st_mtime_ns for p in stamps} == stamps  # nothing was run again
     assert capsys.readouterr().out.splitlines()[1:] == first.splitlines()[1:]
+
+
+@pytest.mark.slow
+def test_planners_bench_starts_a_second_stage_from_the_first_stages_exported_weights(tmp_path):
+    """``driving-highway.yaml+flow-grpo`` trains driving-highway.yaml, exports its network and trains
+    Flow-GRPO from it (``model.path``): the export is the first stage's weights, the second moves on."""
+    import yaml
+    from safetensors.torch import load_file
+
+    bench = load_tool("bench/planners.py", "planners_bench_stages")
+    small = [
+        "train.iterations=1",
+        "train.prompts_per_iteration=2",
+        "train.group_size=2",
+        "prompts.train_seeds=1",
+        "prompts.test_seeds=1",
+        "prompts.closed_loop=null",
+        "prompts.highway={episodes: 1, seed: 0, seconds: 5.0, configs: [{lanes: 3, vehicles: 10}]}",
+        "eval.every=0",
+        "train.checkpoint_every=1",
+    ]
+    second = bench.train_cell(tmp_path, "driving-highway.yaml+flow-grpo", 0, small)
+    first = tmp_path / "runs" / "driving-highway.yaml-0"
+    resolved = yaml.safe_load((second.parents[2] / "recipe.resolved.yaml").read_text())
+    assert resolved["model"]["path"] == str(first / "export" / "trajectory.safetensors")
+    assert resolved["objective"]["name"] == "grpo"
+    exported = load_file(first / "export" / "trajectory.safetensors")
+    trained = load_file(first / "checkpoints" / "iter_000001" / "trainable.safetensors")
+    assert exported.keys() == trained.keys() and all(torch.equal(exported[k], trained[k]) for k in trained)
+    after = load_file(second)
+    assert any(not torch.equal(after[k], trained[k]) for k in trained)

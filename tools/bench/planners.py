@@ -1,6 +1,7 @@
 """The planners against our gold and highway-env in one run: the BC base, Flow-GRPO on the rollout,
-``recipes/driving.yaml`` (NFT in our world alone) and ``recipes/driving-highway.yaml`` (NFT with a
-randomised world and highway-env's states), each trained on the recipe's seeds, judged on the 1000
+``recipes/driving.yaml`` (NFT in our world alone), ``recipes/driving-highway.yaml`` (NFT with a
+randomised world and highway-env's states) and the same followed by Flow-GRPO's clipped update from
+its exported weights (``model.path``), each trained on the recipe's seeds, judged on the 1000
 held-out scenarios of our world and in highway-env under the standard configuration and two that no
 recipe trains on, alone and behind the safety filter, with shadow mode in both worlds. Out of CI:
 each highway-env configuration costs about 10 min of one thread per planner at 300 episodes.
@@ -34,7 +35,14 @@ PLANNERS: dict[str, tuple[str, list[str]] | None] = {
     "driving.yaml": ("driving.yaml", []),  # NFT in our world alone
     # NFT with the transfer levers: a randomised world and highway-env's states
     "driving-highway.yaml": ("driving-highway.yaml", []),
+    # then Flow-GRPO's clipped update from its weights, in the same worlds (a second stage)
+    "driving-highway.yaml+flow-grpo": (
+        "driving-highway.yaml",
+        [*_leaderboard.DRIVING["grpo"][1], "train.iterations=300"],
+    ),
 }
+#: a planner trained in two stages: the planner whose final weights its training starts from
+STARTS_FROM = {"driving-highway.yaml+flow-grpo": "driving-highway.yaml"}
 
 
 #: an evaluation judges held-out scenarios only: the training starts (highway-env's episodes, the
@@ -89,6 +97,8 @@ def train_cell(work: Path, planner: str, seed: int, extra: Sequence[str] = ()) -
     if PLANNERS[planner] is None:
         return None
     recipe, overrides = recipe_of(planner)
+    if planner in STARTS_FROM:
+        overrides.append(f"model.path={exported(work, STARTS_FROM[planner], seed, extra)}")
     out = work / "runs" / f"{planner}-{seed}"
     done = sorted(out.glob("checkpoints/iter_*/trainable.safetensors"))
     if not (out / "finished").exists():
@@ -102,6 +112,18 @@ def train_cell(work: Path, planner: str, seed: int, extra: Sequence[str] = ()) -
     return done[-1]
 
 
+def exported(work: Path, planner: str, seed: int, extra: Sequence[str]) -> Path:
+    """The planner's final network as a trajectory weights file (``fgrpo export``), for ``model.path``."""
+    weights = train_cell(work, planner, seed, extra)
+    if weights is None:
+        raise ValueError(f"{planner} trains nothing: a second stage starts from the base by default")
+    folder = weights.parents[2] / "export"  # the run folder: fgrpo export writes outside its checkpoints
+    if not (folder / "trajectory.safetensors").exists():
+        command = [sys.executable, "-m", "fgrpo.core.cli", "export", str(weights.parent), "--out", str(folder)]
+        subprocess.run(command, check=True)
+    return folder / "trajectory.safetensors"
+
+
 def evaluate(planner: str, weights: Path | None, evaluator: str, extra: Sequence[str] = ()) -> dict[str, float]:
     """One evaluation of the planner's weights (the base's without): the evaluator's metrics."""
     from safetensors.torch import load_file
@@ -109,6 +131,8 @@ def evaluate(planner: str, weights: Path | None, evaluator: str, extra: Sequence
     from fgrpo.core import evaluation
 
     # the guard watches a run's evaluations over time: one evaluation has nothing to watch
+    # a second stage's weights are a whole network as well: loaded into the base's, whose plan stays
+    # the safety filter's BC candidate
     file, own = recipe_of(planner)
     overrides = [*own, *extra, f"evaluator={evaluator}", "eval.guard=null", *TRAINING_STARTS_OFF]
     recipe = _bench.load_recipe(file, overrides)
