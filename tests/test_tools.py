@@ -345,25 +345,26 @@ def test_memory_counts_the_sparse_samplers_trained_steps_as_it_trains(root):
 
 # --- tools/bench/planners.py: the planners in both worlds, resumable -------------------------------
 
+#: a planner recipe shrunk to one iteration of two prompts, one scenario per type, one highway-env episode
+SMALL_PLANNER = [
+    "train.iterations=1",
+    "train.prompts_per_iteration=2",
+    "train.group_size=2",
+    "prompts.train_seeds=1",
+    "prompts.test_seeds=1",
+    "prompts.closed_loop=null",
+    "prompts.highway={episodes: 1, seed: 0, seconds: 5.0, configs: [{lanes: 3, vehicles: 10}]}",
+    "eval.every=0",
+    "train.checkpoint_every=1",
+]
+
 
 @pytest.mark.slow
 def test_planners_bench_trains_evaluates_in_both_worlds_and_resumes(tmp_path, capsys):
     """Shrunk: the base and one trained planner, our gold, one highway-env configuration behind the
     filter and shadow mode; a second call finds every cell saved and only prints the table."""
     bench = load_tool("bench/planners.py", "planners_bench")
-    small = [
-        "train.iterations=1",
-        "train.prompts_per_iteration=2",
-        "train.group_size=2",
-        "prompts.train_seeds=1",
-        "prompts.test_seeds=1",
-        "prompts.closed_loop=null",
-        "sampler.steps=2",
-        "eval.steps=2",
-        "eval.every=0",
-        "train.checkpoint_every=1",
-        "prompts.highway={episodes: 1, seed: 0, seconds: 5.0, configs: [{lanes: 3, vehicles: 10}]}",
-    ]
+    small = [*SMALL_PLANNER, "sampler.steps=2", "eval.steps=2"]
     argv = ["--work", str(tmp_path), "--seeds", "0", "--planners", "bc,driving-highway.yaml", "--episodes", "1"]
     argv += ["--shadow-episodes", "1", "--only", "gold,highway:aggressive+filter,shadow:highway"]
     argv += [f"--set={item}" for item in small]
@@ -392,18 +393,7 @@ def test_planners_bench_starts_a_second_stage_from_the_first_stages_exported_wei
     from safetensors.torch import load_file
 
     bench = load_tool("bench/planners.py", "planners_bench_stages")
-    small = [
-        "train.iterations=1",
-        "train.prompts_per_iteration=2",
-        "train.group_size=2",
-        "prompts.train_seeds=1",
-        "prompts.test_seeds=1",
-        "prompts.closed_loop=null",
-        "prompts.highway={episodes: 1, seed: 0, seconds: 5.0, configs: [{lanes: 3, vehicles: 10}]}",
-        "eval.every=0",
-        "train.checkpoint_every=1",
-    ]
-    second = bench.train_cell(tmp_path, "driving-highway.yaml+flow-grpo", 0, small)
+    second = bench.train_cell(tmp_path, "driving-highway.yaml+flow-grpo", 0, SMALL_PLANNER)
     first = tmp_path / "runs" / "driving-highway.yaml-0"
     resolved = yaml.safe_load((second.parents[2] / "recipe.resolved.yaml").read_text())
     assert resolved["model"]["path"] == str(first / "export" / "trajectory.safetensors")
