@@ -388,12 +388,15 @@ def test_planners_bench_trains_evaluates_in_both_worlds_and_resumes(tmp_path, ca
 @pytest.mark.slow
 def test_planners_bench_starts_a_second_stage_from_the_first_stages_exported_weights(tmp_path):
     """``driving-highway.yaml+flow-grpo`` trains driving-highway.yaml, exports its network and trains
-    Flow-GRPO from it (``model.path``): the export is the first stage's weights, the second moves on."""
+    driving-highway-grpo.yaml from it (``model.path``): the export is the first stage's weights, the
+    second moves on, and its evaluation builds without the export."""
     import yaml
     from safetensors.torch import load_file
 
     bench = load_tool("bench/planners.py", "planners_bench_stages")
     second = bench.train_cell(tmp_path, "driving-highway.yaml+flow-grpo", 0, SMALL_PLANNER)
+    judged = bench.evaluate("driving-highway.yaml+flow-grpo", second, "{name: driving-closed-loop}", SMALL_PLANNER)
+    assert 0.0 <= judged["cl_score"] <= 1.0
     first = tmp_path / "runs" / "driving-highway.yaml-0"
     resolved = yaml.safe_load((second.parents[2] / "recipe.resolved.yaml").read_text())
     assert resolved["model"]["path"] == str(first / "export" / "trajectory.safetensors")

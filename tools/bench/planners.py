@@ -35,11 +35,8 @@ PLANNERS: dict[str, tuple[str, list[str]] | None] = {
     "driving.yaml": ("driving.yaml", []),  # NFT in our world alone
     # NFT with the transfer levers: a randomised world and highway-env's states
     "driving-highway.yaml": ("driving-highway.yaml", []),
-    # then Flow-GRPO's clipped update from its weights, in the same worlds (a second stage)
-    "driving-highway.yaml+flow-grpo": (
-        "driving-highway.yaml",
-        [*_leaderboard.DRIVING["grpo"][1], "train.iterations=300"],
-    ),
+    # then Flow-GRPO's clipped update from its weights, in the same worlds (the second stage)
+    "driving-highway.yaml+flow-grpo": ("driving-highway-grpo.yaml", []),
 }
 #: a planner trained in two stages: the planner whose final weights its training starts from
 STARTS_FROM = {"driving-highway.yaml+flow-grpo": "driving-highway.yaml"}
@@ -116,7 +113,7 @@ def exported(work: Path, planner: str, seed: int, extra: Sequence[str]) -> Path:
     """The planner's final network as a trajectory weights file (``fgrpo export``), for ``model.path``."""
     weights = train_cell(work, planner, seed, extra)
     if weights is None:
-        raise ValueError(f"{planner} trains nothing: a second stage starts from the base by default")
+        raise ValueError(f"{planner} trains nothing: no weights for a second stage to start from")
     folder = weights.parents[2] / "export"  # the run folder: fgrpo export writes outside its checkpoints
     if not (folder / "trajectory.safetensors").exists():
         command = [sys.executable, "-m", "fgrpo.core.cli", "export", str(weights.parent), "--out", str(folder)]
@@ -131,9 +128,10 @@ def evaluate(planner: str, weights: Path | None, evaluator: str, extra: Sequence
     from fgrpo.core import evaluation
 
     # the guard watches a run's evaluations over time: one evaluation has nothing to watch
-    # a second stage's weights are a whole network as well: loaded into the base's, whose plan stays
-    # the safety filter's BC candidate
+    # a second stage's weights are a whole network as well: loaded into the base's (model.path null),
+    # whose plan stays the safety filter's BC candidate
     file, own = recipe_of(planner)
+    own += ["model.path=null"] if planner in STARTS_FROM else []
     overrides = [*own, *extra, f"evaluator={evaluator}", "eval.guard=null", *TRAINING_STARTS_OFF]
     recipe = _bench.load_recipe(file, overrides)
     run = _bench.build(recipe)
