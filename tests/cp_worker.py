@@ -15,7 +15,7 @@ from rich.console import Console
 from fgrpo.core import launch, rollout, scoring, update
 from fgrpo.core import recipe as recipe_mod
 from fgrpo.core.building import build_run
-from fgrpo.core.cli import accelerate_summary
+from fgrpo.core.composing import accelerate_summary
 from fgrpo.core.opening import end_process_group
 from fgrpo.core.trainer import run_evaluation
 

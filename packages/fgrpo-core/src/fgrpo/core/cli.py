@@ -22,7 +22,7 @@ from typing import Any, NoReturn
 from rich.table import Table
 from rich.tree import Tree
 
-from fgrpo.core import discovery, push, registry, trained
+from fgrpo.core import composing, discovery, push, registry, trained
 from fgrpo.core import report as run_report
 from fgrpo.core.config import ConfigError, DeprecatedKey, RecipeError, first_line, help_lines
 from fgrpo.core.consoles import err, out
@@ -360,9 +360,9 @@ def _load(args: argparse.Namespace):
 
 def cmd_validate(args: argparse.Namespace) -> int:
     recipe = _load(args)
-    out.print(
-        f"{args.recipe}: ok ({len(recipe.rewards)} reward(s), {recipe.train.iterations} iterations)", markup=False
-    )
+    iterations = " + ".join(str(stage.train.iterations) for stage in recipe.all_stages())
+    stages = f" in {len(recipe.later) + 1} stages" if recipe.later else ""
+    out.print(f"{args.recipe}: ok ({len(recipe.rewards)} reward(s), {iterations} iterations{stages})", markup=False)
     if args.against_reference is None:
         return 0
     from fgrpo.core import parity
@@ -429,51 +429,18 @@ def cmd_compose(args: argparse.Namespace) -> int:
     if args.dry_run:
         components = build_components(recipe)
         out.print(composition_tree(recipe, f"composed {args.recipe} (dry run)"))
+        for k, stage in enumerate(recipe.later, 2):
+            title = f"then stage {k} of {len(recipe.later) + 1}, from stage {k - 1}'s policy"
+            out.print(composition_tree(stage, title))
         out.print(f"built {len(components)} components; nothing trained (--dry-run)", markup=False)
         return 0
-    from fgrpo.core.interrupts import Interrupts, resume_line
-    from fgrpo.core.opening import close_run, end_process_group, open_run
-    from fgrpo.core.trainer import train
-
-    run = open_run(recipe, out=args.out, resume=args.resume, start_over=args.start_over, console=out, quiet=args.quiet)
-    folder = run.io.out_dir
-    assert folder is not None  # compose always trains into a run folder
-    try:
-        run.io.display.say(f"training {recipe.source} -> {folder} ({accelerate_summary(run)})")
-        with run.io.display, Interrupts(note=run.is_main) as interrupts:
-            train(run, interrupts)
-    finally:
-        close_run(run)
-    end_process_group()
-    if interrupts.stopped_by is not None:
-        if run.is_main:
-            err.print(resume_line(args.recipe, args.out, args.overrides, run), markup=False)
-        return interrupts.exit_code
-    run.io.display.say(
-        f"done: metrics in {folder / 'metrics.jsonl'}, weights in {folder / 'checkpoints' / 'last'}"
-        + (f", curves in {folder / 'curves.png'}" if (folder / "curves.png").exists() else "")
-    )
-    if run.io.report is not None:  # else the run said why it is missing
-        run.io.display.say(f"report: {run.io.report}")
-    return 0
+    return composing.compose(recipe, args)
 
 
 def cmd_report(args: argparse.Namespace) -> int:
     path = run_report.write(Path(args.run), Path(args.out) if args.out else None)
     out.print(f"report: {path} ({path.stat().st_size / 1024:.0f} KiB)", markup=False)
     return 0
-
-
-def accelerate_summary(run: Any) -> str:
-    acc, launched = run.accelerator, run.learner.launch
-    kind = launched.description
-    if launched.replicas > 1:
-        kind = f"context parallel: {launched.data_processes} group(s) of {launched.replicas}"
-    return (
-        f"{launched.processes} process(es){', ' + kind if kind else ''}, device {run.learner.policy.device}, "
-        f"mixed precision {acc.mixed_precision}, "
-        f"gradient accumulation {acc.gradient_accumulation_steps}"
-    )
 
 
 def build_components(recipe: Any) -> dict[str, Any]:
@@ -496,7 +463,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     deviation, run = first_ratio_check(_load(args), console=out)
     out.print(
         f"largest |ratio - 1| before the first optimizer step: {deviation:.3e} (tolerance {args.tolerance:g}; "
-        f"{accelerate_summary(run)})",
+        f"{composing.accelerate_summary(run)})",
         markup=False,
     )
     if deviation <= args.tolerance:

@@ -107,7 +107,10 @@ class Policy(Protocol):
     Optional: ``export(folder, state=None)`` writes the trained weights in the backbone's own
     format (the ``fgrpo export`` command), and ``export_in_checkpoints`` (true) puts that export
     into every checkpoint: the trainer then passes ``state``, a ``trainable_state_dict()`` of the
-    weights evaluation uses, to write instead of reading the module.
+    weights evaluation uses, to write instead of reading the module. With it, the static
+    ``start_from(folder)`` gives the model keys that make a new policy start from what ``export``
+    wrote into ``folder`` (its base, and its reference): a recipe's later stages (``then:``,
+    :mod:`fgrpo.core.stages`) need it.
 
     Optional, for policies conditioned on images (editing, image-to-video): a prompt is then a
     :class:`fgrpo.core.media.Prompt`, a ``str`` that carries its source images (``prompt.images``,

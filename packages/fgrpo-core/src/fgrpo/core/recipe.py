@@ -15,7 +15,7 @@ from typing import Any, Literal
 import attrs
 import yaml
 
-from fgrpo.core import media, registry
+from fgrpo.core import media, registry, stages
 from fgrpo.core.config import ConfigError, RecipeError, check_params, param, read_text_file, shown
 from fgrpo.core.guard import check_guard, guard_recipe_errors
 from fgrpo.core.shipped import find_recipe
@@ -220,6 +220,8 @@ SECTIONS: dict[str, str] = {
     "train": "trainer settings",
     "eval": "evaluation settings",
     "log": "logging settings",
+    "then": "later stages, each a mapping of the keys it changes from the stage before, each starting from the "
+    "policy that stage ended with (fgrpo.core.stages)",
 }
 REQUIRED = ("model", "sampler", "reward", "objective", "prompts")
 OWN_SECTIONS = {"train": TrainConfig, "eval": EvalConfig, "log": LogConfig}
@@ -274,6 +276,12 @@ class Recipe:
     evaluators: tuple[EvaluatorSpec, ...] = ()
     #: the component sections as checked (coerced, defaults filled in), before ``data`` made them plain
     checked: dict[str, dict[str, Any]] = attrs.field(factory=dict, repr=False)
+    #: the stages of ``then``, validated (``data`` is the first stage's, without ``then``)
+    later: tuple[Recipe, ...] = ()
+
+    def all_stages(self) -> tuple[Recipe, ...]:
+        """This recipe's stages in the order they train: itself, then those of ``then``."""
+        return (self, *self.later)
 
     def spec(self, section: str) -> dict[str, Any]:
         return copy.deepcopy(self.data[section])
@@ -345,6 +353,8 @@ def from_dict(
 
 
 def validate(data: Mapping[str, Any], source: str = "recipe") -> tuple[Recipe | None, list[ConfigError]]:
+    if stages.KEY in data:
+        return _validate_stages(data, source)
     errors: list[ConfigError] = []
     resolved: dict[str, Any] = {}
     for key in data:
@@ -408,6 +418,35 @@ def validate(data: Mapping[str, Any], source: str = "recipe") -> tuple[Recipe | 
         checked={section: resolved[section] for section in ("model", "sampler", "objective", "prompts")},
     )
     return recipe, []
+
+
+def _validate_stages(data: Mapping[str, Any], source: str) -> tuple[Recipe | None, list[ConfigError]]:
+    """A recipe with ``then``: the first stage and each later one (laid over the stage before)
+    validated whole; a later stage's problem is named under ``then.N`` unless the stage before has it."""
+    first = {k: v for k, v in data.items() if k != stages.KEY}
+    recipe, errors = validate(first, source)
+    wrong = stages.list_error(data[stages.KEY])
+    if wrong is not None:
+        return None, [*errors, wrong]
+    seen = {(e.key, e.message) for e in errors}
+    later, before = [], first
+    for i, stage in enumerate(data[stages.KEY]):
+        wrong = stages.stage_error(i, stage)
+        if wrong is not None:
+            errors.append(wrong)
+            continue
+        before = stages.merged(before, stage)
+        one, errs = validate(before, source)
+        fresh = [e for e in errs if (e.key, e.message) not in seen]
+        seen |= {(e.key, e.message) for e in errs}
+        if one is not None:
+            fresh += stages.start_errors(one.data["model"], stage)
+            later.append(one)
+        where = f"{stages.KEY}.{i}"
+        errors += [ConfigError(f"{where}.{e.key}" if e.key else where, e.message) for e in fresh]
+    if errors or recipe is None:
+        return None, errors
+    return attrs.evolve(recipe, later=tuple(later)), []
 
 
 def cross_section_errors(resolved: Mapping[str, Any]) -> list[ConfigError]:

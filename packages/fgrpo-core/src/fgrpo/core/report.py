@@ -371,6 +371,19 @@ def _recipe(run_dir: Path, notes: list[str]) -> tuple[str, dict[str, Any]]:
     return text, data or {}
 
 
+def earlier_stages(run_dir: Path) -> str:
+    """Links to the reports of the stages trained before this run (a recipe's ``then:``, in
+    ``stages/N`` of its folder): the names only, nothing of theirs read, no link followed."""
+    folder = run_dir / "stages"
+    if folder.is_symlink() or not folder.is_dir():
+        return ""
+    found = sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit() and p.is_dir() and not p.is_symlink())
+    if not found:
+        return ""
+    links = ", ".join(f'<a href="stages/{k}/report.html">stage {k}</a>' for k in found)
+    return f'<p class="note">This run is the last stage of its recipe; the stages before it: {links}.</p>'
+
+
 def render(run_dir: Path) -> str:
     """The report's HTML; everything it shows is read first, and a name that leads out of the run
     folder refuses the whole report (:class:`fgrpo.core.confine.Escape`), before anything is written."""
@@ -452,6 +465,7 @@ def render(run_dir: Path) -> str:
 <div><nav>{nav}</nav><p class="axis-choice">{choice}</p></div>
 </div>
 {warnings}
+{earlier_stages(run_dir)}
 {"".join(f'<p class="note">{html.escape(n)}</p>' for n in notes)}
 <h2 id="curves">Curves</h2>
 {constant}

@@ -29,7 +29,7 @@ from pathlib import Path
 import attrs
 
 from fgrpo.core import checkpoint as ckpt
-from fgrpo.core import confine, yaml_reading
+from fgrpo.core import confine, stages, yaml_reading
 from fgrpo.core import recipe as recipe_mod
 from fgrpo.core.config import ConfigError, RecipeError
 from fgrpo.core.recipe import Recipe
@@ -38,7 +38,9 @@ from fgrpo.core.runlog import METRICS
 LOCK = ".fgrpo.lock"
 RECIPE_FILE = "recipe.resolved.yaml"
 #: names whose presence makes a folder a run folder (what a run writes)
-RUN_FILES = frozenset({RECIPE_FILE, METRICS, "checkpoints", "tensorboard", "samples", "curves.png", "report.html"})
+RUN_FILES = frozenset(
+    {RECIPE_FILE, METRICS, "checkpoints", "tensorboard", "samples", "curves.png", "report.html", stages.FOLDER}
+)
 NEW, RESUME, START_OVER = "new", "resume", "start-over"
 #: what decides the sampled policy: ``fgrpo sample`` refuses a recipe that differs from the
 #: checkpoint's in these (where it runs and in which dtype may differ)
@@ -226,7 +228,14 @@ def default_folder(recipe: Recipe) -> Path:
 
 
 def _claim_default(recipe: Recipe) -> RunFolder:
-    """A new folder per run: ``mkdir`` is atomic, so two runs started in the same second take
+    folder = new_default_folder(recipe)
+    lock = FolderLock(folder)
+    lock.acquire()
+    return RunFolder(folder, lock, True, run_id=uuid.uuid4().hex)
+
+
+def new_default_folder(recipe: Recipe) -> Path:
+    """A new folder per run, made: ``mkdir`` is atomic, so two runs started in the same second take
     ``<date-time>`` and ``<date-time>-2``."""
     base = default_folder(recipe)
     for k in range(1, 1000):
@@ -237,9 +246,7 @@ def _claim_default(recipe: Recipe) -> RunFolder:
             continue
         except OSError as exc:
             raise _refuse("--out", f"cannot create {folder}: {exc.strerror}") from None
-        lock = FolderLock(folder)
-        lock.acquire()
-        return RunFolder(folder, lock, True, run_id=uuid.uuid4().hex)
+        return folder
     raise _refuse("--out", f"{base}: a thousand runs started in this second; pass --out")
 
 
@@ -256,9 +263,15 @@ def _holds_run(folder: Path) -> bool:
     return holds_run
 
 
+def _holds_earlier_stages_only(folder: Path) -> bool:
+    """A recipe in stages (:mod:`fgrpo.core.stages`) trains its earlier stages inside the folder of
+    its last one, before that one starts there."""
+    return {p.name for p in folder.iterdir()} <= {stages.FOLDER, LOCK}
+
+
 def _decide(claimed: RunFolder, recipe: Recipe, mode: str) -> None:
     folder = claimed.path
-    if not _holds_run(folder):
+    if not _holds_run(folder) or _holds_earlier_stages_only(folder):
         return  # new or empty: any mode starts the run here (job scripts pass --resume every time)
     newest, skipped = ckpt.newest(folder / "checkpoints")
     claimed.skipped = skipped

@@ -292,6 +292,12 @@ class TrajectoryPolicy:
     def base_network(self) -> PlanVelocity:
         return self._net.base()
 
+    @staticmethod
+    def start_from(folder: str) -> dict[str, Any]:
+        """The keys that make a new planner (a later stage of a recipe) start from what
+        :meth:`export` wrote into ``folder``: its network becomes the base, and the KL's reference."""
+        return {"path": str(Path(folder) / "trajectory.safetensors")}
+
     def export(self, folder: str, state: Mapping[str, torch.Tensor] | None = None) -> list[str]:
         """The trained network (base and adapter merged) as a trajectory weights file."""
         import copy
