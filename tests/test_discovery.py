@@ -25,6 +25,7 @@ CPU_RECIPES = {
     "shapes-edit",
     "shapes-pairwise",
     "driving",
+    "driving-nft",
     "driving-naive",
     "vector",
 }

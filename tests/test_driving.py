@@ -37,7 +37,7 @@ def sets(*items: str) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("name", ["driving.yaml", "driving-naive.yaml"])
+@pytest.mark.parametrize("name", ["driving-nft.yaml", "driving-naive.yaml"])
 def test_driving_recipes_validate_and_pass_the_on_policy_check(root, name, capsys):
     recipe = str(root / "recipes" / name)
     assert cli.main(["validate", recipe]) == 0
@@ -51,7 +51,7 @@ def test_a_short_run_logs_gold_per_type_and_draws_scenes(root, tmp_path):
         cli.main(
             [
                 "compose",
-                str(root / "recipes" / "driving.yaml"),
+                str(root / "recipes" / "driving-nft.yaml"),
                 "--out",
                 str(out),
                 "--quiet",
@@ -79,7 +79,7 @@ def test_a_short_run_logs_gold_per_type_and_draws_scenes(root, tmp_path):
 
 
 def test_resume_is_bit_exact_with_closed_loop_states(root, tmp_path):
-    recipe = str(root / "recipes" / "driving.yaml")
+    recipe = str(root / "recipes" / "driving-nft.yaml")
     common = sets(*SMALL, *CLOSED_LOOP, "train.iterations=4", "eval.every=2", "train.checkpoint_every=2")
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     assert cli.main(["compose", recipe, "--out", str(straight), "--quiet", *common]) == 0
@@ -101,7 +101,7 @@ def test_bad_scenario_file_is_one_line_each_and_exit_2(root, tmp_path, capsys):
         '{"type": "stopped", "seed": 1, "lanes": 0, "speed_limit": 30, "ego": {"lane": 0, "speed": 20}}\n'
         '{"type": "stopped", "seed": 2, "lanes": 2, "speed_limit": 30, "ego": {"lane": 0, "speed": -5}}\n'
     )
-    assert cli.main(["validate", str(root / "recipes" / "driving.yaml"), *sets(f"prompts.scenarios={path}")]) == 2
+    assert cli.main(["validate", str(root / "recipes" / "driving-nft.yaml"), *sets(f"prompts.scenarios={path}")]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
         f"error: prompts.scenarios: {path}:1: lanes: got 0; allowed: 1 to 6 (a scene needs a lane)",
         f"error: prompts.scenarios: {path}:2: ego.speed: got -5; allowed: a finite number from 0 to 60 (m/s)",
@@ -123,7 +123,7 @@ def test_nan_waypoints_stop_the_run_with_one_line(root, tmp_path, capsys):
     code = cli.main(
         [
             "compose",
-            str(root / "recipes" / "driving.yaml"),
+            str(root / "recipes" / "driving-nft.yaml"),
             "--out",
             str(tmp_path / "run"),
             "--quiet",
@@ -143,7 +143,7 @@ def test_the_highway_evaluator_runs_beside_the_gold(root, tmp_path):
     pytest.importorskip("highway_env")
     out = tmp_path / "run"
     highway = "evaluator=[driving-closed-loop, {name: driving-highway, episodes: 2, seconds: 2, vehicles: 5}]"
-    recipe = str(root / "recipes" / "driving.yaml")
+    recipe = str(root / "recipes" / "driving-nft.yaml")
     sets_ = sets(*SMALL, highway, "train.iterations=1", "eval.every=1")
     assert cli.main(["compose", recipe, "--out", str(out), "--quiet", *sets_]) == 0
     evals = [r for r in read_metrics(out) if "gold/driving-highway/cl_score" in r]

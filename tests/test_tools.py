@@ -137,8 +137,12 @@ def test_recipe_times_measures_each_thread_count_and_writes_the_header_line(root
     line = next(ln for ln in (tmp_path / "vector.yaml").read_text().splitlines() if ln.startswith("# time:"))
     assert " on 1 thread (" in line and "s an iteration" in line and "old" not in line
     # the estimate is set-up + iterations x pace + evaluations x their pace, from the recipe as shipped
-    figures = {"iteration_s": 2.0, "eval_s": 10.0, "setup_s": 5.0}
-    assert bench.whole(figures, (100, 11)) == 5.0 + 200.0 + 110.0
+    figures = {"stages": [{"iteration_s": 2.0, "eval_s": 10.0}], "setup_s": 5.0}
+    assert bench.whole(figures, [(100, 11)]) == 5.0 + 200.0 + 110.0
+    # a recipe in stages: each stage at its own pace, one set-up
+    figures["stages"].append({"iteration_s": 1.0, "eval_s": 20.0})
+    assert bench.whole(figures, [(100, 11), (30, 2)]) == 5.0 + 200.0 + 110.0 + 30.0 + 40.0
+    assert [n for n, _ in bench.plan_of("driving")] == [900, 300]
 
 
 # --- tools/gpu/bench_real_size.py: every real backbone (recipe mode) and those with a published config ---
@@ -386,21 +390,23 @@ def test_planners_bench_trains_evaluates_in_both_worlds_and_resumes(tmp_path, ca
 
 
 @pytest.mark.slow
-def test_planners_bench_starts_a_second_stage_from_the_first_stages_exported_weights(tmp_path):
-    """``driving-highway.yaml+flow-grpo`` trains driving-highway.yaml, exports its network and trains
-    driving-highway-grpo.yaml from it (``model.path``): the export is the first stage's weights, the
-    second moves on, and its evaluation builds without the export."""
+def test_planners_bench_trains_a_recipe_in_stages_with_its_overrides_in_every_stage(tmp_path):
+    """``driving.yaml`` trains its first stage, exports its network and trains the second from it
+    (``then:``), both shrunk by the bench's overrides; its evaluation builds from the first stage's keys."""
     import yaml
     from safetensors.torch import load_file
 
     bench = load_tool("bench/planners.py", "planners_bench_stages")
-    second = bench.train_cell(tmp_path, "driving-highway.yaml+flow-grpo", 0, SMALL_PLANNER)
-    judged = bench.evaluate("driving-highway.yaml+flow-grpo", second, "{name: driving-closed-loop}", SMALL_PLANNER)
+    second = bench.train_cell(tmp_path, "driving.yaml", 0, SMALL_PLANNER)
+    judged = bench.evaluate("driving.yaml", second, "{name: driving-closed-loop}", SMALL_PLANNER)
     assert 0.0 <= judged["cl_score"] <= 1.0
-    first = tmp_path / "runs" / "driving-highway.yaml-0"
-    resolved = yaml.safe_load((second.parents[2] / "recipe.resolved.yaml").read_text())
+    run = tmp_path / "runs" / "driving.yaml-0"
+    first = run / "stages" / "1"
+    resolved = yaml.safe_load((run / "recipe.resolved.yaml").read_text())
     assert resolved["model"]["path"] == str(first / "export" / "trajectory.safetensors")
-    assert resolved["objective"]["name"] == "grpo"
+    shrunk = (resolved["objective"]["name"], resolved["train"]["iterations"], resolved["eval"]["every"])
+    assert shrunk == ("grpo", 1, 0)
+    assert second == run / "checkpoints" / "iter_000001" / "trainable.safetensors"
     exported = load_file(first / "export" / "trajectory.safetensors")
     trained = load_file(first / "checkpoints" / "iter_000001" / "trainable.safetensors")
     assert exported.keys() == trained.keys() and all(torch.equal(exported[k], trained[k]) for k in trained)

@@ -14,7 +14,7 @@ smoothness reward to first order, because the score-function estimator ignores h
 deterministic steps' network changes; with the whole chain stochastic and trained
 (``timestep_fraction: 1.0`` with a kernel that has a std at every step) it raises it.
 
-    python tools/gradient_probe.py recipes/driving.yaml --set "reward={name: driving-comfort}" \
+    python tools/gradient_probe.py recipes/driving-nft.yaml --set "reward={name: driving-comfort}" \
         --set "objective={name: grpo, clip_range: 0.01, kl_beta: 0.02}" \
         --set sampler.name=full --set sampler.timestep_fraction=1.0 \
         --set "sampler.kernel={name: correlated, base: {name: sde, eta: 0.3}, length: 3.0}"

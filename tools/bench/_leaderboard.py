@@ -70,25 +70,25 @@ _DRIVING_SDE = (
     "length: 3.0}}"
 )
 DRIVING = {
-    "nft": ("recipes/driving.yaml", []),
+    "nft": ("recipes/driving-nft.yaml", []),
     "grpo": (
-        "recipes/driving.yaml",
+        "recipes/driving-nft.yaml",
         [
             _DRIVING_SDE,
             "objective={name: grpo, clip_range: 0.01, kl_beta: 0.02}",
             "train.lr=2.0e-4",
         ],
     ),
-    "awm": ("recipes/driving.yaml", ["objective={name: awm, kl_beta: 1.0, train_timesteps: 3}"]),
+    "awm": ("recipes/driving-nft.yaml", ["objective={name: awm, kl_beta: 1.0, train_timesteps: 3}"]),
     "flow-dppo": (
-        "recipes/driving.yaml",
+        "recipes/driving-nft.yaml",
         [
             _DRIVING_SDE,
             "objective={name: flow-dppo, kl_mask_threshold: 1.0e-5, kl_beta: 0.02}",
             "train.lr=2.0e-4",
         ],
     ),
-    "dgpo": ("recipes/driving.yaml", ["objective={name: dgpo, dpo_beta: 100.0, timesteps: 4, trunc_steps: 6}"]),
+    "dgpo": ("recipes/driving-nft.yaml", ["objective={name: dgpo, dpo_beta: 100.0, timesteps: 4, trunc_steps: 6}"]),
 }
 
 

@@ -1,15 +1,17 @@
 """The planners against our gold and highway-env in one run: the BC base, Flow-GRPO on the rollout,
-``recipes/driving.yaml`` (NFT in our world alone), ``recipes/driving-highway.yaml`` (NFT with a
-randomised world and highway-env's states) and the same followed by Flow-GRPO's clipped update from
-its exported weights (``model.path``), each trained on the recipe's seeds, judged on the 1000
-held-out scenarios of our world and in highway-env under the standard configuration and two that no
-recipe trains on, alone and behind the safety filter, with shadow mode in both worlds. Out of CI:
-each highway-env configuration costs about 10 min of one thread per planner at 300 episodes.
+``recipes/driving-nft.yaml`` (NFT in our world alone), ``recipes/driving-highway.yaml`` (NFT with a
+randomised world and highway-env's states) and ``recipes/driving.yaml`` (the same followed by
+Flow-GRPO's clipped update from its weights, the recipe's second stage), each trained on the
+recipe's seeds, judged on the 1000 held-out scenarios of our world and in highway-env under the
+standard configuration and two that no recipe trains on, alone and behind the safety filter, with
+shadow mode in both worlds. Out of CI: each highway-env configuration costs about 10 min of one
+thread per planner at 300 episodes.
 
     python tools/bench/planners.py --work /tmp/planners --seeds 0,1,2 --episodes 300 --jobs 2
 
 Every cell (a training run, an evaluation) is a process of its own whose result is saved under
-``--work``: a stopped bench resumes where it stopped, and ``--table`` prints what is there.
+``--work``: a stopped bench resumes where it stopped, and ``--table`` prints what is there. A
+``--set`` reaches every stage of a recipe in stages.
 """
 
 from __future__ import annotations
@@ -31,15 +33,13 @@ RECIPES = _bench.ROOT / "recipes"
 #: each planner: (its recipe, the overrides that make it), or None for the BC base (nothing trained)
 PLANNERS: dict[str, tuple[str, list[str]] | None] = {
     "bc": None,
-    "flow-grpo": ("driving.yaml", _leaderboard.DRIVING["grpo"][1]),
-    "driving.yaml": ("driving.yaml", []),  # NFT in our world alone
+    "flow-grpo": ("driving-nft.yaml", _leaderboard.DRIVING["grpo"][1]),
+    "driving-nft.yaml": ("driving-nft.yaml", []),  # NFT in our world alone
     # NFT with the transfer levers: a randomised world and highway-env's states
     "driving-highway.yaml": ("driving-highway.yaml", []),
-    # then Flow-GRPO's clipped update from its weights, in the same worlds (the second stage)
-    "driving-highway.yaml+flow-grpo": ("driving-highway-grpo.yaml", []),
+    # then Flow-GRPO's clipped update from its weights, in the same worlds: the recipe in two stages
+    "driving.yaml": ("driving.yaml", []),
 }
-#: a planner trained in two stages: the planner whose final weights its training starts from
-STARTS_FROM = {"driving-highway.yaml+flow-grpo": "driving-highway.yaml"}
 
 
 #: an evaluation judges held-out scenarios only: the training starts (highway-env's episodes, the
@@ -48,8 +48,8 @@ TRAINING_STARTS_OFF = ["prompts.randomize=null", "prompts.highway=null"]
 
 
 def recipe_of(planner: str) -> tuple[str, list[str]]:
-    """The planner's recipe file and overrides (the base: the driving recipe as it is)."""
-    name, overrides = PLANNERS[planner] or ("driving.yaml", [])
+    """The planner's recipe file and overrides (the base: the recipe that trains NFT in our world alone)."""
+    name, overrides = PLANNERS[planner] or ("driving-nft.yaml", [])
     return str(RECIPES / name), list(overrides)
 
 
@@ -90,35 +90,24 @@ def evaluators(episodes: int, shadow_episodes: int) -> dict[str, str]:
 
 
 def train_cell(work: Path, planner: str, seed: int, extra: Sequence[str] = ()) -> Path | None:
-    """The planner's final weights for ``seed`` (trained once, kept under ``work``); None for the base."""
+    """The planner's final weights for ``seed`` (trained once, kept under ``work``; a recipe in stages
+    ends in its run folder); None for the base."""
     if PLANNERS[planner] is None:
         return None
+    from fgrpo.core import stages
+    from fgrpo.core.yaml_reading import load_yaml
+
     recipe, overrides = recipe_of(planner)
-    if planner in STARTS_FROM:
-        overrides.append(f"model.path={exported(work, STARTS_FROM[planner], seed, extra)}")
+    written, _ = load_yaml(Path(recipe).read_text(), recipe)
     out = work / "runs" / f"{planner}-{seed}"
-    done = sorted(out.glob("checkpoints/iter_*/trainable.safetensors"))
     if not (out / "finished").exists():
         command = [sys.executable, "-m", "fgrpo.core.cli", "compose", recipe, "--out", str(out), "--quiet"]
-        command += ["--resume"] if done else []
-        for item in [*overrides, *extra, f"seed={seed}"]:
+        command += ["--resume"] if out.exists() else []
+        for item in stages.for_every_stage(written, [*overrides, *extra, f"seed={seed}"]):
             command += ["--set", item]
         subprocess.run(command, check=True)
         (out / "finished").write_text("")
-        done = sorted(out.glob("checkpoints/iter_*/trainable.safetensors"))
-    return done[-1]
-
-
-def exported(work: Path, planner: str, seed: int, extra: Sequence[str]) -> Path:
-    """The planner's final network as a trajectory weights file (``fgrpo export``), for ``model.path``."""
-    weights = train_cell(work, planner, seed, extra)
-    if weights is None:
-        raise ValueError(f"{planner} trains nothing: no weights for a second stage to start from")
-    folder = weights.parents[2] / "export"  # the run folder: fgrpo export writes outside its checkpoints
-    if not (folder / "trajectory.safetensors").exists():
-        command = [sys.executable, "-m", "fgrpo.core.cli", "export", str(weights.parent), "--out", str(folder)]
-        subprocess.run(command, check=True)
-    return folder / "trajectory.safetensors"
+    return sorted(out.glob("checkpoints/iter_*/trainable.safetensors"))[-1]
 
 
 def evaluate(planner: str, weights: Path | None, evaluator: str, extra: Sequence[str] = ()) -> dict[str, float]:
@@ -127,11 +116,10 @@ def evaluate(planner: str, weights: Path | None, evaluator: str, extra: Sequence
 
     from fgrpo.core import evaluation
 
-    # the guard watches a run's evaluations over time: one evaluation has nothing to watch
-    # a second stage's weights are a whole network as well: loaded into the base's (model.path null),
-    # whose plan stays the safety filter's BC candidate
+    # the guard watches a run's evaluations over time: one evaluation has nothing to watch; a recipe in
+    # stages is judged with its first stage's keys: a later stage's weights are a whole network as well,
+    # loaded into the base's, whose plan stays the safety filter's BC candidate
     file, own = recipe_of(planner)
-    own += ["model.path=null"] if planner in STARTS_FROM else []
     overrides = [*own, *extra, f"evaluator={evaluator}", "eval.guard=null", *TRAINING_STARTS_OFF]
     recipe = _bench.load_recipe(file, overrides)
     run = _bench.build(recipe)

@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import _bench  # noqa: E402 - beside this script: python puts a script's own folder first on sys.path
 
@@ -43,70 +44,80 @@ def timed_recipes() -> list[str]:
     return sorted(p.stem for p in RECIPES.glob("*.yaml") if TIME_LINE.search(p.read_text()))
 
 
-def plan_of(name: str) -> tuple[int, int]:
-    """(iterations, evaluations) of the recipe as shipped."""
+def plan_of(name: str) -> list[tuple[int, int]]:
+    """(iterations, evaluations) of each stage of the recipe as shipped (one for most recipes)."""
     from fgrpo.core import recipe as recipe_mod
 
-    recipe = recipe_mod.load(name)
-    every, total = recipe.eval.every, recipe.train.iterations
-    evaluations = (total // every + (total % every != 0) + int(recipe.eval.at_start)) if every else 0
-    return total, evaluations
+    plan = []
+    for stage in recipe_mod.load(name).all_stages():
+        every, total = stage.eval.every, stage.train.iterations
+        evaluations = (total // every + (total % every != 0) + int(stage.eval.at_start)) if every else 0
+        plan.append((total, evaluations))
+    return plan
 
 
-def measure(name: str, threads: int, iterations: int, skip: int) -> dict[str, float]:
+def measure(name: str, threads: int, iterations: int, skip: int) -> dict[str, Any]:
+    """Per stage its mean seconds an iteration and median seconds an evaluation, and the set-up."""
+    from fgrpo.core import composing, stages
+    from fgrpo.core.shipped import find_recipe
+    from fgrpo.core.yaml_reading import load_yaml
+
     env = {k: v for k, v in os.environ.items() if k not in THREAD_VARIABLES}
     env.update(OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1")
+    written, _ = load_yaml(Path(find_recipe(name)).read_text(), name)
+    shrunk = [f"train.iterations={iterations}", f"eval.every={iterations}", "train.checkpoint_every=0"]
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run"
-        command = [
-            str(Path(sys.executable).with_name("fgrpo")),
-            "compose",
-            name,
-            "--out",
-            str(out),
-            "--quiet",
-            "--set",
-            f"train.iterations={iterations}",
-            "--set",
-            f"eval.every={iterations}",
-            "--set",
-            "train.checkpoint_every=0",
-            "--set",
-            "log.plots=false",
-        ]
+        command = [str(Path(sys.executable).with_name("fgrpo")), "compose", name, "--out", str(out), "--quiet"]
+        for item in stages.for_every_stage(written, [*shrunk, "log.plots=false"]):
+            command += ["--set", item]
         started = time.perf_counter()
         done = subprocess.run(command, env=env, capture_output=True, text=True)
         wall = time.perf_counter() - started
         if done.returncode != 0:
             raise SystemExit(f"{name} at {threads} thread(s) failed:\n{done.stderr[-2000:]}")
-        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    per_iteration = [r["time_iteration_s"] for r in rows if "time_iteration_s" in r][skip:]
-    evaluations = [r["time_eval_s"] for r in rows if "time_eval_s" in r]
-    spent = sum(r.get("time_iteration_s", 0.0) + r.get("time_eval_s", 0.0) for r in rows)
-    return {
-        "iteration_s": statistics.fmean(per_iteration),
-        "eval_s": statistics.median(evaluations) if evaluations else 0.0,
-        "setup_s": max(0.0, wall - spent),
-    }
+        count = len(plan_of(name))
+        logs = [composing.folder_of(out, k, count) / "metrics.jsonl" for k in range(1, count + 1)]
+        rows_of = [[json.loads(line) for line in log.read_text().splitlines() if line.strip()] for log in logs]
+    figures = []
+    for rows in rows_of:
+        per_iteration = [r["time_iteration_s"] for r in rows if "time_iteration_s" in r][skip:]
+        evaluations = [r["time_eval_s"] for r in rows if "time_eval_s" in r]
+        figures.append(
+            {
+                "iteration_s": statistics.fmean(per_iteration),
+                "eval_s": statistics.median(evaluations) if evaluations else 0.0,
+            }
+        )
+    spent = sum(r.get("time_iteration_s", 0.0) + r.get("time_eval_s", 0.0) for rows in rows_of for r in rows)
+    return {"stages": figures, "setup_s": max(0.0, wall - spent)}
 
 
-def whole(figures: dict[str, float], plan: tuple[int, int]) -> float:
-    total, evaluations = plan
-    return figures["setup_s"] + total * figures["iteration_s"] + evaluations * figures["eval_s"]
+def whole(figures: dict[str, Any], plan: list[tuple[int, int]]) -> float:
+    return figures["setup_s"] + sum(
+        total * stage["iteration_s"] + evaluations * stage["eval_s"]
+        for stage, (total, evaluations) in zip(figures["stages"], plan, strict=True)
+    )
 
 
 def minutes(seconds: float) -> str:
     return f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"
 
 
-def time_line(by_threads: dict[int, dict[str, float]], plan: tuple[int, int]) -> str:
-    """``# time: 9 min on 2 idle threads (1.3 s an iteration, 30 s an evaluation); 14 min on 1 thread (...)``"""
+def time_line(by_threads: dict[int, dict[str, Any]], plan: list[tuple[int, int]]) -> str:
+    """``# time: 9 min on 2 idle threads (1.3 s an iteration, 30 s an evaluation); 14 min on 1 thread (...)``;
+    a recipe in stages gives each figure per stage (``0.35 / 0.80 s an iteration``)."""
     parts = []
     for threads in sorted(by_threads, reverse=True):
         f = by_threads[threads]
         where = f"{threads} idle threads" if threads > 1 else "1 thread"
-        detail = f"{f['iteration_s']:.2f} s an iteration" + (f", {f['eval_s']:.0f} s an evaluation" if plan[1] else "")
-        parts.append(f"{minutes(whole(f, plan))} on {where} ({detail})")
+        paces = " / ".join(f"{stage['iteration_s']:.2f}" for stage in f["stages"])
+        detail = f"{paces} s an iteration"
+        if any(evaluations for _, evaluations in plan):
+            evaluation = " / ".join(f"{stage['eval_s']:.0f}" for stage in f["stages"])
+            detail += f", {evaluation} s an evaluation"
+        stages = f" in {len(plan)} stages" if len(plan) > 1 else ""
+        parts.append(f"{minutes(whole(f, plan))} on {where}{stages} ({detail})")
     return f"# time: {'; '.join(parts)} (tools/bench/recipe_times.py)"
 
 
@@ -136,11 +147,10 @@ def main(argv: list[str] | None = None) -> int:
         plan = plan_of(name)
         by_threads = {t: measure(name, t, args.iterations, args.skip) for t in args.threads}
         for t, f in by_threads.items():
-            print(
-                f"{name:18s} {t:7d} {f['iteration_s']:8.2f} {f['eval_s']:8.1f} {f['setup_s']:8.1f} "
-                f"{minutes(whole(f, plan)):>8s}",
-                flush=True,
-            )
+            for k, stage in enumerate(f["stages"], 1):
+                label = name if len(plan) == 1 else f"{name}:{k}"
+                setup = f"{f['setup_s']:8.1f} {minutes(whole(f, plan)):>8s}" if k == len(plan) else ""
+                print(f"{label:18s} {t:7d} {stage['iteration_s']:8.2f} {stage['eval_s']:8.1f} {setup}", flush=True)
         if len(by_threads) > 1:
             few, many = min(by_threads), max(by_threads)
             ratio = whole(by_threads[few], plan) / whole(by_threads[many], plan)

@@ -321,7 +321,7 @@ class Rollout:
     exp(-mean speed above the limit / 2 m/s) (x a comfort factor with ``jerk_scale``): the driver's
     cost-to-go after the plan (AggreVaTe's), where the open-loop terms value the whole plan as if it
     were executed to its end among blind traffic. At 0.5 s the driver who takes over makes every
-    lane change itself, so no plan has to start one; ``recipes/driving.yaml`` executes 2 s.
+    lane change itself, so no plan has to start one; ``recipes/driving-nft.yaml`` executes 2 s.
 
     ``speeding`` says over which part the speed above the limit is measured: ``plan`` (the default),
     the executed part, which is all the planner drives, or ``loop``, the whole loop. Over the loop
