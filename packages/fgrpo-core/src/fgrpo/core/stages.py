@@ -70,7 +70,8 @@ def start_errors(model: Mapping[str, Any], stage: Mapping[str, Any]) -> list[Con
                 "has no start_from(folder)); train the stages as separate recipes",
             )
         ]
-    given = stage.get("model") if isinstance(stage.get("model"), Mapping) else {}
+    given = stage.get("model")
+    given = given if isinstance(given, Mapping) else {}
     return [
         ConfigError(f"model.{name}", "is set by the stage before (its exported weights); leave it out")
         for name in start_from(".")
