@@ -4,6 +4,8 @@ policy the one before ended with, resumed bit-exactly wherever it stopped."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 import yaml
@@ -203,12 +205,21 @@ def test_a_stop_in_any_stage_resumes_bit_exactly(tmp_path, straight, capsys, cra
     ]
 
 
+def test_resuming_a_stage_that_ended_under_another_recipe_is_refused(tmp_path, straight, capsys):
+    out = tmp_path / "run"
+    (out / "stages").mkdir(parents=True)
+    shutil.copytree(straight / "stages" / "1", out / "stages" / "1", symlinks=True)
+    (out / "stages" / "1" / ".fgrpo.lock").unlink(missing_ok=True)
+    assert compose(write(tmp_path, TINY), out, "--resume", "--set", "objective.kl_beta=0.5") == 2
+    err = capsys.readouterr().err
+    assert "--resume: the recipe differs from" in err and "objective.kl_beta" in err, err
+    assert not (out / "checkpoints").exists()
+
+
 def test_an_export_lost_between_stages_is_written_again_the_same(tmp_path, straight):
     out = tmp_path / "run"
     (out / "stages").mkdir(parents=True)
     first = out / "stages" / "1"
-    import shutil
-
     shutil.copytree(straight / "stages" / "1", first, symlinks=True)
     shutil.rmtree(first / "export")
     (first / ".fgrpo.lock").unlink(missing_ok=True)

@@ -111,8 +111,10 @@ def folder_of(out: Path, stage: int, count: int) -> Path:
 def finished(folder: Path, recipe: Any) -> bool:
     """Whether the run of ``recipe`` in ``folder`` ended: its newest complete checkpoint is of the
     last iteration, or of the one where the over-optimisation guard stopped it (``action: stop``;
-    the next stage then starts from there, not from ``checkpoints/best``)."""
+    the next stage then starts from there, not from ``checkpoints/best``). A run of another recipe
+    is refused, as ``--resume`` refuses it."""
     from fgrpo.core import checkpoint as ckpt
+    from fgrpo.core import rundir
 
     newest, _ = ckpt.newest(folder / "checkpoints")
     if newest is None:
@@ -121,6 +123,9 @@ def finished(folder: Path, recipe: Any) -> bool:
         state = ckpt.read_state(newest)
     except ckpt.CheckpointError:
         return False  # resuming it says what is wrong
+    differences = ckpt.recipe_differences(rundir.resolved(state["recipe"]), recipe.data)
+    if differences:
+        raise RecipeError([ConfigError("--resume", f"the recipe differs from {folder}'s: {d}") for d in differences])
     guard = recipe.eval.guard
     stopped = guard is not None and guard.get("action") == "stop" and bool((state.get("guard") or {}).get("fired_at"))
     return int(state["iteration"]) >= recipe.train.iterations or stopped
