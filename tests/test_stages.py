@@ -4,7 +4,9 @@ policy the one before ended with, resumed bit-exactly wherever it stopped."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
 
 import pytest
 import torch
@@ -254,3 +256,25 @@ def test_later_stages_reuse_the_highway_env_starts_driven_for_the_first_and_trai
     monkeypatch.setattr(highway_starts, "driven_starts", highway_starts.driven_starts.__wrapped__)
     assert compose(recipe, tmp_path / "anew") == 0
     assert_same_weights(final_weights(tmp_path / "kept"), final_weights(tmp_path / "anew"))
+
+
+@pytest.mark.multiprocess
+def test_two_processes_train_the_stages_in_turn_into_one_folder(tmp_path):
+    """torchrun, 2 CPU processes (gloo): the main process exports stage 1 and the other waits for
+    it at the next stage's start; both stages end in one folder, as in one process."""
+    from _helpers import torchrun
+
+    recipe, out = write(tmp_path, TINY), tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    command = [*torchrun(), "-m", "fgrpo.core.cli", "compose", recipe, "--out", str(out), "--quiet"]
+    done = subprocess.run(command, env=env, timeout=300, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert [r["iteration"] for r in read_metrics(out / "stages" / "1")] == [1, 2, 3]
+    assert [r["iteration"] for r in read_metrics(out)] == [1, 2, 3, 4]
+    assert (out / "stages" / "1" / "export" / "trajectory.safetensors").is_file()
+    # without --out, two processes could not agree on a new folder
+    alone = command[: command.index("--out")] + ["--quiet"]
+    done = subprocess.run(alone, env=env, timeout=300, capture_output=True, text=True, cwd=tmp_path)
+    # each process exits 2 with the line; torchrun itself reports a failed launch with 1
+    assert done.returncode == 1 and "--out: a recipe in stages launched on several processes needs" in done.stderr
+    assert any(line.startswith("error: --out: a recipe in stages") for line in done.stderr.splitlines())

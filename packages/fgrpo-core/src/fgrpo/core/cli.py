@@ -544,20 +544,12 @@ def cmd_launch(args: argparse.Namespace) -> int:
 # --- entry -------------------------------------------------------------------------------------
 
 
-def process_rank() -> int:
-    """This process's rank in a launch (accelerate launch and torchrun set RANK), 0 alone."""
-    try:
-        return int(os.environ.get("RANK") or os.environ.get("LOCAL_RANK") or 0)
-    except ValueError:
-        return 0
-
-
 def report_once(lines: Sequence[str]) -> None:
     """Error lines, from the main process only: every process of a launch reads the same recipe
     and finds the same errors (at --log-level debug every process prints, each line marked)."""
     from fgrpo.core import logs
 
-    rank = process_rank()
+    rank = composing.process_rank()
     if rank != 0 and logs.current() != "debug":
         return
     mark = f"process {rank}: " if rank != 0 else ""

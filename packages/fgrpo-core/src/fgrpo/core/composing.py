@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -73,13 +74,17 @@ def starting_from(recipe: Any, export: Path) -> Any:
 
 def claim_root(recipe: Any, out: str | None, *, again: bool) -> Path:
     """The run folder of a recipe in stages: ``out``, or a new default folder; a new run (not
-    ``again``: --resume, --start-over) refuses one that holds anything."""
+    ``again``: --resume, --start-over) refuses one that holds anything. In a launch of several
+    processes each needs the same folder, so ``--out`` is required, and the main process checks it."""
     from fgrpo.core import rundir
 
+    launched = int(os.environ.get("WORLD_SIZE") or 1) > 1
+    if out is None and launched:
+        raise RecipeError([ConfigError("--out", "a recipe in stages launched on several processes needs --out DIR")])
     if out is None:
         return rundir.new_default_folder(recipe)
     root = Path(out)
-    if not again and root.is_dir() and any(root.iterdir()):
+    if process_rank() == 0 and not again and root.is_dir() and any(root.iterdir()):
         held = f"{root} already holds a run; pass --resume to continue it or choose another --out"
         raise RecipeError([ConfigError("--out", held)])
     return root
@@ -139,6 +144,8 @@ def export_for_next(folder: Path) -> Path:
     from fgrpo.core import confine, trained
 
     target = folder / stages.EXPORT
+    if process_rank() != 0:
+        return target  # the main process writes it before it claims the next stage's folder, which they wait for
     if not target.is_dir():
         newest, _ = ckpt.newest(folder / "checkpoints")
         assert newest is not None, f"{folder} finished without a checkpoint"
@@ -149,6 +156,14 @@ def export_for_next(folder: Path) -> Path:
     else:
         trained.verify_export(target, target)
     return target
+
+
+def process_rank() -> int:
+    """This process's rank in a launch (accelerate launch and torchrun set RANK), 0 alone."""
+    try:
+        return int(os.environ.get("RANK") or os.environ.get("LOCAL_RANK") or 0)
+    except ValueError:
+        return 0
 
 
 def accelerate_summary(run: Any) -> str:
