@@ -172,7 +172,7 @@ def straight(tmp_path_factory):
 def test_the_last_stage_trains_in_the_run_folder_from_the_export_of_the_stage_before(straight):
     first = straight / "stages" / "1"
     assert (first / "checkpoints" / "last").is_dir() and [r["iteration"] for r in read_metrics(first)] == [1, 2, 3]
-    export = first / "export" / "trajectory.safetensors"
+    export = first / "export" / "iter_000003" / "trajectory.safetensors"  # named after the checkpoint it is
     resolved = yaml.safe_load((straight / "recipe.resolved.yaml").read_text())
     assert resolved["model"]["path"] == str(export) and resolved["objective"]["name"] == "grpo"
     assert [r["iteration"] for r in read_metrics(straight)] == [1, 2, 3, 4]
@@ -271,10 +271,27 @@ def test_two_processes_train_the_stages_in_turn_into_one_folder(tmp_path):
     assert done.returncode == 0, done.stderr[-4000:]
     assert [r["iteration"] for r in read_metrics(out / "stages" / "1")] == [1, 2, 3]
     assert [r["iteration"] for r in read_metrics(out)] == [1, 2, 3, 4]
-    assert (out / "stages" / "1" / "export" / "trajectory.safetensors").is_file()
+    assert (out / "stages" / "1" / "export" / "iter_000003" / "trajectory.safetensors").is_file()
     # without --out, two processes could not agree on a new folder
     alone = command[: command.index("--out")] + ["--quiet"]
     done = subprocess.run(alone, env=env, timeout=300, capture_output=True, text=True, cwd=tmp_path)
     # each process exits 2 with the line; torchrun itself reports a failed launch with 1
     assert done.returncode == 1 and "--out: a recipe in stages launched on several processes needs" in done.stderr
     assert any(line.startswith("error: --out: a recipe in stages") for line in done.stderr.splitlines())
+
+
+def test_a_stage_trained_on_gets_a_new_export_and_the_next_stage_is_not_resumed_from_another_start(
+    tmp_path, straight, capsys
+):
+    """Raising stage 1's iterations on --resume trains it on and exports its new last checkpoint
+    beside the old export (never the stale one); stage 2, trained from the old start, then refuses
+    to resume, naming model.path."""
+    out = tmp_path / "run"
+    shutil.copytree(straight, out, symlinks=True)
+    for lock in out.rglob(".fgrpo.lock"):
+        lock.unlink()
+    assert compose(write(tmp_path, TINY), out, "--resume", "--set", "train.iterations=4") == 2
+    err = capsys.readouterr().err
+    assert "--resume: the recipe differs from the checkpoint's" in err and "model.path" in err, err
+    exports = sorted(p.name for p in (out / "stages" / "1" / "export").iterdir())
+    assert exports == ["iter_000003", "iter_000004"]

@@ -403,11 +403,11 @@ def test_planners_bench_trains_a_recipe_in_stages_with_its_overrides_in_every_st
     run = tmp_path / "runs" / "driving.yaml-0"
     first = run / "stages" / "1"
     resolved = yaml.safe_load((run / "recipe.resolved.yaml").read_text())
-    assert resolved["model"]["path"] == str(first / "export" / "trajectory.safetensors")
+    assert resolved["model"]["path"] == str(first / "export" / "iter_000001" / "trajectory.safetensors")
     shrunk = (resolved["objective"]["name"], resolved["train"]["iterations"], resolved["eval"]["every"])
     assert shrunk == ("grpo", 1, 0)
     assert second == run / "checkpoints" / "iter_000001" / "trainable.safetensors"
-    exported = load_file(first / "export" / "trajectory.safetensors")
+    exported = load_file(first / "export" / "iter_000001" / "trajectory.safetensors")
     trained = load_file(first / "checkpoints" / "iter_000001" / "trainable.safetensors")
     assert exported.keys() == trained.keys() and all(torch.equal(exported[k], trained[k]) for k in trained)
     after = load_file(second)

@@ -137,18 +137,20 @@ def finished(folder: Path, recipe: Any) -> bool:
 
 
 def export_for_next(folder: Path) -> Path:
-    """The weights the stage after the one trained in ``folder`` starts from: its last checkpoint
-    exported into ``folder/export`` (as ``fgrpo export`` writes it; kept, and read back, when an
-    earlier run of the recipe wrote it)."""
+    """The weights the stage after the one trained in ``folder`` starts from: its newest complete
+    checkpoint exported into ``folder/export/iter_NNNNNN`` (as ``fgrpo export`` writes it; kept, and
+    read back, when an earlier run of the recipe wrote it; a stage trained on after it, its
+    ``train.iterations`` raised, gets a new one)."""
     from fgrpo.core import checkpoint as ckpt
     from fgrpo.core import confine, trained
 
-    target = folder / stages.EXPORT
+    newest, _ = ckpt.newest(folder / "checkpoints")
+    assert newest is not None, f"{folder} ended without a checkpoint"
+    target = folder / stages.EXPORT / newest.name
     if process_rank() != 0:
         return target  # the main process writes it before it claims the next stage's folder, which they wait for
     if not target.is_dir():
-        newest, _ = ckpt.newest(folder / "checkpoints")
-        assert newest is not None, f"{folder} finished without a checkpoint"
+        target.parent.mkdir(exist_ok=True)
         with confine.new_folder(target) as tmp:
             trained.checkpoint_export(newest, tmp, no_ema=False)
             ckpt.share_files(tmp)
