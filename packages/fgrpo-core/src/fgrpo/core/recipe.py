@@ -422,13 +422,14 @@ def validate(data: Mapping[str, Any], source: str = "recipe") -> tuple[Recipe | 
 
 def _validate_stages(data: Mapping[str, Any], source: str) -> tuple[Recipe | None, list[ConfigError]]:
     """A recipe with ``then``: the first stage and each later one (laid over the stage before)
-    validated whole; a later stage's problem is named under ``then.N`` unless the stage before has it."""
+    validated whole; a later stage's problem is named under ``then.N`` unless a stage before has one
+    at that key (the same bad value, merged into it, is reported once)."""
     first = {k: v for k, v in data.items() if k != stages.KEY}
     recipe, errors = validate(first, source)
     wrong = stages.list_error(data[stages.KEY])
     if wrong is not None:
         return None, [*errors, wrong]
-    seen = {(e.key, e.message) for e in errors}
+    seen = {e.key for e in errors}
     later, before = [], first
     for i, stage in enumerate(data[stages.KEY]):
         wrong = stages.stage_error(i, stage)
@@ -437,8 +438,8 @@ def _validate_stages(data: Mapping[str, Any], source: str) -> tuple[Recipe | Non
             continue
         before = stages.merged(before, stage)
         one, errs = validate(before, source)
-        fresh = [e for e in errs if (e.key, e.message) not in seen]
-        seen |= {(e.key, e.message) for e in errs}
+        fresh = [e for e in errs if e.key not in seen]
+        seen |= {e.key for e in errs}
         if one is not None:
             fresh += stages.start_errors(one.data["model"], stage)
             later.append(one)
