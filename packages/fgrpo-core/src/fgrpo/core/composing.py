@@ -128,9 +128,7 @@ def finished(folder: Path, recipe: Any) -> bool:
         state = ckpt.read_state(newest)
     except ckpt.CheckpointError:
         return False  # resuming it says what is wrong
-    differences = ckpt.recipe_differences(rundir.resolved(state["recipe"]), recipe.data)
-    if differences:
-        raise RecipeError([ConfigError("--resume", f"the recipe differs from {folder}'s: {d}") for d in differences])
+    rundir.refuse_another_recipe(state, recipe)
     guard = recipe.eval.guard
     stopped = guard is not None and guard.get("action") == "stop" and bool((state.get("guard") or {}).get("fired_at"))
     return int(state["iteration"]) >= recipe.train.iterations or stopped
@@ -142,7 +140,7 @@ def export_for_next(folder: Path) -> Path:
     read back, when an earlier run of the recipe wrote it; a stage trained on after it, its
     ``train.iterations`` raised, gets a new one)."""
     from fgrpo.core import checkpoint as ckpt
-    from fgrpo.core import confine, trained
+    from fgrpo.core import trained
 
     newest, _ = ckpt.newest(folder / "checkpoints")
     assert newest is not None, f"{folder} ended without a checkpoint"
@@ -151,10 +149,7 @@ def export_for_next(folder: Path) -> Path:
         return target  # the main process writes it before it claims the next stage's folder, which they wait for
     if not target.is_dir():
         target.parent.mkdir(exist_ok=True)
-        with confine.new_folder(target) as tmp:
-            trained.checkpoint_export(newest, tmp, no_ema=False)
-            ckpt.share_files(tmp)
-            trained.verify_export(tmp, target)
+        trained.export_whole(newest, target, no_ema=False)
     else:
         trained.verify_export(target, target)
     return target

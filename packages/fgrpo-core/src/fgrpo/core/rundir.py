@@ -297,11 +297,17 @@ def _decide(claimed: RunFolder, recipe: Recipe, mode: str) -> None:
         state = ckpt.read_state(newest)
     except ckpt.CheckpointError as exc:
         raise _refuse("--resume", str(exc)) from None
+    refuse_another_recipe(state, recipe)
+    claimed.resume_from = newest
+    claimed.run_id = state.get("run_id") or claimed.run_id  # a checkpoint from before run ids: a new one
+
+
+def refuse_another_recipe(state: dict, recipe: Recipe) -> None:
+    """Refuse to go on from a checkpoint (its ``state.json``) of a recipe that differs from
+    ``recipe`` in more than what a resume may change; every difference one line."""
     diffs = ckpt.recipe_differences(resolved(state["recipe"]), recipe.data)
     if diffs:
         raise RecipeError([ConfigError("--resume", f"the recipe differs from the checkpoint's: {d}") for d in diffs])
-    claimed.resume_from = newest
-    claimed.run_id = state.get("run_id") or claimed.run_id  # a checkpoint from before run ids: a new one
 
 
 def resolved(saved: dict) -> dict:

@@ -72,8 +72,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     build the checkpoint's model, load its weights and let the policy export them. The checkpoint
     is checked completely first (the check resume makes); the output folder appears whole."""
     from fgrpo.core import checkpoint as ckpt
-    from fgrpo.core import confine, rundir, weights
-    from fgrpo.core.checkpoint import share_files
+    from fgrpo.core import rundir, weights
 
     folder = rundir.find_checkpoint(Path(args.checkpoint))
     if not (folder / ckpt.STATE).is_file():
@@ -88,11 +87,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         )
     _verify(folder, "checkpoint", ema=not args.no_ema)
     out_dir = rundir.output_folder(Path(args.out))
-    with confine.new_folder(out_dir) as tmp:
-        made = checkpoint_export(folder, tmp, no_ema=args.no_ema)
-        share_files(tmp)
-        verify_export(tmp, out_dir)  # before the folder appears under its name: whole and readable, or absent
-        written = [str(out_dir / p.relative_to(tmp)) if p.is_relative_to(tmp) else str(p) for p in made]
+    written = export_whole(folder, out_dir, no_ema=args.no_ema)
     for path in written:
         out.print(f"wrote {path}", markup=False)
     summary = exported_weights(folder, no_ema=args.no_ema)
@@ -102,6 +97,19 @@ def cmd_export(args: argparse.Namespace) -> int:
     for line in weights.ema_warnings(summary, every) + weights.lora_warnings(out_dir):
         err.print(f"warning: {line}", markup=False)
     return 0
+
+
+def export_whole(folder: Path, out_dir: Path, *, no_ema: bool) -> list[str]:
+    """The export of the (verified) checkpoint ``folder`` written into the new folder ``out_dir``,
+    which appears whole and read back, or not at all; the files written."""
+    from fgrpo.core import confine
+    from fgrpo.core.checkpoint import share_files
+
+    with confine.new_folder(out_dir) as tmp:
+        made = checkpoint_export(folder, tmp, no_ema=no_ema)
+        share_files(tmp)
+        verify_export(tmp, out_dir)  # before the folder appears under its name: whole and readable, or absent
+        return [str(out_dir / p.relative_to(tmp)) if p.is_relative_to(tmp) else str(p) for p in made]
 
 
 def exported_weights(folder: Path, *, no_ema: bool) -> dict[str, Any] | None:
