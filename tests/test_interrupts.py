@@ -33,7 +33,9 @@ SETS = [
 ]
 LINE = re.compile(r"interrupted after iteration (\d+): checkpoint (\S+); report (\S+); go on with: (.+)")
 #: vector.yaml with ~3 s iterations: a signal surely lands in the middle of one
-SLOW = ["--set", "sampler.steps=3000", "--set", "eval.every=0", "--set", "log.plots=false"]
+#: iterations long enough that two presses 0.7 s apart land in the same one on an idle machine too
+#: (3000 steps: about 1 s an iteration on 2 idle cores, and the second press came after it ended)
+SLOW = ["--set", "sampler.steps=8000", "--set", "eval.every=0", "--set", "log.plots=false"]
 
 
 def compose(out: Path, sets: list[str], launcher: list[str] | None = None) -> subprocess.Popen:
