@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from fgrpo.core import checkpoint as ckpt
-from fgrpo.core import confine, runread, weights
+from fgrpo.core import confine, runread, stages, weights
 from fgrpo.core.charts import (
     AXES,
     fmt,
@@ -374,13 +374,13 @@ def _recipe(run_dir: Path, notes: list[str]) -> tuple[str, dict[str, Any]]:
 def earlier_stages(run_dir: Path) -> str:
     """Links to the reports of the stages trained before this run (a recipe's ``then:``, in
     ``stages/N`` of its folder): the names only, nothing of theirs read, no link followed."""
-    folder = run_dir / "stages"
+    folder = run_dir / stages.FOLDER
     if folder.is_symlink() or not folder.is_dir():
         return ""
     found = sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit() and p.is_dir() and not p.is_symlink())
     if not found:
         return ""
-    links = ", ".join(f'<a href="stages/{k}/report.html">stage {k}</a>' for k in found)
+    links = ", ".join(f'<a href="{stages.FOLDER}/{k}/report.html">stage {k}</a>' for k in found)
     return f'<p class="note">This run is the last stage of its recipe; the stages before it: {links}.</p>'
 
 
